@@ -1,0 +1,1 @@
+"""Command-line entry points: mjlab-train, mjlab-submit, mjlab-hpc."""

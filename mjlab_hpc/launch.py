@@ -1,0 +1,123 @@
+"""Start the ranks of one job on this machine, through submitit's local executor.
+
+Used by `mjlab-train --num-procs N` (N CPU ranks) and `--gpu-ids 0 1 ...` (one rank per GPU).
+The launcher decides the run directory and the rendezvous port once and hands both to every
+rank; each rank runs the same `train_rank` as any other launch path.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import submitit
+
+from mjlab_hpc.errors import SpecError
+from mjlab_hpc.rundir import create_run_dir
+from mjlab_hpc.spec import TrainSpec
+from mjlab_hpc.trainer import RankResult, resolve_task, train_rank
+
+# Local jobs run until they finish; submitit's default (2 minutes) would stop them.
+LOCAL_TIMEOUT_MIN = 60 * 24 * 30
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def physical_gpu_ids(gpu_ids: Sequence[int], cuda_visible_devices: str | None) -> list[int]:
+    """Map ids relative to CUDA_VISIBLE_DEVICES (as mjlab's --gpu-ids are) to physical ids."""
+    if cuda_visible_devices is None:
+        return list(gpu_ids)
+    visible = [v.strip() for v in cuda_visible_devices.split(",") if v.strip()]
+    out = []
+    for i in gpu_ids:
+        if i >= len(visible):
+            raise SpecError(
+                "--gpu-ids",
+                f"GPU {i} is not visible: CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} "
+                f"shows {len(visible)} GPU(s); ids count from 0 within that list",
+            )
+        if not visible[i].isdigit():
+            raise SpecError(
+                "--gpu-ids",
+                f"CUDA_VISIBLE_DEVICES entry {visible[i]!r} is not an index; set "
+                "CUDA_VISIBLE_DEVICES to indices to launch several GPU ranks",
+            )
+        out.append(int(visible[i]))
+    return out
+
+
+@dataclass(frozen=True)
+class LocalJob:
+    """A submitted local job and where its files are."""
+
+    job: submitit.Job
+    run_dir: Path
+    ranks: int
+
+    def rank_stdout(self, rank: int) -> Path:
+        return Path(self.job.task(rank).paths.stdout)
+
+    def rank_stderr(self, rank: int) -> Path:
+        return Path(self.job.task(rank).paths.stderr)
+
+
+def submit_local(spec: TrainSpec, ranks: int, gpus: Sequence[int] = ()) -> LocalJob:
+    """Submit `ranks` processes of `train_rank(spec)` on this machine and return at once."""
+    spec.validate()
+    task = resolve_task(spec)
+    run_dir = (
+        Path(spec.run_dir)
+        if spec.run_dir
+        else create_run_dir(spec.log_root, spec.experiment_name or task.name, spec.run_name)
+    )
+    executor = submitit.LocalExecutor(folder=run_dir / "submitit")
+    executor.update_parameters(
+        tasks_per_node=ranks,
+        timeout_min=LOCAL_TIMEOUT_MIN,
+        gpus_per_node=len(gpus),
+        visible_gpus=tuple(gpus),
+    )
+    job = executor.submit(train_rank, spec.replace(run_dir=str(run_dir)), free_port())
+    return LocalJob(job=job, run_dir=run_dir, ranks=ranks)
+
+
+def follow(path: Path, done: Callable[[], bool], out: TextIO, poll_s: float = 0.2) -> None:
+    """Copy what is appended to `path` onto `out` until `done()` and the file is drained."""
+    pos = 0
+    while True:
+        finished = done()
+        if path.exists():
+            with open(path, errors="replace") as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos = f.tell()
+            if chunk:
+                out.write(chunk)
+                out.flush()
+        if finished:
+            return
+        time.sleep(poll_s)
+
+
+def run_local(
+    spec: TrainSpec, ranks: int, gpus: Sequence[int] = (), out: TextIO | None = None
+) -> list[RankResult]:
+    """Run a local multi-rank job to its end, streaming rank 0's output; return every rank's
+    result. Ctrl-C cancels the job and leaves no rank behind."""
+    local = submit_local(spec, ranks, gpus)
+    try:
+        follow(local.rank_stdout(0), local.job.done, out or sys.stdout)
+        return list(local.job.results())
+    except KeyboardInterrupt:
+        local.job.cancel(check=False)
+        raise

@@ -1,0 +1,93 @@
+"""The training spec: everything a rank needs to run one training job, as one frozen dataclass.
+
+The same spec flows one way: CLI -> (submitter) -> every rank. It is pickled to ranks by the
+launchers and dumped as YAML into the run directory, so it holds only plain values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import tyro
+
+from mjlab_hpc.errors import SpecError
+
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+GpuIds = tuple[int, ...] | Literal["all", "auto"] | None
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What to train and where to write it (the flags of `mjlab-train`)."""
+
+    task: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="TASK")] = "cartpole"
+    """Task name: a built-in task (`mjlab-hpc list-tasks`) or a registered mjlab task."""
+    num_envs: int | None = None
+    """Parallel environments per rank (None: the task's default)."""
+    max_iterations: int | None = None
+    """PPO iterations in total (None: the task's default)."""
+    seed: int = 42
+    """Base seed; rank k uses seed + k."""
+    log_root: str = "logs"
+    """Root folder of all experiments."""
+    experiment_name: str | None = None
+    """Experiment folder under log-root (None: the task's name)."""
+    run_name: str = ""
+    """Suffix of the run directory name."""
+    run_dir: str | None = None
+    """Use this run directory instead of making a new one (launchers set it)."""
+    save_interval: int = 50
+    """Save a checkpoint every N iterations (and always at the end)."""
+    device: DeviceChoice = "auto"
+    """auto: CUDA when available, else CPU."""
+    gpu_ids: GpuIds = "auto"
+    """GPUs to train on, relative to CUDA_VISIBLE_DEVICES: `0 1`, `all`, or `None` (CPU).
+    `auto` follows --device. Several ids start one rank per GPU."""
+    num_procs: int = 1
+    """Start N CPU ranks on this machine (gloo)."""
+    torch_threads: int = 0
+    """Torch threads per rank (0: SLURM_CPUS_PER_TASK, else the machine's cores / local ranks)."""
+    dist_timeout_s: float = 300.0
+    """Timeout of collective operations: a dead rank ends the job after at most this long."""
+    use_graph: bool = True
+    """Replay physics through a captured Warp graph (faster; bit-identical to plain stepping)."""
+
+    def validate(self) -> None:
+        """Raise SpecError naming the flag for values no launcher could run."""
+        if self.num_envs is not None and self.num_envs < 1:
+            raise SpecError("--num-envs", f"must be >= 1, got {self.num_envs}")
+        if self.max_iterations is not None and self.max_iterations < 1:
+            raise SpecError("--max-iterations", f"must be >= 1, got {self.max_iterations}")
+        if self.save_interval < 1:
+            raise SpecError("--save-interval", f"must be >= 1, got {self.save_interval}")
+        if self.num_procs < 1:
+            raise SpecError("--num-procs", f"must be >= 1, got {self.num_procs}")
+        if self.torch_threads < 0:
+            raise SpecError("--torch-threads", f"must be >= 0, got {self.torch_threads}")
+        if self.dist_timeout_s <= 0:
+            raise SpecError("--dist-timeout-s", f"must be > 0, got {self.dist_timeout_s}")
+        if isinstance(self.gpu_ids, tuple) and any(i < 0 for i in self.gpu_ids):
+            raise SpecError("--gpu-ids", f"ids must be >= 0, got {list(self.gpu_ids)}")
+        if isinstance(self.gpu_ids, tuple) and len(set(self.gpu_ids)) != len(self.gpu_ids):
+            raise SpecError("--gpu-ids", f"ids must be distinct, got {list(self.gpu_ids)}")
+        if self.num_procs > 1 and self.gpu_ids not in ("auto", None):
+            raise SpecError(
+                "--num-procs",
+                "starts CPU ranks; it cannot be combined with --gpu-ids "
+                "(use --gpu-ids 0 1 ... for one rank per GPU)",
+            )
+        if "/" in self.run_name or self.run_name in (".", ".."):
+            raise SpecError("--run-name", f"must be a plain name without '/', got {self.run_name!r}")
+
+    def replace(self, **changes: object) -> TrainSpec:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain-value dict (for YAML and JSON)."""
+        out = dataclasses.asdict(self)
+        if isinstance(self.gpu_ids, tuple):
+            out["gpu_ids"] = list(self.gpu_ids)
+        return out

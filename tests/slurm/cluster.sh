@@ -1,0 +1,545 @@
+#!/usr/bin/env bash
+# A real two-node Slurm cluster (Debian's Slurm 22.05) on one machine, for tests.
+#
+#   cluster.sh up       install missing packages, start munged, MariaDB, slurmdbd,
+#                       slurmctld and two slurmd (node1, node2) from an empty state dir
+#   cluster.sh down     stop everything `up` started, by PID; idempotent
+#   cluster.sh status   say whether it is up (sinfo)
+#
+# State: ${MJLAB_HPC_CLUSTER_DIR:-${TMPDIR:-/tmp}/mjlab-hpc-cluster}. Clients need
+# `source <state>/env.sh` (SLURM_CONF). Needs root: it starts daemons, mknods fake GPUs
+# and bind-mounts a hosts file in a private mount namespace.
+set -euo pipefail
+export LC_ALL=C
+# Daemons live in sbin, which a non-login shell may not have on PATH.
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
+
+STATE="${MJLAB_HPC_CLUSTER_DIR:-${TMPDIR:-/tmp}/mjlab-hpc-cluster}"
+[[ $STATE == /* ]] || STATE="$PWD/$STATE"
+STATE="${STATE%/}"
+readonly STATE
+readonly MARKER="$STATE/.mjlab-hpc-cluster"
+readonly NODES=(node1 node2)
+readonly GPUS_PER_NODE=4
+readonly CPUS_PER_NODE=8
+readonly MEM_PER_NODE_MB=4096
+readonly CLUSTER_NAME=mjlab
+readonly PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server-core
+  mariadb-client-core tini)
+readonly BINARIES=(slurmctld slurmd sinfo srun sbatch scontrol sacct sacctmgr munge munged
+  slurmdbd mariadbd mariadb-install-db mariadb tini)
+readonly IDLE_TIMEOUT_S=60
+readonly DB_TIMEOUT_S=60
+
+log() { printf 'cluster.sh: %s\n' "$*" >&2; }
+
+# Microseconds since the epoch, without forking (bash 5).
+now_us() {
+  local t=$EPOCHREALTIME
+  echo "${t//[.,]/}"
+}
+
+# Seconds since a now_us value, with two decimals.
+since() {
+  local d=$(($(now_us) - $1))
+  printf '%d.%02d' $((d / 1000000)) $(((d % 1000000) / 10000))
+}
+
+# Process state letter (R, S, Z, ...) of a PID; fails when there is no such process.
+proc_state() {
+  local stat
+  { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 1
+  stat=${stat##*) }
+  printf '%s' "${stat%% *}"
+}
+
+# A zombie only waits for its parent (often PID 1, which reaps slowly): count it as stopped.
+alive() {
+  local s
+  s=$(proc_state "$1") || return 1
+  [[ $s != Z && $s != X ]]
+}
+
+read_pid() {
+  local p
+  { read -r p <"$1"; } 2>/dev/null || return 1
+  [[ $p =~ ^[0-9]+$ ]] || return 1
+  echo "$p"
+}
+
+# Only signal PIDs that carry this cluster's id in their environment: a pid file can be
+# stale and its PID reused by an unrelated process.
+owned() {
+  [[ -n ${CLUSTER_ID:-} ]] || return 1
+  grep -qzxF -e "MJLAB_HPC_CLUSTER_ID=$CLUSTER_ID" -e "SLURM_CONF=$STATE/etc/slurm.conf" \
+    "/proc/$1/environ" 2>/dev/null
+}
+
+# Live, owned PIDs from the named pid files in $STATE/run.
+pids_of() {
+  local name p
+  for name in "$@"; do
+    p=$(read_pid "$STATE/run/$name.pid") || continue
+    if alive "$p" && owned "$p"; then echo "$p"; fi
+  done
+}
+
+# Wait until none of the PIDs is alive, up to $1 seconds; fails if some are left.
+wait_gone() {
+  local timeout_s=$1 deadline p left
+  shift
+  deadline=$(($(now_us) + timeout_s * 1000000))
+  while :; do
+    left=0
+    for p in "$@"; do
+      if alive "$p"; then left=1; fi
+    done
+    ((left)) || return 0
+    (($(now_us) < deadline)) || return 1
+    sleep 0.05
+  done
+}
+
+# SIGTERM, wait by the clock, then SIGKILL what is left.
+stop_pids() {
+  local timeout_s=$1 p
+  shift
+  (($#)) || return 0
+  kill -TERM "$@" 2>/dev/null || true
+  wait_gone "$timeout_s" "$@" && return 0
+  local left=()
+  for p in "$@"; do
+    if alive "$p"; then left+=("$p"); fi
+  done
+  log "SIGKILL after ${timeout_s}s: ${left[*]}"
+  kill -KILL "${left[@]}" 2>/dev/null || true
+  wait_gone 5 "${left[@]}" || log "still alive after SIGKILL: ${left[*]}"
+}
+
+# Live PIDs whose mount namespace is $1 (a string like mnt:[4026532123]).
+ns_pids() {
+  local pat=$1 f p
+  pat=${pat//[/\\[}
+  pat=${pat//]/\\]}
+  # One find instead of a readlink per process.
+  while read -r f; do
+    p=${f#/proc/}
+    p=${p%%/*}
+    [[ $p == "$$" ]] && continue
+    if alive "$p"; then echo "$p"; fi
+  done < <(find /proc/[0-9]*/ns -maxdepth 1 -name mnt -lname "$pat" 2>/dev/null || true)
+}
+
+# A leftover namespace is ours only if one of its processes carries our id or SLURM_CONF;
+# its inode number could otherwise belong to a newer namespace (another cluster's).
+ns_is_ours() {
+  local ns=$1 p
+  [[ -n $ns && $ns != "$(readlink /proc/self/ns/mnt)" ]] || return 1
+  for p in $(ns_pids "$ns"); do
+    if owned "$p"; then return 0; fi
+  done
+  return 1
+}
+
+do_down() {
+  if [[ ! -f $MARKER ]]; then
+    log "nothing to stop in $STATE"
+    return 0
+  fi
+  local t0 ns="" stage1 stage2 stage3 p left
+  t0=$(now_us)
+  CLUSTER_ID=$(cat "$STATE/cluster-id" 2>/dev/null || true)
+  rm -f "$STATE/env.sh"
+  # Decide now, while the namespace holder still runs, whether its namespace is ours.
+  ns=$(cat "$STATE/run/mntns" 2>/dev/null || true)
+  if ! ns_is_ours "$ns"; then ns=""; fi
+
+  # Stage 1: slurmctld and the slurmds (tini forwards SIGTERM to its slurmd).
+  mapfile -t stage1 < <(pids_of slurmctld "${NODES[@]/#/tini-}" "${NODES[@]/#/slurmd-}")
+  stop_pids 10 "${stage1[@]}"
+  # Job processes (slurmstepd, anything that escaped its process group) live on in the
+  # slurmds' namespace: end them by PID until none is left.
+  if [[ -n $ns ]]; then
+    local deadline=$(($(now_us) + 10 * 1000000))
+    while :; do
+      mapfile -t left < <(ns_pids "$ns")
+      ((${#left[@]})) || break
+      if (($(now_us) > deadline)); then
+        log "namespace processes left: ${left[*]}"
+        break
+      fi
+      kill -KILL "${left[@]}" 2>/dev/null || true
+      wait_gone 1 "${left[@]}" || true
+    done
+  fi
+  mapfile -t left < <(pids_of nodes)
+  stop_pids 2 "${left[@]}"
+
+  # Stage 2: slurmdbd and munged; stage 3: MariaDB, last, as slurmdbd writes to it.
+  mapfile -t stage2 < <(pids_of slurmdbd munged)
+  stop_pids 10 "${stage2[@]}"
+  mapfile -t stage3 < <(pids_of mariadbd)
+  stop_pids 30 "${stage3[@]}"
+
+  for p in "$STATE"/run/*.pid; do
+    [[ -e $p ]] && rm -f "$p"
+  done
+  printf 'cluster down in %s s (%s)\n' "$(since "$t0")" "$STATE"
+}
+
+# Up if env.sh exists and the controller answers.
+is_up() {
+  [[ -f $STATE/env.sh ]] && command -v sinfo >/dev/null || return 1
+  (
+    # shellcheck disable=SC1091
+    source "$STATE/env.sh"
+    timeout 10 sinfo -h >/dev/null 2>&1
+  )
+}
+
+do_status() {
+  if is_up; then
+    echo "up ($STATE)"
+    # shellcheck disable=SC1091
+    source "$STATE/env.sh"
+    sinfo -N -o '%N %P %T %c %m %G'
+  else
+    echo "down ($STATE)"
+    return 3
+  fi
+}
+
+ensure_packages() {
+  local missing=() b
+  for b in "${BINARIES[@]}"; do
+    command -v "$b" >/dev/null || missing+=("$b")
+  done
+  ((${#missing[@]})) || return 0
+  command -v apt-get >/dev/null || fail "missing ${missing[*]} and no apt-get to install them"
+  log "installing ${PACKAGES[*]} (missing: ${missing[*]})"
+  export DEBIAN_FRONTEND=noninteractive
+  # Wait for a dpkg lock held by someone else instead of failing at once.
+  apt-get -o DPkg::Lock::Timeout=300 update >>"$STATE/log/apt.log" 2>&1 ||
+    fail "apt-get update failed (see $STATE/log/apt.log)"
+  apt-get -o DPkg::Lock::Timeout=300 install -y --no-install-recommends "${PACKAGES[@]}" \
+    >>"$STATE/log/apt.log" 2>&1 || fail "apt-get install failed (see $STATE/log/apt.log)"
+  for b in "${missing[@]}"; do
+    command -v "$b" >/dev/null || fail "$b still missing after apt-get install"
+  done
+}
+
+# spawn NAME CMD...: start a daemon in the foreground of its own session, stdio to a log,
+# PID to run/NAME.pid. setsid does not fork here (we are not a group leader), so $! is it.
+spawn() {
+  local name=$1
+  shift
+  setsid "$@" </dev/null >>"$STATE/log/$name.out" 2>&1 &
+  echo $! >"$STATE/run/$name.pid"
+}
+
+# wait_for TIMEOUT_S WHAT DAEMONS CMD...: retry CMD until it succeeds, by a clock deadline;
+# stop early when one of the DAEMONS (space-separated names, may be empty) has died.
+wait_for() {
+  local timeout_s=$1 what=$2 daemons deadline
+  read -r -a daemons <<<"$3"
+  shift 3
+  deadline=$(($(now_us) + timeout_s * 1000000))
+  until "$@" >/dev/null 2>&1; do
+    ((${#daemons[@]} == 0)) || check_running "${daemons[@]}"
+    (($(now_us) < deadline)) || fail "$what not ready after ${timeout_s}s"
+    sleep 0.1
+  done
+}
+
+# Fails as soon as a daemon we started has died, so a bad config is not a long timeout.
+check_running() {
+  local name p
+  for name in "$@"; do
+    p=$(read_pid "$STATE/run/$name.pid") || fail "no pid file for $name"
+    alive "$p" || fail "$name (pid $p) exited"
+  done
+}
+
+# Free TCP port blocks: nothing answers on loopback. Ports below the ephemeral range.
+pick_ports() {
+  local tries base i
+  for tries in $(seq 50); do
+    base=$((20000 + (RANDOM % 1000) * 10))
+    for ((i = 0; i < 5; i++)); do
+      if (: <>"/dev/tcp/127.0.0.1/$((base + i))") 2>/dev/null; then continue 2; fi
+    done
+    echo "$base"
+    return 0
+  done
+  fail "no free port block found after $tries tries"
+}
+
+on_up_exit() {
+  local rc=$?
+  trap - EXIT
+  ((rc)) || return 0
+  local f
+  for f in "$STATE"/log/*; do
+    [[ -s $f ]] || continue
+    printf '\n==> %s <==\n' "$f" >&2
+    tail -n 15 "$f" >&2
+  done
+  log "up failed; stopping what was started"
+  do_down >&2 || true
+  exit "$rc"
+}
+
+fail() {
+  log "ERROR: $*"
+  exit 1
+}
+
+write_configs() {
+  local host=$1 base=$2 dbpass=$3 first_job_id
+  local etc=$STATE/etc
+  # Job ids restart at FirstJobId on every fresh state dir; derive it from the clock (10 ids
+  # per second, wrapping every ~76 days) so ids never repeat between bring-ups.
+  first_job_id=$((1000 + ($(date +%s) * 10) % 66000000))
+
+  cat >"$etc/slurm.conf" <<EOF
+ClusterName=$CLUSTER_NAME
+SlurmctldHost=$host(127.0.0.1)
+SlurmctldPort=$base
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# Short credential lifetime: a requeued job waits cred_expire before it runs again.
+AuthInfo=socket=$STATE/munge/sock/munge.socket,cred_expire=10
+StateSaveLocation=$STATE/spool/ctld
+SlurmdSpoolDir=$STATE/spool/%n
+SlurmctldPidFile=$STATE/run/slurmctld.self.pid
+SlurmdPidFile=$STATE/run/slurmd-%n.pid
+SlurmctldLogFile=$STATE/log/slurmctld.log
+SlurmdLogFile=$STATE/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+MpiDefault=none
+MailProg=/bin/true
+JobRequeue=1
+ReturnToService=2
+KillOnBadExit=1
+KillWait=2
+InactiveLimit=0
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=1
+FirstJobId=$first_job_id
+MaxJobId=67043328
+GresTypes=gpu
+# Lets the nodes declare more CPUs and GPUs than the machine has.
+SlurmdParameters=config_overrides
+JobAcctGatherType=jobacct_gather/linux
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$((base + 1))
+# Connections to slurmdbd take the munge socket from here, not from AuthInfo.
+AccountingStoragePass=$STATE/munge/sock/munge.socket
+AccountingStorageTRES=gres/gpu
+NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=$((base + 3))-$((base + 4)) CPUs=$CPUS_PER_NODE Sockets=1 CoresPerSocket=$CPUS_PER_NODE ThreadsPerCore=1 RealMemory=$MEM_PER_NODE_MB Gres=gpu:$GPUS_PER_NODE State=UNKNOWN
+PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
+EOF
+
+  cat >"$etc/gres.conf" <<EOF
+AutoDetect=off
+NodeName=node[1-2] Name=gpu File=$STATE/gpu/nvidia[0-$((GPUS_PER_NODE - 1))]
+EOF
+
+  # slurmdbd reads slurmdbd.conf beside SLURM_CONF and insists on mode 0600.
+  (
+    umask 077
+    cat >"$etc/slurmdbd.conf" <<EOF
+AuthType=auth/munge
+AuthInfo=socket=$STATE/munge/sock/munge.socket
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort=$((base + 1))
+SlurmUser=root
+PidFile=$STATE/run/slurmdbd.self.pid
+LogFile=$STATE/log/slurmdbd.log
+DebugLevel=info
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$((base + 2))
+StorageUser=slurm
+StoragePass=$dbpass
+StorageLoc=slurm_acct_db
+EOF
+  )
+
+  # A private option file so no MariaDB program reads the system's (/var/lib/mysql).
+  cat >"$etc/my.cnf" <<EOF
+[client]
+socket=$STATE/db/mysqld.sock
+[mysqld]
+user=root
+datadir=$STATE/db/data
+socket=$STATE/db/mysqld.sock
+pid-file=$STATE/run/mariadbd.self.pid
+log-error=$STATE/log/mariadb.log
+port=$((base + 2))
+bind-address=127.0.0.1
+skip-name-resolve
+performance_schema=OFF
+key_buffer_size=1M
+aria_pagecache_buffer_size=8M
+innodb_buffer_pool_size=32M
+innodb_log_buffer_size=2M
+innodb_log_file_size=16M
+innodb_flush_log_at_trx_commit=2
+innodb_lock_wait_timeout=900
+EOF
+
+  {
+    cat /etc/hosts
+    echo "127.0.0.1 ${NODES[*]}"
+  } >"$etc/hosts"
+}
+
+start_munge() {
+  head -c 1024 /dev/urandom >"$STATE/munge/munge.key"
+  chmod 0400 "$STATE/munge/munge.key"
+  spawn munged munged -F --key-file="$STATE/munge/munge.key" \
+    --socket="$STATE/munge/sock/munge.socket" --pid-file="$STATE/run/munged.self.pid" \
+    --log-file="$STATE/log/munged.log" --seed-file="$STATE/munge/munge.seed"
+}
+
+start_mariadb() {
+  local dbpass=$1 cnf=$STATE/etc/my.cnf
+  mariadb-install-db --defaults-file="$cnf" --skip-test-db \
+    --auth-root-authentication-method=socket >>"$STATE/log/mariadb-install.out" 2>&1 ||
+    fail "mariadb-install-db failed"
+  spawn mariadbd mariadbd --defaults-file="$cnf"
+  wait_for "$DB_TIMEOUT_S" "mariadbd" mariadbd mariadb --defaults-file="$cnf" -e 'SELECT 1'
+  mariadb --defaults-file="$cnf" <<EOF
+CREATE DATABASE slurm_acct_db;
+CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$dbpass';
+CREATE USER 'slurm'@'localhost' IDENTIFIED BY '$dbpass';
+GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
+GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';
+EOF
+}
+
+# slurmd -N node1 and node2, each under tini -s (a subreaper reaps job processes at once;
+# PID 1 here reaps only every few seconds), in one private mount namespace whose /etc/hosts
+# maps the node names to 127.0.0.1. The holder shell waits for them.
+start_nodes() {
+  local inner
+  # shellcheck disable=SC2016 # expanded by the inner shell
+  inner='set -eu
+S=$1; shift
+mount --bind "$S/etc/hosts" /etc/hosts
+readlink /proc/self/ns/mnt >"$S/run/mntns.tmp"
+mv "$S/run/mntns.tmp" "$S/run/mntns"
+for n in "$@"; do
+  tini -s -- slurmd -D -N "$n" </dev/null >>"$S/log/slurmd-$n.out" 2>&1 &
+  echo $! >"$S/run/tini-$n.pid"
+done
+wait'
+  spawn nodes unshare --mount --propagation private -- bash -c "$inner" nodes "$STATE" "${NODES[@]}"
+}
+
+nodes_idle() {
+  local out
+  out=$(sinfo -h -N -o '%N %T' 2>/dev/null) || return 1
+  [[ $(grep -c ' idle$' <<<"$out") -eq ${#NODES[@]} ]]
+}
+
+do_up() {
+  local t0 t_pkg host base dbpass i n
+  t0=$(now_us)
+  [[ $(id -u) -eq 0 ]] || fail "must run as root (starts daemons, mknod, mount namespace)"
+  if is_up; then
+    echo "already up ($STATE)"
+    return 0
+  fi
+  # Leftovers of an earlier bring-up: stop them, then start from an empty directory.
+  do_down >/dev/null
+  if [[ -e $STATE && ! -f $MARKER ]] && [[ -n $(ls -A "$STATE") ]]; then
+    fail "$STATE exists, is not empty and is not a cluster state dir; refusing to wipe it"
+  fi
+  [[ -n $STATE && $STATE != / ]] || fail "bad state dir '$STATE'"
+  rm -rf -- "$STATE"
+  mkdir -p "$(dirname "$STATE")"
+  mkdir -m 0755 "$STATE"
+  touch "$MARKER"
+  mkdir -m 0755 "$STATE"/{etc,log,run,spool,gpu,db}
+  for n in ctld "${NODES[@]}"; do
+    mkdir -m 0755 "$STATE/spool/$n"
+  done
+  # munged wants execute permission for all on every directory above its socket.
+  mkdir -m 0755 "$STATE/munge" "$STATE/munge/sock"
+  trap on_up_exit EXIT
+
+  ensure_packages
+  t_pkg=$(since "$t0")
+
+  CLUSTER_ID=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
+  echo "$CLUSTER_ID" >"$STATE/cluster-id"
+  export MJLAB_HPC_CLUSTER_ID=$CLUSTER_ID
+  export SLURM_CONF=$STATE/etc/slurm.conf
+  host=$(hostname -s) # slurmctld refuses to start unless SlurmctldHost is this name
+  base=$(pick_ports)
+  dbpass=$(od -An -N12 -tx1 /dev/urandom | tr -d ' \n')
+  write_configs "$host" "$base" "$dbpass"
+  # Fake GPUs: gres needs character devices; copies of /dev/null will do.
+  for ((i = 0; i < GPUS_PER_NODE; i++)); do
+    mknod "$STATE/gpu/nvidia$i" c 1 3
+  done
+
+  start_munge
+  start_mariadb "$dbpass"
+  wait_for 10 "munged" munged munge -n --socket="$STATE/munge/sock/munge.socket"
+  spawn slurmdbd slurmdbd -D
+  wait_for "$DB_TIMEOUT_S" "slurmdbd (sacctmgr show cluster)" slurmdbd \
+    sacctmgr -n -P show cluster
+  sacctmgr -i add cluster "$CLUSTER_NAME" >>"$STATE/log/sacctmgr.out" 2>&1 ||
+    fail "sacctmgr add cluster failed"
+
+  spawn slurmctld slurmctld -D
+  start_nodes
+  wait_for 10 "node namespace" nodes test -s "$STATE/run/mntns"
+  [[ $(cat "$STATE/run/mntns") != "$(readlink /proc/self/ns/mnt)" ]] ||
+    fail "slurmd namespace is the host's"
+  local deadline=$(($(now_us) + IDLE_TIMEOUT_S * 1000000))
+  until nodes_idle; do
+    check_running slurmctld nodes "${NODES[@]/#/tini-}" munged slurmdbd mariadbd
+    if (($(now_us) > deadline)); then
+      sinfo -N -o '%N %T %E' >&2 || true
+      fail "nodes not idle after ${IDLE_TIMEOUT_S}s"
+    fi
+    sleep 0.05
+  done
+
+  printf 'export SLURM_CONF=%q\nexport MJLAB_HPC_CLUSTER_DIR=%q\n' \
+    "$SLURM_CONF" "$STATE" >"$STATE/env.sh"
+  trap - EXIT
+  printf 'cluster up: nodes idle %s s after start (packages %s s); source %s/env.sh\n' \
+    "$(since "$t0")" "$t_pkg" "$STATE"
+}
+
+with_lock() {
+  mkdir -p "$(dirname "$STATE")"
+  # One up/down at a time per state dir.
+  exec 9>"$STATE.lock"
+  flock -w 300 9 || fail "could not lock $STATE.lock"
+  "$@"
+}
+
+case "${1:-}" in
+  up) with_lock do_up ;;
+  down) with_lock do_down ;;
+  status) do_status ;;
+  *)
+    echo "usage: $0 up|down|status" >&2
+    exit 2
+    ;;
+esac
