@@ -244,7 +244,9 @@ def tasks_on_node(tasks_per_node: str, node_rank: int) -> int:
     return counts[node_rank]
 
 
-def _from_slurm(env: Mapping[str, str], master_port: int | None, scontrol: str | None) -> DistContext:
+def _from_slurm(
+    env: Mapping[str, str], master_port: int | None, scontrol: str | None
+) -> DistContext:
     _missing(env, _SLURM_REQUIRED, "srun")
     # Step variables describe this srun; job variables the whole allocation.
     world = _int(env, "SLURM_STEP_NUM_TASKS", default=_int(env, "SLURM_NTASKS"))

@@ -14,3 +14,7 @@ class SpecError(ValueError):
 
 class LaunchError(RuntimeError):
     """The process was launched in a way we cannot make sense of (inconsistent variables)."""
+
+
+class SubmitError(RuntimeError):
+    """The scheduler refused the job (sbatch's own message is included)."""

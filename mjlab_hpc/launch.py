@@ -13,14 +13,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import submitit
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.rundir import create_run_dir
 from mjlab_hpc.spec import TrainSpec
-from mjlab_hpc.trainer import RankResult, resolve_task, train_rank
+from mjlab_hpc.tasks import resolve_task
+
+if TYPE_CHECKING:
+    from mjlab_hpc.trainer import RankResult
 
 # Local jobs run until they finish; submitit's default (2 minutes) would stop them.
 LOCAL_TIMEOUT_MIN = 60 * 24 * 30
@@ -57,6 +60,20 @@ def physical_gpu_ids(gpu_ids: Sequence[int], cuda_visible_devices: str | None) -
 
 
 @dataclass(frozen=True)
+class RankJob:
+    """What every task of a submitted job runs (pickled by submitit): `train_rank(spec)`."""
+
+    train: TrainSpec
+    master_port: int | None = None
+    """The launcher's port for local jobs; Slurm jobs derive theirs from the job id."""
+
+    def __call__(self) -> RankResult:
+        from mjlab_hpc.trainer import train_rank  # torch, warp: only inside the rank
+
+        return train_rank(self.train, master_port=self.master_port)
+
+
+@dataclass(frozen=True)
 class LocalJob:
     """A submitted local job and where its files are."""
 
@@ -87,7 +104,7 @@ def submit_local(spec: TrainSpec, ranks: int, gpus: Sequence[int] = ()) -> Local
         gpus_per_node=len(gpus),
         visible_gpus=tuple(gpus),
     )
-    job = executor.submit(train_rank, spec.replace(run_dir=str(run_dir)), free_port())
+    job = executor.submit(RankJob(spec.replace(run_dir=str(run_dir)), free_port()))
     return LocalJob(job=job, run_dir=run_dir, ranks=ranks)
 
 

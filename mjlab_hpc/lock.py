@@ -511,11 +511,13 @@ class LeaseLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._held is None:
+            return  # released explicitly inside the block
         if exc_type is None:
             self.release()  # reports LockLost if the block ran without the lock
             return
         # Do not mask the exception that is already propagating.
-        with contextlib.suppress(LockLost):
+        with contextlib.suppress(LockError):
             self.release()
 
     @property
@@ -666,6 +668,14 @@ class LeaseLock:
 
         Returns (held or None, last holder record seen, whether a live holder was seen).
         """
+        # Look first: waiting on a live holder then costs one read per poll, not a
+        # temp file, fsync and link.
+        try:
+            snap = _read_snapshot(self.path)
+        except OSError as exc:
+            raise _env_error("read the lock file", self.path, exc) from exc
+        if snap is not None and not self._is_stale(snap.record):
+            return None, snap.record, True
         nonce = uuid.uuid4().hex
         temp = self.path.with_name(f"{self.path.name}.new.{nonce}")
         now = time.time()
@@ -678,29 +688,31 @@ class LeaseLock:
             ) from exc
         held: _Held | None = None
         try:
-            seen: LockRecord | None = None
-            displaced: LockRecord | None = None
             try:
                 _write_all(fd, raw)
                 os.fsync(fd)
-                if not _link_exclusive(temp, self.path, fd):
-                    snap = _read_snapshot(self.path)
-                    if snap is None:
-                        return None, None, False  # vacant: released a moment ago
-                    seen = snap.record
-                    if not self._is_stale(snap.record):
-                        return None, seen, True
-                    if not self._take_over(snap, temp, fd):
-                        return None, seen, False
-                    displaced = snap.record
+                if snap is None:
+                    if _link_exclusive(temp, self.path, fd):
+                        snap = None  # won an empty name: nobody displaced
+                    else:
+                        snap = _read_snapshot(self.path)
+                        if snap is None:
+                            return None, None, False  # vacant again: released just now
+                        if not self._is_stale(snap.record):
+                            return None, snap.record, True
+                        if not self._take_over(snap, temp, fd):
+                            return None, snap.record, False
+                elif not self._take_over(snap, temp, fd):
+                    return None, snap.record, False
             except OSError as exc:
                 raise _env_error("create the lock file", self.path, exc) from exc
             finally:
                 _unlink_quietly(temp)  # if we won, the inode lives on as the lock file
+            displaced = None if snap is None else snap.record
             held = self._finish_acquire(fd, nonce, now, displaced)
             if held is not None:
                 self._displaced = displaced
-            return held, seen, False
+            return held, displaced, False
         finally:
             if held is None:
                 os.close(fd)

@@ -79,7 +79,9 @@ class TrainSpec:
                 "(use --gpu-ids 0 1 ... for one rank per GPU)",
             )
         if "/" in self.run_name or self.run_name in (".", ".."):
-            raise SpecError("--run-name", f"must be a plain name without '/', got {self.run_name!r}")
+            raise SpecError(
+                "--run-name", f"must be a plain name without '/', got {self.run_name!r}"
+            )
 
     def replace(self, **changes: object) -> TrainSpec:
         """A copy with some fields changed."""

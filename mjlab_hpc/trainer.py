@@ -36,7 +36,7 @@ from mjlab_hpc.normalization import sync_normalizers
 from mjlab_hpc.progress import IterationStats, ProgressDisplay
 from mjlab_hpc.rundir import RunDir, create_run_dir, write_json_atomic
 from mjlab_hpc.spec import TrainSpec
-from mjlab_hpc.tasks import TaskInfo, agent_config, get_task
+from mjlab_hpc.tasks import agent_config, resolve_task
 
 log = logging.getLogger("mjlab_hpc")
 
@@ -233,11 +233,6 @@ def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
-def resolve_task(spec: TrainSpec) -> TaskInfo:
-    """The task of a spec (built-in tasks; mjlab tasks come through their own path)."""
-    return get_task(spec.task)
-
-
 def rank_device(spec: TrainSpec, ctx: DistContext) -> str:
     """The device this rank trains on."""
     choice = "cpu" if spec.gpu_ids is None or spec.num_procs > 1 else spec.device
@@ -340,8 +335,9 @@ def train_rank(spec: TrainSpec, master_port: int | None = None) -> RankResult:
             )
             display = ProgressDisplay(total, runner.current_learning_iteration, enabled=ctx.is_main)
             hooks: list[IterationHook] = [
-                lambda r, s: log.info("iteration %d/%d %.0f steps/s", s.iteration, s.total,
-                                      s.steps_per_s),
+                lambda r, s: log.info(
+                    "iteration %d/%d %.0f steps/s", s.iteration, s.total, s.steps_per_s
+                ),
                 lambda r, s: display.update(s),
             ]
             if ctx.is_main:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import tyro
@@ -15,7 +15,7 @@ from mjlab_hpc.distributed import DistContext, cuda_device_count, detect_mode
 from mjlab_hpc.errors import LaunchError, SpecError
 from mjlab_hpc.launch import physical_gpu_ids, run_local
 from mjlab_hpc.spec import TrainSpec
-from mjlab_hpc.trainer import resolve_task, train_rank
+from mjlab_hpc.tasks import resolve_task
 
 EXIT_BAD_INPUT = 2
 
@@ -36,12 +36,10 @@ class LaunchPlan:
 
 
 def plan_launch(
-    spec: TrainSpec, launched_by: str, cuda_count: int, cuda_visible: str | None
+    spec: TrainSpec, launched_by: str, cuda_count: Callable[[], int], cuda_visible: str | None
 ) -> LaunchPlan:
-    """Decide how to run `spec` (pure: the caller passes what the machine has)."""
-    wants_many = spec.num_procs > 1 or (
-        isinstance(spec.gpu_ids, tuple) and len(spec.gpu_ids) > 1
-    )
+    """Decide how to run `spec`; `cuda_count` is asked only when GPUs are requested."""
+    wants_many = spec.num_procs > 1 or (isinstance(spec.gpu_ids, tuple) and len(spec.gpu_ids) > 1)
     if launched_by != "single" and wants_many:
         flag = "--num-procs" if spec.num_procs > 1 else "--gpu-ids"
         raise SpecError(
@@ -54,13 +52,14 @@ def plan_launch(
     ids = spec.gpu_ids
     if ids in ("auto", None):
         return LaunchPlan()
-    if cuda_count == 0:
+    count = cuda_count()
+    if count == 0:
         raise SpecError(
             "--gpu-ids",
-            f"{'all' if ids == 'all' else list(ids)} asked for GPUs, but no CUDA device is visible; "
-            "use --gpu-ids None (CPU) or --num-procs N for CPU ranks",
+            f"{'all' if ids == 'all' else list(ids)} asked for GPUs, but no CUDA device is "
+            "visible; use --gpu-ids None (CPU) or --num-procs N for CPU ranks",
         )
-    rel = tuple(range(cuda_count)) if ids == "all" else ids
+    rel = tuple(range(count)) if ids == "all" else ids
     assert isinstance(rel, tuple)
     phys = tuple(physical_gpu_ids(rel, cuda_visible))
     if len(phys) == 1:
@@ -78,7 +77,7 @@ def run(spec: TrainSpec) -> int:
         if launched_by != "single":
             DistContext.from_env()  # inconsistent launcher variables: fail before any work
         plan = plan_launch(
-            spec, launched_by, cuda_device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
+            spec, launched_by, cuda_device_count, os.environ.get("CUDA_VISIBLE_DEVICES")
         )
     except (SpecError, LaunchError) as exc:
         err.print(f"[bold red]error:[/] {exc}")
@@ -90,6 +89,8 @@ def run(spec: TrainSpec) -> int:
         if plan.single_gpu is not None:
             # Before CUDA initialises: the chosen GPU becomes cuda:0 of this process.
             os.environ["CUDA_VISIBLE_DEVICES"] = str(plan.single_gpu)
+        from mjlab_hpc.trainer import train_rank
+
         result = train_rank(spec)
         if result.rank == 0:
             Console().print(f"run directory: {result.run_dir}")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mjlab_hpc.tasks.base import WarpVecEnv
+if TYPE_CHECKING:  # the environments import torch and warp: only when one is made
+    from mjlab_hpc.tasks.base import WarpVecEnv
 
 
 @dataclass(frozen=True)
@@ -108,3 +109,8 @@ def get_task(name: str) -> TaskInfo:
         raise KeyError(
             f"unknown task {name!r}; built-in tasks: {', '.join(sorted(BUILTIN_TASKS))}"
         ) from None
+
+
+def resolve_task(spec: Any) -> TaskInfo:
+    """The task a spec names (KeyError naming the known tasks otherwise)."""
+    return get_task(spec.task)
