@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import math
 import os
@@ -755,25 +756,49 @@ class LeaseLock:
     def _take_over(self, stale: _Snapshot, temp: Path, fd: int) -> bool:
         """Replace a stale lock file atomically; True if we now own the lock name.
 
-        Renaming the lock file to a unique tombstone succeeds for exactly one of
-        several racers. The winner then compares the tombstone with what it
-        judged stale: if the holder heartbeated (or someone else already replaced
-        the file) in between, it puts the file back instead of stealing it.
+        1. Racers that judged the same stale content first compete for a breaker
+           file named after a hash of that content (O_EXCL): only one of them
+           goes on, so racers do not rename each other's fresh locks.
+        2. The breaker re-reads the lock file and gives up if it changed.
+        3. It renames the lock file to a unique tombstone; of several renames of
+           one name exactly one succeeds.
+        4. If the tombstone is not byte-identical to what was judged stale (the
+           holder heartbeated just now), it is put back (same inode, so its
+           holder keeps working) and we give up.
+        5. Otherwise our record is linked to the lock name (exclusive).
         """
-        tomb = self.path.with_name(f"{self.path.name}.tomb.{uuid.uuid4().hex}")
+        digest = hashlib.sha256(stale.raw).hexdigest()[:24]
+        breaker = self.path.with_name(f"{self.path.name}.break.{digest}")
+        own_breaker = False
         try:
-            os.rename(self.path, tomb)
-        except FileNotFoundError:
-            return False  # another process renamed it first
-        try:
-            moved = _read_snapshot(tomb)
-            if moved is None or moved.raw != stale.raw:
-                with contextlib.suppress(FileExistsError):
-                    os.link(tomb, self.path)  # same inode: its holder never notices
+            try:
+                os.close(os.open(breaker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC))
+                own_breaker = True
+            except FileExistsError:
+                # Someone else is breaking this lock, unless they crashed doing it.
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - os.stat(breaker).st_mtime <= self.config.lease_s:
+                        return False
+            current = _read_snapshot(self.path)
+            if current is None or current.raw != stale.raw:
                 return False
-            return _link_exclusive(temp, self.path, fd)
+            tomb = self.path.with_name(f"{self.path.name}.tomb.{uuid.uuid4().hex}")
+            try:
+                os.rename(self.path, tomb)
+            except FileNotFoundError:
+                return False  # another process renamed it first
+            try:
+                moved = _read_snapshot(tomb)
+                if moved is None or moved.raw != stale.raw:
+                    with contextlib.suppress(FileExistsError):
+                        os.link(tomb, self.path)
+                    return False
+                return _link_exclusive(temp, self.path, fd)
+            finally:
+                _unlink_quietly(tomb)
         finally:
-            _unlink_quietly(tomb)
+            if own_breaker:
+                _unlink_quietly(breaker)
 
     def _remove_if_ours(self, nonce: str) -> str | None:
         """Remove the lock file if it carries ``nonce``; return a reason if it did not."""

@@ -106,3 +106,33 @@ def write_json_atomic(path: Path, data: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def run_dir_for_key(log_root: str | Path, experiment: str, run_name: str, key: str) -> Path:
+    """The run directory recorded under `key` (e.g. `slurm-<job id>`), made on first use.
+
+    Every rank and every restart of one job asks with the same key and gets the same
+    directory; a different job gets its own. The record is published with a hard link, which
+    is atomic on NFS too: of two racing callers exactly one wins, the other reads its answer.
+    """
+    if not key or "/" in key or key.startswith("."):
+        raise ValueError(f"run directory key must be a plain name, got {key!r}")
+    keys = Path(log_root) / experiment / ".keys"
+    keys.mkdir(parents=True, exist_ok=True)
+    record = keys / key
+    if record.exists():
+        return Path(record.read_text().strip())
+    run = create_run_dir(log_root, experiment, run_name)
+    tmp = keys / f".{key}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{run}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, record)
+    except FileExistsError:
+        run.rmdir()  # another caller won the race; its directory is the run's
+        return Path(record.read_text().strip())
+    finally:
+        tmp.unlink()
+    return run
