@@ -34,8 +34,10 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# The main job, on this machine: 2 CPU ranks through submitit's local executor.
 demo: install
-	$(BIN)/mjlab-train cartpole --num-procs 2 --num-envs 512 --max-iterations 30 --log-root logs
+	$(BIN)/mjlab-submit cartpole --executor local --gpus-per-node 0 --tasks-per-node 2 \
+		--num-envs 512 --max-iterations 30 --torch-threads 1 --log-root logs --follow
 
 bench: install
 	@echo "benchmarks: not yet implemented"

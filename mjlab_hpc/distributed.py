@@ -377,7 +377,10 @@ def process_group(ctx: DistContext, device: str, timeout_s: float) -> Iterator[N
     import torch.distributed as dist
 
     # env:// rendezvous, because under torchrun the store belongs to the agent and a worker
-    # must connect to it as a client (tcp:// would try to bind the agent's port).
+    # must connect to it as a client (tcp:// would try to bind the agent's port). The
+    # variables are put back afterwards: they would make this process look like a torchrun
+    # worker to anything that inspects the launcher later.
+    saved = {k: os.environ.get(k) for k in ctx.torch_env()}
     os.environ.update(ctx.torch_env())
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -392,3 +395,8 @@ def process_group(ctx: DistContext, device: str, timeout_s: float) -> Iterator[N
         yield
     finally:
         dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -68,9 +68,14 @@ class RankJob:
     """The launcher's port for local jobs; Slurm jobs derive theirs from the job id."""
 
     def __call__(self) -> RankResult:
+        from mjlab_hpc.preemption import Stopped, after_stop
         from mjlab_hpc.trainer import train_rank  # torch, warp: only inside the rank
 
-        return train_rank(self.train, master_port=self.master_port)
+        try:
+            return train_rank(self.train, master_port=self.master_port)
+        except Stopped as stop:
+            # SystemExit passes through submitit without a result file: the job is not done.
+            raise SystemExit(after_stop(stop, None, self.train.max_restarts)) from None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,11 @@ lock over. Every acquisition gets a strictly larger fencing token, and
 (:class:`LockLost`). See ``docs/single-writer.md`` for the design and the failure
 cases it does and does not cover.
 
+Clocks: ``heartbeat_at`` in the file is wall-clock time (``time.time``) because
+other hosts compare it with their own clocks, so leases must be much longer than
+the clock skew between nodes. Local durations (timeouts, the holder's own view
+of its lease) use ``time.monotonic``.
+
 Error types: :class:`LockError` derives from :class:`OSError` (an unusable lock
 directory is an I/O-environment problem, and this lets :class:`LockTimeout` be
 both a :class:`LockError` and a :class:`TimeoutError`). Misuse of the API (for
@@ -583,7 +588,7 @@ class LeaseLock:
                 pause *= self._rng.uniform(0.5, 1.0)
                 if deadline is not None:
                     pause = min(pause, max(0.0, deadline - now))
-                attempt += 1
+                attempt = min(attempt + 1, 64)  # 1.5**attempt must not overflow
                 time.sleep(pause)
 
     def release(self) -> None:

@@ -11,6 +11,7 @@ Layout of `<log-root>/<experiment>/<YYYY-mm-dd_HH-MM-SS>[_<run-name>]/`:
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -136,3 +137,81 @@ def run_dir_for_key(log_root: str | Path, experiment: str, run_name: str, key: s
     finally:
         tmp.unlink()
     return run
+
+
+class RunWriter:
+    """The one process that writes a run directory's shared files.
+
+    It holds the run's lease lock (`<run>/.writer.lock`) from start to end; every file it
+    publishes is fenced by the lock's token, so a former writer that wakes up after another
+    process took over (a frozen node, a stale restart) cannot overwrite anything.
+    """
+
+    LOCK_NAME = ".writer.lock"
+
+    def __init__(self, run: RunDir, lock: Any) -> None:
+        self.run = run
+        self.lock = lock
+
+    @classmethod
+    def acquire(
+        cls, run: RunDir, rank: int, lease_s: float = 30.0, timeout_s: float | None = None
+    ) -> RunWriter:
+        """Become the writer of `run`, waiting at most `timeout_s` (default: one lease, so a
+        crashed previous writer's lock can expire)."""
+        from mjlab_hpc.lock import LeaseLock, OwnerInfo
+
+        lock = LeaseLock(run.path / cls.LOCK_NAME, owner=OwnerInfo.from_env(rank), lease_s=lease_s)
+        lock.acquire(timeout_s=lease_s * 1.5 + 5.0 if timeout_s is None else timeout_s)
+        return cls(run, lock)
+
+    def check(self) -> None:
+        """Raise LockLost if another process has taken over."""
+        self.lock.check()
+
+    def write_text(self, path: Path, text: str) -> None:
+        """Publish a whole file (temporary file, fence check, rename)."""
+        from mjlab_hpc.lock import write_fenced
+
+        write_fenced(self.lock, path, text.encode())
+
+    def write_json(self, path: Path, data: Any) -> None:
+        self.write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+    def append_line(self, path: Path, line: str) -> None:
+        """Append one line to a log-like file (progress.jsonl, restarts.jsonl)."""
+        self.check()
+        with open(path, "a") as f:
+            f.write(line.rstrip("\n") + "\n")
+
+    def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        """Save a checkpoint atomically, fenced just before the rename."""
+        from mjlab_hpc.checkpoint import save_checkpoint
+
+        save_checkpoint(path, state, before_rename=self.check)
+
+    def release(self) -> None:
+        """Give the run up (the lock is left for a successor to take at once)."""
+        from mjlab_hpc.lock import LockError
+
+        with contextlib.suppress(LockError):  # lost already: nothing of ours to release
+            self.lock.release()
+
+
+def record_latest_run(run: Path) -> None:
+    """`<log-root>/<experiment>/.latest_run`: the newest run, for tools and `--resume`."""
+    tmp = run.parent / f".latest_run.{os.getpid()}.tmp"
+    tmp.write_text(f"{run}\n")
+    os.replace(tmp, run.parent / ".latest_run")
+
+
+def latest_run(log_root: str | Path, experiment: str) -> Path | None:
+    """The run `.latest_run` names, else the newest run directory of the experiment."""
+    parent = Path(log_root) / experiment
+    marker = parent / ".latest_run"
+    if marker.exists():
+        path = Path(marker.read_text().strip())
+        if path.is_dir():
+            return path
+    runs = sorted(p for p in parent.glob("*") if p.is_dir() and not p.name.startswith("."))
+    return runs[-1] if runs else None

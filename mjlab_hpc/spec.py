@@ -16,6 +16,8 @@ from mjlab_hpc.errors import SpecError
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 GpuIds = tuple[int, ...] | Literal["all", "auto"] | None
+# Signals Slurm can send ahead of the time limit that no library we load relies on.
+_SIGNALS = ("USR2", "USR1", "INT", "HUP", "TERM", "URG")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,15 @@ class TrainSpec:
     """Timeout of collective operations: a dead rank ends the job after at most this long."""
     use_graph: bool = True
     """Replay physics through a captured Warp graph (faster; bit-identical to plain stepping)."""
+    resume: bool = False
+    """Continue the latest run of this experiment (or --run-dir) from its newest valid
+    checkpoint. A run directory that already holds checkpoints is always continued."""
+    keep_checkpoints: int = 0
+    """Keep only the newest N checkpoints (0: keep all)."""
+    preempt_signal: str = "USR2"
+    """Signal that announces the time limit (Slurm's --signal); SIGTERM means preemption."""
+    max_restarts: int = 10
+    """Requeue at most this many times; then stop with the checkpoint saved."""
 
     def validate(self) -> None:
         """Raise SpecError naming the flag for values no launcher could run."""
@@ -77,6 +88,15 @@ class TrainSpec:
                 "--num-procs",
                 "starts CPU ranks; it cannot be combined with --gpu-ids "
                 "(use --gpu-ids 0 1 ... for one rank per GPU)",
+            )
+        if self.keep_checkpoints < 0:
+            raise SpecError("--keep-checkpoints", f"must be >= 0, got {self.keep_checkpoints}")
+        if self.max_restarts < 0:
+            raise SpecError("--max-restarts", f"must be >= 0, got {self.max_restarts}")
+        name = self.preempt_signal.upper().removeprefix("SIG")
+        if name not in _SIGNALS:
+            raise SpecError(
+                "--preempt-signal", f"{self.preempt_signal!r}: use one of {', '.join(_SIGNALS)}"
             )
         if "/" in self.run_name or self.run_name in (".", ".."):
             raise SpecError(

@@ -84,7 +84,7 @@ def template_context(spec: SubmitSpec) -> dict[str, str | None]:
         "EXCLUSIVE": "--exclusive" if spec.exclusive else None,
         "TIME": q(spec.time),
         "SIGNAL": f"{PREEMPT_SIGNAL}@{spec.signal_delay_s}",
-        "BATCH_LOG": q(str(log_root / experiment_of(spec) / "slurm-%j.out")),
+        "BATCH_LOG": "slurm-%x-%j.out",
         "SBATCH_EXTRA": "\n".join(extra) or None,
         "SETUP": "\n".join(spec.setup) or None,  # shell lines by design: not quoted
         "LOG_ROOT": q(str(log_root)),

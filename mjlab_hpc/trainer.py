@@ -11,19 +11,26 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
+import random
+import signal
+import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
 import torch
 import yaml
 from rsl_rl.runners import OnPolicyRunner
 
+from mjlab_hpc.checkpoint import latest_valid, prune, save_checkpoint
 from mjlab_hpc.distributed import (
     DistContext,
     cuda_device_count,
@@ -33,8 +40,15 @@ from mjlab_hpc.distributed import (
     torch_threads,
 )
 from mjlab_hpc.normalization import sync_normalizers
+from mjlab_hpc.preemption import Stopped, StopRequest, agree, stop_reason, watch_signals
 from mjlab_hpc.progress import IterationStats, ProgressDisplay
-from mjlab_hpc.rundir import RunDir, create_run_dir, write_json_atomic
+from mjlab_hpc.rundir import (
+    RunDir,
+    RunWriter,
+    create_run_dir,
+    latest_run,
+    record_latest_run,
+)
 from mjlab_hpc.spec import TrainSpec
 from mjlab_hpc.tasks import agent_config, resolve_task
 
@@ -140,7 +154,6 @@ class DistributedRunner(OnPolicyRunner):
 
     def learn_until(self, total_iterations: int, hooks: list[IterationHook]) -> None:
         """Run PPO iterations until `total_iterations` are completed in all."""
-        obs = self.env.get_observations().to(self.device)
         self.alg.train_mode()
         if self.is_distributed:
             with contextlib.redirect_stdout(self.quiet):
@@ -148,75 +161,106 @@ class DistributedRunner(OnPolicyRunner):
         with contextlib.redirect_stdout(self.quiet):
             self.logger.init_logging_writer()
         start_it = self.current_learning_iteration
+        self._continue_tensorboard(start_it)
         clock = CollectiveClock()
         t_start = time.perf_counter()
-        with clock.timing() if self.is_distributed else contextlib.nullcontext():
-            for it in range(start_it, total_iterations):
-                c0 = clock.seconds
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    for _ in range(self.cfg["num_steps_per_env"]):
-                        actions = self.alg.act(obs)
-                        obs, rewards, dones, extras = self.env.step(actions.to(self.env.device))
-                        if self.cfg.get("check_for_nan", True):
-                            from rsl_rl.utils import check_nan
+        try:
+            with clock.timing() if self.is_distributed else contextlib.nullcontext():
+                self._iterate(start_it, total_iterations, hooks, clock, t_start)
+        finally:
+            self._close_tensorboard()
 
-                            check_nan(obs, rewards, dones)
-                        obs, rewards, dones = (
-                            obs.to(self.device),
-                            rewards.to(self.device),
-                            dones.to(self.device),
-                        )
-                        self.alg.process_env_step(obs, rewards, dones, extras)
-                        self.logger.process_env_step(rewards, dones, extras, None)
-                    t1 = time.perf_counter()
-                    self.alg.compute_returns(obs)
-                loss_dict = self.alg.update()
-                t2 = time.perf_counter()
-                self.current_learning_iteration = it + 1
-                with contextlib.redirect_stdout(self.quiet):
-                    self.logger.log(
-                        it=it,
-                        start_it=start_it,
-                        total_it=total_iterations,
-                        collect_time=t1 - t0,
-                        learn_time=t2 - t1,
-                        loss_dict=loss_dict,
-                        learning_rate=self.alg.learning_rate,
-                        action_std=self.alg.get_policy().output_std,
-                        rnd_weight=None,
-                        print_minimal=True,
-                    )
-                rew, length = self.logger.rewbuffer, self.logger.lenbuffer
-                stats = IterationStats(
-                    iteration=it + 1,
-                    total=total_iterations,
-                    env_steps=self.cfg["num_steps_per_env"]
-                    * self.env.num_envs
-                    * self.ctx.world_size,
-                    collect_s=t1 - t0,
-                    learn_s=t2 - t1,
-                    collective_s=clock.seconds - c0,
-                    mean_reward=statistics.mean(rew) if rew else None,
-                    mean_episode_length=statistics.mean(length) if length else None,
-                    elapsed_s=time.perf_counter() - t_start,
+    def _continue_tensorboard(self, start_it: int) -> None:
+        # After a resume, drop events a killed predecessor logged past its last checkpoint, so
+        # every curve continues at the right step without duplicates.
+        writer = self.logger.writer
+        if start_it > 0 and writer is not None and hasattr(writer, "add_scalar"):
+            from torch.utils.tensorboard import SummaryWriter
+
+            if isinstance(writer, SummaryWriter):
+                writer.close()
+                self.logger.writer = SummaryWriter(
+                    log_dir=self.logger.log_dir, flush_secs=10, purge_step=start_it
                 )
-                for hook in hooks:
-                    hook(self, stats)
-        if self.is_writer:
-            self.logger.stop_logging_writer()
 
-    def save(self, path: str, infos: dict | None = None) -> None:
-        """Save through a temporary file and a rename, so no reader sees half a checkpoint."""
-        tmp = Path(path).with_name(f".{Path(path).name}.tmp")
+    def _close_tensorboard(self) -> None:
+        writer = self.logger.writer
+        if writer is None:
+            return
+        self.logger.stop_logging_writer()
+        if hasattr(writer, "close"):
+            writer.close()
+
+    def _iterate(
+        self,
+        start_it: int,
+        total_iterations: int,
+        hooks: list[IterationHook],
+        clock: CollectiveClock,
+        t_start: float,
+    ) -> None:
+        obs = self.env.get_observations().to(self.device)
+        for it in range(start_it, total_iterations):
+            c0 = clock.seconds
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for _ in range(self.cfg["num_steps_per_env"]):
+                    actions = self.alg.act(obs)
+                    obs, rewards, dones, extras = self.env.step(actions.to(self.env.device))
+                    if self.cfg.get("check_for_nan", True):
+                        from rsl_rl.utils import check_nan
+
+                        check_nan(obs, rewards, dones)
+                    obs, rewards, dones = (
+                        obs.to(self.device),
+                        rewards.to(self.device),
+                        dones.to(self.device),
+                    )
+                    self.alg.process_env_step(obs, rewards, dones, extras)
+                    self.logger.process_env_step(rewards, dones, extras, None)
+                t1 = time.perf_counter()
+                self.alg.compute_returns(obs)
+            loss_dict = self.alg.update()
+            t2 = time.perf_counter()
+            self.current_learning_iteration = it + 1
+            with contextlib.redirect_stdout(self.quiet):
+                self.logger.log(
+                    it=it,
+                    start_it=start_it,
+                    total_it=total_iterations,
+                    collect_time=t1 - t0,
+                    learn_time=t2 - t1,
+                    loss_dict=loss_dict,
+                    learning_rate=self.alg.learning_rate,
+                    action_std=self.alg.get_policy().output_std,
+                    rnd_weight=None,
+                    print_minimal=True,
+                )
+            rew, length = self.logger.rewbuffer, self.logger.lenbuffer
+            stats = IterationStats(
+                iteration=it + 1,
+                total=total_iterations,
+                env_steps=self.cfg["num_steps_per_env"] * self.env.num_envs * self.ctx.world_size,
+                collect_s=t1 - t0,
+                learn_s=t2 - t1,
+                collective_s=clock.seconds - c0,
+                mean_reward=statistics.mean(rew) if rew else None,
+                mean_episode_length=statistics.mean(length) if length else None,
+                elapsed_s=time.perf_counter() - t_start,
+            )
+            for hook in hooks:
+                hook(self, stats)
+
+    def training_state(self, infos: dict | None = None) -> dict[str, Any]:
+        """rsl-rl's checkpoint content: models (normalizers included), optimizer, iteration."""
         saved = self.alg.save()
         saved["iter"] = self.current_learning_iteration
         saved["infos"] = infos
-        with open(tmp, "wb") as f:
-            torch.save(saved, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        return saved
+
+    def save(self, path: str, infos: dict | None = None) -> None:
+        """Save atomically (rsl-rl's signature, for code that calls runner.save)."""
+        save_checkpoint(Path(path), self.training_state(infos))
 
     def param_digest(self) -> str:
         """sha256 of the actor and critic parameters, to compare ranks bit for bit."""
@@ -246,13 +290,18 @@ def rank_device(spec: TrainSpec, ctx: DistContext) -> str:
 
 
 def agree_run_dir(spec: TrainSpec, ctx: DistContext, experiment: str) -> Path:
-    """The one run directory of this run: given by the launcher, else made by rank 0 and sent
-    to the others through the process group."""
+    """The one run directory of this run: given by the launcher (or --resume), else made by
+    rank 0 and sent to the others through the process group."""
     if spec.run_dir:
         path = Path(spec.run_dir)
         path.mkdir(parents=True, exist_ok=True)
         return path.resolve()
-    made = [str(create_run_dir(spec.log_root, experiment, spec.run_name))] if ctx.is_main else [""]
+    made = [""]
+    if ctx.is_main:
+        found = latest_run(spec.log_root, experiment) if spec.resume else None
+        if spec.resume and found is None:
+            log.warning("--resume: no earlier run of %s under %s", experiment, spec.log_root)
+        made = [str(found or create_run_dir(spec.log_root, experiment, spec.run_name))]
     if ctx.is_distributed:
         import torch.distributed as dist
 
@@ -270,6 +319,64 @@ def _gather(obj: Any, ctx: DistContext) -> list[Any]:
     return out
 
 
+def _gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
+    if not ctx.is_distributed:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def rank_state(env: Any, device: str) -> dict[str, Any]:
+    """Everything of one rank that an exact continuation needs besides the shared models:
+    its worlds' simulator state and episode counters, and its random number generators."""
+    state: dict[str, Any] = {
+        "torch_rng": torch.get_rng_state(),
+        "numpy_rng": np.random.get_state(),
+        "python_rng": random.getstate(),
+    }
+    if hasattr(env, "state_dict"):
+        state["env"] = {k: v.cpu() for k, v in env.state_dict().items()}
+    if device.startswith("cuda"):
+        state["cuda_rng"] = torch.cuda.get_rng_state(torch.device(device))
+    return state
+
+
+def restore_rank_state(env: Any, state: dict[str, Any], device: str) -> None:
+    """Put back what `rank_state` saved."""
+    if "env" in state and hasattr(env, "load_state_dict"):
+        env.load_state_dict(state["env"])
+    torch.set_rng_state(state["torch_rng"])
+    np.random.set_state(state["numpy_rng"])
+    random.setstate(state["python_rng"])
+    if device.startswith("cuda") and "cuda_rng" in state:
+        torch.cuda.set_rng_state(state["cuda_rng"], torch.device(device))
+
+
+def restore(runner: DistributedRunner, env: Any, run: RunDir, ctx: DistContext, device: str) -> int:
+    """Continue from the run's newest valid checkpoint; the iterations it had done (0: none)."""
+    found = latest_valid(run.path, map_location=device)
+    if found is None:
+        return 0
+    path, ckpt = found
+    runner.alg.load(ckpt, None, strict=True)
+    runner.current_learning_iteration = int(ckpt["iter"])
+    states = ckpt.get("rank_states")
+    if states and len(states) == ctx.world_size:
+        restore_rank_state(env, states[ctx.rank], device)
+    else:
+        log.warning(
+            "%s has no per-rank state for a world of %d ranks: models and optimizer restored, "
+            "environments start fresh (the continuation is not bit-exact)",
+            path.name,
+            ctx.world_size,
+        )
+    log.info("resumed from %s at iteration %d", path.name, runner.current_learning_iteration)
+    return runner.current_learning_iteration
+
+
 def _rank_logging(run: RunDir, rank: int) -> tuple[logging.Handler, TextIO]:
     run.logs.mkdir(parents=True, exist_ok=True)
     stream = open(run.rank_log(rank), "a", buffering=1)  # noqa: SIM115 (closed by train_rank)
@@ -280,8 +387,8 @@ def _rank_logging(run: RunDir, rank: int) -> tuple[logging.Handler, TextIO]:
     return handler, stream
 
 
-def _dump_params(run: RunDir, spec: TrainSpec, agent_cfg: dict[str, Any], env: Any) -> None:
-    run.params.mkdir(parents=True, exist_ok=True)
+def _dump_params(writer: RunWriter, spec: TrainSpec, agent_cfg: dict[str, Any], env: Any) -> None:
+    writer.run.params.mkdir(parents=True, exist_ok=True)
     env_cfg = {
         "num_envs": env.num_envs,
         "decimation": env.cfg.decimation,
@@ -290,11 +397,61 @@ def _dump_params(run: RunDir, spec: TrainSpec, agent_cfg: dict[str, Any], env: A
         "mjcf": env.cfg.xml,
     }
     for name, data in (("train", spec.to_dict()), ("agent", agent_cfg), ("env", env_cfg)):
-        (run.params / f"{name}.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+        path = writer.run.params / f"{name}.yaml"
+        writer.write_text(path, yaml.safe_dump(data, sort_keys=False))
+
+
+@dataclass
+class _Boundary:
+    """The per-iteration boundary every rank runs: agree on a stop request, checkpoint."""
+
+    runner: DistributedRunner
+    env: Any
+    ctx: DistContext
+    device: str
+    spec: TrainSpec
+    total: int
+    request: StopRequest
+    writer: RunWriter | None
+
+    def __call__(self, runner: DistributedRunner, s: IterationStats) -> None:
+        signum = agree(self.request, self.ctx.is_distributed, self.device)
+        periodic = s.iteration % self.spec.save_interval == 0 or s.iteration == self.total
+        if signum or periodic:
+            t0 = time.time()
+            states = _gather_to_main(rank_state(self.env, self.device), self.ctx)
+            if self.writer is not None:
+                path = self.writer.run.checkpoint(s.iteration)
+                state = runner.training_state({"world_size": self.ctx.world_size})
+                state["rank_states"] = states
+                self.writer.save_checkpoint(path, state)
+                prune(self.writer.run.path, self.spec.keep_checkpoints)
+                if signum:
+                    self.writer.append_line(
+                        self.writer.run.path / "restarts.jsonl",
+                        json.dumps(
+                            {
+                                "reason": stop_reason(signum, self.spec.preempt_signal),
+                                "signal": signal.Signals(signum).name,
+                                "iteration": s.iteration,
+                                "job_id": self.ctx.job_id,
+                                "restart_count": self.ctx.restart_count,
+                                "signal_at": self.request.signaled_at,
+                                "checkpoint_at": time.time(),
+                                "checkpoint_s": round(time.time() - t0, 3),
+                            }
+                        ),
+                    )
+        if signum:
+            raise Stopped(s.iteration, stop_reason(signum, self.spec.preempt_signal), signum)
 
 
 def train_rank(spec: TrainSpec, master_port: int | None = None) -> RankResult:
-    """Train on this rank until the spec's iterations are done; the per-rank entry point."""
+    """Train on this rank until the spec's iterations are done; the per-rank entry point.
+
+    Raises `Stopped` after a stop checkpoint when a preemption or time-limit signal arrived;
+    the launcher decides whether to requeue.
+    """
     import warp as wp
 
     wp.config.quiet = True
@@ -312,19 +469,45 @@ def train_rank(spec: TrainSpec, master_port: int | None = None) -> RankResult:
     total = spec.max_iterations or task.max_iterations
     experiment = spec.experiment_name or task.name
     torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
-    with process_group(ctx, device, spec.dist_timeout_s):
+    # Signals are recorded from the start, so one that arrives while kernels compile or the
+    # process group forms is acted on at the first iteration boundary.
+    with (
+        watch_signals((spec.preempt_signal, "TERM")) as request,
+        process_group(ctx, device, spec.dist_timeout_s),
+    ):
         run = RunDir(agree_run_dir(spec, ctx, experiment))
         handler, rank_log = _rank_logging(run, ctx.rank)
+        writer: RunWriter | None = None
         try:
-            log.info("%s on %s, seed %d, %d envs", ctx.describe(), device, seed, num_envs)
+            node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+            log.info(
+                "%s on %s, host %s, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s",
+                ctx.describe(),
+                device,
+                node,
+                seed,
+                num_envs,
+                os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+            )
+            if device == "cpu" and os.environ.get("CUDA_VISIBLE_DEVICES") and spec.gpu_ids:
+                msg = (
+                    f"rank {ctx.rank}: GPUs {os.environ['CUDA_VISIBLE_DEVICES']} were allocated "
+                    "but CUDA is not usable here (no driver, or a CPU build of torch): "
+                    "training on CPU"
+                )
+                log.warning(msg)
+                print(f"warning: {msg}", file=sys.stderr, flush=True)
+            if ctx.is_main:
+                writer = RunWriter.acquire(run, ctx.rank)
+                record_latest_run(run.path)
             with wp.ScopedDevice(device):
                 env = task.make_env(num_envs, device, seed, spec.use_graph)
             first_obs = tensor_digest(env.get_observations()["policy"])
             agent_cfg = agent_config(task, spec.save_interval, experiment)
             agent_cfg["seed"] = seed
-            if ctx.is_main:
-                _dump_params(run, spec, agent_cfg, env)
             runner = DistributedRunner(
                 env,
                 dict(agent_cfg),
@@ -333,16 +516,19 @@ def train_rank(spec: TrainSpec, master_port: int | None = None) -> RankResult:
                 device=device,
                 quiet=rank_log,
             )
-            display = ProgressDisplay(total, runner.current_learning_iteration, enabled=ctx.is_main)
+            start = restore(runner, env, run, ctx, device)
+            if writer is not None and start == 0:
+                _dump_params(writer, spec, agent_cfg, env)
+            display = ProgressDisplay(total, start, enabled=ctx.is_main)
             hooks: list[IterationHook] = [
                 lambda r, s: log.info(
                     "iteration %d/%d %.0f steps/s", s.iteration, s.total, s.steps_per_s
                 ),
                 lambda r, s: display.update(s),
             ]
-            if ctx.is_main:
-                hooks.append(_progress_writer(run))
-                hooks.append(_checkpointer(run, spec.save_interval, total))
+            if writer is not None:
+                hooks.append(_progress_writer(writer))
+            hooks.append(_Boundary(runner, env, ctx, device, spec, total, request, writer))
             try:
                 with wp.ScopedDevice(device):
                     runner.learn_until(total, hooks)
@@ -351,14 +537,17 @@ def train_rank(spec: TrainSpec, master_port: int | None = None) -> RankResult:
             digest = runner.param_digest()
             digests = _gather(digest, ctx)
             obs_digests = _gather(first_obs, ctx)
-            if ctx.is_main:
-                write_json_atomic(
+            if writer is not None:
+                writer.write_json(
                     run.summary,
                     {
                         "iterations": runner.current_learning_iteration,
+                        "resumed_from": start,
                         "world_size": ctx.world_size,
                         "device": device,
                         "launch_mode": ctx.mode,
+                        "job_id": ctx.job_id,
+                        "restart_count": ctx.restart_count,
                         "param_digest_per_rank": digests,
                         "ranks_in_sync": len(set(digests)) == 1,
                         "first_obs_digest_per_rank": obs_digests,
@@ -376,27 +565,22 @@ def train_rank(spec: TrainSpec, master_port: int | None = None) -> RankResult:
                 param_digest=digest,
                 first_obs_digest=first_obs,
             )
+        except Stopped as stop:
+            stop.ctx = ctx
+            log.info("%s; checkpoint saved in %s", stop, run.path)
+            raise
         except BaseException:
             log.exception("rank %d failed", ctx.rank)
             raise
         finally:
+            if writer is not None:
+                writer.release()
             log.removeHandler(handler)
             rank_log.close()
 
 
-def _progress_writer(run: RunDir) -> IterationHook:
-    import json
-
+def _progress_writer(writer: RunWriter) -> IterationHook:
     def hook(runner: DistributedRunner, s: IterationStats) -> None:
-        with open(run.progress, "a") as f:
-            f.write(json.dumps(s.as_record()) + "\n")
-
-    return hook
-
-
-def _checkpointer(run: RunDir, every: int, total: int) -> IterationHook:
-    def hook(runner: DistributedRunner, s: IterationStats) -> None:
-        if s.iteration % every == 0 or s.iteration == total:
-            runner.save(str(run.checkpoint(s.iteration)))
+        writer.append_line(writer.run.progress, json.dumps(s.as_record()))
 
     return hook

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from mjlab_hpc import lock as lock_mod
 from mjlab_hpc.lock import (
     LeaseConfig,
     LeaseLock,
@@ -229,7 +230,7 @@ def test_kill9_holder_is_taken_over_after_lease(
             start = CTX.Event()
             contenders = [
                 CTX.Process(
-                    target=_contender, args=(str(lock_path), str(record), 1, i, lease, start)
+                    target=_contender, args=(str(lock_path), str(record), 1, i, 10.0, start)
                 )
                 for i in range(4)
             ]
@@ -272,7 +273,7 @@ def _write_stale_record(path: Path, token: int, valid: bool) -> None:
     if valid:
         doc = {
             "format": "mjlab_hpc.lease_lock/1",
-            "token": token,
+            "token": token or None,  # None: crashed before recording its token
             "nonce": f"dead{token}",
             "host": "dead-node",
             "pid": 1,
@@ -301,7 +302,7 @@ def test_racing_takeovers_of_a_stale_lock(tmp_path: Path, capsys: pytest.Capture
         record = tmp_path / f"record{round_}.log"
         start = CTX.Event()
         procs = [
-            CTX.Process(target=_contender, args=(str(lock_path), str(record), 1, i, 1.0, start))
+            CTX.Process(target=_contender, args=(str(lock_path), str(record), 1, i, 10.0, start))
             for i in range(n_procs)
         ]
         for p in procs:
@@ -398,6 +399,32 @@ def test_check_and_write_refused_after_foreign_takeover(tmp_path: Path) -> None:
     b.release()
 
 
+def test_late_racer_does_not_steal_a_fresh_lock(tmp_path: Path) -> None:
+    """A racer that judged a lock stale, but acts after another racer replaced it, backs off.
+
+    Two processes judge the same record stale; one takes over first. The late
+    one must leave the fresh lock alone (same inode, no tombstones left).
+    Driven through the internal takeover step, on real files.
+    """
+    path = tmp_path / "writer.lock"
+    _write_stale_record(path, 0, valid=True)
+    stale = lock_mod._read_snapshot(path)
+    assert stale is not None
+    with LeaseLock(path, lease_s=30) as fresh:  # the first racer's takeover
+        inode = path.stat().st_ino
+        late = LeaseLock(path, lease_s=30)
+        temp = tmp_path / "late.tmp"
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            assert not late._take_over(stale, temp, fd)
+        finally:
+            os.close(fd)
+        assert path.stat().st_ino == inode  # same inode back under the lock name
+        assert not list(tmp_path.glob("writer.lock.tomb.*"))
+        assert not list(tmp_path.glob("writer.lock.break.*"))
+        fresh.check()
+
+
 # --------------------------------------------------------------------------- 4. filesystems
 
 
@@ -416,7 +443,7 @@ def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
                 text=True,
                 timeout=30,
             )
-            problem = res.stderr.strip() if res.returncode else ""
+            problem = " ".join(res.stderr.split()) if res.returncode else ""
         except (OSError, subprocess.TimeoutExpired) as exc:
             problem = str(exc)
         if problem:

@@ -232,7 +232,7 @@ def test_local_executor_job(tmp_path: Path) -> None:
     out = " ".join(proc.stdout.split())
     assert "64 per rank x 2 ranks = 128 in total" in out
     assert "[train] it 2/2" in proc.stdout
-    runs = list((tmp_path / "cartpole").iterdir())
+    runs = [p for p in (tmp_path / "cartpole").iterdir() if not p.name.startswith(".")]
     assert len(runs) == 1
     run = RunDir(runs[0])
     summary = json.loads(run.summary.read_text())

@@ -27,7 +27,7 @@ def cli_env() -> dict[str, str]:
 
 
 def only_run(log_root: Path, task: str = "cartpole") -> RunDir:
-    runs = sorted((log_root / task).iterdir())
+    runs = sorted(p for p in (log_root / task).iterdir() if not p.name.startswith("."))
     assert len(runs) == 1, runs
     return RunDir(runs[0])
 

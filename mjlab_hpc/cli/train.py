@@ -89,9 +89,19 @@ def run(spec: TrainSpec) -> int:
         if plan.single_gpu is not None:
             # Before CUDA initialises: the chosen GPU becomes cuda:0 of this process.
             os.environ["CUDA_VISIBLE_DEVICES"] = str(plan.single_gpu)
+        from mjlab_hpc.preemption import Stopped, after_stop
         from mjlab_hpc.trainer import train_rank
 
-        result = train_rank(spec)
+        try:
+            result = train_rank(spec)
+        except Stopped as stop:
+            code = after_stop(stop, None, spec.max_restarts)
+            if (stop.ctx is None or stop.ctx.is_main) and code == 3:
+                err.print(
+                    f"{stop}: the checkpoint is saved; continue with the same command and "
+                    "--resume (or --run-dir RUN_DIR)"
+                )
+            return code
         if result.rank == 0:
             Console().print(f"run directory: {result.run_dir}")
         return 0

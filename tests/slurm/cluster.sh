@@ -143,10 +143,10 @@ ns_is_ours() {
 
 do_down() {
   if [[ ! -f $MARKER ]]; then
-    log "nothing to stop in $STATE"
+    echo "nothing to stop in $STATE"
     return 0
   fi
-  local t0 ns="" stage1 stage2 stage3 p left
+  local t0 ns="" stage1 stage2 stage3 left
   t0=$(now_us)
   CLUSTER_ID=$(cat "$STATE/cluster-id" 2>/dev/null || true)
   rm -f "$STATE/env.sh"
@@ -181,15 +181,16 @@ do_down() {
   mapfile -t stage3 < <(pids_of mariadbd)
   stop_pids 30 "${stage3[@]}"
 
-  for p in "$STATE"/run/*.pid; do
-    [[ -e $p ]] && rm -f "$p"
-  done
+  rm -f "$STATE"/run/*
   printf 'cluster down in %s s (%s)\n' "$(since "$t0")" "$STATE"
 }
 
-# Up if env.sh exists and the controller answers.
+# Up if env.sh exists, our slurmctld runs and answers. The process check comes first: sinfo
+# against a dead controller retries for ~9 s before it gives up.
 is_up() {
   [[ -f $STATE/env.sh ]] && command -v sinfo >/dev/null || return 1
+  CLUSTER_ID=$(cat "$STATE/cluster-id" 2>/dev/null || true)
+  [[ -n $(pids_of slurmctld) ]] || return 1
   (
     # shellcheck disable=SC1091
     source "$STATE/env.sh"
@@ -230,10 +231,11 @@ ensure_packages() {
 
 # spawn NAME CMD...: start a daemon in the foreground of its own session, stdio to a log,
 # PID to run/NAME.pid. setsid does not fork here (we are not a group leader), so $! is it.
+# fd 9 (the lock) is closed, or the daemons would hold the lock for as long as they run.
 spawn() {
   local name=$1
   shift
-  setsid "$@" </dev/null >>"$STATE/log/$name.out" 2>&1 &
+  setsid "$@" </dev/null >>"$STATE/log/$name.out" 2>&1 9>&- &
   echo $! >"$STATE/run/$name.pid"
 }
 
@@ -478,6 +480,14 @@ do_up() {
   # munged wants execute permission for all on every directory above its socket.
   mkdir -m 0755 "$STATE/munge" "$STATE/munge/sock"
   trap on_up_exit EXIT
+  # munged refuses a socket below a directory that others cannot search (a 0700 TMPDIR,
+  # pytest's tmp_path): say so plainly instead of failing later in its log.
+  local d=$STATE
+  while [[ $d != / ]]; do
+    d=$(dirname "$d")
+    [[ -n $(find "$d" -maxdepth 0 -perm -o+x) ]] ||
+      fail "munged needs every directory above $STATE to be searchable by others; $d is not (chmod o+x it, or set MJLAB_HPC_CLUSTER_DIR elsewhere)"
+  done
 
   ensure_packages
   t_pkg=$(since "$t0")

@@ -1,0 +1,124 @@
+"""Checkpoints that a SIGKILL at any moment cannot corrupt.
+
+A checkpoint is written to a temporary file, fsynced, renamed over its final name and the
+directory fsynced; a sidecar `<name>.sha256` written just before lets a load detect a file
+damaged later (a bad disk, a partial copy). Loading walks from the newest checkpoint back and
+skips, with a warning, any that is truncated or does not match its checksum.
+
+The files stay plain `torch.save` archives, so rsl-rl's and mjlab's own `load()` read them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("mjlab_hpc")
+
+CHECKSUM_SUFFIX = ".sha256"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, before_rename: Callable[[], None] | None = None) -> None:
+    """Write `data` to `path` so that readers see the old file or the whole new one.
+
+    `before_rename` runs after the data is durable and just before the rename (the single
+    writer checks its fencing token there).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(path.parent)
+
+
+def save_checkpoint(
+    path: Path, state: dict[str, Any], before_rename: Callable[[], None] | None = None
+) -> None:
+    """Save `state` atomically with its checksum sidecar."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    digest = hashlib.sha256(data).hexdigest()
+    write_atomic(path.with_name(path.name + CHECKSUM_SUFFIX), f"{digest}\n".encode())
+    write_atomic(path, data, before_rename)
+
+
+def load_verified(path: Path, map_location: str | None = None) -> dict[str, Any]:
+    """Load one checkpoint, raising ValueError if it is truncated or fails its checksum."""
+    data = path.read_bytes()
+    sidecar = path.with_name(path.name + CHECKSUM_SUFFIX)
+    if sidecar.exists():
+        expected = sidecar.read_text().strip()
+        if hashlib.sha256(data).hexdigest() != expected:
+            raise ValueError(f"{path.name} does not match its checksum (damaged or truncated)")
+    try:
+        loaded = torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
+    except Exception as exc:
+        raise ValueError(f"{path.name} cannot be read: {exc}") from None
+    if not isinstance(loaded, dict) or "iter" not in loaded:
+        raise ValueError(f"{path.name} is not a training checkpoint")
+    return loaded
+
+
+def checkpoint_iteration(path: Path) -> int | None:
+    """n of `model_<n>.pt` (None for other names)."""
+    stem = path.name.removeprefix("model_").removesuffix(".pt")
+    return int(stem) if path.name.startswith("model_") and stem.isdigit() else None
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """`model_<n>.pt` files, oldest first."""
+    found = [(checkpoint_iteration(p), p) for p in run_dir.glob("model_*.pt")]
+    return [p for n, p in sorted((n, p) for n, p in found if n is not None)]
+
+
+def latest_valid(
+    run_dir: Path, map_location: str | None = None
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads and verifies, skipping damaged ones with a warning."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, load_verified(path, map_location)
+        except (ValueError, OSError) as exc:
+            log.warning("skipping checkpoint: %s", exc)
+    return None
+
+
+def prune(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints (0 keeps all); returns the deleted."""
+    if keep_last <= 0:
+        return []
+    old = list_checkpoints(run_dir)[:-keep_last]
+    for path in old:
+        path.unlink(missing_ok=True)
+        path.with_name(path.name + CHECKSUM_SUFFIX).unlink(missing_ok=True)
+    return old

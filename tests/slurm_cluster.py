@@ -1,0 +1,210 @@
+"""The real Slurm test cluster (tests/slurm/cluster.sh) as a pytest fixture.
+
+`slurm_cluster` (session scope) reuses a cluster that is already up (e.g. from
+`make cluster-up`: its env.sh exists and sinfo answers), else starts one and stops it at
+the end of the session. If one cannot be started the tests using it are skipped, or fail
+when CI=true, so a CI machine that should run them cannot silently skip them.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent / "slurm" / "cluster.sh"
+
+# sacct states after which a job never runs again (REQUEUED is not one of them).
+TERMINAL_STATES = frozenset(
+    {
+        "BOOT_FAIL",
+        "CANCELLED",
+        "COMPLETED",
+        "DEADLINE",
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "TIMEOUT",
+    }
+)
+
+# apt-get may have to install ~20 packages on the first bring-up.
+UP_TIMEOUT_S = 600
+DOWN_TIMEOUT_S = 120
+
+
+def default_state_dir() -> Path:
+    """The state directory cluster.sh uses, resolved the same way as the script does."""
+    configured = os.environ.get("MJLAB_HPC_CLUSTER_DIR")
+    if configured:
+        return Path(configured).absolute()
+    return Path(os.environ.get("TMPDIR") or "/tmp") / "mjlab-hpc-cluster"
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """The `export NAME=VALUE` lines of a cluster's env.sh."""
+    env: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        words = shlex.split(line, comments=True)
+        if len(words) == 2 and words[0] == "export" and "=" in words[1]:
+            name, value = words[1].split("=", 1)
+            env[name] = value
+    return env
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    """A running cluster and helpers that run Slurm clients against it."""
+
+    state_dir: Path
+    # Merge into os.environ for any subprocess that talks to the cluster (SLURM_CONF, ...).
+    env: dict[str, str]
+    # True when this process started the cluster (and so must stop it).
+    started_here: bool = False
+
+    def environ(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """os.environ plus the cluster's variables: jobs inherit it (sbatch --export=ALL)."""
+        return {**os.environ, **self.env, **(extra or {})}
+
+    def run(self, cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+        """Run a Slurm client command; raises with its output unless check=False."""
+        check = kw.pop("check", True)
+        kw["env"] = self.environ(kw.pop("env", None))
+        kw.setdefault("timeout", 60)
+        kw.setdefault("text", True)
+        if "stdout" not in kw and "stderr" not in kw:
+            kw.setdefault("capture_output", True)
+        proc = subprocess.run(cmd, check=False, **kw)
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"{shlex.join(cmd)} exited {proc.returncode}\n"
+                f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+            )
+        return proc
+
+    def sbatch(self, args: list[str], **kw: Any) -> int:
+        """Submit with sbatch --parsable; returns the job id."""
+        out = self.run(["sbatch", "--parsable", *args], **kw).stdout.strip()
+        return int(out.split(";")[0])
+
+    def sacct_state(self, job_id: int | str) -> str | None:
+        """The job's state in accounting ("CANCELLED by 0" -> "CANCELLED"), None if unknown yet."""
+        proc = self.run(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", "State"], check=False)
+        lines = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+        if proc.returncode != 0 or not lines:
+            return None
+        return lines[-1].split()[0]
+
+    def wait_job(self, job_id: int | str, timeout: float = 60.0) -> str:
+        """Poll sacct until the job reaches a final state and return it."""
+        deadline = time.monotonic() + timeout
+        state = None
+        while time.monotonic() < deadline:
+            state = self.sacct_state(job_id)
+            if state in TERMINAL_STATES:
+                return state
+            time.sleep(0.2)
+        info = self.run(["scontrol", "show", "job", str(job_id)], check=False)
+        raise TimeoutError(
+            f"job {job_id} not finished after {timeout:.0f}s (sacct: {state})\n"
+            f"{info.stdout}{info.stderr}"
+        )
+
+
+def running_cluster(state_dir: Path) -> SlurmCluster | None:
+    """The cluster at state_dir if it is up (env.sh present, slurmctld runs, sinfo answers)."""
+    env_file = state_dir / "env.sh"
+    if not env_file.is_file():
+        return None
+    env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(state_dir)}
+    try:
+        # `status` checks the controller's process before asking sinfo, which can hang ~9 s.
+        proc = subprocess.run(
+            ["bash", str(SCRIPT), "status"], env=env, capture_output=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    return SlurmCluster(state_dir=state_dir, env=read_env_file(env_file))
+
+
+def _tail(text: str, lines: int = 60) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def start_cluster(state_dir: Path) -> SlurmCluster:
+    """Run `cluster.sh up` for state_dir; raises RuntimeError with its output on failure."""
+    env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(state_dir)}
+    try:
+        proc = subprocess.run(
+            ["bash", str(SCRIPT), "up"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=UP_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"cluster.sh up took more than {UP_TIMEOUT_S}s") from exc
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"cluster.sh up exited {proc.returncode}:\n{_tail(output)}")
+    # Someone else brought it up between our check and our call: not ours to stop.
+    started_here = "already up" not in proc.stdout
+    env_file = state_dir / "env.sh"
+    return SlurmCluster(state_dir, read_env_file(env_file), started_here=started_here)
+
+
+def stop_cluster(state_dir: Path) -> str:
+    """Run `cluster.sh down` for state_dir; returns its output, raises if it failed."""
+    env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(state_dir)}
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "down"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=DOWN_TIMEOUT_S,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"cluster.sh down exited {proc.returncode}:\n{proc.stdout}{proc.stderr}")
+    return proc.stdout + proc.stderr
+
+
+def _unavailable(reason: str) -> NoReturn:
+    # On CI the cluster is a requirement: a skip there would hide a broken setup.
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"Slurm test cluster unavailable (CI=true): {reason}", pytrace=False)
+    pytest.skip(f"Slurm test cluster unavailable: {reason}")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """A running two-node cluster (node1, node2; 8 CPUs and 4 fake GPUs each)."""
+    state_dir = default_state_dir()
+    cluster = running_cluster(state_dir)
+    if cluster is None:
+        if os.geteuid() != 0:
+            _unavailable("needs root (starts daemons, mknod, mount namespace)")
+        failure = ""
+        try:
+            cluster = start_cluster(state_dir)
+        except (OSError, RuntimeError) as exc:
+            failure = str(exc)
+        if failure:
+            # Outside the except block, so the report is the reason, not a chained traceback.
+            _unavailable(failure)
+    try:
+        yield cluster
+    finally:
+        if cluster.started_here:
+            stop_cluster(state_dir)

@@ -1,0 +1,197 @@
+"""The real Slurm test cluster behaves like the multi-node GPU clusters we target."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import SCRIPT, SlurmCluster, start_cluster, stop_cluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
+
+
+def _read(path: Path, timeout: float = 10.0) -> str:
+    # Batch output can land a moment after sacct reports the end of the job.
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return path.read_text()
+
+
+def test_srun_two_nodes_two_tasks_each(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    show = (
+        'echo "$SLURM_PROCID|$SLURM_NODEID|$SLURMD_NODENAME|$SLURM_JOB_NODELIST|'
+        '$(getent hosts node1)"'
+    )
+    out = slurm_cluster.run(
+        ["srun", "-N2", "--ntasks-per-node=2", "--chdir", str(tmp_path), "bash", "-c", show]
+    ).stdout
+    rows = sorted((line.split("|") for line in out.splitlines() if line), key=lambda r: int(r[0]))
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"], out
+    assert [r[1] for r in rows] == ["0", "0", "1", "1"], out
+    assert [r[2] for r in rows] == ["node1", "node1", "node2", "node2"], out
+    assert {r[3] for r in rows} == {"node[1-2]"}, out
+    # node1 must resolve inside jobs (MASTER_ADDR) through the namespace's hosts file.
+    assert all(r[4].split()[0] == "127.0.0.1" for r in rows), out
+
+
+def test_fake_gpus(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    script = tmp_path / "gpus.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        'echo "batch $CUDA_VISIBLE_DEVICES"\n'
+        "srun --gpus-per-task=1 --ntasks=2 "
+        "bash -c 'echo \"task $SLURM_PROCID $CUDA_VISIBLE_DEVICES\"'\n"
+    )
+    out_file = tmp_path / "gpus.out"
+    job = slurm_cluster.sbatch(
+        ["-N1", "--ntasks=2", "--gpus-per-node=4", "-o", str(out_file), str(script)],
+        cwd=tmp_path,
+    )
+    assert slurm_cluster.wait_job(job) == "COMPLETED"
+    lines = _read(out_file).split("\n")
+    assert "batch 0,1,2,3" in lines, lines
+    tasks = dict(line.split()[1:] for line in lines if line.startswith("task "))
+    assert sorted(tasks) == ["0", "1"], lines
+    # One GPU per task, not the same one twice (the index is the real one, not always 0).
+    assert all(devices in {"0", "1", "2", "3"} for devices in tasks.values()), lines
+    assert len(set(tasks.values())) == 2, lines
+
+
+def test_sacct_final_states_and_inherited_env(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    ok_out = tmp_path / "ok.out"
+    ok = slurm_cluster.sbatch(
+        ["-o", str(ok_out), "--wrap", 'echo "marker=$MJLAB_TEST_MARKER"; echo "path=$PATH"'],
+        cwd=tmp_path,
+        env={"MJLAB_TEST_MARKER": "from-the-test"},
+    )
+    bad = slurm_cluster.sbatch(["-o", str(tmp_path / "bad.out"), "--wrap", "exit 3"], cwd=tmp_path)
+    assert slurm_cluster.wait_job(ok) == "COMPLETED"
+    assert slurm_cluster.wait_job(bad) == "FAILED"
+    rows = slurm_cluster.run(
+        ["sacct", "-n", "-P", "-j", str(ok), "-o", "JobID,State,ExitCode"]
+    ).stdout.split()
+    assert f"{ok}|COMPLETED|0:0" in rows
+    assert f"{ok}.batch|COMPLETED|0:0" in rows
+    exit_code = slurm_cluster.run(
+        ["sacct", "-n", "-P", "-X", "-j", str(bad), "-o", "ExitCode"]
+    ).stdout.strip()
+    assert exit_code == "3:0"
+    # Jobs see the submitter's environment (sbatch --export=ALL), so the same venv and PATH.
+    out = _read(ok_out).splitlines()
+    assert "marker=from-the-test" in out
+    assert f"path={os.environ['PATH']}" in out
+
+
+def test_requeue_from_inside_job(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    runs = tmp_path / "runs.txt"
+    script = tmp_path / "requeue.sh"
+    # Appends to its own file: sbatch truncates the -o file when the job starts again.
+    script.write_text(
+        "#!/bin/bash\n"
+        f'echo "start ${{SLURM_RESTART_COUNT:-0}} $(date +%s.%N)" >> {runs}\n'
+        'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then\n'
+        f'  echo "requeue 0 $(date +%s.%N)" >> {runs}\n'
+        '  scontrol requeue "$SLURM_JOB_ID"\n'
+        "  sleep 60\n"
+        "fi\n"
+    )
+    job = slurm_cluster.sbatch(["-o", str(tmp_path / "requeue.out"), str(script)], cwd=tmp_path)
+    assert slurm_cluster.wait_job(job, timeout=90) == "COMPLETED"
+    events = [line.split() for line in runs.read_text().splitlines()]
+    assert [e[:2] for e in events] == [["start", "0"], ["requeue", "0"], ["start", "1"]], events
+    delay = float(events[2][2]) - float(events[1][2])
+    print(f"requeue delay: {delay:.1f} s")
+    # cred_expire=10 and a 1 s scheduling interval: about 11 s (120+ s with Slurm's defaults).
+    assert delay < 30
+    history = slurm_cluster.run(
+        ["sacct", "-n", "-P", "-D", "-X", "-j", str(job), "-o", "State"]
+    ).stdout.split()
+    assert history == ["REQUEUED", "COMPLETED"], history
+
+
+def _processes_of(state_dir: Path, cluster_id: str, ns: str, pids: set[int]) -> list[str]:
+    """Live processes (zombies excluded) that belong to the cluster at state_dir."""
+    markers = {
+        f"MJLAB_HPC_CLUSTER_ID={cluster_id}".encode(),
+        f"SLURM_CONF={state_dir}/etc/slurm.conf".encode(),
+    }
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+            mnt = os.readlink(proc / "ns" / "mnt")
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if state in {"Z", "X"}:
+            continue
+        if int(proc.name) in pids or mnt == ns or markers & environ:
+            found.append(f"{proc.name} {state} {cmdline}")
+    return found
+
+
+def _escaped_sleep(job_id: int) -> bool:
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in environ and cmdline.startswith(b"sleep\0"):
+            return True
+    return False
+
+
+def test_down_leaves_no_process(slurm_cluster: SlurmCluster) -> None:
+    # A second, private cluster: the session's may be shared (make cluster-up). Its parent
+    # is the session cluster's, known to suit munged (no 0700 directory above it).
+    state = Path(tempfile.mkdtemp(prefix="mjlab-hpc-own-", dir=slurm_cluster.state_dir.parent))
+    env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(state)}
+    try:
+        own = start_cluster(state)
+        assert own.started_here
+        again = subprocess.run(
+            ["bash", str(SCRIPT), "up"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert again.returncode == 0 and "already up" in again.stdout, again
+        cluster_id = (state / "cluster-id").read_text().strip()
+        ns = (state / "run" / "mntns").read_text().strip()
+        pids = {int(p.read_text()) for p in (state / "run").glob("*.pid")}
+
+        # A job process that leaves its process group outlives the job (proctrack/pgid).
+        job = own.sbatch(
+            ["-o", str(state / "escape.out"), "--wrap", "setsid sleep 300 </dev/null &>/dev/null &"]
+        )
+        assert own.wait_job(job) == "COMPLETED"
+        deadline = time.monotonic() + 10
+        while not _escaped_sleep(job) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _escaped_sleep(job)
+        assert _processes_of(state, cluster_id, ns, pids)
+    finally:
+        started = time.monotonic()
+        stop_cluster(state)
+        teardown_s = time.monotonic() - started
+    print(f"teardown: {teardown_s:.2f} s")
+    assert _processes_of(state, cluster_id, ns, pids) == []
+    assert not _escaped_sleep(job)
+
+    # Idempotent: a second down finds nothing to stop, and status says down.
+    started = time.monotonic()
+    stop_cluster(state)
+    assert time.monotonic() - started < 5
+    status = subprocess.run(
+        ["bash", str(SCRIPT), "status"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert status.returncode == 3 and status.stdout.startswith("down"), status
+    shutil.rmtree(state)
+    Path(f"{state}.lock").unlink(missing_ok=True)  # cluster.sh's lock lives beside the dir
