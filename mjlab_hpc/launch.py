@@ -93,8 +93,18 @@ class LocalJob:
         return Path(self.job.task(rank).paths.stderr)
 
 
-def submit_local(spec: TrainSpec, ranks: int, gpus: Sequence[int] = ()) -> LocalJob:
-    """Submit `ranks` processes of `train_rank(spec)` on this machine and return at once."""
+def submit_local(
+    spec: TrainSpec,
+    ranks: int,
+    gpus: Sequence[int] = (),
+    timeout_min: float = LOCAL_TIMEOUT_MIN,
+    signal_delay_s: int = 90,
+) -> LocalJob:
+    """Submit `ranks` processes of `train_rank(spec)` on this machine and return at once.
+
+    Like Slurm, submitit's local executor sends the time-limit signal `signal_delay_s` before
+    `timeout_min`, and restarts the ranks when they exit for a requeue.
+    """
     spec.validate()
     task = resolve_task(spec)
     run_dir = (
@@ -105,7 +115,8 @@ def submit_local(spec: TrainSpec, ranks: int, gpus: Sequence[int] = ()) -> Local
     executor = submitit.LocalExecutor(folder=run_dir / "submitit")
     executor.update_parameters(
         tasks_per_node=ranks,
-        timeout_min=LOCAL_TIMEOUT_MIN,
+        timeout_min=timeout_min,
+        signal_delay_s=signal_delay_s,
         gpus_per_node=len(gpus),
         visible_gpus=tuple(gpus),
     )
@@ -131,15 +142,45 @@ def follow(path: Path, done: Callable[[], bool], out: TextIO, poll_s: float = 0.
         time.sleep(poll_s)
 
 
-def run_local(
-    spec: TrainSpec, ranks: int, gpus: Sequence[int] = (), out: TextIO | None = None
-) -> list[RankResult]:
-    """Run a local multi-rank job to its end, streaming rank 0's output; return every rank's
-    result. Ctrl-C cancels the job and leaves no rank behind."""
-    local = submit_local(spec, ranks, gpus)
+class JobFailed(RuntimeError):
+    """Some ranks of a job failed; the message names each and why."""
+
+
+def rank_outcomes(job: submitit.Job, ranks: int) -> tuple[list[object], list[str]]:
+    """Every rank's result, and a line for each rank that failed or died without a result."""
+    results: list[object] = []
+    failures: list[str] = []
+    for k in range(ranks):
+        task = job.task(k)
+        try:
+            results.append(task.result())
+        except submitit.core.utils.UncompletedJobError:
+            failures.append(
+                f"rank {k} died without a result (killed, e.g. SIGKILL or out of memory); "
+                f"its output: {task.paths.stderr}"
+            )
+        except Exception as exc:  # the rank's own exception, re-raised by submitit
+            last = str(exc).strip().splitlines()
+            failures.append(f"rank {k} failed: {last[-1] if last else type(exc).__name__}")
+    return results, failures
+
+
+def wait_local(local: LocalJob, out: TextIO | None = None) -> list[RankResult]:
+    """Stream rank 0's output until the job ends; every rank's result, or JobFailed naming the
+    ranks that failed. Ctrl-C cancels the job and leaves no rank behind."""
     try:
         follow(local.rank_stdout(0), local.job.done, out or sys.stdout)
-        return list(local.job.results())
     except KeyboardInterrupt:
         local.job.cancel(check=False)
         raise
+    results, failures = rank_outcomes(local.job, local.ranks)
+    if failures:
+        raise JobFailed(f"job {local.job.job_id} failed:\n  " + "\n  ".join(failures))
+    return results  # type: ignore[return-value]
+
+
+def run_local(
+    spec: TrainSpec, ranks: int, gpus: Sequence[int] = (), out: TextIO | None = None
+) -> list[RankResult]:
+    """Run a local multi-rank job to its end (see `wait_local`)."""
+    return wait_local(submit_local(spec, ranks, gpus), out)

@@ -233,6 +233,7 @@ def make_mjlab_runtime(
     device: str,
     overrides: Sequence[str] = (),
     registry_name: str | None = None,
+    cpu_graph: bool = False,
 ) -> MjlabRuntime:
     """Build one rank's env for a registered mjlab task, and its rsl-rl config and runner class.
 
@@ -245,6 +246,11 @@ def make_mjlab_runtime(
     `registry_name` is the tracking tasks' W&B motion artifact: only passed on to the runner
     (which records the lineage); fetch the file first (`fetch_motion_once`) and name it with
     `--env.commands.motion.motion-file PATH`.
+
+    `cpu_graph`: on CPU, replay physics through captured Warp graphs as mjlab does on CUDA
+    (mjlab itself never captures on CPU). Measured here bit-identical to plain stepping and
+    2.5x (G1, 16 envs) to ~30x (cartpole, 16 envs) faster per env step. No effect on CUDA,
+    where mjlab decides (graphs when the driver and memory pool allow).
     """
     env_cfg, agent_cfg, runner_cls, tracking = load_mjlab_cfgs(task)
     if num_envs is not None:
@@ -278,6 +284,8 @@ def make_mjlab_runtime(
         configure_torch_backends()
     with wp.ScopedDevice(device):
         env = ManagerBasedRlEnv(cfg=env_cfg, device=device, render_mode=None)
+        if cpu_graph:
+            enable_cpu_graph(env)
         vec_env = RslRlVecEnvWrapper(env, clip_actions=agent_cfg.clip_actions)
     return MjlabRuntime(
         task=task,
@@ -290,6 +298,25 @@ def make_mjlab_runtime(
         device=device,
         seed=seed,
     )
+
+
+def enable_cpu_graph(env: Any) -> bool:
+    """Make a CPU ManagerBasedRlEnv replay step/forward/reset/sense through Warp graphs.
+
+    mjlab's Simulation captures graphs only on CUDA (`_should_use_cuda_graph`); its replay
+    path and its re-capture after array replacement (`create_graph`, called by
+    `expand_model_fields` and `set_sensor_context`) are device-neutral, so setting the flag
+    and capturing once is enough. Returns whether graphs are now in use.
+    """
+    import warp as wp
+
+    sim = env.unwrapped.sim
+    if sim.use_cuda_graph or sim.wp_device.is_cuda:
+        return bool(sim.use_cuda_graph)
+    sim.use_cuda_graph = True
+    with wp.ScopedDevice(sim.wp_device):
+        sim.create_graph()
+    return True
 
 
 def dump_params(run_dir: str | os.PathLike[str], runtime: MjlabRuntime) -> tuple[Path, Path]:

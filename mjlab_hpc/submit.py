@@ -278,6 +278,10 @@ class Submitted:
     spec: SubmitSpec
 
     @property
+    def ranks(self) -> int:
+        return self.spec.world_size
+
+    @property
     def job_id(self) -> str:
         return str(self.job.job_id)
 
@@ -312,7 +316,13 @@ def submit(spec: SubmitSpec) -> Submitted:
             from mjlab_hpc.launch import submit_local
 
             gpus = tuple(range(spec.gpus_per_node))
-            local = submit_local(train, spec.ranks_per_node, gpus)
+            local = submit_local(
+                train,
+                spec.ranks_per_node,
+                gpus,
+                timeout_min=slurm_time_minutes(spec.time),
+                signal_delay_s=spec.signal_delay_s,
+            )
             return Submitted(job=local.job, executor="local", run_dir=run_dir, spec=spec)
         executor = make_slurm_executor(spec, run_dir)
         job = executor.submit(RankJob(train))

@@ -70,6 +70,25 @@ def test_cartpole_runtime_steps() -> None:
 
 
 @pytest.mark.slow
+def test_cpu_graph_replay_matches_plain_stepping() -> None:
+    results = []
+    for cpu_graph in (False, True):
+        rt = _runtime(num_envs=8, cpu_graph=cpu_graph)
+        try:
+            assert rt.env.unwrapped.sim.use_cuda_graph is cpu_graph
+            gen = torch.Generator().manual_seed(0)
+            for _ in range(20):
+                obs, rewards, dones, _ = rt.env.step(
+                    2 * torch.rand(8, rt.env.num_actions, generator=gen) - 1
+                )
+            results.append((obs["actor"].clone(), rewards.clone(), dones.clone()))
+        finally:
+            rt.close()
+    for plain, graph in zip(*results, strict=True):
+        assert torch.equal(plain, graph)
+
+
+@pytest.mark.slow
 def test_overrides_apply_and_bad_ones_are_named() -> None:
     rt = _runtime(
         num_envs=8,

@@ -75,16 +75,19 @@ def summary_table(s: Submitted) -> Table:
 
 def follow_job(s: Submitted, console: Console) -> int:
     """Stream rank 0's output until the job ends; 0 if every rank succeeded."""
-    from mjlab_hpc.launch import follow
+    from mjlab_hpc.launch import follow, rank_outcomes
 
     out = s.rank_stdout(0)
     while not out.exists() and not s.job.done():
         time.sleep(0.5)
-    follow(out, s.job.done, sys.stdout)
     try:
-        s.job.results()
-    except Exception as exc:  # submitit raises the failed rank's traceback
-        console.print(f"[bold red]job {s.job_id} failed:[/] {str(exc)[-2000:]}")
+        follow(out, s.job.done, sys.stdout)
+    except KeyboardInterrupt:
+        console.print(f"stopped following; job {s.job_id} keeps running")
+        raise
+    _, failures = rank_outcomes(s.job, s.ranks)
+    if failures:
+        console.print(f"[bold red]job {s.job_id} failed:[/]\n  " + "\n  ".join(failures))
         return 1
     console.print(f"[bold green]job {s.job_id} finished[/]: {s.run_dir}")
     return 0

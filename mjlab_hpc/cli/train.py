@@ -13,7 +13,7 @@ from rich.console import Console
 
 from mjlab_hpc.distributed import DistContext, cuda_device_count, detect_mode
 from mjlab_hpc.errors import LaunchError, SpecError
-from mjlab_hpc.launch import physical_gpu_ids, run_local
+from mjlab_hpc.launch import JobFailed, physical_gpu_ids, run_local
 from mjlab_hpc.spec import TrainSpec
 from mjlab_hpc.tasks import resolve_task
 
@@ -105,7 +105,11 @@ def run(spec: TrainSpec) -> int:
         if result.rank == 0:
             Console().print(f"run directory: {result.run_dir}")
         return 0
-    results = run_local(spec, plan.ranks, plan.gpus)
+    try:
+        results = run_local(spec, plan.ranks, plan.gpus)
+    except JobFailed as exc:
+        err.print(f"[bold red]{exc}[/]")
+        return 1
     Console().print(f"{len(results)} ranks done, run directory: {results[0].run_dir}")
     return 0
 
