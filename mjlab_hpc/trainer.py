@@ -30,6 +30,7 @@ import torch
 import yaml
 from rsl_rl.runners import OnPolicyRunner
 
+from mjlab_hpc import runrecord
 from mjlab_hpc.checkpoint import latest_valid, prune, save_checkpoint
 from mjlab_hpc.distributed import (
     DistContext,
@@ -377,6 +378,30 @@ def restore(runner: DistributedRunner, env: Any, run: RunDir, ctx: DistContext, 
     return runner.current_learning_iteration
 
 
+def _build_env_staged(
+    task: Any, num_envs: int, device: str, seed: int, use_graph: bool, ctx: DistContext
+) -> Any:
+    """Build the environment; on a node with several ranks, local rank 0 first.
+
+    Building loads (on a cold cache: compiles) every Warp kernel. Local rank 0 compiles each
+    module once into the node's kernel cache; the other ranks then load them from it instead
+    of all compiling the same modules at once.
+    """
+    import warp as wp
+
+    def build() -> Any:
+        with wp.ScopedDevice(device):
+            return task.make_env(num_envs, device, seed, use_graph)
+
+    if not ctx.is_distributed or ctx.local_world_size == 1:
+        return build()
+    import torch.distributed as dist
+
+    env = build() if ctx.local_rank == 0 else None
+    dist.barrier()
+    return env if env is not None else build()
+
+
 def _rank_logging(run: RunDir, rank: int) -> tuple[logging.Handler, TextIO]:
     run.logs.mkdir(parents=True, exist_ok=True)
     stream = open(run.rank_log(rank), "a", buffering=1)  # noqa: SIM115 (closed by train_rank)
@@ -427,21 +452,20 @@ class _Boundary:
                 self.writer.save_checkpoint(path, state)
                 prune(self.writer.run.path, self.spec.keep_checkpoints)
                 if signum:
-                    self.writer.append_line(
-                        self.writer.run.path / "restarts.jsonl",
-                        json.dumps(
-                            {
-                                "reason": stop_reason(signum, self.spec.preempt_signal),
-                                "signal": signal.Signals(signum).name,
-                                "iteration": s.iteration,
-                                "job_id": self.ctx.job_id,
-                                "restart_count": self.ctx.restart_count,
-                                "signal_at": self.request.signaled_at,
-                                "checkpoint_at": time.time(),
-                                "checkpoint_s": round(time.time() - t0, 3),
-                            }
-                        ),
-                    )
+                    stop = {
+                        "reason": stop_reason(signum, self.spec.preempt_signal),
+                        "signal": signal.Signals(signum).name,
+                        "iteration": s.iteration,
+                        "job_id": self.ctx.job_id,
+                        "restart_count": self.ctx.restart_count,
+                        "signal_at": self.request.signaled_at,
+                        "checkpoint_at": time.time(),
+                        "checkpoint_s": round(time.time() - t0, 3),
+                    }
+                    run = self.writer.run
+                    self.writer.append_line(run.path / "restarts.jsonl", json.dumps(stop))
+                    record = runrecord.on_stop(runrecord.read_record(run.path), stop)
+                    self.writer.write_json(run.path / runrecord.RECORD_NAME, record)
         if signum:
             raise Stopped(s.iteration, stop_reason(signum, self.spec.preempt_signal), signum)
 
@@ -503,8 +527,7 @@ def train_rank(spec: TrainSpec, master_port: int | None = None) -> RankResult:
             if ctx.is_main:
                 writer = RunWriter.acquire(run, ctx.rank)
                 record_latest_run(run.path)
-            with wp.ScopedDevice(device):
-                env = task.make_env(num_envs, device, seed, spec.use_graph)
+            env = _build_env_staged(task, num_envs, device, seed, spec.use_graph, ctx)
             first_obs = tensor_digest(env.get_observations()["policy"])
             agent_cfg = agent_config(task, spec.save_interval, experiment)
             agent_cfg["seed"] = seed
@@ -517,6 +540,20 @@ def train_rank(spec: TrainSpec, master_port: int | None = None) -> RankResult:
                 quiet=rank_log,
             )
             start = restore(runner, env, run, ctx, device)
+            if writer is not None:
+                record = runrecord.on_start(
+                    runrecord.read_record(run.path),
+                    spec=spec.to_dict(),
+                    job_id=ctx.job_id,
+                    restart_count=ctx.restart_count,
+                    launch_mode=ctx.mode,
+                    world_size=ctx.world_size,
+                    num_nodes=ctx.num_nodes,
+                    device=device,
+                    resumed_from=start,
+                    code_dir=Path.cwd(),
+                )
+                writer.write_json(run.path / runrecord.RECORD_NAME, record)
             if writer is not None and start == 0:
                 _dump_params(writer, spec, agent_cfg, env)
             display = ProgressDisplay(total, start, enabled=ctx.is_main)
@@ -555,6 +592,10 @@ def train_rank(spec: TrainSpec, master_port: int | None = None) -> RankResult:
                 )
                 if len(set(digests)) != 1:
                     log.error("ranks diverged: parameter digests %s", digests)
+                record = runrecord.on_end(
+                    runrecord.read_record(run.path), runner.current_learning_iteration
+                )
+                writer.write_json(run.path / runrecord.RECORD_NAME, record)
             log.info("done: %d iterations", runner.current_learning_iteration)
             return RankResult(
                 rank=ctx.rank,
@@ -571,6 +612,11 @@ def train_rank(spec: TrainSpec, master_port: int | None = None) -> RankResult:
             raise
         except BaseException:
             log.exception("rank %d failed", ctx.rank)
+            if writer is not None:
+                with contextlib.suppress(Exception):  # the original error matters more
+                    record = runrecord.read_record(run.path)
+                    record = runrecord.on_end(record, record.get("iterations", 0), "failed")
+                    writer.write_json(run.path / runrecord.RECORD_NAME, record)
             raise
         finally:
             if writer is not None:
