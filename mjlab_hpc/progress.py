@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import sys
+import time
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -49,6 +50,7 @@ class IterationStats:
             "mean_reward": self.mean_reward,
             "mean_episode_length": self.mean_episode_length,
             "elapsed_s": round(self.elapsed_s, 2),
+            "time": round(time.time(), 3),
         }
 
 

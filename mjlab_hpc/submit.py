@@ -26,9 +26,6 @@ from mjlab_hpc.tasks import resolve_task
 
 ExecutorChoice = Literal["slurm", "local", "auto"]
 
-# Preemption / time-limit warning: USR2, because NCCL may catch USR1.
-PREEMPT_SIGNAL = "USR2"
-
 _TIME_FORMATS = (
     (re.compile(r"^(\d+)$"), ("m",)),
     (re.compile(r"^(\d+):(\d{1,2})$"), ("m", "s")),
@@ -110,6 +107,11 @@ class SubmitSpec:
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def preempt_signal(self) -> str:
+        """The time-limit warning signal, as Slurm names it (USR2)."""
+        return self.train.preempt_signal.upper().removeprefix("SIG")
 
     @property
     def name(self) -> str:
@@ -204,7 +206,12 @@ def slurm_parameters(spec: SubmitSpec) -> dict[str, Any]:
         "signal_delay_s": spec.signal_delay_s,
         # A dead rank ends the whole step instead of leaving the others in a collective.
         "srun_args": ["--kill-on-bad-exit=1"],
-        "additional_parameters": {"requeue": True, **spec.sbatch_extra()},
+        # submitit writes --signal=USR2@delay; this also honours --preempt-signal.
+        "additional_parameters": {
+            "requeue": True,
+            "signal": f"{spec.preempt_signal}@{spec.signal_delay_s}",
+            **spec.sbatch_extra(),
+        },
         "setup": list(spec.setup),
     }
     if spec.gpus_per_node > 0:

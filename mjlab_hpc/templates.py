@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.spec import TrainSpec
-from mjlab_hpc.submit import PREEMPT_SIGNAL, SubmitSpec, experiment_of
+from mjlab_hpc.submit import SubmitSpec, experiment_of
 
 TEMPLATE_NAMES = ("train", "train_apptainer")
 _PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
@@ -83,7 +83,7 @@ def template_context(spec: SubmitSpec) -> dict[str, str | None]:
         "CONSTRAINT": opt(spec.constraint),
         "EXCLUSIVE": "--exclusive" if spec.exclusive else None,
         "TIME": q(spec.time),
-        "SIGNAL": f"{PREEMPT_SIGNAL}@{spec.signal_delay_s}",
+        "SIGNAL": f"{spec.preempt_signal}@{spec.signal_delay_s}",
         "BATCH_LOG": "slurm-%x-%j.out",
         "SBATCH_EXTRA": "\n".join(extra) or None,
         "SETUP": "\n".join(spec.setup) or None,  # shell lines by design: not quoted

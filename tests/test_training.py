@@ -60,6 +60,8 @@ def check_synced_run(run: RunDir, world: int, iters: int) -> dict:
     assert sorted(p.name for p in run.logs.glob("rank*.log")) == [
         f"rank{k}.log" for k in range(world)
     ]
+    # Exactly one process became the writer: one fencing token was ever issued.
+    assert [p.name for p in (run.path / ".writer.lock.tokens").iterdir()] == ["1"]
     return summary
 
 

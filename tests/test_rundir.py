@@ -1,0 +1,82 @@
+"""Run directories: decided once, never shared by two jobs, written by one writer."""
+
+from __future__ import annotations
+
+import datetime as dt
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+
+from mjlab_hpc.lock import LockTimeout, LockUsageError
+from mjlab_hpc.rundir import (
+    RunDir,
+    RunWriter,
+    create_run_dir,
+    latest_run,
+    record_latest_run,
+    run_dir_for_key,
+)
+
+SAME_SECOND = dt.datetime(2026, 11, 22, 4, 12, 58)
+
+
+def _make(root: str, out: mp.Queue) -> None:
+    out.put(str(create_run_dir(root, "exp", "r", now=SAME_SECOND)))
+
+
+def _keyed(root: str, out: mp.Queue) -> None:
+    out.put(str(run_dir_for_key(root, "exp", "r", "slurm-77")))
+
+
+def race(target: object, root: Path, n: int = 16) -> list[str]:
+    ctx = mp.get_context("fork")
+    out: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(str(root), out)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return [out.get(timeout=5) for _ in range(n)]
+
+
+def test_launches_in_the_same_second_get_distinct_directories(tmp_path: Path) -> None:
+    made = race(_make, tmp_path)
+    assert len(set(made)) == 16
+    names = sorted(Path(m).name for m in made)
+    assert names[0] == "2026-11-22_04-12-58_r" and "2026-11-22_04-12-58_r-16" in names
+
+
+def test_one_job_key_one_directory_under_a_race(tmp_path: Path) -> None:
+    made = race(_keyed, tmp_path)
+    assert len(set(made)) == 1
+    # The losers removed the directories they made: one run directory remains.
+    runs = [p for p in (tmp_path / "exp").iterdir() if not p.name.startswith(".")]
+    assert [str(p) for p in runs] == [made[0]]
+
+
+def test_second_writer_is_refused_and_named(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    first = RunWriter.acquire(run, rank=0, lease_s=3.0)
+    try:
+        with pytest.raises(LockTimeout, match="rank=0"):
+            RunWriter.acquire(run, rank=0, lease_s=3.0, timeout_s=0.5)
+        first.write_json(run.summary, {"ok": True})
+    finally:
+        first.release()
+    second = RunWriter.acquire(run, rank=0, lease_s=3.0, timeout_s=1.0)
+    second.release()
+    # A released writer can no longer publish anything.
+    with pytest.raises(LockUsageError):
+        first.write_json(run.summary, {"stale": True})
+    assert "stale" not in run.summary.read_text()
+
+
+def test_latest_run_record(tmp_path: Path) -> None:
+    a = create_run_dir(tmp_path, "exp", now=SAME_SECOND)
+    b = create_run_dir(tmp_path, "exp", now=SAME_SECOND + dt.timedelta(seconds=5))
+    assert latest_run(tmp_path, "exp") == b  # newest by name without a record
+    record_latest_run(a)
+    assert latest_run(tmp_path, "exp") == a
+    assert latest_run(tmp_path, "missing") is None
