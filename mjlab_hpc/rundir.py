@@ -15,6 +15,8 @@ import contextlib
 import datetime as dt
 import json
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,3 +217,45 @@ def latest_run(log_root: str | Path, experiment: str) -> Path | None:
             return path
     runs = sorted(p for p in parent.glob("*") if p.is_dir() and not p.name.startswith("."))
     return runs[-1] if runs else None
+
+
+def once(
+    run: RunDir,
+    name: str,
+    writer: RunWriter | None,
+    fn: Callable[[], Any],
+    timeout_s: float = 3600.0,
+    poll_s: float = 0.2,
+) -> Any:
+    """Run a side effect that must happen once per run (an artifact download, a video) on the
+    writer only; every other rank waits for its result, and so does every restart.
+
+    The writer publishes `{"result": ...}` (JSON-able) or `{"error": ...}` as
+    `<run>/.once/<name>.json`, fenced by its lock; the others raise the writer's error instead
+    of waiting for the timeout.
+    """
+    marker = run.path / ".once" / f"{name}.json"
+    if writer is not None:
+        if marker.exists():  # done by an earlier start of this run
+            return _once_result(marker, name)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            result = fn()
+        except Exception as exc:
+            writer.write_json(marker, {"error": f"{type(exc).__name__}: {exc}"})
+            raise
+        writer.write_json(marker, {"result": result})
+        return result
+    deadline = time.monotonic() + timeout_s
+    while not marker.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:g} s for the writer to finish {name!r}")
+        time.sleep(poll_s)
+    return _once_result(marker, name)
+
+
+def _once_result(marker: Path, name: str) -> Any:
+    data = json.loads(marker.read_text())
+    if "error" in data:
+        raise RuntimeError(f"the writer's {name!r} failed: {data['error']}")
+    return data["result"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import multiprocessing as mp
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,45 @@ def test_latest_run_record(tmp_path: Path) -> None:
     record_latest_run(a)
     assert latest_run(tmp_path, "exp") == a
     assert latest_run(tmp_path, "missing") is None
+
+
+def _once_worker(root: str, is_writer: bool, fail: bool, out: mp.Queue) -> None:
+    from mjlab_hpc.rundir import once
+
+    run = RunDir(Path(root))
+    writer = RunWriter.acquire(run, rank=0, lease_s=5.0) if is_writer else None
+
+    def download() -> str:
+        time.sleep(0.5)  # the others must wait for it
+        with open(Path(root) / "calls.txt", "a") as f:
+            f.write("x")
+        if fail:
+            raise OSError("registry unreachable")
+        return "motion.npz"
+
+    try:
+        out.put(("ok", once(run, "motion", writer, download, timeout_s=30, poll_s=0.05)))
+    except Exception as exc:
+        out.put(("error", str(exc)))
+    finally:
+        if writer is not None:
+            writer.release()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_side_effect_runs_once_on_the_writer(tmp_path: Path, fail: bool) -> None:
+    ctx = mp.get_context("fork")
+    out: mp.Queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_once_worker, args=(str(tmp_path), k == 0, fail, out)) for k in range(5)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    got = [out.get(timeout=5) for _ in range(5)]
+    assert (tmp_path / "calls.txt").read_text() == "x"  # ran exactly once
+    if fail:
+        assert all(kind == "error" and "registry unreachable" in msg for kind, msg in got)
+    else:
+        assert got == [("ok", "motion.npz")] * 5
