@@ -72,6 +72,23 @@ def save_checkpoint(
     write_atomic(path, data, before_rename)
 
 
+def publish_file(tmp: Path, path: Path, before_rename: Callable[[], None] | None = None) -> None:
+    """Publish a checkpoint some other code wrote to `tmp` (mjlab's runners write their own):
+    fsync it, write its checksum sidecar, run `before_rename`, rename it to `path`."""
+    try:
+        with open(tmp, "rb+") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+            os.fsync(f.fileno())
+        write_atomic(path.with_name(path.name + CHECKSUM_SUFFIX), f"{digest}\n".encode())
+        if before_rename is not None:
+            before_rename()
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(path.parent)
+
+
 def load_verified(path: Path, map_location: str | None = None) -> dict[str, Any]:
     """Load one checkpoint, raising ValueError if it is truncated or fails its checksum."""
     data = path.read_bytes()

@@ -110,7 +110,9 @@ def submit_local(
     run_dir = (
         Path(spec.run_dir)
         if spec.run_dir
-        else create_run_dir(spec.log_root, spec.experiment_name or task.name, spec.run_name)
+        else create_run_dir(
+            spec.log_root, spec.experiment_name or task.experiment_name, spec.run_name
+        )
     )
     executor = submitit.LocalExecutor(folder=run_dir / "submitit")
     executor.update_parameters(

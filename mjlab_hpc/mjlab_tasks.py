@@ -38,14 +38,12 @@ import copy
 import dataclasses
 import importlib.util
 import io
-import json
 import os
 import re
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from mjlab_hpc.distributed import DistContext
@@ -331,78 +329,23 @@ def dump_params(run_dir: str | os.PathLike[str], runtime: MjlabRuntime) -> tuple
     return env_yaml, agent_yaml
 
 
-class ContextMultiGpuMixin:
-    """Put before an rsl-rl OnPolicyRunner (subclass) in the bases: rank and world size then
-    come from `self.ctx` (a DistContext) instead of rsl-rl's env-variable, NCCL-only set-up.
+def make_runner(
+    runtime: MjlabRuntime, ctx: DistContext, log_dir: str | None, quiet: TextIO | None = None
+) -> Any:
+    """The task's own runner class (its save/load, ONNX export) driven by `ctx` and our learn
+    loop (`mjlab_hpc.runner.runner_class`), built as mjlab builds it, on a fresh config copy.
+    Pass log_dir=None on ranks other than the writer (rsl-rl then writes nothing)."""
+    from mjlab_hpc.runner import runner_class
 
-    The process group must already be joined (`mjlab_hpc.distributed.process_group`): this
-    only tells rsl-rl who it is; its parameter broadcast and gradient all-reduce then work on
-    gloo (CPU) as on NCCL. Give `ctx=` to the constructor, or set `self.ctx` before calling
-    `super().__init__` (rsl-rl calls `_configure_multi_gpu` from its constructor).
-    """
-
-    ctx: DistContext
-
-    def __init__(self, *args: Any, ctx: DistContext | None = None, **kwargs: Any) -> None:
-        if ctx is not None:
-            self.ctx = ctx
-        elif not hasattr(self, "ctx"):
-            raise TypeError(f"{type(self).__name__} needs ctx= (a DistContext)")
-        super().__init__(*args, **kwargs)
-
-    def _configure_multi_gpu(self) -> None:
-        ctx = self.ctx
-        if ctx.is_distributed:
-            import torch.distributed as dist
-
-            if not dist.is_initialized():
-                raise RuntimeError(
-                    f"{ctx.describe()}: join the process group before making the runner "
-                    "(mjlab_hpc.distributed.process_group)"
-                )
-        self.gpu_world_size = ctx.world_size
-        self.gpu_global_rank = ctx.rank
-        self.gpu_local_rank = ctx.local_rank
-        self.is_distributed = ctx.is_distributed
-        cfg: dict[str, Any] = self.cfg  # type: ignore[attr-defined]  # set by OnPolicyRunner
-        cfg["multi_gpu"] = (
-            {"global_rank": ctx.rank, "local_rank": ctx.local_rank, "world_size": ctx.world_size}
-            if ctx.is_distributed
-            else None
-        )
-
-
-_DISTRIBUTED_CLASSES: dict[type, type] = {}
-
-
-def distributed_runner_class(base: type) -> type:
-    """`base` (mjlab's runner class, an OnPolicyRunner subclass) with ContextMultiGpuMixin.
-
-    Construct it as mjlab does, plus `ctx=`: `cls(env, train_cfg, log_dir, device, ctx=ctx,
-    **runtime.runner_kwargs)`. The same base always gives the same class.
-    """
-    from rsl_rl.runners import OnPolicyRunner
-
-    if not (isinstance(base, type) and issubclass(base, OnPolicyRunner)):
-        raise TypeError(f"{base!r} is not an rsl-rl OnPolicyRunner subclass")
-    if issubclass(base, ContextMultiGpuMixin):
-        return base
-    if base not in _DISTRIBUTED_CLASSES:
-        name = f"Distributed{base.__name__}"
-        _DISTRIBUTED_CLASSES[base] = type(
-            name,
-            (ContextMultiGpuMixin, base),
-            {"__module__": __name__, "__qualname__": name, "__doc__": base.__doc__},
-        )
-    return _DISTRIBUTED_CLASSES[base]
-
-
-def make_runner(runtime: MjlabRuntime, ctx: DistContext, log_dir: str | None) -> Any:
-    """The task's runner class, made distributed through `ctx`, on a fresh copy of the config.
-    Pass log_dir=None on ranks other than 0 (rsl-rl then writes nothing there)."""
-    cls = distributed_runner_class(runtime.runner_cls)
+    cls = runner_class(runtime.runner_cls)
     return cls(
-        runtime.env, runtime.runner_cfg(), log_dir, runtime.device, ctx=ctx, **runtime.runner_kwargs
+        runtime.env,
+        runtime.runner_cfg(),
+        log_dir,
+        runtime.device,
+        ctx=ctx,
+        quiet=quiet or io.StringIO(),
+        **runtime.runner_kwargs,
     )
 
 
@@ -423,63 +366,25 @@ def download_wandb_motion(registry_name: str, root: str | None = None) -> str:
     return str(Path(artifact.download(root=root)) / "motion.npz")
 
 
-def fetch_motion_once(
-    fetch: Callable[[], str],
-    marker: str | os.PathLike[str],
-    *,
-    is_writer: bool,
-    key: str,
-    timeout_s: float = 900.0,
-    poll_s: float = 0.5,
-) -> str:
-    """Run `fetch` (returns a file path) on one process; the others wait for its answer.
+def mjlab_task_info(
+    task: str, num_envs: int | None, max_iterations: int | None, overrides: Sequence[str]
+) -> Any:
+    """A TaskInfo for a registered mjlab task after our flags and the overrides (ValueError
+    naming a bad override); imports mjlab but builds nothing."""
+    from mjlab_hpc.tasks import TaskInfo
 
-    Design: the writer runs `fetch()` and then writes `marker` (JSON `{"key", "path"}`, through
-    a temporary file and a rename, so it appears whole); on failure it writes
-    `{"key", "error"}` and re-raises, so the waiters fail at once instead of timing out.
-    Waiters poll `marker` until it holds `key`, then return the path (RuntimeError with the
-    writer's error; TimeoutError after `timeout_s`). A marker with another key is ignored:
-    make `key` unique per run incarnation and artifact (e.g. f"{name}@{job_id}.{restart}"),
-    so a marker left by an earlier run or requeue is never taken for this one's.
-
-    Which process writes and where the marker lives is the caller's choice: global rank 0 and
-    a marker in the shared run directory when every node sees the same file system; each
-    node's local rank 0 and a node-local marker (with a node-local download root) otherwise.
-    It needs no process group, so it can run before the ranks join one.
-    """
-    marker = Path(marker)
-    if is_writer:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            path = str(fetch())
-        except BaseException as exc:
-            _write_marker(marker, {"key": key, "error": f"{type(exc).__name__}: {exc}"})
-            raise
-        _write_marker(marker, {"key": key, "path": path})
-        return path
-    deadline = time.monotonic() + timeout_s
-    while True:
-        record = _read_marker(marker)
-        if record is not None and record.get("key") == key:
-            if "error" in record:
-                raise RuntimeError(f"the fetching process failed ({marker}): {record['error']}")
-            return str(record["path"])
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"no motion file after {timeout_s:.0f} s: {marker} has no entry for {key!r} "
-                "(did the fetching process start, and do all processes see this path?)"
-            )
-        time.sleep(poll_s)
-
-
-def _write_marker(marker: Path, record: dict[str, str]) -> None:
-    tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, marker)
-
-
-def _read_marker(marker: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(marker.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+    env_cfg, agent_cfg, _, tracking = load_mjlab_cfgs(task)
+    if num_envs is not None:
+        env_cfg.scene.num_envs = num_envs
+    if max_iterations is not None:
+        agent_cfg.max_iterations = max_iterations
+    env_cfg, agent_cfg = apply_overrides(env_cfg, agent_cfg, overrides)
+    return TaskInfo(
+        name=task,
+        description="mjlab task" + (" (motion tracking)" if tracking else ""),
+        make_env=None,
+        num_envs=int(env_cfg.scene.num_envs),
+        max_iterations=int(agent_cfg.max_iterations),
+        experiment=str(agent_cfg.experiment_name),
+        source="mjlab",
+    )

@@ -64,6 +64,8 @@ class TrainSpec:
     """Signal that announces the time limit (Slurm's --signal); SIGTERM means preemption."""
     max_restarts: int = 10
     """Requeue at most this many times; then stop with the checkpoint saved."""
+    overrides: Annotated[tuple[str, ...], tyro.conf.Suppress] = ()
+    """mjlab tasks: `--env.*` / `--agent.*` arguments, as mjlab's own train takes them."""
 
     def validate(self) -> None:
         """Raise SpecError naming the flag for values no launcher could run."""
@@ -112,4 +114,13 @@ class TrainSpec:
         out = dataclasses.asdict(self)
         if isinstance(self.gpu_ids, tuple):
             out["gpu_ids"] = list(self.gpu_ids)
+        out["overrides"] = list(self.overrides)
         return out
+
+
+def split_overrides(unknown: list[str]) -> tuple[str, ...]:
+    """The `--env.*`/`--agent.*` arguments (with their values) among arguments the CLI did not
+    know; SpecError naming the first argument that is neither."""
+    if unknown and not unknown[0].startswith(("--env.", "--agent.")):
+        raise SpecError(unknown[0], "unknown argument (see --help)")
+    return tuple(unknown)

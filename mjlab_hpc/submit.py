@@ -8,7 +8,9 @@ flag.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import re
 import shlex
 import shutil
@@ -20,8 +22,15 @@ import tyro
 
 from mjlab_hpc.errors import SpecError, SubmitError
 from mjlab_hpc.launch import RankJob
-from mjlab_hpc.rundir import create_run_dir, run_dir_name
+from mjlab_hpc.rundir import create_run_dir, run_dir_name, write_json_atomic
 from mjlab_hpc.spec import TrainSpec
+from mjlab_hpc.sweep import (
+    ELEMENT_RECORD,
+    SWEEP_RECORD,
+    SWEEPS_DIR,
+    SweepElement,
+    sweep_elements,
+)
 from mjlab_hpc.tasks import resolve_task
 
 ExecutorChoice = Literal["slurm", "local", "auto"]
@@ -97,6 +106,11 @@ class SubmitSpec:
     """Print the resolved spec and the exact sbatch script; submit nothing."""
     follow: bool = False
     """Stay, stream rank 0's progress, and exit with the job's outcome."""
+    sweep: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """KEY=V1,V2,... (repeatable): one job array over the cartesian product of the values,
+    one run directory per element, e.g. seed=0,1,2 or num_envs=512,1024."""
+    array_parallelism: int | None = None
+    """With --sweep: at most N elements run at once (Slurm's --array=...%N)."""
 
     @property
     def ranks_per_node(self) -> int:
@@ -190,10 +204,25 @@ class SubmitSpec:
             raise SpecError("--nodes", "the local executor runs on this one machine: use --nodes 1")
         if executor == "local" and self.container is not None:
             raise SpecError("--container", "containers run through Slurm: use --executor slurm")
+        self.sweep_elements()
+
+    def sweep_elements(self) -> list[SweepElement]:
+        """The sweep's elements ([] without --sweep); SpecError naming the flag if invalid."""
+        if self.array_parallelism is not None and self.array_parallelism < 1:
+            raise SpecError("--array-parallelism", f"must be >= 1, got {self.array_parallelism}")
+        if not self.sweep:
+            if self.array_parallelism is not None:
+                raise SpecError("--array-parallelism", "throttles a sweep: use it with --sweep")
+            return []
+        if self.train.run_dir:
+            raise SpecError("--run-dir", "a sweep makes one run directory per element")
+        if self.train.resume:
+            raise SpecError("--resume", "a sweep starts new runs; resume each run by itself")
+        return sweep_elements(self.train, self.sweep)
 
 
 def experiment_of(spec: SubmitSpec) -> str:
-    return spec.train.experiment_name or resolve_task(spec.train).name
+    return spec.train.experiment_name or resolve_task(spec.train).experiment_name
 
 
 def slurm_parameters(spec: SubmitSpec) -> dict[str, Any]:
@@ -338,3 +367,145 @@ def submit(spec: SubmitSpec) -> Submitted:
         if made_here:  # nothing ran: leave no empty run behind
             shutil.rmtree(run_dir, ignore_errors=True)
         raise SubmitError(f"{executor_kind} refused the job: {str(exc).strip()}") from exc
+
+
+@dataclass(frozen=True)
+class SubmittedSweep:
+    """A submitted sweep: one Slurm job array, or one local job per element."""
+
+    executor: Literal["slurm", "local"]
+    sweep_dir: Path
+    array_job_id: str | None
+    """The job array's id (Slurm); None for local sweeps (every element is its own job)."""
+    elements: tuple[SweepElement, ...]
+    runs: tuple[Submitted, ...]
+    """One per element, in index order."""
+    spec: SubmitSpec
+
+
+def element_spec(spec: SubmitSpec, element: SweepElement) -> SubmitSpec:
+    """The single-job spec of one sweep element."""
+    return dataclasses.replace(spec, train=element.train, sweep=(), array_parallelism=None)
+
+
+def planned_sweep(spec: SubmitSpec) -> tuple[Path, list[Path]]:
+    """Where a dry run would put the sweep record and each element's run (nothing is made)."""
+    import datetime as dt
+
+    now = dt.datetime.now()
+    root = (Path(spec.train.log_root) / experiment_of(spec)).resolve()
+    runs = [root / run_dir_name(now, e.train.run_name) for e in spec.sweep_elements()]
+    return root / SWEEPS_DIR / run_dir_name(now, spec.train.run_name), runs
+
+
+def _array_executor(spec: SubmitSpec, sweep_dir: Path, dry_run: bool = False) -> Any:
+    executor = make_slurm_executor(spec, sweep_dir, dry_run=dry_run)
+    if spec.array_parallelism is not None:
+        executor.update_parameters(array_parallelism=spec.array_parallelism)
+    return executor
+
+
+def render_array_sbatch(spec: SubmitSpec, sweep_dir: Path, count: int) -> str:
+    """The exact sbatch script of a sweep's job array of `count` elements."""
+    executor = _array_executor(spec, sweep_dir, dry_run=True)
+    executor.parameters["map_count"] = count  # what submitit sets when it submits an array
+    return str(executor._make_submission_file_text(executor._submitit_command_str, "dry-run"))
+
+
+def _submit_elements(
+    spec: SubmitSpec, kind: Literal["slurm", "local"], sweep_dir: Path, trains: list[TrainSpec]
+) -> list[Any]:
+    """Submit one job per element (local) or one job array (Slurm); the jobs in order."""
+    if kind == "local":
+        from mjlab_hpc.launch import submit_local
+
+        jobs: list[Any] = []
+        try:
+            for train in trains:
+                local = submit_local(
+                    train,
+                    spec.ranks_per_node,
+                    tuple(range(spec.gpus_per_node)),
+                    timeout_min=slurm_time_minutes(spec.time),
+                    signal_delay_s=spec.signal_delay_s,
+                )
+                jobs.append(local.job)
+        except Exception:
+            for job in jobs:  # all or nothing: stop what already started
+                job.cancel(check=False)
+            raise
+        return jobs
+    # The array shares one submitit folder (submitit names its files <array>_<index>_<rank>);
+    # each run directory links to it, so `<run>/submitit` works as for single jobs.
+    folder = sweep_dir / "submitit"
+    folder.mkdir()
+    for train in trains:
+        run_dir = Path(str(train.run_dir))
+        (run_dir / "submitit").symlink_to(os.path.relpath(folder, run_dir))
+    executor = _array_executor(spec, sweep_dir)
+    with executor.batch():
+        jobs = [executor.submit(RankJob(train)) for train in trains]
+    return jobs
+
+
+def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
+    """Validate, make every element's run directory, and submit the sweep as one job array
+    (Slurm) or as one local job per element. Nothing is left behind on error."""
+    from mjlab_hpc.runrecord import now_iso
+
+    spec.validate()
+    elements = spec.sweep_elements()
+    kind = spec.resolved_executor()
+    experiment = experiment_of(spec)
+    sweep_dir = create_run_dir(
+        Path(spec.train.log_root) / experiment, SWEEPS_DIR, spec.train.run_name
+    )
+    run_dirs: list[Path] = []
+    try:
+        for element in elements:
+            run_dirs.append(create_run_dir(spec.train.log_root, experiment, element.train.run_name))
+        trains = [e.train.replace(run_dir=str(d)) for e, d in zip(elements, run_dirs, strict=True)]
+        jobs = _submit_elements(spec, kind, sweep_dir, trains)
+    except Exception as exc:
+        for path in [*run_dirs, sweep_dir]:  # nothing ran: leave no empty runs behind
+            shutil.rmtree(path, ignore_errors=True)
+        raise SubmitError(f"{kind} refused the sweep: {str(exc).strip()}") from exc
+    job_ids = [str(job.job_id) for job in jobs]
+    array_id = job_ids[0].split("_")[0] if kind == "slurm" else None
+    records = []
+    for element, run_dir, job_id in zip(elements, run_dirs, job_ids, strict=True):
+        record = {
+            "sweep_dir": str(sweep_dir),
+            "index": element.index,
+            "job_id": job_id,
+            "executor": kind,
+            "overrides": element.as_dict(),
+        }
+        write_json_atomic(run_dir / ELEMENT_RECORD, record)
+        records.append({**record, "run_dir": str(run_dir)})
+    write_json_atomic(
+        sweep_dir / SWEEP_RECORD,
+        {
+            "executor": kind,
+            "array_job_id": array_id,
+            "created_at": now_iso(),
+            "axes": {k: list(v) for k, v in _axes_of(elements).items()},
+            "array_parallelism": spec.array_parallelism,
+            "elements": records,
+        },
+    )
+    runs = tuple(
+        Submitted(job=job, executor=kind, run_dir=d, spec=element_spec(spec, e))
+        for job, d, e in zip(jobs, run_dirs, elements, strict=True)
+    )
+    return SubmittedSweep(kind, sweep_dir, array_id, tuple(elements), runs, spec)
+
+
+def _axes_of(elements: list[SweepElement]) -> dict[str, list[str]]:
+    axes: dict[str, list[str]] = {}
+    for element in elements:
+        for key, value in element.overrides:
+            values = axes.setdefault(key, [])
+            if value not in values:
+                values.append(value)
+    return axes

@@ -45,7 +45,7 @@ def train_cli_args(spec: TrainSpec) -> list[str]:
     args = [spec.task]
     defaults = TrainSpec()
     for f in dataclasses.fields(TrainSpec):
-        if f.name in ("task", "run_dir", "gpu_ids", "num_procs"):
+        if f.name in ("task", "run_dir", "gpu_ids", "num_procs", "overrides"):
             continue
         value = getattr(spec, f.name)
         if value == getattr(defaults, f.name):
@@ -55,7 +55,7 @@ def train_cli_args(spec: TrainSpec) -> list[str]:
             args.append(flag if value else f"--no-{f.name.replace('_', '-')}")
         else:
             args += [flag, str(value)]
-    return args
+    return args + list(spec.overrides)
 
 
 def template_context(spec: SubmitSpec) -> dict[str, str | None]:

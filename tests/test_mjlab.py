@@ -7,7 +7,9 @@ later runs load them from the kernel cache.
 from __future__ import annotations
 
 import json
-import threading
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -122,27 +124,27 @@ def test_overrides_apply_and_bad_ones_are_named() -> None:
 
 @pytest.mark.slow
 def test_one_process_training_and_checkpoint_reload(tmp_path: Path) -> None:
+    from mjlab_hpc.runner import ContextRunnerMixin, runner_class
+
     ctx = DistContext.from_env({})
     rt = _runtime(num_envs=16, max_iterations=2, overrides=TB)
     try:
-        cls = mt.distributed_runner_class(rt.runner_cls)
-        assert issubclass(cls, rt.runner_cls) and issubclass(cls, mt.ContextMultiGpuMixin)
-        assert mt.distributed_runner_class(rt.runner_cls) is cls
+        cls = runner_class(rt.runner_cls)
+        assert issubclass(cls, rt.runner_cls) and issubclass(cls, ContextRunnerMixin)
         env_yaml, agent_yaml = mt.dump_params(tmp_path, rt)
         assert "num_envs: 16" in env_yaml.read_text()
         assert "max_iterations: 2" in agent_yaml.read_text()
 
         runner = mt.make_runner(rt, ctx, str(tmp_path))
-        assert isinstance(runner, cls)
+        assert isinstance(runner, rt.runner_cls) and isinstance(runner, ContextRunnerMixin)
         assert not runner.is_distributed and runner.gpu_world_size == 1
-        runner.learn(num_learning_iterations=rt.agent_cfg.max_iterations)
-        checkpoints = sorted(tmp_path.glob("model_*.pt"))
-        assert [p.name for p in checkpoints] == ["model_0.pt", "model_1.pt"]
+        runner.learn_until(2, hooks=[])
+        runner.save(str(tmp_path / "model_2.pt"))  # mjlab's own save
         assert list(tmp_path.glob("events.out.tfevents.*"))
 
         fresh = mt.make_runner(rt, ctx, None)
-        infos = fresh.load(str(checkpoints[-1]))
-        assert fresh.current_learning_iteration == 1
+        infos = fresh.load(str(tmp_path / "model_2.pt"))
+        assert fresh.current_learning_iteration == 2
         assert "env_state" in infos  # mjlab's runner keeps the env's step counter
         for a, b in zip(
             runner.alg.actor.state_dict().values(),
@@ -150,32 +152,25 @@ def test_one_process_training_and_checkpoint_reload(tmp_path: Path) -> None:
             strict=True,
         ):
             assert torch.equal(a, b)
-
-        # The pattern of trainer.DistributedRunner: its own __init__ sets self.ctx first.
-        class ContextRunner(mt.ContextMultiGpuMixin, rt.runner_cls):
-            def __init__(self, env, train_cfg, ctx, log_dir, device) -> None:
-                self.ctx = ctx
-                super().__init__(env, train_cfg, log_dir=log_dir, device=device)
-
-        other = ContextRunner(rt.env, rt.runner_cfg(), ctx, None, "cpu")
-        assert other.gpu_world_size == 1 and other.cfg["multi_gpu"] is None
     finally:
         rt.close()
 
 
-def test_mixin_needs_a_process_group_when_distributed() -> None:
+def test_runner_needs_a_process_group_when_distributed() -> None:
     from rsl_rl.runners import OnPolicyRunner
+
+    from mjlab_hpc.runner import runner_class
 
     ctx = DistContext.from_env(
         {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
     )
-    cls = mt.distributed_runner_class(OnPolicyRunner)
+    cls = runner_class(OnPolicyRunner)
     runner = cls.__new__(cls)
     runner.ctx, runner.cfg = ctx, {}
     with pytest.raises(RuntimeError, match="process group"):
         runner._configure_multi_gpu()
     with pytest.raises(TypeError):
-        mt.distributed_runner_class(dict)
+        runner_class(dict)
 
 
 @pytest.mark.slow
@@ -202,40 +197,79 @@ def test_tracking_task_needs_a_motion_file() -> None:
         _runtime("Mjlab-Tracking-Flat-Unitree-G1", num_envs=2)
 
 
-def test_fetch_motion_once_runs_the_fetch_on_the_writer_only(tmp_path: Path) -> None:
-    marker = tmp_path / "motion.json"
-    calls: list[int] = []
-    results: list[str] = []
+# --- through the toolkit's CLIs -----------------------------------------------------------
 
-    def fetch() -> str:
-        calls.append(1)
-        time.sleep(0.3)
-        return "/data/motion.npz"
+BIN = Path(sys.executable).parent
+TB_ARGS = ["--agent.logger", "tensorboard"]
 
-    # A stale marker of an earlier incarnation must not be taken.
-    marker.write_text(json.dumps({"key": "old", "path": "/stale.npz"}))
-    waiters = [
-        threading.Thread(
-            target=lambda: results.append(
-                mt.fetch_motion_once(fetch, marker, is_writer=False, key="k1", poll_s=0.05)
-            )
-        )
-        for _ in range(3)
-    ]
-    for t in waiters:
-        t.start()
-    assert mt.fetch_motion_once(fetch, marker, is_writer=True, key="k1") == "/data/motion.npz"
-    for t in waiters:
-        t.join(5)
-    assert calls == [1]
-    assert results == ["/data/motion.npz"] * 3
 
-    def broken() -> str:
-        raise OSError("no network")
+def _cli(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
 
-    with pytest.raises(OSError):
-        mt.fetch_motion_once(broken, marker, is_writer=True, key="k2")
-    with pytest.raises(RuntimeError, match="no network"):
-        mt.fetch_motion_once(broken, marker, is_writer=False, key="k2", timeout_s=1)
-    with pytest.raises(TimeoutError):
-        mt.fetch_motion_once(fetch, marker, is_writer=False, key="k3", timeout_s=0.2, poll_s=0.05)
+
+def _only_run(root: Path) -> Path:
+    runs = [p for p in root.glob("*/*") if p.is_dir() and not p.name.startswith(".")]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+@pytest.mark.slow
+def test_cartpole_two_ranks_local_executor_in_sync(tmp_path: Path) -> None:
+    proc = _cli([str(BIN / "mjlab-submit"), CARTPOLE, "--executor", "local",
+                 "--gpus-per-node", "0", "--tasks-per-node", "2", "--num-envs", "32",
+                 "--max-iterations", "2", "--torch-threads", "1", "--log-root", str(tmp_path),
+                 "--follow", *TB_ARGS])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = _only_run(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["iterations"] == 2
+    assert len(set(summary["param_digest_per_rank"])) == 1  # identical parameters
+    assert len(set(summary["first_obs_digest_per_rank"])) == 2  # different seeds
+    assert {p.name for p in (run / "params").iterdir()} >= {"env.yaml", "agent.yaml"}
+
+
+@pytest.mark.slow
+def test_g1_velocity_trains_a_few_iterations(tmp_path: Path) -> None:
+    proc = _cli([str(BIN / "mjlab-train"), G1_FLAT, "--num-envs", "2", "--max-iterations", "2",
+                 "--torch-threads", "1", "--log-root", str(tmp_path), *TB_ARGS])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = _only_run(tmp_path)
+    assert [r["iteration"] for r in map(json.loads, (run / "progress.jsonl").open())] == [1, 2]
+    assert (run / "model_2.pt").exists()
+    assert (run / f"{run.name}.onnx").exists()  # the velocity runner's own ONNX export
+
+
+@pytest.mark.slow
+def test_mjlab_task_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    base = [str(BIN / "mjlab-train"), CARTPOLE, "--num-envs", "16", "--torch-threads", "1",
+            "--log-root", str(tmp_path), *TB_ARGS]  # fmt: skip
+    first = _cli([*base, "--max-iterations", "2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = _cli([*base, "--max-iterations", "4", "--resume"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    run = _only_run(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == 2 and summary["iterations"] == 4
+    ckpt = torch.load(run / "model_4.pt", weights_only=False)
+    # mjlab's runner saved the environment's step counter; it continued from the resume.
+    assert ckpt["infos"]["env_state"]["common_step_counter"] > 0
+    assert [r["iteration"] for r in map(json.loads, (run / "progress.jsonl").open())] == [
+        1, 2, 3, 4
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--env.scene.num-envz", "4"], "num-envz"),
+        (["--agent.seed", "3"], "--seed"),
+        (["--bogus"], "unknown argument"),
+    ],
+)
+def test_bad_mjlab_overrides_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = _cli([str(BIN / "mjlab-train"), CARTPOLE, "--log-root", str(tmp_path), *args])
+    assert proc.returncode == 2, proc.stderr
+    assert message in " ".join(proc.stderr.split())
+    assert not any(tmp_path.iterdir())

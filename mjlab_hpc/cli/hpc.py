@@ -1,11 +1,15 @@
-"""`mjlab-hpc`: tasks, sbatch templates and run directories."""
+"""`mjlab-hpc`: tasks, sbatch templates, run directories, and the operations on submitted runs
+(status, logs, cancel, plot)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Literal
 
 import tyro
 from rich.console import Console
@@ -42,10 +46,73 @@ class RunDir:
     key: str = ""
 
 
+@dataclass(frozen=True)
+class Status:
+    """A table of runs: job, state, nodes x GPUs, iteration, env-steps/s, mean reward, restarts
+    and run directory. Without arguments: the runs under --log-root, newest first."""
+
+    targets: Annotated[
+        tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR|JOB_ID")
+    ] = ()
+    log_root: str = "logs"
+    """Where runs are listed (no arguments) and job ids are looked up."""
+    watch: bool = False
+    """Redraw the table every --interval-s seconds until Ctrl-C."""
+    interval_s: float = 2.0
+    limit: int = 20
+    """At most this many runs when listing --log-root (0: all)."""
+    json: bool = False
+    """Print the rows as JSON instead of a table."""
+
+
+@dataclass(frozen=True)
+class Logs:
+    """Per-rank logs of a run or job. Without --rank, the first traceback across all ranks
+    comes first, named by rank and host, then the end of every rank's log."""
+
+    target: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="JOB|RUN")]
+    rank: int | None = None
+    """Only this rank."""
+    follow: bool = False
+    """Keep printing what the ranks write until the job ends (Ctrl-C stops)."""
+    lines: int = 20
+    """Last lines of each file (0: whole files)."""
+    stream: Literal["log", "out", "err"] = "log"
+    """With --rank: the rank's log, or its task stdout / stderr (submitit)."""
+    log_root: str = "logs"
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Cancel a Slurm job (scancel, with requeue forbidden first) or stop a local-executor run
+    (its ranks save a checkpoint on SIGTERM; SIGKILL after --grace-s); no process is left."""
+
+    target: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="JOB|RUN")]
+    grace_s: float = 30.0
+    """Seconds to wait for the ranks to stop before killing them."""
+    log_root: str = "logs"
+
+
+@dataclass(frozen=True)
+class Plot:
+    """Mean reward and env-steps/s of runs against iteration and wall time, overlaid, as a PNG
+    (from their tensorboard events)."""
+
+    runs: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="RUN")]
+    out: str = "training.png"
+    """The PNG to write."""
+    title: str | None = None
+    log_root: str = "logs"
+
+
 Command = (
     Annotated[ListTasks, tyro.conf.subcommand("list-tasks")]
     | Annotated[Render, tyro.conf.subcommand("render")]
     | Annotated[RunDir, tyro.conf.subcommand("run-dir")]
+    | Annotated[Status, tyro.conf.subcommand("status")]
+    | Annotated[Logs, tyro.conf.subcommand("logs")]
+    | Annotated[Cancel, tyro.conf.subcommand("cancel")]
+    | Annotated[Plot, tyro.conf.subcommand("plot")]
 )
 
 
@@ -61,7 +128,159 @@ def list_tasks() -> int:
     return 0
 
 
-def run(cmd: ListTasks | Render | RunDir) -> int:
+def _runs_of(targets: Sequence[str], log_root: str) -> list[Path]:
+    """Run directories named by the arguments; all runs under the log root without any."""
+    from mjlab_hpc.ops import list_runs, resolve_target
+
+    if not targets:
+        return list_runs(Path(log_root))
+    runs: list[Path] = []
+    for target in targets:
+        runs.extend(resolve_target(target, Path(log_root)).runs)
+    return list(dict.fromkeys(runs))
+
+
+def status(cmd: Status) -> int:
+    from mjlab_hpc.status import StatusReport, collect, console, render, watch
+
+    def snapshot() -> tuple[StatusReport, int]:
+        runs = _runs_of(cmd.targets, cmd.log_root)
+        hidden = 0
+        if not cmd.targets and cmd.limit and len(runs) > cmd.limit:
+            hidden = len(runs) - cmd.limit
+            runs = runs[: cmd.limit]
+        return collect(runs), hidden
+
+    if cmd.json:
+        report, _ = snapshot()
+        print(json.dumps([r.as_dict() for r in report.rows], indent=2))
+        return 0
+    out = console()
+    if cmd.watch:
+        watch(lambda: render(*snapshot()), cmd.interval_s, out)
+    else:
+        out.print(render(*snapshot()))
+    return 0
+
+
+def single_run(target: str, log_root: str) -> Path:
+    """The one run directory an argument names (SpecError if it names several)."""
+    from mjlab_hpc.ops import resolve_target
+
+    runs = resolve_target(target, Path(log_root)).runs
+    if len(runs) != 1:
+        names = "\n  ".join(str(r) for r in runs[:20])
+        raise SpecError("JOB|RUN", f"{target} names {len(runs)} runs; name one of:\n  {names}")
+    return runs[0]
+
+
+def logs(cmd: Logs) -> int:
+    from rich.markup import escape
+
+    from mjlab_hpc.logs import find_tracebacks, follow, rank_files, rank_host, tail
+    from mjlab_hpc.ops import run_jobs
+    from mjlab_hpc.status import collect
+
+    run = single_run(cmd.target, cmd.log_root)
+    ranks = rank_files(run)
+    out = Console(highlight=False, soft_wrap=True)
+    if cmd.rank is not None:
+        chosen = [f for f in ranks if f.rank == cmd.rank]
+        if not chosen:
+            known = ", ".join(str(f.rank) for f in ranks) or "none yet"
+            raise SpecError("--rank", f"no files of rank {cmd.rank} in {run} (ranks: {known})")
+        path = chosen[0].stream(cmd.stream)
+        if path is None:
+            raise SpecError("--stream", f"rank {cmd.rank} has no {cmd.stream} file in {run}")
+        out.print(f"[bold]── rank {cmd.rank} · {rank_host(chosen[0]) or '?'} · {escape(str(path))}")
+        sys.stdout.write(tail(path, cmd.lines) + "\n")
+        targets = {"": path}
+    else:
+        tracebacks = find_tracebacks(ranks)
+        if tracebacks:
+            first = tracebacks[0]
+            out.print(
+                f"[bold red]first traceback: {escape(first.where())}[/] "
+                f"({escape(str(first.source))})"
+            )
+            sys.stdout.write(first.text + "\n")
+            for tb in tracebacks[1:]:
+                out.print(
+                    f"[yellow]later traceback: {escape(tb.where())}: "
+                    f"{escape(tb.last_line)}[/] ({escape(str(tb.source))})"
+                )
+        else:
+            out.print("[green]no traceback in any rank's log or task output[/]")
+        for files in ranks:
+            path = files.log or files.stream("err")
+            if path is None:
+                continue
+            out.print(
+                f"\n[bold]── rank {files.rank} · {escape(rank_host(files) or '?')} · "
+                f"{escape(str(path))}"
+            )
+            sys.stdout.write(tail(path, cmd.lines) + "\n")
+        targets = {f"[rank {f.rank}] ": f.log for f in ranks if f.log is not None}
+    sys.stdout.flush()
+    if cmd.follow:
+        jobs = run_jobs(run)
+
+        def files() -> dict[str, Path]:
+            if cmd.rank is not None:
+                return targets
+            return {f"[rank {f.rank}] ": f.log for f in rank_files(run) if f.log is not None}
+
+        def active() -> bool:
+            return collect([jobs.run_dir]).rows[0].active
+
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends following, not the job
+            follow(files, active, sys.stdout)
+    return 0
+
+
+def cancel(cmd: Cancel) -> int:
+    from mjlab_hpc.ops import cancel as cancel_runs
+    from mjlab_hpc.ops import resolve_target
+
+    resolved = resolve_target(cmd.target, Path(cmd.log_root))
+    outcomes = cancel_runs(resolved, grace_s=cmd.grace_s)
+    out = Console(highlight=False)
+    for o in outcomes:
+        ids = ",".join(o.job_ids) or "-"
+        runs = ", ".join(str(r) for r in o.runs[:3]) + (" ..." if len(o.runs) > 3 else "")
+        style = "green" if o.ok else "bold red"
+        out.print(f"[{style}]{o.kind} job {ids}[/]: {o.message}\n  run: {runs}")
+    return 0 if outcomes and all(o.ok for o in outcomes) else 1
+
+
+def plot(cmd: Plot) -> int:
+    from mjlab_hpc.plot import load_run, plot_runs
+
+    if not cmd.runs:
+        raise SpecError("RUN", "name at least one run directory (or job id)")
+    runs = _runs_of(cmd.runs, cmd.log_root)
+    labels = [_label(r) for r in runs]
+    if len(set(labels)) != len(labels):
+        labels = [r.name for r in runs]
+    series = [load_run(r, label) for r, label in zip(runs, labels, strict=True)]
+    empty = [s.run_dir for s in series if not s.series]
+    if len(empty) == len(series):
+        raise SpecError("RUN", f"no tensorboard scalars in {', '.join(map(str, empty))}")
+    drawn = plot_runs(series, Path(cmd.out), cmd.title)
+    for entry in drawn["runs"]:
+        points = ", ".join(f"{t} {v['points']} points" for t, v in entry["series"].items())
+        print(f"{entry['label']}: {points or 'no scalars'}")
+    print(f"wrote {cmd.out}")
+    return 0
+
+
+def _label(run: Path) -> str:
+    """A run's legend label: its name without the leading timestamp, if it has a suffix."""
+    name = run.name
+    return name[20:] if len(name) > 20 and name[19] == "_" and name[:4].isdigit() else name
+
+
+def run(cmd: ListTasks | Render | RunDir | Status | Logs | Cancel | Plot) -> int:
     """Run one subcommand; the exit code."""
     err = Console(stderr=True)
     try:
@@ -70,8 +289,20 @@ def run(cmd: ListTasks | Render | RunDir) -> int:
         if isinstance(cmd, Render):
             from mjlab_hpc.templates import render
 
+            if cmd.spec.sweep or cmd.spec.array_parallelism is not None:
+                raise SpecError(
+                    "--sweep", "a template renders one job; submit sweeps with mjlab-submit"
+                )
             sys.stdout.write(render(cmd.template, cmd.spec))
             return 0
+        if isinstance(cmd, Status):
+            return status(cmd)
+        if isinstance(cmd, Logs):
+            return logs(cmd)
+        if isinstance(cmd, Cancel):
+            return cancel(cmd)
+        if isinstance(cmd, Plot):
+            return plot(cmd)
         from mjlab_hpc.rundir import run_dir_for_key
 
         if not cmd.key:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -12,13 +13,18 @@ from rich.console import Console
 from rich.table import Table
 
 from mjlab_hpc.errors import SpecError, SubmitError
+from mjlab_hpc.spec import split_overrides
 from mjlab_hpc.submit import (
     SubmitSpec,
     Submitted,
+    SubmittedSweep,
     planned_run_dir,
+    planned_sweep,
+    render_array_sbatch,
     render_sbatch,
     slurm_time_minutes,
     submit,
+    submit_sweep,
 )
 from mjlab_hpc.tasks import resolve_task
 
@@ -33,12 +39,15 @@ def spec_yaml(spec: SubmitSpec) -> str:
     data["train"] = spec.train.to_dict()
     data["setup"] = list(spec.setup)
     data["sbatch_arg"] = list(spec.sbatch_arg)
+    data["sweep"] = list(spec.sweep)
     data["resolved"] = {
         "executor": spec.resolved_executor(),
         "ranks_per_node": spec.ranks_per_node,
         "world_size": spec.world_size,
         "time_minutes": slurm_time_minutes(spec.time),
     }
+    if spec.sweep:
+        data["resolved"]["sweep_elements"] = len(spec.sweep_elements())
     return yaml.safe_dump(data, sort_keys=False)
 
 
@@ -93,11 +102,85 @@ def follow_job(s: Submitted, console: Console) -> int:
     return 0
 
 
+def sweep_dry_run(spec: SubmitSpec) -> None:
+    """Print the resolved spec, the elements with their planned run directories, and the job
+    array's sbatch script (Slurm) or what would start (local)."""
+    elements = spec.sweep_elements()
+    sweep_dir, run_dirs = planned_sweep(spec)
+    out = sys.stdout
+    out.write("# ---- resolved spec ----\n" + spec_yaml(spec))
+    out.write(f"# ---- sweep: {len(elements)} elements (dry run: nothing created) ----\n")
+    for e, run_dir in zip(elements, run_dirs, strict=True):
+        out.write(f"# {e.index:>3}  {e.label:<32} {run_dir}\n")
+    if spec.resolved_executor() == "slurm":
+        out.write("# ---- sbatch script of the job array (dry run: not submitted) ----\n")
+        out.write(render_array_sbatch(spec, sweep_dir, len(elements)))
+    else:
+        out.write(
+            f"# ---- local executor (dry run: not started) ----\n# {len(elements)} local jobs "
+            f"of {spec.ranks_per_node} rank(s) each, all at once on this machine\n"
+        )
+
+
+def sweep_table(s: SubmittedSweep) -> Table:
+    """The submitted sweep: its job array, and every element's job, values and run."""
+    spec = s.spec
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(overflow="fold")
+    n = len(s.elements)
+    if s.array_job_id is not None:
+        at_once = f", at most {spec.array_parallelism} at once" if spec.array_parallelism else ""
+        t.add_row("job array", f"{s.array_job_id} (slurm), {n} elements{at_once}")
+    else:
+        t.add_row("jobs", f"{n} local jobs ({s.executor}), all running at once")
+    t.add_row(
+        "each",
+        f"{spec.nodes} node(s) x {spec.ranks_per_node} rank(s) = {spec.world_size} ranks, "
+        f"{envs_per_rank(spec)} envs per rank",
+    )
+    t.add_row("sweep record", str(s.sweep_dir / "sweep.json"))
+    elements = Table(box=None, pad_edge=False)
+    for col in ("#", "job", "values", "run directory"):
+        elements.add_column(col, overflow="fold")
+    for e, r in zip(s.elements, s.runs, strict=True):
+        elements.add_row(str(e.index), r.job_id, e.label, str(r.run_dir))
+    t.add_row("elements", elements)
+    target = s.array_job_id or str(s.sweep_dir)
+    t.add_row("watch", f"mjlab-hpc status {target}")
+    t.add_row("cancel", f"mjlab-hpc cancel {target}")
+    return t
+
+
+def follow_sweep(s: SubmittedSweep, console: Console) -> int:
+    """Wait for every element to end, then show their status; 0 if all completed."""
+    from mjlab_hpc.status import collect, status_table
+
+    try:
+        while not all(r.job.done() for r in s.runs):
+            time.sleep(2.0)
+    except KeyboardInterrupt:
+        console.print("stopped waiting; the sweep keeps running")
+        raise
+    report = collect([r.run_dir for r in s.runs])
+    console.print(status_table(report.rows))
+    failed = [r for r in report.rows if r.state != "COMPLETED"]
+    return 1 if failed else 0
+
+
 def run(spec: SubmitSpec) -> int:
     """Validate and submit (or print, with --dry-run); the exit code."""
     console, err = Console(), Console(stderr=True)
     try:
         spec.validate()
+        if spec.sweep:
+            if spec.dry_run:
+                sweep_dry_run(spec)
+                return 0
+            sweep = submit_sweep(spec)
+            console.print("[bold]submitted sweep[/]")
+            console.print(sweep_table(sweep))
+            return follow_sweep(sweep, console) if spec.follow else 0
         if spec.dry_run:
             # Plain text, uncropped: users copy the script from here.
             run_dir = planned_run_dir(spec)
@@ -128,8 +211,16 @@ def run(spec: SubmitSpec) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `mjlab-submit`."""
-    spec = tyro.cli(SubmitSpec, args=argv, description=__doc__)
+    """Entry point of `mjlab-submit`. Arguments it does not know go to mjlab tasks as
+    `--env.*` / `--agent.*` overrides, passed to every rank."""
+    spec, unknown = tyro.cli(SubmitSpec, args=argv, description=__doc__, return_unknown_args=True)
+    try:
+        spec = dataclasses.replace(
+            spec, train=spec.train.replace(overrides=split_overrides(unknown))
+        )
+    except SpecError as exc:
+        Console(stderr=True).print(f"[bold red]error:[/] {exc}")
+        return EXIT_BAD_INPUT
     return run(spec)
 
 

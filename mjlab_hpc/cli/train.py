@@ -14,7 +14,7 @@ from rich.console import Console
 from mjlab_hpc.distributed import DistContext, cuda_device_count, detect_mode
 from mjlab_hpc.errors import LaunchError, SpecError
 from mjlab_hpc.launch import JobFailed, physical_gpu_ids, run_local
-from mjlab_hpc.spec import TrainSpec
+from mjlab_hpc.spec import TrainSpec, split_overrides
 from mjlab_hpc.tasks import resolve_task
 
 EXIT_BAD_INPUT = 2
@@ -115,8 +115,14 @@ def run(spec: TrainSpec) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `mjlab-train`."""
-    spec = tyro.cli(TrainSpec, args=argv, description=__doc__)
+    """Entry point of `mjlab-train`. Arguments it does not know go to mjlab tasks as
+    `--env.*` / `--agent.*` overrides, as with mjlab's own train."""
+    spec, unknown = tyro.cli(TrainSpec, args=argv, description=__doc__, return_unknown_args=True)
+    try:
+        spec = spec.replace(overrides=split_overrides(unknown))
+    except SpecError as exc:
+        Console(stderr=True).print(f"[bold red]error:[/] {exc}")
+        return EXIT_BAD_INPUT
     return run(spec)
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from mjlab_hpc.errors import SpecError
 
 if TYPE_CHECKING:  # the environments import torch and warp: only when one is made
     from mjlab_hpc.tasks.base import WarpVecEnv
@@ -16,11 +18,19 @@ class TaskInfo:
 
     name: str
     description: str
-    make_env: Callable[[int, str, int, bool], WarpVecEnv]
+    make_env: Callable[[int, str, int, bool], WarpVecEnv] | None
+    """Builds the environment (None for mjlab tasks: mjlab builds those)."""
     num_envs: int
     max_iterations: int
     agent: dict[str, Any] = field(default_factory=dict)
     """Overrides of the default rsl-rl runner config (see `agent_config`)."""
+    experiment: str = ""
+    """Experiment folder name (default: the task's name)."""
+    source: Literal["built-in", "mjlab"] = "built-in"
+
+    @property
+    def experiment_name(self) -> str:
+        return self.experiment or self.name
 
 
 def _cartpole(num_envs: int, device: str, seed: int, use_graph: bool) -> WarpVecEnv:
@@ -112,5 +122,31 @@ def get_task(name: str) -> TaskInfo:
 
 
 def resolve_task(spec: Any) -> TaskInfo:
-    """The task a spec names (KeyError naming the known tasks otherwise)."""
-    return get_task(spec.task)
+    """The task a spec names, built-in or registered in mjlab, after the spec's flags and
+    `--env.*`/`--agent.*` overrides. KeyError naming the known tasks for an unknown name,
+    SpecError for overrides that cannot apply."""
+    overrides = tuple(getattr(spec, "overrides", ()))
+    if spec.task in BUILTIN_TASKS:
+        if overrides:
+            raise SpecError(
+                overrides[0],
+                "--env.*/--agent.* overrides apply to mjlab tasks; built-in tasks take "
+                "--num-envs, --max-iterations and --seed",
+            )
+        return BUILTIN_TASKS[spec.task]
+    from mjlab_hpc import mjlab_tasks
+
+    if not mjlab_tasks.is_mjlab_task(spec.task):
+        mjlab = mjlab_tasks.list_mjlab_tasks()
+        hint = (
+            f"; mjlab tasks: {', '.join(mjlab)}"
+            if mjlab
+            else "; mjlab tasks need the [mjlab] extra (pip install 'mjlab-hpc[mjlab]')"
+        )
+        raise KeyError(
+            f"unknown task {spec.task!r}; built-in tasks: {', '.join(sorted(BUILTIN_TASKS))}" + hint
+        )
+    try:
+        return mjlab_tasks.mjlab_task_info(spec.task, spec.num_envs, spec.max_iterations, overrides)
+    except ValueError as exc:
+        raise SpecError("--env/--agent", str(exc)) from None
