@@ -3,8 +3,9 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU wheel of torch; a looser spec makes pip download a multi-GB CUDA build.
-# GPU machines: make install TORCH_SPEC=torch (or the CUDA wheel index of your choice).
+# CPU machines (default): the CPU wheel of torch, and a check that no CUDA build crept in.
+# GPU machines: make install GPU=1 (PyPI's CUDA build of the same torch version).
+GPU ?= 0
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 CLUSTER := tests/slurm/cluster.sh
@@ -20,7 +21,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,mjlab]'
+	$(BIN)/pip check
+	@if [ "$(GPU)" = 0 ] && $(BIN)/pip list 2>/dev/null | grep -qi '^nvidia-'; then \
+		echo "a CUDA build of torch was pulled in on a CPU install"; exit 1; fi
 	touch $(STAMP)
 
 test: install

@@ -67,7 +67,9 @@ class Traceback:
         return lines[-1].strip() if lines else ""
 
     def where(self) -> str:
-        when = f" at {self.at:%Y-%m-%d %H:%M:%S}" if self.at else ""
+        when = (
+            f" at {self.at:%Y-%m-%d %H:%M:%S}.{self.at.microsecond // 1000:03d}" if self.at else ""
+        )
         return f"rank {self.rank} on {self.host or 'unknown host'}{when}"
 
 

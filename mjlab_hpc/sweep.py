@@ -2,9 +2,11 @@
 product, submitted as one Slurm job array (`mjlab-submit ... --sweep seed=0,1,2`).
 
 Keys are TrainSpec fields (`seed`, `num_envs`, `max_iterations`, ...; `num-envs` works too).
-`agent.<key>` keys become `agent_overrides` entries `<key>=<value>` when TrainSpec has that
-field. Every element gets its own run directory, named after its values, and the sweep is
-recorded in `<log-root>/<experiment>/.sweeps/<stamp>/sweep.json`; each run directory holds a
+`agent.<key>` keys change the rsl-rl agent config: they become `agent_overrides` entries
+`<key>=<value>` where TrainSpec has that field, else mjlab-style `--agent.<key>=<value>`
+entries of `overrides` (which only mjlab tasks accept). Every element gets its own run
+directory, named after its values, and the sweep is recorded in
+`<log-root>/<experiment>/.sweeps/<stamp>/sweep.json`; each run directory holds a
 `sweep_element.json` naming its sweep, index and job.
 """
 
@@ -27,12 +29,24 @@ from mjlab_hpc.spec import TrainSpec
 FLAG = "--sweep"
 AGENT_PREFIX = "agent."
 AGENT_FIELD = "agent_overrides"
+MJLAB_FIELD = "overrides"
 SWEEPS_DIR = ".sweeps"
 SWEEP_RECORD = "sweep.json"
 ELEMENT_RECORD = "sweep_element.json"
 # Fields that decide where a run lives or how it is launched: one value per sweep.
 _FIXED = frozenset(
-    {"task", "log_root", "experiment_name", "run_name", "run_dir", "num_procs", "gpu_ids", "resume"}
+    {
+        "task",
+        "log_root",
+        "experiment_name",
+        "run_name",
+        "run_dir",
+        "num_procs",
+        "gpu_ids",
+        "resume",
+        AGENT_FIELD,
+        MJLAB_FIELD,
+    }
 )
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _TRUE = ("true", "1", "yes", "on")
@@ -78,11 +92,19 @@ def name_suffix(overrides: Sequence[tuple[str, str]]) -> str:
     return "_".join(parts)
 
 
+def agent_field(spec_type: type = TrainSpec) -> str | None:
+    """The TrainSpec field that carries agent overrides, None if it has none."""
+    names = {f.name for f in dataclasses.fields(spec_type)}
+    for name in (AGENT_FIELD, MJLAB_FIELD):
+        if name in names:
+            return name
+    return None
+
+
 def sweepable_keys(spec_type: type = TrainSpec) -> list[str]:
     """The TrainSpec fields a sweep may vary (plus `agent.<key>` where supported)."""
     keys = [f.name for f in dataclasses.fields(spec_type) if f.name not in _FIXED]
-    if AGENT_FIELD in keys:
-        keys.remove(AGENT_FIELD)
+    if agent_field(spec_type):
         keys.append(AGENT_PREFIX + "<key>")
     return keys
 
@@ -105,17 +127,17 @@ def parse_axes(flags: Sequence[str], spec_type: type = TrainSpec) -> tuple[Sweep
         if len(set(values)) != len(values):
             raise SpecError(FLAG, f"{flag!r} repeats a value")
         if key.startswith(AGENT_PREFIX):
-            if AGENT_FIELD not in field_names:
+            if agent_field(spec_type) is None:
                 raise SpecError(
                     FLAG,
-                    f"{key}: agent.* keys need the agent_overrides training option, which this "
-                    f"version lacks; sweepable keys: {', '.join(sweepable_keys(spec_type))}",
+                    f"{key}: agent.* keys need agent overrides, which this version's training "
+                    f"options lack; sweepable keys: {', '.join(sweepable_keys(spec_type))}",
                 )
             if key == AGENT_PREFIX or key.endswith("."):
                 raise SpecError(FLAG, f"{key!r} names no agent setting (e.g. agent.learning_rate)")
         else:
             key = key.replace("-", "_")
-            if key not in field_names or key in _FIXED or key == AGENT_FIELD:
+            if key not in field_names or key in _FIXED:
                 why = "cannot be swept" if key in field_names else "is not a training option"
                 raise SpecError(
                     FLAG,
@@ -176,18 +198,21 @@ def expand(train: TrainSpec, axes: Sequence[SweepAxis]) -> list[SweepElement]:
     Each element's run name is the base run name plus a suffix naming its values.
     """
     hints = typing.get_type_hints(type(train), include_extras=True)
+    target = agent_field(type(train))
     elements = []
     for index, combo in enumerate(itertools.product(*(a.values for a in axes))):
         overrides = tuple((a.key, v) for a, v in zip(axes, combo, strict=True))
         changes: dict[str, Any] = {}
-        agent: list[str] = list(getattr(train, AGENT_FIELD, ()))
+        agent: list[str] = list(getattr(train, target, ())) if target else []
         for key, value in overrides:
-            if key.startswith(AGENT_PREFIX):
-                agent.append(f"{key.removeprefix(AGENT_PREFIX)}={value}")
-            else:
+            if not key.startswith(AGENT_PREFIX):
                 changes[key] = _convert(key, value, hints[key])
-        if any(k.startswith(AGENT_PREFIX) for k, _ in overrides):
-            changes[AGENT_FIELD] = tuple(agent)
+            elif target == AGENT_FIELD:
+                agent.append(f"{key.removeprefix(AGENT_PREFIX)}={value}")
+            else:  # mjlab's own flag syntax, as `mjlab-train TASK --agent.KEY VALUE` takes it
+                agent.append(f"--{key}={value}")
+        if target and any(k.startswith(AGENT_PREFIX) for k, _ in overrides):
+            changes[target] = tuple(agent)
         suffix = name_suffix(overrides)
         changes["run_name"] = f"{train.run_name}_{suffix}" if train.run_name else suffix
         spec = dataclasses.replace(train, **changes)
@@ -201,8 +226,20 @@ def expand(train: TrainSpec, axes: Sequence[SweepAxis]) -> list[SweepElement]:
 
 
 def sweep_elements(train: TrainSpec, flags: Sequence[str]) -> list[SweepElement]:
-    """Parse and expand `--sweep` flags for `train` (SpecError naming --sweep on any problem)."""
-    return expand(train, parse_axes(flags, type(train)))
+    """Parse and expand `--sweep` flags for `train` and check that every element's task
+    accepts its values (SpecError naming --sweep on any problem)."""
+    from mjlab_hpc.tasks import resolve_task
+
+    elements = expand(train, parse_axes(flags, type(train)))
+    for element in elements:
+        if not any(k.startswith(AGENT_PREFIX) for k, _ in element.overrides):
+            continue  # field values were checked by validate(); only overrides reach the task
+        try:
+            resolve_task(element.train)
+        except (KeyError, SpecError) as exc:
+            why = exc.args[0] if isinstance(exc, KeyError) else str(exc)
+            raise SpecError(FLAG, f"{element.label}: {why}") from None
+    return elements
 
 
 @dataclass(frozen=True)
