@@ -46,10 +46,16 @@ def write_atomic(path: Path, data: bytes, before_rename: Callable[[], None] | No
     writer checks its fencing token there).
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    _rename_durably(tmp, path, before_rename)
+
+
+def _rename_durably(tmp: Path, path: Path, before_rename: Callable[[], None] | None) -> None:
+    # fsync the data, then rename, then fsync the directory: after a crash the name points
+    # at the old file or at the whole new one. A failure leaves no temporary file behind.
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         if before_rename is not None:
             before_rename()
@@ -74,19 +80,10 @@ def save_checkpoint(
 
 def publish_file(tmp: Path, path: Path, before_rename: Callable[[], None] | None = None) -> None:
     """Publish a checkpoint some other code wrote to `tmp` (mjlab's runners write their own):
-    fsync it, write its checksum sidecar, run `before_rename`, rename it to `path`."""
-    try:
-        with open(tmp, "rb+") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-            os.fsync(f.fileno())
-        write_atomic(path.with_name(path.name + CHECKSUM_SUFFIX), f"{digest}\n".encode())
-        if before_rename is not None:
-            before_rename()
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    fsync_dir(path.parent)
+    its checksum sidecar first, then `before_rename`, then the durable rename to `path`."""
+    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    write_atomic(path.with_name(path.name + CHECKSUM_SUFFIX), f"{digest}\n".encode())
+    _rename_durably(tmp, path, before_rename)
 
 
 def load_verified(path: Path, map_location: str | None = None) -> dict[str, Any]:

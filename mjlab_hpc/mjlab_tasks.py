@@ -28,7 +28,7 @@ follows it:
   `registry_name=` (W&B artifact lineage).
 - Tracking motion: `wandb.Api().artifact(name + ":latest").download()` / "motion.npz",
   unless `--env.commands.motion.motion-file` names an existing file (see
-  `download_wandb_motion`, `fetch_motion_once`).
+  `download_wandb_motion`; run it once per run with `mjlab_hpc.rundir.once`).
 """
 
 from __future__ import annotations
@@ -222,6 +222,22 @@ def apply_overrides(env_cfg: Any, agent_cfg: Any, overrides: Sequence[str]) -> t
     return parsed.env, parsed.agent
 
 
+def configured_cfgs(
+    task: str, num_envs: int | None, max_iterations: int | None, overrides: Sequence[str]
+) -> tuple[Any, Any, type, bool]:
+    """The task's registered cfgs with our common flags (None keeps the task's value), then
+    the user's overrides (they win): (env cfg, agent cfg, runner class, is tracking task)."""
+    env_cfg, agent_cfg, runner_cls, tracking = load_mjlab_cfgs(task)
+    if num_envs is not None:
+        env_cfg.scene.num_envs = num_envs
+    if max_iterations is not None:
+        agent_cfg.max_iterations = max_iterations
+    env_cfg, agent_cfg = apply_overrides(env_cfg, agent_cfg, overrides)
+    if env_cfg.scene.num_envs < 1:
+        raise ValueError(f"env.scene.num_envs must be >= 1, got {env_cfg.scene.num_envs}")
+    return env_cfg, agent_cfg, runner_cls, tracking
+
+
 def make_mjlab_runtime(
     task: str,
     *,
@@ -242,7 +258,8 @@ def make_mjlab_runtime(
     `wp.ScopedDevice(device)` and wrapped in mjlab's RslRlVecEnvWrapper.
 
     `registry_name` is the tracking tasks' W&B motion artifact: only passed on to the runner
-    (which records the lineage); fetch the file first (`fetch_motion_once`) and name it with
+    (which records the lineage); fetch the file first (`download_wandb_motion`, once per run
+    through `mjlab_hpc.rundir.once`) and name it with
     `--env.commands.motion.motion-file PATH`.
 
     `cpu_graph`: on CPU, replay physics through captured Warp graphs as mjlab does on CUDA
@@ -250,14 +267,9 @@ def make_mjlab_runtime(
     2.5x (G1, 16 envs) to ~30x (cartpole, 16 envs) faster per env step. No effect on CUDA,
     where mjlab decides (graphs when the driver and memory pool allow).
     """
-    env_cfg, agent_cfg, runner_cls, tracking = load_mjlab_cfgs(task)
-    if num_envs is not None:
-        env_cfg.scene.num_envs = num_envs
-    if max_iterations is not None:
-        agent_cfg.max_iterations = max_iterations
-    env_cfg, agent_cfg = apply_overrides(env_cfg, agent_cfg, overrides)
-    if env_cfg.scene.num_envs < 1:
-        raise ValueError(f"env.scene.num_envs must be >= 1, got {env_cfg.scene.num_envs}")
+    env_cfg, agent_cfg, runner_cls, tracking = configured_cfgs(
+        task, num_envs, max_iterations, overrides
+    )
     agent_cfg.seed = seed
     env_cfg.seed = seed
     runner_kwargs: dict[str, Any] = {}
@@ -266,8 +278,8 @@ def make_mjlab_runtime(
         if not motion_file or not Path(motion_file).is_file():
             raise ValueError(
                 f"{task} imitates a motion: give {_MOTION_FLAG} /path/to/motion.npz "
-                f"(got {motion_file!r}); fetch a W&B registry motion with fetch_motion_once("
-                "download_wandb_motion)"
+                f"(got {motion_file!r}) on the shared filesystem; mjlab_hpc does not download "
+                "W&B registry motions itself"
             )
         runner_kwargs["registry_name"] = _with_alias(registry_name) if registry_name else None
 
@@ -373,12 +385,7 @@ def mjlab_task_info(
     naming a bad override); imports mjlab but builds nothing."""
     from mjlab_hpc.tasks import TaskInfo
 
-    env_cfg, agent_cfg, _, tracking = load_mjlab_cfgs(task)
-    if num_envs is not None:
-        env_cfg.scene.num_envs = num_envs
-    if max_iterations is not None:
-        agent_cfg.max_iterations = max_iterations
-    env_cfg, agent_cfg = apply_overrides(env_cfg, agent_cfg, overrides)
+    env_cfg, agent_cfg, _, tracking = configured_cfgs(task, num_envs, max_iterations, overrides)
     return TaskInfo(
         name=task,
         description="mjlab task" + (" (motion tracking)" if tracking else ""),

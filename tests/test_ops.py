@@ -1,0 +1,421 @@
+"""mjlab-hpc status, logs, cancel and plot, and mjlab-submit --sweep, with real jobs through
+submitit's local executor (the Slurm versions are in test_slurm_ops.py), plus the parsing of
+sweeps and tracebacks.
+
+The module's jobs start together (one fixture) and run side by side while the tests look at
+them: a job whose rank 1 raises at iteration 3, a long job to watch and cancel, and a
+two-element sweep to plot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mjlab_hpc import ops
+from mjlab_hpc.cli.submit import main as submit_main
+from mjlab_hpc.errors import SpecError
+from mjlab_hpc.logs import tracebacks_in
+from mjlab_hpc.rundir import RunDir
+from mjlab_hpc.spec import TrainSpec
+from mjlab_hpc.sweep import expand, parse_axes, sweep_elements
+
+BIN = Path(sys.executable).parent
+SMALL = ["--num-envs", "32", "--torch-threads", "1", "--gpus-per-node", "0"]
+
+# Fault injection for the tests: on the rank named by MJLAB_FAULT_RANK (SLURM_PROCID or the
+# local executor's global id), training raises inside the loop at MJLAB_FAULT_ITERATION,
+# exactly where a bug in a hook would. Loaded by Python itself (sitecustomize on PYTHONPATH).
+FAULT_INJECTION = """
+import importlib.abc, importlib.util, os, sys
+
+_rank = os.environ.get("SLURM_PROCID") or os.environ.get("SUBMITIT_LOCAL_GLOBALID")
+
+class _Inject(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "mjlab_hpc.progress":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            update, at = module.ProgressDisplay.update, int(os.environ["MJLAB_FAULT_ITERATION"])
+
+            def failing(self, s):
+                if s.iteration >= at:
+                    raise RuntimeError(f"injected fault on rank {_rank} at iteration {s.iteration}")
+                update(self, s)
+
+            module.ProgressDisplay.update = failing
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+if _rank is not None and _rank == os.environ.get("MJLAB_FAULT_RANK"):
+    sys.meta_path.insert(0, _Inject())
+"""
+
+
+def cli_env(extra: dict[str, str] | None = None, base: dict[str, str] | None = None) -> dict:
+    env = dict(base if base is not None else os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra or {})
+    return env
+
+
+def fault_env(tmp: Path, rank: int, iteration: int) -> dict[str, str]:
+    """Variables that make `rank` raise at `iteration` (see FAULT_INJECTION)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "sitecustomize.py").write_text(FAULT_INJECTION)
+    return {"PYTHONPATH": str(tmp), "MJLAB_FAULT_RANK": str(rank),
+            "MJLAB_FAULT_ITERATION": str(iteration)}  # fmt: skip
+
+
+def hpc(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
+    """Run `mjlab-hpc ARGS`; the finished process (text output)."""
+    return subprocess.run([BIN / "mjlab-hpc", *args], env=env or cli_env(), capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def status_json(*args: str, env: dict[str, str] | None = None) -> list[dict]:
+    proc = hpc("status", "--json", *args, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def runs_under(root: Path) -> list[Path]:
+    return ops.list_runs(root)
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.25):
+    """Poll until `predicate()` returns something true; that value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s")
+
+
+def iterations_done(run: Path) -> int:
+    return len(RunDir(run).read_progress())
+
+
+def wait_for_iteration(root: Path, n: int, timeout: float = 150) -> Path:
+    def reached() -> Path | None:
+        runs = runs_under(root)
+        return runs[0] if runs and iterations_done(runs[0]) >= n else None
+
+    return wait_for(reached, timeout, f"iteration {n} under {root}")
+
+
+def wait_ended(run: Path, env: dict[str, str] | None = None, timeout: float = 180) -> dict:
+    def ended() -> dict | None:
+        row = status_json(str(run), env=env)[0]
+        return None if row["active"] else row
+
+    return wait_for(ended, timeout, f"end of {run}", poll=1.0)
+
+
+@dataclass(frozen=True)
+class LocalJobs:
+    failing: Path
+    """Log root of a 2-rank job whose rank 1 raises at iteration 3."""
+    long: Path
+    """Log root of a 2-rank job of 5000 iterations (watched, then cancelled)."""
+    sweep: Path
+    """Log root of a sweep seed=1,2 of 1-rank jobs, 3 iterations each."""
+
+
+@pytest.fixture(scope="module")
+def local_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalJobs]:
+    root = tmp_path_factory.mktemp("ops")
+    jobs = LocalJobs(root / "failing", root / "long", root / "sweep")
+    local = ["cartpole", "--executor", "local", *SMALL]
+    commands = [
+        ([*local, "--tasks-per-node", "2", "--max-iterations", "50", "--log-root",
+          str(jobs.failing)], fault_env(root / "fault", rank=1, iteration=3)),
+        ([*local, "--tasks-per-node", "2", "--max-iterations", "5000", "--log-root",
+          str(jobs.long)], {}),
+        ([*local, "--tasks-per-node", "1", "--max-iterations", "3", "--sweep", "seed=1,2",
+          "--log-root", str(jobs.sweep)], {}),
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen([BIN / "mjlab-submit", *args], env=cli_env(extra),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for args, extra in commands
+    ]  # fmt: skip
+    for proc in procs:  # submitting returns at once: the jobs run on
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+    try:
+        yield jobs
+    finally:
+        for log_root in (jobs.failing, jobs.long, jobs.sweep):
+            for run in runs_under(log_root):
+                ops.cancel_local(run, grace_s=5)  # leave no process, whatever a test did
+
+
+def test_status_then_cancel_local_job(local_jobs: LocalJobs) -> None:
+    """A running local job: status shows RUNNING and its iteration; cancel stops it with a
+    checkpoint and leaves no process; status then says CANCELLED."""
+    run = wait_for_iteration(local_jobs.long, 3)
+    pids = [p.pid for p in ops.local_processes(run)]
+    assert len(pids) == 3  # the controller and two ranks
+    before = iterations_done(run)
+    row = status_json(str(run))[0]
+    after = iterations_done(run)
+    assert row["state"] == "RUNNING" and row["state_source"] == "process" and row["active"]
+    assert row["kind"] == "local" and row["ranks"] == 2 and row["nodes"] == 1
+    assert before <= row["iteration"] <= after and row["total"] == 5000
+    controller = row["job_ids"][-1]
+    assert int(controller) in pids
+    # The same run by job id (the controller's pid), and in the listing of the log root.
+    assert status_json(controller, "--log-root", str(local_jobs.long))[0]["run_dir"] == str(run)
+    table = hpc("status", "--log-root", str(local_jobs.long))
+    assert table.returncode == 0 and "RUNNING" in table.stdout and run.name in table.stdout
+
+    proc = hpc("cancel", str(run), "--grace-s", "60")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no process left" in " ".join(proc.stdout.split())
+    assert ops.local_processes(run) == []
+    assert not any(ops._alive(pid) for pid in pids)
+    # The ranks stopped at an iteration boundary with a checkpoint of that iteration.
+    done = iterations_done(run)
+    assert RunDir(run).checkpoint(done).exists()
+    row = status_json(str(run))[0]
+    assert row["state"] == "CANCELLED" and not row["active"] and row["iteration"] == done
+    again = hpc("cancel", str(run))
+    assert again.returncode == 0 and "no process left to stop" in again.stdout
+
+
+def test_logs_show_the_failing_rank_first(local_jobs: LocalJobs) -> None:
+    """Rank 1 raises at iteration 3, rank 0 then loses its peer: logs names rank 1 and its
+    host first, with its traceback; status shows FAILED at 3/50."""
+    run = wait_for(lambda: (runs_under(local_jobs.failing) or [None])[0], 60, "failing run")
+    row = wait_ended(run)
+    assert row["state"] == "FAILED" and row["iteration"] == 3 and row["total"] == 50
+    proc = hpc("logs", str(run))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    host = socket.gethostname()
+    first = out.splitlines()[0]
+    assert first.startswith(f"first traceback: rank 1 on {host} at "), first
+    assert "logs/rank1.log" in first
+    cause = "RuntimeError: injected fault on rank 1 at iteration 3"
+    assert out.index("Traceback (most recent call last):") < out.index(cause)
+    later = [line for line in out.splitlines() if line.startswith("later traceback")]
+    assert all("rank 1" not in line for line in later)  # rank 1's copy in its .err: once
+    assert "── rank 0 ·" in out and "── rank 1 ·" in out
+    # By job id, one rank, and its task stderr (where submitit printed the same traceback).
+    job = row["job_ids"][-1]
+    err = hpc("logs", job, "--log-root", str(local_jobs.failing), "--rank", "1",
+              "--stream", "err", "--lines", "0")  # fmt: skip
+    assert err.returncode == 0 and cause in err.stdout and "_1_log.err" in err.stdout
+    missing = hpc("logs", str(run), "--rank", "7")
+    assert missing.returncode == 2 and "--rank" in missing.stderr
+
+
+def test_sweep_runs_status_and_plot(local_jobs: LocalJobs, tmp_path: Path) -> None:
+    """--sweep seed=1,2: two runs named after their seeds, grouped by status; plot overlays
+    both runs' reward and env-steps/s."""
+    runs = wait_for(lambda: len(r := runs_under(local_jobs.sweep)) == 2 and r, 60, "2 runs")
+    for run in runs:
+        wait_ended(run)
+    by_seed = {json.loads((r / "run.json").read_text())["spec"]["seed"]: r for r in runs}
+    assert sorted(by_seed) == [1, 2]
+    assert by_seed[1].name.endswith("_seed=1") and by_seed[2].name.endswith("_seed=2")
+    rows = status_json("--log-root", str(local_jobs.sweep))
+    assert [r["state"] for r in rows] == ["COMPLETED", "COMPLETED"]
+    assert sorted(r["sweep"]["index"] for r in rows) == [0, 1]
+    assert all(r["iteration"] == 3 and r["total"] == 3 for r in rows)
+    sweep_dir = Path(rows[0]["sweep"]["sweep_dir"])
+    record = json.loads((sweep_dir / "sweep.json").read_text())
+    assert record["axes"] == {"seed": ["1", "2"]} and record["executor"] == "local"
+    # The sweep's record directory names all its runs; status groups them under a header.
+    assert {r["run_dir"] for r in status_json(str(sweep_dir))} == {str(r) for r in runs}
+    table = hpc("status", "--log-root", str(local_jobs.sweep)).stdout
+    assert f"sweep {sweep_dir.name}" in table and "2 COMPLETED" in table
+
+    png = tmp_path / "sweep.png"
+    proc = hpc("plot", str(by_seed[1]), str(by_seed[2]), "--out", str(png))
+    assert proc.returncode == 0, proc.stderr
+    from PIL import Image
+
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size == (1200, 700)
+        drawn = json.loads(image.text["mjlab-hpc"])
+    assert [r["label"] for r in drawn["runs"]] == ["seed=1", "seed=2"]
+    for entry in drawn["runs"]:
+        for tag in ("Train/mean_reward", "Perf/total_fps"):
+            series = entry["series"][tag]
+            assert series["points"] == 3 and series["last_iteration"] == 3
+
+
+def test_status_watch_redraws_until_interrupted(local_jobs: LocalJobs) -> None:
+    proc = subprocess.Popen(
+        [BIN / "mjlab-hpc", "status", "--watch", "--interval-s", "0.3", "--log-root",
+         str(local_jobs.sweep)],
+        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "run directory" in out and "_seed=1" in out
+
+
+def test_unknown_target_exits_2(tmp_path: Path) -> None:
+    for args in (["status", "999999999"], ["logs", "123_4"], ["cancel", "no-such-dir"]):
+        proc = hpc(*args, "--log-root", str(tmp_path))
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "RUN|JOB" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- sweeps
+
+
+def test_sweep_is_the_cartesian_product_with_typed_values() -> None:
+    base = TrainSpec(task="cartpole", run_name="lr")
+    elements = sweep_elements(base, ["seed=0,1", "num-envs=64,128", "use_graph=false"])
+    assert [e.overrides for e in elements] == [
+        (("seed", "0"), ("num_envs", "64"), ("use_graph", "false")),
+        (("seed", "0"), ("num_envs", "128"), ("use_graph", "false")),
+        (("seed", "1"), ("num_envs", "64"), ("use_graph", "false")),
+        (("seed", "1"), ("num_envs", "128"), ("use_graph", "false")),
+    ]
+    last = elements[-1].train
+    assert (last.seed, last.num_envs, last.use_graph) == (1, 128, False)
+    assert last.run_name == "lr_seed=1_num_envs=128_use_graph=false"
+    assert [e.index for e in elements] == [0, 1, 2, 3]
+    timeout = sweep_elements(base, ["dist_timeout_s=2.5"])[0].train.dist_timeout_s
+    assert timeout == 2.5
+
+
+def test_agent_keys_become_overrides_where_the_spec_has_them() -> None:
+    @dataclass(frozen=True)
+    class WithAgentOverrides(TrainSpec):
+        agent_overrides: tuple[str, ...] = ()
+
+    @dataclass(frozen=True)
+    class WithMjlabOverrides(TrainSpec):
+        overrides: tuple[str, ...] = ()
+
+    axes = ["agent.learning_rate=1e-3,3e-4", "seed=2"]
+    plain = expand(WithAgentOverrides(), parse_axes(axes, WithAgentOverrides))
+    assert [e.train.agent_overrides for e in plain] == [  # type: ignore[attr-defined]
+        ("learning_rate=1e-3",), ("learning_rate=3e-4",)
+    ]  # fmt: skip
+    assert plain[1].train.run_name == "learning_rate=3e-4_seed=2"
+    mjlab = expand(WithMjlabOverrides(), parse_axes(axes, WithMjlabOverrides))
+    assert mjlab[0].train.overrides == ("--agent.learning_rate=1e-3",)  # type: ignore[attr-defined]
+
+    @dataclass(frozen=True)
+    class Without:
+        seed: int = 0
+
+    with pytest.raises(SpecError, match="agent overrides"):
+        parse_axes(["agent.learning_rate=1e-3"], Without)
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "words"),
+    [
+        (["--sweep", "seed"], "--sweep", "not KEY=V1,V2"),
+        (["--sweep", "seed="], "--sweep", "empty value"),
+        (["--sweep", "seed=1,,2"], "--sweep", "empty value"),
+        (["--sweep", "seed=1,1"], "--sweep", "repeats"),
+        (["--sweep", "lr=1,2"], "--sweep", "not a training option"),
+        (["--sweep", "run_name=a,b"], "--sweep", "cannot be swept"),
+        (["--sweep", "seed=a,b"], "--sweep", "not an integer"),
+        (["--sweep", "use-graph=maybe"], "--sweep", "not true or false"),
+        (["--sweep", "device=tpu"], "--sweep", "use one of"),
+        (["--sweep", "num_envs=8,0"], "--sweep", "--num-envs"),
+        (["--sweep", "seed=1", "--sweep", "seed=2"], "--sweep", "swept twice"),
+        (["--sweep", "agent.learning_rate=1e-3"], "--sweep", "learning_rate=1e-3"),
+        (["--sweep", "seed=1,2", "--array-parallelism", "0"], "--array-parallelism", ">= 1"),
+        (["--array-parallelism", "2"], "--array-parallelism", "with --sweep"),
+        (["--sweep", "seed=1,2", "--run-dir", "/tmp/x"], "--run-dir", "one run directory"),
+    ],
+)
+def test_bad_sweep_exits_2_and_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], flag: str, words: str
+) -> None:
+    code = submit_main(["cartpole", "--executor", "local", "--log-root", str(tmp_path), *args])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2, err
+    assert f"error: {flag}" in err and words in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_sweep_dry_run_prints_the_job_array(tmp_path: Path) -> None:
+    """No Slurm at all (PATH holds only the venv): the elements and the array's script."""
+    proc = subprocess.run(
+        [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run", "--nodes", "2",
+         "--gpus-per-node", "0", "--sweep", "seed=0,1,2", "--sweep", "num-envs=64,128",
+         "--array-parallelism", "2", "--log-root", str(tmp_path)],
+        env=cli_env(base={"PATH": str(BIN)}), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "#SBATCH --array=0-5%2" in out and "#SBATCH --nodes=2" in out
+    elements = [line for line in out.splitlines() if "_seed=" in line and line.startswith("# ")]
+    assert len(elements) == 6
+    assert elements[0].split()[1:3] == ["0", "seed=0"] and elements[0].endswith("num_envs=64")
+    assert elements[5].split()[1] == "5" and elements[5].endswith("_seed=2_num_envs=128")
+    assert "/.sweeps/" in out and "%A_%a_%t_log.out" in out
+    assert not any(tmp_path.iterdir())
+
+
+def test_render_refuses_sweeps() -> None:
+    proc = hpc("render", "train", "cartpole", "--sweep", "seed=1,2")
+    assert proc.returncode == 2 and "--sweep" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- tracebacks
+
+
+def test_tracebacks_are_split_at_log_records(tmp_path: Path) -> None:
+    log = tmp_path / "rank1.log"
+    log.write_text(
+        "2026-01-02 03:04:05,006 rank1 rank 1/2 (local 1/2, node 0/1) via slurm, master "
+        "node1:1 on cpu, host node2, seed 1, 8 envs\n"
+        "2026-01-02 03:04:09,500 rank1 rank 1 failed\n"
+        "Traceback (most recent call last):\n"
+        '  File "a.py", line 1, in f\n'
+        "KeyError: 'x'\n"
+        "\n"
+        "During handling of the above exception, another exception occurred:\n"
+        "\n"
+        "Traceback (most recent call last):\n"
+        '  File "a.py", line 2, in g\n'
+        "ValueError: bad\n"
+        "  second line of the message\n"
+        "2026-01-02 03:04:10,000 rank1 done\n"
+        "submitit ERROR (2026-01-02 03:04:11,250) - Submitted job triggered an exception\n"
+        "Traceback (most recent call last):\n"
+        '  File "b.py", line 3, in h\n'
+        "OSError: disk\n"
+        "srun: error: node2: task 1: Exited with exit code 1\n"
+    )
+    found = tracebacks_in(log)
+    assert len(found) == 2
+    (at1, text1), (at2, text2) = found
+    assert at1 is not None and (at1.second, at1.microsecond) == (9, 500_000)
+    assert text1.splitlines()[-1] == "  second line of the message"
+    assert "During handling" in text1 and "KeyError" in text1
+    assert at2 is not None and (at2.second, at2.microsecond) == (11, 250_000)
+    assert text2.splitlines()[-1] == "OSError: disk"
