@@ -174,6 +174,9 @@ def test_preempt_requeue_resume_exact(slurm_cluster: SlurmCluster, tmp_path: Pat
     assert iterations[:stop] == list(range(1, stop + 1)) and iterations[-1] == 12
     assert sorted(set(iterations)) == list(range(1, 13))
     assert summary["param_digest_per_rank"] == reference["param_digest_per_rank"]
+    # Every rank exited promptly on the requeue: no node was drained for a stuck process.
+    states = slurm_cluster.run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout.split("\n")
+    assert all("drain" not in line for line in states), states
 
 
 LOCK_WORKER = """
