@@ -76,9 +76,10 @@ class BenchConfig:
     quick: bool = False
     """Short smoke run (small envs, one pair, a partly cold cache): checks the machinery only."""
     out: Path = Path("bench-results")
-    """Folder for bench.json, bench.png and the runs' directories (replaced)."""
+    """Folder for bench.json, bench.png and runs/ (the runs' directories, replaced)."""
     repeats: int | None = None
-    """A/B pairs per figure (default: 3; 1 with --quick)."""
+    """Repeats of the training runs, one A/B pair each (default: 3; 1 with --quick); the
+    rollout benchmark takes at least 7 pairs (they are cheap)."""
     num_envs: int | None = None
     """Envs per rank, and worlds of the rollout benchmark (default: 1024; 64 with --quick)."""
     iterations: int | None = None
@@ -211,6 +212,15 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _clock_ticks()
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process exists and has not exited (a zombie awaiting its parent has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def process_start_time(pid: int) -> float | None:
     """When a live process started (epoch seconds, 1/CLK_TCK resolution)."""
     try:
@@ -262,26 +272,92 @@ def kill_group(proc: subprocess.Popen[Any]) -> None:
 # --- one training job, watched ----------------------------------------------------------------
 
 
-@dataclass
+def session_pids(sid: int) -> list[int]:
+    """Live processes of one session (a job we started with start_new_session)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[3]) == sid:
+                    found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """CPU seconds used so far: per rank, by the job's launcher processes, by this benchmark
+    process, and by the whole machine."""
+
+    at: float
+    ranks: dict[int, float]
+    launcher: dict[int, float]
+    bench: float
+    machine: float
+
+    @classmethod
+    def take(cls, rank_pids: Sequence[int], session: int) -> CpuSnapshot:
+        ranks = {p: c for p in rank_pids if (c := process_cpu_s(p)) is not None}
+        launcher = {
+            p: c
+            for p in session_pids(session)
+            if p not in ranks and (c := process_cpu_s(p)) is not None
+        }
+        return cls(time.time(), ranks, launcher, time.process_time(), machine_busy_s())
+
+
+@dataclass(frozen=True)
 class CpuWindow:
-    """CPU use between two moments: the job's ranks and the whole machine."""
+    """CPU use between two snapshots, in cores (CPU seconds per wall second)."""
 
     wall_s: float = 0.0
-    ranks_cpu_s: float = 0.0
-    machine_busy_s: float = 0.0
-    ranks: int = 1
+    rank_cores: tuple[float, ...] = ()
+    launcher_cores: float = math.nan
+    bench_cores: float = math.nan
+    machine_cores: float = math.nan
+
+    @classmethod
+    def between(cls, a: CpuSnapshot, b: CpuSnapshot) -> CpuWindow:
+        wall = b.at - a.at
+        if wall <= 0:
+            return cls()
+
+        def delta(x: dict[int, float], y: dict[int, float]) -> list[float]:
+            # Only processes alive at both ends: one that started or ended inside the window
+            # would count its whole life.
+            return [(y[p] - x[p]) / wall for p in x if p in y]
+
+        return cls(
+            wall_s=wall,
+            rank_cores=tuple(delta(a.ranks, b.ranks)),
+            launcher_cores=sum(delta(a.launcher, b.launcher)),
+            bench_cores=(b.bench - a.bench) / wall,
+            machine_cores=(b.machine - a.machine) / wall,
+        )
 
     @property
     def rank_busy(self) -> float:
         """Mean fraction of the window each rank spent on a core."""
-        return self.ranks_cpu_s / (self.wall_s * self.ranks) if self.wall_s > 0 else math.nan
+        return statistics.mean(self.rank_cores) if self.rank_cores else math.nan
 
     @property
     def other_cores(self) -> float:
-        """Cores' worth of CPU used by everything else (other sessions, launchers, us)."""
-        if self.wall_s <= 0:
-            return math.nan
-        return (self.machine_busy_s - self.ranks_cpu_s) / self.wall_s
+        """Cores used by everything that is not this job or this benchmark (other sessions)."""
+        ours = sum(self.rank_cores) + self.launcher_cores + self.bench_cores
+        return self.machine_cores - ours
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "wall_s": round(self.wall_s, 3),
+            "rank_cores": [round(c, 3) for c in self.rank_cores],
+            "launcher_cores": round(self.launcher_cores, 3),
+            "bench_cores": round(self.bench_cores, 3),
+            "machine_cores": round(self.machine_cores, 3),
+            "other_cores": round(self.other_cores, 3),
+        }
 
 
 @dataclass
@@ -298,6 +374,7 @@ class JobTrace:
     cpu: CpuWindow = field(default_factory=CpuWindow)
     signal_sent_at: float | None = None
     restart_rank_start: float | None = None
+    old_ranks_gone_at: float | None = None
     first_resumed_at: float | None = None
     stops: list[dict[str, Any]] = field(default_factory=list)
     record: dict[str, Any] = field(default_factory=dict)
@@ -324,13 +401,10 @@ class _Watch:
     """Mutable state of the polling loop of `watch_job`."""
 
     pids: set[int] = field(default_factory=set)
-    cpu_start: tuple[float, float, float] | None = None
+    cpu_start: CpuSnapshot | None = None
     stop_iteration: int | None = None
     next_pid_scan: float = 0.0
-
-
-def _ranks_cpu(pids: Sequence[int]) -> float:
-    return sum(process_cpu_s(p) or 0.0 for p in pids)
+    signaled: set[int] = field(default_factory=set)
 
 
 def _find_run_dir(log_root: Path) -> Path | None:
@@ -425,25 +499,23 @@ def _poll_once(
         trace.first_iteration_at = now
     done_its = len(records)
     if cpu_window is not None and state.cpu_start is None and done_its >= cpu_window[0]:
-        state.cpu_start = (now, _ranks_cpu(pids), machine_busy_s())
+        state.cpu_start = CpuSnapshot.take(pids, proc.pid)
     if (
         cpu_window is not None
         and state.cpu_start is not None
         and trace.cpu.wall_s == 0.0
         and done_its >= cpu_window[1]
     ):
-        t0, r0, m0 = state.cpu_start
-        trace.cpu = CpuWindow(
-            wall_s=now - t0,
-            ranks_cpu_s=_ranks_cpu(pids) - r0,
-            machine_busy_s=machine_busy_s() - m0,
-            ranks=len(pids),
-        )
+        trace.cpu = CpuWindow.between(state.cpu_start, CpuSnapshot.take(pids, proc.pid))
     if signal_after is not None and trace.signal_sent_at is None and done_its >= signal_after:
         trace.signal_sent_at = time.time()
+        state.signaled = set(pids)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR2)
+    gone = state.signaled and not any(process_alive(p) for p in state.signaled)
+    if gone and trace.old_ranks_gone_at is None:
+        trace.old_ranks_gone_at = now
     if trace.signal_sent_at is not None and state.stop_iteration is None:
         stops = read_jsonl(run / "restarts.jsonl")
         if stops:
@@ -620,6 +692,8 @@ def rollout_worker(args_json: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in args["tasks"]:
         task = get_task(name)
+        if task.make_env is None:
+            raise ValueError(f"{name}: the rollout benchmark takes built-in tasks")
         with wp.ScopedDevice("cpu"):
             env = task.make_env(args["num_envs"], "cpu", 0, True)
             out[name] = _rollout_pairs(env, args["pairs"], args["block_s"])
@@ -694,8 +768,8 @@ def run_rollout(cfg: BenchConfig, env: dict[str, str]) -> dict[str, Any]:
     args = {
         "tasks": list(cfg.rollout_tasks),
         "num_envs": cfg.envs,
-        "pairs": max(cfg.pairs, 3) if not cfg.quick else 2,
-        "block_s": 0.05 if cfg.quick else 0.4,
+        "pairs": 2 if cfg.quick else max(cfg.pairs, 7),
+        "block_s": 0.05 if cfg.quick else 0.3,
     }
     code = (
         "import json, sys\n"
@@ -889,13 +963,12 @@ class Bench:
                     "iteration_s_1rank": _median_iter_s(a.window(2, last)),
                     "iteration_s_2ranks": _median_iter_s(b.window(2, last)),
                     "collect_s_share_2ranks": _share(b.window(2, last), "collect_s"),
-                    "launch_s": {
-                        "train_1": a.launch_s,
-                        "submit_2": b.launch_s,
-                        "submit_1": c.launch_s,
+                    "launch": {
+                        k: launch_parts(t)
+                        for k, t in (("train_1", a), ("submit_2", b), ("submit_1", c))
                     },
-                    "cpu_1rank": _cpu(a.cpu),
-                    "cpu_2ranks": _cpu(b.cpu),
+                    "cpu_1rank": a.cpu.as_dict(),
+                    "cpu_2ranks": b.cpu.as_dict(),
                     "recovery": rec,
                 }
             )
@@ -972,11 +1045,18 @@ def _share(records: Sequence[dict[str, Any]], key: str) -> float:
     return sum(r[key] for r in records) / secs if secs > 0 else math.nan
 
 
-def _cpu(w: CpuWindow) -> dict[str, float]:
+def launch_parts(trace: JobTrace) -> dict[str, float | None]:
+    """Where a job's launch time went: launcher until a rank process exists, then the rank
+    (imports, process group, environment, first iteration)."""
+    rank_start = trace.first_rank_start
     return {
-        "wall_s": round(w.wall_s, 3),
-        "rank_busy": round(w.rank_busy, 3),
-        "other_cores": round(w.other_cores, 3),
+        "total_s": trace.launch_s,
+        "to_rank_start_s": rank_start - trace.submitted_at if rank_start else None,
+        "rank_to_first_iteration_s": (
+            trace.first_iteration_at - rank_start
+            if rank_start and trace.first_iteration_at
+            else None
+        ),
     }
 
 
@@ -1016,8 +1096,13 @@ def recovery(trace: JobTrace) -> dict[str, Any]:
     )
     out["first_start_to_iteration_s"] = first
     out["restart_to_resumed_iteration_s"] = again
-    out["checkpoint_to_restart_s"] = (
-        trace.restart_rank_start - stop["checkpoint_at"] if trace.restart_rank_start else None
+    out["checkpoint_to_ranks_exited_s"] = (
+        trace.old_ranks_gone_at - stop["checkpoint_at"] if trace.old_ranks_gone_at else None
+    )
+    out["ranks_exited_to_restart_s"] = (
+        trace.restart_rank_start - trace.old_ranks_gone_at
+        if trace.restart_rank_start and trace.old_ranks_gone_at
+        else None
     )
     out["signal_to_resumed_iteration_s"] = (
         trace.first_resumed_at - stop["signal_at"] if trace.first_resumed_at else None

@@ -29,6 +29,11 @@ _RECORD = re.compile(
 _HOST = re.compile(r"\bhost (\S+?),")
 _SUBMITIT_HOST = re.compile(r"hostname=([^,\s)]+)")
 _RANK_LOG = re.compile(r"^rank(\d+)\.log$")
+# Errors of a rank whose peer died or hung: at the same millisecond, the peer's error is first.
+_PEER_LOST = re.compile(
+    r"closed by peer|reset by peer|remote worker|timed out|timeout|broken pipe|DistBackendError",
+    re.IGNORECASE,
+)
 _TASK_FILE = re.compile(r"^(?P<job>\d+(?:_\d+)?)_(?P<rank>\d+)_log\.(?P<ext>out|err)$")
 
 
@@ -188,7 +193,10 @@ def find_tracebacks(ranks: Sequence[RankFiles]) -> list[Traceback]:
                     continue
                 seen.add((files.rank, tb.last_line))
                 found.append(tb)
-    return sorted(found, key=lambda t: (t.at or dt.datetime.max, t.rank))
+    return sorted(
+        found,
+        key=lambda t: (t.at or dt.datetime.max, bool(_PEER_LOST.search(t.last_line)), t.rank),
+    )
 
 
 def _mtime(path: Path) -> dt.datetime | None:

@@ -407,11 +407,13 @@ class SlurmClient:
 
 @dataclass(frozen=True)
 class LocalProcess:
-    """A process of a local-executor job: its controller (or the shell that started it when
-    the job has setup lines) or one of its ranks."""
+    """A process of this machine that works for a run's submitit folder."""
 
     pid: int
-    role: Literal["controller", "rank"]
+    role: Literal["controller", "rank", "launcher"]
+    """controller: the local executor's controller; rank: a Python process running a task;
+    launcher: anything else naming the folder (srun, the shell that runs a local job's setup
+    lines before its controller)."""
 
 
 def _alive(pid: int) -> bool:
@@ -441,8 +443,12 @@ def local_processes(run_dir: Path) -> list[LocalProcess]:
         in_shell = any(p.search(a) for p in quoted for a in argv[1:]) if not in_argv else False
         if not (in_argv or in_shell) or not _alive(int(entry.name)):
             continue
-        is_rank = "submitit.core._submit" in argv
-        found.append(LocalProcess(int(entry.name), "rank" if is_rank else "controller"))
+        role: Literal["controller", "rank", "launcher"] = "launcher"
+        if "submitit.local._local" in argv:
+            role = "controller"
+        elif "submitit.core._submit" in argv and Path(argv[0]).name.startswith("python"):
+            role = "rank"
+        found.append(LocalProcess(int(entry.name), role))
     return found
 
 
@@ -612,7 +618,7 @@ def cancel_local(run_dir: Path, grace_s: float = 30.0) -> CancelOutcome:
     if not procs:
         return CancelOutcome("local", jobs.job_ids, (run_dir,), True, "no process left to stop")
     _write_cancel_marker(run_dir, jobs.job_ids)
-    controllers = [p.pid for p in procs if p.role == "controller"]
+    controllers = [p.pid for p in procs if p.role != "rank"]
     ranks = [p.pid for p in procs if p.role == "rank"]
     for pid in controllers:
         _signal(pid, signal.SIGKILL)

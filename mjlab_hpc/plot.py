@@ -73,7 +73,8 @@ def plot_runs(runs: Sequence[RunSeries], out: Path, title: str | None = None) ->
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(TAGS), 2, figsize=(12, 7), squeeze=False)
-    drawn: dict[str, Any] = {"runs": []}
+    unit, seconds = _wall_unit(runs)
+    drawn: dict[str, Any] = {"runs": [], "wall_time_unit": unit}
     for run in runs:
         entry: dict[str, Any] = {"run_dir": str(run.run_dir), "label": run.label, "series": {}}
         for row, tag in enumerate(TAGS):
@@ -81,9 +82,9 @@ def plot_runs(runs: Sequence[RunSeries], out: Path, title: str | None = None) ->
             if s is None or not s.values:
                 continue
             start = min(s.wall_times)
-            minutes = [(t - start) / 60.0 for t in s.wall_times]
+            wall = [(t - start) / seconds for t in s.wall_times]
             axes[row][0].plot(s.iterations, s.values, label=run.label)
-            axes[row][1].plot(minutes, s.values, label=run.label)
+            axes[row][1].plot(wall, s.values, label=run.label)
             entry["series"][tag] = {
                 "points": len(s.values),
                 "first_iteration": s.iterations[0],
@@ -92,7 +93,7 @@ def plot_runs(runs: Sequence[RunSeries], out: Path, title: str | None = None) ->
             }
         drawn["runs"].append(entry)
     for row, tag in enumerate(TAGS):
-        for col, xlabel in enumerate(("iteration", "wall time (min)")):
+        for col, xlabel in enumerate(("iteration", f"wall time ({unit})")):
             ax = axes[row][col]
             ax.set_xlabel(xlabel)
             ax.set_ylabel(_LABELS[tag])
@@ -106,3 +107,19 @@ def plot_runs(runs: Sequence[RunSeries], out: Path, title: str | None = None) ->
     fig.savefig(out, format="png", dpi=100, metadata={METADATA_KEY: json.dumps(drawn)})
     plt.close(fig)
     return drawn
+
+
+def _wall_unit(runs: Sequence[RunSeries]) -> tuple[str, float]:
+    """Seconds, minutes or hours, whichever suits the longest run."""
+    spans = [
+        max(s.wall_times) - min(s.wall_times)
+        for r in runs
+        for s in r.series.values()
+        if s.wall_times
+    ]
+    longest = max(spans, default=0.0)
+    if longest < 120:
+        return "s", 1.0
+    if longest < 3 * 3600:
+        return "min", 60.0
+    return "h", 3600.0

@@ -108,8 +108,35 @@ class Stopped(Exception):
         return f"stopped at iteration {self.iteration} ({self.reason}, signal {self.signum})"
 
 
+def slurm_job_state(job_id: str, env: dict[str, str] | None = None) -> str | None:
+    """The job's state as slurmctld sees it now (RUNNING, CANCELLED, ...), None if unknown."""
+    try:
+        proc = subprocess.run(
+            ["scontrol", "show", "job", job_id],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=env or dict(os.environ),
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for word in proc.stdout.split():
+        if word.startswith("JobState="):
+            return word.removeprefix("JobState=")
+    return None
+
+
 def requeue_slurm(job_id: str, env: dict[str, str] | None = None) -> bool:
-    """Ask Slurm to run this job again (same job id, SLURM_RESTART_COUNT + 1)."""
+    """Ask Slurm to run this job again (same job id, SLURM_RESTART_COUNT + 1).
+
+    Only a job that is still RUNNING is requeued. SIGTERM also comes from `scancel`: the job
+    is then CANCELLED, and requeueing it would undo the user's cancel. A preempted job that
+    Slurm requeues itself (PreemptMode=REQUEUE) is no longer RUNNING either.
+    """
+    state = slurm_job_state(job_id, env)
+    if state is not None and state != "RUNNING":
+        log.info("job %s is %s: not requeued (checkpoint saved)", job_id, state)
+        return state in ("REQUEUED", "PENDING", "PREEMPTED", "CANCELLED", "COMPLETING")
     try:
         proc = subprocess.run(
             ["scontrol", "requeue", job_id],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from rich.text import Text
 from mjlab_hpc.ops import (
     JobKind,
     JobState,
+    RunJobs,
     SlurmClient,
     job_states,
     progress_tail,
@@ -109,8 +111,8 @@ def _total_iterations(record: dict[str, Any]) -> int | None:
     return task.max_iterations if task else None
 
 
-def _status_of(run_dir: Path, kind: JobKind | None, ids: tuple[str, ...], state: JobState,
-               element: ElementRecord | None) -> RunStatus:  # fmt: skip
+def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
+    run_dir = jobs.run_dir
     record = read_record(run_dir)
     tail = progress_tail(run_dir, RATE_WINDOW)
     last = tail[-1] if tail else {}
@@ -126,8 +128,8 @@ def _status_of(run_dir: Path, kind: JobKind | None, ids: tuple[str, ...], state:
     reasons = tuple(str(r.get("reason")) for r in record.get("restarts", [])[:restarts])
     return RunStatus(
         run_dir=run_dir,
-        kind=kind,
-        job_ids=ids,
+        kind=jobs.kind,
+        job_ids=jobs.job_ids,
         state=state.state,
         state_source=state.source,
         active=state.active,
@@ -140,7 +142,7 @@ def _status_of(run_dir: Path, kind: JobKind | None, ids: tuple[str, ...], state:
         mean_reward=float(rewards[-1]) if rewards else None,
         restarts=restarts,
         restart_reasons=reasons,
-        sweep=element,
+        sweep=jobs.element,
     )
 
 
@@ -151,10 +153,17 @@ class StatusReport:
     rows: tuple[RunStatus, ...]
     accounting: bool | None
     """None: no Slurm job was asked about."""
+    slurm_here: bool = True
+    """Whether Slurm's commands are on PATH."""
 
     @property
     def note(self) -> str | None:
         """What the reader should know about where states came from."""
+        if self.accounting is not None and not self.slurm_here:
+            return (
+                "Slurm's commands are not on PATH here: the states of Slurm jobs come from "
+                "their run records"
+            )
         if self.accounting is False:
             return (
                 "sacct failed (accounting disabled?): states come from squeue, and from the "
@@ -165,10 +174,10 @@ class StatusReport:
 
 def collect(run_dirs: Sequence[Path], slurm: SlurmClient | None = None) -> StatusReport:
     """The status of every run (Slurm is asked once for all of them)."""
-    jobs = [run_jobs(Path(r)) for r in run_dirs]
+    jobs = [run_jobs(Path(r).absolute()) for r in run_dirs]
     states, accounting = job_states(jobs, slurm)
-    rows = [_status_of(j.run_dir, j.kind, j.job_ids, states[j.run_dir], j.element) for j in jobs]
-    return StatusReport(tuple(rows), accounting)
+    rows = [_status_of(j, states[j.run_dir]) for j in jobs]
+    return StatusReport(tuple(rows), accounting, shutil.which("squeue") is not None)
 
 
 def _display_path(path: Path) -> str:

@@ -25,7 +25,7 @@ import pytest
 from mjlab_hpc import ops
 from mjlab_hpc.cli.submit import main as submit_main
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.logs import tracebacks_in
+from mjlab_hpc.logs import RankFiles, find_tracebacks, tracebacks_in
 from mjlab_hpc.rundir import RunDir
 from mjlab_hpc.spec import TrainSpec
 from mjlab_hpc.sweep import expand, parse_axes, sweep_elements
@@ -138,32 +138,39 @@ class LocalJobs:
     """Log root of a 2-rank job of 5000 iterations (watched, then cancelled)."""
     sweep: Path
     """Log root of a sweep seed=1,2 of 1-rank jobs, 3 iterations each."""
+    sweep_follow: subprocess.Popen
+    """Its mjlab-submit --follow, still waiting for the elements."""
+    sweep_output: Path
 
 
 @pytest.fixture(scope="module")
 def local_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalJobs]:
     root = tmp_path_factory.mktemp("ops")
-    jobs = LocalJobs(root / "failing", root / "long", root / "sweep")
     local = ["cartpole", "--executor", "local", *SMALL]
     commands = [
         ([*local, "--tasks-per-node", "2", "--max-iterations", "50", "--log-root",
-          str(jobs.failing)], fault_env(root / "fault", rank=1, iteration=3)),
+          str(root / "failing")], fault_env(root / "fault", rank=1, iteration=3)),
         ([*local, "--tasks-per-node", "2", "--max-iterations", "5000", "--log-root",
-          str(jobs.long)], {}),
+          str(root / "long")], {}),
         ([*local, "--tasks-per-node", "1", "--max-iterations", "3", "--sweep", "seed=1,2",
-          "--log-root", str(jobs.sweep)], {}),
+          "--log-root", str(root / "sweep"), "--follow"], {}),
     ]  # fmt: skip
-    procs = [
-        subprocess.Popen([BIN / "mjlab-submit", *args], env=cli_env(extra),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for args, extra in commands
-    ]  # fmt: skip
-    for proc in procs:  # submitting returns at once: the jobs run on
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, out
+    # Output to files, not pipes: the jobs' processes inherit them and outlive mjlab-submit.
+    procs = []
+    for n, (args, extra) in enumerate(commands):
+        with open(root / f"submit{n}.out", "w") as out:
+            procs.append(subprocess.Popen([BIN / "mjlab-submit", *args], env=cli_env(extra),
+                                          stdout=out, stderr=subprocess.STDOUT))  # fmt: skip
+    for n, proc in enumerate(procs[:2]):  # submitting returns at once: the jobs run on
+        assert proc.wait(timeout=120) == 0, (root / f"submit{n}.out").read_text()
+    jobs = LocalJobs(
+        root / "failing", root / "long", root / "sweep", procs[2], root / "submit2.out"
+    )
     try:
         yield jobs
     finally:
+        if jobs.sweep_follow.poll() is None:
+            jobs.sweep_follow.kill()
         for log_root in (jobs.failing, jobs.long, jobs.sweep):
             for run in runs_under(log_root):
                 ops.cancel_local(run, grace_s=5)  # leave no process, whatever a test did
@@ -188,9 +195,22 @@ def test_status_then_cancel_local_job(local_jobs: LocalJobs) -> None:
     table = hpc("status", "--log-root", str(local_jobs.long))
     assert table.returncode == 0 and "RUNNING" in table.stdout and run.name in table.stdout
 
+    # logs --follow streams every rank's new lines until the job ends (here: the cancel).
+    followed = local_jobs.long / "follow.out"
+    with open(followed, "w") as out:
+        follower = subprocess.Popen(
+            [BIN / "mjlab-hpc", "logs", str(run), "--follow"],
+            env=cli_env(), stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    wait_for(lambda: "[rank 1] " in followed.read_text(), 60, "followed lines of rank 1")
     proc = hpc("cancel", str(run), "--grace-s", "60")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no process left" in " ".join(proc.stdout.split())
+    assert follower.wait(timeout=30) == 0
+    lines = followed.read_text().splitlines()
+    for rank in (0, 1):
+        assert any(line.startswith(f"[rank {rank}] ") and "stopped at iteration" in line
+                   for line in lines), lines[-10:]  # fmt: skip
     assert ops.local_processes(run) == []
     assert not any(ops._alive(pid) for pid in pids)
     # The ranks stopped at an iteration boundary with a checkpoint of that iteration.
@@ -233,8 +253,10 @@ def test_sweep_runs_status_and_plot(local_jobs: LocalJobs, tmp_path: Path) -> No
     """--sweep seed=1,2: two runs named after their seeds, grouped by status; plot overlays
     both runs' reward and env-steps/s."""
     runs = wait_for(lambda: len(r := runs_under(local_jobs.sweep)) == 2 and r, 60, "2 runs")
-    for run in runs:
-        wait_ended(run)
+    # mjlab-submit --sweep --follow waited for both and showed their status.
+    assert local_jobs.sweep_follow.wait(timeout=240) == 0, local_jobs.sweep_output.read_text()
+    followed = " ".join(local_jobs.sweep_output.read_text().split())
+    assert "submitted sweep" in followed and "2 COMPLETED" in followed
     by_seed = {json.loads((r / "run.json").read_text())["spec"]["seed"]: r for r in runs}
     assert sorted(by_seed) == [1, 2]
     assert by_seed[1].name.endswith("_seed=1") and by_seed[2].name.endswith("_seed=2")
@@ -419,3 +441,27 @@ def test_tracebacks_are_split_at_log_records(tmp_path: Path) -> None:
     assert "During handling" in text1 and "KeyError" in text1
     assert at2 is not None and (at2.second, at2.microsecond) == (11, 250_000)
     assert text2.splitlines()[-1] == "OSError: disk"
+
+
+def test_first_traceback_is_the_cause_and_names_the_host_of_the_time(tmp_path: Path) -> None:
+    """Same millisecond: the rank that lost its peer comes after the peer. A requeued rank's
+    traceback names the host it ran on then."""
+    stamp = "2026-01-02 03:04:09,500"
+    rank0 = tmp_path / "rank0.log"
+    rank0.write_text(
+        f"2026-01-02 03:04:05,000 rank0 rank 0/2 ..., host node1, seed 1\n{stamp} rank0 failed\n"
+        'Traceback (most recent call last):\n  File "x.py", line 1, in f\n'
+        "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:4711\n"
+    )
+    rank1 = tmp_path / "rank1.log"
+    rank1.write_text(
+        "2026-01-02 03:00:00,000 rank1 rank 1/2 ..., host node2, seed 2\n"
+        "2026-01-02 03:04:00,000 rank1 rank 1/2 ..., host node7, seed 2\n"
+        f"{stamp} rank1 failed\nTraceback (most recent call last):\n"
+        '  File "y.py", line 2, in g\nValueError: the cause\n'
+    )
+    found = find_tracebacks([RankFiles(0, rank0, (), ()), RankFiles(1, rank1, (), ())])
+    assert [(t.rank, t.host, t.last_line) for t in found] == [
+        (1, "node7", "ValueError: the cause"),
+        (0, "node1", "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:4711"),
+    ]

@@ -213,3 +213,24 @@ def test_lock_contenders_on_both_nodes(slurm_cluster: SlurmCluster, tmp_path: Pa
         tokens.append(int(enter[0]))
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
     assert {line[1] for line in lines} == {"node1", "node2"}
+
+
+def test_bare_scancel_is_not_undone(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """scancel sends SIGTERM, which looks like a preemption to the ranks: they checkpoint,
+    but the cancelled job must stay cancelled (no requeue)."""
+    code, out = submit(slurm_cluster, [
+        "cartpole", "--nodes", "1", "--gpus-per-node", "0", "--num-envs", "32",
+        "--max-iterations", "100000", "--torch-threads", "1", "--log-root", str(tmp_path),
+        "--time", "10",
+    ])  # fmt: skip
+    assert code == 0, out
+    job = job_id_of(out)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "cartpole").glob("2*/progress.jsonl")):
+        assert time.monotonic() < deadline, "the job did not start training"
+        time.sleep(0.2)
+    slurm_cluster.run(["scancel", job], check=True)
+    assert slurm_cluster.wait_job(job, timeout=120) == "CANCELLED"
+    time.sleep(3)  # a requeue would show up as a new PENDING/RUNNING run by now
+    runs = slurm_cluster.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"])
+    assert runs.stdout.split() == ["CANCELLED"], runs.stdout

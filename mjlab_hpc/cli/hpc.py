@@ -54,6 +54,8 @@ class Status:
     targets: Annotated[
         tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR|JOB_ID")
     ] = ()
+    """Run directories, job ids (4711, 4711_2, a local job's pid), job array ids, sweep or
+    experiment directories."""
     log_root: str = "logs"
     """Where runs are listed (no arguments) and job ids are looked up."""
     watch: bool = False
@@ -71,6 +73,7 @@ class Logs:
     comes first, named by rank and host, then the end of every rank's log."""
 
     target: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="JOB|RUN")]
+    """A job id (4711, 4711_2, a local job's pid) or a run directory."""
     rank: int | None = None
     """Only this rank."""
     follow: bool = False
@@ -88,6 +91,7 @@ class Cancel:
     (its ranks save a checkpoint on SIGTERM; SIGKILL after --grace-s); no process is left."""
 
     target: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="JOB|RUN")]
+    """A job id, a job array id (all its elements), a run or a sweep's directory."""
     grace_s: float = 30.0
     """Seconds to wait for the ranks to stop before killing them."""
     log_root: str = "logs"
@@ -99,6 +103,7 @@ class Plot:
     (from their tensorboard events)."""
 
     runs: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="RUN")]
+    """Run directories or job ids (a job array id: all its elements)."""
     out: str = "training.png"
     """The PNG to write."""
     title: str | None = None
@@ -120,11 +125,26 @@ def list_tasks() -> int:
     from mjlab_hpc.tasks import BUILTIN_TASKS
 
     table = Table(title="tasks")
-    for col in ("name", "source", "envs", "iterations", "description"):
-        table.add_column(col)
+    table.add_column("name", no_wrap=True)  # copied into commands: never cropped
+    for col in ("source", "envs", "iterations", "description"):
+        table.add_column(col, overflow="fold")
     for t in BUILTIN_TASKS.values():
         table.add_row(t.name, "built-in", str(t.num_envs), str(t.max_iterations), t.description)
+    from mjlab_hpc.mjlab_tasks import list_mjlab_tasks, load_mjlab_cfgs
+
+    mjlab = list_mjlab_tasks()
+    for name in mjlab:
+        env_cfg, agent_cfg, runner_cls, _ = load_mjlab_cfgs(name)
+        table.add_row(
+            name,
+            "mjlab",
+            str(env_cfg.scene.num_envs),
+            str(agent_cfg.max_iterations),
+            runner_cls.__name__,
+        )
     Console().print(table)
+    if not mjlab:
+        Console().print("mjlab tasks: install the [mjlab] extra (pip install 'mjlab-hpc[mjlab]')")
     return 0
 
 
@@ -244,7 +264,7 @@ def cancel(cmd: Cancel) -> int:
 
     resolved = resolve_target(cmd.target, Path(cmd.log_root))
     outcomes = cancel_runs(resolved, grace_s=cmd.grace_s)
-    out = Console(highlight=False)
+    out = Console(highlight=False, soft_wrap=True)
     for o in outcomes:
         ids = ",".join(o.job_ids) or "-"
         runs = ", ".join(str(r) for r in o.runs[:3]) + (" ..." if len(o.runs) > 3 else "")

@@ -75,10 +75,10 @@ def summary_table(s: Submitted) -> Table:
     t.add_row("task output", str(s.rank_stdout(0)).replace("_0_log", "_<k>_log"))
     if s.executor == "slurm":
         t.add_row("watch", f"squeue -j {s.job_id}   |   tail -f {s.rank_stdout(0)}")
-        t.add_row("cancel", f"scancel {s.job_id}")
+        t.add_row("cancel", f"mjlab-hpc cancel {s.job_id}")
     else:
         t.add_row("watch", f"tail -f {s.rank_stdout(0)}")
-        t.add_row("cancel", f"kill {s.job_id}")
+        t.add_row("cancel", f"mjlab-hpc cancel {s.run_dir}")
     return t
 
 
@@ -155,6 +155,7 @@ def sweep_table(s: SubmittedSweep) -> Table:
 def follow_sweep(s: SubmittedSweep, console: Console) -> int:
     """Wait for every element to end, then show their status; 0 if all completed."""
     from mjlab_hpc.status import collect, status_table
+    from mjlab_hpc.status import console as wide_console
 
     try:
         while not all(r.job.done() for r in s.runs):
@@ -163,7 +164,8 @@ def follow_sweep(s: SubmittedSweep, console: Console) -> int:
         console.print("stopped waiting; the sweep keeps running")
         raise
     report = collect([r.run_dir for r in s.runs])
-    console.print(status_table(report.rows))
+    # Wide even into a file: a table squeezed into 80 columns is unreadable.
+    wide_console().print(status_table(report.rows))
     failed = [r for r in report.rows if r.state != "COMPLETED"]
     return 1 if failed else 0
 
