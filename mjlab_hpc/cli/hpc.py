@@ -124,24 +124,18 @@ Command = (
 def list_tasks() -> int:
     from mjlab_hpc.tasks import BUILTIN_TASKS
 
-    table = Table(title="tasks")
+    table = Table(title="tasks (defaults: envs per rank, iterations)")
     table.add_column("name", no_wrap=True)  # copied into commands: never cropped
-    for col in ("source", "envs", "iterations", "description"):
-        table.add_column(col, overflow="fold")
+    for col in ("source", "envs", "iterations"):
+        table.add_column(col, no_wrap=True)
     for t in BUILTIN_TASKS.values():
-        table.add_row(t.name, "built-in", str(t.num_envs), str(t.max_iterations), t.description)
+        table.add_row(t.name, "built-in", str(t.num_envs), str(t.max_iterations))
     from mjlab_hpc.mjlab_tasks import list_mjlab_tasks, load_mjlab_cfgs
 
     mjlab = list_mjlab_tasks()
     for name in mjlab:
-        env_cfg, agent_cfg, runner_cls, _ = load_mjlab_cfgs(name)
-        table.add_row(
-            name,
-            "mjlab",
-            str(env_cfg.scene.num_envs),
-            str(agent_cfg.max_iterations),
-            runner_cls.__name__,
-        )
+        env_cfg, agent_cfg, _, _ = load_mjlab_cfgs(name)
+        table.add_row(name, "mjlab", str(env_cfg.scene.num_envs), str(agent_cfg.max_iterations))
     Console().print(table)
     if not mjlab:
         Console().print("mjlab tasks: install the [mjlab] extra (pip install 'mjlab-hpc[mjlab]')")
