@@ -124,10 +124,10 @@ Command = (
 def list_tasks() -> int:
     from mjlab_hpc.tasks import BUILTIN_TASKS
 
-    table = Table(title="tasks (defaults: envs per rank, iterations)")
+    table = Table(title="tasks (default envs per rank and iterations)", box=None)
     table.add_column("name", no_wrap=True)  # copied into commands: never cropped
     for col in ("source", "envs", "iterations"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(col, no_wrap=True, justify="right" if col != "source" else "left")
     for t in BUILTIN_TASKS.values():
         table.add_row(t.name, "built-in", str(t.num_envs), str(t.max_iterations))
     from mjlab_hpc.mjlab_tasks import list_mjlab_tasks, load_mjlab_cfgs
