@@ -678,8 +678,8 @@ def prepare_cache(base: Path, warm_from: Path | None, drop: Sequence[str] = ()) 
 def rollout_worker(args_json: str) -> dict[str, Any]:
     """env.step vs raw graph replay of the same worlds, alternately, for each task.
 
-    Runs in a fresh process with one torch thread (called through `python -c`). Both sides of
-    every pair start from the same saved state and the same fixed actions.
+    Runs in a fresh process with one torch thread (called through `python -c`). The two
+    alternate at every step from the same state with the same fixed actions.
     """
     import torch
     import warp as wp
@@ -714,17 +714,33 @@ def _rollout_pairs(env: Any, pairs: int, block_s: float) -> dict[str, Any]:
             fn()
         return time.perf_counter() - t0
 
-    def step() -> object:
-        return env.step(actions)
+    def pair(k: int) -> tuple[float, float]:
+        # Alternate at every step (raw replay, back to the same state, env.step), so that both
+        # sides of a pair see the same states and the same moments of machine load.
+        env.load_state_dict(state)
+        raw = stepped = 0.0
+        for _ in range(k):
+            before = env.state_dict()
+            t0 = time.perf_counter()
+            env.simulate()
+            t1 = time.perf_counter()
+            env.load_state_dict(before)
+            t2 = time.perf_counter()
+            env.step(actions)
+            t3 = time.perf_counter()
+            raw += t1 - t0
+            stepped += t3 - t2
+        return raw, stepped
 
-    # Enough steps per block for block_s of physics (a short block is all timer noise).
+    # Enough steps per pair for block_s of physics (a short block is all timer noise).
     per = timed(env.simulate, 3) / 3
     k = max(3, math.ceil(block_s / max(per, 1e-6)))
-    timed(step, 2)  # warm-up of the torch side
+    pair(2)  # warm-up of the torch side
     raw, stepped = [], []
     for _ in range(pairs):
-        raw.append(timed(env.simulate, k))
-        stepped.append(timed(step, k))
+        r, st = pair(k)
+        raw.append(r)
+        stepped.append(st)
     breakdown = _step_breakdown(env, actions, state, k)
     n = env.num_envs
     return {

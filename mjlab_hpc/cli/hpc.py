@@ -15,6 +15,7 @@ import tyro
 from rich.console import Console
 from rich.table import Table
 
+from mjlab_hpc.bench import BenchConfig
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.submit import SubmitSpec
 
@@ -118,6 +119,7 @@ Command = (
     | Annotated[Logs, tyro.conf.subcommand("logs")]
     | Annotated[Cancel, tyro.conf.subcommand("cancel")]
     | Annotated[Plot, tyro.conf.subcommand("plot")]
+    | Annotated[BenchConfig, tyro.conf.subcommand("bench")]
 )
 
 
@@ -294,7 +296,7 @@ def _label(run: Path) -> str:
     return name[20:] if len(name) > 20 and name[19] == "_" and name[:4].isdigit() else name
 
 
-def run(cmd: ListTasks | Render | RunDir | Status | Logs | Cancel | Plot) -> int:
+def run(cmd: ListTasks | Render | RunDir | Status | Logs | Cancel | Plot | BenchConfig) -> int:
     """Run one subcommand; the exit code."""
     err = Console(stderr=True)
     try:
@@ -317,6 +319,10 @@ def run(cmd: ListTasks | Render | RunDir | Status | Logs | Cancel | Plot) -> int
             return cancel(cmd)
         if isinstance(cmd, Plot):
             return plot(cmd)
+        if isinstance(cmd, BenchConfig):
+            from mjlab_hpc.bench import run as run_bench
+
+            return run_bench(cmd)
         from mjlab_hpc.rundir import run_dir_for_key
 
         if not cmd.key:
