@@ -29,7 +29,7 @@ from mjlab_hpc.distributed import DistContext
 from mjlab_hpc.rundir import RunDir, RunWriter
 from mjlab_hpc.runner import DistributedRunner, runner_class
 from mjlab_hpc.spec import TrainSpec
-from mjlab_hpc.tasks import TaskInfo, agent_config
+from mjlab_hpc.tasks import TaskInfo, agent_config, apply_agent_overrides
 
 log = logging.getLogger("mjlab_hpc")
 
@@ -135,6 +135,7 @@ def _builtin_workload(
 
     env = build_staged(build, ctx)
     cfg = agent_config(task, spec.save_interval, spec.experiment_name or task.experiment_name)
+    cfg = apply_agent_overrides(cfg, spec.overrides)
     cfg["seed"] = seed
     runner = DistributedRunner(env, dict(cfg), log_dir=log_dir, device=device, ctx=ctx, quiet=quiet)
 

@@ -367,7 +367,7 @@ def test_agent_keys_become_overrides_where_the_spec_has_them() -> None:
         (["--sweep", "device=tpu"], "--sweep", "use one of"),
         (["--sweep", "num_envs=8,0"], "--sweep", "--num-envs"),
         (["--sweep", "seed=1", "--sweep", "seed=2"], "--sweep", "swept twice"),
-        (["--sweep", "agent.learning_rate=1e-3"], "--sweep", "learning_rate=1e-3"),
+        (["--sweep", "agent.nope=1e-3"], "--sweep", "not an agent setting"),
         (["--sweep", "seed=1,2", "--array-parallelism", "0"], "--array-parallelism", ">= 1"),
         (["--array-parallelism", "2"], "--array-parallelism", "with --sweep"),
         (["--sweep", "seed=1,2", "--run-dir", "/tmp/x"], "--run-dir", "one run directory"),
@@ -465,3 +465,16 @@ def test_first_traceback_is_the_cause_and_names_the_host_of_the_time(tmp_path: P
         (1, "node7", "ValueError: the cause"),
         (0, "node1", "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:4711"),
     ]
+
+
+def test_agent_sweep_of_a_builtin_task_dry_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's own example: a learning-rate sweep of a built-in task."""
+    code = submit_main(["cartpole", "--executor", "slurm", "--dry-run", "--gpus-per-node", "0",
+                        "--log-root", str(tmp_path), "--sweep", "seed=0,1",
+                        "--sweep", "agent.learning_rate=1e-3,3e-4"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count("learning_rate=") >= 4  # 2 x 2 elements, each named by its values
+    assert not any(tmp_path.iterdir())

@@ -127,13 +127,9 @@ def resolve_task(spec: Any) -> TaskInfo:
     SpecError for overrides that cannot apply."""
     overrides = tuple(getattr(spec, "overrides", ()))
     if spec.task in BUILTIN_TASKS:
-        if overrides:
-            raise SpecError(
-                overrides[0],
-                "--env.*/--agent.* overrides apply to mjlab tasks; built-in tasks take "
-                "--num-envs, --max-iterations and --seed",
-            )
-        return BUILTIN_TASKS[spec.task]
+        task = BUILTIN_TASKS[spec.task]
+        apply_agent_overrides(agent_config(task, 1, task.name), overrides)  # validate
+        return task
     from mjlab_hpc import mjlab_tasks
 
     if not mjlab_tasks.is_mjlab_task(spec.task):
@@ -150,3 +146,74 @@ def resolve_task(spec: Any) -> TaskInfo:
         return mjlab_tasks.mjlab_task_info(spec.task, spec.num_envs, spec.max_iterations, overrides)
     except ValueError as exc:
         raise SpecError("--env/--agent", str(exc)) from None
+
+
+def _override_pairs(overrides: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(flag, value) pairs from `--agent.key VALUE` / `--agent.key=VALUE` arguments."""
+    pairs: list[tuple[str, str]] = []
+    items = list(overrides)
+    while items:
+        flag = items.pop(0)
+        if "=" in flag:
+            flag, value = flag.split("=", 1)
+        elif items and not items[0].startswith("--"):
+            value = items.pop(0)
+        else:
+            raise SpecError(flag, "needs a value (--agent.KEY VALUE)")
+        pairs.append((flag, value))
+    return pairs
+
+
+def apply_agent_overrides(cfg: dict[str, Any], overrides: tuple[str, ...]) -> dict[str, Any]:
+    """A built-in task's rsl-rl config with `--agent.KEY VALUE` overrides applied.
+
+    KEY is a setting at the top level (`num_steps_per_env`) or in exactly one of `algorithm`,
+    `actor`, `critic` (`learning_rate`), or a dotted path (`algorithm.gamma`); dashes count as
+    underscores and values are YAML (`1e-3`, `[64,64]`, `true`). SpecError names a flag that
+    is not an agent setting.
+    """
+    import copy
+
+    import yaml
+
+    out = copy.deepcopy(cfg)
+    for flag, raw in _override_pairs(overrides):
+        if not flag.startswith("--agent."):
+            raise SpecError(
+                flag, "built-in tasks take --agent.* overrides only (--env.* is for mjlab tasks)"
+            )
+        path = flag.removeprefix("--agent.").replace("-", "_").split(".")
+        value = _parse_value(raw, yaml.safe_load(raw))
+        if len(path) == 1:
+            key = path[0]
+            homes = [out] if key in out else [out[s] for s in ("algorithm", "actor", "critic")
+                                                if key in out[s]]  # fmt: skip
+            if len(homes) != 1:
+                known = sorted(
+                    {k for k, v in out.items() if not isinstance(v, dict)}
+                    | {k for s in ("algorithm", "actor", "critic") for k in out[s]}
+                )
+                problem = "is ambiguous" if homes else "is not an agent setting"
+                raise SpecError(flag, f"{key!r} {problem}; settings: {', '.join(known)}")
+            homes[0][key] = value
+            continue
+        node = out
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                raise SpecError(flag, f"{part!r} is not an agent section")
+            node = node[part]
+        if path[-1] not in node:
+            raise SpecError(flag, f"{path[-1]!r} is not a setting of {'.'.join(path[:-1])}")
+        node[path[-1]] = value
+    return out
+
+
+def _parse_value(raw: str, parsed: Any) -> Any:
+    # YAML 1.1 reads `3e-4` (no decimal point) as a string: numbers win over strings here.
+    if isinstance(parsed, str):
+        for kind in (int, float):
+            try:
+                return kind(raw)
+            except ValueError:
+                pass
+    return parsed
