@@ -187,7 +187,8 @@ def _clock_ticks() -> int:
 
 def rank_pids(submitit_dir: Path) -> list[int]:
     """PIDs of the rank processes a local executor job runs from `submitit_dir`."""
-    needle = f"submitit.core._submit {submitit_dir}".encode()
+    # The ranks' command lines carry the absolute folder (--out may be relative).
+    needle = f"submitit.core._submit {Path(submitit_dir).resolve()}".encode()
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
