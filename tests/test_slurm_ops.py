@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fault_injection import FAULT_INJECTION
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc import ops
@@ -30,38 +31,6 @@ pytestmark = pytest.mark.slurm
 BIN = Path(sys.executable).parent
 SMALL = ["--num-envs", "32", "--torch-threads", "1", "--gpus-per-node", "0", "--time", "10"]
 
-# Same fault injection as in test_ops.py: rank MJLAB_FAULT_RANK raises inside the training
-# loop at iteration MJLAB_FAULT_ITERATION (sbatch exports the submitter's environment).
-FAULT_INJECTION = """
-import importlib.abc, importlib.util, os, sys
-
-_rank = os.environ.get("SLURM_PROCID") or os.environ.get("SUBMITIT_LOCAL_GLOBALID")
-
-class _Inject(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "mjlab_hpc.progress":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            update, at = module.ProgressDisplay.update, int(os.environ["MJLAB_FAULT_ITERATION"])
-
-            def failing(self, s):
-                if s.iteration >= at:
-                    raise RuntimeError(f"injected fault on rank {_rank} at iteration {s.iteration}")
-                update(self, s)
-
-            module.ProgressDisplay.update = failing
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-if _rank is not None and _rank == os.environ.get("MJLAB_FAULT_RANK"):
-    sys.meta_path.insert(0, _Inject())
-"""
 NO_ACCOUNTING = '#!/bin/sh\necho "sacct: error: Slurm accounting storage is disabled" >&2\nexit 1\n'
 FORGOTTEN = '#!/bin/sh\necho "slurm_load_jobs error: Invalid job id specified" >&2\nexit 1\n'
 
