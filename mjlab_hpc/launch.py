@@ -98,9 +98,6 @@ class LocalJob:
     def rank_stdout(self, rank: int) -> Path:
         return Path(self.job.task(rank).paths.stdout)
 
-    def rank_stderr(self, rank: int) -> Path:
-        return Path(self.job.task(rank).paths.stderr)
-
 
 def submit_local(
     spec: TrainSpec,

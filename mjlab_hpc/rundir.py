@@ -81,12 +81,9 @@ class RunDir:
 
     def checkpoints(self) -> list[Path]:
         """Checkpoints, oldest first (by iteration count)."""
-        found = []
-        for p in self.path.glob("model_*.pt"):
-            stem = p.stem.removeprefix("model_")
-            if stem.isdigit():
-                found.append((int(stem), p))
-        return [p for _, p in sorted(found)]
+        from mjlab_hpc.checkpoint import list_checkpoints  # torch: only when asked
+
+        return list_checkpoints(self.path)
 
     def read_progress(self) -> list[dict[str, Any]]:
         """The progress records written so far (a torn last line is ignored)."""

@@ -113,10 +113,6 @@ class ContextRunnerMixin:
             else None
         )
 
-    @property
-    def is_writer(self) -> bool:
-        return self.logger.writer is not None
-
     def learn_until(
         self,
         total_iterations: int,

@@ -19,22 +19,12 @@ from typing import Any, NoReturn
 
 import pytest
 
+from mjlab_hpc.ops import FINAL_STATES
+
 SCRIPT = Path(__file__).resolve().parent / "slurm" / "cluster.sh"
 
 # sacct states after which a job never runs again (REQUEUED is not one of them).
-TERMINAL_STATES = frozenset(
-    {
-        "BOOT_FAIL",
-        "CANCELLED",
-        "COMPLETED",
-        "DEADLINE",
-        "FAILED",
-        "NODE_FAIL",
-        "OUT_OF_MEMORY",
-        "PREEMPTED",
-        "TIMEOUT",
-    }
-)
+TERMINAL_STATES = FINAL_STATES
 
 # apt-get may have to install ~20 packages on the first bring-up.
 UP_TIMEOUT_S = 600

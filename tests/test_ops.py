@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fault_injection import FAULT_INJECTION
+from ops_helpers import FAULT_INJECTION, wait_for
 
 from mjlab_hpc import ops
 from mjlab_hpc.cli.submit import main as submit_main
@@ -64,17 +64,6 @@ def status_json(*args: str, env: dict[str, str] | None = None) -> list[dict]:
 
 def runs_under(root: Path) -> list[Path]:
     return ops.list_runs(root)
-
-
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.25):
-    """Poll until `predicate()` returns something true; that value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"{what}: not within {timeout:.0f} s")
 
 
 def iterations_done(run: Path) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fault_injection import FAULT_INJECTION
+from ops_helpers import FAULT_INJECTION, wait_for
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc import ops
@@ -73,16 +73,6 @@ def status_json(cluster: SlurmCluster, *args: str, path_first: str | None = None
     proc = hpc(cluster, "status", "--json", *args, path_first=path_first)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout)
-
-
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"{what}: not within {timeout:.0f} s")
 
 
 def only_run(root: Path) -> Path:

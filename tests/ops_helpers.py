@@ -1,4 +1,8 @@
-"""Fault injection shared by the operations tests (local executor and Slurm)."""
+"""Helpers shared by the operations tests (local executor and Slurm)."""
+
+import time
+from collections.abc import Callable
+from typing import Any
 
 # Fault injection for the tests: on the rank named by MJLAB_FAULT_RANK (SLURM_PROCID or the
 # local executor's global id), training raises inside the loop at MJLAB_FAULT_ITERATION,
@@ -33,3 +37,14 @@ class _Inject(importlib.abc.MetaPathFinder):
 if _rank is not None and _rank == os.environ.get("MJLAB_FAULT_RANK"):
     sys.meta_path.insert(0, _Inject())
 """
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.25) -> Any:
+    """Poll until `predicate()` returns something true; that value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s")
