@@ -14,7 +14,9 @@ with its spread (quartiles, min-max). The real CLIs run as subprocesses with `--
    2-rank job / a 1-rank job on a cold cache (each module compiled once per node, not per rank);
 5. recovery: USR2 to the 2-rank job, stop at the next iteration boundary, checkpoint, restart by
    the local executor, resume: signal to checkpoint in iterations, restart to first resumed
-   iteration / first start to first iteration, and iterations lost.
+   iteration / first start to first iteration, and iterations lost;
+6. mjlab: env-steps/s of an mjlab task through `mjlab-submit --executor local` / mjlab's own
+   `train`, on mjlab's physics path (no Warp graph on CPU), and with our graph replay.
 
 Writes `<out>/bench.json` and `<out>/bench.png` and prints a table last. `--quick` is a short
 smoke run (small envs, one pair, a partly cold cache) whose figures are not meaningful.
@@ -27,6 +29,7 @@ import ctypes
 import ctypes.util
 import datetime as dt
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -90,6 +93,10 @@ class BenchConfig:
     """Tasks of the rollout-overhead benchmark."""
     cold_compile: bool = True
     """Measure kernel compilations on a cold cache (a partly cold one with --quick)."""
+    mjlab_task: str = "Mjlab-Cartpole-Balance"
+    """mjlab task of the comparison with mjlab's own `train` (needs the [mjlab] extra)."""
+    mjlab_envs: int | None = None
+    """Envs of the mjlab comparison (default: 256; 16 with --quick)."""
     run_timeout_s: float = 300.0
     """Give up on one subprocess after this long."""
 
@@ -104,6 +111,10 @@ class BenchConfig:
     @property
     def measured(self) -> int:
         return self.iterations or (1 if self.quick else 8)
+
+    @property
+    def mjlab_num_envs(self) -> int:
+        return self.mjlab_envs or (16 if self.quick else 256)
 
 
 # --- statistics and figures ------------------------------------------------------------------
@@ -537,6 +548,40 @@ def throughput(records: Sequence[dict[str, Any]]) -> float:
     return steps / secs if secs > 0 else math.nan
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RSL_ITERATION = re.compile(r"Learning iteration\s+(\d+)/\d+")
+_RSL_FIELDS = {
+    "Total steps": "total_steps",
+    "Collection time": "collect_s",
+    "Learning time": "learn_s",
+    "Mean reward": "reward",
+}
+_RSL_FIELD = re.compile(r"^\s*(?P<key>[A-Za-z ]+):\s*(?P<value>-?[\d.]+(?:e[-+]?\d+)?)s?\s*$")
+
+
+def parse_rsl_rl_log(text: str) -> list[dict[str, Any]]:
+    """Progress records (iteration from 1, env_steps, collect_s, learn_s, reward) from the
+    console log of rsl-rl's OnPolicyRunner, as mjlab's own `train` prints it."""
+    records: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    for line in _ANSI.sub("", text).splitlines():
+        if m := _RSL_ITERATION.search(line):
+            current = {"iteration": int(m.group(1)) + 1}
+            records.append(current)
+        elif current is not None and (m := _RSL_FIELD.match(line)):
+            key = _RSL_FIELDS.get(m.group("key").strip())
+            if key is not None:
+                current[key] = float(m.group("value"))
+    # No "Mean reward" until an episode has ended.
+    needed = ("total_steps", "collect_s", "learn_s")
+    complete = [r for r in records if all(k in r for k in needed)]
+    previous = 0.0
+    for r in complete:  # "Total steps" counts from the start
+        r["env_steps"] = r["total_steps"] - previous
+        previous = r["total_steps"]
+    return complete
+
+
 def collective_share(records: Sequence[dict[str, Any]]) -> float:
     """Time inside collectives / iteration time, over some iterations (rank 0's view)."""
     secs = sum(r["collect_s"] + r["learn_s"] for r in records)
@@ -836,10 +881,23 @@ class Bench:
             "--log-root", str(log_root),
         ]  # fmt: skip
 
-    def submit_args(self, log_root: Path, iterations: int, ranks: int) -> list[str]:
+    def mjlab_args(self, log_root: Path, iterations: int, graph: bool) -> list[str]:
+        """Our CLIs' arguments for the mjlab task; without `graph`, mjlab's physics path on
+        CPU (mjlab never captures Warp graphs there)."""
+        return [
+            self.cfg.mjlab_task,
+            "--num-envs", str(self.cfg.mjlab_num_envs),
+            "--max-iterations", str(iterations),
+            "--torch-threads", "1",
+            "--log-root", str(log_root),
+            *([] if graph else ["--no-use-graph"]),
+            "--agent.logger", "tensorboard",
+        ]  # fmt: skip
+
+    def submit_args(self, train_args: list[str], ranks: int) -> list[str]:
         return [
             cli("mjlab-submit"),
-            *self.train_args(log_root, iterations),
+            *train_args,
             "--executor", "local",
             "--gpus-per-node", "0",
             "--tasks-per-node", str(ranks),
@@ -854,17 +912,16 @@ class Bench:
         *,
         submit: bool,
         cache: CompileWatch | None = None,
+        args: list[str] | None = None,
         **kw: Any,
     ) -> JobTrace:
         """Run `mjlab-train` (1 rank, in-process) or `mjlab-submit --executor local` (`ranks`
         tasks) under `<runs>/<name>`, watched by `watch_job`; with `cache`, on that kernel cache
-        while counting its compilations."""
+        while counting its compilations. `args`: the training arguments (default: the built-in
+        task's, `train_args`)."""
         root = self.runs / name
-        cmd = (
-            self.submit_args(root, iterations, ranks)
-            if submit
-            else [cli("mjlab-train"), *self.train_args(root, iterations)]
-        )
+        train = args if args is not None else self.train_args(root, iterations)
+        cmd = self.submit_args(train, ranks) if submit else [cli("mjlab-train"), *train]
         env = self.env
         if cache is not None:
             env = bench_env({"WARP_CACHE_PATH": str(cache.cache_dir.parent)})
@@ -944,6 +1001,76 @@ class Bench:
             )
             self.job(f"submit1-{r}", 1, 1, submit=True)
 
+    def mjlab_pairs(self) -> None:
+        """Per repeat: mjlab's own `train`, then ours through `mjlab-submit --executor local`
+        on mjlab's physics path (no graph), then ours with graph replay (our default)."""
+        task, envs = self.cfg.mjlab_task, self.cfg.mjlab_num_envs
+        if importlib.util.find_spec("mjlab") is None:
+            self.details["mjlab"] = {"skipped": "the [mjlab] extra is not installed"}
+            self.say("mjlab comparison: skipped (the [mjlab] extra is not installed)")
+            return
+        last = self.cfg.measured + 1
+        runs: list[dict[str, Any]] = []
+        self.details["mjlab"] = {"task": task, "num_envs": envs, "pairs": runs}
+        for r in range(1, self.cfg.pairs + 1):
+            self.say(f"mjlab {r}/{self.cfg.pairs}: {task} x {envs} envs: mjlab train | ours | "
+                     "ours with graph")  # fmt: skip
+            theirs = self.mjlab_train(f"mjlab-train-{r}", last)
+            if theirs is None:
+                continue
+            ours = {}
+            for key, graph in (("ours", False), ("ours_graph", True)):
+                name = f"mjlab-{key.replace('_', '-')}-{r}"
+                args = self.mjlab_args(self.runs / name, last, graph)
+                trace = self.job(name, 1, last, submit=True, args=args)
+                if trace.returncode == 0:
+                    ours[key] = trace.window(2, last)
+            if len(ours) < 2:
+                continue
+            runs.append(
+                {
+                    "mjlab_train": throughput(theirs),
+                    "ours": throughput(ours["ours"]),
+                    "ours_graph": throughput(ours["ours_graph"]),
+                    # The same seeds and configs: the same rewards iteration by iteration
+                    # show that both sides did the same work.
+                    "same_rewards": [_reward(x.get("reward")) for x in theirs]
+                    == [_reward(x.get("mean_reward")) for x in ours["ours"]],
+                }
+            )
+
+    def mjlab_train(self, name: str, iterations: int) -> list[dict[str, Any]] | None:
+        """Run mjlab's own `train` (CPU, one torch thread like ours) in `<runs>/<name>`; its
+        progress records of iterations 2..`iterations`, None if it failed."""
+        cwd = self.runs / name
+        cwd.mkdir(parents=True)
+        cmd = [
+            cli("train"), self.cfg.mjlab_task,
+            "--env.scene.num-envs", str(self.cfg.mjlab_num_envs),
+            "--agent.max-iterations", str(iterations),
+            "--agent.logger", "tensorboard",
+            "--gpu-ids", "None",
+        ]  # fmt: skip
+        out = cwd / f"{name}.out"
+        with open(out, "w") as f:
+            proc = subprocess.run(
+                cmd,
+                cwd=cwd,
+                env=bench_env({"OMP_NUM_THREADS": "1"}),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=self.cfg.run_timeout_s,
+                check=False,
+            )
+        text = out.read_text(errors="replace")
+        records = [r for r in parse_rsl_rl_log(text) if 2 <= r["iteration"] <= iterations]
+        if proc.returncode != 0 or len(records) != iterations - 1:
+            self.failures.append(f"{name}: exit {proc.returncode}\n{text[-1500:]}")
+            self.say(f"  {name}: FAILED (exit {proc.returncode}), output in {out}")
+            return None
+        self.say(f"  {name}: done")
+        return records
+
     def compilations(self) -> None:
         """Kernel compilations of a 1-rank and a 2-rank job, each on an empty kernel cache."""
         self.say("kernel compilations on a cold cache: 1-rank job, then 2-rank job")
@@ -1020,6 +1147,19 @@ class Bench:
                    "the same with the 2-rank job (ranks share the 2 cores; informative)",
                    "launch"),
         ]  # fmt: skip
+        mj = self.details.get("mjlab", {}).get("pairs", [])
+        task = self.cfg.mjlab_task
+        if "skipped" not in self.details.get("mjlab", {}):
+            figs += [
+                Figure("mjlab_vs_train", f"{task}: ours / mjlab train",
+                       tuple(p["ours"] / p["mjlab_train"] for p in mj), 0.97, ">=",
+                       "env-steps/s through mjlab-submit --executor local (1 rank, "
+                       "--no-use-graph: mjlab's own physics path on CPU) / mjlab's own train, "
+                       "same envs, one torch thread, iterations 2..", "mjlab"),
+                Figure("mjlab_graph_vs_train", f"{task}: ours (graph) / mjlab train",
+                       tuple(p["ours_graph"] / p["mjlab_train"] for p in mj), 0.97, ">=",
+                       "the same with our default, Warp graph replay on CPU", "mjlab"),
+            ]  # fmt: skip
         comp = self.details.get("compilations", {})
         one = comp.get("cold-1") or comp.get("one-1")
         two = comp.get("cold-2") or comp.get("two-1")
@@ -1050,6 +1190,13 @@ class Bench:
                    "from (a count)", "recovery"),
         ]  # fmt: skip
         return figs
+
+
+def _reward(value: float | None) -> str | None:
+    """A mean reward as mjlab's train prints it (none before the first episode ends)."""
+    if value is None or not math.isfinite(value):
+        return None
+    return f"{value:.2f}"
 
 
 def _median_iter_s(records: Sequence[dict[str, Any]]) -> float:
@@ -1134,7 +1281,7 @@ def recovery(trace: JobTrace) -> dict[str, Any]:
 def machine_info() -> dict[str, Any]:
     """What the figures came from."""
     versions = {}
-    for pkg in ("torch", "warp-lang", "mujoco", "mujoco-warp", "rsl-rl-lib", "submitit"):
+    for pkg in ("torch", "warp-lang", "mujoco", "mujoco-warp", "rsl-rl-lib", "submitit", "mjlab"):
         try:
             versions[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
@@ -1230,6 +1377,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None]) -> dict[str, Any]:
     # First: it also loads (on a cold cache: compiles) every task's kernels for what follows.
     bench.rollout()
     bench.training_pairs()
+    bench.mjlab_pairs()
     if cfg.cold_compile and not cfg.quick:
         bench.compilations()
     figures = {f.key: f.summary() for f in bench.figures()}

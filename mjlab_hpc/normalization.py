@@ -5,14 +5,28 @@ rank's observations only, so the ranks' normalizers, and with them their policie
 apart even though gradients are averaged. `sync_normalizers` swaps in a normalizer that
 all-reduces each batch's moments first: every rank then applies the same update and the
 models stay bit-identical.
+
+How often the ranks agree is `NormalizerSync`: every env step ("step": exactly the statistics
+one process would learn from all ranks' environments), or once per iteration ("iteration",
+the default): during the rollout each rank adds its own observations to the statistics agreed
+at the start of the iteration, and before the returns and the update the whole rollout of
+every rank is merged into those agreed statistics (the same result as "step", up to
+rounding). Gradient steps always see every rank's data, the ranks stay bit-identical at every
+iteration boundary, and a rollout costs one collective instead of one per env step (brax's
+running statistics are updated once per training step in the same way).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
-import torch.distributed as dist
 from rsl_rl.modules import EmpiricalNormalization
 from torch import nn
+
+from mjlab_hpc.collectives import sum_over_ranks
+
+NormalizerSync = Literal["iteration", "step"]
 
 
 class SyncedEmpiricalNormalization(EmpiricalNormalization):
@@ -30,11 +44,19 @@ class SyncedEmpiricalNormalization(EmpiricalNormalization):
         # put its buffers into the follower's state_dict.
         self._share: _SharedMoments | None = None
         self._leads = False
+        self.every: NormalizerSync = "step"
+        # "iteration": the agreed statistics (count, mean, var) and this rank's batch sums
+        # since then.
+        self._agreed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._pending: torch.Tensor | None = None
 
     @torch.jit.unused
     def update(self, x: torch.Tensor) -> None:
         """Learn from the union of every rank's batch `x` (same result on every rank)."""
         if not self.training:
+            return
+        if self.every == "iteration":
+            self._accumulate(x)
             return
         if self.until is not None and self.count >= self.until:
             return
@@ -47,11 +69,40 @@ class SyncedEmpiricalNormalization(EmpiricalNormalization):
             # One all-reduce of [n, sum, sum of squares] gives the global batch's moments.
             n = torch.tensor([float(x.shape[0])], dtype=torch.float64, device=x.device)
             packed = torch.cat([n, flat.sum(dim=0), flat.square().sum(dim=0)])
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+            sum_over_ranks(packed)
             if share is not None and self._leads:
                 share.pending = packed
-        d = flat.shape[1]
+        self._merge(packed)
+
+    def _accumulate(self, x: torch.Tensor) -> None:
+        agreed = self._agreed
+        if agreed is None:
+            # Decided from agreed numbers only, so every rank accumulates the same normalizers.
+            if self.until is not None and self.count >= self.until:
+                return
+            agreed = (self.count.clone(), self._mean.clone(), self._var.clone())
+            self._agreed = agreed
+        flat = x.reshape(x.shape[0], -1).to(torch.float64)
+        n = torch.tensor([float(x.shape[0])], dtype=torch.float64, device=x.device)
+        packed = torch.cat([n, flat.sum(dim=0), flat.square().sum(dim=0)])
+        self._pending = packed if self._pending is None else self._pending + packed
+        # This rank's rollout goes on with its own observations added, as one process would.
+        super().update(x)
+
+    def agree(self, reduced: torch.Tensor) -> None:
+        """Back to the agreed statistics, then add `reduced`: every rank's batch moments of
+        the rollout summed (see `agree_normalizers`)."""
+        assert self._agreed is not None
+        count, mean, var = self._agreed
+        self.count.copy_(count)
+        self._mean.copy_(mean)
+        self._var.copy_(var)
+        self._agreed = self._pending = None
+        self._merge(reduced)
+
+    def _merge(self, packed: torch.Tensor) -> None:
+        """Add the batch whose [n, sum, sum of squares] over all ranks is `packed`."""
+        d = (packed.numel() - 1) // 2
         total = packed[0]
         mean_x = (packed[1 : 1 + d] / total).reshape(self._mean.shape)
         var_x = (packed[1 + d :] / total).reshape(self._mean.shape) - mean_x.square()
@@ -66,10 +117,11 @@ class SyncedEmpiricalNormalization(EmpiricalNormalization):
         self._std = torch.sqrt(self._var)
 
 
-def sync_normalizers(*models: nn.Module) -> int:
+def sync_normalizers(*models: nn.Module, every: NormalizerSync = "step") -> int:
     """Replace every EmpiricalNormalization inside `models` by the synced kind, keeping its
     statistics; link normalizers of models that read the same observation groups so that
-    they share one reduction per step. Returns how many were replaced."""
+    they share one reduction per step. With every="iteration", call `agree_normalizers` after
+    each rollout. Returns how many were replaced."""
     replaced = 0
     for model in models:
         for parent in list(model.modules()):
@@ -80,10 +132,30 @@ def sync_normalizers(*models: nn.Module) -> int:
                     ).to(child._mean.device)
                     synced.load_state_dict(child.state_dict())
                     synced.train(child.training)
+                    synced.every = every
                     setattr(parent, name, synced)
                     replaced += 1
     _link_same_inputs(models)
     return replaced
+
+
+def agree_normalizers(*models: nn.Module) -> int:
+    """Merge the rollout every rank has seen since the last call into the statistics of each
+    per-iteration normalizer inside `models`, with one collective for all of them; the same
+    result on every rank. Call it at the same point on every rank. Returns how many merged."""
+    pending = [
+        m
+        for model in models
+        for m in model.modules()
+        if isinstance(m, SyncedEmpiricalNormalization) and m._pending is not None
+    ]
+    if not pending:
+        return 0
+    sizes = [m._pending.numel() for m in pending]  # type: ignore[union-attr]
+    reduced = sum_over_ranks(torch.cat([m._pending for m in pending]))  # type: ignore[misc]
+    for m, part in zip(pending, torch.split(reduced, sizes), strict=True):
+        m.agree(part)
+    return len(pending)
 
 
 def _link_same_inputs(models: tuple[nn.Module, ...]) -> None:

@@ -25,6 +25,8 @@ class IterationStats:
     learn_s: float
     collective_s: float
     """Time inside collectives (all ranks' waiting included) during this iteration."""
+    collectives: int
+    """Collective calls during this iteration (0 on one rank)."""
     mean_reward: float | None
     mean_episode_length: float | None
     elapsed_s: float
@@ -47,6 +49,7 @@ class IterationStats:
             "collect_s": round(self.collect_s, 4),
             "learn_s": round(self.learn_s, 4),
             "collective_s": round(self.collective_s, 5),
+            "collectives": self.collectives,
             "mean_reward": self.mean_reward,
             "mean_episode_length": self.mean_episode_length,
             "elapsed_s": round(self.elapsed_s, 2),

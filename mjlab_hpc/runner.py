@@ -20,7 +20,8 @@ from rsl_rl.runners import OnPolicyRunner
 
 from mjlab_hpc.checkpoint import save_checkpoint
 from mjlab_hpc.distributed import DistContext
-from mjlab_hpc.normalization import sync_normalizers
+from mjlab_hpc.normalization import NormalizerSync, agree_normalizers, sync_normalizers
+from mjlab_hpc.ppo import fold_collectives
 from mjlab_hpc.progress import IterationStats
 
 IterationHook = Callable[[Any, IterationStats], None]
@@ -34,10 +35,18 @@ class CollectiveClock:
     block and always restores the originals.
     """
 
-    NAMES = ("all_reduce", "broadcast", "broadcast_object_list", "all_gather_object", "barrier")
+    NAMES = (
+        "all_reduce",
+        "all_gather",
+        "broadcast",
+        "broadcast_object_list",
+        "all_gather_object",
+        "barrier",
+    )
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.calls = 0
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
@@ -52,6 +61,7 @@ class CollectiveClock:
                     return fn(*args, **kwargs)
                 finally:
                     self.seconds += time.perf_counter() - t0
+                    self.calls += 1
 
             return timed
 
@@ -71,10 +81,12 @@ class ContextRunnerMixin:
 
     The process group itself is created by `process_group()` (gloo on CPU, NCCL on CUDA);
     this only tells rsl-rl who it is, so its parameter broadcast and gradient all-reduce work
-    on both. The loop is rsl-rl's, with a hook after every iteration (progress, checkpoints,
+    on both. rsl-rl's PPO becomes `FoldedPPO` on several ranks (one collective per mini-batch,
+    bit-identical). The loop is rsl-rl's, with a hook after every iteration (progress, checkpoints,
     stop requests) and iteration numbers that count completed iterations, so a resume
-    continues exactly. Construct with the base's arguments plus `ctx=` and `quiet=` (where
-    rsl-rl's console output goes: the rank's log).
+    continues exactly. Construct with the base's arguments plus `ctx=`, `quiet=` (where
+    rsl-rl's console output goes: the rank's log) and `normalizer_sync=` (how often the
+    ranks' observation normalizers agree: `mjlab_hpc.normalization`).
     """
 
     ctx: DistContext
@@ -88,13 +100,24 @@ class ContextRunnerMixin:
     is_distributed: bool
     current_learning_iteration: int
 
-    def __init__(self, *args: Any, ctx: DistContext, quiet: TextIO, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        env: Any,
+        train_cfg: dict,
+        *args: Any,
+        ctx: DistContext,
+        quiet: TextIO,
+        normalizer_sync: NormalizerSync = "iteration",
+        **kwargs: Any,
+    ) -> None:
         self.ctx = ctx
         self.quiet = quiet
+        if ctx.is_distributed:
+            train_cfg = fold_collectives(train_cfg)
         with contextlib.redirect_stdout(quiet):
-            super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+            super().__init__(env, train_cfg, *args, **kwargs)  # type: ignore[call-arg]
         if self.is_distributed:
-            sync_normalizers(self.alg._raw_actor, self.alg._raw_critic)
+            sync_normalizers(self.alg._raw_actor, self.alg._raw_critic, every=normalizer_sync)
 
     def _configure_multi_gpu(self) -> None:
         ctx = self.ctx
@@ -175,7 +198,7 @@ class ContextRunnerMixin:
     ) -> None:
         obs = self.env.get_observations().to(self.device)
         for it in range(start_it, total_iterations):
-            c0 = clock.seconds
+            c0, n0 = clock.seconds, clock.calls
             t0 = time.perf_counter()
             with torch.inference_mode():
                 for _ in range(self.cfg["num_steps_per_env"]):
@@ -192,6 +215,8 @@ class ContextRunnerMixin:
                     )
                     self.alg.process_env_step(obs, rewards, dones, extras)
                     self.logger.process_env_step(rewards, dones, extras, None)
+                if self.is_distributed:
+                    agree_normalizers(self.alg._raw_actor, self.alg._raw_critic)
                 t1 = time.perf_counter()
                 self.alg.compute_returns(obs)
             loss_dict = self.alg.update()
@@ -218,6 +243,7 @@ class ContextRunnerMixin:
                 collect_s=t1 - t0,
                 learn_s=t2 - t1,
                 collective_s=clock.seconds - c0,
+                collectives=clock.calls - n0,
                 mean_reward=statistics.mean(rew) if rew else None,
                 mean_episode_length=statistics.mean(length) if length else None,
                 elapsed_s=time.perf_counter() - t_start,

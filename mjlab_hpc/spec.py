@@ -55,6 +55,10 @@ class TrainSpec:
     """Timeout of collective operations: a dead rank ends the job after at most this long."""
     use_graph: bool = True
     """Replay physics through a captured Warp graph (faster; bit-identical to plain stepping)."""
+    normalizer_sync: Literal["iteration", "step"] = "iteration"
+    """How often the ranks' observation normalizers agree (several ranks only): once per
+    iteration, merging every rank's rollout before the update (one collective), or at every
+    env step (exactly one process's statistics over all ranks; one collective per step)."""
     resume: bool = False
     """Continue the latest run of this experiment (or --run-dir) from its newest valid
     checkpoint. A run directory that already holds checkpoints is always continued."""

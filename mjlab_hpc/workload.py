@@ -137,7 +137,15 @@ def _builtin_workload(
     cfg = agent_config(task, spec.save_interval, spec.experiment_name or task.experiment_name)
     cfg = apply_agent_overrides(cfg, spec.overrides)
     cfg["seed"] = seed
-    runner = DistributedRunner(env, dict(cfg), log_dir=log_dir, device=device, ctx=ctx, quiet=quiet)
+    runner = DistributedRunner(
+        env,
+        dict(cfg),
+        log_dir=log_dir,
+        device=device,
+        ctx=ctx,
+        quiet=quiet,
+        normalizer_sync=spec.normalizer_sync,
+    )
 
     def dump_params(writer: RunWriter) -> None:
         env_cfg = {
@@ -203,6 +211,7 @@ def _mjlab_workload(
         device,
         ctx=ctx,
         quiet=quiet,
+        normalizer_sync=spec.normalizer_sync,
         **runtime.runner_kwargs,
     )
 

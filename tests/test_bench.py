@@ -21,6 +21,8 @@ FIGURES = {
     "rollout_overhead_ant",
     "launch_cost",
     "launch_cost_2ranks",
+    "mjlab_vs_train",
+    "mjlab_graph_vs_train",
     "compile_duplication",
     "recovery_stop_iterations",
     "recovery_resume_ratio",
@@ -54,6 +56,8 @@ def test_quick_bench_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureF
     compiles = doc["details"]["compilations"]
     assert compiles["one-1"]["compilations"] >= 1  # the partly cold cache did compile
     assert doc["details"]["pairs"][0]["recovery"]["completed"] is True
+    # mjlab's train and ours ran the same configuration and seeds: the same rewards.
+    assert doc["details"]["mjlab"]["pairs"][0]["same_rewards"] is True
 
     png = out / "bench.png"
     assert png.read_bytes()[:8] == PNG_MAGIC
@@ -75,6 +79,46 @@ def test_spread_and_targets() -> None:
     lo = bench.Figure("y", "y", (0.03,), 0.02, "<=", "d", "s").summary()
     assert hi["met"] is True and lo["met"] is False
     assert bench.Figure("z", "z", (), 1.0, "<=", "d", "s").summary()["met"] is None
+
+
+# Two iterations as rsl-rl's OnPolicyRunner prints them in mjlab's `train` (shortened).
+RSL_RL_CONSOLE = """\
+Storing git diff for 'main' in: logs/rsl_rl/cartpole/2026-11-22_07-00-31/git/main.diff
+################################################################################
+\x1b[1m                             Learning iteration 0/2                             \x1b[0m
+
+                            Total steps: 512
+                       Steps per second: 642
+                        Collection time: 0.751s
+                          Learning time: 0.047s
+                        Mean value loss: 0.0277
+                        Mean action std: 1.01
+--------------------------------------------------------------------------------
+                         Iteration time: 0.80s
+################################################################################
+\x1b[1m                             Learning iteration 1/2                             \x1b[0m
+
+                            Total steps: 1024
+                       Steps per second: 621
+                        Collection time: 0.777s
+                          Learning time: 0.046s
+                            Mean reward: -1.57
+                    Mean episode length: 99.19
+--------------------------------------------------------------------------------
+################################################################################
+\x1b[1m                             Learning iteration 2/2                             \x1b[0m
+
+                            Total steps: 1536
+"""
+
+
+def test_parse_rsl_rl_console() -> None:
+    records = bench.parse_rsl_rl_log(RSL_RL_CONSOLE)
+    assert [r["iteration"] for r in records] == [1, 2]  # the cut-off third is dropped
+    assert [r["env_steps"] for r in records] == [512, 512]
+    assert records[0]["collect_s"] == 0.751 and records[1]["learn_s"] == 0.046
+    assert "reward" not in records[0] and records[1]["reward"] == -1.57
+    assert bench.throughput(records) == pytest.approx(1024 / (0.751 + 0.047 + 0.777 + 0.046))
 
 
 def test_compile_watch_counts_builds_per_process(tmp_path: Path) -> None:

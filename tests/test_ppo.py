@@ -1,0 +1,137 @@
+"""FoldedPPO against rsl-rl's own PPO, on two real processes in a real gloo process group:
+the same rollouts give bit-identical parameters, learning rates and losses, with one
+collective per mini-batch instead of three."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import multiprocessing as mp
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from mjlab_hpc.distributed import DistContext, process_group
+from mjlab_hpc.launch import free_port
+from mjlab_hpc.ppo import CLASS_NAME, FoldedPPO, fold_collectives
+from mjlab_hpc.runner import CollectiveClock
+from mjlab_hpc.tasks import BUILTIN_TASKS, agent_config
+
+NUM_ENVS, OBS_DIM, NUM_ACTIONS = 32, 6, 2
+
+
+def _train_cfg(algorithm: Any, rank: int, adaptive: bool) -> dict[str, Any]:
+    cfg = copy.deepcopy(agent_config(BUILTIN_TASKS["cartpole"], 1000, "t"))
+    cfg["algorithm"]["class_name"] = algorithm
+    cfg["num_steps_per_env"] = 16
+    if not adaptive:
+        cfg["algorithm"]["schedule"] = "fixed"
+    cfg["multi_gpu"] = {"global_rank": rank, "local_rank": rank, "world_size": 2}
+    return cfg
+
+
+def _one_update(algorithm: Any, rank: int, adaptive: bool) -> dict[str, Any]:
+    """Build the algorithm from one seed, collect a rollout of this rank's own data, update."""
+    import torch
+    from rsl_rl.algorithms import PPO
+    from tensordict import TensorDict
+
+    def observe() -> TensorDict:
+        return TensorDict({"policy": torch.randn(NUM_ENVS, OBS_DIM)}, batch_size=[NUM_ENVS])
+
+    cfg = _train_cfg(algorithm, rank, adaptive)
+    env = SimpleNamespace(num_envs=NUM_ENVS, num_actions=NUM_ACTIONS)
+    torch.manual_seed(0)  # the same initial parameters on both ranks
+    obs = observe()
+    alg = PPO.construct_algorithm(obs, env, cfg, "cpu")
+    torch.manual_seed(100 + rank)  # but different data
+    with torch.inference_mode():
+        for _ in range(cfg["num_steps_per_env"]):
+            alg.act(obs)
+            obs = observe()
+            alg.process_env_step(obs, torch.randn(NUM_ENVS), torch.rand(NUM_ENVS) < 0.05, {})
+        alg.compute_returns(obs)
+    clock = CollectiveClock()
+    with clock.timing():
+        losses = alg.update()
+    h = hashlib.sha256()
+    for module in (alg.actor, alg.critic):
+        for name, tensor in sorted(module.state_dict().items()):
+            h.update(name.encode() + tensor.detach().numpy().tobytes())
+    h.update(repr(alg.optimizer.state_dict()["state"][0]["exp_avg"].tolist()).encode())
+    weights = hashlib.sha256()  # the trained weights alone (normalizer statistics are local)
+    for module in (alg.actor, alg.critic):
+        for name, tensor in sorted(module.named_parameters()):
+            weights.update(name.encode() + tensor.detach().numpy().tobytes())
+    return {
+        "class": type(alg).__name__,
+        "digest": h.hexdigest(),
+        "weights": weights.hexdigest(),
+        "lr": alg.learning_rate,
+        "losses": losses,
+        "collectives": clock.calls,
+    }
+
+
+def _worker(rank: int, port: int, out: mp.Queue) -> None:
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    import torch
+
+    torch.set_num_threads(1)
+    results = {}
+    with process_group(DistContext.from_env(env), "cpu", timeout_s=60):
+        for adaptive in (True, False):
+            for name, algorithm in (("stock", "rsl_rl.algorithms.PPO"), ("folded", CLASS_NAME)):
+                results[(name, adaptive)] = _one_update(algorithm, rank, adaptive)
+    out.put((rank, results))
+
+
+@pytest.mark.timeout(120)
+def test_folded_ppo_matches_rsl_rl_bit_for_bit() -> None:
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=110) for _ in procs)
+    for p in procs:
+        p.join(10)
+        assert p.exitcode == 0
+    batches = 5 * 4  # learning epochs x mini-batches of the cartpole config
+    for adaptive in (True, False):
+        for rank in (0, 1):
+            stock, folded = got[rank][("stock", adaptive)], got[rank][("folded", adaptive)]
+            assert (stock["class"], folded["class"]) == ("PPO", "FoldedPPO")
+            assert folded["digest"] == stock["digest"], (rank, adaptive)
+            assert folded["lr"] == stock["lr"] and folded["losses"] == stock["losses"]
+            # KL all-reduce + LR broadcast + gradient all-reduce, folded into one.
+            assert stock["collectives"] == (3 if adaptive else 1) * batches
+            assert folded["collectives"] == batches
+        # Averaged gradients and one learning rate: the ranks' weights stay identical.
+        a, b = got[0][("folded", adaptive)], got[1][("folded", adaptive)]
+        assert (a["weights"], a["lr"]) == (b["weights"], b["lr"])
+    # The adaptive schedule did move the learning rate (so the folded KL was used).
+    assert got[0][("folded", True)]["lr"] != 1e-3
+
+
+def test_fold_collectives_replaces_only_rsl_rl_ppo() -> None:
+    cfg = {"algorithm": {"class_name": "PPO", "gamma": 0.9}, "num_steps_per_env": 4}
+    folded = fold_collectives(cfg)
+    assert folded["algorithm"] == {"class_name": CLASS_NAME, "gamma": 0.9}
+    assert cfg["algorithm"]["class_name"] == "PPO"  # the caller's config is not changed
+    for name in ("rsl_rl.algorithms.PPO", "rsl_rl.algorithms:PPO"):
+        assert (
+            fold_collectives({"algorithm": {"class_name": name}})["algorithm"]["class_name"]
+            == CLASS_NAME
+        )
+    custom = {"algorithm": {"class_name": "mjlab_hpc.ppo:FoldedPPO"}}
+    assert fold_collectives(custom) is custom
+    assert issubclass(FoldedPPO, __import__("rsl_rl.algorithms").algorithms.PPO)
