@@ -43,7 +43,7 @@ demo: install
 	$(BIN)/mjlab-submit cartpole --executor local --gpus-per-node 0 --tasks-per-node 2 \
 		--num-envs 512 --max-iterations 30 --torch-threads 1 --log-root logs --follow
 
-# Performance figures of this machine (5-8 min on 2 cores): bench-results/bench.json, bench.png.
+# Performance figures of this machine (~9 min on 2 cores): bench-results/bench.json, bench.png.
 # BENCH_ARGS=--quick for a smoke run.
 BENCH_ARGS ?=
 bench: install

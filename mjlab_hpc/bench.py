@@ -15,8 +15,8 @@ with its spread (quartiles, min-max). The real CLIs run as subprocesses with `--
 5. recovery: USR2 to the 2-rank job, stop at the next iteration boundary, checkpoint, restart by
    the local executor, resume: signal to checkpoint in iterations, restart to first resumed
    iteration / first start to first iteration, and iterations lost;
-6. mjlab: env-steps/s of an mjlab task through `mjlab-submit --executor local` / mjlab's own
-   `train`, on mjlab's physics path (no Warp graph on CPU), and with our graph replay.
+6. mjlab: env-steps/s of an mjlab task through `mjlab-train` / mjlab's own `train`, on
+   mjlab's physics path (no Warp graph on CPU), and with our graph replay.
 
 Writes `<out>/bench.json` and `<out>/bench.png` and prints a table last. `--quick` is a short
 smoke run (small envs, one pair, a partly cold cache) whose figures are not meaningful.
@@ -97,6 +97,9 @@ class BenchConfig:
     """mjlab task of the comparison with mjlab's own `train` (needs the [mjlab] extra)."""
     mjlab_envs: int | None = None
     """Envs of the mjlab comparison (default: 256; 16 with --quick)."""
+    mjlab_repeats: int | None = None
+    """Repeats of the mjlab comparison (default: 5; 1 with --quick): separate processes of
+    the same program differ by up to ~10% on a shared machine, so it takes more than 3."""
     run_timeout_s: float = 300.0
     """Give up on one subprocess after this long."""
 
@@ -111,6 +114,10 @@ class BenchConfig:
     @property
     def measured(self) -> int:
         return self.iterations or (1 if self.quick else 8)
+
+    @property
+    def mjlab_pairs(self) -> int:
+        return self.mjlab_repeats or (1 if self.quick else 5)
 
     @property
     def mjlab_num_envs(self) -> int:
@@ -1002,8 +1009,11 @@ class Bench:
             self.job(f"submit1-{r}", 1, 1, submit=True)
 
     def mjlab_pairs(self) -> None:
-        """Per repeat: mjlab's own `train`, then ours through `mjlab-submit --executor local`
-        on mjlab's physics path (no graph), then ours with graph replay (our default)."""
+        """Per repeat, in alternating order (A B C, then C B A, ...): mjlab's own `train`, our
+        `mjlab-train` on mjlab's physics path (no graph), and ours with graph replay (our
+        default). All three run alike: a plain subprocess, one torch thread, nothing polling
+        them; their progress is read afterwards. (`mjlab-submit --executor local` runs the
+        same rank code after a second import of mjlab in the submitting process.)"""
         task, envs = self.cfg.mjlab_task, self.cfg.mjlab_num_envs
         if importlib.util.find_spec("mjlab") is None:
             self.details["mjlab"] = {"skipped": "the [mjlab] extra is not installed"}
@@ -1012,63 +1022,74 @@ class Bench:
         last = self.cfg.measured + 1
         runs: list[dict[str, Any]] = []
         self.details["mjlab"] = {"task": task, "num_envs": envs, "pairs": runs}
-        for r in range(1, self.cfg.pairs + 1):
-            self.say(f"mjlab {r}/{self.cfg.pairs}: {task} x {envs} envs: mjlab train | ours | "
-                     "ours with graph")  # fmt: skip
-            theirs = self.mjlab_train(f"mjlab-train-{r}", last)
-            if theirs is None:
-                continue
-            ours = {}
-            for key, graph in (("ours", False), ("ours_graph", True)):
-                name = f"mjlab-{key.replace('_', '-')}-{r}"
-                args = self.mjlab_args(self.runs / name, last, graph)
-                trace = self.job(name, 1, last, submit=True, args=args)
-                if trace.returncode == 0:
-                    ours[key] = trace.window(2, last)
-            if len(ours) < 2:
+        sides = ("mjlab_train", "ours", "ours_graph")
+        for r in range(1, self.cfg.mjlab_pairs + 1):
+            order = sides if r % 2 else sides[::-1]
+            self.say(f"mjlab {r}/{self.cfg.mjlab_pairs}: {task} x {envs} envs: {' | '.join(order)}")
+            got: dict[str, list[dict[str, Any]]] = {}
+            for side in order:
+                records = self.mjlab_run(side, r, last)
+                if records is None:
+                    break
+                got[side] = records
+            if len(got) < len(sides):
                 continue
             runs.append(
                 {
-                    "mjlab_train": throughput(theirs),
-                    "ours": throughput(ours["ours"]),
-                    "ours_graph": throughput(ours["ours_graph"]),
-                    # The same seeds and configs: the same rewards iteration by iteration
-                    # show that both sides did the same work.
-                    "same_rewards": [_reward(x.get("reward")) for x in theirs]
-                    == [_reward(x.get("mean_reward")) for x in ours["ours"]],
+                    **{side: throughput(got[side]) for side in sides},
+                    # The same configs and seeds: the same rewards iteration by iteration show
+                    # that both sides did the same work.
+                    "same_rewards": [_reward(x.get("reward")) for x in got["mjlab_train"]]
+                    == [_reward(x.get("mean_reward")) for x in got["ours"]],
                 }
             )
 
-    def mjlab_train(self, name: str, iterations: int) -> list[dict[str, Any]] | None:
-        """Run mjlab's own `train` (CPU, one torch thread like ours) in `<runs>/<name>`; its
-        progress records of iterations 2..`iterations`, None if it failed."""
-        cwd = self.runs / name
+    def mjlab_run(self, side: str, repeat: int, iterations: int) -> list[dict[str, Any]] | None:
+        """One side of the mjlab comparison in `<runs>/mjlab-<side>-<repeat>`: its progress
+        records of iterations 2..`iterations`, None if it failed."""
+        name = f"mjlab-{side.replace('_', '-')}-{repeat}"
+        cwd = (self.runs / name).resolve()  # the runs start there: no relative paths
         cwd.mkdir(parents=True)
-        cmd = [
-            cli("train"), self.cfg.mjlab_task,
-            "--env.scene.num-envs", str(self.cfg.mjlab_num_envs),
-            "--agent.max-iterations", str(iterations),
-            "--agent.logger", "tensorboard",
-            "--gpu-ids", "None",
-        ]  # fmt: skip
+        if side == "mjlab_train":
+            cmd = [
+                cli("train"), self.cfg.mjlab_task,
+                "--env.scene.num-envs", str(self.cfg.mjlab_num_envs),
+                "--agent.max-iterations", str(iterations),
+                "--agent.logger", "tensorboard",
+                "--gpu-ids", "None",
+            ]  # fmt: skip
+        else:
+            cmd = [
+                cli("mjlab-train"),
+                *self.mjlab_args(cwd / "logs", iterations, graph=side == "ours_graph"),
+            ]
         out = cwd / f"{name}.out"
         with open(out, "w") as f:
-            proc = subprocess.run(
+            proc = subprocess.Popen(
                 cmd,
                 cwd=cwd,
+                # mjlab's train has no thread flag: torch reads OMP_NUM_THREADS (both sides).
                 env=bench_env({"OMP_NUM_THREADS": "1"}),
                 stdout=f,
                 stderr=subprocess.STDOUT,
-                timeout=self.cfg.run_timeout_s,
-                check=False,
+                start_new_session=True,  # a timeout ends the whole job, ranks included
             )
+            try:
+                proc.wait(timeout=self.cfg.run_timeout_s)
+            except subprocess.TimeoutExpired:
+                kill_group(proc)
         text = out.read_text(errors="replace")
-        records = [r for r in parse_rsl_rl_log(text) if 2 <= r["iteration"] <= iterations]
+        if side == "mjlab_train":
+            records = parse_rsl_rl_log(text)
+        else:
+            run = _find_run_dir(cwd / "logs")
+            records = read_jsonl(run / "progress.jsonl") if run is not None else []
+        records = [r for r in records if 2 <= r["iteration"] <= iterations]
         if proc.returncode != 0 or len(records) != iterations - 1:
             self.failures.append(f"{name}: exit {proc.returncode}\n{text[-1500:]}")
             self.say(f"  {name}: FAILED (exit {proc.returncode}), output in {out}")
             return None
-        self.say(f"  {name}: done")
+        self.say(f"  {name}: {throughput(records):,.0f} env-steps/s")
         return records
 
     def compilations(self) -> None:
@@ -1153,9 +1174,9 @@ class Bench:
             figs += [
                 Figure("mjlab_vs_train", f"{task}: ours / mjlab train",
                        tuple(p["ours"] / p["mjlab_train"] for p in mj), 0.97, ">=",
-                       "env-steps/s through mjlab-submit --executor local (1 rank, "
-                       "--no-use-graph: mjlab's own physics path on CPU) / mjlab's own train, "
-                       "same envs, one torch thread, iterations 2..", "mjlab"),
+                       "env-steps/s of mjlab-train --no-use-graph (mjlab's own physics path on "
+                       "CPU) / mjlab's own train, same envs, one torch thread, iterations 2..",
+                       "mjlab"),
                 Figure("mjlab_graph_vs_train", f"{task}: ours (graph) / mjlab train",
                        tuple(p["ours_graph"] / p["mjlab_train"] for p in mj), 0.97, ">=",
                        "the same with our default, Warp graph replay on CPU", "mjlab"),
