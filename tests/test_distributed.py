@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 
 import pytest
+from rank_helpers import rank_env
 
 from mjlab_hpc.distributed import (
     PORT_BASE,
@@ -287,14 +288,7 @@ def _pg_worker(rank: int, port: int, fail: bool, out: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
 
-    env = {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
-    ctx = DistContext.from_env(env)
+    ctx = DistContext.from_env(rank_env(rank, port))
     try:
         with process_group(ctx, "cpu", timeout_s=30):
             t = torch.tensor([float(rank + 1)])

@@ -8,9 +8,9 @@ import multiprocessing as mp
 from typing import Any
 
 import pytest
+from rank_helpers import rank_env, run_two_ranks
 
 from mjlab_hpc.distributed import DistContext, process_group
-from mjlab_hpc.launch import free_port
 from mjlab_hpc.normalization import agree_normalizers, sync_normalizers
 from mjlab_hpc.runner import CollectiveClock
 
@@ -41,13 +41,7 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
     from torch import nn
 
     torch.set_num_threads(1)
-    env = {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
+    env = rank_env(rank, port)
     result: dict[str, Any] = {}
     with process_group(DistContext.from_env(env), "cpu", timeout_s=60):
         for every in ("step", "iteration"):
@@ -70,16 +64,7 @@ def test_step_and_iteration_agreement_match_one_process() -> None:
     import torch
     from rsl_rl.modules import EmpiricalNormalization
 
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=110) for _ in procs)
-    for p in procs:
-        p.join(10)
-        assert p.exitcode == 0
+    got = run_two_ranks(_worker)
 
     # One process stepping both ranks' environments at once.
     one = EmpiricalNormalization(DIM).double()

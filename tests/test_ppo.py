@@ -11,9 +11,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from rank_helpers import rank_env, run_two_ranks
 
 from mjlab_hpc.distributed import DistContext, process_group
-from mjlab_hpc.launch import free_port
 from mjlab_hpc.ppo import CLASS_NAME, FoldedPPO, fold_collectives
 from mjlab_hpc.runner import CollectiveClock
 from mjlab_hpc.tasks import BUILTIN_TASKS, agent_config
@@ -75,13 +75,7 @@ def _one_update(algorithm: Any, rank: int, adaptive: bool) -> dict[str, Any]:
 
 
 def _worker(rank: int, port: int, out: mp.Queue) -> None:
-    env = {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
+    env = rank_env(rank, port)
     import torch
 
     torch.set_num_threads(1)
@@ -95,16 +89,7 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
 
 @pytest.mark.timeout(120)
 def test_folded_ppo_matches_rsl_rl_bit_for_bit() -> None:
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=110) for _ in procs)
-    for p in procs:
-        p.join(10)
-        assert p.exitcode == 0
+    got = run_two_ranks(_worker)
     batches = 5 * 4  # learning epochs x mini-batches of the cartpole config
     for adaptive in (True, False):
         for rank in (0, 1):
