@@ -1423,7 +1423,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None]) -> dict[str, Any]:
         "failures": bench.failures,
         "gpu": {
             "measured": False,
-            "note": "no GPU on this machine; see docs/performance.md for the GPU run",
+            "note": "no GPU on this machine; docs/performance.md says how to measure on one",
         },
     }
     (cfg.out / "bench.json").write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
