@@ -2,7 +2,7 @@
 
 rsl-rl's multi-GPU update does, per mini-batch: an all-reduce of the KL divergence, a broadcast
 of the learning rate rank 0 derives from it, and an all-reduce of the gradients. Each costs a
-round trip (~0.3-1.5 ms with gloo on a small VM, a few microseconds with NVLink), and each is a
+round trip (~0.3-1.5 ms with gloo on a small VM, tens of microseconds with NCCL), and each is a
 point where every rank waits for the slowest. `FoldedPPO` sends the KL divergence as one more
 element of the gradient buffer and lets every rank derive the learning rate from that reduced
 value; the all-reduce result is the same on every rank, so the learning rates agree without a
