@@ -60,16 +60,13 @@ class SyncedEmpiricalNormalization(EmpiricalNormalization):
             return
         if self.until is not None and self.count >= self.until:
             return
-        flat = x.reshape(x.shape[0], -1).to(torch.float64)
         share = self._share
         if share is not None and not self._leads and share.pending is not None:
             # rsl-rl updates the actor's normalizer, then the critic's, with the same batch.
             packed, share.pending = share.pending, None
         else:
-            # One all-reduce of [n, sum, sum of squares] gives the global batch's moments.
-            n = torch.tensor([float(x.shape[0])], dtype=torch.float64, device=x.device)
-            packed = torch.cat([n, flat.sum(dim=0), flat.square().sum(dim=0)])
-            sum_over_ranks(packed)
+            # One sum over ranks of [n, sum, sum of squares] gives the global batch's moments.
+            packed = sum_over_ranks(_moments(x))
             if share is not None and self._leads:
                 share.pending = packed
         self._merge(packed)
@@ -82,9 +79,7 @@ class SyncedEmpiricalNormalization(EmpiricalNormalization):
                 return
             agreed = (self.count.clone(), self._mean.clone(), self._var.clone())
             self._agreed = agreed
-        flat = x.reshape(x.shape[0], -1).to(torch.float64)
-        n = torch.tensor([float(x.shape[0])], dtype=torch.float64, device=x.device)
-        packed = torch.cat([n, flat.sum(dim=0), flat.square().sum(dim=0)])
+        packed = _moments(x)
         self._pending = packed if self._pending is None else self._pending + packed
         # This rank's rollout goes on with its own observations added, as one process would.
         super().update(x)
@@ -115,6 +110,13 @@ class SyncedEmpiricalNormalization(EmpiricalNormalization):
         self._mean += rate * delta_mean
         self._var += rate * (var_x - self._var + delta_mean * (mean_x - self._mean))
         self._std = torch.sqrt(self._var)
+
+
+def _moments(x: torch.Tensor) -> torch.Tensor:
+    """[n, sum, sum of squares] of a batch, in float64."""
+    flat = x.reshape(x.shape[0], -1).to(torch.float64)
+    n = torch.tensor([float(x.shape[0])], dtype=torch.float64, device=x.device)
+    return torch.cat([n, flat.sum(dim=0), flat.square().sum(dim=0)])
 
 
 def sync_normalizers(*models: nn.Module, every: NormalizerSync = "step") -> int:

@@ -260,12 +260,17 @@ class ContextRunnerMixin:
 
     def param_digest(self) -> str:
         """sha256 of the actor and critic parameters, to compare ranks bit for bit."""
-        h = hashlib.sha256()
-        for module in (self.alg.actor, self.alg.critic):
-            for name, tensor in sorted(module.state_dict().items()):
-                h.update(name.encode())
-                h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return state_digest(self.alg.actor, self.alg.critic)
+
+
+def state_digest(*modules: torch.nn.Module) -> str:
+    """sha256 of the modules' state dicts (parameters and buffers), module by module."""
+    h = hashlib.sha256()
+    for module in modules:
+        for name, tensor in sorted(module.state_dict().items()):
+            h.update(name.encode())
+            h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 class DistributedRunner(ContextRunnerMixin, OnPolicyRunner):

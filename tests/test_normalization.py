@@ -4,13 +4,11 @@ bits on every rank, with one collective per step or one per rollout."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from typing import Any
 
 import pytest
-from rank_helpers import rank_env, run_two_ranks
+from rank_helpers import run_two_ranks
 
-from mjlab_hpc.distributed import DistContext, process_group
 from mjlab_hpc.normalization import agree_normalizers, sync_normalizers
 from mjlab_hpc.runner import CollectiveClock
 
@@ -35,28 +33,25 @@ def _stats(norm: Any) -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, port: int, out: mp.Queue) -> None:
+def _agreements(rank: int) -> dict[str, Any]:
     import torch
     from rsl_rl.modules import EmpiricalNormalization
     from torch import nn
 
-    torch.set_num_threads(1)
-    env = rank_env(rank, port)
     result: dict[str, Any] = {}
-    with process_group(DistContext.from_env(env), "cpu", timeout_s=60):
-        for every in ("step", "iteration"):
-            model = nn.Sequential(EmpiricalNormalization(DIM))
-            assert sync_normalizers(model, every=every) == 1
-            norm = model[0]
-            clock = CollectiveClock()
-            with clock.timing(), torch.inference_mode():
-                for x in _batches(rank):
-                    norm.update(x)
-                result[f"{every}_rollout"] = _stats(norm)
-                result[f"{every}_merged"] = agree_normalizers(model)
-            result[every] = _stats(norm)
-            result[f"{every}_collectives"] = clock.calls
-    out.put((rank, result))
+    for every in ("step", "iteration"):
+        model = nn.Sequential(EmpiricalNormalization(DIM))
+        assert sync_normalizers(model, every=every) == 1
+        norm = model[0]
+        clock = CollectiveClock()
+        with clock.timing(), torch.inference_mode():
+            for x in _batches(rank):
+                norm.update(x)
+            result[f"{every}_rollout"] = _stats(norm)
+            result[f"{every}_merged"] = agree_normalizers(model)
+        result[every] = _stats(norm)
+        result[f"{every}_collectives"] = clock.calls
+    return result
 
 
 @pytest.mark.timeout(120)
@@ -64,7 +59,7 @@ def test_step_and_iteration_agreement_match_one_process() -> None:
     import torch
     from rsl_rl.modules import EmpiricalNormalization
 
-    got = run_two_ranks(_worker)
+    got = run_two_ranks(_agreements)
 
     # One process stepping both ranks' environments at once.
     one = EmpiricalNormalization(DIM).double()
