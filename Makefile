@@ -8,12 +8,18 @@ BIN := $(VENV)/bin
 GPU ?= 0
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
-CLUSTER := tests/slurm/cluster.sh
+CLUSTER := tests/cluster/cluster.sh
 
-.PHONY: install test lint format demo bench cluster-up cluster-down clean help
+# The fast tier: unit tests that need no Slurm, no training and no mjlab (under 2 minutes).
+FAST := not slurm and not training and not mjlab
+# Two workers: half of a test's time is waiting on subprocesses. Each file stays on one worker,
+# the Slurm tests on one (tests/conftest.py).
+PYTEST_ARGS ?= -n 2 --dist loadgroup
+
+.PHONY: install test test-fast lint format demo bench cluster-up cluster-down clean help
 
 help:
-	@echo "make install | test | lint | format | demo | bench | cluster-up | cluster-down | clean"
+	@echo "make install | test | test-fast | lint | format | demo | bench | cluster-up | cluster-down | clean"
 
 install: $(STAMP)
 
@@ -28,7 +34,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: install
-	$(BIN)/pytest
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/pytest $(PYTEST_ARGS) -m "$(FAST)"
 
 lint: install
 	$(BIN)/ruff check .
@@ -56,4 +65,4 @@ cluster-down:
 	bash $(CLUSTER) down
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info build dist

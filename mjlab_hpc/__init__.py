@@ -1,1 +1,82 @@
-"""mjlab_hpc: multi-node, preemption-safe RL training of MuJoCo Warp robots on SLURM."""
+"""mjlab_hpc: multi-node, preemption-safe RL training of MuJoCo Warp robots on Slurm clusters.
+
+The supported API, importable from here (loaded on first use, so `import mjlab_hpc` stays
+light: torch, warp and submitit load only when a name that needs them is used):
+
+- specs: `TrainSpec` (mjlab-train's flags), `SubmitSpec` (mjlab-submit's), `ResolvedSpec`
+  (a TrainSpec with its task resolved by `resolve`);
+- training: `train_rank` (one rank's training, whatever launched the process), `RankResult`;
+- submitting: `submit`, `submit_sweep`, `Submitted`;
+- the run directory's single writer: `LeaseLock`, `OwnerInfo`, `write_fenced`;
+- errors: `SpecError`, `LaunchError`, `SubmitError`.
+
+Packages, from the top down (each imports only those below it): `cli` (the commands), `launch`
+and `ops` (starting jobs; status, logs, cancel, plot), `bench`, `rank` (what runs inside one
+rank), `rundir`, `slurm`, `tasks`, then `spec`, `errors` and `procs`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mjlab_hpc.errors import LaunchError, SpecError, SubmitError
+    from mjlab_hpc.launch.submit import Submitted, submit, submit_sweep
+    from mjlab_hpc.rank.entry import RankResult, train_rank
+    from mjlab_hpc.rundir.lock import LeaseLock, OwnerInfo, write_fenced
+    from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
+    from mjlab_hpc.tasks.registry import resolve
+
+try:
+    __version__ = version("mjlab-hpc")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
+
+_EXPORTS = {
+    "LaunchError": "mjlab_hpc.errors",
+    "SpecError": "mjlab_hpc.errors",
+    "SubmitError": "mjlab_hpc.errors",
+    "Submitted": "mjlab_hpc.launch.submit",
+    "submit": "mjlab_hpc.launch.submit",
+    "submit_sweep": "mjlab_hpc.launch.submit",
+    "RankResult": "mjlab_hpc.rank.entry",
+    "train_rank": "mjlab_hpc.rank.entry",
+    "LeaseLock": "mjlab_hpc.rundir.lock",
+    "OwnerInfo": "mjlab_hpc.rundir.lock",
+    "write_fenced": "mjlab_hpc.rundir.lock",
+    "ResolvedSpec": "mjlab_hpc.spec",
+    "SubmitSpec": "mjlab_hpc.spec",
+    "TrainSpec": "mjlab_hpc.spec",
+    "resolve": "mjlab_hpc.tasks.registry",
+}
+
+__all__ = [
+    "LaunchError",
+    "LeaseLock",
+    "OwnerInfo",
+    "RankResult",
+    "ResolvedSpec",
+    "SpecError",
+    "SubmitError",
+    "SubmitSpec",
+    "Submitted",
+    "TrainSpec",
+    "__version__",
+    "resolve",
+    "submit",
+    "submit_sweep",
+    "train_rank",
+    "write_fenced",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'mjlab_hpc' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

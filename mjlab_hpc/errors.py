@@ -1,6 +1,28 @@
-"""Errors that the CLIs turn into a clear message and exit code 2, before anything runs."""
+"""Errors that the CLIs turn into one clear line, and the exit codes of every command."""
 
 from __future__ import annotations
+
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_FAILED",
+    "EXIT_LOCAL_REQUEUE",
+    "EXIT_OK",
+    "EXIT_STOPPED",
+    "LaunchError",
+    "SpecError",
+    "SubmitError",
+]
+
+#: Done.
+EXIT_OK = 0
+#: The work ran (or was submitted) and failed.
+EXIT_FAILED = 1
+#: Bad input: nothing was created, submitted or started.
+EXIT_BAD_INPUT = 2
+#: Training stopped at a checkpoint where nothing requeues it (resume with --resume).
+EXIT_STOPPED = 3
+#: A rank asks submitit's local executor to start it again (submitit.local reads 144).
+EXIT_LOCAL_REQUEUE = 144
 
 
 class SpecError(ValueError):

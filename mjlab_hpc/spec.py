@@ -1,20 +1,35 @@
-"""The training spec: everything a rank needs to run one training job, as one frozen dataclass.
+"""What to run, as frozen dataclasses of plain values: the training spec (the flags of
+`mjlab-train`), the submission spec (`mjlab-submit`), and the resolved spec (a training spec
+whose task was looked up once, with the values every later stage uses).
 
-The same spec flows one way: CLI -> (submitter) -> every rank. It is pickled to ranks by the
-launchers and dumped as YAML into the run directory, so it holds only plain values.
+Specs flow one way: CLI -> launcher -> every rank. They are pickled to ranks and dumped as
+YAML and JSON into the run directory, so they hold only plain values. Checks that need
+nothing but the values themselves live here; checks against tasks, Slurm or this machine live
+in `mjlab_hpc.launch.validate`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import tyro
 
 from mjlab_hpc.errors import SpecError
 
+__all__ = [
+    "DeviceChoice",
+    "ExecutorChoice",
+    "GpuIds",
+    "ResolvedSpec",
+    "SubmitSpec",
+    "TrainSpec",
+    "split_overrides",
+]
+
 DeviceChoice = Literal["auto", "cpu", "cuda"]
+ExecutorChoice = Literal["slurm", "local", "auto"]
 GpuIds = tuple[int, ...] | Literal["all", "auto"] | None
 # Signals Slurm can send ahead of the time limit that no library we load relies on.
 _SIGNALS = ("USR2", "USR1", "INT", "HUP", "TERM", "URG")
@@ -128,3 +143,117 @@ def split_overrides(unknown: list[str]) -> tuple[str, ...]:
     if unknown and not unknown[0].startswith(("--env.", "--agent.")):
         raise SpecError(unknown[0], "unknown argument (see --help)")
     return tuple(unknown)
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """A TrainSpec whose task was looked up once (`mjlab_hpc.tasks.resolve`): the effective
+    values every later stage uses instead of merging the task's defaults again."""
+
+    train: TrainSpec
+    """The spec as given."""
+    source: Literal["built-in", "mjlab"]
+    """Where the task comes from."""
+    num_envs: int
+    """Environments per rank, after the task's default, --num-envs and overrides."""
+    max_iterations: int
+    """PPO iterations in total."""
+    experiment_name: str
+    """Experiment folder under the log root."""
+
+    @property
+    def task(self) -> str:
+        """The task's name."""
+        return self.train.task
+
+    def replace_train(self, **changes: object) -> ResolvedSpec:
+        """The same resolution with some TrainSpec fields changed that do not affect it
+        (run directory, resume, ...)."""
+        return dataclasses.replace(self, train=self.train.replace(**changes))
+
+    def effective(self) -> dict[str, object]:
+        """The effective values, for run.json and summaries."""
+        return {
+            "task": self.task,
+            "source": self.source,
+            "num_envs": self.num_envs,
+            "max_iterations": self.max_iterations,
+            "experiment_name": self.experiment_name,
+        }
+
+
+@dataclass(frozen=True)
+class SubmitSpec:
+    """A multi-node training job (the flags of `mjlab-submit`)."""
+
+    train: Annotated[TrainSpec, tyro.conf.OmitArgPrefixes] = field(default_factory=TrainSpec)
+    """What every rank trains (the flags of mjlab-train)."""
+    nodes: int = 1
+    """Nodes of the job."""
+    gpus_per_node: int = 1
+    """GPUs per node; one rank (srun task) per GPU. 0 for CPU-only partitions."""
+    tasks_per_node: int | None = None
+    """Ranks per node (default: --gpus-per-node, or 1 without GPUs)."""
+    cpus_per_task: int | None = None
+    """CPU cores per rank (Slurm's --cpus-per-task)."""
+    mem: str | None = None
+    """Memory per node, Slurm syntax (64G, 500M)."""
+    partition: str | None = None
+    """Slurm partition (queue) to run in (default: the cluster's default partition)."""
+    account: str | None = None
+    """Slurm account charged for the job."""
+    qos: str | None = None
+    """Slurm quality of service."""
+    time: str = "1:00:00"
+    """Time limit: minutes, HH:MM:SS or D-HH:MM:SS."""
+    constraint: str | None = None
+    """Node features (Slurm's --constraint), e.g. a100."""
+    exclusive: bool = False
+    """Whole nodes for this job."""
+    job_name: str | None = None
+    """Name in squeue (default: mjlab-<task>)."""
+    container: str | None = None
+    """Apptainer/Singularity image to run every rank in (--nv on GPUs)."""
+    setup: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """A shell line to run before the ranks start (repeatable), e.g. 'module load cuda'."""
+    sbatch_arg: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """Any other sbatch option as KEY=VALUE (repeatable), e.g. mail-type=END."""
+    executor: ExecutorChoice = "auto"
+    """slurm, local (this machine, CPU ranks unless GPUs), or auto (slurm if sbatch exists)."""
+    signal_delay_s: int = 90
+    """Seconds before the time limit at which Slurm sends USR2 (checkpoint and requeue)."""
+    dry_run: bool = False
+    """Print the resolved spec and the exact sbatch script; submit nothing."""
+    follow: bool = False
+    """Stay, stream rank 0's progress, and exit with the job's outcome."""
+    sweep: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """KEY=V1,V2,... (repeatable): one job array over the cartesian product of the values,
+    one run directory per element, e.g. seed=0,1,2 or num_envs=512,1024."""
+    array_parallelism: int | None = None
+    """With --sweep: at most N elements run at once (Slurm's --array=...%N)."""
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks (srun tasks) on each node."""
+        if self.tasks_per_node is not None:
+            return self.tasks_per_node
+        return self.gpus_per_node if self.gpus_per_node > 0 else 1
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the whole job."""
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def preempt_signal(self) -> str:
+        """The time-limit warning signal, as Slurm names it (USR2)."""
+        return self.train.preempt_signal.upper().removeprefix("SIG")
+
+    @property
+    def name(self) -> str:
+        """The job's name in squeue."""
+        return self.job_name or f"mjlab-{self.train.task}"
+
+    def replace(self, **changes: object) -> SubmitSpec:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -1,4 +1,25 @@
-"""Shared test set-up."""
+"""Shared test set-up.
 
-# Session fixture `slurm_cluster`: the real two-node Slurm test cluster (tests/slurm/cluster.sh).
+`make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): each test file
+stays on one worker (module fixtures start their jobs once), and every test that needs the
+Slurm test cluster runs on the same worker, which starts the cluster once and stops it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# Session fixture `slurm_cluster`: the real two-node Slurm test cluster (tests/cluster/).
 from slurm_cluster import slurm_cluster  # noqa: F401
+
+_ROOT = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        group = "slurm" if item.get_closest_marker("slurm") else str(item.path.relative_to(_ROOT))
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -1,4 +1,4 @@
-"""The real Slurm test cluster (tests/slurm/cluster.sh) as a pytest fixture.
+"""The real Slurm test cluster (tests/cluster/cluster.sh) as a pytest fixture.
 
 `slurm_cluster` (session scope) reuses a cluster that is already up (e.g. from
 `make cluster-up`: its env.sh exists and sinfo answers), else starts one and stops it at
@@ -19,9 +19,9 @@ from typing import Any, NoReturn
 
 import pytest
 
-from mjlab_hpc.ops import FINAL_STATES
+from mjlab_hpc.slurm.client import FINAL_STATES
 
-SCRIPT = Path(__file__).resolve().parent / "slurm" / "cluster.sh"
+SCRIPT = Path(__file__).resolve().parent / "cluster" / "cluster.sh"
 
 # sacct states after which a job never runs again (REQUEUED is not one of them).
 TERMINAL_STATES = FINAL_STATES

@@ -1,1 +1,2 @@
-"""Command-line entry points: mjlab-train, mjlab-submit, mjlab-hpc."""
+"""The commands: `mjlab-train` (`train`), `mjlab-submit` (`submit`), `mjlab-hpc` (`hpc`),
+sharing parsing and error handling (`common`)."""

@@ -13,13 +13,23 @@ from typing import Annotated, Literal
 
 import tyro
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from mjlab_hpc.bench import BenchConfig
+from mjlab_hpc.bench.config import BenchConfig
+from mjlab_hpc.cli.common import guarded
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.submit import SubmitSpec
+from mjlab_hpc.launch.templates import render
+from mjlab_hpc.ops.cancel import cancel as cancel_runs
+from mjlab_hpc.ops.logs import find_tracebacks, follow, rank_files, rank_host, tail
+from mjlab_hpc.ops.runs import list_runs, resolve_target, run_jobs
+from mjlab_hpc.ops.status import StatusReport, collect, console, watch
+from mjlab_hpc.ops.status import render as render_status
+from mjlab_hpc.rundir.layout import run_dir_for_key
+from mjlab_hpc.spec import SubmitSpec
+from mjlab_hpc.tasks.registry import list_tasks as all_tasks
 
-EXIT_BAD_INPUT = 2
+__all__ = ["main", "run"]
 
 
 @dataclass(frozen=True)
@@ -37,14 +47,18 @@ class Render:
 
 
 @dataclass(frozen=True)
-class RunDir:
+class RunDirCommand:
     """Print the run directory recorded under KEY, making it on first use (used by the
     templates so that every rank and restart of one job shares one directory)."""
 
     log_root: str = "logs"
+    """Root folder of all experiments."""
     experiment: str = "cartpole"
+    """Experiment folder under the log root."""
     run_name: str = ""
+    """Suffix of the run directory's name."""
     key: str = ""
+    """A name for the job (e.g. slurm-$SLURM_JOB_ID): the same key gives the same directory."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +128,7 @@ class Plot:
 Command = (
     Annotated[ListTasks, tyro.conf.subcommand("list-tasks")]
     | Annotated[Render, tyro.conf.subcommand("render")]
-    | Annotated[RunDir, tyro.conf.subcommand("run-dir")]
+    | Annotated[RunDirCommand, tyro.conf.subcommand("run-dir")]
     | Annotated[Status, tyro.conf.subcommand("status")]
     | Annotated[Logs, tyro.conf.subcommand("logs")]
     | Annotated[Cancel, tyro.conf.subcommand("cancel")]
@@ -124,30 +138,22 @@ Command = (
 
 
 def list_tasks() -> int:
-    from mjlab_hpc.tasks import BUILTIN_TASKS
-
+    """Print every task with its default envs and iterations."""
     table = Table(title="tasks (default envs per rank and iterations)", box=None)
     table.add_column("name", no_wrap=True)  # copied into commands: never cropped
     for col in ("source", "envs", "iterations"):
         table.add_column(col, no_wrap=True, justify="right" if col != "source" else "left")
-    for t in BUILTIN_TASKS.values():
-        table.add_row(t.name, "built-in", str(t.num_envs), str(t.max_iterations))
-    from mjlab_hpc.mjlab_tasks import list_mjlab_tasks, load_mjlab_cfgs
-
-    mjlab = list_mjlab_tasks()
-    for name in mjlab:
-        env_cfg, agent_cfg, _, _ = load_mjlab_cfgs(name)
-        table.add_row(name, "mjlab", str(env_cfg.scene.num_envs), str(agent_cfg.max_iterations))
+    tasks = all_tasks()
+    for t in tasks:
+        table.add_row(t.name, t.source, str(t.num_envs), str(t.max_iterations))
     Console().print(table)
-    if not mjlab:
+    if not any(t.source == "mjlab" for t in tasks):
         Console().print("mjlab tasks: install the [mjlab] extra (pip install 'mjlab-hpc[mjlab]')")
     return 0
 
 
 def _runs_of(targets: Sequence[str], log_root: str) -> list[Path]:
     """Run directories named by the arguments; all runs under the log root without any."""
-    from mjlab_hpc.ops import list_runs, resolve_target
-
     if not targets:
         return list_runs(Path(log_root))
     runs: list[Path] = []
@@ -157,7 +163,7 @@ def _runs_of(targets: Sequence[str], log_root: str) -> list[Path]:
 
 
 def status(cmd: Status) -> int:
-    from mjlab_hpc.status import StatusReport, collect, console, render, watch
+    """`mjlab-hpc status`."""
 
     def snapshot() -> tuple[StatusReport, int]:
         runs = _runs_of(cmd.targets, cmd.log_root)
@@ -173,16 +179,14 @@ def status(cmd: Status) -> int:
         return 0
     out = console()
     if cmd.watch:
-        watch(lambda: render(*snapshot()), cmd.interval_s, out)
+        watch(lambda: render_status(*snapshot()), cmd.interval_s, out)
     else:
-        out.print(render(*snapshot()))
+        out.print(render_status(*snapshot()))
     return 0
 
 
 def single_run(target: str, log_root: str) -> Path:
     """The one run directory an argument names (SpecError if it names several)."""
-    from mjlab_hpc.ops import resolve_target
-
     runs = resolve_target(target, Path(log_root)).runs
     if len(runs) != 1:
         names = "\n  ".join(str(r) for r in runs[:20])
@@ -191,12 +195,7 @@ def single_run(target: str, log_root: str) -> Path:
 
 
 def logs(cmd: Logs) -> int:
-    from rich.markup import escape
-
-    from mjlab_hpc.logs import find_tracebacks, follow, rank_files, rank_host, tail
-    from mjlab_hpc.ops import run_jobs
-    from mjlab_hpc.status import collect
-
+    """`mjlab-hpc logs`."""
     run = single_run(cmd.target, cmd.log_root)
     ranks = rank_files(run)
     out = Console(highlight=False, soft_wrap=True)
@@ -255,9 +254,7 @@ def logs(cmd: Logs) -> int:
 
 
 def cancel(cmd: Cancel) -> int:
-    from mjlab_hpc.ops import cancel as cancel_runs
-    from mjlab_hpc.ops import resolve_target
-
+    """`mjlab-hpc cancel`."""
     resolved = resolve_target(cmd.target, Path(cmd.log_root))
     outcomes = cancel_runs(resolved, grace_s=cmd.grace_s)
     out = Console(highlight=False, soft_wrap=True)
@@ -270,7 +267,8 @@ def cancel(cmd: Cancel) -> int:
 
 
 def plot(cmd: Plot) -> int:
-    from mjlab_hpc.plot import load_run, plot_runs
+    """`mjlab-hpc plot`."""
+    from mjlab_hpc.ops.plot import load_run, plot_runs  # tensorboard, matplotlib: only here
 
     if not cmd.runs:
         raise SpecError("RUN", "name at least one run directory (or job id)")
@@ -296,47 +294,52 @@ def _label(run: Path) -> str:
     return name[20:] if len(name) > 20 and name[19] == "_" and name[:4].isdigit() else name
 
 
-def run(cmd: ListTasks | Render | RunDir | Status | Logs | Cancel | Plot | BenchConfig) -> int:
-    """Run one subcommand; the exit code."""
-    err = Console(stderr=True)
+def render_template(cmd: Render) -> int:
+    """`mjlab-hpc render`."""
+    if cmd.spec.sweep or cmd.spec.array_parallelism is not None:
+        raise SpecError("--sweep", "a template renders one job; submit sweeps with mjlab-submit")
+    sys.stdout.write(render(cmd.template, cmd.spec))
+    return 0
+
+
+def run_dir(cmd: RunDirCommand) -> int:
+    """`mjlab-hpc run-dir`."""
+    if not cmd.key:
+        raise SpecError("--key", "a key is needed, e.g. slurm-$SLURM_JOB_ID")
     try:
-        if isinstance(cmd, ListTasks):
-            return list_tasks()
-        if isinstance(cmd, Render):
-            from mjlab_hpc.templates import render
-
-            if cmd.spec.sweep or cmd.spec.array_parallelism is not None:
-                raise SpecError(
-                    "--sweep", "a template renders one job; submit sweeps with mjlab-submit"
-                )
-            sys.stdout.write(render(cmd.template, cmd.spec))
-            return 0
-        if isinstance(cmd, Status):
-            return status(cmd)
-        if isinstance(cmd, Logs):
-            return logs(cmd)
-        if isinstance(cmd, Cancel):
-            return cancel(cmd)
-        if isinstance(cmd, Plot):
-            return plot(cmd)
-        if isinstance(cmd, BenchConfig):
-            from mjlab_hpc.bench import run as run_bench
-
-            return run_bench(cmd)
-        from mjlab_hpc.rundir import run_dir_for_key
-
-        if not cmd.key:
-            raise SpecError("--key", "a key is needed, e.g. slurm-$SLURM_JOB_ID")
         print(run_dir_for_key(cmd.log_root, cmd.experiment, cmd.run_name, cmd.key))
-        return 0
-    except (SpecError, ValueError) as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        return EXIT_BAD_INPUT
+    except ValueError as exc:
+        raise SpecError("--key", str(exc)) from None
+    return 0
+
+
+def bench(cmd: BenchConfig) -> int:
+    """`mjlab-hpc bench`."""
+    from mjlab_hpc.bench.report import run as run_bench  # the benchmark: only when asked
+
+    return run_bench(cmd)
+
+
+_COMMANDS = {
+    ListTasks: lambda cmd: list_tasks(),
+    Render: render_template,
+    RunDirCommand: run_dir,
+    Status: status,
+    Logs: logs,
+    Cancel: cancel,
+    Plot: plot,
+    BenchConfig: bench,
+}
+
+
+def run(cmd: object) -> int:
+    """Run one subcommand; the exit code."""
+    return guarded(lambda: _COMMANDS[type(cmd)](cmd))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `mjlab-hpc`."""
-    return run(tyro.cli(Command, args=argv, description=__doc__))  # type: ignore[arg-type]
+    return run(tyro.cli(Command, args=argv, description=__doc__))  # type: ignore[call-overload]
 
 
 if __name__ == "__main__":

@@ -7,58 +7,55 @@ import sys
 import time
 from collections.abc import Sequence
 
-import tyro
 import yaml
 from rich.console import Console
 from rich.table import Table
 
-from mjlab_hpc.errors import SpecError, SubmitError
-from mjlab_hpc.spec import split_overrides
-from mjlab_hpc.submit import (
-    SubmitSpec,
+from mjlab_hpc.cli.common import guarded, parse_with_overrides
+from mjlab_hpc.errors import EXIT_FAILED
+from mjlab_hpc.launch.local import follow, rank_outcomes
+from mjlab_hpc.launch.slurm import render_array_sbatch, render_sbatch
+from mjlab_hpc.launch.submit import (
     Submitted,
     SubmittedSweep,
     planned_run_dir,
     planned_sweep,
-    render_array_sbatch,
-    render_sbatch,
-    slurm_time_minutes,
     submit,
     submit_sweep,
 )
-from mjlab_hpc.tasks import resolve_task
+from mjlab_hpc.launch.sweep import sweep_elements
+from mjlab_hpc.launch.validate import executor_for, validate_submit
+from mjlab_hpc.ops.status import collect, status_table
+from mjlab_hpc.ops.status import console as wide_console
+from mjlab_hpc.slurm.units import slurm_time_minutes
+from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
 
-EXIT_BAD_INPUT = 2
+__all__ = ["main", "run"]
 
 
-def spec_yaml(spec: SubmitSpec) -> str:
+def spec_yaml(spec: SubmitSpec, resolved: ResolvedSpec) -> str:
     """The resolved spec as YAML (what every rank will run)."""
-    import dataclasses
-
     data = dataclasses.asdict(spec)
     data["train"] = spec.train.to_dict()
     data["setup"] = list(spec.setup)
     data["sbatch_arg"] = list(spec.sbatch_arg)
     data["sweep"] = list(spec.sweep)
     data["resolved"] = {
-        "executor": spec.resolved_executor(),
+        "executor": executor_for(spec),
         "ranks_per_node": spec.ranks_per_node,
         "world_size": spec.world_size,
         "time_minutes": slurm_time_minutes(spec.time),
+        **resolved.effective(),
     }
     if spec.sweep:
-        data["resolved"]["sweep_elements"] = len(spec.sweep_elements())
+        data["resolved"]["sweep_elements"] = len(sweep_elements(spec.train, spec.sweep))
     return yaml.safe_dump(data, sort_keys=False)
-
-
-def envs_per_rank(spec: SubmitSpec) -> int:
-    return spec.train.num_envs or resolve_task(spec.train).num_envs
 
 
 def summary_table(s: Submitted) -> Table:
     """What was submitted, where it writes, and how to watch or cancel it."""
     spec = s.spec
-    n = envs_per_rank(spec)
+    n = s.resolved.num_envs
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold", no_wrap=True)
     t.add_column(overflow="fold")  # paths are copied from here: wrap, never crop
@@ -84,8 +81,6 @@ def summary_table(s: Submitted) -> Table:
 
 def follow_job(s: Submitted, console: Console) -> int:
     """Stream rank 0's output until the job ends; 0 if every rank succeeded."""
-    from mjlab_hpc.launch import follow, rank_outcomes
-
     out = s.rank_stdout(0)
     while not out.exists() and not s.job.done():
         time.sleep(0.5)
@@ -97,22 +92,22 @@ def follow_job(s: Submitted, console: Console) -> int:
     _, failures = rank_outcomes(s.job, s.ranks)
     if failures:
         console.print(f"[bold red]job {s.job_id} failed:[/]\n  " + "\n  ".join(failures))
-        return 1
+        return EXIT_FAILED
     console.print(f"[bold green]job {s.job_id} finished[/]: {s.run_dir}")
     return 0
 
 
-def sweep_dry_run(spec: SubmitSpec) -> None:
+def sweep_dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
     """Print the resolved spec, the elements with their planned run directories, and the job
     array's sbatch script (Slurm) or what would start (local)."""
-    elements = spec.sweep_elements()
-    sweep_dir, run_dirs = planned_sweep(spec)
+    elements = sweep_elements(spec.train, spec.sweep)
+    sweep_dir, run_dirs = planned_sweep(spec, resolved)
     out = sys.stdout
-    out.write("# ---- resolved spec ----\n" + spec_yaml(spec))
+    out.write("# ---- resolved spec ----\n" + spec_yaml(spec, resolved))
     out.write(f"# ---- sweep: {len(elements)} elements (dry run: nothing created) ----\n")
     for e, run_dir in zip(elements, run_dirs, strict=True):
         out.write(f"# {e.index:>3}  {e.label:<32} {run_dir}\n")
-    if spec.resolved_executor() == "slurm":
+    if executor_for(spec) == "slurm":
         out.write("# ---- sbatch script of the job array (dry run: not submitted) ----\n")
         out.write(render_array_sbatch(spec, sweep_dir, len(elements)))
     else:
@@ -137,7 +132,7 @@ def sweep_table(s: SubmittedSweep) -> Table:
     t.add_row(
         "each",
         f"{spec.nodes} node(s) x {spec.ranks_per_node} rank(s) = {spec.world_size} ranks, "
-        f"{envs_per_rank(spec)} envs per rank",
+        f"{s.runs[0].resolved.num_envs if s.runs else '?'} envs per rank",
     )
     t.add_row("sweep record", str(s.sweep_dir / "sweep.json"))
     elements = Table(box=None, pad_edge=False)
@@ -154,9 +149,6 @@ def sweep_table(s: SubmittedSweep) -> Table:
 
 def follow_sweep(s: SubmittedSweep, console: Console) -> int:
     """Wait for every element to end, then show their status; 0 if all completed."""
-    from mjlab_hpc.status import collect, status_table
-    from mjlab_hpc.status import console as wide_console
-
     try:
         while not all(r.job.done() for r in s.runs):
             time.sleep(2.0)
@@ -172,58 +164,56 @@ def follow_sweep(s: SubmittedSweep, console: Console) -> int:
 
 def run(spec: SubmitSpec) -> int:
     """Validate and submit (or print, with --dry-run); the exit code."""
-    console, err = Console(), Console(stderr=True)
-    try:
-        spec.validate()
+    return guarded(lambda: _run(spec))
+
+
+def _run(spec: SubmitSpec) -> int:
+    console = Console()
+    if spec.dry_run:
+        resolved = validate_submit(spec)
         if spec.sweep:
-            if spec.dry_run:
-                sweep_dry_run(spec)
-                return 0
-            sweep = submit_sweep(spec)
-            console.print("[bold]submitted sweep[/]")
-            console.print(sweep_table(sweep))
-            return follow_sweep(sweep, console) if spec.follow else 0
-        if spec.dry_run:
-            # Plain text, uncropped: users copy the script from here.
-            run_dir = planned_run_dir(spec)
-            out = sys.stdout
-            out.write("# ---- resolved spec ----\n" + spec_yaml(spec))
-            if spec.resolved_executor() == "slurm":
-                out.write("# ---- sbatch script (dry run: not submitted) ----\n")
-                out.write(render_sbatch(spec, run_dir))
-            else:
-                out.write(
-                    f"# ---- local executor (dry run: not started) ----\n"
-                    f"# {spec.ranks_per_node} rank(s) of {spec.train.task} on this machine, "
-                    f"run directory {run_dir}\n"
-                )
-            return 0
-        submitted = submit(spec)
-    except SpecError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
-        return EXIT_BAD_INPUT
-    except SubmitError as exc:
-        err.print(f"[bold red]not submitted:[/] {exc}")
-        return 1
+            sweep_dry_run(spec, resolved)
+        else:
+            dry_run(spec, resolved)
+        return 0
+    if spec.sweep:
+        sweep = submit_sweep(spec)
+        console.print("[bold]submitted sweep[/]")
+        console.print(sweep_table(sweep))
+        return follow_sweep(sweep, console) if spec.follow else 0
+    submitted = submit(spec)
     console.print("[bold]submitted[/]")
     console.print(summary_table(submitted))
-    if spec.follow:
-        return follow_job(submitted, console)
-    return 0
+    return follow_job(submitted, console) if spec.follow else 0
+
+
+def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
+    """Print the resolved spec and the exact sbatch script (or what would start locally).
+    Plain text, uncropped: users copy the script from here."""
+    run_dir = planned_run_dir(spec, resolved)
+    out = sys.stdout
+    out.write("# ---- resolved spec ----\n" + spec_yaml(spec, resolved))
+    if executor_for(spec) == "slurm":
+        out.write("# ---- sbatch script (dry run: not submitted) ----\n")
+        out.write(render_sbatch(spec, run_dir))
+    else:
+        out.write(
+            f"# ---- local executor (dry run: not started) ----\n"
+            f"# {spec.ranks_per_node} rank(s) of {spec.train.task} on this machine, "
+            f"run directory {run_dir}\n"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `mjlab-submit`. Arguments it does not know go to mjlab tasks as
     `--env.*` / `--agent.*` overrides, passed to every rank."""
-    spec, unknown = tyro.cli(SubmitSpec, args=argv, description=__doc__, return_unknown_args=True)
-    try:
-        spec = dataclasses.replace(
-            spec, train=spec.train.replace(overrides=split_overrides(unknown))
-        )
-    except SpecError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}")
-        return EXIT_BAD_INPUT
-    return run(spec)
+    spec = parse_with_overrides(
+        SubmitSpec,
+        argv,
+        __doc__,
+        lambda s, overrides: s.replace(train=s.train.replace(overrides=overrides)),
+    )
+    return spec if isinstance(spec, int) else run(spec)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import torch
 
 from mjlab_hpc.tasks.base import EnvConfig, WarpVecEnv
 
+__all__ = ["ANT_CFG", "ANT_XML", "AntEnv"]
+
 
 def _leg(name: str, x: float, y: float) -> str:
     # One leg: hip (yaw about z) then ankle, both hinges; capsules touch the floor.

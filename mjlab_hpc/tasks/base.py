@@ -19,6 +19,8 @@ import warp as wp
 from rsl_rl.env import VecEnv
 from tensordict import TensorDict
 
+__all__ = ["EnvConfig", "WarpVecEnv"]
+
 
 @dataclass(frozen=True)
 class EnvConfig:

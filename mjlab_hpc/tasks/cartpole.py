@@ -6,6 +6,9 @@ import torch
 
 from mjlab_hpc.tasks.base import EnvConfig, WarpVecEnv
 
+__all__ = ["CARTPOLE_CFG", "CARTPOLE_XML", "CartpoleEnv"]
+
+
 CARTPOLE_XML = """
 <mujoco model="cartpole">
   <option timestep="0.01" integrator="implicitfast"/>

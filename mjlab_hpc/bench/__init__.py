@@ -1,0 +1,28 @@
+"""`make bench` / `python -m mjlab_hpc.bench` / `mjlab-hpc bench`: the performance figures of
+this machine.
+
+Every figure is a ratio of two things measured alternately in the same run (A B A B ...), so a
+busy machine slows both sides of a pair alike; each is reported as the median over the pairs
+with its spread (quartiles, min-max). The real CLIs run as subprocesses with `--torch-threads 1`:
+
+1. scaling efficiency: env-steps/s (collection + update) of 2 ranks / (2 x 1 rank), same envs
+   per rank (`mjlab-train` vs `mjlab-submit --executor local --tasks-per-node 2`);
+2. collective share: time inside torch.distributed collectives / iteration time at 2 ranks;
+3. rollout overhead: `env.step` throughput / raw MuJoCo Warp graph replay (`env.simulate()`) of
+   the same worlds and substeps, for each built-in task;
+4. launch cost: start of `mjlab-submit --executor local` to its first finished iteration /
+   the same for a plain `mjlab-train` (warm kernel cache); and Warp kernel compilations of a
+   2-rank job / a 1-rank job on a cold cache (each module compiled once per node, not per rank);
+5. recovery: USR2 to the 2-rank job, stop at the next iteration boundary, checkpoint, restart by
+   the local executor, resume: signal to checkpoint in iterations, restart to first resumed
+   iteration / first start to first iteration, and iterations lost;
+6. mjlab: env-steps/s of an mjlab task through `mjlab-train` / mjlab's own `train`, on
+   mjlab's physics path (no Warp graph on CPU), and with our graph replay.
+
+Writes `<out>/bench.json` and `<out>/bench.png` and prints a table last. `--quick` is a short
+
+Modules: `config` (the flags), `stats` (spreads, figures, parsing progress), `watch` (one
+training job run and watched), `compile` (counting Warp compilations), `rollout` (env.step
+against raw physics), `session` (the experiments and their figures), `report` (JSON, PNG,
+table, entry point). Nothing here is imported by the other commands.
+"""

@@ -1,0 +1,61 @@
+"""The benchmark's flags (`mjlab-hpc bench`, `python -m mjlab_hpc.bench`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["BenchConfig"]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Benchmarks of scaling, collectives, rollout overhead, launch and recovery on this
+    machine (CPU ranks). Writes <out>/bench.json and <out>/bench.png."""
+
+    quick: bool = False
+    """Short smoke run (small envs, one pair, a partly cold cache): checks the machinery only."""
+    out: Path = Path("bench-results")
+    """Folder for bench.json, bench.png and runs/ (the runs' directories, replaced)."""
+    repeats: int | None = None
+    """Repeats of the training runs, one A/B pair each (default: 3; 1 with --quick); the
+    rollout benchmark takes at least 7 pairs (they are cheap)."""
+    num_envs: int | None = None
+    """Envs per rank, and worlds of the rollout benchmark (default: 1024; 64 with --quick)."""
+    iterations: int | None = None
+    """Measured PPO iterations per run after one warm-up iteration (default: 8; 1 with --quick)."""
+    task: str = "cartpole"
+    """Task of the training runs (scaling, collectives, launch, recovery, compilations)."""
+    rollout_tasks: tuple[str, ...] = ("cartpole", "ant")
+    """Tasks of the rollout-overhead benchmark."""
+    cold_compile: bool = True
+    """Measure kernel compilations on a cold cache (a partly cold one with --quick)."""
+    mjlab_task: str = "Mjlab-Cartpole-Balance"
+    """mjlab task of the comparison with mjlab's own `train` (needs the [mjlab] extra)."""
+    mjlab_envs: int | None = None
+    """Envs of the mjlab comparison (default: 256; 16 with --quick)."""
+    mjlab_repeats: int | None = None
+    """Repeats of the mjlab comparison (default: 5; 1 with --quick): separate processes of
+    the same program differ by up to ~10% on a shared machine, so it takes more than 3."""
+    run_timeout_s: float = 300.0
+    """Give up on one subprocess after this long."""
+
+    @property
+    def pairs(self) -> int:
+        return self.repeats or (1 if self.quick else 3)
+
+    @property
+    def envs(self) -> int:
+        return self.num_envs or (64 if self.quick else 1024)
+
+    @property
+    def measured(self) -> int:
+        return self.iterations or (1 if self.quick else 8)
+
+    @property
+    def mjlab_pairs(self) -> int:
+        return self.mjlab_repeats or (1 if self.quick else 5)
+
+    @property
+    def mjlab_num_envs(self) -> int:
+        return self.mjlab_envs or (16 if self.quick else 256)

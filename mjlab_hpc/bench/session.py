@@ -1,0 +1,396 @@
+"""One benchmark session: the experiments (training pairs, the mjlab comparison, compilations,
+rollout) and the figures computed from them."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mjlab_hpc.bench.compile import (
+    QUICK_COLD_MODULES,
+    CompileWatch,
+    default_kernel_cache,
+    prepare_cache,
+)
+from mjlab_hpc.bench.config import BenchConfig
+from mjlab_hpc.bench.rollout import run_rollout
+from mjlab_hpc.bench.stats import (
+    Figure,
+    collective_share,
+    median_iteration_s,
+    parse_rsl_rl_log,
+    reward_text,
+    share_of,
+    throughput,
+)
+from mjlab_hpc.bench.watch import (
+    JobTrace,
+    bench_env,
+    cli,
+    find_run_dir,
+    kill_job,
+    launch_parts,
+    recovery,
+    watch_job,
+)
+from mjlab_hpc.rundir.layout import PROGRESS, read_jsonl
+
+__all__ = ["Bench"]
+
+
+@dataclass
+class Bench:
+    """One benchmark session: its config, where it writes, and what it has measured."""
+
+    cfg: BenchConfig
+    say: Callable[[str], None]
+    runs: Path = field(init=False)
+    env: dict[str, str] = field(init=False)
+    traces: dict[str, list[JobTrace]] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.runs = self.cfg.out / "runs"
+        self.env = bench_env()
+
+    def train_args(self, log_root: Path, iterations: int) -> list[str]:
+        return [
+            self.cfg.task,
+            "--num-envs", str(self.cfg.envs),
+            "--max-iterations", str(iterations),
+            "--torch-threads", "1",
+            "--seed", "7",
+            "--save-interval", "1000",
+            "--log-root", str(log_root),
+        ]  # fmt: skip
+
+    def mjlab_args(self, log_root: Path, iterations: int, graph: bool) -> list[str]:
+        """Our CLIs' arguments for the mjlab task; without `graph`, mjlab's physics path on
+        CPU (mjlab never captures Warp graphs there)."""
+        return [
+            self.cfg.mjlab_task,
+            "--num-envs", str(self.cfg.mjlab_num_envs),
+            "--max-iterations", str(iterations),
+            "--torch-threads", "1",
+            "--log-root", str(log_root),
+            *([] if graph else ["--no-use-graph"]),
+            "--agent.logger", "tensorboard",
+        ]  # fmt: skip
+
+    def submit_args(self, train_args: list[str], ranks: int) -> list[str]:
+        return [
+            cli("mjlab-submit"),
+            *train_args,
+            "--executor", "local",
+            "--gpus-per-node", "0",
+            "--tasks-per-node", str(ranks),
+            "--follow",
+        ]  # fmt: skip
+
+    def job(
+        self,
+        name: str,
+        ranks: int,
+        iterations: int,
+        *,
+        submit: bool,
+        cache: CompileWatch | None = None,
+        args: list[str] | None = None,
+        **kw: Any,
+    ) -> JobTrace:
+        """Run `mjlab-train` (1 rank, in-process) or `mjlab-submit --executor local` (`ranks`
+        tasks) under `<runs>/<name>`, watched by `watch_job`; with `cache`, on that kernel cache
+        while counting its compilations. `args`: the training arguments (default: the built-in
+        task's, `train_args`)."""
+        root = self.runs / name
+        train = args if args is not None else self.train_args(root, iterations)
+        cmd = self.submit_args(train, ranks) if submit else [cli("mjlab-train"), *train]
+        env = self.env
+        if cache is not None:
+            env = bench_env({"WARP_CACHE_PATH": str(cache.cache_dir.parent)})
+        with cache if cache is not None else contextlib.nullcontext():
+            trace = watch_job(
+                cmd,
+                label=name,
+                ranks=ranks,
+                log_root=root,
+                env=env,
+                timeout_s=self.cfg.run_timeout_s,
+                **kw,
+            )
+        self.traces.setdefault(name.rsplit("-", 1)[0], []).append(trace)
+        if cache is not None:
+            self.details.setdefault("compilations", {})[name] = {
+                **cache.summary(),
+                "cache": "partly cold" if self.cfg.quick else "cold",
+                "modules_in_cache": sum(
+                    1 for p in cache.cache_dir.iterdir() if p.name.startswith("wp_")
+                ),
+                "launch_s": trace.launch_s,
+            }
+            shutil.rmtree(cache.cache_dir.parent, ignore_errors=True)
+        if trace.returncode != 0:
+            self.failures.append(f"{name}: exit {trace.returncode}\n{trace.output_tail[-1500:]}")
+            self.say(f"  {name}: FAILED (exit {trace.returncode}), output in {root}")
+        else:
+            launch = f"{trace.launch_s:.1f}" if trace.launch_s is not None else "n/a"
+            self.say(f"  {name}: done, first iteration after {launch} s")
+        return trace
+
+    def cold_cache(self, name: str) -> CompileWatch:
+        """A fresh kernel cache for one job and a watch counting its compilations: empty, or
+        with --quick a copy of the warm cache less a few modules (compiling all takes ~30 s)."""
+        warm = default_kernel_cache() if self.cfg.quick else None
+        cache = prepare_cache(self.runs / f"warp-cache-{name}", warm, QUICK_COLD_MODULES)
+        return CompileWatch(cache)
+
+    # -- experiments --
+
+    def rollout(self) -> None:
+        self.say(f"rollout overhead: {', '.join(self.cfg.rollout_tasks)} x {self.cfg.envs} worlds")
+        try:
+            self.details["rollout"] = run_rollout(self.cfg, self.env)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            self.failures.append(f"rollout: {exc}")
+            self.details["rollout"] = {}
+
+    def training_pairs(self) -> None:
+        """Per repeat: 1 rank (mjlab-train), 2 ranks (mjlab-submit, preempted once), 1 rank
+        (mjlab-submit). With --quick the first two also count compilations on a partly cold
+        cache (separate cold jobs would double the smoke run's time)."""
+        last = self.cfg.measured + 1  # iteration 1 is the warm-up
+        piggyback = self.cfg.quick and self.cfg.cold_compile
+        for r in range(1, self.cfg.pairs + 1):
+            self.say(f"repeat {r}/{self.cfg.pairs}: 1 rank | 2 ranks + preemption | submit 1 rank")
+            first = piggyback and r == 1
+            self.job(
+                f"one-{r}",
+                1,
+                last,
+                submit=False,
+                cache=self.cold_cache("one") if first else None,
+                cpu_window=(1, last),
+            )
+            # Ends 2 iterations after the measured ones: USR2 stops the job at the next
+            # boundary, the executor restarts it, and it resumes to the end.
+            self.job(
+                f"two-{r}",
+                2,
+                last + 2,
+                submit=True,
+                cache=self.cold_cache("two") if first else None,
+                cpu_window=(1, last),
+                signal_after=last,
+            )
+            self.job(f"submit1-{r}", 1, 1, submit=True)
+
+    def mjlab_pairs(self) -> None:
+        """Per repeat, in alternating order (A B C, then C B A, ...): mjlab's own `train`, our
+        `mjlab-train` on mjlab's physics path (no graph), and ours with graph replay (our
+        default). All three run alike: a plain subprocess, one torch thread, nothing polling
+        them; their progress is read afterwards. (`mjlab-submit --executor local` runs the
+        same rank code after a second import of mjlab in the submitting process.)"""
+        task, envs = self.cfg.mjlab_task, self.cfg.mjlab_num_envs
+        if importlib.util.find_spec("mjlab") is None:
+            self.details["mjlab"] = {"skipped": "the [mjlab] extra is not installed"}
+            self.say("mjlab comparison: skipped (the [mjlab] extra is not installed)")
+            return
+        last = self.cfg.measured + 1
+        runs: list[dict[str, Any]] = []
+        self.details["mjlab"] = {"task": task, "num_envs": envs, "pairs": runs}
+        sides = ("mjlab_train", "ours", "ours_graph")
+        for r in range(1, self.cfg.mjlab_pairs + 1):
+            order = sides if r % 2 else sides[::-1]
+            self.say(f"mjlab {r}/{self.cfg.mjlab_pairs}: {task} x {envs} envs: {' | '.join(order)}")
+            got: dict[str, list[dict[str, Any]]] = {}
+            for side in order:
+                records = self.mjlab_run(side, r, last)
+                if records is None:
+                    break
+                got[side] = records
+            if len(got) < len(sides):
+                continue
+            runs.append(
+                {
+                    **{side: throughput(got[side]) for side in sides},
+                    # The same configs and seeds: the same rewards iteration by iteration show
+                    # that both sides did the same work.
+                    "same_rewards": [reward_text(x.get("reward")) for x in got["mjlab_train"]]
+                    == [reward_text(x.get("mean_reward")) for x in got["ours"]],
+                }
+            )
+
+    def mjlab_run(self, side: str, repeat: int, iterations: int) -> list[dict[str, Any]] | None:
+        """One side of the mjlab comparison in `<runs>/mjlab-<side>-<repeat>`: its progress
+        records of iterations 2..`iterations`, None if it failed."""
+        name = f"mjlab-{side.replace('_', '-')}-{repeat}"
+        cwd = (self.runs / name).resolve()  # the runs start there: no relative paths
+        cwd.mkdir(parents=True)
+        if side == "mjlab_train":
+            cmd = [
+                cli("train"), self.cfg.mjlab_task,
+                "--env.scene.num-envs", str(self.cfg.mjlab_num_envs),
+                "--agent.max-iterations", str(iterations),
+                "--agent.logger", "tensorboard",
+                "--gpu-ids", "None",
+            ]  # fmt: skip
+        else:
+            cmd = [
+                cli("mjlab-train"),
+                *self.mjlab_args(cwd / "logs", iterations, graph=side == "ours_graph"),
+            ]
+        out = cwd / f"{name}.out"
+        with open(out, "w") as f:
+            proc = subprocess.Popen(
+                cmd,
+                cwd=cwd,
+                # mjlab's train has no thread flag: torch reads OMP_NUM_THREADS (both sides).
+                env=bench_env({"OMP_NUM_THREADS": "1"}),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a timeout ends the whole job, ranks included
+            )
+            try:
+                proc.wait(timeout=self.cfg.run_timeout_s)
+            except subprocess.TimeoutExpired:
+                kill_job(proc)
+        text = out.read_text(errors="replace")
+        if side == "mjlab_train":
+            records = parse_rsl_rl_log(text)
+        else:
+            run = find_run_dir(cwd / "logs")
+            records = read_jsonl(run / PROGRESS) if run is not None else []
+        records = [r for r in records if 2 <= r["iteration"] <= iterations]
+        if proc.returncode != 0 or len(records) != iterations - 1:
+            self.failures.append(f"{name}: exit {proc.returncode}\n{text[-1500:]}")
+            self.say(f"  {name}: FAILED (exit {proc.returncode}), output in {out}")
+            return None
+        self.say(f"  {name}: {throughput(records):,.0f} env-steps/s")
+        return records
+
+    def compilations(self) -> None:
+        """Kernel compilations of a 1-rank and a 2-rank job, each on an empty kernel cache."""
+        self.say("kernel compilations on a cold cache: 1-rank job, then 2-rank job")
+        self.job("cold-1", 1, 1, submit=False, cache=self.cold_cache("cold-1"))
+        self.job("cold-2", 2, 1, submit=True, cache=self.cold_cache("cold-2"))
+
+    # -- figures --
+
+    def figures(self) -> list[Figure]:
+        n = self.cfg.measured
+        last = n + 1
+        ones, twos, subs = (self.traces.get(k, []) for k in ("one", "two", "submit1"))
+        eff, coll, launch, launch2, resume, stop_its, lost = [], [], [], [], [], [], []
+        pair_details = []
+        for a, b, c in zip(ones, twos, subs, strict=False):
+            ta, tb = throughput(a.window(2, last)), throughput(b.window(2, last))
+            eff.append(tb / (2 * ta))
+            coll.append(collective_share(b.window(2, last)))
+            if a.launch_s and c.launch_s:
+                launch.append(c.launch_s / a.launch_s)
+            if a.launch_s and b.launch_s:
+                launch2.append(b.launch_s / a.launch_s)
+            rec = recovery(b)
+            if rec.get("resume_ratio") is not None:
+                resume.append(rec["resume_ratio"])
+            if rec.get("stop_iterations") is not None:
+                stop_its.append(rec["stop_iterations"])
+            if rec.get("iterations_lost") is not None:
+                lost.append(float(rec["iterations_lost"]))
+            pair_details.append(
+                {
+                    "throughput_1rank": ta,
+                    "throughput_2ranks": tb,
+                    "iteration_s_1rank": median_iteration_s(a.window(2, last)),
+                    "iteration_s_2ranks": median_iteration_s(b.window(2, last)),
+                    "collect_s_share_2ranks": share_of(b.window(2, last), "collect_s"),
+                    "launch": {
+                        k: launch_parts(t)
+                        for k, t in (("train_1", a), ("submit_2", b), ("submit_1", c))
+                    },
+                    "cpu_1rank": a.cpu.as_dict(),
+                    "cpu_2ranks": b.cpu.as_dict(),
+                    "recovery": rec,
+                }
+            )
+        self.details["pairs"] = pair_details
+        figs = [
+            Figure("scaling_efficiency", "scaling efficiency (2 ranks)", tuple(eff), 0.95, ">=",
+                   "env-steps/s of 2 ranks / (2 x env-steps/s of 1 rank), same envs per rank, "
+                   "iterations 2.. of each run", "scaling"),
+            Figure("collective_share", "collective share (2 ranks)", tuple(coll), 0.02, "<=",
+                   "time inside all-reduce/broadcast / iteration time, rank 0, 2 ranks",
+                   "scaling"),
+        ]  # fmt: skip
+        for task, data in self.details.get("rollout", {}).items():
+            figs.append(
+                Figure(
+                    f"rollout_overhead_{task}",
+                    f"env.step / raw physics ({task})",
+                    tuple(data["ratios"]),
+                    0.9,
+                    ">=",
+                    "env.step throughput / raw mujoco_warp graph replay throughput, same "
+                    "worlds and substeps",
+                    "rollout",
+                )
+            )
+        figs += [
+            Figure("launch_cost", "launch: submit local / mjlab-train", tuple(launch), 1.5, "<=",
+                   "mjlab-submit --executor local (1 rank) start to first finished iteration / "
+                   "mjlab-train start to first finished iteration, warm kernel cache", "launch"),
+            Figure("launch_cost_2ranks", "launch: submit local 2 ranks / mjlab-train",
+                   tuple(launch2), 1.5, "<=",
+                   "the same with the 2-rank job (ranks share the 2 cores; informative)",
+                   "launch"),
+        ]  # fmt: skip
+        mj = self.details.get("mjlab", {}).get("pairs", [])
+        task = self.cfg.mjlab_task
+        if "skipped" not in self.details.get("mjlab", {}):
+            figs += [
+                Figure("mjlab_vs_train", f"{task}: ours / mjlab train",
+                       tuple(p["ours"] / p["mjlab_train"] for p in mj), 0.97, ">=",
+                       "env-steps/s of mjlab-train --no-use-graph (mjlab's own physics path on "
+                       "CPU) / mjlab's own train, same envs, one torch thread, iterations 2..",
+                       "mjlab"),
+                Figure("mjlab_graph_vs_train", f"{task}: ours (graph) / mjlab train",
+                       tuple(p["ours_graph"] / p["mjlab_train"] for p in mj), 0.97, ">=",
+                       "the same with our default, Warp graph replay on CPU", "mjlab"),
+            ]  # fmt: skip
+        comp = self.details.get("compilations", {})
+        one = comp.get("cold-1") or comp.get("one-1")
+        two = comp.get("cold-2") or comp.get("two-1")
+        if one and two and one["compilations"]:
+            ratio = two["compilations"] / one["compilations"]
+            figs.append(
+                Figure(
+                    "compile_duplication",
+                    "compilations: 2-rank / 1-rank job",
+                    (ratio,),
+                    1.0,
+                    "<=",
+                    "Warp module compilations of a 2-rank local job / of a 1-rank job, "
+                    "each on its own cold cache (1.0: once per node)",
+                    "launch",
+                )
+            )
+        figs += [
+            Figure("recovery_stop_iterations", "recovery: signal -> checkpoint (iterations)",
+                   tuple(stop_its), 1.5, "<=",
+                   "USR2 to checkpoint on disk / the run's median iteration time (the stop waits "
+                   "for the iteration in flight)", "recovery"),
+            Figure("recovery_resume_ratio", "recovery: restart / first start", tuple(resume),
+                   1.5, "<=", "restarted ranks' start to first resumed iteration / first ranks' "
+                   "start to first iteration, same job", "recovery"),
+            Figure("recovery_iterations_lost", "recovery: iterations lost", tuple(lost), 0.0,
+                   "<=", "iterations finished before the stop that the restart did not resume "
+                   "from (a count)", "recovery"),
+        ]  # fmt: skip
+        return figs

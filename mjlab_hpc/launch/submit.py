@@ -1,0 +1,240 @@
+"""The submitter: a SubmitSpec becomes a submitit job on Slurm (sbatch, one srun task per rank)
+or on this machine (submitit's local executor). Each task runs `train_rank`, the same per-rank
+entry point as `mjlab-train`.
+
+Everything is validated before anything is created or submitted; a bad value raises SpecError
+naming the flag.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from mjlab_hpc.errors import SubmitError
+from mjlab_hpc.launch.local import submit_local
+from mjlab_hpc.launch.slurm import array_executor, make_slurm_executor
+from mjlab_hpc.launch.sweep import SweepElement, sweep_elements
+from mjlab_hpc.launch.validate import executor_for, validate_submit
+from mjlab_hpc.rank.job import RankJob
+from mjlab_hpc.rundir.durable import write_json_atomic
+from mjlab_hpc.rundir.layout import (
+    ELEMENT_RECORD,
+    SUBMITIT_DIR,
+    SWEEP_RECORD,
+    SWEEPS_DIR,
+    create_run_dir,
+    run_dir_name,
+)
+from mjlab_hpc.rundir.record import now_iso
+from mjlab_hpc.slurm.units import slurm_time_minutes
+from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
+
+__all__ = [
+    "Submitted",
+    "SubmittedSweep",
+    "element_spec",
+    "planned_run_dir",
+    "planned_sweep",
+    "submit",
+    "submit_one",
+    "submit_sweep",
+]
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A submitted job."""
+
+    job: Any
+    """The submitit job."""
+    executor: Literal["slurm", "local"]
+    run_dir: Path
+    spec: SubmitSpec
+    resolved: ResolvedSpec
+    """What every rank runs (the task resolved once)."""
+
+    @property
+    def ranks(self) -> int:
+        """Ranks of the job."""
+        return self.spec.world_size
+
+    @property
+    def job_id(self) -> str:
+        """Slurm's job id, or the local executor's (the controller's pid)."""
+        return str(self.job.job_id)
+
+    def rank_stdout(self, rank: int) -> Path:
+        """Where submitit puts the stdout of one rank."""
+        return Path(self.job.task(rank).paths.stdout)
+
+
+def planned_run_dir(spec: SubmitSpec, resolved: ResolvedSpec) -> Path:
+    """Where a dry run would put the run (nothing is created)."""
+    if spec.train.run_dir:
+        return Path(spec.train.run_dir)
+    name = run_dir_name(dt.datetime.now(), spec.train.run_name)
+    return (Path(spec.train.log_root) / resolved.experiment_name / name).resolve()
+
+
+def submit_one(
+    spec: SubmitSpec, resolved: ResolvedSpec, kind: Literal["slurm", "local"], run_dir: Path
+) -> Any:
+    """Submit the ranks of one job that trains `resolved` in `run_dir`; the submitit job."""
+    train = resolved.replace_train(run_dir=str(run_dir))
+    if kind == "local":
+        local = submit_local(
+            train,
+            spec.ranks_per_node,
+            tuple(range(spec.gpus_per_node)),
+            timeout_min=slurm_time_minutes(spec.time),
+            signal_delay_s=spec.signal_delay_s,
+        )
+        return local.job
+    return make_slurm_executor(spec, run_dir).submit(RankJob(train))
+
+
+def submit(spec: SubmitSpec) -> Submitted:
+    """Validate, decide the run directory once, and submit. Nothing is submitted on error,
+    and no run directory is left behind when the scheduler refuses the job."""
+    resolved = validate_submit(spec)
+    kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
+    made_here = not spec.train.run_dir
+    run_dir = (
+        create_run_dir(spec.train.log_root, resolved.experiment_name, spec.train.run_name)
+        if made_here
+        else Path(str(spec.train.run_dir)).resolve()
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        job = submit_one(spec, resolved, kind, run_dir)
+    except Exception as exc:
+        if made_here:  # nothing ran: leave no empty run behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise SubmitError(f"{kind} refused the job: {str(exc).strip()}") from exc
+    return Submitted(job=job, executor=kind, run_dir=run_dir, spec=spec, resolved=resolved)
+
+
+@dataclass(frozen=True)
+class SubmittedSweep:
+    """A submitted sweep: one Slurm job array, or one local job per element."""
+
+    executor: Literal["slurm", "local"]
+    sweep_dir: Path
+    array_job_id: str | None
+    """The job array's id (Slurm); None for local sweeps (every element is its own job)."""
+    elements: tuple[SweepElement, ...]
+    runs: tuple[Submitted, ...]
+    """One per element, in index order."""
+    spec: SubmitSpec
+
+
+def element_spec(spec: SubmitSpec, element: SweepElement) -> SubmitSpec:
+    """The single-job spec of one sweep element."""
+    return spec.replace(train=element.train, sweep=(), array_parallelism=None)
+
+
+def planned_sweep(spec: SubmitSpec, resolved: ResolvedSpec) -> tuple[Path, list[Path]]:
+    """Where a dry run would put the sweep record and each element's run (nothing is made)."""
+    now = dt.datetime.now()
+    root = (Path(spec.train.log_root) / resolved.experiment_name).resolve()
+    elements = sweep_elements(spec.train, spec.sweep)
+    runs = [root / run_dir_name(now, e.train.run_name) for e in elements]
+    return root / SWEEPS_DIR / run_dir_name(now, spec.train.run_name), runs
+
+
+def _submit_elements(
+    spec: SubmitSpec,
+    kind: Literal["slurm", "local"],
+    sweep_dir: Path,
+    elements: list[SweepElement],
+    run_dirs: list[Path],
+) -> list[Any]:
+    """Submit one job per element (local) or one job array (Slurm); the jobs in order."""
+    if kind == "local":
+        jobs: list[Any] = []
+        try:
+            for element, run_dir in zip(elements, run_dirs, strict=True):
+                jobs.append(submit_one(spec, element.resolved, kind, run_dir))
+        except Exception:
+            for job in jobs:  # all or nothing: stop what already started
+                job.cancel(check=False)
+            raise
+        return jobs
+    # The array shares one submitit folder (submitit names its files <array>_<index>_<rank>);
+    # each run directory links to it, so `<run>/submitit` works as for single jobs.
+    folder = sweep_dir / SUBMITIT_DIR
+    folder.mkdir()
+    for run_dir in run_dirs:
+        (run_dir / SUBMITIT_DIR).symlink_to(os.path.relpath(folder, run_dir))
+    executor = array_executor(spec, sweep_dir)
+    with executor.batch():
+        jobs = [
+            executor.submit(RankJob(e.resolved.replace_train(run_dir=str(d))))
+            for e, d in zip(elements, run_dirs, strict=True)
+        ]
+    return jobs
+
+
+def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
+    """Validate, make every element's run directory, and submit the sweep as one job array
+    (Slurm) or as one local job per element. Nothing is left behind on error."""
+    resolved = validate_submit(spec)
+    elements = sweep_elements(spec.train, spec.sweep)
+    kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
+    log_root, experiment = spec.train.log_root, resolved.experiment_name
+    sweep_dir = create_run_dir(Path(log_root) / experiment, SWEEPS_DIR, spec.train.run_name)
+    run_dirs: list[Path] = []
+    try:
+        for element in elements:
+            run_dirs.append(create_run_dir(log_root, experiment, element.train.run_name))
+        jobs = _submit_elements(spec, kind, sweep_dir, elements, run_dirs)
+    except Exception as exc:
+        for path in [*run_dirs, sweep_dir]:  # nothing ran: leave no empty runs behind
+            shutil.rmtree(path, ignore_errors=True)
+        raise SubmitError(f"{kind} refused the sweep: {str(exc).strip()}") from exc
+    job_ids = [str(job.job_id) for job in jobs]
+    array_id = job_ids[0].split("_")[0] if kind == "slurm" else None
+    records = []
+    for element, run_dir, job_id in zip(elements, run_dirs, job_ids, strict=True):
+        record = {
+            "sweep_dir": str(sweep_dir),
+            "index": element.index,
+            "job_id": job_id,
+            "executor": kind,
+            "overrides": element.as_dict(),
+        }
+        write_json_atomic(run_dir / ELEMENT_RECORD, record)
+        records.append({**record, "run_dir": str(run_dir)})
+    write_json_atomic(
+        sweep_dir / SWEEP_RECORD,
+        {
+            "executor": kind,
+            "array_job_id": array_id,
+            "created_at": now_iso(),
+            "axes": {k: list(v) for k, v in _axes_of(elements).items()},
+            "array_parallelism": spec.array_parallelism,
+            "elements": records,
+        },
+    )
+    runs = tuple(
+        Submitted(
+            job=job, executor=kind, run_dir=d, spec=element_spec(spec, e), resolved=e.resolved
+        )
+        for job, d, e in zip(jobs, run_dirs, elements, strict=True)
+    )
+    return SubmittedSweep(kind, sweep_dir, array_id, tuple(elements), runs, spec)
+
+
+def _axes_of(elements: list[SweepElement]) -> dict[str, list[str]]:
+    axes: dict[str, list[str]] = {}
+    for element in elements:
+        for key, value in element.overrides:
+            values = axes.setdefault(key, [])
+            if value not in values:
+                values.append(value)
+    return axes

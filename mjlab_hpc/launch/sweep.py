@@ -1,0 +1,235 @@
+"""Sweeps: `--sweep KEY=V1,V2,...` flags become one training spec per point of their cartesian
+product, submitted as one Slurm job array (`mjlab-submit ... --sweep seed=0,1,2`) or as one
+local job per element.
+
+Keys are TrainSpec fields (`seed`, `num_envs`, `max_iterations`, ...; `num-envs` works too)
+and `agent.<key>` settings of the rsl-rl agent config, which become `--agent.<key>=<value>`
+overrides (built-in and mjlab tasks take them). Every element gets its own run directory,
+named after its values; the sweep is recorded in `<experiment>/.sweeps/<stamp>/sweep.json` and
+each run directory holds a `sweep_element.json` naming its sweep, index and job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Union, get_args, get_origin
+
+from mjlab_hpc.errors import SpecError
+from mjlab_hpc.spec import ResolvedSpec, TrainSpec
+from mjlab_hpc.tasks.registry import resolve
+
+__all__ = [
+    "SweepAxis",
+    "SweepElement",
+    "expand",
+    "name_suffix",
+    "parse_axes",
+    "sweep_elements",
+    "sweepable_keys",
+]
+
+FLAG = "--sweep"
+AGENT_PREFIX = "agent."
+# Fields that decide where a run lives or how it is launched: one value per sweep.
+_FIXED = frozenset(
+    {
+        "task",
+        "log_root",
+        "experiment_name",
+        "run_name",
+        "run_dir",
+        "num_procs",
+        "gpu_ids",
+        "resume",
+        "overrides",
+    }
+)
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+@dataclass(frozen=True)
+class SweepAxis:
+    """One `--sweep` flag: a key and the values it takes (as typed)."""
+
+    key: str
+    values: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SweepElement:
+    """One point of the sweep: its index in the job array, its values, and its spec."""
+
+    index: int
+    overrides: tuple[tuple[str, str], ...]
+    """(key, value) of every swept key, as typed."""
+    resolved: ResolvedSpec
+    """The element's training spec, its task resolved."""
+
+    @property
+    def train(self) -> TrainSpec:
+        """The element's training spec."""
+        return self.resolved.train
+
+    @property
+    def label(self) -> str:
+        """`seed=0 learning_rate=3e-4`: the values, as typed."""
+        return " ".join(f"{short_key(k)}={v}" for k, v in self.overrides)
+
+    def as_dict(self) -> dict[str, str]:
+        """The swept values by key."""
+        return dict(self.overrides)
+
+
+def short_key(key: str) -> str:
+    """The key as it appears in run names (`agent.learning_rate` -> `learning_rate`)."""
+    return key.removeprefix(AGENT_PREFIX)
+
+
+def name_suffix(overrides: Sequence[tuple[str, str]]) -> str:
+    """The run-name suffix of an element: `seed=0_learning_rate=3e-4`."""
+    parts = []
+    for key, value in overrides:
+        safe = re.sub(r"[^A-Za-z0-9.+=-]", "-", value)  # no '/', spaces or quotes in paths
+        parts.append(f"{short_key(key)}={safe}")
+    return "_".join(parts)
+
+
+def sweepable_keys() -> list[str]:
+    """The TrainSpec fields a sweep may vary, and `agent.<key>`."""
+    keys = [f.name for f in dataclasses.fields(TrainSpec) if f.name not in _FIXED]
+    return [*keys, AGENT_PREFIX + "<key>"]
+
+
+def parse_axes(flags: Sequence[str]) -> tuple[SweepAxis, ...]:
+    """Parse `--sweep` flags; SpecError naming --sweep for anything malformed."""
+    field_names = {f.name for f in dataclasses.fields(TrainSpec)}
+    axes: list[SweepAxis] = []
+    seen: set[str] = set()
+    for flag in flags:
+        key, sep, raw = flag.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise SpecError(FLAG, f"{flag!r} is not KEY=V1,V2,... (e.g. --sweep seed=0,1,2)")
+        if not _KEY.match(key):
+            raise SpecError(FLAG, f"{key!r} is not a key name")
+        values = tuple(v.strip() for v in raw.split(","))
+        if any(not v for v in values):
+            raise SpecError(FLAG, f"{flag!r} has an empty value; separate values with commas")
+        if len(set(values)) != len(values):
+            raise SpecError(FLAG, f"{flag!r} repeats a value")
+        if key.startswith(AGENT_PREFIX):
+            if key == AGENT_PREFIX or key.endswith("."):
+                raise SpecError(FLAG, f"{key!r} names no agent setting (e.g. agent.learning_rate)")
+        else:
+            key = key.replace("-", "_")
+            if key not in field_names or key in _FIXED:
+                why = "cannot be swept" if key in field_names else "is not a training option"
+                raise SpecError(
+                    FLAG, f"{key!r} {why}; sweepable keys: {', '.join(sweepable_keys())}"
+                )
+        if key in seen:
+            raise SpecError(FLAG, f"{key} is swept twice; give all its values in one --sweep")
+        seen.add(key)
+        axes.append(SweepAxis(key, values))
+    return tuple(axes)
+
+
+def _convert(key: str, text: str, hint: Any) -> Any:
+    """`text` as a value of the field type `hint` (SpecError naming --sweep if it is not)."""
+    origin = get_origin(hint)
+    if origin is typing.Annotated:
+        return _convert(key, text, get_args(hint)[0])
+    if hint is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise SpecError(FLAG, f"{key}={text}: not true or false")
+    if hint is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise SpecError(FLAG, f"{key}={text}: not an integer") from None
+    if hint is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise SpecError(FLAG, f"{key}={text}: not a number") from None
+    if hint is str:
+        return text
+    if origin is Literal:
+        if text in get_args(hint):
+            return text
+        choices = ", ".join(str(a) for a in get_args(hint))
+        raise SpecError(FLAG, f"{key}={text}: use one of {choices}")
+    if origin in (Union, types.UnionType):
+        options = [a for a in get_args(hint) if a is not type(None)]
+        if type(None) in get_args(hint) and text.lower() == "none":
+            return None
+        errors = []
+        for option in options:
+            try:
+                return _convert(key, text, option)
+            except SpecError as exc:
+                errors.append(exc.problem)
+        raise SpecError(FLAG, errors[0] if errors else f"{key}={text}: not a valid value")
+    raise SpecError(FLAG, f"{key} cannot be swept (its type is {hint})")
+
+
+def expand(
+    train: TrainSpec, axes: Sequence[SweepAxis]
+) -> list[tuple[tuple[tuple[str, str], ...], TrainSpec]]:
+    """One validated (values, spec) per point of the cartesian product (the first flag varies
+    slowest). Each element's run name is the base run name plus a suffix naming its values."""
+    hints = typing.get_type_hints(TrainSpec, include_extras=True)
+    out = []
+    for combo in itertools.product(*(a.values for a in axes)):
+        overrides = tuple((a.key, v) for a, v in zip(axes, combo, strict=True))
+        changes: dict[str, Any] = {}
+        agent = list(train.overrides)
+        for key, value in overrides:
+            if key.startswith(AGENT_PREFIX):
+                # mjlab's own flag syntax, as `mjlab-train TASK --agent.KEY VALUE` takes it.
+                agent.append(f"--{key}={value}")
+            else:
+                changes[key] = _convert(key, value, hints[key])
+        changes["overrides"] = tuple(agent)
+        suffix = name_suffix(overrides)
+        changes["run_name"] = f"{train.run_name}_{suffix}" if train.run_name else suffix
+        spec = dataclasses.replace(train, **changes)
+        try:
+            spec.validate()
+        except SpecError as exc:
+            label = " ".join(f"{k}={v}" for k, v in overrides)
+            raise SpecError(FLAG, f"{label}: {exc}") from None
+        out.append((overrides, spec))
+    return out
+
+
+def sweep_elements(train: TrainSpec, flags: Sequence[str]) -> list[SweepElement]:
+    """Parse and expand `--sweep` flags for `train` and resolve every element's task (SpecError
+    naming --sweep on any problem). Elements that differ only in what the task does not look
+    at (seed, save interval, ...) share one resolution."""
+    if not flags:
+        return []
+    cache: dict[tuple[Any, ...], ResolvedSpec] = {}
+    elements = []
+    for index, (overrides, spec) in enumerate(expand(train, parse_axes(flags))):
+        key = (spec.task, spec.num_envs, spec.max_iterations, spec.experiment_name, spec.overrides)
+        if key not in cache:
+            try:
+                cache[key] = resolve(spec)
+            except SpecError as exc:
+                label = " ".join(f"{short_key(k)}={v}" for k, v in overrides)
+                raise SpecError(FLAG, f"{label}: {exc}") from None
+        resolved = dataclasses.replace(cache[key], train=spec)
+        elements.append(SweepElement(index, overrides, resolved))
+    return elements

@@ -1,0 +1,155 @@
+"""`mjlab-hpc cancel`: stop a Slurm job for good (no requeue) or a local-executor run, and
+leave no process behind."""
+
+from __future__ import annotations
+
+import getpass
+import signal
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mjlab_hpc.ops.runs import JobKind, Target, local_processes, run_jobs
+from mjlab_hpc.procs import send_signal, wait_gone
+from mjlab_hpc.rundir.durable import write_json_atomic
+from mjlab_hpc.rundir.layout import CANCEL_RECORD
+from mjlab_hpc.rundir.record import now_iso
+from mjlab_hpc.slurm.client import SlurmClient
+
+__all__ = ["CancelOutcome", "cancel", "cancel_local", "cancel_slurm"]
+
+
+@dataclass(frozen=True)
+class CancelOutcome:
+    """What cancelling one job (or a whole job array) did."""
+
+    kind: JobKind
+    job_ids: tuple[str, ...]
+    runs: tuple[Path, ...]
+    ok: bool
+    message: str
+    remaining_pids: tuple[int, ...] = field(default=())
+
+
+def _write_cancel_marker(run_dir: Path, job_ids: Sequence[str]) -> None:
+    write_json_atomic(
+        run_dir / CANCEL_RECORD,
+        {
+            "at": now_iso(),
+            "by": f"{getpass.getuser()}@{socket.gethostname()}",
+            "job_ids": list(job_ids),
+        },
+    )
+
+
+def cancel_slurm(
+    job_ids: Sequence[str], runs: Sequence[Path], slurm: SlurmClient, grace_s: float = 30.0
+) -> CancelOutcome:
+    """scancel the jobs that are still queued or running, after forbidding their requeue.
+
+    Waits up to `grace_s` until none of them is pending or running; a job that comes back
+    to the queue (requeued by a rank in the instant before Requeue=0 took effect) is
+    cancelled again.
+    """
+    states, _ = slurm.query(job_ids)
+    active = [j for j in job_ids if j in states and not states[j].final]
+    if not active:
+        seen = ", ".join(f"{j} {states[j].state}" for j in job_ids if j in states)
+        return CancelOutcome(
+            "slurm", tuple(job_ids), tuple(runs), True, f"nothing to cancel ({seen or 'ended'})"
+        )
+    for run in runs:
+        _write_cancel_marker(run, active)
+    for job in active:
+        slurm.forbid_requeue(job)
+    proc = slurm.scancel(active)
+    if proc is None or proc.returncode != 0:
+        why = "scancel not found" if proc is None else (proc.stderr.strip() or proc.stdout)
+        return CancelOutcome("slurm", tuple(active), tuple(runs), False, f"scancel failed: {why}")
+    deadline = time.monotonic() + grace_s
+    while True:
+        rows, _ = slurm.query(active)
+        queued = [j for j in active if j in rows and rows[j].state in ("PENDING", "REQUEUED")]
+        running = [j for j in active if j in rows and not rows[j].final]
+        running = [j for j in running if rows[j].state != "COMPLETING"]
+        if queued:
+            slurm.scancel(queued)
+        if not running or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    summary = ", ".join(f"{j} {rows[j].state}" if j in rows else f"{j} gone" for j in active)
+    ok = not running
+    message = f"cancelled: {summary}" if ok else f"still running after {grace_s:g} s: {summary}"
+    return CancelOutcome("slurm", tuple(active), tuple(runs), ok, message)
+
+
+def cancel_local(run_dir: Path, grace_s: float = 30.0) -> CancelOutcome:
+    """Stop a local-executor run and leave no process behind.
+
+    The controller is killed first (SIGKILL): on SIGTERM it would forward the signal and then
+    restart the ranks, which exit for a requeue after a stop. The ranks get SIGTERM, save a
+    checkpoint at the next iteration boundary and exit; any rank still alive after `grace_s`
+    gets SIGKILL.
+    """
+    jobs = run_jobs(run_dir)
+    procs = local_processes(run_dir)
+    if not procs:
+        return CancelOutcome("local", jobs.job_ids, (run_dir,), True, "no process left to stop")
+    _write_cancel_marker(run_dir, jobs.job_ids)
+    controllers = [p.pid for p in procs if p.role != "rank"]
+    ranks = [p.pid for p in procs if p.role == "rank"]
+    for pid in controllers:
+        send_signal(pid, signal.SIGKILL)
+    for pid in ranks:
+        send_signal(pid, signal.SIGTERM)
+    left = wait_gone(ranks + controllers, grace_s)
+    killed = list(left)
+    for pid in killed:
+        send_signal(pid, signal.SIGKILL)
+    left = wait_gone(killed, 10.0)
+    # A rank started between our scan and the kill of its controller: stop it too.
+    late = [p.pid for p in local_processes(run_dir)]
+    for pid in late:
+        send_signal(pid, signal.SIGKILL)
+    left = wait_gone(left + late, 10.0)
+    parts = [f"controller {', '.join(map(str, controllers)) or '-'} killed"]
+    parts.append(
+        f"{len(ranks) - len([p for p in killed if p in ranks])} rank(s) stopped by SIGTERM"
+    )
+    if killed:
+        parts.append(f"{len(killed)} killed after {grace_s:g} s")
+    parts.append("no process left" if not left else f"still alive: {left}")
+    return CancelOutcome("local", jobs.job_ids, (run_dir,), not left, "; ".join(parts), tuple(left))
+
+
+def cancel(
+    resolved: Target, slurm: SlurmClient | None = None, grace_s: float = 30.0
+) -> list[CancelOutcome]:
+    """Cancel what a RUN|JOB argument named: a whole job array at once, else every run's
+    current job (Slurm) or processes (local)."""
+    slurm = slurm or SlurmClient()
+    runs = [run_jobs(r) for r in resolved.runs]
+    outcomes = []
+    if resolved.array_job_id is not None and all(r.kind == "slurm" for r in runs):
+        return [cancel_slurm([resolved.array_job_id], resolved.runs, slurm, grace_s)]
+    slurm_runs = [r for r in runs if r.kind == "slurm" and r.current]
+    if slurm_runs:
+        ids = list(dict.fromkeys(str(r.current) for r in slurm_runs))
+        outcomes.append(cancel_slurm(ids, [r.run_dir for r in slurm_runs], slurm, grace_s))
+    for run in runs:
+        if run.kind == "local":
+            outcomes.append(cancel_local(run.run_dir, grace_s))
+        elif run.kind is None:
+            outcomes.append(
+                CancelOutcome(
+                    "local",
+                    (),
+                    (run.run_dir,),
+                    False,
+                    "not a Slurm or local-executor job: stop the process that runs it "
+                    "(Ctrl-C, or kill its mjlab-train / torchrun)",
+                )
+            )
+    return outcomes

@@ -1,0 +1,266 @@
+"""`mjlab-hpc logs`: the per-rank logs of a run, the first traceback across all ranks first.
+
+Every rank writes `logs/rank<k>.log` (its first line names its host: `... host node2, ...`),
+and submitit captures each task's stdout and stderr in `submitit/<job>_<k>_log.out/.err`,
+where an uncaught exception's traceback lands. The first traceback in time is usually the
+cause; the others (peers that lost their connection to the failed rank) are consequences.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, TextIO
+
+from mjlab_hpc.ops.runs import run_jobs
+from mjlab_hpc.rundir.layout import LOGS_DIR, SUBMITIT_DIR
+
+__all__ = [
+    "RankFiles",
+    "Traceback",
+    "find_tracebacks",
+    "follow",
+    "rank_files",
+    "rank_host",
+    "tail",
+    "tracebacks_in",
+]
+
+Stream = Literal["log", "out", "err"]
+TRACEBACK_START = "Traceback (most recent call last):"
+_STAMP = re.compile(r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(\d{3})")
+# Lines that start a new record: a traceback ends at the first of them.
+_RECORD = re.compile(
+    r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2},\d{3} |submitit [A-Z]+ \(|srun: |slurmstepd|"
+    r"Warp |\[train\] )"
+)
+_HOST = re.compile(r"\bhost (\S+?),")
+_SUBMITIT_HOST = re.compile(r"hostname=([^,\s)]+)")
+_RANK_LOG = re.compile(r"^rank(\d+)\.log$")
+# Errors of a rank whose peer died or hung: at the same millisecond, the peer's error is first.
+_PEER_LOST = re.compile(
+    r"closed by peer|reset by peer|remote worker|timed out|timeout|broken pipe|DistBackendError",
+    re.IGNORECASE,
+)
+_TASK_FILE = re.compile(r"^(?P<job>\d+(?:_\d+)?)_(?P<rank>\d+)_log\.(?P<ext>out|err)$")
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """The files one rank wrote: its own log and its task output (per job of the run)."""
+
+    rank: int
+    log: Path | None
+    outs: tuple[Path, ...]
+    """Task stdout of each of the run's jobs, oldest job first."""
+    errs: tuple[Path, ...]
+
+    def stream(self, which: Stream) -> Path | None:
+        """The file of one stream (the current job's task output for out/err)."""
+        if which == "log":
+            return self.log
+        files = self.outs if which == "out" else self.errs
+        return files[-1] if files else None
+
+
+@dataclass(frozen=True)
+class Traceback:
+    """A traceback found in a rank's log or task stderr."""
+
+    rank: int
+    host: str | None
+    source: Path
+    at: dt.datetime | None
+    """Time of the last log record before it (None: the file had none)."""
+    text: str
+
+    @property
+    def last_line(self) -> str:
+        lines = [line for line in self.text.splitlines() if line.strip()]
+        return lines[-1].strip() if lines else ""
+
+    def where(self) -> str:
+        when = (
+            f" at {self.at:%Y-%m-%d %H:%M:%S}.{self.at.microsecond // 1000:03d}" if self.at else ""
+        )
+        return f"rank {self.rank} on {self.host or 'unknown host'}{when}"
+
+
+def rank_files(run_dir: Path) -> list[RankFiles]:
+    """Every rank's files, by rank (ranks known from rank logs or task output)."""
+    jobs = run_jobs(run_dir)
+    order = {job: i for i, job in enumerate(jobs.job_ids)}
+    logs: dict[int, Path] = {}
+    logs_dir = run_dir / LOGS_DIR
+    if logs_dir.is_dir():
+        for entry in logs_dir.iterdir():
+            m = _RANK_LOG.match(entry.name)
+            if m:
+                logs[int(m.group(1))] = entry
+    task: dict[int, dict[str, list[tuple[int, Path]]]] = {}
+    folder = run_dir / SUBMITIT_DIR
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            m = _TASK_FILE.match(entry.name)
+            # A sweep's folder is shared: only this element's job files belong to the run.
+            if not m or (order and m.group("job") not in order):
+                continue
+            per = task.setdefault(int(m.group("rank")), {"out": [], "err": []})
+            per[m.group("ext")].append((order.get(m.group("job"), 0), entry))
+    out = []
+    for rank in sorted(set(logs) | set(task)):
+        files = task.get(rank, {"out": [], "err": []})
+        out.append(
+            RankFiles(
+                rank,
+                logs.get(rank),
+                tuple(p for _, p in sorted(files["out"])),
+                tuple(p for _, p in sorted(files["err"])),
+            )
+        )
+    return out
+
+
+def _stamp(line: str) -> dt.datetime | None:
+    m = _STAMP.search(line)
+    if not m:
+        return None
+    try:
+        when = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        return None
+    return when.replace(microsecond=int(m.group(2)) * 1000)
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def tracebacks_in(path: Path) -> list[tuple[dt.datetime | None, str]]:
+    """The tracebacks of one file, each with the time of the log record before it.
+
+    A traceback runs from its `Traceback (most recent call last):` line to the next log
+    record (a timestamped line, submitit's or Slurm's own lines) or the end of the file;
+    chained exceptions stay in one block.
+    """
+    lines = _read_lines(path)
+    found = []
+    last: dt.datetime | None = None
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if not line[:1].isspace():
+            last = _stamp(line) or last
+        if line.startswith(TRACEBACK_START):
+            j = i + 1
+            while j < len(lines) and not _RECORD.match(lines[j]):
+                j += 1
+            block = lines[i:j]
+            while block and not block[-1].strip():
+                block.pop()
+            found.append((last, "\n".join(block)))
+            i = j
+            continue
+        i += 1
+    return found
+
+
+def rank_host(files: RankFiles, at: dt.datetime | None = None) -> str | None:
+    """The host the rank ran on at time `at` (a requeued rank may move): from the `host`
+    lines of its log, else submitit's `hostname=` line in its task output."""
+    hosts: list[tuple[dt.datetime | None, str]] = []
+    for line in _read_lines(files.log) if files.log else []:
+        m = _HOST.search(line)
+        if m:
+            hosts.append((_stamp(line), m.group(1)))
+    if hosts:
+        before = [h for t, h in hosts if at is None or t is None or t <= at]
+        return before[-1] if before else hosts[0][1]
+    for path in reversed(files.outs):
+        for line in _read_lines(path):
+            m = _SUBMITIT_HOST.search(line)
+            if m:
+                return m.group(1)
+    return None
+
+
+def find_tracebacks(ranks: Sequence[RankFiles]) -> list[Traceback]:
+    """Every rank's tracebacks, earliest first; a traceback that the rank log and its task
+    stderr both hold is kept once (the log's copy, which has the earlier time)."""
+    found: list[Traceback] = []
+    seen: set[tuple[int, str]] = set()
+    for files in ranks:
+        for path in [p for p in (files.log, *files.errs) if p is not None]:
+            for at, text in tracebacks_in(path):
+                when = at or _mtime(path)
+                tb = Traceback(files.rank, rank_host(files, when), path, when, text)
+                if (files.rank, tb.last_line) in seen:
+                    continue
+                seen.add((files.rank, tb.last_line))
+                found.append(tb)
+    return sorted(
+        found,
+        key=lambda t: (t.at or dt.datetime.max, bool(_PEER_LOST.search(t.last_line)), t.rank),
+    )
+
+
+def _mtime(path: Path) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromtimestamp(path.stat().st_mtime)
+    except OSError:
+        return None
+
+
+def tail(path: Path, lines: int) -> str:
+    """The last `lines` lines of a file (all of it for 0)."""
+    text = _read_lines(path)
+    return "\n".join(text[-lines:] if lines > 0 else text)
+
+
+def follow(
+    files: Callable[[], dict[str, Path]],
+    active: Callable[[], bool],
+    out: TextIO,
+    poll_s: float = 0.5,
+    start_at_end: bool = True,
+) -> None:
+    """Print what is appended to the files `files()` names (prefix -> path; looked up again
+    every poll, so files that appear later are followed too) until `active()` is false and
+    every file is drained. Lines get their prefix when there are several files."""
+    positions: dict[Path, int] = {}
+    if start_at_end:
+        for path in files().values():
+            positions[path] = path.stat().st_size if path.exists() else 0
+    partial: dict[Path, str] = {}
+    while True:
+        running = active()
+        current = files()
+        for prefix, path in current.items():
+            if not path.exists():
+                continue
+            with open(path, errors="replace") as f:
+                f.seek(positions.get(path, 0))
+                chunk = f.read()
+                positions[path] = f.tell()
+            if not chunk:
+                continue
+            text = partial.pop(path, "") + chunk
+            complete, _, rest = text.rpartition("\n")
+            if rest:
+                partial[path] = rest  # print whole lines only, so prefixes stay aligned
+            for line in complete.splitlines() if complete else []:
+                out.write(f"{prefix}{line}\n" if len(current) > 1 else f"{line}\n")
+            out.flush()
+        if not running:
+            for rest in partial.values():
+                out.write(rest + "\n")
+            out.flush()
+            return
+        time.sleep(poll_s)

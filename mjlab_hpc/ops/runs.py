@@ -1,0 +1,276 @@
+"""Finding runs and the jobs behind them: run directories under a log root, the job ids of a
+run (Slurm's or the local executor's), what a RUN|JOB argument names, and the processes of
+this machine that work for a run.
+
+A run directory knows its jobs from, in this order: `sweep_element.json` (an element of a
+sweep: its array job id `<array>_<index>`), the submitit folder's file names
+(`<job>_submitted.pkl`; a `<job>_submission.sh` marks a Slurm job, its absence a local one
+whose job id is the controller's pid) and `run.json` (`job_ids`, `launch_mode`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import shlex
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from mjlab_hpc.errors import SpecError
+from mjlab_hpc.procs import processes
+from mjlab_hpc.rundir.layout import (
+    SUBMITIT_DIR,
+    SWEEP_RECORD,
+    TIMESTAMP_FORMAT,
+    ElementRecord,
+    is_run_dir,
+    read_element,
+    read_sweep,
+)
+from mjlab_hpc.rundir.record import read_record
+from mjlab_hpc.slurm.client import SlurmClient
+
+__all__ = [
+    "JobKind",
+    "LocalProcess",
+    "RunJobs",
+    "Target",
+    "created_at",
+    "list_runs",
+    "local_processes",
+    "resolve_target",
+    "run_dirs_of_job",
+    "run_jobs",
+    "submitit_folder",
+    "sweep_runs",
+]
+
+JobKind = Literal["slurm", "local"]
+
+_JOB_FILE = re.compile(
+    r"^(?P<job>\d+(?:_\d+)?)_(?:submitted\.pkl|submission\.sh|\d+_log\.(?:out|err))$"
+)
+_JOB_ID = re.compile(r"^\d+(?:_\d+)?$")
+
+
+def created_at(run_dir: Path) -> float:
+    """When the run was made: the timestamp its name starts with, else its mtime."""
+    try:
+        stamp = dt.datetime.strptime(run_dir.name[:19], TIMESTAMP_FORMAT)
+        return stamp.timestamp()
+    except ValueError:
+        try:
+            return run_dir.stat().st_mtime
+        except OSError:
+            return 0.0
+
+
+def list_runs(root: Path) -> list[Path]:
+    """Run directories under a log root (`<root>/<experiment>/<run>`) or an experiment
+    directory (`<root>/<run>`), newest first. Hidden entries (`.sweeps`, `.keys`) are skipped."""
+    if not root.is_dir():
+        return []
+    found: list[Path] = []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith(".") or not entry.is_dir():
+            continue
+        if is_run_dir(entry):
+            found.append(entry)
+            continue
+        found.extend(
+            run
+            for run in sorted(entry.iterdir())
+            if not run.name.startswith(".") and is_run_dir(run)
+        )
+    return sorted(found, key=lambda p: (created_at(p), p.name), reverse=True)
+
+
+def submitit_folder(run_dir: Path) -> Path:
+    """`<run>/submitit`; for a sweep element, the array's shared folder it links to."""
+    return (run_dir / SUBMITIT_DIR).resolve()
+
+
+@dataclass(frozen=True)
+class RunJobs:
+    """The jobs that ran (or run) a run directory, oldest first: the last one is current."""
+
+    run_dir: Path
+    kind: JobKind | None
+    """slurm, local (submitit's local executor), or None (a plain process, torchrun)."""
+    job_ids: tuple[str, ...]
+    element: ElementRecord | None = None
+
+    @property
+    def current(self) -> str | None:
+        return self.job_ids[-1] if self.job_ids else None
+
+
+def _folder_jobs(folder: Path) -> tuple[list[str], bool]:
+    """Job ids named by the files of a submitit folder (oldest first), and whether they are
+    Slurm jobs (submitit writes a submission script only for those)."""
+    if not folder.is_dir():
+        return [], False
+    seen: dict[str, float] = {}
+    slurm = False
+    for entry in folder.iterdir():
+        m = _JOB_FILE.match(entry.name)
+        if not m:
+            continue
+        slurm = slurm or entry.name.endswith("_submission.sh")
+        try:
+            mtime = entry.lstat().st_mtime
+        except OSError:
+            continue
+        job = m.group("job")
+        seen[job] = min(seen.get(job, mtime), mtime)
+    return sorted(seen, key=lambda j: (seen[j], j)), slurm
+
+
+def run_jobs(run_dir: Path) -> RunJobs:
+    """The jobs of a run directory (see the module docstring for where they come from)."""
+    element = read_element(run_dir)
+    if element is not None:
+        kind: JobKind = "slurm" if element.executor == "slurm" else "local"
+        return RunJobs(run_dir, kind, (element.job_id,), element)
+    record = read_record(run_dir)
+    ids, slurm = _folder_jobs(run_dir / SUBMITIT_DIR)
+    found: JobKind | None = None
+    if ids:
+        found = "slurm" if slurm else "local"
+    mode = record.get("launch_mode")
+    if mode == "slurm":
+        found = "slurm"
+    elif mode == "submitit-local" and found is None:
+        found = "local"
+    if found is not None:  # job ids of plain processes (torchrun's run id) are not jobs
+        for start in record.get("starts", []):
+            job = start.get("job_id")
+            if job and str(job) not in ids:
+                ids.append(str(job))
+    return RunJobs(run_dir, found, tuple(ids) if found else (), None)
+
+
+def sweep_runs(sweep_dir: Path) -> list[Path]:
+    """The run directories of a sweep's elements, in index order."""
+    record = read_sweep(sweep_dir)
+    elements = sorted(record.get("elements", []), key=lambda e: int(e.get("index", 0)))
+    return [Path(e["run_dir"]) for e in elements if "run_dir" in e]
+
+
+def _sweeps_under(log_root: Path) -> Iterable[Path]:
+    if not log_root.is_dir():
+        return []
+    return sorted(log_root.glob(f"*/.sweeps/*/{SWEEP_RECORD}")) + sorted(
+        log_root.glob(f".sweeps/*/{SWEEP_RECORD}")
+    )
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a RUN|JOB argument names: run directories, and the array job id when it named a
+    whole job array."""
+
+    runs: tuple[Path, ...]
+    array_job_id: str | None = None
+
+
+def resolve_target(target: str, log_root: Path, slurm: SlurmClient | None = None) -> Target:
+    """Run directories named by a path (a run, a sweep's record directory, an experiment or a
+    log root) or by a job id (Slurm: `4711`, `4711_2`; local: the controller's pid).
+
+    Job ids are looked up in the run directories under `log_root`, then, for Slurm jobs run
+    elsewhere, through `scontrol show job` (its StdOut lies in the run's submitit folder).
+    Raises SpecError naming RUN|JOB when nothing matches.
+    """
+    path = Path(target).expanduser()
+    if path.is_dir():
+        path = path.resolve()
+        if (path / SWEEP_RECORD).is_file():
+            record = read_sweep(path)
+            return Target(tuple(sweep_runs(path)), record.get("array_job_id"))
+        if is_run_dir(path):
+            return Target((path,))
+        runs = list_runs(path)
+        if runs:
+            return Target(tuple(runs))
+        raise SpecError("RUN|JOB", f"{target} holds no run directories")
+    if not _JOB_ID.match(target):
+        raise SpecError("RUN|JOB", f"{target!r} is neither a directory nor a job id")
+    for record_path in _sweeps_under(log_root):
+        record = read_sweep(record_path.parent)
+        if str(record.get("array_job_id")) == target:
+            return Target(tuple(sweep_runs(record_path.parent)), target)
+    matches = []
+    for run in list_runs(log_root):
+        jobs = run_jobs(run)
+        raw_ids = {str(j) for j in read_record(run).get("job_ids", [])}
+        if target in jobs.job_ids or target in raw_ids:
+            matches.append(run)
+    if matches:
+        return Target(tuple(matches))
+    found = run_dirs_of_job(target, slurm or SlurmClient())
+    if found:
+        return found
+    raise SpecError(
+        "RUN|JOB",
+        f"no run directory for job {target} under --log-root {log_root} "
+        "(and Slurm does not know it); pass the run directory instead",
+    )
+
+
+def run_dirs_of_job(job_id: str, slurm: SlurmClient) -> Target | None:
+    """Run directories of a job slurmctld knows, from its StdOut paths (submitit writes
+    them into the run's submitit folder, or a sweep's shared one)."""
+    runs: list[Path] = []
+    for stdout in slurm.job_stdout_paths(job_id):
+        owner = stdout.parent.parent  # <run>/submitit/<job>_0_log.out
+        if not (owner / SWEEP_RECORD).is_file():
+            if is_run_dir(owner):
+                runs.append(owner)
+            continue
+        record = read_sweep(owner)  # a sweep's shared folder: <sweep>/submitit/...
+        if str(record.get("array_job_id")) == job_id:
+            return Target(tuple(sweep_runs(owner)), job_id)
+        name = _JOB_FILE.match(stdout.name)
+        runs += [
+            Path(e["run_dir"])
+            for e in record.get("elements", [])
+            if name and e.get("job_id") == name.group("job") and "run_dir" in e
+        ]
+    unique = tuple(dict.fromkeys(runs))
+    return Target(unique) if unique else None
+
+
+@dataclass(frozen=True)
+class LocalProcess:
+    """A process of this machine that works for a run's submitit folder."""
+
+    pid: int
+    role: Literal["controller", "rank", "launcher"]
+    """controller: the local executor's controller; rank: a Python process running a task;
+    launcher: anything else naming the folder (srun, the shell that runs a local job's setup
+    lines before its controller)."""
+
+
+def local_processes(run_dir: Path) -> list[LocalProcess]:
+    """The live processes of this machine started for the run's submitit folder."""
+    folders = {str(run_dir.absolute() / SUBMITIT_DIR), str(submitit_folder(run_dir))}
+    quoted = [re.compile(re.escape(shlex.quote(f)) + r"(?=$|\s)") for f in folders]
+
+    def works_for_run(argv: tuple[str, ...]) -> bool:
+        # A job with setup lines runs its controller under `sh -c "<setup> && python ..."`.
+        return any(a in folders for a in argv) or any(p.search(a) for p in quoted for a in argv[1:])
+
+    found = []
+    for entry in processes(works_for_run):
+        role: Literal["controller", "rank", "launcher"] = "launcher"
+        if "submitit.local._local" in entry.argv:
+            role = "controller"
+        elif "submitit.core._submit" in entry.argv and Path(entry.argv[0]).name.startswith(
+            "python"
+        ):
+            role = "rank"
+        found.append(LocalProcess(entry.pid, role))
+    return found

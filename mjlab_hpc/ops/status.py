@@ -1,0 +1,314 @@
+"""`mjlab-hpc status`: one row per run with its job, state, size, progress and restarts.
+
+The state comes from Slurm for Slurm jobs (squeue, and sacct where accounting runs), from the
+local executor's processes for local jobs, else from the run's own record (run.json, the
+writer's lease lock, and `cancelled.json`). Progress comes from progress.jsonl, restarts
+from run.json. Elements of a sweep are shown together under a line naming the sweep.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from mjlab_hpc.ops.runs import JobKind, RunJobs, run_jobs
+from mjlab_hpc.ops.state import JobState, job_states
+from mjlab_hpc.rundir.layout import ElementRecord, RunDir, read_sweep
+from mjlab_hpc.rundir.record import read_record
+from mjlab_hpc.slurm.client import SlurmClient
+
+__all__ = ["RunStatus", "StatusReport", "collect", "console", "render", "status_table", "watch"]
+
+STATE_STYLES = {
+    "RUNNING": "bold green",
+    "PENDING": "yellow",
+    "REQUEUED": "yellow",
+    "COMPLETING": "cyan",
+    "COMPLETED": "blue",
+    "STOPPED": "yellow",
+    "CANCELLED": "magenta",
+    "FAILED": "bold red",
+    "LOST": "bold red",
+    "TIMEOUT": "red",
+    "OUT_OF_MEMORY": "bold red",
+    "NODE_FAIL": "bold red",
+}
+# How many of the last iterations the env-steps/s column averages (one iteration is noisy).
+RATE_WINDOW = 10
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """Everything `status` shows about one run."""
+
+    run_dir: Path
+    kind: JobKind | None
+    job_ids: tuple[str, ...]
+    state: str
+    state_source: str
+    active: bool
+    nodes: int | None
+    gpus_per_node: int | None
+    ranks: int | None
+    iteration: int | None
+    total: int | None
+    env_steps_per_s: float | None
+    mean_reward: float | None
+    restarts: int
+    restart_reasons: tuple[str, ...]
+    sweep: ElementRecord | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values, for `status --json`."""
+        return {
+            "run_dir": str(self.run_dir),
+            "kind": self.kind,
+            "job_ids": list(self.job_ids),
+            "state": self.state,
+            "state_source": self.state_source,
+            "active": self.active,
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "ranks": self.ranks,
+            "iteration": self.iteration,
+            "total": self.total,
+            "env_steps_per_s": self.env_steps_per_s,
+            "mean_reward": self.mean_reward,
+            "restarts": self.restarts,
+            "restart_reasons": list(self.restart_reasons),
+            "sweep": None
+            if self.sweep is None
+            else {
+                "sweep_dir": str(self.sweep.sweep_dir),
+                "index": self.sweep.index,
+                "job_id": self.sweep.job_id,
+                "overrides": self.sweep.overrides,
+            },
+        }
+
+
+def _total_iterations(record: dict[str, Any]) -> int | None:
+    # The effective total the task resolved to; records of 0.1.0 only hold the flag.
+    for source in (record.get("effective") or {}, record.get("spec") or {}):
+        if source.get("max_iterations"):
+            return int(source["max_iterations"])
+    return None
+
+
+def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
+    run_dir = jobs.run_dir
+    record = read_record(run_dir)
+    tail = RunDir(run_dir).progress_tail(RATE_WINDOW)
+    last = tail[-1] if tail else {}
+    rates = [float(r["env_steps_per_s"]) for r in tail if r.get("env_steps_per_s")]
+    rewards = [r["mean_reward"] for r in tail if r.get("mean_reward") is not None]
+    world = record.get("world_size")
+    nodes = state.nodes or record.get("num_nodes")
+    gpus = state.gpus_per_node
+    if gpus is None and str(record.get("device", "")).startswith("cuda") and world and nodes:
+        gpus = world // nodes
+    starts = record.get("starts", [])
+    restarts = max(0, len(starts) - 1)
+    reasons = tuple(str(r.get("reason")) for r in record.get("restarts", [])[:restarts])
+    return RunStatus(
+        run_dir=run_dir,
+        kind=jobs.kind,
+        job_ids=jobs.job_ids,
+        state=state.state,
+        state_source=state.source,
+        active=state.active,
+        nodes=nodes,
+        gpus_per_node=gpus,
+        ranks=world,
+        iteration=last.get("iteration"),
+        total=last.get("total") or _total_iterations(record),
+        env_steps_per_s=round(sum(rates) / len(rates), 1) if rates else None,
+        mean_reward=float(rewards[-1]) if rewards else None,
+        restarts=restarts,
+        restart_reasons=reasons,
+        sweep=jobs.element,
+    )
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """The rows of one status query, and whether Slurm's accounting answered."""
+
+    rows: tuple[RunStatus, ...]
+    accounting: bool | None
+    """None: no Slurm job was asked about."""
+    slurm_here: bool = True
+    """Whether Slurm's commands are on PATH."""
+
+    @property
+    def note(self) -> str | None:
+        """What the reader should know about where states came from."""
+        if self.accounting is not None and not self.slurm_here:
+            return (
+                "Slurm's commands are not on PATH here: the states of Slurm jobs come from "
+                "their run records"
+            )
+        if self.accounting is False:
+            return (
+                "sacct failed (accounting disabled?): states come from squeue, and from the "
+                "run records for jobs squeue no longer lists"
+            )
+        return None
+
+
+def collect(run_dirs: Sequence[Path], slurm: SlurmClient | None = None) -> StatusReport:
+    """The status of every run (Slurm is asked once for all of them)."""
+    jobs = [run_jobs(Path(r).absolute()) for r in run_dirs]
+    states, accounting = job_states(jobs, slurm)
+    rows = [_status_of(j, states[j.run_dir]) for j in jobs]
+    return StatusReport(tuple(rows), accounting, shutil.which("squeue") is not None)
+
+
+def _display_path(path: Path) -> str:
+    try:
+        rel = path.relative_to(Path.cwd())
+        return str(rel) if str(rel) != "." else str(path)
+    except ValueError:
+        return str(path)
+
+
+def _size(s: RunStatus) -> str:
+    if s.nodes is None:
+        return "-"
+    if s.gpus_per_node:
+        return f"{s.nodes} x {s.gpus_per_node} GPU"
+    if s.ranks:
+        return f"{s.nodes} x {max(1, s.ranks // max(1, s.nodes))} CPU"
+    return f"{s.nodes} node(s)"
+
+
+def _number(value: float | None, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, fmt)
+
+
+def _row(s: RunStatus) -> list[str | Text]:
+    iteration = "-" if s.iteration is None else str(s.iteration)
+    total = "?" if s.total is None else str(s.total)
+    restarts = str(s.restarts)
+    if s.restarts:
+        restarts += f" ({', '.join(dict.fromkeys(s.restart_reasons))})"
+    job = ",".join(s.job_ids) or "-"
+    if s.kind == "local":
+        job += " (local)"
+    return [
+        job,
+        Text(s.state, style=STATE_STYLES.get(s.state, "")),
+        _size(s),
+        f"{iteration}/{total}",
+        _number(s.env_steps_per_s, ",.0f"),
+        _number(s.mean_reward, ".2f"),
+        restarts,
+        _display_path(s.run_dir),
+    ]
+
+
+def _groups(rows: Sequence[RunStatus]) -> list[tuple[Path | None, list[RunStatus]]]:
+    """Rows in their order, the elements of a sweep gathered at the place of the first."""
+    groups: list[tuple[Path | None, list[RunStatus]]] = []
+    index: dict[Path, int] = {}
+    for row in rows:
+        key = row.sweep.sweep_dir if row.sweep else None
+        if key is None:
+            groups.append((None, [row]))
+        elif key in index:
+            groups[index[key]][1].append(row)
+        else:
+            index[key] = len(groups)
+            groups.append((key, [row]))
+    for key, members in groups:
+        if key is not None:
+            members.sort(key=lambda r: r.sweep.index if r.sweep else 0)
+    return groups
+
+
+def _sweep_header(sweep_dir: Path, members: list[RunStatus]) -> list[str | Text]:
+    record = read_sweep(sweep_dir)
+    array = record.get("array_job_id")
+    axes = record.get("axes", {})
+    label = " x ".join(f"{k.removeprefix('agent.')}={','.join(v)}" for k, v in axes.items())
+    counts: dict[str, int] = {}
+    for m in members:
+        counts[m.state] = counts.get(m.state, 0) + 1
+    summary = ", ".join(f"{n} {state}" for state, n in counts.items())
+    name = f"sweep {array}" if array else f"sweep {sweep_dir.name}"
+    return [
+        Text(name, style="bold"),
+        Text(summary, style="bold"),
+        "",
+        "",
+        "",
+        "",
+        "",
+        Text(f"{label}  ({_display_path(sweep_dir)})", style="bold"),
+    ]
+
+
+def status_table(rows: Sequence[RunStatus], title: str | None = None) -> Table:
+    """The status of runs as a rich table (sweeps grouped, each under a header line)."""
+    table = Table(title=title, title_justify="left")
+    for col, justify in (
+        ("job", "left"),
+        ("state", "left"),
+        ("nodes x GPUs", "left"),
+        ("iteration", "right"),
+        ("env-steps/s", "right"),
+        ("reward", "right"),
+        ("restarts", "left"),
+        ("run directory", "left"),
+    ):
+        table.add_column(col, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for key, members in _groups(rows):
+        if key is not None:
+            table.add_section()
+            table.add_row(*_sweep_header(key, members))
+        for row in members:
+            table.add_row(*_row(row))
+        if key is not None:
+            table.add_section()
+    return table
+
+
+def render(report: StatusReport, hidden: int = 0) -> Group | Table:
+    """The table, and notes below it: fallbacks used, runs left out by --limit."""
+    if not report.rows:
+        return Group(Text("no runs"))
+    notes = [report.note] if report.note else []
+    if hidden:
+        notes.append(f"{hidden} older run(s) not shown (--limit)")
+    table = status_table(report.rows)
+    return Group(table, *(Text(n, style="dim") for n in notes)) if notes else table
+
+
+def console() -> Console:
+    """A console that does not wrap a table into 80 columns when the output is a file."""
+    return Console() if os.isatty(1) else Console(width=250)
+
+
+def watch(make: Any, interval_s: float, out: Console) -> None:
+    """Redraw `make()` every `interval_s` seconds until Ctrl-C."""
+    from rich.live import Live
+
+    with Live(make(), console=out, auto_refresh=False) as live:
+        try:
+            while True:
+                time.sleep(interval_s)
+                live.update(make(), refresh=True)
+        except KeyboardInterrupt:
+            pass

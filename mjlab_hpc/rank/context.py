@@ -1,0 +1,419 @@
+"""The distributed context: who this process is in the job, and the process group it joins.
+
+`DistContext.from_env` recognises how the process was launched (an srun task, torchrun or
+torchrunx, submitit's local executor, or a plain process) and turns that launcher's variables
+into one answer: rank, local rank, world size, node, master address and port. Everything after
+it (device, seed, process group, the trainer) reads the context, never the raw variables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+from mjlab_hpc.errors import LaunchError
+from mjlab_hpc.slurm.hostlist import HostlistError, first_host
+
+__all__ = [
+    "PORT_BASE",
+    "PORT_SPAN",
+    "DistContext",
+    "LaunchMode",
+    "backend_for",
+    "cuda_device_count",
+    "derive_master_port",
+    "detect_mode",
+    "process_group",
+    "resolve_device",
+    "seed_for_rank",
+    "tasks_on_node",
+    "torch_threads",
+]
+
+
+LaunchMode = Literal["single", "torchrun", "slurm", "submitit-local"]
+
+# Below Linux's default ephemeral range (32768-60999), so a derived port does not collide with
+# the source port of some outgoing connection, and above the privileged / well-known ports.
+PORT_BASE = 15000
+PORT_SPAN = 16384
+# Odd stride coprime to PORT_SPAN: consecutive job ids get distinct ports, and a restart moves
+# the port off the one its previous incarnation may have left in TIME_WAIT.
+_PORT_STRIDE = 61
+
+_TORCHRUN_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_SLURM_REQUIRED = (
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_JOB_ID",
+)
+_SUBMITIT_REQUIRED = ("SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_LOCALID", "SUBMITIT_LOCAL_NTASKS")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the job."""
+
+    mode: LaunchMode
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+    job_id: str | None = None
+    restart_count: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the process that talks to the user."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one rank: a process group is needed."""
+        return self.world_size > 1
+
+    def torch_env(self) -> dict[str, str]:
+        """The variables torch.distributed's env:// rendezvous (and rsl_rl, mjlab) read."""
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+    def describe(self) -> str:
+        """One line for logs."""
+        return (
+            f"rank {self.rank}/{self.world_size} (local {self.local_rank}/"
+            f"{self.local_world_size}, node {self.node_rank}/{self.num_nodes}) via {self.mode}, "
+            f"master {self.master_addr}:{self.master_port}"
+        )
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        master_port: int | None = None,
+        scontrol: str | None = "scontrol",
+    ) -> DistContext:
+        """Build the context from a launcher's environment variables.
+
+        `master_port` is a port the launcher chose (it loses to an explicit MASTER_PORT).
+        `scontrol` is the command used to expand Slurm node lists (None: the built-in parser).
+        """
+        env = os.environ if env is None else env
+        mode = detect_mode(env)
+        if mode == "torchrun":
+            ctx = _from_torchrun(env)
+        elif mode == "slurm":
+            ctx = _from_slurm(env, master_port, scontrol)
+        elif mode == "submitit-local":
+            ctx = _from_submitit_local(env, master_port)
+        else:
+            ctx = cls(
+                mode="single",
+                rank=0,
+                local_rank=0,
+                world_size=1,
+                local_world_size=1,
+                node_rank=0,
+                num_nodes=1,
+                master_addr="127.0.0.1",
+                master_port=_explicit_port(env) or master_port or PORT_BASE,
+                job_id=env.get("SLURM_JOB_ID"),
+                restart_count=_int(env, "SLURM_RESTART_COUNT", default=0),
+            )
+        ctx._check()
+        return ctx
+
+    def _check(self) -> None:
+        if self.world_size < 1:
+            raise LaunchError(f"world size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise LaunchError(
+                f"rank {self.rank} is outside the world of {self.world_size} processes "
+                f"({self.mode} variables are inconsistent)"
+            )
+        if not 1 <= self.local_world_size <= self.world_size:
+            raise LaunchError(
+                f"local world size {self.local_world_size} must be between 1 and the world "
+                f"size {self.world_size}"
+            )
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise LaunchError(
+                f"local rank {self.local_rank} is outside the {self.local_world_size} "
+                f"processes of this node ({self.mode} variables are inconsistent)"
+            )
+        if not 0 <= self.node_rank < self.num_nodes:
+            raise LaunchError(f"node rank {self.node_rank} is outside {self.num_nodes} nodes")
+        if not 1 <= self.master_port <= 65535:
+            raise LaunchError(f"MASTER_PORT {self.master_port} is not a TCP port")
+
+
+def detect_mode(env: Mapping[str, str]) -> LaunchMode:
+    """Which launcher started this process. torchrun inside a Slurm step counts as torchrun."""
+    if any(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return "torchrun"
+    if any(k in env for k in _SUBMITIT_REQUIRED):
+        return "submitit-local"
+    # Only an srun task is a rank; a batch script or salloc shell has SLURM_JOB_ID but no step.
+    if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+        return "slurm"
+    return "single"
+
+
+def derive_master_port(job_id: str, restart_count: int = 0) -> int:
+    """A rendezvous port that every rank of one job computes alike.
+
+    Different for jobs running at the same time (distinct ids, up to PORT_SPAN apart), and
+    different after a requeue, so a restarted job does not meet its old port in TIME_WAIT.
+    """
+    numeric = (
+        int(job_id)
+        if job_id.isdigit()
+        else int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "big")
+    )
+    return PORT_BASE + (numeric * _PORT_STRIDE + restart_count) % PORT_SPAN
+
+
+def _missing(env: Mapping[str, str], names: tuple[str, ...], mode: str) -> None:
+    missing = [n for n in names if n not in env]
+    if missing:
+        present = [n for n in names if n in env]
+        raise LaunchError(
+            f"incomplete {mode} environment: {', '.join(present)} set but "
+            f"{', '.join(missing)} missing. Launch through {mode} itself, or unset the "
+            "partial variables to run as a single process."
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise LaunchError(f"{name} is not set")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchError(f"{name}={raw!r} is not an integer") from None
+
+
+def _explicit_port(env: Mapping[str, str]) -> int | None:
+    return _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else None
+
+
+def _from_torchrun(env: Mapping[str, str]) -> DistContext:
+    _missing(env, _TORCHRUN_REQUIRED, "torchrun")
+    rank = _int(env, "RANK")
+    world = _int(env, "WORLD_SIZE")
+    local_world = _int(env, "LOCAL_WORLD_SIZE", default=world)
+    if local_world < 1:
+        raise LaunchError(f"LOCAL_WORLD_SIZE must be >= 1, got {local_world}")
+    num_nodes = _int(env, "GROUP_WORLD_SIZE", default=-(-world // local_world))
+    return DistContext(
+        mode="torchrun",
+        rank=rank,
+        local_rank=_int(env, "LOCAL_RANK"),
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=_int(env, "GROUP_RANK", default=rank // local_world),
+        num_nodes=num_nodes,
+        master_addr=env["MASTER_ADDR"],
+        master_port=_int(env, "MASTER_PORT"),
+        job_id=env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID"),
+        restart_count=_int(
+            env, "SLURM_RESTART_COUNT", default=_int(env, "TORCHELASTIC_RESTART_COUNT", default=0)
+        ),
+    )
+
+
+def tasks_on_node(tasks_per_node: str, node_rank: int) -> int:
+    """Tasks on node `node_rank` from Slurm's compressed SLURM_TASKS_PER_NODE (`2(x3),1`)."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise LaunchError(f"cannot parse SLURM_TASKS_PER_NODE={tasks_per_node!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if node_rank >= len(counts):
+        raise LaunchError(
+            f"SLURM_TASKS_PER_NODE={tasks_per_node!r} lists {len(counts)} nodes, "
+            f"but this is node {node_rank}"
+        )
+    return counts[node_rank]
+
+
+def _from_slurm(
+    env: Mapping[str, str], master_port: int | None, scontrol: str | None
+) -> DistContext:
+    _missing(env, _SLURM_REQUIRED, "srun")
+    # Step variables describe this srun; job variables the whole allocation.
+    world = _int(env, "SLURM_STEP_NUM_TASKS", default=_int(env, "SLURM_NTASKS"))
+    nodelist = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
+    node_rank = _int(env, "SLURM_NODEID")
+    num_nodes = _int(
+        env, "SLURM_STEP_NUM_NODES", default=_int(env, "SLURM_JOB_NUM_NODES", default=1)
+    )
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    local_world = tasks_on_node(per_node, node_rank) if per_node else -(-world // num_nodes)
+    job_id = env["SLURM_JOB_ID"]
+    restarts = _int(env, "SLURM_RESTART_COUNT", default=0)
+    if env.get("MASTER_ADDR"):
+        addr = env["MASTER_ADDR"]
+    else:
+        try:
+            addr = first_host(nodelist, scontrol=scontrol, env=env)
+        except HostlistError as exc:
+            raise LaunchError(f"cannot find the master host: {exc}") from None
+    return DistContext(
+        mode="slurm",
+        rank=_int(env, "SLURM_PROCID"),
+        local_rank=_int(env, "SLURM_LOCALID"),
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        master_addr=addr,
+        master_port=_explicit_port(env) or master_port or derive_master_port(job_id, restarts),
+        job_id=job_id,
+        restart_count=restarts,
+    )
+
+
+def _from_submitit_local(env: Mapping[str, str], master_port: int | None) -> DistContext:
+    _missing(env, _SUBMITIT_REQUIRED, "submitit's local executor")
+    world = _int(env, "SUBMITIT_LOCAL_NTASKS")
+    job_id = env.get("SUBMITIT_LOCAL_JOB_ID", "0")
+    return DistContext(
+        mode="submitit-local",
+        rank=_int(env, "SUBMITIT_LOCAL_GLOBALID"),
+        local_rank=_int(env, "SUBMITIT_LOCAL_LOCALID"),
+        world_size=world,
+        local_world_size=world,
+        node_rank=0,
+        num_nodes=1,
+        master_addr="127.0.0.1",
+        master_port=_explicit_port(env) or master_port or derive_master_port(job_id),
+        job_id=job_id,
+        restart_count=0,
+    )
+
+
+def resolve_device(
+    choice: str,
+    local_rank: int,
+    local_world_size: int,
+    *,
+    cuda_count: int,
+    cuda_visible_devices: str | None,
+) -> str:
+    """The torch/Warp device of one rank.
+
+    With all of a node's GPUs visible, local rank k uses cuda:k. When Slurm gave each task its
+    own GPU (CUDA_VISIBLE_DEVICES has one entry, possibly with its real index, e.g. "3"),
+    that GPU is cuda:0 inside the task. Pure function: the caller passes what CUDA reports.
+    """
+    if choice == "cpu":
+        return "cpu"
+    if choice not in ("auto", "cuda"):
+        raise LaunchError(f"--device must be auto, cpu or cuda, got {choice!r}")
+    shown = "unset" if cuda_visible_devices is None else repr(cuda_visible_devices)
+    if cuda_count == 0:
+        if choice == "cuda":
+            raise LaunchError(
+                f"--device cuda, but no CUDA device is visible (CUDA_VISIBLE_DEVICES={shown}). "
+                "Use --device cpu, or ask the scheduler for GPUs (--gpus-per-node)."
+            )
+        return "cpu"
+    entries = [e for e in (cuda_visible_devices or "").split(",") if e.strip()]
+    if len(entries) == 1 or (cuda_count == 1 and local_world_size == 1):
+        return "cuda:0"
+    if local_rank < cuda_count:
+        return f"cuda:{local_rank}"
+    raise LaunchError(
+        f"local rank {local_rank} has no GPU: this task sees {cuda_count} GPU(s) "
+        f"(CUDA_VISIBLE_DEVICES={shown}) for {local_world_size} ranks on the node. Ask for "
+        "as many GPUs per node as tasks per node (--gpus-per-node), or one GPU per task."
+    )
+
+
+def cuda_device_count() -> int:
+    """CUDA devices torch can see (0 on CPU-only builds)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def torch_threads(requested: int, ctx: DistContext, env: Mapping[str, str]) -> int:
+    """Intra-op threads per rank: explicit, else Slurm's CPUs per task, else a fair share."""
+    if requested > 0:
+        return requested
+    if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return max(1, int(env["SLURM_CPUS_PER_TASK"]))
+    return max(1, (os.cpu_count() or 1) // ctx.local_world_size)
+
+
+def seed_for_rank(base_seed: int, ctx: DistContext) -> int:
+    """Global rank offset, so no two ranks on any node share a seed."""
+    return base_seed + ctx.rank
+
+
+def backend_for(device: str) -> str:
+    """NCCL on GPUs, gloo on CPU."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+@contextmanager
+def process_group(ctx: DistContext, device: str, timeout_s: float) -> Iterator[None]:
+    """Join the job's process group for the duration of the block, and always leave it.
+
+    A single process gets no process group (rsl_rl then skips every collective).
+    """
+    if not ctx.is_distributed:
+        yield
+        return
+    import torch
+    import torch.distributed as dist
+
+    # env:// rendezvous, because under torchrun the store belongs to the agent and a worker
+    # must connect to it as a client (tcp:// would try to bind the agent's port). The
+    # variables are put back afterwards: they would make this process look like a torchrun
+    # worker to anything that inspects the launcher later.
+    saved = {k: os.environ.get(k) for k in ctx.torch_env()}
+    os.environ.update(ctx.torch_env())
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(
+        backend=backend_for(device),
+        init_method="env://",
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

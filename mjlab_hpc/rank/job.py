@@ -1,0 +1,63 @@
+"""What every task of a submitted job runs (pickled by submitit): one rank's training, then
+the exit a stop asks for.
+
+This module stays light (no torch) because the submitting process pickles `RankJob`; the
+rank imports the training code when the job runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mjlab_hpc.spec import ResolvedSpec, TrainSpec
+from mjlab_hpc.tasks.registry import resolve
+
+if TYPE_CHECKING:
+    from mjlab_hpc.rank.entry import RankResult
+
+__all__ = ["RankJob"]
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """`train_rank(spec)` as a picklable callable, for submitit's executors."""
+
+    spec: ResolvedSpec
+    master_port: int | None = None
+    """The launcher's port for local jobs; Slurm jobs derive theirs from the job id."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Jobs submitted by mjlab_hpc 0.1.0 pickled `mjlab_hpc.launch.RankJob(train=TrainSpec)`
+        # into <run>/submitit/; their requeues unpickle here and resolve the task at start.
+        if "train" in state and "spec" not in state:
+            state = {"spec": state["train"], "master_port": state.get("master_port")}
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
+    def resolved(self) -> ResolvedSpec:
+        """The resolved spec (resolving a 0.1.0 job's TrainSpec on the way)."""
+        if isinstance(self.spec, TrainSpec):
+            return resolve(self.spec)
+        return self.spec
+
+    def __call__(self) -> RankResult:
+        # torch, warp, rsl-rl: imported inside the rank only.
+        from mjlab_hpc.rank.entry import train_rank
+        from mjlab_hpc.rank.preemption import Stopped, after_stop
+
+        spec = self.resolved()
+        try:
+            return train_rank(spec, master_port=self.master_port)
+        except Stopped as stop:
+            code = after_stop(stop, None, spec.train.max_restarts)
+        # Leave at once, writing no result file (the job is not done): the checkpoint is on
+        # disk, and a normal interpreter exit spends seconds collecting garbage while the
+        # grace time runs.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

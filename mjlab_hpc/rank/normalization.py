@@ -1,0 +1,194 @@
+"""Observation normalizers whose statistics are the same on every rank.
+
+rsl-rl 5.4.2 (the version mjlab 1.6 pins) updates each rank's EmpiricalNormalization from that
+rank's observations only, so the ranks' normalizers, and with them their policies, drift
+apart even though gradients are averaged. `sync_normalizers` swaps in a normalizer that
+all-reduces each batch's moments first: every rank then applies the same update and the
+models stay bit-identical.
+
+How often the ranks agree is `NormalizerSync`: every env step ("step": exactly the statistics
+one process would learn from all ranks' environments), or once per iteration ("iteration",
+the default): during the rollout each rank adds its own observations to the statistics agreed
+at the start of the iteration, and before the returns and the update the whole rollout of
+every rank is merged into those agreed statistics (the same result as "step", up to
+rounding). Gradient steps always see every rank's data, the ranks stay bit-identical at every
+iteration boundary, and a rollout costs one collective instead of one per env step (brax's
+running statistics are updated once per training step in the same way).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from rsl_rl.modules import EmpiricalNormalization
+from torch import nn
+
+from mjlab_hpc.rank.collectives import sum_over_ranks
+
+__all__ = [
+    "NormalizerSync",
+    "SyncedEmpiricalNormalization",
+    "agree_normalizers",
+    "sync_normalizers",
+]
+
+
+NormalizerSync = Literal["iteration", "step"]
+
+
+class SyncedEmpiricalNormalization(EmpiricalNormalization):
+    """EmpiricalNormalization updated with the moments of the batch of all ranks together.
+
+    Collectives cost about a millisecond each on CPU (gloo over TCP) and this runs every env
+    step, so a normalizer that sees exactly the observations its `leader` saw (the critic's,
+    when actor and critic normalise the same observation groups) reuses the leader's reduced
+    moments instead of reducing them again: the same numbers, half the collectives.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        # Not a Module attribute: that would make the leader a submodule of the follower and
+        # put its buffers into the follower's state_dict.
+        self._share: _SharedMoments | None = None
+        self._leads = False
+        self.every: NormalizerSync = "step"
+        # "iteration": the agreed statistics (count, mean, var) and this rank's batch sums
+        # since then.
+        self._agreed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._pending: torch.Tensor | None = None
+
+    @torch.jit.unused
+    def update(self, x: torch.Tensor) -> None:
+        """Learn from the union of every rank's batch `x` (same result on every rank)."""
+        if not self.training:
+            return
+        if self.every == "iteration":
+            self._accumulate(x)
+            return
+        if self.until is not None and self.count >= self.until:
+            return
+        share = self._share
+        if share is not None and not self._leads and share.pending is not None:
+            # rsl-rl updates the actor's normalizer, then the critic's, with the same batch.
+            packed, share.pending = share.pending, None
+        else:
+            # One sum over ranks of [n, sum, sum of squares] gives the global batch's moments.
+            packed = sum_over_ranks(_moments(x))
+            if share is not None and self._leads:
+                share.pending = packed
+        self._merge(packed)
+
+    def _accumulate(self, x: torch.Tensor) -> None:
+        agreed = self._agreed
+        if agreed is None:
+            # Decided from agreed numbers only, so every rank accumulates the same normalizers.
+            if self.until is not None and self.count >= self.until:
+                return
+            agreed = (self.count.clone(), self._mean.clone(), self._var.clone())
+            self._agreed = agreed
+        packed = _moments(x)
+        self._pending = packed if self._pending is None else self._pending + packed
+        # This rank's rollout goes on with its own observations added, as one process would.
+        super().update(x)
+
+    def agree(self, reduced: torch.Tensor) -> None:
+        """Back to the agreed statistics, then add `reduced`: every rank's batch moments of
+        the rollout summed (see `agree_normalizers`)."""
+        assert self._agreed is not None
+        count, mean, var = self._agreed
+        self.count.copy_(count)
+        self._mean.copy_(mean)
+        self._var.copy_(var)
+        self._agreed = self._pending = None
+        self._merge(reduced)
+
+    def _merge(self, packed: torch.Tensor) -> None:
+        """Add the batch whose [n, sum, sum of squares] over all ranks is `packed`."""
+        d = (packed.numel() - 1) // 2
+        total = packed[0]
+        mean_x = (packed[1 : 1 + d] / total).reshape(self._mean.shape)
+        var_x = (packed[1 + d :] / total).reshape(self._mean.shape) - mean_x.square()
+        mean_x = mean_x.to(self._mean.dtype)
+        var_x = var_x.clamp_min(0.0).to(self._var.dtype)
+
+        self.count += int(total.item())
+        rate = float(total.item()) / float(self.count.item())
+        delta_mean = mean_x - self._mean
+        self._mean += rate * delta_mean
+        self._var += rate * (var_x - self._var + delta_mean * (mean_x - self._mean))
+        self._std = torch.sqrt(self._var)
+
+
+def _moments(x: torch.Tensor) -> torch.Tensor:
+    """[n, sum, sum of squares] of a batch, in float64."""
+    flat = x.reshape(x.shape[0], -1).to(torch.float64)
+    n = torch.tensor([float(x.shape[0])], dtype=torch.float64, device=x.device)
+    return torch.cat([n, flat.sum(dim=0), flat.square().sum(dim=0)])
+
+
+def sync_normalizers(*models: nn.Module, every: NormalizerSync = "step") -> int:
+    """Replace every EmpiricalNormalization inside `models` by the synced kind, keeping its
+    statistics; link normalizers of models that read the same observation groups so that
+    they share one reduction per step. With every="iteration", call `agree_normalizers` after
+    each rollout. Returns how many were replaced."""
+    replaced = 0
+    for model in models:
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is EmpiricalNormalization:
+                    synced = SyncedEmpiricalNormalization(
+                        tuple(child._mean.shape[1:]), eps=child.eps, until=child.until
+                    ).to(child._mean.device)
+                    synced.load_state_dict(child.state_dict())
+                    synced.train(child.training)
+                    synced.every = every
+                    setattr(parent, name, synced)
+                    replaced += 1
+    _link_same_inputs(models)
+    return replaced
+
+
+def agree_normalizers(*models: nn.Module) -> int:
+    """Merge the rollout every rank has seen since the last call into the statistics of each
+    per-iteration normalizer inside `models`, with one collective for all of them; the same
+    result on every rank. Call it at the same point on every rank. Returns how many merged."""
+    pending = [
+        m
+        for model in models
+        for m in model.modules()
+        if isinstance(m, SyncedEmpiricalNormalization) and m._pending is not None
+    ]
+    if not pending:
+        return 0
+    sizes = [m._pending.numel() for m in pending]  # type: ignore[union-attr]
+    reduced = sum_over_ranks(torch.cat([m._pending for m in pending]))  # type: ignore[misc]
+    for m, part in zip(pending, torch.split(reduced, sizes), strict=True):
+        m.agree(part)
+    return len(pending)
+
+
+def _link_same_inputs(models: tuple[nn.Module, ...]) -> None:
+    # rsl-rl's MLPModel keeps its observation groups in `obs_groups` and its normalizer in
+    # `obs_normalizer`; other models are left alone.
+    first: dict[tuple[str, ...], SyncedEmpiricalNormalization] = {}
+    for model in models:
+        norm = getattr(model, "obs_normalizer", None)
+        groups = getattr(model, "obs_groups", None)
+        if not isinstance(norm, SyncedEmpiricalNormalization) or groups is None:
+            continue
+        key = tuple(groups)
+        leader = first.get(key)
+        if leader is None:
+            first[key] = norm
+        elif leader._mean.shape == norm._mean.shape:
+            share = leader._share or _SharedMoments()
+            leader._share, leader._leads = share, True
+            norm._share, norm._leads = share, False
+
+
+class _SharedMoments:
+    """The leader's reduced moments of the current step, until its follower takes them."""
+
+    def __init__(self) -> None:
+        self.pending: torch.Tensor | None = None

@@ -1,0 +1,301 @@
+"""The runner: rsl-rl's OnPolicyRunner driven by a DistContext, with our learn loop.
+
+`ContextRunnerMixin` goes in front of any OnPolicyRunner class: rsl-rl's own for the built-in
+tasks (`DistributedRunner`), or mjlab's task runners (`runner_class(base)`), which keeps their
+own `save` (ONNX export, environment step counter) and `load`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from rsl_rl.runners import OnPolicyRunner
+from rsl_rl.utils import check_nan
+
+from mjlab_hpc.rank.context import DistContext
+from mjlab_hpc.rank.normalization import NormalizerSync, agree_normalizers, sync_normalizers
+from mjlab_hpc.rank.ppo import fold_collectives
+from mjlab_hpc.rank.progress import IterationStats
+from mjlab_hpc.rundir.checkpoint import save_checkpoint
+
+__all__ = [
+    "CollectiveClock",
+    "ContextRunnerMixin",
+    "DistributedRunner",
+    "IterationHook",
+    "runner_class",
+    "state_digest",
+]
+
+
+IterationHook = Callable[[Any, IterationStats], None]
+
+
+class CollectiveClock:
+    """Accumulates the time spent inside torch.distributed collectives.
+
+    rsl-rl calls torch.distributed's functions directly, so the only place to time them without
+    copying its algorithm is the module attribute; `timing()` wraps them for the duration of a
+    block and always restores the originals.
+    """
+
+    NAMES = (
+        "all_reduce",
+        "all_gather",
+        "broadcast",
+        "broadcast_object_list",
+        "all_gather_object",
+        "barrier",
+    )
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        import torch.distributed as dist
+
+        originals = {name: getattr(dist, name) for name in self.NAMES}
+
+        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - t0
+                    self.calls += 1
+
+            return timed
+
+        try:
+            for name, fn in originals.items():
+                setattr(dist, name, wrap(fn))
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+
+
+class ContextRunnerMixin:
+    """Put before an rsl-rl OnPolicyRunner (or a subclass such as mjlab's runners) in the
+    bases: rank and world size come from a DistContext instead of rsl-rl's NCCL-only set-up,
+    and the runner gets our learn loop.
+
+    The process group itself is created by `process_group()` (gloo on CPU, NCCL on CUDA);
+    this only tells rsl-rl who it is, so its parameter broadcast and gradient all-reduce work
+    on both. rsl-rl's PPO becomes `FoldedPPO` on several ranks (one collective per mini-batch,
+    bit-identical). The loop is rsl-rl's, with a hook after every iteration (progress, checkpoints,
+    stop requests) and iteration numbers that count completed iterations, so a resume
+    continues exactly. Construct with the base's arguments plus `ctx=`, `quiet=` (where
+    rsl-rl's console output goes: the rank's log) and `normalizer_sync=` (how often the
+    ranks' observation normalizers agree: `mjlab_hpc.rank.normalization`).
+    """
+
+    ctx: DistContext
+    quiet: TextIO
+    # Provided by OnPolicyRunner:
+    alg: Any
+    env: Any
+    cfg: dict[str, Any]
+    logger: Any
+    device: str
+    is_distributed: bool
+    current_learning_iteration: int
+
+    def __init__(
+        self,
+        env: Any,
+        train_cfg: dict,
+        *args: Any,
+        ctx: DistContext,
+        quiet: TextIO,
+        normalizer_sync: NormalizerSync = "iteration",
+        **kwargs: Any,
+    ) -> None:
+        self.ctx = ctx
+        self.quiet = quiet
+        if ctx.is_distributed:
+            train_cfg = fold_collectives(train_cfg)
+        with contextlib.redirect_stdout(quiet):
+            super().__init__(env, train_cfg, *args, **kwargs)  # type: ignore[call-arg]
+        if self.is_distributed:
+            sync_normalizers(self.alg._raw_actor, self.alg._raw_critic, every=normalizer_sync)
+
+    def _configure_multi_gpu(self) -> None:
+        ctx = self.ctx
+        if ctx.is_distributed:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise RuntimeError(f"{ctx.describe()}: join the process group first")
+        self.gpu_world_size = ctx.world_size
+        self.gpu_global_rank = ctx.rank
+        self.gpu_local_rank = ctx.local_rank
+        self.is_distributed = ctx.is_distributed
+        self.cfg["multi_gpu"] = (
+            {"global_rank": ctx.rank, "local_rank": ctx.local_rank, "world_size": ctx.world_size}
+            if ctx.is_distributed
+            else None
+        )
+
+    def learn_until(
+        self,
+        total_iterations: int,
+        hooks: list[IterationHook],
+        init_at_random_ep_len: bool = False,
+    ) -> None:
+        """Run PPO iterations until `total_iterations` are completed in all.
+
+        `init_at_random_ep_len` (mjlab's convention for a fresh start) spreads the first
+        episodes' lengths so that resets do not all happen together.
+        """
+        if init_at_random_ep_len and self.current_learning_iteration == 0:
+            self.env.episode_length_buf = torch.randint_like(
+                self.env.episode_length_buf, high=int(self.env.max_episode_length)
+            )
+        self.alg.train_mode()
+        if self.is_distributed:
+            with contextlib.redirect_stdout(self.quiet):
+                self.alg.broadcast_parameters()
+        with contextlib.redirect_stdout(self.quiet):
+            self.logger.init_logging_writer()
+        start_it = self.current_learning_iteration
+        self._continue_tensorboard(start_it)
+        clock = CollectiveClock()
+        t_start = time.perf_counter()
+        try:
+            with clock.timing() if self.is_distributed else contextlib.nullcontext():
+                self._iterate(start_it, total_iterations, hooks, clock, t_start)
+        finally:
+            self._close_tensorboard()
+
+    def _continue_tensorboard(self, start_it: int) -> None:
+        # After a resume, drop events a killed predecessor logged past its last checkpoint, so
+        # every curve continues at the right step without duplicates.
+        writer = self.logger.writer
+        if start_it > 0 and writer is not None and hasattr(writer, "add_scalar"):
+            from torch.utils.tensorboard import SummaryWriter
+
+            if isinstance(writer, SummaryWriter):
+                writer.close()
+                self.logger.writer = SummaryWriter(
+                    log_dir=self.logger.log_dir, flush_secs=10, purge_step=start_it
+                )
+
+    def _close_tensorboard(self) -> None:
+        writer = self.logger.writer
+        if writer is None:
+            return
+        self.logger.stop_logging_writer()
+        if hasattr(writer, "close"):
+            writer.close()
+
+    def _iterate(
+        self,
+        start_it: int,
+        total_iterations: int,
+        hooks: list[IterationHook],
+        clock: CollectiveClock,
+        t_start: float,
+    ) -> None:
+        obs = self.env.get_observations().to(self.device)
+        for it in range(start_it, total_iterations):
+            c0, n0 = clock.seconds, clock.calls
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for _ in range(self.cfg["num_steps_per_env"]):
+                    actions = self.alg.act(obs)
+                    obs, rewards, dones, extras = self.env.step(actions.to(self.env.device))
+                    if self.cfg.get("check_for_nan", True):
+                        check_nan(obs, rewards, dones)
+                    obs, rewards, dones = (
+                        obs.to(self.device),
+                        rewards.to(self.device),
+                        dones.to(self.device),
+                    )
+                    self.alg.process_env_step(obs, rewards, dones, extras)
+                    self.logger.process_env_step(rewards, dones, extras, None)
+                if self.is_distributed:
+                    agree_normalizers(self.alg._raw_actor, self.alg._raw_critic)
+                t1 = time.perf_counter()
+                self.alg.compute_returns(obs)
+            loss_dict = self.alg.update()
+            t2 = time.perf_counter()
+            self.current_learning_iteration = it + 1
+            with contextlib.redirect_stdout(self.quiet):
+                self.logger.log(
+                    it=it,
+                    start_it=start_it,
+                    total_it=total_iterations,
+                    collect_time=t1 - t0,
+                    learn_time=t2 - t1,
+                    loss_dict=loss_dict,
+                    learning_rate=self.alg.learning_rate,
+                    action_std=self.alg.get_policy().output_std,
+                    rnd_weight=None,
+                    print_minimal=True,
+                )
+            rew, length = self.logger.rewbuffer, self.logger.lenbuffer
+            stats = IterationStats(
+                iteration=it + 1,
+                total=total_iterations,
+                env_steps=self.cfg["num_steps_per_env"] * self.env.num_envs * self.ctx.world_size,
+                collect_s=t1 - t0,
+                learn_s=t2 - t1,
+                collective_s=clock.seconds - c0,
+                collectives=clock.calls - n0,
+                mean_reward=statistics.mean(rew) if rew else None,
+                mean_episode_length=statistics.mean(length) if length else None,
+                elapsed_s=time.perf_counter() - t_start,
+            )
+            for hook in hooks:
+                hook(self, stats)
+
+    def training_state(self, infos: dict | None = None) -> dict[str, Any]:
+        """rsl-rl's checkpoint content: models (normalizers included), optimizer, iteration."""
+        saved = self.alg.save()
+        saved["iter"] = self.current_learning_iteration
+        saved["infos"] = infos
+        return saved
+
+    def param_digest(self) -> str:
+        """sha256 of the actor and critic parameters, to compare ranks bit for bit."""
+        return state_digest(self.alg.actor, self.alg.critic)
+
+
+def state_digest(*modules: torch.nn.Module) -> str:
+    """sha256 of the modules' state dicts (parameters and buffers), module by module."""
+    h = hashlib.sha256()
+    for module in modules:
+        for name, tensor in sorted(module.state_dict().items()):
+            h.update(name.encode())
+            h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class DistributedRunner(ContextRunnerMixin, OnPolicyRunner):
+    """rsl-rl's OnPolicyRunner for the built-in tasks."""
+
+    def save(self, path: str, infos: dict | None = None) -> None:
+        """Save atomically (rsl-rl's signature, for code that calls runner.save)."""
+        save_checkpoint(Path(path), self.training_state(infos))
+
+
+def runner_class(base: type) -> type:
+    """`base` (an OnPolicyRunner subclass, e.g. mjlab's velocity runner) driven by a
+    DistContext and our learn loop; construct it as `base` plus `ctx=` and `quiet=`."""
+    if not (isinstance(base, type) and issubclass(base, OnPolicyRunner)):
+        raise TypeError(f"{base!r} is not an rsl-rl OnPolicyRunner subclass")
+    if issubclass(base, ContextRunnerMixin):
+        return base
+    name = f"Distributed{base.__name__}"
+    return type(name, (ContextRunnerMixin, base), {"__module__": __name__, "__qualname__": name})

@@ -1,0 +1,263 @@
+"""What one rank trains: its environment and runner, and how the run saves and restores them,
+for a built-in task or a registered mjlab task.
+
+The trainer drives every workload the same way; the differences live here:
+- built-in tasks: rsl-rl's runner; checkpoints also hold every rank's worlds and random
+  number generators, so a resume is bit-exact;
+- mjlab tasks: mjlab's own runner class for the task (its `save` with the environment's step
+  counter and ONNX export, its `load`), its params dump; environments start fresh on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import warp as wp
+import yaml
+
+from mjlab_hpc.rank.context import DistContext
+from mjlab_hpc.rank.normalization import NormalizerSync
+from mjlab_hpc.rank.runner import DistributedRunner, runner_class
+from mjlab_hpc.rundir.checkpoint import publish_file
+from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.writer import RunWriter
+from mjlab_hpc.spec import ResolvedSpec, TrainSpec
+from mjlab_hpc.tasks import mjlab as mjlab_tasks
+from mjlab_hpc.tasks.agent import agent_config, apply_agent_overrides
+from mjlab_hpc.tasks.builtin import get_task
+
+__all__ = [
+    "Workload",
+    "build_staged",
+    "build_workload",
+    "make_mjlab_runner",
+    "rank_state",
+    "restore_rank_state",
+]
+
+log = logging.getLogger("mjlab_hpc")
+
+
+@dataclass
+class Workload:
+    """One rank's environment and runner, and the task-specific parts of the run."""
+
+    env: Any
+    runner: Any
+    exact_resume: bool
+    """Checkpoints hold every rank's worlds and RNGs (a resume is bit-exact)."""
+    random_ep_len: bool
+    """Spread the first episodes' lengths on a fresh start (mjlab's convention)."""
+    dump_params: Callable[[RunWriter], None]
+    save: Callable[[Path, RunWriter, list[Any] | None], None]
+    """(path, writer, every rank's state gathered to the writer) -> checkpoint on disk."""
+    load: Callable[[Path, dict[str, Any]], None]
+    """(path, verified checkpoint) -> models, optimizer and iteration restored."""
+
+    def first_obs_digest(self) -> str:
+        """sha256 of this rank's first observations (to check that ranks differ)."""
+        obs = self.env.get_observations()
+        first = obs[next(iter(obs.keys()))]
+        return hashlib.sha256(first.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def build_staged(build: Callable[[], Any], ctx: DistContext) -> Any:
+    """Build on a node's local rank 0 first, then on its other ranks.
+
+    Building loads (on a cold cache: compiles) every Warp kernel. Local rank 0 compiles each
+    module once into the node's kernel cache; the other ranks then load them from it instead
+    of all compiling the same modules at once.
+    """
+    if not ctx.is_distributed or ctx.local_world_size == 1:
+        return build()
+    made = build() if ctx.local_rank == 0 else None
+    dist.barrier()
+    return made if made is not None else build()
+
+
+def rank_state(env: Any, device: str) -> dict[str, Any]:
+    """Everything of one rank that an exact continuation needs besides the shared models:
+    its worlds' simulator state and episode counters, and its random number generators."""
+    state: dict[str, Any] = {
+        "torch_rng": torch.get_rng_state(),
+        "numpy_rng": np.random.get_state(),
+        "python_rng": random.getstate(),
+    }
+    if hasattr(env, "state_dict"):
+        state["env"] = {k: v.cpu() for k, v in env.state_dict().items()}
+    if device.startswith("cuda"):
+        state["cuda_rng"] = torch.cuda.get_rng_state(torch.device(device))
+    return state
+
+
+def restore_rank_state(env: Any, state: dict[str, Any], device: str) -> None:
+    """Put back what `rank_state` saved."""
+    if "env" in state and hasattr(env, "load_state_dict"):
+        env.load_state_dict(state["env"])
+    torch.set_rng_state(state["torch_rng"])
+    np.random.set_state(state["numpy_rng"])
+    random.setstate(state["python_rng"])
+    if device.startswith("cuda") and "cuda_rng" in state:
+        torch.cuda.set_rng_state(state["cuda_rng"], torch.device(device))
+
+
+def build_workload(
+    resolved: ResolvedSpec,
+    ctx: DistContext,
+    device: str,
+    seed: int,
+    run: RunDir,
+    quiet: TextIO,
+) -> Workload:
+    """The workload of this rank (the writer's runner gets the run directory as log dir)."""
+    log_dir = str(run.path) if ctx.is_main else None
+    if resolved.source == "mjlab":
+        return _mjlab_workload(resolved.train, ctx, device, seed, log_dir, quiet)
+    return _builtin_workload(resolved, ctx, device, seed, log_dir, quiet)
+
+
+def _builtin_workload(
+    resolved: ResolvedSpec,
+    ctx: DistContext,
+    device: str,
+    seed: int,
+    log_dir: str | None,
+    quiet: TextIO,
+) -> Workload:
+    spec = resolved.train
+    task = get_task(resolved.task)
+    make_env = task.make_env
+    assert make_env is not None  # every built-in task has one
+
+    def build() -> Any:
+        with wp.ScopedDevice(device):
+            return make_env(resolved.num_envs, device, seed, spec.use_graph)
+
+    env = build_staged(build, ctx)
+    cfg = agent_config(task, spec.save_interval, resolved.experiment_name)
+    cfg = apply_agent_overrides(cfg, spec.overrides)
+    cfg["seed"] = seed
+    runner = DistributedRunner(
+        env,
+        dict(cfg),
+        log_dir=log_dir,
+        device=device,
+        ctx=ctx,
+        quiet=quiet,
+        normalizer_sync=spec.normalizer_sync,
+    )
+
+    def dump_params(writer: RunWriter) -> None:
+        env_cfg = {
+            "num_envs": env.num_envs,
+            "decimation": env.cfg.decimation,
+            "episode_length": env.cfg.episode_length,
+            "action_scale": env.cfg.action_scale,
+            "mjcf": env.cfg.xml,
+        }
+        _write_params(writer, spec, {"agent": cfg, "env": env_cfg})
+
+    def save(path: Path, writer: RunWriter, states: list[Any] | None) -> None:
+        state = runner.training_state({"world_size": ctx.world_size})
+        state["rank_states"] = states
+        writer.save_checkpoint(path, state)
+
+    def load(path: Path, ckpt: dict[str, Any]) -> None:
+        runner.alg.load(ckpt, None, strict=True)
+        runner.current_learning_iteration = int(ckpt["iter"])
+        states = ckpt.get("rank_states")
+        if states and len(states) == ctx.world_size:
+            restore_rank_state(env, states[ctx.rank], device)
+        else:
+            log.warning(
+                "%s has no per-rank state for %d ranks: models and optimizer restored, "
+                "environments start fresh (the continuation is not bit-exact)",
+                path.name,
+                ctx.world_size,
+            )
+
+    return Workload(env, runner, True, False, dump_params, save, load)
+
+
+def _mjlab_workload(
+    spec: TrainSpec,
+    ctx: DistContext,
+    device: str,
+    seed: int,
+    log_dir: str | None,
+    quiet: TextIO,
+) -> Workload:
+    def build() -> Any:
+        # mjlab prints its managers' tables while building: they belong in the rank's log.
+        with contextlib.redirect_stdout(quiet):
+            return mjlab_tasks.make_mjlab_runtime(
+                spec.task,
+                num_envs=spec.num_envs,
+                max_iterations=spec.max_iterations,
+                seed=seed,
+                device=device,
+                overrides=spec.overrides,
+                cpu_graph=spec.use_graph,
+            )
+
+    runtime = build_staged(build, ctx)
+    runner = make_mjlab_runner(runtime, ctx, log_dir, quiet, spec.normalizer_sync)
+
+    def dump_params(writer: RunWriter) -> None:
+        writer.check()
+        mjlab_tasks.dump_params(writer.run.path, runtime)  # params/env.yaml, agent.yaml
+        _write_params(writer, spec, {})
+
+    def save(path: Path, writer: RunWriter, states: list[Any] | None) -> None:
+        # mjlab's own save (step counter, ONNX export, W&B upload) into a temporary file of
+        # the run directory, then the same fenced, checksummed publication as ours.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        runner.save(str(tmp))
+        publish_file(tmp, path, before_rename=writer.check)
+
+    def load(path: Path, ckpt: dict[str, Any]) -> None:
+        runner.load(str(path), map_location=device)
+        runner.current_learning_iteration = int(ckpt["iter"])
+
+    return Workload(runtime.env, runner, False, True, dump_params, save, load)
+
+
+def _write_params(writer: RunWriter, spec: TrainSpec, extra: dict[str, Any]) -> None:
+    writer.run.params.mkdir(parents=True, exist_ok=True)
+    for name, data in {"train": spec.to_dict(), **extra}.items():
+        writer.write_text(writer.run.params / f"{name}.yaml", yaml.safe_dump(data, sort_keys=False))
+
+
+def make_mjlab_runner(
+    runtime: mjlab_tasks.MjlabRuntime,
+    ctx: DistContext,
+    log_dir: str | None,
+    quiet: TextIO | None = None,
+    normalizer_sync: NormalizerSync = "iteration",
+) -> Any:
+    """The task's own runner class (its save/load, ONNX export) driven by `ctx` and our learn
+    loop (`runner_class`), built as mjlab builds it, on a fresh config copy. Pass
+    log_dir=None on ranks other than the writer (rsl-rl then writes nothing)."""
+    cls = runner_class(runtime.runner_cls)
+    return cls(
+        runtime.env,
+        runtime.runner_cfg(),
+        log_dir,
+        runtime.device,
+        ctx=ctx,
+        quiet=quiet or io.StringIO(),
+        normalizer_sync=normalizer_sync,
+        **runtime.runner_kwargs,
+    )

@@ -1,0 +1,133 @@
+"""Durable writes: the one way this package publishes a file that must survive a crash.
+
+A file is written to a temporary name in the same directory, fsynced, renamed over its final
+name, and the directory is fsynced: after a crash (SIGKILL, a lost node, a power cut) readers
+find the old file or the whole new one, never a torn one. `before_rename` runs once the data
+is durable and just before the rename: the run's single writer checks its fencing token
+there, so a writer that lost its lock publishes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "create_exclusive",
+    "fsync_dir",
+    "publish",
+    "temp_path",
+    "write_atomic",
+    "write_json_atomic",
+    "write_new",
+]
+
+# Filesystems that cannot fsync a directory say so with one of these; that is not a failure.
+_NO_DIR_FSYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF})
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new name in directory `path` durable.
+
+    A filesystem that does not support fsync on directories is accepted as it is; any other
+    error (the directory is gone, an I/O error) is raised.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _NO_DIR_FSYNC:
+            raise
+    finally:
+        os.close(fd)
+
+
+def temp_path(path: Path, tag: str = "") -> Path:
+    """A hidden temporary name next to `path` that no other writer uses."""
+    return path.with_name(f".{path.name}.{tag}{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def _write_fd(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def write_new(path: Path, data: bytes) -> None:
+    """Create `path` (it must not exist) holding `data`, fsynced; the name is not published
+    anywhere else. Used for the temporary files of the functions below."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        _write_fd(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, path: Path, before_rename: Callable[[], None] | None = None) -> None:
+    """Rename the complete file `tmp` over `path` durably: fsync its data, `before_rename`,
+    rename, fsync the directory. On any failure `tmp` is removed and `path` is untouched."""
+    try:
+        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if before_rename is not None:
+            before_rename()
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def write_atomic(path: Path, data: bytes, before_rename: Callable[[], None] | None = None) -> None:
+    """Replace `path` with `data` so that readers see the old file or the whole new one."""
+    tmp = temp_path(path)
+    try:
+        write_new(tmp, data)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    publish(tmp, path, before_rename)
+
+
+def write_json_atomic(
+    path: Path, data: Any, before_rename: Callable[[], None] | None = None
+) -> None:
+    """`write_atomic` of `data` as indented, key-sorted JSON with a final newline."""
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    write_atomic(path, text.encode(), before_rename)
+
+
+def create_exclusive(path: Path, data: bytes) -> bool:
+    """Publish `path` with `data` only if no such name exists; True if this call created it.
+
+    The complete file is hard-linked to its name, which is atomic on NFS too: of several
+    racing callers exactly one wins and every reader sees a whole file. On NFS a retransmitted
+    LINK can report EEXIST although it succeeded; as open(2) recommends, a link count of 2 on
+    our own inode means we won.
+    """
+    tmp = temp_path(path)
+    write_new(tmp, data)
+    try:
+        try:
+            os.link(tmp, path)
+            won = True
+        except FileExistsError:
+            won = os.stat(tmp).st_nlink == 2
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    if won:
+        fsync_dir(path.parent)
+    return won

@@ -1,0 +1,313 @@
+"""The run directory's layout: every file name the toolkit reads or writes, in one place.
+
+Decided once per run and shared by every rank and every restart:
+
+    <log-root>/<experiment>/                  the experiment folder
+      .keys/<key>                             run directory of a job key (templates)
+      .latest_run                             the newest run's name (for --resume)
+      .sweeps/<stamp>/sweep.json              a sweep's record (+ submitit/ of its job array)
+      <YYYY-mm-dd_HH-MM-SS>[_<run-name>]/     one run
+        params/train.yaml, agent.yaml, env.yaml   the resolved spec and configs (writer)
+        model_<n>.pt, model_<n>.pt.sha256         checkpoints after n iterations (writer)
+        events.out.tfevents.*                     tensorboard (writer)
+        progress.jsonl                            one JSON line per iteration (writer)
+        restarts.jsonl                            one JSON line per stop for a requeue (writer)
+        run.json                                  the run record (writer)
+        summary.json                              the end of the run (writer)
+        sweep_element.json                        its place in a sweep (submitter)
+        cancelled.json                            written by `mjlab-hpc cancel`
+        logs/rank<k>.log                          every rank's own log
+        submitit/                                 launcher files, per-task stdout/stderr
+        .writer.lock, .writer.lock.tokens/        the single writer's lease lock
+        .once/<name>.json                         results of once-per-run side effects
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mjlab_hpc.rundir.durable import create_exclusive, write_atomic
+
+__all__ = [
+    "CANCEL_RECORD",
+    "ELEMENT_RECORD",
+    "PROGRESS",
+    "RUN_RECORD",
+    "SUBMITIT_DIR",
+    "SWEEPS_DIR",
+    "SWEEP_RECORD",
+    "TIMESTAMP_FORMAT",
+    "ElementRecord",
+    "RunDir",
+    "checkpoint_iteration",
+    "create_run_dir",
+    "is_run_dir",
+    "latest_run",
+    "list_checkpoints",
+    "read_element",
+    "read_jsonl",
+    "read_sweep",
+    "record_latest_run",
+    "run_dir_for_key",
+    "run_dir_name",
+]
+
+TIMESTAMP_FORMAT = "%Y-%m-%d_%H-%M-%S"
+
+# Files of a run directory.
+PARAMS_DIR = "params"
+LOGS_DIR = "logs"
+PROGRESS = "progress.jsonl"
+RESTARTS = "restarts.jsonl"
+RUN_RECORD = "run.json"
+SUMMARY = "summary.json"
+ELEMENT_RECORD = "sweep_element.json"
+CANCEL_RECORD = "cancelled.json"
+SUBMITIT_DIR = "submitit"
+WRITER_LOCK = ".writer.lock"
+ONCE_DIR = ".once"
+CHECKSUM_SUFFIX = ".sha256"
+# Files of an experiment folder.
+KEYS_DIR = ".keys"
+LATEST_RUN = ".latest_run"
+SWEEPS_DIR = ".sweeps"
+SWEEP_RECORD = "sweep.json"
+
+# Files that only a run directory holds (a directory with none of them is not a run).
+_RUN_MARKERS = (RUN_RECORD, PROGRESS, SUBMITIT_DIR, LOGS_DIR, PARAMS_DIR, ELEMENT_RECORD)
+
+
+def run_dir_name(now: dt.datetime, run_name: str = "") -> str:
+    """`<timestamp>[_<run-name>]`, as rsl-rl and mjlab name runs."""
+    stamp = now.strftime(TIMESTAMP_FORMAT)
+    return f"{stamp}_{run_name}" if run_name else stamp
+
+
+def checkpoint_iteration(path: Path) -> int | None:
+    """n of `model_<n>.pt` (None for other names)."""
+    stem = path.name.removeprefix("model_").removesuffix(".pt")
+    return int(stem) if path.name.startswith("model_") and stem.isdigit() else None
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """`model_<n>.pt` files, oldest first (by iteration count)."""
+    found = [(checkpoint_iteration(p), p) for p in run_dir.glob("model_*.pt")]
+    return [p for n, p in sorted((n, p) for n, p in found if n is not None)]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of a file (a torn line is skipped)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            records.append(value)
+    return records
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths inside one run directory."""
+
+    path: Path
+
+    @property
+    def params(self) -> Path:
+        return self.path / PARAMS_DIR
+
+    @property
+    def logs(self) -> Path:
+        return self.path / LOGS_DIR
+
+    @property
+    def progress(self) -> Path:
+        return self.path / PROGRESS
+
+    @property
+    def restarts(self) -> Path:
+        return self.path / RESTARTS
+
+    @property
+    def record(self) -> Path:
+        return self.path / RUN_RECORD
+
+    @property
+    def summary(self) -> Path:
+        return self.path / SUMMARY
+
+    @property
+    def element_record(self) -> Path:
+        return self.path / ELEMENT_RECORD
+
+    @property
+    def cancel_record(self) -> Path:
+        return self.path / CANCEL_RECORD
+
+    @property
+    def submitit(self) -> Path:
+        return self.path / SUBMITIT_DIR
+
+    @property
+    def writer_lock(self) -> Path:
+        return self.path / WRITER_LOCK
+
+    def once_marker(self, name: str) -> Path:
+        return self.path / ONCE_DIR / f"{name}.json"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank{rank}.log"
+
+    def checkpoint(self, iterations: int) -> Path:
+        return self.path / f"model_{iterations}.pt"
+
+    def checkpoints(self) -> list[Path]:
+        """Checkpoints, oldest first (by iteration count)."""
+        return list_checkpoints(self.path)
+
+    def read_progress(self) -> list[dict[str, Any]]:
+        """The progress records written so far (a torn last line is ignored)."""
+        return read_jsonl(self.progress)
+
+    def progress_tail(self, lines: int = 10) -> list[dict[str, Any]]:
+        """The last `lines` records of progress.jsonl, read from the end of the file."""
+        try:
+            with open(self.progress, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 512 * (lines + 1)))
+                chunk = f.read().decode(errors="replace")
+        except OSError:
+            return []
+        records = []
+        for line in chunk.splitlines()[-(lines + 1) :]:
+            try:
+                records.append(dict(json.loads(line)))
+            except (ValueError, TypeError):
+                continue  # the first, partial line of the chunk, or a torn last line
+        return records[-lines:]
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether `path` looks like a run directory (it holds a file only runs have)."""
+    return path.is_dir() and any((path / name).exists() for name in _RUN_MARKERS)
+
+
+def create_run_dir(
+    log_root: str | Path, experiment: str, run_name: str = "", now: dt.datetime | None = None
+) -> Path:
+    """Make a new, empty run directory and return it.
+
+    The final mkdir is atomic, so two launches in the same second cannot share a directory:
+    the one that loses gets a `-2`, `-3`, ... suffix.
+    """
+    parent = Path(log_root) / experiment
+    parent.mkdir(parents=True, exist_ok=True)
+    base = run_dir_name(now or dt.datetime.now(), run_name)
+    for n in range(1, 10_000):
+        candidate = parent / (base if n == 1 else f"{base}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return candidate.resolve()
+    raise FileExistsError(f"no free run directory name under {parent} for {base}")
+
+
+def run_dir_for_key(log_root: str | Path, experiment: str, run_name: str, key: str) -> Path:
+    """The run directory recorded under `key` (e.g. `slurm-<job id>`), made on first use.
+
+    Every rank and every restart of one job asks with the same key and gets the same
+    directory; a different job gets its own. Of two racing callers exactly one publishes its
+    record (`create_exclusive`), the other reads the winner's answer.
+    """
+    if not key or "/" in key or key.startswith("."):
+        raise ValueError(f"run directory key must be a plain name, got {key!r}")
+    keys = Path(log_root) / experiment / KEYS_DIR
+    keys.mkdir(parents=True, exist_ok=True)
+    record = keys / key
+    if record.exists():
+        return _recorded_run(record)
+    run = create_run_dir(log_root, experiment, run_name)
+    if not create_exclusive(record, f"{run.name}\n".encode()):
+        run.rmdir()  # another caller won the race; its directory is the run's
+        return _recorded_run(record)
+    return run
+
+
+def _recorded_run(record: Path) -> Path:
+    """The run a key or `.latest_run` record names, in the folder the record lies in.
+
+    Records hold the run's name, so a copied or moved log root resolves in the copy; records
+    written with an absolute path are read by their last component for the same reason.
+    """
+    name = Path(record.read_text().strip()).name
+    return (record.parent.parent / name) if record.parent.name == KEYS_DIR else record.parent / name
+
+
+def record_latest_run(run: Path) -> None:
+    """`<experiment>/.latest_run`: the newest run, for tools and `--resume`."""
+    write_atomic(run.parent / LATEST_RUN, f"{run.name}\n".encode())
+
+
+def latest_run(log_root: str | Path, experiment: str) -> Path | None:
+    """The run `.latest_run` names, else the newest run directory of the experiment."""
+    parent = Path(log_root) / experiment
+    marker = parent / LATEST_RUN
+    if marker.exists():
+        path = _recorded_run(marker)
+        if path.is_dir():
+            return path.resolve()
+    runs = sorted(p for p in parent.glob("*") if p.is_dir() and not p.name.startswith("."))
+    return runs[-1].resolve() if runs else None
+
+
+@dataclass(frozen=True)
+class ElementRecord:
+    """What `sweep_element.json` in a run directory says about the run's place in a sweep."""
+
+    sweep_dir: Path
+    index: int
+    job_id: str
+    executor: str
+    overrides: dict[str, str]
+
+    @property
+    def label(self) -> str:
+        """`seed=0 learning_rate=3e-4`: the element's values, as typed."""
+        return " ".join(f"{k.removeprefix('agent.')}={v}" for k, v in self.overrides.items())
+
+
+def read_element(run_dir: Path) -> ElementRecord | None:
+    """The run's sweep element record, None if the run is not part of a sweep."""
+    path = run_dir / ELEMENT_RECORD
+    try:
+        data = json.loads(path.read_text())
+        return ElementRecord(
+            sweep_dir=Path(data["sweep_dir"]),
+            index=int(data["index"]),
+            job_id=str(data["job_id"]),
+            executor=str(data["executor"]),
+            overrides={str(k): str(v) for k, v in data["overrides"].items()},
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def read_sweep(sweep_dir: Path) -> dict[str, Any]:
+    """The sweep record (`sweep.json`) of a sweep directory, {} if there is none."""
+    try:
+        return dict(json.loads((sweep_dir / SWEEP_RECORD).read_text()))
+    except (OSError, ValueError, TypeError):
+        return {}

@@ -1,0 +1,507 @@
+"""The files behind the lease lock: errors, the owner record and its fixed-size encoding,
+reading a lock file, exclusive links, and the never-reused fencing-token tickets.
+
+`mjlab_hpc.rundir.lock` builds the lock itself from these; see its docstring for the design.
+
+Error types: :class:`LockError` derives from :class:`OSError` (an unusable lock
+directory is an I/O-environment problem, and this lets :class:`LockTimeout` be
+both a :class:`LockError` and a :class:`TimeoutError`). Misuse of the API (for
+example releasing a lock this object does not hold) raises
+:class:`LockUsageError`, a :class:`RuntimeError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mjlab_hpc.rundir.durable import fsync_dir
+
+__all__ = [
+    "Held",
+    "LeaseConfig",
+    "LockError",
+    "LockLost",
+    "LockRecord",
+    "LockTimeout",
+    "LockUsageError",
+    "OwnerInfo",
+    "Snapshot",
+    "claim_ticket",
+    "decode_record",
+    "encode_record",
+    "env_error",
+    "link_exclusive",
+    "pwrite_all",
+    "read_snapshot",
+    "remove_if_ours",
+    "take_over",
+    "unlink_quietly",
+    "write_all",
+]
+
+FORMAT = "mjlab_hpc.lease_lock/1"
+# Records are padded to a fixed size so a heartbeat rewrites them in place with
+# one pwrite of constant length: no truncate, so a reader never sees an empty file.
+RECORD_BYTES = 512
+MAX_IMMEDIATE_RETRIES = 3
+TICKETS_SUFFIX = ".tokens"
+
+ERRNO_CAUSES: dict[int, tuple[str, str]] = {
+    errno.EROFS: (
+        "read-only file system",
+        "remount it read-write or put the run directory on a writable filesystem",
+    ),
+    errno.ENOSPC: (
+        "no space left on device",
+        "free space on that filesystem or move the run directory elsewhere",
+    ),
+    errno.EDQUOT: (
+        "disk quota exceeded",
+        "free space under your quota or move the run directory elsewhere",
+    ),
+    errno.EACCES: (
+        "permission denied",
+        "make the directory writable by the user that runs the job on every node",
+    ),
+    errno.EPERM: (
+        "operation not permitted",
+        "make the directory writable by the user that runs the job on every node",
+    ),
+    errno.ENOENT: (
+        "directory does not exist",
+        "create it first (mkdir -p) on the shared filesystem, visible from every node",
+    ),
+    errno.ENOTDIR: (
+        "a path component is not a directory",
+        "point the lock at a path inside a directory",
+    ),
+}
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class LockError(OSError):
+    """The lock cannot be used: unusable directory (missing, read-only, full), I/O error.
+
+    Subclass of :class:`OSError`; ``errno`` is set when the cause was an OS error.
+    """
+
+
+class LockLost(LockError):
+    """The lock is no longer held: it was taken over, or our own lease expired.
+
+    Raised by :meth:`LeaseLock.check` and :func:`write_fenced`, so a former owner
+    that wakes up after a takeover cannot publish writes.
+    """
+
+
+class LockTimeout(LockError, TimeoutError):
+    """:meth:`LeaseLock.acquire` gave up; the message names the current holder."""
+
+
+class LockUsageError(RuntimeError):
+    """The API was misused (double acquire, release without holding, use after fork)."""
+
+
+def env_error(action: str, path: Path, exc: OSError) -> LockError:
+    """Turn a low-level OSError into a LockError that says what to do."""
+    cause, hint = ERRNO_CAUSES.get(
+        exc.errno or -1, (exc.strerror or str(exc), "check the filesystem and its mount")
+    )
+    code = errno.errorcode.get(exc.errno or -1, "?")
+    err = LockError(f"lock {path}: cannot {action}: {cause} ({code}). What to do: {hint}.")
+    err.errno = exc.errno
+    return err
+
+
+# --------------------------------------------------------------------------- data
+
+
+def parse_restart_count(raw: str | None) -> int:
+    # A malformed variable must not crash a training launch; the count is informative.
+    try:
+        return max(0, int(raw)) if raw else 0
+    except ValueError:
+        return 0
+
+
+@dataclass(frozen=True)
+class OwnerInfo:
+    """Who holds (or wants) the lock; written into the lock file for diagnostics."""
+
+    host: str
+    pid: int
+    job_id: str | None = None
+    restart_count: int = 0
+    rank: int = 0
+
+    @classmethod
+    def from_env(cls, rank: int = 0) -> OwnerInfo:
+        """Describe the current process from the host name, pid and SLURM/submitit variables.
+
+        ``job_id`` is ``SLURM_JOB_ID``, else ``SUBMITIT_LOCAL_JOB_ID``, else ``None``;
+        ``restart_count`` is ``SLURM_RESTART_COUNT`` (0 when unset or malformed).
+        """
+        job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+        return cls(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            job_id=job_id or None,
+            restart_count=parse_restart_count(os.environ.get("SLURM_RESTART_COUNT")),
+            rank=rank,
+        )
+
+    def describe(self) -> str:
+        """One-line human description, e.g. for error messages."""
+        return (
+            f"host={self.host} pid={self.pid} job_id={self.job_id} "
+            f"restart_count={self.restart_count} rank={self.rank}"
+        )
+
+
+@dataclass(frozen=True)
+class LockRecord:
+    """The parsed content of a lock file.
+
+    ``owner`` is ``None`` for an unknown holder (a half-written or unparsable
+    file); its ``heartbeat_at`` is then the file's mtime.
+    """
+
+    owner: OwnerInfo | None
+    token: int | None
+    heartbeat_at: float
+    acquired_at: float | None = None
+    lease_s: float | None = None
+    nonce: str | None = None
+
+    def age_s(self, now: float | None = None) -> float:
+        """Seconds since the last heartbeat by the wall clock (negative under clock skew)."""
+        return (time.time() if now is None else now) - self.heartbeat_at
+
+    def describe(self, now: float | None = None) -> str:
+        """One-line human description of the holder and its heartbeat age."""
+        age = self.age_s(now)
+        if self.owner is None:
+            return (
+                "an unknown holder (lock file half-written or unparsable), "
+                f"file last modified {age:.1f} s ago"
+            )
+        token = "pending" if self.token is None else str(self.token)
+        return (
+            f"{self.owner.describe()} token={token}, last heartbeat {age:.1f} s ago "
+            f"(lease {self.lease_s:g} s)"
+        )
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    """Timing of a :class:`LeaseLock`; all values in seconds.
+
+    lease_s: another process may take over once the holder's heartbeat is older
+        than this. Keep it much larger than the clock skew between hosts and
+        than any pause you want to survive without losing the lock.
+    heartbeat_s: heartbeat period (default ``lease_s / 4``).
+    guard_s: the holder treats its lease as expired this long before others may
+        take over, to absorb clock skew and the check-then-rename window of
+        :func:`write_fenced` (default ``lease_s / 5``).
+    poll_s / poll_max_s: initial and maximum wait between acquisition attempts
+        (exponential, jittered).
+    timeout_s: default timeout of :meth:`LeaseLock.acquire` and of ``with``;
+        ``None`` waits forever.
+    """
+
+    lease_s: float = 60.0
+    heartbeat_s: float | None = None
+    guard_s: float | None = None
+    poll_s: float = 0.01
+    poll_max_s: float = 0.5
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lease_s) and self.lease_s > 0):
+            raise ValueError(f"lease_s must be a positive number, got {self.lease_s}")
+        if not 0 < self.heartbeat_period_s <= self.lease_s / 2:
+            raise ValueError(
+                f"heartbeat_s must be in (0, lease_s/2]; got {self.heartbeat_period_s} "
+                f"for lease_s={self.lease_s}"
+            )
+        if not 0 <= self.guard_period_s < self.lease_s - self.heartbeat_period_s:
+            raise ValueError(
+                f"guard_s must be in [0, lease_s - heartbeat_s); got {self.guard_period_s}"
+            )
+        if not 0 < self.poll_s <= self.poll_max_s:
+            raise ValueError("need 0 < poll_s <= poll_max_s")
+        if self.timeout_s is not None and self.timeout_s < 0:
+            raise ValueError("timeout_s must be >= 0 or None")
+
+    @property
+    def heartbeat_period_s(self) -> float:
+        """Effective heartbeat period."""
+        return self.lease_s / 4 if self.heartbeat_s is None else self.heartbeat_s
+
+    @property
+    def guard_period_s(self) -> float:
+        """Effective guard margin."""
+        return self.lease_s / 5 if self.guard_s is None else self.guard_s
+
+
+# --------------------------------------------------------------------------- file helpers
+
+
+def encode_record(
+    owner: OwnerInfo,
+    token: int | None,
+    nonce: str,
+    acquired_at: float,
+    heartbeat_at: float,
+    lease_s: float,
+) -> bytes:
+    doc = {
+        "format": FORMAT,
+        "token": token,
+        "nonce": nonce,
+        "host": owner.host,
+        "pid": owner.pid,
+        "job_id": owner.job_id,
+        "restart_count": owner.restart_count,
+        "rank": owner.rank,
+        "acquired_at": acquired_at,
+        "heartbeat_at": heartbeat_at,
+        "lease_s": float(lease_s),
+    }
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    if len(raw) >= RECORD_BYTES:
+        raise ValueError(f"lock record too large ({len(raw)} bytes); shorten host or job id")
+    return raw.ljust(RECORD_BYTES - 1) + b"\n"
+
+
+def decode_record(raw: bytes, mtime: float) -> LockRecord:
+    """Parse a lock file; anything unexpected becomes an unknown holder aged by mtime."""
+    try:
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError("not a lock record")
+        token = doc["token"]
+        if token is not None and (not isinstance(token, int) or token < 1):
+            raise ValueError("bad token")
+        heartbeat_at = float(doc["heartbeat_at"])
+        lease_s = float(doc["lease_s"])
+        if not (math.isfinite(heartbeat_at) and math.isfinite(lease_s) and lease_s > 0):
+            raise ValueError("bad times")
+        job_id = doc["job_id"]
+        owner = OwnerInfo(
+            host=str(doc["host"]),
+            pid=int(doc["pid"]),
+            job_id=None if job_id is None else str(job_id),
+            restart_count=int(doc["restart_count"]),
+            rank=int(doc["rank"]),
+        )
+        return LockRecord(
+            owner=owner,
+            token=token,
+            heartbeat_at=heartbeat_at,
+            acquired_at=float(doc["acquired_at"]),
+            lease_s=lease_s,
+            nonce=str(doc["nonce"]),
+        )
+    except (ValueError, KeyError, TypeError, OverflowError):
+        return LockRecord(owner=None, token=None, heartbeat_at=mtime)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A lock file as read: raw bytes (compared byte-for-byte on takeover) and parse."""
+
+    raw: bytes
+    record: LockRecord
+
+
+def read_snapshot(path: Path) -> Snapshot | None:
+    """Read the lock file; ``None`` if it does not exist. Other OSErrors propagate."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        # Read through a fresh open: NFS close-to-open consistency revalidates the
+        # content on open, which is why the heartbeat lives in the content, not mtime.
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        mtime = os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+    raw = b"".join(chunks)
+    return Snapshot(raw=raw, record=decode_record(raw, mtime))
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def pwrite_all(fd: int, data: bytes) -> None:
+    view, offset = memoryview(data), 0
+    while offset < len(data):
+        offset += os.pwrite(fd, view[offset:], offset)
+
+
+def unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def link_exclusive(src: Path, dst: Path, src_fd: int) -> bool:
+    """Create ``dst`` as a hard link to ``src``; False if ``dst`` already exists.
+
+    On NFS a retransmitted LINK can report EEXIST although the first attempt
+    succeeded; as open(2) recommends, a link count of 2 on our inode means we won.
+    """
+    try:
+        os.link(src, dst)
+        return True
+    except FileExistsError:
+        return os.fstat(src_fd).st_nlink == 2
+
+
+def ticket_exists(tickets: Path, n: int) -> bool:
+    return n <= 0 or os.path.exists(tickets / str(n))
+
+
+def claim_ticket(tickets: Path, hint: int) -> int:
+    """Claim the next fencing token by creating ticket file ``N`` with O_EXCL.
+
+    Ticket files are never deleted, so the set of existing tickets is always
+    ``{1..max}`` (every claim starts at or below ``max + 1`` and walks up on
+    EEXIST). A claim therefore returns a number larger than every ticket that
+    existed before it started: tokens strictly increase and are never reused,
+    however processes race, crash or pause. ``hint`` (a known ticket) only
+    shortens the search.
+    """
+    lo = hint if ticket_exists(tickets, hint) else 0
+    # Gallop then bisect for the first missing ticket. A stale negative lookup
+    # (NFS dentry cache) can only make us start lower, which O_EXCL corrects.
+    step, hi = 1, lo + 1
+    while ticket_exists(tickets, hi):
+        lo, step = hi, step * 2
+        hi = lo + step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ticket_exists(tickets, mid):
+            lo = mid
+        else:
+            hi = mid
+    n = lo + 1
+    while True:
+        try:
+            fd = os.open(tickets / str(n), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+        except FileExistsError:
+            n += 1
+            continue
+        os.close(fd)
+        fsync_dir(tickets)
+        return n
+
+
+@dataclass
+class Held:
+    """Per-acquisition state of a LeaseLock (mutable, owned by one LeaseLock object)."""
+
+    fd: int
+    nonce: str
+    token: int
+    acquired_at: float
+    pid: int
+    hb_mono: float  # monotonic time sampled just before the last heartbeat's wall stamp
+    stop: threading.Event = field(default_factory=threading.Event)
+    io_lock: threading.Lock = field(default_factory=threading.Lock)
+    lost: str | None = None  # reason, once known lost
+    thread: threading.Thread | None = None
+
+
+def take_over(path: Path, stale: Snapshot, temp: Path, fd: int, lease_s: float) -> bool:
+    """Replace a stale lock file atomically; True if we now own the lock name.
+
+    1. Racers that judged the same stale content first compete for a breaker
+       file named after a hash of that content (O_EXCL): only one of them
+       goes on, so racers do not rename each other's fresh locks.
+    2. The breaker re-reads the lock file and gives up if it changed.
+    3. It renames the lock file to a unique tombstone; of several renames of
+       one name exactly one succeeds.
+    4. If the tombstone is not byte-identical to what was judged stale (the
+       holder heartbeated just now), it is put back (same inode, so its
+       holder keeps working) and we give up.
+    5. Otherwise our record is linked to the lock name (exclusive).
+    """
+    digest = hashlib.sha256(stale.raw).hexdigest()[:24]
+    breaker = path.with_name(f"{path.name}.break.{digest}")
+    own_breaker = False
+    try:
+        try:
+            os.close(os.open(breaker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC))
+            own_breaker = True
+        except FileExistsError:
+            # Someone else is breaking this lock, unless they crashed doing it.
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - os.stat(breaker).st_mtime <= lease_s:
+                    return False
+        current = read_snapshot(path)
+        if current is None or current.raw != stale.raw:
+            return False
+        tomb = path.with_name(f"{path.name}.tomb.{uuid.uuid4().hex}")
+        try:
+            os.rename(path, tomb)
+        except FileNotFoundError:
+            return False  # another process renamed it first
+        try:
+            moved = read_snapshot(tomb)
+            if moved is None or moved.raw != stale.raw:
+                with contextlib.suppress(FileExistsError):
+                    os.link(tomb, path)
+                return False
+            return link_exclusive(temp, path, fd)
+        finally:
+            unlink_quietly(tomb)
+    finally:
+        if own_breaker:
+            unlink_quietly(breaker)
+
+
+def remove_if_ours(path: Path, nonce: str) -> str | None:
+    """Remove the lock file if it carries ``nonce``; return a reason if it did not."""
+    try:
+        snap = read_snapshot(path)
+        if snap is None:
+            return "the lock file was removed (taken over or deleted)"
+        if snap.record.nonce != nonce:
+            return f"taken over by {snap.record.describe()}"
+        tomb = path.with_name(f"{path.name}.tomb.{uuid.uuid4().hex}")
+        try:
+            os.rename(path, tomb)
+        except FileNotFoundError:
+            return "the lock file was removed (taken over) during release"
+        try:
+            moved = read_snapshot(tomb)
+            if moved is None or moved.record.nonce != nonce:
+                # Taken over between our read and our rename: give it back.
+                with contextlib.suppress(FileExistsError):
+                    os.link(tomb, path)
+                return "taken over during release"
+        finally:
+            unlink_quietly(tomb)
+    except OSError as exc:
+        raise env_error("remove the lock file", path, exc) from exc
+    return None

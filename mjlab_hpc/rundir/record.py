@@ -1,0 +1,117 @@
+"""The run record `run.json`: what ran, where, with which code, and every restart and why.
+
+Kept by the writer of the run directory: created at the first start, updated at every
+(re)start, stop and end. Tools (`mjlab-hpc status`, plots, people) read it instead of parsing
+logs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import json
+from pathlib import Path
+from typing import Any
+
+from mjlab_hpc.procs import run_command
+from mjlab_hpc.rundir.layout import RUN_RECORD
+
+__all__ = ["git_commit", "now_iso", "on_end", "on_start", "on_stop", "read_record", "versions"]
+
+_PACKAGES = ("torch", "warp-lang", "mujoco", "mujoco-warp", "rsl-rl-lib", "mjlab", "mjlab-hpc")
+
+
+def now_iso() -> str:
+    """The current time, ISO 8601 with the UTC offset."""
+    return dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions of the stack (None: not installed)."""
+    out: dict[str, str | None] = {}
+    for name in _PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_commit(path: Path) -> str | None:
+    """The commit of the git checkout holding `path` (None outside a checkout)."""
+    proc = run_command(["git", "-C", str(path), "rev-parse", "HEAD"], timeout_s=10)
+    if proc is None or proc.returncode != 0:
+        return None
+    return proc.stdout.strip() or None
+
+
+def read_record(run_dir: Path) -> dict[str, Any]:
+    """The run record, or an empty dict when there is none yet."""
+    path = run_dir / RUN_RECORD
+    if not path.exists():
+        return {}
+    try:
+        return dict(json.loads(path.read_text()))
+    except json.JSONDecodeError:
+        return {}
+
+
+def on_start(
+    record: dict[str, Any],
+    *,
+    spec: dict[str, Any],
+    effective: dict[str, Any],
+    job_id: str | None,
+    restart_count: int,
+    launch_mode: str,
+    world_size: int,
+    num_nodes: int,
+    device: str,
+    resumed_from: int,
+    code_dir: Path,
+) -> dict[str, Any]:
+    """The record after a (re)start of the run."""
+    record = dict(record)
+    record.setdefault("started_at", now_iso())
+    record.setdefault("spec", spec)
+    # What the task resolved to (envs per rank, total iterations, experiment): tools read these
+    # instead of looking the task up again.
+    record["effective"] = effective
+    record.setdefault("restarts", [])
+    record["state"] = "running"
+    record["world_size"] = world_size
+    record["num_nodes"] = num_nodes
+    record["device"] = device
+    record["launch_mode"] = launch_mode
+    record["versions"] = versions()
+    record["git_commit"] = git_commit(code_dir)
+    starts = list(record.get("starts", []))
+    starts.append(
+        {
+            "job_id": job_id,
+            "restart_count": restart_count,
+            "at": now_iso(),
+            "resumed_from_iteration": resumed_from,
+        }
+    )
+    record["starts"] = starts
+    record["job_ids"] = sorted({s["job_id"] for s in starts if s["job_id"]})
+    return record
+
+
+def on_stop(record: dict[str, Any], stop: dict[str, Any]) -> dict[str, Any]:
+    """The record after a stop for a requeue (time limit, preemption)."""
+    record = dict(record)
+    record["restarts"] = [*record.get("restarts", []), stop]
+    record["state"] = "stopped"
+    record["stopped_at"] = now_iso()
+    return record
+
+
+def on_end(record: dict[str, Any], iterations: int, state: str = "completed") -> dict[str, Any]:
+    """The record at the end of the run."""
+    record = dict(record)
+    record["state"] = state
+    record["ended_at"] = now_iso()
+    record["iterations"] = iterations
+    return record

@@ -1,0 +1,109 @@
+"""The one process that writes a run directory's shared files, and side effects that must
+happen once per run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mjlab_hpc.rundir.checkpoint import save_checkpoint
+from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.lock import LeaseLock, LockError, OwnerInfo, write_fenced
+
+__all__ = ["RunWriter", "once"]
+
+
+class RunWriter:
+    """The one process that writes a run directory's shared files.
+
+    It holds the run's lease lock (`<run>/.writer.lock`) from start to end; every file it
+    publishes is fenced by the lock's token, so a former writer that wakes up after another
+    process took over (a frozen node, a stale restart) cannot overwrite anything.
+    """
+
+    def __init__(self, run: RunDir, lock: LeaseLock) -> None:
+        self.run = run
+        self.lock = lock
+
+    @classmethod
+    def acquire(
+        cls, run: RunDir, rank: int, lease_s: float = 30.0, timeout_s: float | None = None
+    ) -> RunWriter:
+        """Become the writer of `run`, waiting at most `timeout_s` (default: one lease, so a
+        crashed previous writer's lock can expire)."""
+        lock = LeaseLock(run.writer_lock, owner=OwnerInfo.from_env(rank), lease_s=lease_s)
+        lock.acquire(timeout_s=lease_s * 1.5 + 5.0 if timeout_s is None else timeout_s)
+        return cls(run, lock)
+
+    def check(self) -> None:
+        """Raise LockLost if another process has taken over."""
+        self.lock.check()
+
+    def write_text(self, path: Path, text: str) -> None:
+        """Publish a whole file (temporary file, fence check, rename)."""
+        write_fenced(self.lock, path, text.encode())
+
+    def write_json(self, path: Path, data: Any) -> None:
+        """Publish a JSON file (indented, keys sorted)."""
+        self.write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+    def append_line(self, path: Path, line: str) -> None:
+        """Append one line to a log-like file (progress.jsonl, restarts.jsonl)."""
+        self.check()
+        with open(path, "a") as f:
+            f.write(line.rstrip("\n") + "\n")
+
+    def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        """Save a checkpoint atomically, fenced just before the rename."""
+        save_checkpoint(path, state, before_rename=self.check)
+
+    def release(self) -> None:
+        """Give the run up (the lock is left for a successor to take at once)."""
+        with contextlib.suppress(LockError):  # lost already: nothing of ours to release
+            self.lock.release()
+
+
+def once(
+    run: RunDir,
+    name: str,
+    writer: RunWriter | None,
+    fn: Callable[[], Any],
+    timeout_s: float = 3600.0,
+    poll_s: float = 0.2,
+) -> Any:
+    """Run a side effect that must happen once per run (an artifact download, a video) on the
+    writer only; every other rank waits for its result, and so does every restart.
+
+    The writer publishes `{"result": ...}` (JSON-able) or `{"error": ...}` as
+    `<run>/.once/<name>.json`, fenced by its lock; the others raise the writer's error instead
+    of waiting for the timeout.
+    """
+    marker = run.once_marker(name)
+    if writer is not None:
+        if marker.exists():  # done by an earlier start of this run
+            return _once_result(marker, name)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            result = fn()
+        except Exception as exc:
+            writer.write_json(marker, {"error": f"{type(exc).__name__}: {exc}"})
+            raise
+        writer.write_json(marker, {"result": result})
+        return result
+    deadline = time.monotonic() + timeout_s
+    while not marker.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:g} s for the writer to finish {name!r}")
+        time.sleep(poll_s)
+    return _once_result(marker, name)
+
+
+def _once_result(marker: Path, name: str) -> Any:
+    data = json.loads(marker.read_text())
+    if "error" in data:
+        raise RuntimeError(f"the writer's {name!r} failed: {data['error']}")
+    return data["result"]

@@ -1,0 +1,236 @@
+"""Every Slurm command the toolkit runs (squeue, sacct, scontrol, scancel), through one client
+with one timeout policy.
+
+A command that is missing or hangs answers None instead of raising: callers decide what a
+missing answer means (status falls back to the run record, the rendezvous to the built-in
+hostlist parser).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from mjlab_hpc.procs import run_command
+
+__all__ = ["DEFAULT_TIMEOUT_S", "FINAL_STATES", "SlurmClient", "SlurmRow"]
+
+log = logging.getLogger("mjlab_hpc")
+
+#: Seconds any one Slurm command may take before it counts as not answering.
+DEFAULT_TIMEOUT_S = 30.0
+
+#: Slurm states after which a job never runs again (REQUEUED is not one of them).
+FINAL_STATES = frozenset(
+    {
+        "BOOT_FAIL",
+        "CANCELLED",
+        "COMPLETED",
+        "DEADLINE",
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "TIMEOUT",
+        "REVOKED",
+        "SPECIAL_EXIT",
+    }
+)
+_GPUS = re.compile(r"gpu(?::[\w.-]+)?[:=](\d+)")
+
+
+@dataclass(frozen=True)
+class SlurmRow:
+    """One job (or array element) as squeue or sacct reports it."""
+
+    job_id: str
+    """`4711`, or `4711_2` for an element of a job array."""
+    raw_id: str
+    state: str
+    nodes: int | None
+    gpus_per_node: int | None
+    node_list: str | None
+    source: Literal["squeue", "sacct"]
+
+    @property
+    def final(self) -> bool:
+        """The job will never run again."""
+        return self.state in FINAL_STATES
+
+    def matches(self, asked: str) -> bool:
+        """Whether this row answers a question about job `asked`."""
+        return asked in (self.job_id, self.raw_id)
+
+
+def _int(text: str) -> int | None:
+    return int(text) if text.strip().isdigit() else None
+
+
+@dataclass(frozen=True)
+class SlurmClient:
+    """Runs Slurm's commands with a given environment and one timeout for all of them."""
+
+    env: Mapping[str, str] | None = None
+    """Environment of the commands (default: this process's; tests add SLURM_CONF)."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Seconds a command may take; past that it is killed and counts as not answering."""
+
+    def run(self, args: Sequence[str]) -> subprocess.CompletedProcess[str] | None:
+        """Run a Slurm command; None when it is not installed or does not answer in time."""
+        proc = run_command(args, timeout_s=self.timeout_s, env=self.env)
+        if proc is None:
+            log.debug("%s: not found or no answer within %gs", args[0], self.timeout_s)
+        return proc
+
+    # --- job states ----------------------------------------------------------------------
+
+    def squeue(self, ids: Sequence[str]) -> list[SlurmRow]:
+        """The jobs slurmctld still knows (running, pending, and recently ended ones)."""
+        if not ids:
+            return []
+        fmt = "%i|%F|%K|%A|%T|%D|%N|%b"
+        proc = self.run(["squeue", "-h", "-t", "all", "-j", ",".join(ids), "-o", fmt])
+        if proc is None or proc.returncode != 0:
+            return []  # all ids unknown ("Invalid job id"), or no Slurm here
+        rows = []
+        for line in proc.stdout.splitlines():
+            parts = line.strip().split("|")
+            if len(parts) != 8:
+                continue
+            job, array, task, raw, state, nodes, node_list, tres = parts
+            job_id = f"{array}_{task}" if task.isdigit() else job
+            gpus = _GPUS.search(tres)
+            rows.append(
+                SlurmRow(
+                    job_id=job_id,
+                    raw_id=raw,
+                    state=state,
+                    nodes=_int(nodes),
+                    gpus_per_node=int(gpus.group(1)) if gpus else None,
+                    node_list=node_list or None,
+                    source="squeue",
+                )
+            )
+        return rows
+
+    def sacct(self, ids: Sequence[str]) -> list[SlurmRow] | None:
+        """The jobs in accounting; None when sacct fails (e.g. accounting is disabled)."""
+        if not ids:
+            return []
+        fields = "JobID,JobIDRaw,State,NNodes,AllocTRES,NodeList"
+        proc = self.run(["sacct", "-n", "-P", "-X", "-j", ",".join(ids), "-o", fields])
+        if proc is None or proc.returncode != 0:
+            return None
+        rows = []
+        for line in proc.stdout.splitlines():
+            parts = line.strip().split("|")
+            if len(parts) != 6 or not parts[2]:
+                continue
+            job, raw, state, nodes, tres, node_list = parts
+            n = _int(nodes)
+            gpus = re.search(r"gres/gpu=(\d+)", tres)
+            per_node = int(gpus.group(1)) // n if gpus and n else None
+            rows.append(
+                SlurmRow(
+                    job_id=job,
+                    raw_id=raw,
+                    state=state.split()[0],  # "CANCELLED by 0" -> CANCELLED
+                    nodes=n,
+                    gpus_per_node=per_node,
+                    node_list=None if node_list in ("", "None assigned") else node_list,
+                    source="sacct",
+                )
+            )
+        return rows
+
+    def query(self, ids: Sequence[str]) -> tuple[dict[str, SlurmRow], bool]:
+        """The freshest row for every id that Slurm knows, and whether accounting answered.
+
+        squeue is current while slurmctld knows the job; sacct has the precise end state
+        (squeue says COMPLETING while sacct already says CANCELLED) and jobs slurmctld has
+        forgotten. Without accounting only squeue is used, and callers fall back to the run
+        record for jobs squeue no longer lists.
+        """
+        ids = sorted(set(ids))
+        queue = self.squeue(ids)
+        accounting = self.sacct(ids)
+        out: dict[str, SlurmRow] = {}
+        for asked in ids:
+            sq = next((r for r in queue if r.matches(asked)), None)
+            sa = next((r for r in accounting or [] if r.matches(asked)), None)
+            if sq is not None and not (sq.final or sq.state == "COMPLETING"):
+                out[asked] = sq  # sacct may still say PENDING for a job that just started
+            elif sa is not None and sa.final:
+                out[asked] = sa
+            elif sq is not None:
+                out[asked] = sq
+            elif sa is not None:
+                out[asked] = sa
+        return out, accounting is not None
+
+    def show_job(self, job_id: str) -> str | None:
+        """`scontrol show job JOB` as printed (None when slurmctld does not know the job)."""
+        proc = self.run(["scontrol", "show", "job", job_id])
+        if proc is None or proc.returncode != 0:
+            return None
+        return proc.stdout
+
+    def job_state(self, job_id: str) -> str | None:
+        """The job's state as slurmctld sees it now (RUNNING, CANCELLED, ...), None if unknown."""
+        text = self.show_job(job_id) or ""
+        for word in text.split():
+            if word.startswith("JobState="):
+                return word.removeprefix("JobState=")
+        return None
+
+    def job_stdout_paths(self, job_id: str) -> list[Path]:
+        """The StdOut files of a job slurmctld knows (one per array element)."""
+        return [Path(m.group(1)) for m in re.finditer(r"StdOut=(\S+)", self.show_job(job_id) or "")]
+
+    # --- actions ---------------------------------------------------------------------------
+
+    def requeue(self, job_id: str) -> bool:
+        """Ask Slurm to run this job again (same job id, SLURM_RESTART_COUNT + 1).
+
+        Only a job that is still RUNNING is requeued. SIGTERM also comes from `scancel`: the
+        job is then CANCELLED, and requeueing it would undo the user's cancel. A preempted job
+        that Slurm requeues itself (PreemptMode=REQUEUE) is no longer RUNNING either. True
+        when the job will run again or was deliberately left alone.
+        """
+        state = self.job_state(job_id)
+        if state is not None and state != "RUNNING":
+            log.info("job %s is %s: not requeued (checkpoint saved)", job_id, state)
+            return state in ("REQUEUED", "PENDING", "PREEMPTED", "CANCELLED", "COMPLETING")
+        proc = self.run(["scontrol", "requeue", job_id])
+        if proc is None or proc.returncode != 0:
+            why = "no answer" if proc is None else proc.stderr.strip()
+            log.error("scontrol requeue %s failed: %s", job_id, why)
+            return False
+        log.info("requeued Slurm job %s", job_id)
+        return True
+
+    def scancel(self, ids: Sequence[str]) -> subprocess.CompletedProcess[str] | None:
+        """Cancel jobs (SIGTERM to their steps, then SIGKILL after KillWait)."""
+        return self.run(["scancel", *ids])
+
+    def forbid_requeue(self, job_id: str) -> subprocess.CompletedProcess[str] | None:
+        """Mark a job as not requeueable (before cancelling it: our ranks answer SIGTERM with a
+        checkpoint and `scontrol requeue`; a job that may not be requeued stays cancelled)."""
+        return self.run(["scontrol", "update", f"JobId={job_id}", "Requeue=0"])
+
+    def hostnames(self, expr: str, scontrol: str = "scontrol") -> list[str] | None:
+        """`scontrol show hostnames EXPR` (None when scontrol is missing, fails, hangs or
+        prints no host, as it does for an invalid hostlist while exiting 0)."""
+        argv = [scontrol, "show", "hostnames", expr]
+        if expr.startswith("-"):
+            argv.insert(-1, "--")  # else scontrol's getopt takes "-[1-2]" for options
+        proc = self.run(argv)
+        if proc is None or proc.returncode != 0:
+            return None
+        hosts = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+        return hosts or None

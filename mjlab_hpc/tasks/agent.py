@@ -1,0 +1,126 @@
+"""rsl-rl agent configs of the built-in tasks, and `--agent.*` overrides applied to them."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from mjlab_hpc.errors import SpecError
+from mjlab_hpc.tasks.builtin import TaskInfo
+
+__all__ = ["agent_config", "apply_agent_overrides"]
+
+
+def agent_config(task: TaskInfo, save_interval: int, experiment_name: str) -> dict[str, Any]:
+    """The rsl-rl OnPolicyRunner config (5.x layout) for a built-in task."""
+    a = task.agent
+    return {
+        "num_steps_per_env": a.get("num_steps_per_env", 24),
+        "save_interval": save_interval,
+        "experiment_name": experiment_name,
+        "obs_groups": {"actor": ["policy"], "critic": ["policy"]},
+        "logger": "tensorboard",
+        "check_for_nan": True,
+        "actor": {
+            "class_name": "rsl_rl.models.MLPModel",
+            "hidden_dims": list(a.get("actor_hidden", (128, 128))),
+            "activation": "elu",
+            "obs_normalization": True,
+            "distribution_cfg": {
+                "class_name": "rsl_rl.modules.distribution.GaussianDistribution",
+                "init_std": 1.0,
+            },
+        },
+        "critic": {
+            "class_name": "rsl_rl.models.MLPModel",
+            "hidden_dims": list(a.get("critic_hidden", (128, 128))),
+            "activation": "elu",
+            "obs_normalization": True,
+        },
+        "algorithm": {
+            "class_name": "rsl_rl.algorithms.PPO",
+            "num_learning_epochs": 5,
+            "num_mini_batches": 4,
+            "clip_param": 0.2,
+            "gamma": 0.99,
+            "lam": 0.95,
+            "value_loss_coef": 1.0,
+            "entropy_coef": 0.005,
+            "learning_rate": a.get("learning_rate", 1e-3),
+            "max_grad_norm": 1.0,
+            "use_clipped_value_loss": True,
+            "schedule": "adaptive",
+            "desired_kl": 0.01,
+            "rnd_cfg": None,
+            "symmetry_cfg": None,
+        },
+    }
+
+
+def _override_pairs(overrides: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(flag, value) pairs from `--agent.key VALUE` / `--agent.key=VALUE` arguments."""
+    pairs: list[tuple[str, str]] = []
+    items = list(overrides)
+    while items:
+        flag = items.pop(0)
+        if "=" in flag:
+            flag, value = flag.split("=", 1)
+        elif items and not items[0].startswith("--"):
+            value = items.pop(0)
+        else:
+            raise SpecError(flag, "needs a value (--agent.KEY VALUE)")
+        pairs.append((flag, value))
+    return pairs
+
+
+def apply_agent_overrides(cfg: dict[str, Any], overrides: tuple[str, ...]) -> dict[str, Any]:
+    """A built-in task's rsl-rl config with `--agent.KEY VALUE` overrides applied.
+
+    KEY is a setting at the top level (`num_steps_per_env`) or in exactly one of `algorithm`,
+    `actor`, `critic` (`learning_rate`), or a dotted path (`algorithm.gamma`); dashes count as
+    underscores and values are YAML (`1e-3`, `[64,64]`, `true`). SpecError names a flag that
+    is not an agent setting.
+    """
+    out = copy.deepcopy(cfg)
+    for flag, raw in _override_pairs(overrides):
+        if not flag.startswith("--agent."):
+            raise SpecError(
+                flag, "built-in tasks take --agent.* overrides only (--env.* is for mjlab tasks)"
+            )
+        path = flag.removeprefix("--agent.").replace("-", "_").split(".")
+        value = _parse_value(raw, yaml.safe_load(raw))
+        if len(path) == 1:
+            key = path[0]
+            homes = [out] if key in out else [out[s] for s in ("algorithm", "actor", "critic")
+                                                if key in out[s]]  # fmt: skip
+            if len(homes) != 1:
+                known = sorted(
+                    {k for k, v in out.items() if not isinstance(v, dict)}
+                    | {k for s in ("algorithm", "actor", "critic") for k in out[s]}
+                )
+                problem = "is ambiguous" if homes else "is not an agent setting"
+                raise SpecError(flag, f"{key!r} {problem}; settings: {', '.join(known)}")
+            homes[0][key] = value
+            continue
+        node = out
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                raise SpecError(flag, f"{part!r} is not an agent section")
+            node = node[part]
+        if path[-1] not in node:
+            raise SpecError(flag, f"{path[-1]!r} is not a setting of {'.'.join(path[:-1])}")
+        node[path[-1]] = value
+    return out
+
+
+def _parse_value(raw: str, parsed: Any) -> Any:
+    # YAML 1.1 reads `3e-4` (no decimal point) as a string: numbers win over strings here.
+    if isinstance(parsed, str):
+        for kind in (int, float):
+            try:
+                return kind(raw)
+            except ValueError:
+                pass
+    return parsed

@@ -1,0 +1,82 @@
+"""The built-in tasks (no mjlab needed): their environments, defaults and PPO settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+__all__ = ["BUILTIN_TASKS", "TaskInfo", "get_task"]
+
+if TYPE_CHECKING:  # the environments import torch and warp: only when one is made
+    from mjlab_hpc.tasks.base import WarpVecEnv
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """A task as listed: its defaults, and for a built-in task its environment and rsl-rl PPO
+    settings."""
+
+    name: str
+    """The name TASK arguments use."""
+    description: str
+    """One line for `mjlab-hpc list-tasks`."""
+    make_env: Callable[[int, str, int, bool], WarpVecEnv] | None
+    """Builds the environment (None for mjlab tasks: mjlab builds those)."""
+    num_envs: int
+    """Default environments per rank."""
+    max_iterations: int
+    """Default PPO iterations."""
+    agent: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the default rsl-rl runner config (see `agent_config`)."""
+    experiment: str = ""
+    """Experiment folder name (default: the task's name)."""
+    source: Literal["built-in", "mjlab"] = "built-in"
+    """Where the task comes from."""
+
+    @property
+    def experiment_name(self) -> str:
+        """The experiment folder of its runs."""
+        return self.experiment or self.name
+
+
+def _cartpole(num_envs: int, device: str, seed: int, use_graph: bool) -> WarpVecEnv:
+    from mjlab_hpc.tasks.cartpole import CartpoleEnv
+
+    return CartpoleEnv(num_envs, device, seed, use_graph)
+
+
+def _ant(num_envs: int, device: str, seed: int, use_graph: bool) -> WarpVecEnv:
+    from mjlab_hpc.tasks.ant import AntEnv
+
+    return AntEnv(num_envs, device, seed, use_graph)
+
+
+BUILTIN_TASKS: dict[str, TaskInfo] = {
+    "cartpole": TaskInfo(
+        name="cartpole",
+        description="Cartpole balance (1 action, no contacts); the default task.",
+        make_env=_cartpole,
+        num_envs=1024,
+        max_iterations=100,
+        agent={"actor_hidden": (32, 32), "critic_hidden": (32, 32), "learning_rate": 1e-3},
+    ),
+    "ant": TaskInfo(
+        name="ant",
+        description="Ant quadruped running on flat ground (8 actions, contact-rich).",
+        make_env=_ant,
+        num_envs=1024,
+        max_iterations=1000,
+        agent={"actor_hidden": (256, 128, 64), "critic_hidden": (256, 128, 64)},
+    ),
+}
+
+
+def get_task(name: str) -> TaskInfo:
+    """The built-in task called `name` (KeyError with the known names otherwise)."""
+    try:
+        return BUILTIN_TASKS[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown task {name!r}; built-in tasks: {', '.join(sorted(BUILTIN_TASKS))}"
+        ) from None

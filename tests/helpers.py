@@ -1,0 +1,169 @@
+"""Helpers shared by the tests: the CLIs' environment, finding a test's run, waiting for
+progress, finding rank processes, fault injection, and two real ranks in a gloo group."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from mjlab_hpc.launch.local import free_port
+from mjlab_hpc.procs import processes
+from mjlab_hpc.rundir.layout import RunDir
+
+#: The venv's scripts (mjlab-train, mjlab-submit, mjlab-hpc, torchrun).
+BIN = Path(sys.executable).parent
+
+# Variables of an enclosing launcher: a CLI started by a test must start as a plain process.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_STEP_ID",
+                  "SLURM_STEPID")  # fmt: skip
+
+
+def cli_env(
+    extra: Mapping[str, str] | None = None,
+    *,
+    base: Mapping[str, str] | None = None,
+    path: str | None = None,
+) -> dict[str, str]:
+    """The environment of a CLI a test starts: `base` (default: ours) without launcher
+    variables, the venv's scripts first on PATH (or exactly `path`), plus `extra`."""
+    env = {k: v for k, v in (base if base is not None else os.environ).items()
+           if k not in _LAUNCHER_VARS and not k.startswith("SUBMITIT_")}  # fmt: skip
+    env["PATH"] = path if path is not None else f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra or {})
+    return env
+
+
+def runs_under(root: Path) -> list[Path]:
+    """Run directories `<root>/<experiment>/<run>`, oldest name first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("*/*") if p.is_dir() and not p.name.startswith("."))
+
+
+def only_run(root: Path) -> RunDir:
+    """The one run a test made under the log root `root`."""
+    runs = runs_under(root)
+    assert len(runs) == 1, runs
+    return RunDir(runs[0])
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.25) -> Any:
+    """Poll until `predicate()` returns something true; that value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s")
+
+
+def wait_for_iteration(root: Path, n: int, timeout: float = 150) -> RunDir:
+    """The run under `root` once it has finished `n` iterations (progress.jsonl lines)."""
+
+    def reached() -> RunDir | None:
+        for run in runs_under(root):
+            if len(RunDir(run).read_progress()) >= n:
+                return RunDir(run)
+        return None
+
+    return wait_for(reached, timeout, f"iteration {n} under {root}", poll=0.05)
+
+
+def rank_pids(run: RunDir) -> list[int]:
+    """The rank processes of a local-executor job (submitit's task runner with its folder)."""
+    folder = str(run.submitit.resolve())
+
+    def is_rank(argv: tuple[str, ...]) -> bool:
+        return "submitit.core._submit" in argv and folder in argv
+
+    return sorted(p.pid for p in processes(is_rank))
+
+
+# Fault injection for the tests: on the rank named by MJLAB_FAULT_RANK (SLURM_PROCID or the
+# local executor's global id), training raises inside the loop at MJLAB_FAULT_ITERATION,
+# exactly where a bug in a hook would. Loaded by Python itself (sitecustomize on PYTHONPATH).
+FAULT_INJECTION = """
+import importlib.abc, importlib.util, os, sys
+
+_rank = os.environ.get("SLURM_PROCID") or os.environ.get("SUBMITIT_LOCAL_GLOBALID")
+
+class _Inject(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "mjlab_hpc.rank.progress":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            update, at = module.ProgressDisplay.update, int(os.environ["MJLAB_FAULT_ITERATION"])
+
+            def failing(self, s):
+                if s.iteration >= at:
+                    raise RuntimeError(f"injected fault on rank {_rank} at iteration {s.iteration}")
+                update(self, s)
+
+            module.ProgressDisplay.update = failing
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+if _rank is not None and _rank == os.environ.get("MJLAB_FAULT_RANK"):
+    sys.meta_path.insert(0, _Inject())
+"""
+
+
+def fault_env(tmp: Path, rank: int, iteration: int) -> dict[str, str]:
+    """Variables that make `rank` raise at `iteration` (see FAULT_INJECTION)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "sitecustomize.py").write_text(FAULT_INJECTION)
+    return {"PYTHONPATH": str(tmp), "MJLAB_FAULT_RANK": str(rank),
+            "MJLAB_FAULT_ITERATION": str(iteration)}  # fmt: skip
+
+
+def rank_env(rank: int, port: int, world_size: int = 2) -> dict[str, str]:
+    """torchrun-style variables of one rank on this machine."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+def _rank_main(body: Callable[[int], Any], rank: int, port: int, out: mp.Queue) -> None:
+    import torch
+
+    from mjlab_hpc.rank.context import DistContext, process_group
+
+    torch.set_num_threads(1)
+    with process_group(DistContext.from_env(rank_env(rank, port)), "cpu", timeout_s=60):
+        result = body(rank)
+    out.put((rank, result))
+
+
+def run_two_ranks(body: Callable[[int], Any], timeout_s: float = 110.0) -> dict[int, Any]:
+    """Run `body(rank)` in two spawned processes joined in one gloo process group (a module
+    -level function, so that the children can import it). Returns {rank: result} after both
+    exited cleanly."""
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(body, r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    # Results first: a worker blocks on exit until its queued data has been read.
+    got = dict(out.get(timeout=timeout_s) for _ in procs)
+    for p in procs:
+        p.join(60)  # a loaded machine takes a while to tear a process group down
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    return got

@@ -1,0 +1,228 @@
+"""Training jobs on the real two-node Slurm test cluster: mjlab-submit, the sbatch template,
+GPU allocation, bad specs, preemption with requeue, and the lock across both nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import BIN, cli_env, only_run
+from slurm_cluster import SlurmCluster
+
+from mjlab_hpc.rundir.layout import RunDir
+
+pytestmark = pytest.mark.slurm
+
+
+def env_for(cluster: SlurmCluster) -> dict[str, str]:
+    return cli_env(base=cluster.environ())
+
+
+def submit(cluster: SlurmCluster, args: list[str], timeout: float = 300) -> tuple[int, str]:
+    proc = subprocess.run(
+        [BIN / "mjlab-submit", *args], env=env_for(cluster), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def job_id_of(output: str) -> str:
+    m = re.search(r"job\s+(\d+) \(slurm\)", output)
+    assert m, output
+    return m.group(1)
+
+
+def first_lines(run: RunDir, world: int) -> list[str]:
+    return [run.rank_log(k).read_text().splitlines()[0] for k in range(world)]
+
+
+def test_submit_2x2_cpu(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    t0 = time.time()
+    code, out = submit(slurm_cluster, [
+        "cartpole", "--nodes", "2", "--tasks-per-node", "2", "--gpus-per-node", "0",
+        "--num-envs", "64", "--max-iterations", "3", "--torch-threads", "1",
+        "--log-root", str(tmp_path), "--time", "10", "--follow",
+    ])  # fmt: skip
+    assert code == 0, out
+    job = job_id_of(out)
+    run = only_run(tmp_path)
+    first_iteration_s = run.read_progress()[0]["time"] - t0
+    print(f"[2x2 job] mjlab-submit to first finished iteration: {first_iteration_s:.1f} s")
+    heads = first_lines(run, 4)
+    # Ranks 0-3 spread over both nodes, the master on node1.
+    assert [("host node1" in h, "host node2" in h) for h in heads] == [
+        (True, False), (True, False), (False, True), (False, True)
+    ]  # fmt: skip
+    assert all("via slurm" in h and "master node1:" in h for h in heads)
+    summary = json.loads(run.summary.read_text())
+    assert summary["world_size"] == 4 and summary["ranks_in_sync"]
+    assert summary["launch_mode"] == "slurm" and summary["job_id"] == job
+    assert slurm_cluster.wait_job(job, timeout=60) == "COMPLETED"
+
+
+def test_gpu_allocation_falls_back_to_cpu(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    code, out = submit(slurm_cluster, [
+        "cartpole", "--nodes", "1", "--gpus-per-node", "4", "--num-envs", "16",
+        "--max-iterations", "1", "--torch-threads", "1", "--log-root", str(tmp_path),
+        "--time", "10", "--follow",
+    ])  # fmt: skip
+    assert code == 0, out
+    run = only_run(tmp_path)
+    heads = first_lines(run, 4)
+    assert all("CUDA_VISIBLE_DEVICES=0,1,2,3" in h and " on cpu" in h for h in heads), heads
+    assert "training on CPU" in run.rank_log(0).read_text()
+    assert slurm_cluster.wait_job(job_id_of(out), timeout=60) == "COMPLETED"
+
+
+def test_rendered_template_with_sbatch(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    render = subprocess.run(
+        [BIN / "mjlab-hpc", "render", "train", "cartpole", "--nodes", "2",
+         "--tasks-per-node", "1", "--gpus-per-node", "0", "--num-envs", "32",
+         "--max-iterations", "2", "--torch-threads", "1", "--log-root", str(tmp_path),
+         "--run-name", "from template", "--time", "10"],
+        env=env_for(slurm_cluster), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert render.returncode == 0, render.stderr
+    script = tmp_path / "job.sbatch"
+    script.write_text(render.stdout)
+    job = slurm_cluster.sbatch([str(script)], env=env_for(slurm_cluster), cwd=tmp_path)
+    assert slurm_cluster.wait_job(job, timeout=180) == "COMPLETED"
+    run = only_run(tmp_path)
+    assert run.path.name.endswith("_from template")
+    summary = json.loads(run.summary.read_text())
+    assert summary["world_size"] == 2 and summary["ranks_in_sync"]
+    assert summary["launch_mode"] == "slurm" and summary["iterations"] == 2
+
+
+def test_bad_spec_submits_nothing(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    name = f"bad-{os.getpid()}"
+    for args in (["--nodes", "0"], ["--time", "forever"], ["--container", "/no/such.sif"]):
+        code, out = submit(slurm_cluster, ["cartpole", "--job-name", name,
+                                           "--log-root", str(tmp_path), *args])  # fmt: skip
+        assert code == 2, out
+    queued = slurm_cluster.run(["squeue", "-h", "-n", name]).stdout.strip()
+    accounted = slurm_cluster.run(["sacct", "-n", "-X", "--name", name, "-S", "now-1hour"])
+    assert queued == "" and accounted.stdout.strip() == ""
+    assert not any(tmp_path.iterdir())
+
+
+def test_preempt_requeue_resume_exact(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """scancel --signal=USR2 mid-run -> checkpoint -> requeue -> exactly K iterations in one
+    run directory, parameters bit-identical to an uninterrupted run (same seed and world)."""
+    common = ["cartpole", "--num-envs", "64", "--max-iterations", "12", "--seed", "5",
+              "--torch-threads", "1", "--save-interval", "100"]  # fmt: skip
+    ref = subprocess.run(
+        [BIN / "mjlab-train", *common, "--num-procs", "2", "--log-root", str(tmp_path / "ref")],
+        env=env_for(slurm_cluster), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    reference = json.loads(only_run(tmp_path / "ref").summary.read_text())
+
+    code, out = submit(
+        slurm_cluster,
+        [
+            *common,
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "0",
+            "--log-root",
+            str(tmp_path / "job"),
+            "--time",
+            "10",
+        ],
+    )
+    assert code == 0, out
+    job = job_id_of(out)
+    root = tmp_path / "job" / "cartpole"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        runs = list(root.glob("*/progress.jsonl"))
+        if runs and len(runs[0].read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the job did not reach iteration 4")
+    t_signal = time.time()
+    slurm_cluster.run(["scancel", "--signal=USR2", job], check=True)
+    assert slurm_cluster.wait_job(job, timeout=240) == "COMPLETED"
+    run = only_run(tmp_path / "job")
+    summary = json.loads(run.summary.read_text())
+    restarts = [json.loads(x) for x in (run.path / "restarts.jsonl").read_text().splitlines()]
+    assert len(restarts) == 1 and restarts[0]["reason"] == "time-limit"
+    assert restarts[0]["checkpoint_at"] - t_signal < 30
+    assert summary["restart_count"] == 1 and summary["resumed_from"] == restarts[0]["iteration"]
+    assert summary["iterations"] == 12
+    iterations = [r["iteration"] for r in run.read_progress()]
+    # Every iteration once up to the stop, then the remaining ones: exactly K in all.
+    stop = restarts[0]["iteration"]
+    assert iterations[:stop] == list(range(1, stop + 1)) and iterations[-1] == 12
+    assert sorted(set(iterations)) == list(range(1, 13))
+    assert summary["param_digest_per_rank"] == reference["param_digest_per_rank"]
+    # Every rank exited promptly on the requeue: no node was drained for a stuck process.
+    states = slurm_cluster.run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout.split("\n")
+    assert all("drain" not in line for line in states), states
+
+
+LOCK_WORKER = """
+import json, os, sys, time
+from mjlab_hpc.rundir.lock import LeaseLock, OwnerInfo
+path, record, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rank = int(os.environ["SLURM_PROCID"])
+node = os.environ["SLURMD_NODENAME"]
+for _ in range(rounds):
+    with LeaseLock(path, owner=OwnerInfo.from_env(rank), lease_s=10, timeout_s=120) as lock:
+        fd = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(fd, f"{lock.token} {node} {rank} enter\\n".encode())
+        time.sleep(0.002)
+        os.write(fd, f"{lock.token} {node} {rank} exit\\n".encode())
+        os.close(fd)
+"""
+
+
+def test_lock_contenders_on_both_nodes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    worker = tmp_path / "worker.py"
+    worker.write_text(LOCK_WORKER)
+    record = tmp_path / "record.txt"
+    proc = slurm_cluster.run(
+        ["srun", "-N2", "--ntasks-per-node=4", "--time=5", sys.executable, str(worker),
+         str(tmp_path / "run.lock"), str(record), "10"],
+        env=env_for(slurm_cluster), timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.split() for line in record.read_text().splitlines()]
+    assert len(lines) == 2 * 8 * 10
+    tokens = []
+    for enter, leave in zip(lines[0::2], lines[1::2], strict=True):
+        assert enter[3] == "enter" and leave[3] == "exit" and enter[:3] == leave[:3]
+        tokens.append(int(enter[0]))
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+    assert {line[1] for line in lines} == {"node1", "node2"}
+
+
+def test_bare_scancel_is_not_undone(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """scancel sends SIGTERM, which looks like a preemption to the ranks: they checkpoint,
+    but the cancelled job must stay cancelled (no requeue)."""
+    code, out = submit(slurm_cluster, [
+        "cartpole", "--nodes", "1", "--gpus-per-node", "0", "--num-envs", "32",
+        "--max-iterations", "100000", "--torch-threads", "1", "--log-root", str(tmp_path),
+        "--time", "10",
+    ])  # fmt: skip
+    assert code == 0, out
+    job = job_id_of(out)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "cartpole").glob("2*/progress.jsonl")):
+        assert time.monotonic() < deadline, "the job did not start training"
+        time.sleep(0.2)
+    slurm_cluster.run(["scancel", job], check=True)
+    assert slurm_cluster.wait_job(job, timeout=120) == "CANCELLED"
+    time.sleep(3)  # a requeue would show up as a new PENDING/RUNNING run by now
+    runs = slurm_cluster.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"])
+    states = [line.split()[0] for line in runs.stdout.splitlines() if line.strip()]
+    assert states == ["CANCELLED"], runs.stdout  # one run: never requeued

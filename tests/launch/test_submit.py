@@ -1,0 +1,242 @@
+"""mjlab-submit and the sbatch templates, without a cluster: validation, dry runs, golden
+scripts, shell quoting (executed for real), and a real job through the local executor."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import BIN, cli_env
+
+from mjlab_hpc.errors import SpecError
+from mjlab_hpc.launch.slurm import render_sbatch
+from mjlab_hpc.launch.templates import render, train_cli_args
+from mjlab_hpc.rundir.layout import RunDir, run_dir_for_key
+from mjlab_hpc.slurm.units import slurm_time_minutes
+from mjlab_hpc.spec import SubmitSpec, TrainSpec
+
+GOLDEN = Path(__file__).parent / "golden"
+HOSTILE = "my run; $(touch pwned) `touch pwned2` \"q\" 'x'"
+
+
+@pytest.mark.parametrize(
+    ("text", "minutes"),
+    [("90", 90), ("1:30", 2), ("12:00:00", 720), ("1-00", 1440), ("2-03:04", 3064),
+     ("1-00:00:01", 1441), (" 45 ", 45)],
+)  # fmt: skip
+def test_slurm_time(text: str, minutes: int) -> None:
+    assert slurm_time_minutes(text) == minutes
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1:2:3:4", "0", "-5", "1h", "00:00:00"])
+def test_slurm_time_errors(text: str) -> None:
+    with pytest.raises(SpecError, match="--time"):
+        slurm_time_minutes(text)
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--nodes", "0"], "--nodes"),
+        (["--time", "soon"], "--time"),
+        (["--num-envs", "-1"], "--num-envs"),
+        (["--gpus-per-node", "4", "--tasks-per-node", "2"], "--tasks-per-node"),
+        (["--container", "/nonexistent/image.sif"], "--container"),
+        (["--mem", "lots"], "--mem"),
+        (["--sbatch-arg", "bad key=1"], "--sbatch-arg"),
+        (["--time", "1", "--signal-delay-s", "90"], "--signal-delay-s"),
+        (["--executor", "local", "--nodes", "2"], "--nodes"),
+        (["--num-procs", "2"], "--num-procs"),
+        (["--max-iterations", "0"], "--max-iterations"),
+    ],
+)
+def test_bad_spec_exits_2_and_submits_nothing(tmp_path: Path, args: list[str], flag: str) -> None:
+    proc = subprocess.run(
+        [BIN / "mjlab-submit", "cartpole", "--log-root", str(tmp_path), "--gpus-per-node", "0",
+         *args],
+        env=cli_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert flag in proc.stderr, proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.mjlab  # the error lists mjlab's tasks too, which imports mjlab
+def test_unknown_task(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [BIN / "mjlab-submit", "nope", "--log-root", str(tmp_path)],
+        env=cli_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "unknown task 'nope'" in proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_missing_sbatch(tmp_path: Path) -> None:
+    # A login node without Slurm's commands: the slurm executor says so and submits nothing.
+    proc = subprocess.run(
+        [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--log-root", str(tmp_path)],
+        env=cli_env(path=str(BIN)), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "sbatch is not on PATH" in proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_dry_run_without_slurm(tmp_path: Path) -> None:
+    """A laptop: no sbatch, no srun. The dry run still prints the exact script."""
+    proc = subprocess.run(
+        [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run", "--nodes", "2",
+         "--gpus-per-node", "4", "--time", "12:00:00", "--log-root", str(tmp_path)],
+        env=cli_env(path=str(BIN)), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "world_size: 8" in out
+    expected = ["--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--time=720",
+                "--signal=USR2@90", "--requeue"]  # fmt: skip
+    for line in expected:
+        assert f"#SBATCH {line}" in out
+    assert "--kill-on-bad-exit=1" in out
+    assert not any(tmp_path.iterdir())  # nothing created
+
+
+def golden_spec(**kw: object) -> SubmitSpec:
+    train = TrainSpec(task="cartpole", log_root="/shared/logs", num_envs=2048, seed=7)
+    return SubmitSpec(train=train, **kw)  # type: ignore[arg-type]
+
+
+GOLDEN_SPECS = {
+    "gpu_2x4": dict(
+        nodes=2, gpus_per_node=4, time="12:00:00", partition="gpu", account="rl",
+        qos="high", cpus_per_task=8, mem="128G", constraint="a100", exclusive=True,
+        setup=("module load cuda/12.4", "source ~/venv/bin/activate"),
+        sbatch_arg=("mail-type=END", "comment=PPO G1"),
+    ),
+    "cpu_2x2": dict(nodes=2, gpus_per_node=0, tasks_per_node=2, time="30"),
+}  # fmt: skip
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; UPDATE_GOLDEN=1 rewrites it"
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_SPECS))
+def test_golden_rendered_template(name: str) -> None:
+    check_golden(f"train_{name}.sbatch", render("train", golden_spec(**GOLDEN_SPECS[name])))
+
+
+def test_golden_apptainer(tmp_path: Path) -> None:
+    image = tmp_path / "mjlab.sif"
+    image.write_bytes(b"sif")
+    spec = golden_spec(nodes=2, gpus_per_node=4, container=str(image))
+    text = render("train_apptainer", spec).replace(str(image), "/images/mjlab.sif")
+    check_golden("train_apptainer_gpu_2x4.sbatch", text)
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_SPECS))
+def test_golden_submitit_script(name: str) -> None:
+    spec = golden_spec(**GOLDEN_SPECS[name])
+    text = render_sbatch(spec, Path("/shared/logs/cartpole/2026-01-01_00-00-00"))
+    text = text.replace(shlex.quote(sys.executable), "PYTHON")
+    check_golden(f"submitit_{name}.sbatch", text)
+
+
+def fake_tools(bin_dir: Path, record: Path) -> None:
+    """Stand-ins for srun, mjlab-train and mjlab-hpc that record their arguments (one per
+    line), so the script's quoting is checked by running it with bash."""
+    bin_dir.mkdir()
+    for tool in ("srun", "mjlab-train", "mjlab-hpc", "module"):
+        script = bin_dir / tool
+        script.write_text(
+            "#!/bin/bash\n"
+            f'{{ echo "== {tool}"; for a in "$@"; do printf "%s\\n" "$a"; done; }} >> {record}\n'
+            + ('echo "$PWD/rundir"\n' if tool == "mjlab-hpc" else "")
+        )
+        script.chmod(0o755)
+
+
+def test_rendered_template_quotes_user_strings(tmp_path: Path) -> None:
+    spec = SubmitSpec(
+        train=TrainSpec(task="cartpole", log_root=str(tmp_path / "logs"), run_name=HOSTILE),
+        gpus_per_node=0, tasks_per_node=2, job_name=HOSTILE,
+    )  # fmt: skip
+    script = tmp_path / "job.sbatch"
+    script.write_text(render("train", spec))
+    record = tmp_path / "argv.txt"
+    fake_tools(tmp_path / "bin", record)
+    env = cli_env(path=f"{tmp_path / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    env |= {"SLURM_JOB_ID": "42"}
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=30)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
+    argv = record.read_text().split("\n")
+    # The hostile run name reached both commands as one literal argument.
+    assert argv.count(HOSTILE) == 2
+    assert "slurm-42" in argv
+
+
+def test_submitit_script_quotes_user_strings(tmp_path: Path) -> None:
+    run_dir = tmp_path / "logs" / HOSTILE
+    spec = SubmitSpec(train=TrainSpec(task="cartpole", run_name=HOSTILE), job_name=HOSTILE,
+                      gpus_per_node=0)  # fmt: skip
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(spec, run_dir))
+    record = tmp_path / "argv.txt"
+    fake_tools(tmp_path / "bin", record)
+    env = cli_env(path=f"{tmp_path / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=30)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
+    assert str(run_dir / "submitit") in record.read_text().split("\n")
+    assert f"#SBATCH --job-name={shlex.quote(HOSTILE)}" in script.read_text()
+
+
+def test_train_cli_args_round_trip() -> None:
+    spec = TrainSpec(task="ant", num_envs=64, seed=3, run_name="x y", use_graph=False)
+    assert train_cli_args(spec) == [
+        "ant", "--num-envs", "64", "--seed", "3", "--run-name", "x y", "--no-use-graph",
+    ]  # fmt: skip
+    import tyro
+
+    assert tyro.cli(TrainSpec, args=train_cli_args(spec)) == spec
+
+
+def test_run_dir_for_key_is_stable_and_distinct(tmp_path: Path) -> None:
+    a = run_dir_for_key(tmp_path, "exp", "r", "slurm-1")
+    assert run_dir_for_key(tmp_path, "exp", "r", "slurm-1") == a  # every rank, every restart
+    b = run_dir_for_key(tmp_path, "exp", "r", "slurm-2")  # same second, another job
+    assert a != b and a.is_dir() and b.is_dir()
+    with pytest.raises(ValueError, match="plain name"):
+        run_dir_for_key(tmp_path, "exp", "r", "../x")
+
+
+@pytest.mark.training
+def test_local_executor_job(tmp_path: Path) -> None:
+    """`mjlab-submit --executor local`: the same job on this machine, two CPU ranks."""
+    proc = subprocess.run(
+        [BIN / "mjlab-submit", "cartpole", "--executor", "local", "--gpus-per-node", "0",
+         "--tasks-per-node", "2", "--num-envs", "64", "--max-iterations", "2",
+         "--torch-threads", "1", "--log-root", str(tmp_path), "--follow"],
+        env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = " ".join(proc.stdout.split())
+    assert "64 per rank x 2 ranks = 128 in total" in out
+    assert "[train] it 2/2" in proc.stdout
+    runs = [p for p in (tmp_path / "cartpole").iterdir() if not p.name.startswith(".")]
+    assert len(runs) == 1
+    run = RunDir(runs[0])
+    summary = json.loads(run.summary.read_text())
+    assert summary["ranks_in_sync"] and summary["world_size"] == 2
+    assert {p.name for p in run.logs.iterdir()} == {"rank0.log", "rank1.log"}
+    assert run.checkpoint(2).exists()

@@ -1,0 +1,295 @@
+"""mjlab-hpc status, logs, cancel and plot, and mjlab-submit --sweep, with real jobs through
+submitit's local executor (the Slurm versions are in test_slurm_ops.py), plus the parsing of
+sweeps and tracebacks.
+
+The module's jobs start together (one fixture) and run side by side while the tests look at
+them: a job whose rank 1 raises at iteration 3, a long job to watch and cancel, and a
+two-element sweep to plot.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import BIN, cli_env, fault_env, runs_under, wait_for, wait_for_iteration
+
+from mjlab_hpc.ops.cancel import cancel_local
+from mjlab_hpc.ops.logs import RankFiles, find_tracebacks, tracebacks_in
+from mjlab_hpc.ops.runs import local_processes
+from mjlab_hpc.procs import alive
+from mjlab_hpc.rundir.layout import RunDir
+
+SMALL = ["--num-envs", "32", "--torch-threads", "1", "--gpus-per-node", "0"]
+
+
+def hpc(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
+    """Run `mjlab-hpc ARGS`; the finished process (text output)."""
+    return subprocess.run([BIN / "mjlab-hpc", *args], env=env or cli_env(), capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def status_json(*args: str, env: dict[str, str] | None = None) -> list[dict]:
+    proc = hpc("status", "--json", *args, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def iterations_done(run: Path) -> int:
+    return len(RunDir(run).read_progress())
+
+
+def wait_ended(run: Path, env: dict[str, str] | None = None, timeout: float = 180) -> dict:
+    def ended() -> dict | None:
+        row = status_json(str(run), env=env)[0]
+        return None if row["active"] else row
+
+    return wait_for(ended, timeout, f"end of {run}", poll=1.0)
+
+
+@dataclass(frozen=True)
+class LocalJobs:
+    failing: Path
+    """Log root of a 2-rank job whose rank 1 raises at iteration 3."""
+    long: Path
+    """Log root of a 2-rank job of 5000 iterations (watched, then cancelled)."""
+    sweep: Path
+    """Log root of a sweep seed=1,2 of 1-rank jobs, 3 iterations each."""
+    sweep_follow: subprocess.Popen
+    """Its mjlab-submit --follow, still waiting for the elements."""
+    sweep_output: Path
+
+
+@pytest.fixture(scope="module")
+def local_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalJobs]:
+    root = tmp_path_factory.mktemp("ops")
+    local = ["cartpole", "--executor", "local", *SMALL]
+    commands = [
+        ([*local, "--tasks-per-node", "2", "--max-iterations", "50", "--log-root",
+          str(root / "failing")], fault_env(root / "fault", rank=1, iteration=3)),
+        ([*local, "--tasks-per-node", "2", "--max-iterations", "5000", "--log-root",
+          str(root / "long")], {}),
+        ([*local, "--tasks-per-node", "1", "--max-iterations", "3", "--sweep", "seed=1,2",
+          "--log-root", str(root / "sweep"), "--follow"], {}),
+    ]  # fmt: skip
+    # Output to files, not pipes: the jobs' processes inherit them and outlive mjlab-submit.
+    procs = []
+    for n, (args, extra) in enumerate(commands):
+        with open(root / f"submit{n}.out", "w") as out:
+            procs.append(subprocess.Popen([BIN / "mjlab-submit", *args], env=cli_env(extra),
+                                          stdout=out, stderr=subprocess.STDOUT))  # fmt: skip
+    for n, proc in enumerate(procs[:2]):  # submitting returns at once: the jobs run on
+        assert proc.wait(timeout=120) == 0, (root / f"submit{n}.out").read_text()
+    jobs = LocalJobs(
+        root / "failing", root / "long", root / "sweep", procs[2], root / "submit2.out"
+    )
+    try:
+        yield jobs
+    finally:
+        if jobs.sweep_follow.poll() is None:
+            jobs.sweep_follow.kill()
+        for log_root in (jobs.failing, jobs.long, jobs.sweep):
+            for run in runs_under(log_root):
+                cancel_local(run, grace_s=5)  # leave no process, whatever a test did
+
+
+@pytest.mark.training
+def test_status_then_cancel_local_job(local_jobs: LocalJobs) -> None:
+    """A running local job: status shows RUNNING and its iteration; cancel stops it with a
+    checkpoint and leaves no process; status then says CANCELLED."""
+    run = wait_for_iteration(local_jobs.long, 3).path
+    pids = [p.pid for p in local_processes(run)]
+    assert len(pids) == 3  # the controller and two ranks
+    before = iterations_done(run)
+    row = status_json(str(run))[0]
+    after = iterations_done(run)
+    assert row["state"] == "RUNNING" and row["state_source"] == "process" and row["active"]
+    assert row["kind"] == "local" and row["ranks"] == 2 and row["nodes"] == 1
+    assert before <= row["iteration"] <= after and row["total"] == 5000
+    controller = row["job_ids"][-1]
+    assert int(controller) in pids
+    # The same run by job id (the controller's pid), and in the listing of the log root.
+    assert status_json(controller, "--log-root", str(local_jobs.long))[0]["run_dir"] == str(run)
+    table = hpc("status", "--log-root", str(local_jobs.long))
+    assert table.returncode == 0 and "RUNNING" in table.stdout and run.name in table.stdout
+
+    # logs --follow streams every rank's new lines until the job ends (here: the cancel).
+    followed = local_jobs.long / "follow.out"
+    with open(followed, "w") as out:
+        follower = subprocess.Popen(
+            [BIN / "mjlab-hpc", "logs", str(run), "--follow"],
+            env=cli_env(), stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    wait_for(lambda: "[rank 1] " in followed.read_text(), 60, "followed lines of rank 1")
+    proc = hpc("cancel", str(run), "--grace-s", "60")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no process left" in " ".join(proc.stdout.split())
+    assert follower.wait(timeout=30) == 0
+    lines = followed.read_text().splitlines()
+    for rank in (0, 1):
+        assert any(line.startswith(f"[rank {rank}] ") and "stopped at iteration" in line
+                   for line in lines), lines[-10:]  # fmt: skip
+    assert local_processes(run) == []
+    assert not any(alive(pid) for pid in pids)
+    # The ranks stopped at an iteration boundary with a checkpoint of that iteration.
+    done = iterations_done(run)
+    assert RunDir(run).checkpoint(done).exists()
+    row = status_json(str(run))[0]
+    assert row["state"] == "CANCELLED" and not row["active"] and row["iteration"] == done
+    again = hpc("cancel", str(run))
+    assert again.returncode == 0 and "no process left to stop" in again.stdout
+
+
+@pytest.mark.training
+def test_logs_show_the_failing_rank_first(local_jobs: LocalJobs) -> None:
+    """Rank 1 raises at iteration 3, rank 0 then loses its peer: logs names rank 1 and its
+    host first, with its traceback; status shows FAILED at 3/50."""
+    run = wait_for(lambda: (runs_under(local_jobs.failing) or [None])[0], 60, "failing run")
+    row = wait_ended(run)
+    assert row["state"] == "FAILED" and row["iteration"] == 3 and row["total"] == 50
+    proc = hpc("logs", str(run))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    host = socket.gethostname()
+    first = out.splitlines()[0]
+    assert first.startswith(f"first traceback: rank 1 on {host} at "), first
+    assert "logs/rank1.log" in first
+    cause = "RuntimeError: injected fault on rank 1 at iteration 3"
+    assert out.index("Traceback (most recent call last):") < out.index(cause)
+    later = [line for line in out.splitlines() if line.startswith("later traceback")]
+    assert all("rank 1" not in line for line in later)  # rank 1's copy in its .err: once
+    assert "── rank 0 ·" in out and "── rank 1 ·" in out
+    # By job id, one rank, and its task stderr (where submitit printed the same traceback).
+    job = row["job_ids"][-1]
+    err = hpc("logs", job, "--log-root", str(local_jobs.failing), "--rank", "1",
+              "--stream", "err", "--lines", "0")  # fmt: skip
+    assert err.returncode == 0 and cause in err.stdout and "_1_log.err" in err.stdout
+    missing = hpc("logs", str(run), "--rank", "7")
+    assert missing.returncode == 2 and "--rank" in missing.stderr
+
+
+@pytest.mark.training
+def test_sweep_runs_status_and_plot(local_jobs: LocalJobs, tmp_path: Path) -> None:
+    """--sweep seed=1,2: two runs named after their seeds, grouped by status; plot overlays
+    both runs' reward and env-steps/s."""
+    runs = wait_for(lambda: len(r := runs_under(local_jobs.sweep)) == 2 and r, 60, "2 runs")
+    # mjlab-submit --sweep --follow waited for both and showed their status.
+    assert local_jobs.sweep_follow.wait(timeout=240) == 0, local_jobs.sweep_output.read_text()
+    followed = " ".join(local_jobs.sweep_output.read_text().split())
+    assert "submitted sweep" in followed and "2 COMPLETED" in followed
+    by_seed = {json.loads((r / "run.json").read_text())["spec"]["seed"]: r for r in runs}
+    assert sorted(by_seed) == [1, 2]
+    assert by_seed[1].name.endswith("_seed=1") and by_seed[2].name.endswith("_seed=2")
+    rows = status_json("--log-root", str(local_jobs.sweep))
+    assert [r["state"] for r in rows] == ["COMPLETED", "COMPLETED"]
+    assert sorted(r["sweep"]["index"] for r in rows) == [0, 1]
+    assert all(r["iteration"] == 3 and r["total"] == 3 for r in rows)
+    sweep_dir = Path(rows[0]["sweep"]["sweep_dir"])
+    record = json.loads((sweep_dir / "sweep.json").read_text())
+    assert record["axes"] == {"seed": ["1", "2"]} and record["executor"] == "local"
+    # The sweep's record directory names all its runs; status groups them under a header.
+    assert {r["run_dir"] for r in status_json(str(sweep_dir))} == {str(r) for r in runs}
+    table = hpc("status", "--log-root", str(local_jobs.sweep)).stdout
+    assert f"sweep {sweep_dir.name}" in table and "2 COMPLETED" in table
+
+    png = tmp_path / "sweep.png"
+    proc = hpc("plot", str(by_seed[1]), str(by_seed[2]), "--out", str(png))
+    assert proc.returncode == 0, proc.stderr
+    from PIL import Image
+
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size == (1200, 700)
+        drawn = json.loads(image.text["mjlab-hpc"])
+    assert [r["label"] for r in drawn["runs"]] == ["seed=1", "seed=2"]
+    for entry in drawn["runs"]:
+        for tag in ("Train/mean_reward", "Perf/total_fps"):
+            series = entry["series"][tag]
+            assert series["points"] == 3 and series["last_iteration"] == 3
+
+
+@pytest.mark.training
+def test_status_watch_redraws_until_interrupted(local_jobs: LocalJobs) -> None:
+    proc = subprocess.Popen(
+        [BIN / "mjlab-hpc", "status", "--watch", "--interval-s", "0.3", "--log-root",
+         str(local_jobs.sweep)],
+        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "run directory" in out and "_seed=1" in out
+
+
+def test_unknown_target_exits_2(tmp_path: Path) -> None:
+    for args in (["status", "999999999"], ["logs", "123_4"], ["cancel", "no-such-dir"]):
+        proc = hpc(*args, "--log-root", str(tmp_path))
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "RUN|JOB" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- tracebacks
+
+
+def test_tracebacks_are_split_at_log_records(tmp_path: Path) -> None:
+    log = tmp_path / "rank1.log"
+    log.write_text(
+        "2026-01-02 03:04:05,006 rank1 rank 1/2 (local 1/2, node 0/1) via slurm, master "
+        "node1:1 on cpu, host node2, seed 1, 8 envs\n"
+        "2026-01-02 03:04:09,500 rank1 rank 1 failed\n"
+        "Traceback (most recent call last):\n"
+        '  File "a.py", line 1, in f\n'
+        "KeyError: 'x'\n"
+        "\n"
+        "During handling of the above exception, another exception occurred:\n"
+        "\n"
+        "Traceback (most recent call last):\n"
+        '  File "a.py", line 2, in g\n'
+        "ValueError: bad\n"
+        "  second line of the message\n"
+        "2026-01-02 03:04:10,000 rank1 done\n"
+        "submitit ERROR (2026-01-02 03:04:11,250) - Submitted job triggered an exception\n"
+        "Traceback (most recent call last):\n"
+        '  File "b.py", line 3, in h\n'
+        "OSError: disk\n"
+        "srun: error: node2: task 1: Exited with exit code 1\n"
+    )
+    found = tracebacks_in(log)
+    assert len(found) == 2
+    (at1, text1), (at2, text2) = found
+    assert at1 is not None and (at1.second, at1.microsecond) == (9, 500_000)
+    assert text1.splitlines()[-1] == "  second line of the message"
+    assert "During handling" in text1 and "KeyError" in text1
+    assert at2 is not None and (at2.second, at2.microsecond) == (11, 250_000)
+    assert text2.splitlines()[-1] == "OSError: disk"
+
+
+def test_first_traceback_is_the_cause_and_names_the_host_of_the_time(tmp_path: Path) -> None:
+    """Same millisecond: the rank that lost its peer comes after the peer. A requeued rank's
+    traceback names the host it ran on then."""
+    stamp = "2026-01-02 03:04:09,500"
+    rank0 = tmp_path / "rank0.log"
+    rank0.write_text(
+        f"2026-01-02 03:04:05,000 rank0 rank 0/2 ..., host node1, seed 1\n{stamp} rank0 failed\n"
+        'Traceback (most recent call last):\n  File "x.py", line 1, in f\n'
+        "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:4711\n"
+    )
+    rank1 = tmp_path / "rank1.log"
+    rank1.write_text(
+        "2026-01-02 03:00:00,000 rank1 rank 1/2 ..., host node2, seed 2\n"
+        "2026-01-02 03:04:00,000 rank1 rank 1/2 ..., host node7, seed 2\n"
+        f"{stamp} rank1 failed\nTraceback (most recent call last):\n"
+        '  File "y.py", line 2, in g\nValueError: the cause\n'
+    )
+    found = find_tracebacks([RankFiles(0, rank0, (), ()), RankFiles(1, rank1, (), ())])
+    assert [(t.rank, t.host, t.last_line) for t in found] == [
+        (1, "node7", "ValueError: the cause"),
+        (0, "node1", "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:4711"),
+    ]

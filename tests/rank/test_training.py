@@ -1,0 +1,212 @@
+"""Real PPO training: one process, the built-in multi-process launcher, torchrun (one node and
+two "nodes" on loopback). Every run steps real MuJoCo Warp worlds and real process groups."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import BIN, cli_env, only_run
+
+from mjlab_hpc.launch.local import free_port
+from mjlab_hpc.rundir.layout import RunDir
+
+pytestmark = pytest.mark.training
+
+
+def train_args(log_root: Path, iters: int = 3, envs: int = 64) -> list[str]:
+    return [
+        "--num-envs",
+        str(envs),
+        "--max-iterations",
+        str(iters),
+        "--log-root",
+        str(log_root),
+        "--torch-threads",
+        "1",
+        "--save-interval",
+        "2",
+    ]
+
+
+def check_synced_run(run: RunDir, world: int, iters: int) -> dict:
+    summary = json.loads(run.summary.read_text())
+    assert summary["world_size"] == world
+    assert summary["iterations"] == iters
+    # Gradients averaged, normalizers synced: every rank ends with bit-identical parameters.
+    assert len(set(summary["param_digest_per_rank"])) == 1
+    assert summary["ranks_in_sync"] is True
+    # Different seeds per rank: the ranks saw different observations.
+    assert len(set(summary["first_obs_digest_per_rank"])) == world
+    assert [r["iteration"] for r in run.read_progress()] == list(range(1, iters + 1))
+    assert sorted(p.name for p in run.logs.glob("rank*.log")) == [
+        f"rank{k}.log" for k in range(world)
+    ]
+    # Exactly one process became the writer: one fencing token was ever issued.
+    assert [p.name for p in (run.path / ".writer.lock.tokens").iterdir()] == ["1"]
+    return summary
+
+
+def load_params(path: Path) -> dict[str, torch.Tensor]:
+    ckpt = torch.load(path, weights_only=False)
+    return {**ckpt["actor_state_dict"], **ckpt["critic_state_dict"]}
+
+
+def test_single_process_learns(tmp_path: Path) -> None:
+    """Mean episode reward at the end >= 3x the first iteration's, within 60 s of training."""
+    proc = subprocess.run(
+        [BIN / "mjlab-train", "cartpole", *train_args(tmp_path, iters=40, envs=512), "--seed", "1"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run(tmp_path)
+    progress = run.read_progress()
+    first, last = progress[0], progress[-1]
+    assert last["iteration"] == 40
+    assert last["mean_reward"] >= 3 * first["mean_reward"], (first, last)
+    assert last["elapsed_s"] <= 60, last
+    # Layout: params, checkpoints every save-interval and at the end, tensorboard events.
+    assert {p.name for p in run.params.iterdir()} == {"train.yaml", "agent.yaml", "env.yaml"}
+    assert [p.name for p in run.checkpoints()][-2:] == ["model_38.pt", "model_40.pt"]
+    assert list(run.path.glob("events.out.tfevents.*"))
+    # Plain progress lines (stdout is not a terminal) from the main rank.
+    assert "[train] it 40/40" in proc.stdout
+
+
+def test_two_ranks_builtin_launcher(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [BIN / "mjlab-train", "cartpole", *train_args(tmp_path), "--num-procs", "2"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = only_run(tmp_path)
+    summary = check_synced_run(run, world=2, iters=3)
+    assert summary["launch_mode"] == "submitit-local"
+    # rank 0's progress was streamed to the launcher's terminal.
+    assert "[train] it 3/3" in proc.stdout
+    # The writer's final checkpoint holds the parameters every rank agreed on.
+    assert load_params(run.checkpoint(3))
+
+
+def test_three_ranks_torchrun(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            BIN / "torchrun",
+            "--nproc_per_node=3",
+            f"--master_port={free_port()}",
+            "--no_python",
+            "mjlab-train",
+            "cartpole",
+            *train_args(tmp_path),
+        ],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = check_synced_run(only_run(tmp_path), world=3, iters=3)
+    assert summary["launch_mode"] == "torchrun"
+    # Only rank 0 talks: one progress line per iteration, not three.
+    assert proc.stdout.count("[train] it 3/3") == 1
+
+
+def test_two_nodes_torchrun_loopback(tmp_path: Path) -> None:
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                BIN / "torchrun",
+                "--nnodes=2",
+                f"--node_rank={n}",
+                "--nproc_per_node=1",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}",
+                "--no_python",
+                "mjlab-train",
+                "cartpole",
+                *train_args(tmp_path),
+            ],
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    run = only_run(tmp_path)
+    check_synced_run(run, world=2, iters=3)
+    heads = [run.rank_log(k).read_text().splitlines()[0] for k in range(2)]
+    assert "node 0/2" in heads[0] and "node 1/2" in heads[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["cartpole", "--num-envs", "0"], {}, "--num-envs: must be >= 1"),
+        (["nope"], {}, "unknown task 'nope'"),
+        (["cartpole", "--gpu-ids", "0", "1"], {}, "--gpu-ids"),
+        (["cartpole", "--num-procs", "2", "--gpu-ids", "0"], {}, "--num-procs"),
+        (
+            ["cartpole"],
+            {
+                "RANK": "3",
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": "0",
+                "MASTER_ADDR": "a",
+                "MASTER_PORT": "1",
+            },
+            "rank 3 is outside",
+        ),
+        (
+            ["cartpole", "--num-procs", "2"],
+            {
+                "RANK": "0",
+                "WORLD_SIZE": "1",
+                "LOCAL_RANK": "0",
+                "MASTER_ADDR": "a",
+                "MASTER_PORT": "1",
+            },
+            "already one rank",
+        ),
+        (["cartpole", "--run-name", "a/b"], {}, "--run-name"),
+    ],
+)
+def test_bad_input_exits_2_before_work(
+    tmp_path: Path, args: list[str], env: dict[str, str], message: str
+) -> None:
+    proc = subprocess.run(
+        [BIN / "mjlab-train", *args, "--log-root", str(tmp_path)],
+        env=cli_env() | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in " ".join(proc.stderr.split()), proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing was created
+
+
+def test_agent_overrides_reach_training(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [BIN / "mjlab-train", "cartpole", *train_args(tmp_path, iters=1, envs=32),
+         "--agent.num-steps-per-env", "8", "--agent.learning_rate=3e-4"],
+        env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run(tmp_path)
+    assert run.read_progress()[0]["env_steps"] == 8 * 32
+    agent = run.params / "agent.yaml"
+    assert "learning_rate: 0.0003" in agent.read_text()
+    assert "overrides:" in (run.params / "train.yaml").read_text()

@@ -1,0 +1,639 @@
+"""Tests of the single-writer lease lock with real processes (no mocks).
+
+Child processes are forked (multiprocessing "fork" context) so that they start
+in milliseconds on a small machine; each child builds its own LeaseLock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from mjlab_hpc.rundir import lock_files as lock_mod
+from mjlab_hpc.rundir.lock import (
+    LeaseConfig,
+    LeaseLock,
+    LockError,
+    LockLost,
+    LockTimeout,
+    LockUsageError,
+    OwnerInfo,
+    write_fenced,
+)
+
+CTX = mp.get_context("fork")
+
+# Generous slack: the machine has 2 cores and other jobs may load it.
+SLACK_S = 5.0
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def _kill(proc: mp.process.BaseProcess) -> None:
+    if proc.pid is not None and proc.is_alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+            os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+
+
+def _wait_stopped(pid: int) -> None:
+    """Wait until the kernel reports the process as stopped (kill() is asynchronous)."""
+
+    def stopped() -> bool:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+    _wait_for(stopped, 10, f"pid {pid} to stop")
+
+
+def _parse_record(path: Path) -> list[tuple[int, int, str, list[str]]]:
+    rows = []
+    for line in path.read_text().splitlines():
+        token, pid, what, *extra = line.split()
+        rows.append((int(token), int(pid), what, extra))
+    return rows
+
+
+def _assert_exclusive(rows: list[tuple[int, int, str, list[str]]]) -> list[int]:
+    """Enter/exit strictly alternate, each pair by one holder; tokens strictly increase."""
+    assert len(rows) % 2 == 0, "record ends inside a critical section"
+    tokens: list[int] = []
+    for i in range(0, len(rows), 2):
+        (tok_in, pid_in, what_in, _), (tok_out, pid_out, what_out, _) = rows[i], rows[i + 1]
+        assert (what_in, what_out) == ("enter", "exit"), f"overlap at record line {i + 1}"
+        assert (tok_in, pid_in) == (tok_out, pid_out), f"two holders at record line {i + 1}"
+        tokens.append(tok_in)
+    assert all(a < b for a, b in itertools.pairwise(tokens)), f"tokens not increasing: {tokens}"
+    return tokens
+
+
+def _append(fd: int, text: str) -> None:
+    # One write() per line on an O_APPEND fd: lines from processes never interleave.
+    os.write(fd, text.encode())
+
+
+# --------------------------------------------------------------------------- child bodies
+
+
+def _contender(
+    lock_path: str, record_path: str, rounds: int, rank: int, lease_s: float, start: object
+) -> None:
+    lock = LeaseLock(
+        lock_path,
+        owner=OwnerInfo.from_env(rank=rank),
+        lease_s=lease_s,
+        poll_s=0.002,
+        poll_max_s=0.05,
+    )
+    fd = os.open(record_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    start.wait()  # type: ignore[attr-defined]
+    for _ in range(rounds):
+        token = lock.acquire(timeout_s=120)
+        took_over = lock.displaced is not None
+        _append(fd, f"{token} {os.getpid()} enter {time.time():.6f} {int(took_over)}\n")
+        time.sleep(0.001)
+        _append(fd, f"{token} {os.getpid()} exit\n")
+        lock.release()
+    os.close(fd)
+
+
+def _holder_forever(lock_path: str, lease_s: float, ready_path: str) -> None:
+    lock = LeaseLock(lock_path, lease_s=lease_s, heartbeat_s=lease_s / 8)
+    token = lock.acquire(timeout_s=60)
+    Path(ready_path).write_text(str(token))
+    while True:
+        time.sleep(1)
+
+
+def _stale_holder(lock_path: str, lease_s: float, workdir: str) -> None:
+    work = Path(workdir)
+    lock = LeaseLock(lock_path, lease_s=lease_s, heartbeat_s=lease_s / 8)
+    token = lock.acquire(timeout_s=60)
+    write_fenced(lock, work / "target", f"A {token}".encode())
+    (work / "ready").write_text(str(token))
+    while not (work / "go").exists():
+        time.sleep(0.01)
+    results: dict[str, object] = {}
+    for name, action in (
+        ("write", lambda: write_fenced(lock, work / "target", b"A stale")),
+        ("check", lock.check),
+        ("release", lock.release),
+    ):
+        try:
+            action()
+            results[name] = "ok"
+        except LockLost as exc:
+            results[name] = f"LockLost: {exc}"
+    results["leftover_tmp"] = sorted(p.name for p in work.glob(".target*"))
+    (work / "result.json").write_text(json.dumps(results))
+
+
+# --------------------------------------------------------------------------- 1. contention
+
+
+@pytest.mark.slow
+def test_many_processes_never_hold_at_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    n_procs, rounds = 32, 20
+    lock_path, record = tmp_path / "writer.lock", tmp_path / "record.log"
+    start = CTX.Event()
+    procs = [
+        CTX.Process(target=_contender, args=(str(lock_path), str(record), rounds, i, 30.0, start))
+        for i in range(n_procs)
+    ]
+    for p in procs:
+        p.start()
+    t0 = time.monotonic()
+    start.set()
+    try:
+        for p in procs:
+            p.join(150)
+        assert [p.exitcode for p in procs] == [0] * n_procs
+    finally:
+        for p in procs:
+            _kill(p)
+    elapsed = time.monotonic() - t0
+
+    rows = _parse_record(record)
+    tokens = _assert_exclusive(rows)
+    assert len(tokens) == n_procs * rounds
+    per_pid: dict[int, int] = {}
+    for _, pid, what, _ in rows:
+        if what == "enter":
+            per_pid[pid] = per_pid.get(pid, 0) + 1
+    assert sorted(per_pid.values()) == [rounds] * n_procs
+    assert not any(int(extra[1]) for _, _, what, extra in rows if what == "enter")
+    assert not lock_path.exists(), "lock file left behind after the last release"
+    with capsys.disabled():
+        print(
+            f"\n[lock stress] {len(tokens)} acquisitions by {n_procs} processes in "
+            f"{elapsed:.1f} s, tokens {tokens[0]}..{tokens[-1]}, never two holders"
+        )
+
+
+# --------------------------------------------------------------------------- 2. kill -9
+
+
+@pytest.mark.slow
+def test_kill9_holder_is_taken_over_after_lease(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    lease = 1.5
+    lock_path, record = tmp_path / "writer.lock", tmp_path / "record.log"
+    takeovers, last_token = 0, 0
+    delays: list[float] = []
+    for cycle in range(3):
+        ready = tmp_path / f"ready{cycle}"
+        holder = CTX.Process(target=_holder_forever, args=(str(lock_path), lease, str(ready)))
+        holder.start()
+        contenders: list[mp.process.BaseProcess] = []
+        try:
+            _wait_for(ready.exists, 30, "the holder to acquire")
+            held_token = int(ready.read_text())
+            assert held_token > last_token
+            if cycle == 0:
+                # A live holder keeps its lock well past one lease thanks to heartbeats.
+                probe = LeaseLock(lock_path, lease_s=lease)
+                with pytest.raises(LockTimeout, match=f"pid={holder.pid}"):
+                    probe.acquire(timeout_s=2 * lease)
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.join(10)
+            dead = LeaseLock(lock_path, lease_s=lease).holder()
+            assert dead is not None and dead.token == held_token
+            # Right after the kill the lease has not expired: no takeover yet.
+            with pytest.raises(LockTimeout):
+                LeaseLock(lock_path, lease_s=lease).acquire(timeout_s=0)
+
+            # Several launches race to take over the stale lock.
+            record.unlink(missing_ok=True)
+            start = CTX.Event()
+            contenders = [
+                CTX.Process(
+                    target=_contender, args=(str(lock_path), str(record), 1, i, 10.0, start)
+                )
+                for i in range(4)
+            ]
+            for p in contenders:
+                p.start()
+            start.set()
+            for p in contenders:
+                p.join(60)
+            assert [p.exitcode for p in contenders] == [0] * 4
+        finally:
+            _kill(holder)
+            for p in contenders:
+                _kill(p)
+
+        rows = _parse_record(record)
+        tokens = _assert_exclusive(rows)
+        assert tokens[0] > held_token
+        enters = [extra for _, _, what, extra in rows if what == "enter"]
+        first_at = float(enters[0][0])
+        # The lease must have expired before anybody got the lock ...
+        assert first_at >= dead.heartbeat_at + lease, "taken over before the lease expired"
+        # ... and the takeover came soon after.
+        assert first_at - dead.heartbeat_at <= lease + SLACK_S
+        delays.append(first_at - dead.heartbeat_at)
+        # Normally the first acquirer reports the displaced record. Rarely another
+        # racer slips into the vacant name between the winner's rename and link;
+        # then nobody reports it, but there is never more than one takeover.
+        assert sum(int(extra[1]) for extra in enters) <= 1
+        takeovers += 1
+        last_token = tokens[-1]
+    with capsys.disabled():
+        print(
+            f"\n[lock kill -9] {takeovers} takeovers, lease {lease} s, takeover after "
+            f"{', '.join(f'{d:.2f}' for d in delays)} s since the last heartbeat"
+        )
+
+
+def _write_stale_record(path: Path, token: int, valid: bool) -> None:
+    """Leave behind what a crashed holder leaves: a stale record or a half-written file."""
+    if valid:
+        doc = {
+            "format": "mjlab_hpc.lease_lock/1",
+            "token": token or None,  # None: crashed before recording its token
+            "nonce": f"dead{token}",
+            "host": "dead-node",
+            "pid": 1,
+            "job_id": "999",
+            "restart_count": 0,
+            "rank": 0,
+            "acquired_at": time.time() - 100,
+            "heartbeat_at": time.time() - 100,
+            "lease_s": 1.0,
+        }
+        path.write_text(json.dumps(doc))
+    else:
+        path.write_bytes(b'{"format": "mjlab_')
+        old = time.time() - 100
+        os.utime(path, (old, old))
+
+
+@pytest.mark.slow
+def test_racing_takeovers_of_a_stale_lock(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Many launches find the same stale lock at once: one takes over, the rest queue."""
+    n_procs, n_rounds = 16, 8
+    lock_path = tmp_path / "writer.lock"
+    last_token, reported = 0, 0
+    for round_ in range(n_rounds):
+        _write_stale_record(lock_path, last_token, valid=round_ % 2 == 0)
+        record = tmp_path / f"record{round_}.log"
+        start = CTX.Event()
+        procs = [
+            CTX.Process(target=_contender, args=(str(lock_path), str(record), 1, i, 10.0, start))
+            for i in range(n_procs)
+        ]
+        for p in procs:
+            p.start()
+        start.set()
+        try:
+            for p in procs:
+                p.join(60)
+            assert [p.exitcode for p in procs] == [0] * n_procs
+        finally:
+            for p in procs:
+                _kill(p)
+        rows = _parse_record(record)
+        tokens = _assert_exclusive(rows)
+        assert len(tokens) == n_procs and tokens[0] > last_token
+        displaced = sum(int(extra[1]) for _, _, what, extra in rows if what == "enter")
+        assert displaced <= 1
+        reported += displaced
+        last_token = tokens[-1]
+        assert not lock_path.exists()
+    with capsys.disabled():
+        print(
+            f"\n[lock racing takeovers] {n_rounds} stale locks, {n_procs} racers each: "
+            f"one holder at a time, {reported} takeovers reported by the winner"
+        )
+
+
+# --------------------------------------------------------------------------- 3. SIGSTOP
+
+
+@pytest.mark.slow
+def test_stopped_owner_resuming_after_takeover_is_fenced(tmp_path: Path) -> None:
+    lease = 1.5
+    lock_path = tmp_path / "writer.lock"
+    holder = CTX.Process(target=_stale_holder, args=(str(lock_path), lease, str(tmp_path)))
+    holder.start()
+    try:
+        _wait_for((tmp_path / "ready").exists, 30, "holder A to acquire")
+        token_a = int((tmp_path / "ready").read_text())
+        os.kill(holder.pid, signal.SIGSTOP)
+        _wait_stopped(holder.pid)
+        frozen = LeaseLock(lock_path, lease_s=lease).holder()
+        assert frozen is not None and frozen.token == token_a
+
+        b = LeaseLock(lock_path, lease_s=lease, heartbeat_s=lease / 8)
+        token_b = b.acquire(timeout_s=lease + SLACK_S)
+        assert time.time() >= frozen.heartbeat_at + lease, "taken over before the lease expired"
+        assert b.displaced is not None and b.displaced.token == token_a
+        assert b.displaced.owner is not None and b.displaced.owner.pid == holder.pid
+        assert token_b > token_a
+        write_fenced(b, tmp_path / "target", f"B {token_b}".encode())
+
+        os.kill(holder.pid, signal.SIGCONT)
+        time.sleep(lease / 2)  # let A's heartbeat thread run (it must not clobber B)
+        (tmp_path / "go").touch()
+        _wait_for((tmp_path / "result.json").exists, 30, "A's result")
+        holder.join(10)
+        assert holder.exitcode == 0
+        results = json.loads((tmp_path / "result.json").read_text())
+        assert str(results["write"]).startswith("LockLost"), results
+        assert str(results["check"]).startswith("LockLost"), results
+        assert str(results["release"]).startswith("LockLost"), results
+        assert results["leftover_tmp"] == []
+        assert (tmp_path / "target").read_bytes() == f"B {token_b}".encode()
+        current = b.holder()
+        assert current is not None and current.token == token_b
+        assert current.owner is not None and current.owner.pid == os.getpid()
+        b.check()  # A's resume, heartbeat and release left B's lock intact
+        b.release()
+    finally:
+        _kill(holder)
+
+
+def test_check_and_write_refused_after_foreign_takeover(tmp_path: Path) -> None:
+    """The fencing check itself (not only the own-lease clock) rejects a stale owner."""
+    lock_path = tmp_path / "writer.lock"
+    a = LeaseLock(lock_path, lease_s=30)
+    a.acquire(timeout_s=5)
+    write_fenced(a, tmp_path / "target", b"A")
+    # Simulate a takeover that a skewed clock allowed: replace the file under A.
+    os.rename(lock_path, tmp_path / "gone")
+    b = LeaseLock(lock_path, lease_s=30)
+    b.acquire(timeout_s=5)
+    assert b.token > a.token
+    with pytest.raises(LockLost, match="taken over by"):
+        a.check()
+    assert not a.is_held()
+    with pytest.raises(LockLost):
+        write_fenced(a, tmp_path / "target", b"A again")
+    assert (tmp_path / "target").read_bytes() == b"A"
+    with pytest.raises(LockLost):
+        a.release()
+    b.check()
+    b.release()
+
+
+def test_late_racer_does_not_steal_a_fresh_lock(tmp_path: Path) -> None:
+    """A racer that judged a lock stale, but acts after another racer replaced it, backs off.
+
+    Two processes judge the same record stale; one takes over first. The late
+    one must leave the fresh lock alone (same inode, no tombstones left).
+    Driven through the internal takeover step, on real files.
+    """
+    path = tmp_path / "writer.lock"
+    _write_stale_record(path, 0, valid=True)
+    stale = lock_mod.read_snapshot(path)
+    assert stale is not None
+    with LeaseLock(path, lease_s=30) as fresh:  # the first racer's takeover
+        inode = path.stat().st_ino
+        late = LeaseLock(path, lease_s=30)
+        temp = tmp_path / "late.tmp"
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            assert not lock_mod.take_over(late.path, stale, temp, fd, late.config.lease_s)
+        finally:
+            os.close(fd)
+        assert path.stat().st_ino == inode  # same inode back under the lock name
+        assert not list(tmp_path.glob("writer.lock.tomb.*"))
+        assert not list(tmp_path.glob("writer.lock.break.*"))
+        fresh.check()
+
+
+# --------------------------------------------------------------------------- 4. filesystems
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
+    """Mount small tmpfs filesystems under tmp_path; unmounted at teardown."""
+    mounted: list[Path] = []
+
+    def _mount(name: str, options: str) -> Path:
+        target = tmp_path / name
+        target.mkdir()
+        try:
+            res = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            problem = " ".join(res.stderr.split()) if res.returncode else ""
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            problem = str(exc)
+        if problem:
+            reason = f"cannot mount a tmpfs (needs root / CAP_SYS_ADMIN): {problem}"
+            if os.environ.get("CI") == "true":
+                pytest.fail(reason)
+            pytest.skip(reason)
+        mounted.append(target)
+        return target
+
+    yield _mount
+    for target in reversed(mounted):
+        if subprocess.run(["umount", str(target)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def _fill(directory: Path) -> None:
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_read_only_directory_gives_lock_error(mount_tmpfs: Callable[[str, str], Path]) -> None:
+    ro = mount_tmpfs("ro", "ro,size=64k")
+    lock = LeaseLock(ro / "writer.lock", lease_s=5)
+    with pytest.raises(LockError) as info:
+        lock.acquire(timeout_s=1)
+    assert not isinstance(info.value, LockTimeout)
+    message = str(info.value)
+    assert str(ro) in message and "read-only" in message and "What to do" in message
+    assert info.value.errno == errno.EROFS
+    assert not lock.is_held()
+
+
+def test_full_filesystem_gives_lock_error(
+    mount_tmpfs: Callable[[str, str], Path], tmp_path: Path
+) -> None:
+    full = mount_tmpfs("full", "size=16k")
+    _fill(full)
+    lock = LeaseLock(full / "writer.lock", lease_s=5)
+    with pytest.raises(LockError) as info:
+        lock.acquire(timeout_s=1)
+    assert "no space" in str(info.value).lower() and str(full) in str(info.value)
+    assert info.value.errno == errno.ENOSPC
+    assert not (full / "writer.lock").exists()
+    assert not list(full.glob("writer.lock.new.*")), "temp file left behind"
+
+
+def test_fenced_write_on_full_filesystem_keeps_lock(
+    mount_tmpfs: Callable[[str, str], Path],
+) -> None:
+    fs = mount_tmpfs("fs", "size=64k")
+    with LeaseLock(fs / "writer.lock", lease_s=5) as lock:
+        _fill(fs)
+        with pytest.raises(OSError) as info:
+            write_fenced(lock, fs / "state.bin", b"x" * 65536)
+        assert info.value.errno == errno.ENOSPC
+        assert not (fs / "state.bin").exists()
+        assert not list(fs.glob(".state.bin*")), "temp file left behind"
+        lock.check()
+    assert not (fs / "writer.lock").exists()
+
+
+def test_missing_directory_gives_lock_error(tmp_path: Path) -> None:
+    lock = LeaseLock(tmp_path / "nope" / "writer.lock", lease_s=5)
+    with pytest.raises(LockError, match="does not exist") as info:
+        lock.acquire(timeout_s=1)
+    assert str(tmp_path / "nope") in str(info.value)
+
+
+# --------------------------------------------------------------------------- 5. latency
+
+
+def test_uncontended_acquire_latency(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    lock = LeaseLock(tmp_path / "writer.lock", lease_s=30)
+    acquire_s, cycle_s, tokens = [], [], []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        tokens.append(lock.acquire(timeout_s=10))
+        t1 = time.perf_counter()
+        lock.release()
+        acquire_s.append(t1 - t0)
+        cycle_s.append(time.perf_counter() - t0)
+    assert tokens == list(range(1, 201))
+    q = statistics.quantiles(acquire_s, n=10)
+    with capsys.disabled():
+        print(
+            f"\n[lock latency] uncontended acquire: median {statistics.median(acquire_s) * 1e3:.2f}"
+            f" ms, p90 {q[-1] * 1e3:.2f} ms; acquire+release median "
+            f"{statistics.median(cycle_s) * 1e3:.2f} ms over 200 cycles ({tmp_path})"
+        )
+
+
+# --------------------------------------------------------------------------- 6. misuse, API
+
+
+def test_misuse_raises_clear_errors(tmp_path: Path) -> None:
+    lock = LeaseLock(tmp_path / "writer.lock", lease_s=5)
+    with pytest.raises(LockUsageError, match="does not hold"):
+        lock.release()
+    with pytest.raises(LockUsageError):
+        lock.check()
+    with pytest.raises(LockUsageError):
+        _ = lock.token
+    assert not lock.is_held()
+    lock.acquire(timeout_s=5)
+    with pytest.raises(LockUsageError, match="not re-entrant"):
+        lock.acquire(timeout_s=5)
+    with pytest.raises(LockUsageError), lock:
+        pass
+    assert lock.is_held()  # the failed re-entry did not drop the lock
+    lock.release()
+    with pytest.raises(LockUsageError, match="does not hold"):
+        lock.release()
+
+
+def test_timeout_names_the_holder(tmp_path: Path) -> None:
+    owner = OwnerInfo(host="node-17", pid=os.getpid(), job_id="4242", restart_count=2, rank=3)
+    with LeaseLock(tmp_path / "writer.lock", owner=owner, lease_s=30):
+        other = LeaseLock(tmp_path / "writer.lock", lease_s=30)
+        t0 = time.monotonic()
+        with pytest.raises(LockTimeout) as info:
+            other.acquire(timeout_s=0.3)
+        assert time.monotonic() - t0 >= 0.3
+        assert isinstance(info.value, TimeoutError) and isinstance(info.value, LockError)
+        message = str(info.value)
+        for part in ("node-17", f"pid={os.getpid()}", "job_id=4242", "rank=3", "heartbeat"):
+            assert part in message, message
+
+
+def test_tokens_increase_across_release_and_objects(tmp_path: Path) -> None:
+    path = tmp_path / "writer.lock"
+    seen = []
+    for _ in range(3):
+        with LeaseLock(path, lease_s=5) as lock:
+            seen.append(lock.token)
+            assert lock.displaced is None
+            assert json.loads(path.read_text())["token"] == lock.token
+    assert seen == [1, 2, 3]
+
+
+def test_context_manager_releases_on_exception(tmp_path: Path) -> None:
+    path = tmp_path / "writer.lock"
+    lock = LeaseLock(path, lease_s=5)
+    with pytest.raises(ValueError, match="boom"), lock:
+        raise ValueError("boom")
+    assert not path.exists()
+    assert not lock.is_held()
+
+
+def test_unparsable_lock_file_is_an_unknown_holder(tmp_path: Path) -> None:
+    path = tmp_path / "writer.lock"
+    path.write_bytes(b'{"format": "mjlab_hpc.lease')  # crash between create and write
+    with pytest.raises(LockTimeout, match="unknown holder"):
+        LeaseLock(path, lease_s=2).acquire(timeout_s=0.2)
+    old = time.time() - 10
+    os.utime(path, (old, old))  # the unknown holder's age is the file's mtime age
+    with LeaseLock(path, lease_s=2) as lock:
+        assert lock.displaced is not None and lock.displaced.owner is None
+        assert lock.token == 1
+
+
+def test_owner_info_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("SLURM_JOB_ID", "SUBMITIT_LOCAL_JOB_ID", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    info = OwnerInfo.from_env()
+    assert (info.pid, info.job_id, info.restart_count, info.rank) == (os.getpid(), None, 0, 0)
+    assert info.host
+    monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", "local-7")
+    assert OwnerInfo.from_env(rank=2).job_id == "local-7"
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "4")
+    info = OwnerInfo.from_env(rank=5)
+    assert (info.job_id, info.restart_count, info.rank) == ("123", 4, 5)
+    with pytest.raises(AttributeError):
+        info.rank = 1  # type: ignore[misc]
+
+
+def test_lease_config_validation() -> None:
+    assert LeaseConfig(lease_s=8).heartbeat_period_s == 2
+    for bad in (
+        {"lease_s": 0},
+        {"lease_s": 10, "heartbeat_s": 6},
+        {"lease_s": 10, "heartbeat_s": 2, "guard_s": 8},
+        {"poll_s": 1, "poll_max_s": 0.5},
+    ):
+        with pytest.raises(ValueError):
+            LeaseConfig(**bad)

@@ -1,0 +1,67 @@
+"""The Slurm client with stand-in commands (the fast tier; the real Slurm is used by the
+cluster tests): how squeue and sacct answers merge, when a requeue is refused, and that a
+hanging command is killed and counts as no answer."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from mjlab_hpc.procs import alive
+from mjlab_hpc.slurm.client import SlurmClient
+
+
+def stand_ins(tmp_path: Path, **scripts: str) -> dict[str, str]:
+    """An environment whose PATH starts with stand-ins for some Slurm commands."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        path = bin_dir / name
+        path.write_text("#!/bin/bash\n" + body)
+        path.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_query_prefers_squeue_while_running_and_sacct_for_the_end(tmp_path: Path) -> None:
+    env = stand_ins(
+        tmp_path,
+        squeue='echo "7|7|N/A|7|RUNNING|2|node[1-2]|gres/gpu:4"\n'
+        'echo "8|8|N/A|8|COMPLETING|1|node1|"\n',
+        sacct='echo "7|7|PENDING|2||"\necho "8|8|CANCELLED by 0|1|gres/gpu=4|node1"\n'
+        'echo "9|9|COMPLETED|1||node2"\n',
+    )
+    rows, accounting = SlurmClient(env=env).query(["7", "8", "9", "10"])
+    assert accounting
+    assert (rows["7"].state, rows["7"].source, rows["7"].gpus_per_node) == ("RUNNING", "squeue", 4)
+    assert (rows["8"].state, rows["8"].source, rows["8"].gpus_per_node) == ("CANCELLED", "sacct", 4)
+    assert rows["9"].state == "COMPLETED" and "10" not in rows
+
+
+def test_query_without_accounting(tmp_path: Path) -> None:
+    env = stand_ins(tmp_path, squeue='echo "7|7|N/A|7|RUNNING|1|node1|"\n',
+                    sacct='echo "accounting storage is disabled" >&2; exit 1\n')  # fmt: skip
+    rows, accounting = SlurmClient(env=env).query(["7"])
+    assert not accounting and rows["7"].state == "RUNNING"
+
+
+def test_requeue_only_a_running_job(tmp_path: Path) -> None:
+    log = tmp_path / "calls"
+    env = stand_ins(
+        tmp_path,
+        scontrol=f'echo "$@" >> {log}\n'
+        'if [ "$1 $2" = "show job" ]; then echo "JobId=$3 JobState=$STATE Restarts=0"; fi\n',
+    )
+    assert SlurmClient(env={**env, "STATE": "CANCELLED"}).requeue("5")  # left cancelled
+    assert "requeue" not in log.read_text()
+    assert SlurmClient(env={**env, "STATE": "RUNNING"}).requeue("5")
+    assert log.read_text().splitlines()[-1] == "requeue 5"
+
+
+def test_a_hanging_command_is_no_answer_and_is_killed(tmp_path: Path) -> None:
+    env = stand_ins(tmp_path, squeue=f"echo $$ > {tmp_path / 'pid'}\nexec sleep 60\n")
+    t0 = time.monotonic()
+    assert SlurmClient(env=env, timeout_s=0.5).squeue(["1"]) == []
+    assert time.monotonic() - t0 < 10
+    assert not alive(int((tmp_path / "pid").read_text()))
+    assert SlurmClient(env={**env, "PATH": str(tmp_path / "empty")}).sacct(["1"]) is None
