@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "EXIT_BAD_INPUT",
     "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
     "EXIT_LOCAL_REQUEUE",
     "EXIT_OK",
     "EXIT_STOPPED",
@@ -19,8 +20,12 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 #: Bad input: nothing was created, submitted or started.
 EXIT_BAD_INPUT = 2
-#: Training stopped at a checkpoint where nothing requeues it (resume with --resume).
+#: Training stopped with a checkpoint and nothing requeues it: Ctrl-C, SIGTERM outside
+#: Slurm, a lost launcher, or a time limit where no scheduler restarts it (resume with
+#: --resume).
 EXIT_STOPPED = 3
+#: Stopped at once by a second Ctrl-C, without a checkpoint (128 + SIGINT, as shells do).
+EXIT_INTERRUPTED = 130
 #: A rank asks submitit's local executor to start it again (submitit.local reads 144).
 EXIT_LOCAL_REQUEUE = 144
 

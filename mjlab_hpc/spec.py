@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 
 import tyro
 
+from mjlab_hpc.checks import no_control, path_component
 from mjlab_hpc.errors import SpecError
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
+# What a run's folder name holds before the run name: `2026-11-23_09-12-51_`.
+RUN_NAME_PREFIX = "YYYY-mm-dd_HH-MM-SS_"
 ExecutorChoice = Literal["slurm", "local", "auto"]
 GpuIds = tuple[int, ...] | Literal["all", "auto"] | None
 # Signals Slurm can send ahead of the time limit that no library we load relies on.
@@ -64,6 +67,9 @@ class TrainSpec:
     `auto` follows --device. Several ids start one rank per GPU."""
     num_procs: int = 1
     """Start N CPU ranks on this machine (gloo)."""
+    oversubscribe: bool = False
+    """Start more CPU ranks on this machine than it has cores (refused otherwise: each rank
+    steps its physics on one core)."""
     torch_threads: int = 0
     """Torch threads per rank (0: SLURM_CPUS_PER_TASK, else the machine's cores / local ranks)."""
     dist_timeout_s: float = 300.0
@@ -75,8 +81,12 @@ class TrainSpec:
     iteration, merging every rank's rollout before the update (one collective), or at every
     env step (exactly one process's statistics over all ranks; one collective per step)."""
     resume: bool = False
-    """Continue the latest run of this experiment (or --run-dir) from its newest valid
-    checkpoint. A run directory that already holds checkpoints is always continued."""
+    """Continue the latest run of this experiment under --log-root from its newest valid
+    checkpoint (an error when there is none). --run-dir names the run instead; a run
+    directory that already holds checkpoints is always continued."""
+    restart_from_scratch: bool = False
+    """When every checkpoint of the run directory is damaged, train again from iteration 0
+    (the damaged ones are kept as model_<n>.pt.damaged). Without it such a run is refused."""
     keep_checkpoints: int = 0
     """Keep only the newest N checkpoints (0: keep all)."""
     preempt_signal: str = "USR2"
@@ -119,10 +129,18 @@ class TrainSpec:
             raise SpecError(
                 "--preempt-signal", f"{self.preempt_signal!r}: use one of {', '.join(_SIGNALS)}"
             )
-        if "/" in self.run_name or self.run_name in (".", ".."):
-            raise SpecError(
-                "--run-name", f"must be a plain name without '/', got {self.run_name!r}"
-            )
+        no_control("--log-root", self.log_root)
+        if not self.log_root.strip():
+            raise SpecError("--log-root", "must not be empty (default: logs)")
+        if self.experiment_name is not None:
+            path_component("--experiment-name", self.experiment_name)
+        if self.run_name:
+            # The run's folder is <YYYY-mm-dd_HH-MM-SS>_<run-name>[-<n>].
+            path_component("--run-name", self.run_name, reserved=len(RUN_NAME_PREFIX) + 5)
+        if self.run_dir is not None:
+            no_control("--run-dir", self.run_dir)
+        for arg in self.overrides:
+            no_control("--env/--agent", arg)
 
     def replace(self, **changes: object) -> TrainSpec:
         """A copy with some fields changed."""

@@ -7,6 +7,7 @@ Slurm test cluster runs on the same worker, which starts the cluster once and st
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,21 @@ from slurm_cluster import slurm_cluster  # noqa: F401
 _ROOT = Path(__file__).resolve().parent
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True)  # around xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
     for item in items:
         if item.get_closest_marker("xdist_group"):
             continue
         group = "slurm" if item.get_closest_marker("slurm") else str(item.path.relative_to(_ROOT))
         item.add_marker(pytest.mark.xdist_group(group))
+    return (yield)
+
+
+@pytest.fixture(scope="session")
+def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every test of this session sees, on every xdist worker (for work done once
+    per session, such as reference runs)."""
+    import os
+
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base

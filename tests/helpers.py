@@ -96,7 +96,7 @@ _rank = os.environ.get("SLURM_PROCID") or os.environ.get("SUBMITIT_LOCAL_GLOBALI
 
 class _Inject(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "mjlab_hpc.rank.progress":
+        if name != "mjlab_hpc.rundir.progress":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -125,7 +125,8 @@ def fault_env(tmp: Path, rank: int, iteration: int) -> dict[str, str]:
     """Variables that make `rank` raise at `iteration` (see FAULT_INJECTION)."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "sitecustomize.py").write_text(FAULT_INJECTION)
-    return {"PYTHONPATH": str(tmp), "MJLAB_FAULT_RANK": str(rank),
+    path = os.pathsep.join(p for p in (str(tmp), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "MJLAB_FAULT_RANK": str(rank),
             "MJLAB_FAULT_ITERATION": str(iteration)}  # fmt: skip
 
 
@@ -167,3 +168,32 @@ def run_two_ranks(body: Callable[[int], Any], timeout_s: float = 110.0) -> dict[
         p.join(60)  # a loaded machine takes a while to tear a process group down
         assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
     return got
+
+
+def reference_digests(shared: Path, args: list[str], ranks: int = 1) -> list[str]:
+    """Per-rank parameter digests of an uninterrupted `mjlab-train ARGS` run on `ranks`
+    ranks, computed once per test session and shared between tests (and xdist workers):
+    `shared` is a folder all of them see (`tmp_path_factory.getbasetemp().parent`)."""
+    import fcntl
+    import hashlib
+    import json
+    import subprocess
+
+    command = [*args, "--num-procs", str(ranks)] if ranks > 1 else list(args)
+    key = hashlib.sha256(json.dumps(command).encode()).hexdigest()[:16]
+    folder = shared / "reference-runs"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker computes, the others wait and read
+        done = folder / f"{key}.json"
+        if done.exists():
+            return list(json.loads(done.read_text()))
+        root = folder / key
+        proc = subprocess.run(
+            [BIN / "mjlab-train", *command, "--log-root", str(root)],
+            env=cli_env(), capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        digests = json.loads(only_run(root).summary.read_text())["param_digest_per_rank"]
+        done.write_text(json.dumps(digests))
+        return list(digests)

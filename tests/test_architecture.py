@@ -17,16 +17,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mjlab_hpc"
 # Layers, bottom up: a module may import its own subpackage and any lower layer, nothing else.
 LAYERS = {
     "errors": 0,
+    "checks": 1,
     "procs": 1,
-    "spec": 1,
-    "slurm": 2,
-    "tasks": 2,
-    "rundir": 2,
-    "rank": 3,
-    "launch": 4,
-    "ops": 4,
-    "bench": 5,
-    "cli": 6,
+    "spec": 2,
+    "slurm": 3,
+    "tasks": 3,
+    "rundir": 3,
+    "rank": 4,
+    "launch": 5,
+    "ops": 6,
+    "bench": 6,
+    "cli": 7,
 }
 # The public facade and the alias kept for configs of 0.1.0 sit above everything.
 FACADES = {"mjlab_hpc", "mjlab_hpc.ppo"}
@@ -34,9 +35,9 @@ FACADES = {"mjlab_hpc", "mjlab_hpc.ppo"}
 # defeat their purpose (heavy code that a light command must not load).
 LAZY_ALLOWED = {
     ("mjlab_hpc.rank.job", "mjlab_hpc.rank.entry"),  # the submitter pickles RankJob: no torch
-    ("mjlab_hpc.rank.job", "mjlab_hpc.rank.preemption"),
+    ("mjlab_hpc.rank.job", "mjlab_hpc.rank.stop"),
     ("mjlab_hpc.cli.train", "mjlab_hpc.rank.entry"),  # bad input is refused before torch loads
-    ("mjlab_hpc.cli.train", "mjlab_hpc.rank.preemption"),
+    ("mjlab_hpc.cli.train", "mjlab_hpc.rank.stop"),
     ("mjlab_hpc.cli.hpc", "mjlab_hpc.ops.plot"),  # tensorboard, matplotlib
     ("mjlab_hpc.cli.hpc", "mjlab_hpc.bench.report"),  # the benchmark
     ("mjlab_hpc.tasks.builtin", "mjlab_hpc.tasks.cartpole"),  # environments: torch, warp

@@ -3,7 +3,9 @@ and turning errors into one clear line and an exit code."""
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import tyro
@@ -13,7 +15,7 @@ from rich.markup import escape
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED, LaunchError, SpecError, SubmitError
 from mjlab_hpc.spec import split_overrides
 
-__all__ = ["error_line", "guarded", "parse_with_overrides"]
+__all__ = ["error_line", "guarded", "parse_with_overrides", "resume_command"]
 
 T = TypeVar("T")
 
@@ -53,3 +55,21 @@ def parse_with_overrides(
     except SpecError as exc:
         error_line("error", exc)
         return EXIT_BAD_INPUT
+
+
+def resume_command(prog: str, argv: Sequence[str], run_dir: str | Path) -> str:
+    """The command that continues a run: the same arguments, naming its run directory."""
+    args, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--resume", "--no-resume", "--restart-from-scratch"):
+            continue
+        if arg == "--run-dir":
+            skip = True
+            continue
+        if arg.startswith("--run-dir="):
+            continue
+        args.append(arg)
+    return shlex.join([prog, *args, "--run-dir", str(run_dir)])

@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mjlab_hpc.bench.config import BenchConfig
+from mjlab_hpc.checks import no_control
 from mjlab_hpc.cli.common import guarded
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.templates import render
@@ -211,7 +212,13 @@ def logs(cmd: Logs) -> int:
         sys.stdout.write(tail(path, cmd.lines) + "\n")
         targets = {"": path}
     else:
+        cause = collect([run]).rows[0].cause
         tracebacks = find_tracebacks(ranks)
+        if cause is not None:
+            out.print(f"[bold red]cause: {escape(cause)}[/]")
+            culprit = int(cause.split()[1])  # "rank <k> on ..."
+            # The cause's own traceback first; the others' are consequences.
+            tracebacks.sort(key=lambda tb: tb.rank != culprit)
         if tracebacks:
             first = tracebacks[0]
             out.print(
@@ -280,7 +287,11 @@ def plot(cmd: Plot) -> int:
     empty = [s.run_dir for s in series if not s.series]
     if len(empty) == len(series):
         raise SpecError("RUN", f"no tensorboard scalars in {', '.join(map(str, empty))}")
-    drawn = plot_runs(series, Path(cmd.out), cmd.title)
+    no_control("--out", cmd.out)
+    try:
+        drawn = plot_runs(series, Path(cmd.out), cmd.title)
+    except OSError as exc:
+        raise SpecError("--out", f"cannot write {cmd.out}: {exc.strerror or exc}") from None
     for entry in drawn["runs"]:
         points = ", ".join(f"{t} {v['points']} points" for t, v in entry["series"].items())
         print(f"{entry['label']}: {points or 'no scalars'}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -11,9 +12,16 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from mjlab_hpc.cli.common import guarded, parse_with_overrides
-from mjlab_hpc.errors import EXIT_FAILED
-from mjlab_hpc.launch.local import follow, rank_outcomes
+from mjlab_hpc.cli.common import guarded, parse_with_overrides, resume_command
+from mjlab_hpc.errors import EXIT_INTERRUPTED
+from mjlab_hpc.launch.follow import (
+    Closing,
+    Foreground,
+    closing,
+    failed_before_start,
+    follow_progress,
+)
+from mjlab_hpc.launch.local import local_processes, rank_outcomes
 from mjlab_hpc.launch.slurm import render_array_sbatch, render_sbatch
 from mjlab_hpc.launch.submit import (
     Submitted,
@@ -27,10 +35,14 @@ from mjlab_hpc.launch.sweep import sweep_elements
 from mjlab_hpc.launch.validate import executor_for, validate_submit
 from mjlab_hpc.ops.status import collect, status_table
 from mjlab_hpc.ops.status import console as wide_console
+from mjlab_hpc.procs import send_signal, wait_gone
+from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
 
 __all__ = ["main", "run"]
+
+PROG = "mjlab-submit"
 
 
 def spec_yaml(spec: SubmitSpec, resolved: ResolvedSpec) -> str:
@@ -79,22 +91,54 @@ def summary_table(s: Submitted) -> Table:
     return t
 
 
-def follow_job(s: Submitted, console: Console) -> int:
-    """Stream rank 0's output until the job ends; 0 if every rank succeeded."""
-    out = s.rank_stdout(0)
-    while not out.exists() and not s.job.done():
-        time.sleep(0.5)
-    try:
-        follow(out, s.job.done, sys.stdout)
-    except KeyboardInterrupt:
-        console.print(f"stopped following; job {s.job_id} keeps running")
-        raise
-    _, failures = rank_outcomes(s.job, s.ranks)
-    if failures:
-        console.print(f"[bold red]job {s.job_id} failed:[/]\n  " + "\n  ".join(failures))
-        return EXIT_FAILED
-    console.print(f"[bold green]job {s.job_id} finished[/]: {s.run_dir}")
-    return 0
+def follow_job(s: Submitted, argv: Sequence[str]) -> int:
+    """Stay with the job: rank 0's progress until it ends, stop signals forwarded (a local job
+    stops at its next iteration boundary with a checkpoint, a Slurm job is cancelled with one;
+    a second signal stops at once, or for a Slurm job stops following), then one closing
+    line; the exit code."""
+    resume = resume_command(PROG, argv, s.run_dir)
+    if s.executor == "local":
+        controller = int(s.job_id)  # the local executor's job id is its controller's pid
+
+        def stop() -> None:
+            send_signal(controller, signal.SIGTERM)  # forwarded to the ranks by submitit
+
+        def kill() -> None:
+            for pid in [controller, *(p.pid for p in local_processes(s.run_dir))]:
+                send_signal(pid, signal.SIGKILL)
+
+    else:
+        client = SlurmClient()
+
+        def stop() -> None:
+            # The ranks save a checkpoint on SIGTERM; with requeue forbidden, none follows.
+            client.forbid_requeue(s.job_id)
+            client.scancel([s.job_id])
+
+        def kill() -> None:
+            pass  # stop following; the cancel goes on
+
+    def done() -> bool:
+        if fg.killed or not s.job.done():
+            return fg.killed
+        # A local controller may be gone (killed) while its ranks still save their checkpoint.
+        return s.executor != "local" or not local_processes(s.run_dir)
+
+    with Foreground(stop, kill, sys.stderr) as fg:
+        follow_progress(s.run_dir, s.resolved.max_iterations, done)
+    if fg.killed:
+        if s.executor == "local":
+            wait_gone([p.pid for p in local_processes(s.run_dir)], 10)
+        ended: Closing | None = Closing(EXIT_INTERRUPTED, f"stopped at once; resume with: {resume}")
+    else:
+        ended = closing(s.run_dir, resume, cancelled=fg.signals > 0 and s.executor == "slurm")
+    if ended is None:
+        _, failures = rank_outcomes(s.job, s.ranks)
+        ended = failed_before_start(failures or [f"job {s.job_id} ended without a run record"])
+    (Console() if ended.code == 0 else Console(stderr=True)).print(
+        ended.line, highlight=False, markup=False, soft_wrap=True
+    )
+    return ended.code
 
 
 def sweep_dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
@@ -162,12 +206,13 @@ def follow_sweep(s: SubmittedSweep, console: Console) -> int:
     return 1 if failed else 0
 
 
-def run(spec: SubmitSpec) -> int:
-    """Validate and submit (or print, with --dry-run); the exit code."""
-    return guarded(lambda: _run(spec))
+def run(spec: SubmitSpec, argv: Sequence[str] = ()) -> int:
+    """Validate and submit (or print, with --dry-run); the exit code. `argv`: the command's
+    arguments (for the command that resumes the run)."""
+    return guarded(lambda: _run(spec, argv))
 
 
-def _run(spec: SubmitSpec) -> int:
+def _run(spec: SubmitSpec, argv: Sequence[str]) -> int:
     console = Console()
     if spec.dry_run:
         resolved = validate_submit(spec)
@@ -184,7 +229,7 @@ def _run(spec: SubmitSpec) -> int:
     submitted = submit(spec)
     console.print("[bold]submitted[/]")
     console.print(summary_table(submitted))
-    return follow_job(submitted, console) if spec.follow else 0
+    return follow_job(submitted, argv) if spec.follow else 0
 
 
 def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
@@ -207,13 +252,14 @@ def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `mjlab-submit`. Arguments it does not know go to mjlab tasks as
     `--env.*` / `--agent.*` overrides, passed to every rank."""
+    args = list(sys.argv[1:] if argv is None else argv)
     spec = parse_with_overrides(
         SubmitSpec,
-        argv,
+        args,
         __doc__,
         lambda s, overrides: s.replace(train=s.train.replace(overrides=overrides)),
     )
-    return spec if isinstance(spec, int) else run(spec)
+    return spec if isinstance(spec, int) else run(spec, args)
 
 
 if __name__ == "__main__":

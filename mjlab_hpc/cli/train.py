@@ -6,71 +6,90 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 
-from mjlab_hpc.cli.common import error_line, guarded, parse_with_overrides
-from mjlab_hpc.errors import EXIT_FAILED, EXIT_STOPPED
-from mjlab_hpc.launch.local import JobFailed, LaunchPlan, plan_launch, run_local
+from mjlab_hpc.cli.common import guarded, parse_with_overrides, resume_command
+from mjlab_hpc.errors import EXIT_INTERRUPTED, EXIT_STOPPED
+from mjlab_hpc.launch.follow import Closing, closing
+from mjlab_hpc.launch.local import LaunchPlan, plan_launch, run_local
 from mjlab_hpc.launch.validate import validate_train
 from mjlab_hpc.rank.context import DistContext, cuda_device_count, detect_mode
+from mjlab_hpc.rundir.layout import create_run_dir
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 
 __all__ = ["main", "run"]
 
-
-def run(spec: TrainSpec) -> int:
-    """Validate, plan and run; the exit code."""
-    return guarded(lambda: _run(spec))
+PROG = "mjlab-train"
 
 
-def _run(spec: TrainSpec) -> int:
-    resolved = validate_train(spec)
+def run(spec: TrainSpec, argv: Sequence[str] = ()) -> int:
+    """Validate, plan and run; the exit code. `argv`: the command's arguments (for the
+    command that resumes the run)."""
+    return guarded(lambda: _run(spec, argv))
+
+
+def _run(spec: TrainSpec, argv: Sequence[str]) -> int:
     launched_by = detect_mode(os.environ)
+    resolved = validate_train(spec, launched_by)
     if launched_by != "single":
         DistContext.from_env()  # inconsistent launcher variables: fail before any work
     plan = plan_launch(spec, launched_by, cuda_device_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if plan.in_process:
-        return _run_in_process(resolved, plan)
-    try:
-        results = run_local(resolved, plan.ranks, plan.gpus)
-    except JobFailed as exc:
-        error_line("failed", exc)
-        return EXIT_FAILED
-    Console().print(f"{len(results)} ranks done, run directory: {results[0].run_dir}")
-    return 0
+        return _run_in_process(resolved, plan, argv)
+    if not resolved.train.run_dir:  # decided here, so the closing line can name it
+        run_dir = create_run_dir(spec.log_root, resolved.experiment_name, spec.run_name)
+        resolved = resolved.replace_train(run_dir=str(run_dir))
+    resume = resume_command(PROG, argv, str(resolved.train.run_dir))
+    ended = run_local(resolved, plan.ranks, plan.gpus, resume)
+    _say(ended)
+    return ended.code
 
 
-def _run_in_process(resolved: ResolvedSpec, plan: LaunchPlan) -> int:
+def _say(ended: Closing) -> None:
+    (Console() if ended.code == 0 else Console(stderr=True)).print(
+        ended.line, highlight=False, markup=False, soft_wrap=True
+    )
+
+
+def _run_in_process(resolved: ResolvedSpec, plan: LaunchPlan, argv: Sequence[str]) -> int:
     if plan.single_gpu is not None:
         # Before CUDA initialises: the chosen GPU becomes cuda:0 of this process.
         os.environ["CUDA_VISIBLE_DEVICES"] = str(plan.single_gpu)
     # torch, warp, rsl-rl: loaded only once the input is known to be good.
     from mjlab_hpc.rank.entry import train_rank
-    from mjlab_hpc.rank.preemption import Stopped, after_stop
+    from mjlab_hpc.rank.stop import Interrupted, Stopped, after_stop
 
     try:
         result = train_rank(resolved)
-    except Stopped as stop:
-        code = after_stop(stop, None, resolved.train.max_restarts)
-        if (stop.ctx is None or stop.ctx.is_main) and code == EXIT_STOPPED:
-            Console(stderr=True).print(
-                f"{stop}: the checkpoint is saved; continue with the same command and "
-                "--resume (or --run-dir RUN_DIR)"
-            )
+    except Stopped as stopped:
+        code = after_stop(stopped, resolved.train.max_restarts)
+        if (stopped.ctx is None or stopped.ctx.is_main) and stopped.run_dir:
+            ended = closing(Path(stopped.run_dir), resume_command(PROG, argv, stopped.run_dir))
+            if ended is not None and code == EXIT_STOPPED:
+                _say(ended)
         return code
+    except Interrupted as interrupted:
+        ended = closing(Path(interrupted.run_dir), resume_command(PROG, argv, interrupted.run_dir))
+        if ended is not None:
+            _say(ended)
+        return EXIT_INTERRUPTED
     if result.rank == 0:
-        Console().print(f"run directory: {result.run_dir}")
+        ended = closing(Path(result.run_dir), resume_command(PROG, argv, result.run_dir))
+        if ended is not None:
+            _say(ended)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `mjlab-train`. Arguments it does not know go to mjlab tasks as
     `--env.*` / `--agent.*` overrides, as with mjlab's own train."""
+    args = list(sys.argv[1:] if argv is None else argv)
     spec = parse_with_overrides(
-        TrainSpec, argv, __doc__, lambda s, overrides: s.replace(overrides=overrides)
+        TrainSpec, args, __doc__, lambda s, overrides: s.replace(overrides=overrides)
     )
-    return spec if isinstance(spec, int) else run(spec)
+    return spec if isinstance(spec, int) else run(spec, args)
 
 
 if __name__ == "__main__":

@@ -7,37 +7,49 @@ rank; each rank runs the same `train_rank` as any other launch path.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import shlex
+import signal
 import socket
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Literal, TextIO
 
 import submitit
 
-from mjlab_hpc.errors import SpecError
+from mjlab_hpc.errors import EXIT_INTERRUPTED, SpecError
+from mjlab_hpc.launch.follow import (
+    Closing,
+    Foreground,
+    closing,
+    failed_before_start,
+    follow_progress,
+)
+from mjlab_hpc.procs import processes, send_signal, wait_gone
+from mjlab_hpc.rank.context import DETACHED_ENV, SUPERVISOR_ENV
 from mjlab_hpc.rank.job import RankJob
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR, create_run_dir
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 
 if TYPE_CHECKING:
-    from mjlab_hpc.rank.entry import RankResult
+    pass
 
 __all__ = [
     "LOCAL_TIMEOUT_MIN",
-    "JobFailed",
     "LaunchPlan",
     "LocalJob",
-    "follow",
+    "LocalProcess",
     "free_port",
+    "local_processes",
     "physical_gpu_ids",
     "plan_launch",
     "rank_outcomes",
     "run_local",
     "submit_local",
-    "wait_local",
 ]
 
 # Local jobs run until they finish; submitit's default (2 minutes) would stop them.
@@ -133,17 +145,50 @@ class LocalJob:
         return Path(self.job.task(rank).paths.stdout)
 
 
+@contextlib.contextmanager
+def _controller_environment(foreground: bool) -> Iterator[None]:
+    """What submitit's local controller, and the ranks it starts, inherit from this process
+    (it copies os.environ and the signal dispositions): Ctrl-C and a hang-up are ignored by
+    the controller (a terminal's Ctrl-C reaches every process of the foreground group; the
+    controller would kill the ranks 1 s later, before their checkpoint), and the ranks learn
+    whether a launcher in the foreground supervises them (it forwards stops; its death stops
+    them) or whether they run in the background (terminal signals do not concern them)."""
+    saved_env = {k: os.environ.get(k) for k in (SUPERVISOR_ENV, DETACHED_ENV)}
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGHUP)}
+    if foreground:
+        os.environ[SUPERVISOR_ENV] = str(os.getpid())
+        os.environ.pop(DETACHED_ENV, None)
+    else:
+        os.environ.pop(SUPERVISOR_ENV, None)
+        os.environ[DETACHED_ENV] = "1"
+    try:
+        for sig in saved:
+            signal.signal(sig, signal.SIG_IGN)
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def submit_local(
     spec: ResolvedSpec,
     ranks: int,
     gpus: Sequence[int] = (),
     timeout_min: float = LOCAL_TIMEOUT_MIN,
     signal_delay_s: int = 90,
+    foreground: bool = True,
 ) -> LocalJob:
     """Submit `ranks` processes of `train_rank(spec)` on this machine and return at once.
 
     Like Slurm, submitit's local executor sends the time-limit signal `signal_delay_s` before
-    `timeout_min`, and restarts the ranks when they exit for a requeue.
+    `timeout_min`, and restarts the ranks when they exit for a requeue. `foreground`: this
+    process stays and supervises the job (its death stops the ranks); else the job runs in
+    the background, untouched by this terminal's signals.
     """
     train = spec.train
     run_dir = (
@@ -159,30 +204,42 @@ def submit_local(
         gpus_per_node=len(gpus),
         visible_gpus=tuple(gpus),
     )
-    job = executor.submit(RankJob(spec.replace_train(run_dir=str(run_dir)), free_port()))
+    with _controller_environment(foreground):
+        job = executor.submit(RankJob(spec.replace_train(run_dir=str(run_dir)), free_port()))
     return LocalJob(job=job, run_dir=run_dir, ranks=ranks)
 
 
-def follow(path: Path, done: Callable[[], bool], out: TextIO, poll_s: float = 0.2) -> None:
-    """Copy what is appended to `path` onto `out` until `done()` and the file is drained."""
-    pos = 0
-    while True:
-        finished = done()
-        if path.exists():
-            with open(path, errors="replace") as f:
-                f.seek(pos)
-                chunk = f.read()
-                pos = f.tell()
-            if chunk:
-                out.write(chunk)
-                out.flush()
-        if finished:
-            return
-        time.sleep(poll_s)
+@dataclass(frozen=True)
+class LocalProcess:
+    """A process of this machine that works for a run's submitit folder."""
+
+    pid: int
+    role: Literal["controller", "rank", "launcher"]
+    """controller: the local executor's controller; rank: a Python process running a task;
+    launcher: anything else naming the folder (srun, the shell that runs a local job's setup
+    lines before its controller)."""
 
 
-class JobFailed(RuntimeError):
-    """Some ranks of a job failed; the message names each and why."""
+def local_processes(run_dir: Path) -> list[LocalProcess]:
+    """The live processes of this machine started for the run's submitit folder."""
+    folders = {str(run_dir.absolute() / SUBMITIT_DIR), str((run_dir / SUBMITIT_DIR).resolve())}
+    quoted = [re.compile(re.escape(shlex.quote(f)) + r"(?=$|\s)") for f in folders]
+
+    def works_for_run(argv: tuple[str, ...]) -> bool:
+        # A job with setup lines runs its controller under `sh -c "<setup> && python ..."`.
+        return any(a in folders for a in argv) or any(p.search(a) for p in quoted for a in argv[1:])
+
+    found = []
+    for entry in processes(works_for_run):
+        role: Literal["controller", "rank", "launcher"] = "launcher"
+        if "submitit.local._local" in entry.argv:
+            role = "controller"
+        elif "submitit.core._submit" in entry.argv and Path(entry.argv[0]).name.startswith(
+            "python"
+        ):
+            role = "rank"
+        found.append(LocalProcess(entry.pid, role))
+    return found
 
 
 def rank_outcomes(job: submitit.Job, ranks: int) -> tuple[list[object], list[str]]:
@@ -204,22 +261,44 @@ def rank_outcomes(job: submitit.Job, ranks: int) -> tuple[list[object], list[str
     return results, failures
 
 
-def wait_local(local: LocalJob, out: TextIO | None = None) -> list[RankResult]:
-    """Stream rank 0's output until the job ends; every rank's result, or JobFailed naming the
-    ranks that failed. Ctrl-C cancels the job and leaves no rank behind."""
-    try:
-        follow(local.rank_stdout(0), local.job.done, out or sys.stdout)
-    except KeyboardInterrupt:
-        local.job.cancel(check=False)
-        raise
-    results, failures = rank_outcomes(local.job, local.ranks)
-    if failures:
-        raise JobFailed(f"job {local.job.job_id} failed:\n  " + "\n  ".join(failures))
-    return results  # type: ignore[return-value]
-
-
 def run_local(
-    spec: ResolvedSpec, ranks: int, gpus: Sequence[int] = (), out: TextIO | None = None
-) -> list[RankResult]:
-    """Run a local multi-rank job to its end (see `wait_local`)."""
-    return wait_local(submit_local(spec, ranks, gpus), out)
+    spec: ResolvedSpec,
+    ranks: int,
+    gpus: Sequence[int] = (),
+    resume: str = "the same command with --resume",
+    out: TextIO | None = None,
+) -> Closing:
+    """Run a local multi-rank job in the foreground to its end: rank 0's progress on `out`,
+    this process's stop signals forwarded (the first: stop with a checkpoint at the next
+    iteration boundary; the second: at once); how it ended, as a closing line."""
+    local = submit_local(spec, ranks, gpus, foreground=True)
+    controller = int(local.job.job_id)  # the local executor's job id is its controller's pid
+
+    def stop() -> None:
+        # submitit's controller forwards SIGTERM to the ranks; they stop for good (no requeue).
+        send_signal(controller, signal.SIGTERM)
+
+    def kill() -> None:
+        pids = [p.pid for p in local_processes(local.run_dir)]
+        for pid in [controller, *pids]:
+            send_signal(pid, signal.SIGKILL)
+
+    def done() -> bool:
+        # The controller may be gone (killed) while its ranks still save their checkpoint.
+        return local.job.done() and not local_processes(local.run_dir)
+
+    with Foreground(stop, kill, sys.stderr) as fg:
+        follow_progress(local.run_dir, spec.max_iterations, done, out)
+    if fg.killed:
+        left = wait_gone([p.pid for p in local_processes(local.run_dir)], 10)
+        note = "" if not left else f" (still alive: {left})"
+        return Closing(
+            EXIT_INTERRUPTED,
+            f"stopped at once: nothing saved since the last checkpoint{note}; "
+            f"resume with: {resume}",
+        )
+    ended = closing(local.run_dir, resume)
+    if ended is not None:
+        return ended
+    _, failures = rank_outcomes(local.job, ranks)
+    return failed_before_start(failures or ["the job ended without a run record"])

@@ -3,24 +3,109 @@ exact script it submits (also what `--dry-run` prints)."""
 
 from __future__ import annotations
 
+import difflib
+import re
 import shlex
 from pathlib import Path
 from typing import Any
 
 import submitit
 
-from mjlab_hpc.launch.validate import sbatch_options
+from mjlab_hpc.checks import sbatch_value
+from mjlab_hpc.errors import SpecError
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import SubmitSpec
 
 __all__ = [
+    "SBATCH_OPTIONS",
+    "array_executor",
     "container_python",
     "make_slurm_executor",
     "render_array_sbatch",
     "render_sbatch",
+    "sbatch_options",
     "slurm_parameters",
 ]
+
+#: sbatch's long options (Slurm 22.05-24.11), for --sbatch-arg: a key not among them is a typo.
+SBATCH_OPTIONS = frozenset((
+    "account", "acctg-freq", "array", "batch", "bb", "bbf", "begin", "chdir",
+    "cluster-constraint", "clusters", "comment", "constraint", "container", "container-id",
+    "contiguous", "core-spec", "cores-per-socket", "cpu-freq", "cpus-per-gpu", "cpus-per-task",
+    "deadline", "delay-boot", "dependency", "distribution", "error", "exclude", "exclusive",
+    "export", "export-file", "extra", "extra-node-info", "get-user-env", "gid", "gpu-bind",
+    "gpu-freq", "gpus", "gpus-per-node", "gpus-per-socket", "gpus-per-task", "gres",
+    "gres-flags", "hint", "hold", "ignore-pbs", "input", "job-name", "kill-on-invalid-dep",
+    "licenses", "mail-type", "mail-user", "mcs-label", "mem", "mem-bind", "mem-per-cpu",
+    "mem-per-gpu", "mincpus", "network", "nice", "no-kill", "no-requeue", "nodefile", "nodelist",
+    "nodes", "ntasks", "ntasks-per-core", "ntasks-per-gpu", "ntasks-per-node",
+    "ntasks-per-socket", "open-mode", "output", "overcommit", "oversubscribe", "parsable",
+    "partition", "power", "prefer", "priority", "profile", "propagate", "qos", "quiet", "reboot",
+    "requeue", "reservation", "segment", "signal", "sockets-per-node", "spread-job", "switches",
+    "test-only", "thread-spec", "threads-per-core", "time", "time-min", "tmp", "tres-bind",
+    "tres-per-task", "uid", "usage", "use-min-nodes", "verbose", "version", "wait",
+    "wait-all-nodes", "wckey", "wrap",
+))  # fmt: skip
+# What the toolkit sets itself, and the flag that sets it.
+_RESERVED = {
+    "time": "--time",
+    "signal": "--preempt-signal and --signal-delay-s",
+    "requeue": "nothing (jobs are always requeueable)",
+    "no-requeue": "nothing (jobs must be requeueable to survive preemption)",
+    "nodes": "--nodes",
+    "ntasks": "--nodes and --tasks-per-node",
+    "ntasks-per-node": "--tasks-per-node",
+    "gpus-per-node": "--gpus-per-node",
+    "gpus": "--gpus-per-node",
+    "gres": "--gpus-per-node",
+    "cpus-per-task": "--cpus-per-task",
+    "mem": "--mem",
+    "partition": "--partition",
+    "account": "--account",
+    "qos": "--qos",
+    "constraint": "--constraint",
+    "exclusive": "--exclusive",
+    "job-name": "--job-name",
+    "array": "--sweep",
+    "output": "nothing (output paths are the run directory's)",
+    "error": "nothing (output paths are the run directory's)",
+    "open-mode": "nothing (logs are appended across requeues)",
+    "chdir": "nothing (paths in the job are absolute)",
+    "export": "nothing (the job needs the submitting environment)",
+    "wrap": "nothing (the toolkit writes the script)",
+    "parsable": "nothing",
+    "test-only": "nothing",
+    "wait": "--follow",
+    "hold": "nothing",
+    "uid": "nothing",
+    "gid": "nothing",
+    "batch": "nothing",
+}
+_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
+
+
+def sbatch_options(spec: SubmitSpec) -> dict[str, str | bool]:
+    """--sbatch-arg KEY=VALUE pairs (a bare KEY is a flag). SpecError for a malformed one, a
+    key sbatch does not know, or one the toolkit sets itself (naming the flag that does)."""
+    out: dict[str, str | bool] = {}
+    for item in spec.sbatch_arg:
+        key, sep, value = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not _KEY.match(key):
+            raise SpecError(
+                "--sbatch-arg", f"{item!r} is not KEY=VALUE with an sbatch option as KEY"
+            )
+        if key in _RESERVED:
+            raise SpecError(
+                "--sbatch-arg", f"{key} is set by mjlab-submit itself: use {_RESERVED[key]}"
+            )
+        if key not in SBATCH_OPTIONS:
+            close = difflib.get_close_matches(key, SBATCH_OPTIONS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise SpecError("--sbatch-arg", f"{key} is not an sbatch option{hint}")
+        out[key] = sbatch_value("--sbatch-arg", value) if sep else True
+    return out
 
 
 def slurm_parameters(spec: SubmitSpec) -> dict[str, Any]:

@@ -93,6 +93,7 @@ def submit_one(
             tuple(range(spec.gpus_per_node)),
             timeout_min=slurm_time_minutes(spec.time),
             signal_delay_s=spec.signal_delay_s,
+            foreground=spec.follow,
         )
         return local.job
     return make_slurm_executor(spec, run_dir).submit(RankJob(train))
@@ -103,11 +104,11 @@ def submit(spec: SubmitSpec) -> Submitted:
     and no run directory is left behind when the scheduler refuses the job."""
     resolved = validate_submit(spec)
     kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
-    made_here = not spec.train.run_dir
+    made_here = not resolved.train.run_dir  # --run-dir, or the run --resume continues
     run_dir = (
         create_run_dir(spec.train.log_root, resolved.experiment_name, spec.train.run_name)
         if made_here
-        else Path(str(spec.train.run_dir)).resolve()
+        else Path(str(resolved.train.run_dir)).resolve()
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     try:

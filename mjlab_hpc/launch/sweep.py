@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Union, get_args, get_origin
 
+from mjlab_hpc.checks import no_control
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks.registry import resolve
@@ -47,7 +48,12 @@ _FIXED = frozenset(
         "num_procs",
         "gpu_ids",
         "resume",
+        "restart_from_scratch",
         "overrides",
+        # One job script per sweep: its #SBATCH --signal is the one signal every element's
+        # ranks must handle.
+        "preempt_signal",
+        "oversubscribe",
     }
 )
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
@@ -120,6 +126,7 @@ def parse_axes(flags: Sequence[str]) -> tuple[SweepAxis, ...]:
             raise SpecError(FLAG, f"{flag!r} is not KEY=V1,V2,... (e.g. --sweep seed=0,1,2)")
         if not _KEY.match(key):
             raise SpecError(FLAG, f"{key!r} is not a key name")
+        no_control(FLAG, flag)
         values = tuple(v.strip() for v in raw.split(","))
         if any(not v for v in values):
             raise SpecError(FLAG, f"{flag!r} has an empty value; separate values with commas")

@@ -16,7 +16,8 @@ from importlib import resources
 from pathlib import Path
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.launch.validate import sbatch_options, validate_submit
+from mjlab_hpc.launch.slurm import sbatch_options
+from mjlab_hpc.launch.validate import validate_submit
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
 
 __all__ = [

@@ -7,25 +7,98 @@ a bad value raises SpecError naming the flag and the fix.
 
 from __future__ import annotations
 
-import re
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from mjlab_hpc.checks import no_control, sbatch_value, shell_line, slurm_name
 from mjlab_hpc.errors import SpecError
+from mjlab_hpc.launch.resources import (
+    check_local_cpus,
+    check_local_gpus,
+    check_log_root,
+    check_partition,
+    check_run_dir,
+)
+from mjlab_hpc.launch.slurm import sbatch_options
 from mjlab_hpc.launch.sweep import sweep_elements
+from mjlab_hpc.rundir.checkpoint import Checkpoints
+from mjlab_hpc.rundir.layout import latest_run
+from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.slurm.units import check_mem, slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
 from mjlab_hpc.tasks.registry import resolve
 
-__all__ = ["executor_for", "sbatch_options", "validate_submit", "validate_train"]
+__all__ = [
+    "continue_target",
+    "executor_for",
+    "validate_submit",
+    "validate_train",
+]
 
-_SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def validate_train(spec: TrainSpec) -> ResolvedSpec:
-    """Check a training spec and resolve its task."""
+def _check_places(train: TrainSpec) -> None:
+    """Where the run will be written can be written (nothing is created)."""
+    if train.run_dir:
+        check_run_dir("--run-dir", train.run_dir)
+    else:
+        check_log_root("--log-root", train.log_root)
+
+
+def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec:
+    """Check a training spec and resolve its task; with --resume, the run it continues is
+    decided here (the resolved spec names it as its run directory). `launched_by`: the
+    launcher that started this process (a torchrun or srun rank starts no other rank)."""
     spec.validate()
-    return resolve(spec)
+    resolved = resolve(spec)
+    _check_places(spec)
+    if launched_by == "single" and spec.num_procs > 1:
+        check_local_cpus("--num-procs", spec.num_procs, spec.oversubscribe)
+    if spec.device == "cuda" and spec.gpu_ids == "auto":
+        check_local_gpus("--device", 1)
+    return continue_target(resolved)
+
+
+def continue_target(resolved: ResolvedSpec) -> ResolvedSpec:
+    """`resolved` with the run directory --resume continues filled in, after checking that an
+    existing run directory (--run-dir or --resume) holds a run of the same task."""
+    train = resolved.train
+    run_dir = Path(train.run_dir) if train.run_dir else None
+    if run_dir is None and train.resume:
+        run_dir = latest_run(train.log_root, resolved.experiment_name)
+        if run_dir is None:
+            raise SpecError(
+                "--resume",
+                f"no earlier run of {resolved.experiment_name} under {train.log_root} to "
+                "continue; drop --resume to start one, or name it with --run-dir",
+            )
+    if run_dir is None:
+        return resolved
+    theirs = (read_record(run_dir).get("spec") or {}).get("task") if run_dir.is_dir() else None
+    if theirs and theirs != resolved.task:
+        flag = "--run-dir" if train.run_dir else "--resume"
+        raise SpecError(
+            flag,
+            f"{run_dir} holds a run of task {theirs!r}; this command trains {resolved.task!r}. "
+            f"Continue it with {theirs!r}, or give another run directory",
+        )
+    if run_dir.is_dir() and not train.restart_from_scratch:
+        # The ranks check again (and load); refusing here starts no process at all.
+        valid, damaged = Checkpoints(run_dir).newest_valid()
+        if valid is None and damaged:
+            names = ", ".join(d.name for d in damaged)
+            raise SpecError(
+                "--restart-from-scratch",
+                f"every checkpoint of {run_dir} is damaged ({names}; {damaged[0].why}). "
+                "Refusing to train again from iteration 0 over them: restore a checkpoint, or "
+                "pass --restart-from-scratch (they are then kept as model_<n>.pt.damaged)",
+            )
+    return resolved.replace_train(run_dir=str(run_dir))
 
 
 def executor_for(spec: SubmitSpec) -> str:
@@ -36,25 +109,14 @@ def executor_for(spec: SubmitSpec) -> str:
     return "slurm" if shutil.which("sbatch") else "local"
 
 
-def sbatch_options(spec: SubmitSpec) -> dict[str, str | bool]:
-    """--sbatch-arg KEY=VALUE pairs (a bare KEY is a flag); SpecError for a malformed one."""
-    out: dict[str, str | bool] = {}
-    for item in spec.sbatch_arg:
-        key, sep, value = item.partition("=")
-        key = key.strip().lstrip("-")
-        if not _SBATCH_KEY.match(key):
-            raise SpecError(
-                "--sbatch-arg", f"{item!r} is not KEY=VALUE with an sbatch option as KEY"
-            )
-        out[key] = value if sep else True
-    return out
-
-
-def validate_submit(spec: SubmitSpec) -> ResolvedSpec:
+def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> ResolvedSpec:
     """Check a submission (and every element of its sweep) and resolve its task; SpecError
-    naming the flag for anything that cannot be submitted."""
+    naming the flag for anything that cannot be submitted. What cannot be checked here (a
+    partition sinfo does not describe) is said through `warn`."""
     spec.train.validate()
     resolved = resolve(spec.train)
+    if not spec.sweep:
+        resolved = continue_target(resolved)
     if spec.nodes < 1:
         raise SpecError("--nodes", f"must be >= 1, got {spec.nodes}")
     if spec.gpus_per_node < 0:
@@ -80,14 +142,24 @@ def validate_submit(spec: SubmitSpec) -> ResolvedSpec:
             f"{spec.signal_delay_s} s is not shorter than --time {spec.time}; "
             "the warning must come before the limit",
         )
-    if spec.container is not None and not Path(spec.container).is_file():
-        raise SpecError("--container", f"image {spec.container!r} does not exist")
+    for flag, value in (("--partition", spec.partition), ("--account", spec.account),
+                        ("--qos", spec.qos)):  # fmt: skip
+        if value is not None:
+            slurm_name(flag, value)
+    if spec.constraint is not None:
+        slurm_name("--constraint", spec.constraint, constraint=True)
+    if spec.job_name is not None:
+        sbatch_value("--job-name", spec.job_name)
+    for line in spec.setup:
+        shell_line("--setup", line)
+    if spec.container is not None:
+        no_control("--container", spec.container)
+        if not Path(spec.container).is_file():
+            raise SpecError("--container", f"image {spec.container!r} does not exist")
     if spec.train.num_procs != 1:
         raise SpecError("--num-procs", "mjlab-submit starts ranks itself: use --tasks-per-node")
     if spec.train.gpu_ids != "auto":
         raise SpecError("--gpu-ids", "mjlab-submit gives each rank its GPU: use --gpus-per-node")
-    if any("\n" in line for line in spec.setup):
-        raise SpecError("--setup", "one shell line per --setup (no newlines)")
     sbatch_options(spec)
     executor = executor_for(spec)
     if executor == "slurm" and not spec.dry_run and shutil.which("sbatch") is None:
@@ -109,4 +181,12 @@ def validate_submit(spec: SubmitSpec) -> ResolvedSpec:
     if spec.sweep and spec.train.resume:
         raise SpecError("--resume", "a sweep starts new runs; resume each run by itself")
     sweep_elements(spec.train, spec.sweep)
+    if executor == "local":
+        if spec.gpus_per_node == 0:
+            check_local_cpus("--tasks-per-node", spec.ranks_per_node, spec.train.oversubscribe)
+        check_local_gpus("--gpus-per-node", spec.gpus_per_node)
+    if not spec.dry_run:
+        _check_places(resolved.train)
+        if executor == "slurm":
+            check_partition(spec, warn)
     return resolved

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mjlab_hpc.ops.runs import JobKind, Target, local_processes, run_jobs
+from mjlab_hpc.launch.local import local_processes
+from mjlab_hpc.ops.runs import JobKind, Target, run_jobs
 from mjlab_hpc.procs import send_signal, wait_gone
 from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import CANCEL_RECORD

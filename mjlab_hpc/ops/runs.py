@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.procs import processes
 from mjlab_hpc.rundir.layout import (
     SUBMITIT_DIR,
     SWEEP_RECORD,
@@ -34,12 +32,10 @@ from mjlab_hpc.slurm.client import SlurmClient
 
 __all__ = [
     "JobKind",
-    "LocalProcess",
     "RunJobs",
     "Target",
     "created_at",
     "list_runs",
-    "local_processes",
     "resolve_target",
     "run_dirs_of_job",
     "run_jobs",
@@ -241,36 +237,3 @@ def run_dirs_of_job(job_id: str, slurm: SlurmClient) -> Target | None:
         ]
     unique = tuple(dict.fromkeys(runs))
     return Target(unique) if unique else None
-
-
-@dataclass(frozen=True)
-class LocalProcess:
-    """A process of this machine that works for a run's submitit folder."""
-
-    pid: int
-    role: Literal["controller", "rank", "launcher"]
-    """controller: the local executor's controller; rank: a Python process running a task;
-    launcher: anything else naming the folder (srun, the shell that runs a local job's setup
-    lines before its controller)."""
-
-
-def local_processes(run_dir: Path) -> list[LocalProcess]:
-    """The live processes of this machine started for the run's submitit folder."""
-    folders = {str(run_dir.absolute() / SUBMITIT_DIR), str(submitit_folder(run_dir))}
-    quoted = [re.compile(re.escape(shlex.quote(f)) + r"(?=$|\s)") for f in folders]
-
-    def works_for_run(argv: tuple[str, ...]) -> bool:
-        # A job with setup lines runs its controller under `sh -c "<setup> && python ..."`.
-        return any(a in folders for a in argv) or any(p.search(a) for p in quoted for a in argv[1:])
-
-    found = []
-    for entry in processes(works_for_run):
-        role: Literal["controller", "rank", "launcher"] = "launcher"
-        if "submitit.local._local" in entry.argv:
-            role = "controller"
-        elif "submitit.core._submit" in entry.argv and Path(entry.argv[0]).name.startswith(
-            "python"
-        ):
-            role = "rank"
-        found.append(LocalProcess(entry.pid, role))
-    return found

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from mjlab_hpc.ops.runs import RunJobs, local_processes
+from mjlab_hpc.launch.local import local_processes
+from mjlab_hpc.ops.runs import RunJobs
 from mjlab_hpc.rundir.layout import CANCEL_RECORD, WRITER_LOCK
 from mjlab_hpc.rundir.lock import LeaseLock, LockError
 from mjlab_hpc.rundir.record import read_record
@@ -71,6 +72,7 @@ def record_state(run_dir: Path) -> JobState:
         "completed": "COMPLETED",
         "failed": "FAILED",
         "stopped": "STOPPED",
+        "interrupted": "INTERRUPTED",
         "running": "LOST",
     }.get(state)
     if mapped is None:

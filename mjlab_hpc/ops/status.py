@@ -23,7 +23,8 @@ from rich.text import Text
 
 from mjlab_hpc.ops.runs import JobKind, RunJobs, run_jobs
 from mjlab_hpc.ops.state import JobState, job_states
-from mjlab_hpc.rundir.layout import ElementRecord, RunDir, read_sweep
+from mjlab_hpc.rundir.layout import ElementRecord, RunDir, progress_summary, read_sweep
+from mjlab_hpc.rundir.outcome import first_failure, rank_ends
 from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.slurm.client import SlurmClient
 
@@ -36,6 +37,7 @@ STATE_STYLES = {
     "COMPLETING": "cyan",
     "COMPLETED": "blue",
     "STOPPED": "yellow",
+    "INTERRUPTED": "yellow",
     "CANCELLED": "magenta",
     "FAILED": "bold red",
     "LOST": "bold red",
@@ -67,6 +69,8 @@ class RunStatus:
     restarts: int
     restart_reasons: tuple[str, ...]
     sweep: ElementRecord | None
+    cause: str | None = None
+    """For a failed run: the rank that failed first and why (not the ranks that died of it)."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values, for `status --json`."""
@@ -86,6 +90,7 @@ class RunStatus:
             "mean_reward": self.mean_reward,
             "restarts": self.restarts,
             "restart_reasons": list(self.restart_reasons),
+            "cause": self.cause,
             "sweep": None
             if self.sweep is None
             else {
@@ -108,10 +113,7 @@ def _total_iterations(record: dict[str, Any]) -> int | None:
 def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
     run_dir = jobs.run_dir
     record = read_record(run_dir)
-    tail = RunDir(run_dir).progress_tail(RATE_WINDOW)
-    last = tail[-1] if tail else {}
-    rates = [float(r["env_steps_per_s"]) for r in tail if r.get("env_steps_per_s")]
-    rewards = [r["mean_reward"] for r in tail if r.get("mean_reward") is not None]
+    progress = progress_summary(RunDir(run_dir), RATE_WINDOW)
     world = record.get("world_size")
     nodes = state.nodes or record.get("num_nodes")
     gpus = state.gpus_per_node
@@ -130,14 +132,24 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         nodes=nodes,
         gpus_per_node=gpus,
         ranks=world,
-        iteration=last.get("iteration"),
-        total=last.get("total") or _total_iterations(record),
-        env_steps_per_s=round(sum(rates) / len(rates), 1) if rates else None,
-        mean_reward=float(rewards[-1]) if rewards else None,
+        iteration=progress.iteration,
+        total=progress.total or _total_iterations(record),
+        env_steps_per_s=progress.env_steps_per_s,
+        mean_reward=progress.mean_reward,
         restarts=restarts,
         restart_reasons=reasons,
         sweep=jobs.element,
+        cause=_cause(run_dir) if state.state in _FAILED else None,
     )
+
+
+# States whose run ended by a failure: status names the rank that caused it.
+_FAILED = frozenset({"FAILED", "LOST", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
+
+
+def _cause(run_dir: Path) -> str | None:
+    cause = first_failure(rank_ends(run_dir))
+    return cause.describe() if cause is not None else None
 
 
 @dataclass(frozen=True)
@@ -209,7 +221,7 @@ def _row(s: RunStatus) -> list[str | Text]:
         job += " (local)"
     return [
         job,
-        Text(s.state, style=STATE_STYLES.get(s.state, "")),
+        Text(s.state + (f"\n{s.cause}" if s.cause else ""), style=STATE_STYLES.get(s.state, "")),
         _size(s),
         f"{iteration}/{total}",
         _number(s.env_steps_per_s, ",.0f"),

@@ -21,8 +21,10 @@ from mjlab_hpc.errors import LaunchError
 from mjlab_hpc.slurm.hostlist import HostlistError, first_host
 
 __all__ = [
+    "DETACHED_ENV",
     "PORT_BASE",
     "PORT_SPAN",
+    "SUPERVISOR_ENV",
     "DistContext",
     "LaunchMode",
     "backend_for",
@@ -38,6 +40,13 @@ __all__ = [
 
 
 LaunchMode = Literal["single", "torchrun", "slurm", "submitit-local"]
+
+#: Set by our foreground launchers (`mjlab-train --num-procs`, `mjlab-submit --follow`) for
+#: their ranks: comma-separated PIDs whose disappearance stops the ranks.
+SUPERVISOR_ENV = "MJLAB_HPC_SUPERVISOR_PIDS"
+#: Set for ranks of a job started in the background (`mjlab-submit --executor local` without
+#: --follow): they ignore Ctrl-C and hang-ups of the terminal they were started from.
+DETACHED_ENV = "MJLAB_HPC_DETACHED"
 
 # Below Linux's default ephemeral range (32768-60999), so a derived port does not collide with
 # the source port of some outgoing connection, and above the privileged / well-known ports.

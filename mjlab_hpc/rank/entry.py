@@ -2,23 +2,27 @@
 
 `train_rank(spec)` is the one per-rank entry point, whatever launched the process (a plain
 `mjlab-train`, our local launcher, torchrun, srun, submitit). It reads the distributed
-context, joins the process group, agrees on the run directory, makes one process the writer,
-builds the rank's workload (environments and runner) on its device, resumes from the newest
-valid checkpoint, and runs PPO to the end or to a preemption stop. rsl-rl's own parameter
-broadcast and gradient all-reduce are kept.
+context, records stop requests (signals, a lost supervisor), joins the process group, agrees
+on the run directory, makes one process the writer, decides where training starts (refusing
+what cannot be continued before anything of the run changes), builds the rank's workload on
+its device, and runs PPO to the end or to a stop. Every rank ends its log with one `exit:`
+line (completed, stopped, interrupted, failed): a rank log without one ended abruptly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import random
-import signal
+import re
 import socket
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -29,6 +33,7 @@ import torch.distributed as dist
 import warp as wp
 
 from mjlab_hpc.rank.context import (
+    DETACHED_ENV,
     DistContext,
     cuda_device_count,
     process_group,
@@ -36,19 +41,35 @@ from mjlab_hpc.rank.context import (
     seed_for_rank,
     torch_threads,
 )
-from mjlab_hpc.rank.preemption import Stopped, StopRequest, agree, stop_reason, watch_signals
-from mjlab_hpc.rank.progress import IterationStats, ProgressDisplay
+from mjlab_hpc.rank.resume import ResumePlan, ResumeRefused, load_plan, plan_resume
 from mjlab_hpc.rank.runner import IterationHook
+from mjlab_hpc.rank.stop import (
+    Interrupted,
+    StopKind,
+    Stopped,
+    StopRequest,
+    Supervision,
+    agree,
+    watch_signals,
+)
 from mjlab_hpc.rank.workload import Workload, build_workload, rank_state
 from mjlab_hpc.rundir import record
-from mjlab_hpc.rundir.checkpoint import latest_valid, prune
+from mjlab_hpc.rundir.checkpoint import Checkpoints
 from mjlab_hpc.rundir.layout import RunDir, create_run_dir, latest_run, record_latest_run
+from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
 from mjlab_hpc.rundir.writer import RunWriter
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 
-__all__ = ["RankResult", "agree_run_dir", "rank_device", "restore", "train_rank"]
+__all__ = ["RankResult", "agree_run_dir", "failure_kind", "rank_device", "train_rank"]
 
 log = logging.getLogger("mjlab_hpc")
+
+# Errors of a rank whose peer died or hung: consequences, not causes.
+_PEER_LOST = re.compile(
+    r"closed by peer|reset by peer|remote worker|broken pipe|connection refused|timed out|"
+    r"timeout|DistBackendError|NCCL communicator",
+    re.IGNORECASE,
+)
 
 
 @dataclass(frozen=True)
@@ -76,9 +97,16 @@ def rank_device(spec: TrainSpec, ctx: DistContext) -> str:
     )
 
 
+def failure_kind(exc: BaseException) -> str:
+    """`peer-lost` for an error that says another rank died or hung (a consequence), else
+    `exception`."""
+    text = f"{type(exc).__name__}: {exc}"
+    return "peer-lost" if _PEER_LOST.search(text) else "exception"
+
+
 def agree_run_dir(spec: TrainSpec, ctx: DistContext, experiment: str) -> Path:
-    """The one run directory of this run: given by the launcher (or --resume), else made by
-    rank 0 and sent to the others through the process group."""
+    """The one run directory of this run: given by the launcher (or --run-dir), the latest
+    run with --resume, else made by rank 0; sent to the others through the process group."""
     if spec.run_dir:
         path = Path(spec.run_dir)
         path.mkdir(parents=True, exist_ok=True)
@@ -86,11 +114,14 @@ def agree_run_dir(spec: TrainSpec, ctx: DistContext, experiment: str) -> Path:
     made = [""]
     if ctx.is_main:
         found = latest_run(spec.log_root, experiment) if spec.resume else None
-        if spec.resume and found is None:
-            log.warning("--resume: no earlier run of %s under %s", experiment, spec.log_root)
-        made = [str(found or create_run_dir(spec.log_root, experiment, spec.run_name))]
+        if not spec.resume or found is not None:
+            made = [str(found or create_run_dir(spec.log_root, experiment, spec.run_name))]
     if ctx.is_distributed:
         dist.broadcast_object_list(made, src=0)
+    if not made[0]:  # every rank refuses alike
+        raise ResumeRefused(
+            "--resume", f"no earlier run of {experiment} under {spec.log_root} to continue"
+        )
     return Path(made[0])
 
 
@@ -110,19 +141,44 @@ def _gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
     return out
 
 
-def _rank_logging(run: RunDir, rank: int) -> tuple[logging.Handler, TextIO]:
+@contextlib.contextmanager
+def _rank_logging(run: RunDir, rank: int) -> Iterator[TextIO]:
     run.logs.mkdir(parents=True, exist_ok=True)
-    stream = open(run.rank_log(rank), "a", buffering=1)  # noqa: SIM115 (closed by train_rank)
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    return handler, stream
+    with open(run.rank_log(rank), "a", buffering=1) as stream:
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        try:
+            yield stream
+        finally:
+            log.removeHandler(handler)
+
+
+def _init_warp() -> None:
+    """Initialise Warp without its "Could not find or load the NVIDIA CUDA driver" warning on
+    machines without a GPU (the native library prints it to stderr; everything else it prints
+    is passed on)."""
+    wp.config.quiet = True
+    wp.config.log_level = wp.LOG_WARNING  # kernel-load lines go nowhere useful on N ranks
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            wp.init()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        for line in caught.read().decode(errors="replace").splitlines(keepends=True):
+            if "Could not find or load the NVIDIA CUDA driver" not in line:
+                sys.stderr.write(line)
 
 
 @dataclass
 class _Boundary:
-    """The per-iteration boundary every rank runs: agree on a stop request, checkpoint."""
+    """The per-iteration boundary every rank runs: agree on a stop, checkpoint."""
 
     work: Workload
     ctx: DistContext
@@ -131,30 +187,45 @@ class _Boundary:
     total: int
     request: StopRequest
     writer: RunWriter | None
+    checkpoints: Checkpoints | None
+    restarts: int
 
     def __call__(self, runner: Any, s: IterationStats) -> None:
-        signum = agree(self.request, self.ctx.is_distributed, self.device)
+        stop = agree(self.request, self.ctx.is_distributed, self.device)
         periodic = s.iteration % self.spec.save_interval == 0 or s.iteration == self.total
-        if signum or periodic:
+        if stop is not None or periodic:
             t0 = time.time()
             states = (
                 _gather_to_main(rank_state(self.work.env, self.device), self.ctx)
                 if self.work.exact_resume
                 else None
             )
-            if self.writer is not None:
-                self.work.save(self.writer.run.checkpoint(s.iteration), self.writer, states)
-                prune(self.writer.run.path, self.spec.keep_checkpoints)
-                if signum:
-                    self._record_stop(signum, s.iteration, t0)
-        if signum:
-            raise Stopped(s.iteration, stop_reason(signum, self.spec.preempt_signal), signum)
+            if self.writer is not None and self.checkpoints is not None:
+                path = self.writer.run.checkpoint(s.iteration)
+                try:
+                    self.work.save(path, self.writer, states)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    raise OSError(
+                        exc.errno,
+                        f"no space left for {path.name} in {self.writer.run.path}: free space "
+                        "(or copy the run elsewhere) and resume; the earlier checkpoints are "
+                        "intact",
+                    ) from exc
+                self.checkpoints.written(path)
+                self.checkpoints.prune(self.spec.keep_checkpoints)
+                if stop is not None:
+                    self._record_stop(stop, s.iteration, t0)
+        if stop is not None:
+            raise Stopped(s.iteration, stop, self.ctx, self.restarts)
 
-    def _record_stop(self, signum: int, iteration: int, t0: float) -> None:
+    def _record_stop(self, stop: Any, iteration: int, t0: float) -> None:
         assert self.writer is not None
-        stop = {
-            "reason": stop_reason(signum, self.spec.preempt_signal),
-            "signal": signal.Signals(signum).name,
+        entry = {
+            "reason": stop.reason,
+            "kind": "requeue" if stop.kind == StopKind.REQUEUE else "stop",
+            "signal": stop.signal_name,
             "iteration": iteration,
             "job_id": self.ctx.job_id,
             "restart_count": self.ctx.restart_count,
@@ -163,29 +234,76 @@ class _Boundary:
             "checkpoint_s": round(time.time() - t0, 3),
         }
         run = self.writer.run
-        self.writer.append_line(run.restarts, json.dumps(stop))
-        self.writer.write_json(run.record, record.on_stop(record.read_record(run.path), stop))
+
+        def write() -> None:
+            self.writer.append_line(run.restarts, json.dumps(entry))  # type: ignore[union-attr]
+            self.writer.write_json(  # type: ignore[union-attr]
+                run.record, record.on_stop(record.read_record(run.path), entry)
+            )
+
+        self.writer.last_records(write)
 
 
-def restore(work: Workload, run: RunDir, device: str) -> int:
-    """Continue from the run's newest valid checkpoint; the iterations it had done (0: none)."""
-    found = latest_valid(run.path, map_location=device)
-    if found is None:
-        return 0
-    path, ckpt = found
-    work.load(path, ckpt)
-    log.info("resumed from %s at iteration %d", path.name, work.runner.current_learning_iteration)
-    return int(work.runner.current_learning_iteration)
+def _begin(
+    writer: RunWriter,
+    checkpoints: Checkpoints,
+    work: Workload,
+    resolved: ResolvedSpec,
+    ctx: DistContext,
+    device: str,
+    plan: ResumePlan,
+    start: int,
+) -> None:
+    """The writer's records of a (re)start, written only once the resume is known to work:
+    damaged checkpoints set aside, progress.jsonl cut back to the resumed iteration (so tools
+    read one line per iteration), run.json, `.latest_run`, params on a fresh start."""
+    run = writer.run
+    if plan.damaged:
+        for d in plan.damaged:
+            log.warning("skipped damaged checkpoint %s: %s", d.name, d.why)
+            if ctx.mode == "single":  # other launchers show it from run.json
+                print(f"warning: skipped damaged checkpoint {d.name}: {d.why}", file=sys.stderr)
+        checkpoints.set_aside(list(plan.damaged), before=writer.check)
+    written = run.read_progress()
+    kept = [r for r in written if int(r.get("iteration", 0)) <= start]
+    if len(kept) != len(written):  # iterations after the checkpoint are computed again
+        writer.write_text(run.progress, "".join(json.dumps(r) + "\n" for r in kept))
+    started = record.on_start(
+        record.read_record(run.path),
+        spec=resolved.train.to_dict(),
+        effective=resolved.effective(),
+        job_id=ctx.job_id,
+        restart_count=ctx.restart_count,
+        launch_mode=ctx.mode,
+        world_size=ctx.world_size,
+        num_nodes=ctx.num_nodes,
+        device=device,
+        resumed_from=start,
+        checkpoint=Path(plan.checkpoint).name if plan.checkpoint else None,
+        skipped=[d.as_dict() for d in plan.damaged],
+        code_dir=Path.cwd(),
+    )
+    writer.write_json(run.record, started)
+    record_latest_run(run.path)
+    if start == 0:
+        work.dump_params(writer)
+
+
+def _requeues_so_far(run: RunDir, ctx: DistContext) -> int:
+    if ctx.mode == "slurm":
+        return ctx.restart_count
+    stops = record.read_record(run.path).get("restarts", [])
+    return sum(1 for s in stops if s.get("kind", "requeue") == "requeue")
 
 
 def train_rank(resolved: ResolvedSpec, master_port: int | None = None) -> RankResult:
     """Train on this rank until the spec's iterations are done; the per-rank entry point.
 
-    Raises `Stopped` after a stop checkpoint when a preemption or time-limit signal arrived;
-    the launcher decides whether to requeue.
+    Raises `Stopped` after a stop checkpoint (the launcher decides whether to requeue),
+    `ResumeRefused` when the run directory cannot be continued (nothing of it changed), and
+    KeyboardInterrupt on a second Ctrl-C.
     """
-    wp.config.quiet = True
-    wp.config.log_level = wp.LOG_WARNING  # kernel-load lines go nowhere useful on N ranks
+    _init_warp()
     spec = resolved.train
     spec.validate()
     ctx = DistContext.from_env(master_port=master_port)
@@ -195,132 +313,176 @@ def train_rank(resolved: ResolvedSpec, master_port: int | None = None) -> RankRe
         # Offscreen rendering (videos) on this rank's GPU, as mjlab does.
         os.environ["MUJOCO_EGL_DEVICE_ID"] = str(ctx.local_rank)
     seed = seed_for_rank(spec.seed, ctx)
-    num_envs = resolved.num_envs
-    total = resolved.max_iterations
-    experiment = resolved.experiment_name
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
 
-    # Signals are recorded from the start, so one that arrives while kernels compile or the
-    # process group forms is acted on at the first iteration boundary.
+    # Stop requests are recorded from the start, so one that arrives while kernels compile or
+    # the process group forms is acted on at the first iteration boundary.
+    request = StopRequest(ctx.mode, spec.preempt_signal)
+    watch_parent = ctx.mode in ("submitit-local", "torchrun")
     with (
-        watch_signals((spec.preempt_signal, "TERM")) as request,
+        watch_signals(request, (spec.preempt_signal,), detached=DETACHED_ENV in os.environ),
+        Supervision(request, watch_parent=watch_parent),
         process_group(ctx, device, spec.dist_timeout_s),
     ):
-        run = RunDir(agree_run_dir(spec, ctx, experiment))
-        handler, rank_log = _rank_logging(run, ctx.rank)
-        writer: RunWriter | None = None
+        run = RunDir(agree_run_dir(spec, ctx, resolved.experiment_name))
+        with _rank_logging(run, ctx.rank) as rank_log:
+            return _train(resolved, ctx, device, seed, run, rank_log, request)
+
+
+def _train(
+    resolved: ResolvedSpec,
+    ctx: DistContext,
+    device: str,
+    seed: int,
+    run: RunDir,
+    rank_log: TextIO,
+    request: StopRequest,
+) -> RankResult:
+    spec = resolved.train
+    writer: RunWriter | None = None
+    started = False
+    try:
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        log.info(
+            "%s on %s, host %s, pid %d, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s",
+            ctx.describe(),
+            device,
+            node,
+            os.getpid(),
+            seed,
+            resolved.num_envs,
+            os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+        )
+        if device == "cpu" and os.environ.get("CUDA_VISIBLE_DEVICES") and spec.gpu_ids:
+            msg = (
+                f"rank {ctx.rank}: GPUs {os.environ['CUDA_VISIBLE_DEVICES']} were allocated "
+                "but CUDA is not usable here (no driver, or a CPU build of torch): "
+                "training on CPU"
+            )
+            log.warning(msg)
+            print(f"warning: {msg}", file=sys.stderr, flush=True)
+        checkpoints = None
+        if ctx.is_main:
+            writer = RunWriter.acquire(run, ctx.rank)
+            checkpoints = Checkpoints(run.path)
+        plan = plan_resume(run, resolved, ctx, checkpoints)
+        work = build_workload(resolved, ctx, device, seed, run, rank_log)
+        runner = work.runner
+        first_obs = work.first_obs_digest()
+        start = load_plan(plan, work, device)
+        if writer is not None and checkpoints is not None:
+            _begin(writer, checkpoints, work, resolved, ctx, device, plan, start)
+        started = True
+        total = resolved.max_iterations
+        display = ProgressDisplay(total, start, enabled=ctx.is_main)
+        hooks: list[IterationHook] = [
+            lambda r, s: log.info(
+                "iteration %d/%d %.0f steps/s", s.iteration, s.total, s.steps_per_s
+            ),
+            lambda r, s: display.update(s),
+        ]
+        if writer is not None:
+            hooks.append(_progress_writer(writer))
+        hooks.append(
+            _Boundary(
+                work, ctx, device, spec, total, request, writer, checkpoints,
+                _requeues_so_far(run, ctx),
+            )
+        )  # fmt: skip
         try:
-            node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-            log.info(
-                "%s on %s, host %s, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s",
-                ctx.describe(),
-                device,
-                node,
-                seed,
-                num_envs,
-                os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
-            )
-            if device == "cpu" and os.environ.get("CUDA_VISIBLE_DEVICES") and spec.gpu_ids:
-                msg = (
-                    f"rank {ctx.rank}: GPUs {os.environ['CUDA_VISIBLE_DEVICES']} were allocated "
-                    "but CUDA is not usable here (no driver, or a CPU build of torch): "
-                    "training on CPU"
-                )
-                log.warning(msg)
-                print(f"warning: {msg}", file=sys.stderr, flush=True)
-            if ctx.is_main:
-                writer = RunWriter.acquire(run, ctx.rank)
-                record_latest_run(run.path)
-            work = build_workload(resolved, ctx, device, seed, run, rank_log)
-            runner = work.runner
-            first_obs = work.first_obs_digest()
-            start = restore(work, run, device)
-            if writer is not None:
-                started = record.on_start(
-                    record.read_record(run.path),
-                    spec=spec.to_dict(),
-                    effective=resolved.effective(),
-                    job_id=ctx.job_id,
-                    restart_count=ctx.restart_count,
-                    launch_mode=ctx.mode,
-                    world_size=ctx.world_size,
-                    num_nodes=ctx.num_nodes,
-                    device=device,
-                    resumed_from=start,
-                    code_dir=Path.cwd(),
-                )
-                writer.write_json(run.record, started)
-            if writer is not None and start == 0:
-                work.dump_params(writer)
-            display = ProgressDisplay(total, start, enabled=ctx.is_main)
-            hooks: list[IterationHook] = [
-                lambda r, s: log.info(
-                    "iteration %d/%d %.0f steps/s", s.iteration, s.total, s.steps_per_s
-                ),
-                lambda r, s: display.update(s),
-            ]
-            if writer is not None:
-                hooks.append(_progress_writer(writer))
-            hooks.append(_Boundary(work, ctx, device, spec, total, request, writer))
-            try:
-                with wp.ScopedDevice(device):
-                    runner.learn_until(total, hooks, init_at_random_ep_len=work.random_ep_len)
-            finally:
-                display.close()
-            digest = runner.param_digest()
-            digests = _gather(digest, ctx)
-            obs_digests = _gather(first_obs, ctx)
-            if writer is not None:
-                writer.write_json(
-                    run.summary,
-                    {
-                        "iterations": runner.current_learning_iteration,
-                        "resumed_from": start,
-                        "world_size": ctx.world_size,
-                        "device": device,
-                        "launch_mode": ctx.mode,
-                        "job_id": ctx.job_id,
-                        "restart_count": ctx.restart_count,
-                        "param_digest_per_rank": digests,
-                        "ranks_in_sync": len(set(digests)) == 1,
-                        "first_obs_digest_per_rank": obs_digests,
-                    },
-                )
-                if len(set(digests)) != 1:
-                    log.error("ranks diverged: parameter digests %s", digests)
-                ended = record.on_end(
-                    record.read_record(run.path), runner.current_learning_iteration
-                )
-                writer.write_json(run.record, ended)
-            log.info("done: %d iterations", runner.current_learning_iteration)
-            return RankResult(
-                rank=ctx.rank,
-                world_size=ctx.world_size,
-                run_dir=str(run.path),
-                iterations=runner.current_learning_iteration,
-                device=device,
-                param_digest=digest,
-                first_obs_digest=first_obs,
-            )
-        except Stopped as stop:
-            stop.ctx = ctx
-            log.info("%s; checkpoint saved in %s", stop, run.path)
-            raise
-        except BaseException:
-            log.exception("rank %d failed", ctx.rank)
-            if writer is not None:
-                with contextlib.suppress(Exception):  # the original error matters more
-                    before = record.read_record(run.path)
-                    failed = record.on_end(before, before.get("iterations", 0), "failed")
-                    writer.write_json(run.record, failed)
-            raise
+            with wp.ScopedDevice(device):
+                runner.learn_until(total, hooks, init_at_random_ep_len=work.random_ep_len)
         finally:
-            if writer is not None:
-                writer.release()
-            log.removeHandler(handler)
-            rank_log.close()
+            display.close()
+        digest = runner.param_digest()
+        digests = _gather(digest, ctx)
+        obs_digests = _gather(first_obs, ctx)
+        if writer is not None:
+            _finish(writer, runner, start, ctx, device, digests, obs_digests)
+        log.info("exit: completed %d iterations", runner.current_learning_iteration)
+        return RankResult(
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            run_dir=str(run.path),
+            iterations=runner.current_learning_iteration,
+            device=device,
+            param_digest=digest,
+            first_obs_digest=first_obs,
+        )
+    except ResumeRefused as exc:
+        log.error("exit: refused: %s", exc)
+        raise
+    except Stopped as stopped:
+        log.info("exit: %s; checkpoint saved in %s", stopped, run.path)
+        stopped.run_dir = str(run.path)
+        raise
+    except KeyboardInterrupt:
+        log.error("exit: interrupted at once (a second Ctrl-C): nothing saved since the last "
+                  "checkpoint")  # fmt: skip
+        if writer is not None and started:
+            _record_end(writer, "interrupted", None)
+        raise Interrupted(str(run.path)) from None
+    except BaseException as exc:
+        log.exception("exit: failed (%s)", failure_kind(exc))
+        if writer is not None and started:
+            failure = {
+                "rank": ctx.rank,
+                "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+                "kind": failure_kind(exc),
+                "error": f"{type(exc).__name__}: {exc}".strip()[:2000],
+                "at": record.now_iso(),
+            }
+            _record_end(writer, "failed", failure)
+        raise
+    finally:
+        if writer is not None:
+            writer.release()
+
+
+def _record_end(writer: RunWriter, state: str, failure: dict[str, Any] | None) -> None:
+    def write() -> None:
+        before = record.read_record(writer.run.path)
+        tail = writer.run.progress_tail(1)
+        after = record.on_end(before, int(tail[-1]["iteration"]) if tail else 0, state)
+        if failure is not None:
+            after["failure"] = failure
+        writer.write_json(writer.run.record, after)
+
+    with contextlib.suppress(Exception):  # the original error matters more
+        writer.last_records(write)
+
+
+def _finish(
+    writer: RunWriter,
+    runner: Any,
+    start: int,
+    ctx: DistContext,
+    device: str,
+    digests: list[Any],
+    obs_digests: list[Any],
+) -> None:
+    run = writer.run
+    writer.write_json(
+        run.summary,
+        {
+            "iterations": runner.current_learning_iteration,
+            "resumed_from": start,
+            "world_size": ctx.world_size,
+            "device": device,
+            "launch_mode": ctx.mode,
+            "job_id": ctx.job_id,
+            "restart_count": ctx.restart_count,
+            "param_digest_per_rank": digests,
+            "ranks_in_sync": len(set(digests)) == 1,
+            "first_obs_digest_per_rank": obs_digests,
+        },
+    )
+    if len(set(digests)) != 1:
+        log.error("ranks diverged: parameter digests %s", digests)
+    ended = record.on_end(record.read_record(run.path), runner.current_learning_iteration)
+    writer.write_json(run.record, ended)
 
 
 def _progress_writer(writer: RunWriter) -> IterationHook:

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mjlab_hpc.errors import EXIT_INTERRUPTED
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks.registry import resolve
 
@@ -47,13 +48,15 @@ class RankJob:
     def __call__(self) -> RankResult:
         # torch, warp, rsl-rl: imported inside the rank only.
         from mjlab_hpc.rank.entry import train_rank
-        from mjlab_hpc.rank.preemption import Stopped, after_stop
+        from mjlab_hpc.rank.stop import Stopped, after_stop
 
         spec = self.resolved()
         try:
             return train_rank(spec, master_port=self.master_port)
-        except Stopped as stop:
-            code = after_stop(stop, None, spec.train.max_restarts)
+        except Stopped as stopped:
+            code = after_stop(stopped, spec.train.max_restarts)
+        except KeyboardInterrupt:  # a second Ctrl-C: stop at once
+            code = EXIT_INTERRUPTED
         # Leave at once, writing no result file (the job is not done): the checkpoint is on
         # disk, and a normal interpreter exit spends seconds collecting garbage while the
         # grace time runs.

@@ -22,8 +22,8 @@ from rsl_rl.utils import check_nan
 from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.normalization import NormalizerSync, agree_normalizers, sync_normalizers
 from mjlab_hpc.rank.ppo import fold_collectives
-from mjlab_hpc.rank.progress import IterationStats
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
+from mjlab_hpc.rundir.progress import IterationStats
 
 __all__ = [
     "CollectiveClock",

@@ -1,11 +1,15 @@
-"""Checkpoints that a SIGKILL at any moment cannot corrupt.
+"""Checkpoints that a SIGKILL at any moment cannot corrupt, and only verified ones counted.
 
 A checkpoint is written to a temporary file, fsynced, renamed over its final name and the
-directory fsynced; a sidecar `<name>.sha256` written just before lets a load detect a file
-damaged later (a bad disk, a partial copy). Loading walks from the newest checkpoint back and
-skips, with a warning, any that is truncated or does not match its checksum.
+directory fsynced; a sidecar `<name>.sha256` written just before lets a later reader detect a
+file damaged afterwards (a bad disk, a partial copy). A checkpoint *verifies* when its bytes
+match its sidecar (or, written by other code without one, when it loads as a training
+checkpoint). Resuming takes the newest checkpoint that verifies; retention keeps the newest N
+that verify; a damaged checkpoint is never preferred to a valid one and is set aside
+(`model_<n>.pt.damaged`) once the run has moved on from it.
 
 The files stay plain `torch.save` archives, so rsl-rl's and mjlab's own `load()` read them.
+torch is imported only to write or read one: launchers verify checksums without it.
 """
 
 from __future__ import annotations
@@ -13,49 +17,76 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from mjlab_hpc.rundir.durable import publish, write_atomic
+from mjlab_hpc.rundir.durable import fsync_dir, publish, write_atomic
 from mjlab_hpc.rundir.layout import CHECKSUM_SUFFIX, list_checkpoints
 
-__all__ = ["latest_valid", "load_verified", "prune", "publish_file", "save_checkpoint"]
-
+__all__ = [
+    "DAMAGED_SUFFIX",
+    "Checkpoints",
+    "Damaged",
+    "latest_valid",
+    "load_verified",
+    "publish_file",
+    "save_checkpoint",
+]
 
 log = logging.getLogger("mjlab_hpc")
+
+#: A damaged checkpoint set aside keeps its name with this suffix (listings ignore it).
+DAMAGED_SUFFIX = ".damaged"
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
 
 
 def save_checkpoint(
     path: Path, state: dict[str, Any], before_rename: Callable[[], None] | None = None
-) -> None:
-    """Save `state` atomically with its checksum sidecar."""
+) -> str:
+    """Save `state` atomically with its checksum sidecar; the checksum."""
+    import torch  # heavy: only where a checkpoint is written
+
     buf = io.BytesIO()
     torch.save(state, buf)
     data = buf.getvalue()
     digest = hashlib.sha256(data).hexdigest()
-    write_atomic(path.with_name(path.name + CHECKSUM_SUFFIX), f"{digest}\n".encode())
+    write_atomic(_sidecar(path), f"{digest}\n".encode())
     write_atomic(path, data, before_rename)
+    return digest
 
 
-def publish_file(tmp: Path, path: Path, before_rename: Callable[[], None] | None = None) -> None:
+def publish_file(tmp: Path, path: Path, before_rename: Callable[[], None] | None = None) -> str:
     """Publish a checkpoint some other code wrote to `tmp` (mjlab's runners write their own):
-    its checksum sidecar first, then `before_rename`, then the durable rename to `path`."""
+    its checksum sidecar first, then `before_rename`, then the durable rename to `path`; the
+    checksum."""
     digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-    write_atomic(path.with_name(path.name + CHECKSUM_SUFFIX), f"{digest}\n".encode())
+    write_atomic(_sidecar(path), f"{digest}\n".encode())
     publish(tmp, path, before_rename)
+    return digest
 
 
-def load_verified(path: Path, map_location: str | None = None) -> dict[str, Any]:
-    """Load one checkpoint, raising ValueError if it is truncated or fails its checksum."""
-    data = path.read_bytes()
-    sidecar = path.with_name(path.name + CHECKSUM_SUFFIX)
-    if sidecar.exists():
+def _check_bytes(path: Path, data: bytes) -> bool:
+    """Whether `data` matches the sidecar (True: it does; False: no sidecar); ValueError when
+    it does not match."""
+    sidecar = _sidecar(path)
+    try:
         expected = sidecar.read_text().strip()
-        if hashlib.sha256(data).hexdigest() != expected:
-            raise ValueError(f"{path.name} does not match its checksum (damaged or truncated)")
+    except FileNotFoundError:
+        return False
+    if hashlib.sha256(data).hexdigest() != expected:
+        raise ValueError(f"{path.name} does not match its checksum (damaged or truncated)")
+    return True
+
+
+def _parse(path: Path, data: bytes, map_location: str | None) -> dict[str, Any]:
+    import torch  # heavy: only where a checkpoint is read
+
     try:
         loaded = torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
     except Exception as exc:
@@ -65,24 +96,110 @@ def load_verified(path: Path, map_location: str | None = None) -> dict[str, Any]
     return loaded
 
 
+def load_verified(path: Path, map_location: str | None = None) -> dict[str, Any]:
+    """Load one checkpoint, raising ValueError if it is truncated, fails its checksum or is
+    not a training checkpoint."""
+    data = path.read_bytes()
+    _check_bytes(path, data)
+    return _parse(path, data, map_location)
+
+
+@dataclass(frozen=True)
+class Damaged:
+    """A checkpoint that does not verify, and why."""
+
+    name: str
+    why: str
+
+    def as_dict(self) -> dict[str, str]:
+        """For run.json."""
+        return {"name": self.name, "why": self.why}
+
+
+@dataclass
+class Checkpoints:
+    """The checkpoints of one run, each verified at most once (keyed by name, size and
+    modification time), as the run's writer sees them."""
+
+    run_dir: Path
+    _verdicts: dict[tuple[str, int, int], str | None] = field(default_factory=dict)
+
+    def _key(self, path: Path) -> tuple[str, int, int] | None:
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return path.name, st.st_size, st.st_mtime_ns
+
+    def problem(self, path: Path) -> str | None:
+        """Why `path` does not verify (None: it does)."""
+        key = self._key(path)
+        if key is None:
+            return f"{path.name} cannot be read (it disappeared)"
+        if key not in self._verdicts:
+            try:
+                data = path.read_bytes()
+                if not _check_bytes(path, data):
+                    _parse(path, data, "cpu")  # no sidecar: written by other code
+                verdict = None
+            except (ValueError, OSError) as exc:
+                verdict = str(exc)
+            self._verdicts[key] = verdict
+        return self._verdicts[key]
+
+    def written(self, path: Path) -> None:
+        """`path` was just written by this process: it verifies."""
+        key = self._key(path)
+        if key is not None:
+            self._verdicts[key] = None
+
+    def newest_valid(self) -> tuple[Path | None, list[Damaged]]:
+        """The newest checkpoint that verifies (None: none does), and the damaged ones newer
+        than it (all of them when none verifies), newest first."""
+        damaged = []
+        for path in reversed(list_checkpoints(self.run_dir)):
+            why = self.problem(path)
+            if why is None:
+                return path, damaged
+            damaged.append(Damaged(path.name, why))
+        return None, damaged
+
+    def valid(self) -> list[Path]:
+        """Every checkpoint that verifies, oldest first."""
+        return [p for p in list_checkpoints(self.run_dir) if self.problem(p) is None]
+
+    def set_aside(self, damaged: list[Damaged], before: Callable[[], None] | None = None) -> None:
+        """Rename damaged checkpoints (and their sidecars) to `<name>.damaged`, so that nothing
+        counts them and a later save of the same iteration does not meet them."""
+        if before is not None and damaged:
+            before()
+        for item in damaged:
+            path = self.run_dir / item.name
+            for src in (path, _sidecar(path)):
+                if src.exists():
+                    os.replace(src, src.with_name(src.name + DAMAGED_SUFFIX))
+        if damaged:
+            fsync_dir(self.run_dir)
+
+    def prune(self, keep: int) -> list[Path]:
+        """Delete all but the newest `keep` checkpoints that verify (0 keeps all); damaged
+        ones are not counted and not deleted. Returns the deleted."""
+        if keep <= 0:
+            return []
+        old = self.valid()[:-keep]
+        for path in old:
+            path.unlink(missing_ok=True)
+            _sidecar(path).unlink(missing_ok=True)
+        return old
+
+
 def latest_valid(
     run_dir: Path, map_location: str | None = None
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that loads and verifies, skipping damaged ones with a warning."""
+    """The newest checkpoint that verifies and loads, skipping damaged ones with a warning."""
     for path in reversed(list_checkpoints(run_dir)):
         try:
             return path, load_verified(path, map_location)
         except (ValueError, OSError) as exc:
             log.warning("skipping checkpoint: %s", exc)
     return None
-
-
-def prune(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints (0 keeps all); returns the deleted."""
-    if keep_last <= 0:
-        return []
-    old = list_checkpoints(run_dir)[:-keep_last]
-    for path in old:
-        path.unlink(missing_ok=True)
-        path.with_name(path.name + CHECKSUM_SUFFIX).unlink(missing_ok=True)
-    return old

@@ -19,6 +19,7 @@ Decided once per run and shared by every rank and every restart:
         logs/rank<k>.log                          every rank's own log
         submitit/                                 launcher files, per-task stdout/stderr
         .writer.lock, .writer.lock.tokens/        the single writer's lease lock
+        .writer.reserve                           space kept for the last records (full disk)
         .once/<name>.json                         results of once-per-run side effects
 """
 
@@ -43,12 +44,14 @@ __all__ = [
     "SWEEP_RECORD",
     "TIMESTAMP_FORMAT",
     "ElementRecord",
+    "ProgressSummary",
     "RunDir",
     "checkpoint_iteration",
     "create_run_dir",
     "is_run_dir",
     "latest_run",
     "list_checkpoints",
+    "progress_summary",
     "read_element",
     "read_jsonl",
     "read_sweep",
@@ -70,6 +73,7 @@ ELEMENT_RECORD = "sweep_element.json"
 CANCEL_RECORD = "cancelled.json"
 SUBMITIT_DIR = "submitit"
 WRITER_LOCK = ".writer.lock"
+WRITER_RESERVE = ".writer.reserve"
 ONCE_DIR = ".once"
 CHECKSUM_SUFFIX = ".sha256"
 # Files of an experiment folder.
@@ -163,6 +167,10 @@ class RunDir:
     def writer_lock(self) -> Path:
         return self.path / WRITER_LOCK
 
+    @property
+    def writer_reserve(self) -> Path:
+        return self.path / WRITER_RESERVE
+
     def once_marker(self, name: str) -> Path:
         return self.path / ONCE_DIR / f"{name}.json"
 
@@ -197,6 +205,34 @@ class RunDir:
             except (ValueError, TypeError):
                 continue  # the first, partial line of the chunk, or a torn last line
         return records[-lines:]
+
+
+@dataclass(frozen=True)
+class ProgressSummary:
+    """Where a run is, from the end of its progress.jsonl."""
+
+    iteration: int | None
+    """The last iteration written."""
+    total: int | None
+    """The iterations the run trains in all."""
+    env_steps_per_s: float | None
+    """Mean over the last few iterations (one is noisy)."""
+    mean_reward: float | None
+    """The last mean episode reward."""
+
+
+def progress_summary(run: RunDir, window: int = 10) -> ProgressSummary:
+    """The last iteration, throughput over the last `window` iterations, the last reward."""
+    tail = run.progress_tail(window)
+    last = tail[-1] if tail else {}
+    rates = [float(r["env_steps_per_s"]) for r in tail if r.get("env_steps_per_s")]
+    rewards = [r["mean_reward"] for r in tail if r.get("mean_reward") is not None]
+    return ProgressSummary(
+        iteration=last.get("iteration"),
+        total=last.get("total"),
+        env_steps_per_s=round(sum(rates) / len(rates), 1) if rates else None,
+        mean_reward=float(rewards[-1]) if rewards else None,
+    )
 
 
 def is_run_dir(path: Path) -> bool:

@@ -69,6 +69,8 @@ def on_start(
     device: str,
     resumed_from: int,
     code_dir: Path,
+    checkpoint: str | None = None,
+    skipped: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     """The record after a (re)start of the run."""
     record = dict(record)
@@ -92,15 +94,20 @@ def on_start(
             "restart_count": restart_count,
             "at": now_iso(),
             "resumed_from_iteration": resumed_from,
+            "checkpoint": checkpoint,
+            "skipped_checkpoints": list(skipped or []),
         }
     )
+    if skipped:
+        record["skipped_checkpoints"] = [*record.get("skipped_checkpoints", []), *skipped]
+    record.pop("failure", None)
     record["starts"] = starts
     record["job_ids"] = sorted({s["job_id"] for s in starts if s["job_id"]})
     return record
 
 
 def on_stop(record: dict[str, Any], stop: dict[str, Any]) -> dict[str, Any]:
-    """The record after a stop for a requeue (time limit, preemption)."""
+    """The record after a stop with a checkpoint (for a requeue, or for good)."""
     record = dict(record)
     record["restarts"] = [*record.get("restarts", []), stop]
     record["state"] = "stopped"
@@ -109,7 +116,7 @@ def on_stop(record: dict[str, Any], stop: dict[str, Any]) -> dict[str, Any]:
 
 
 def on_end(record: dict[str, Any], iterations: int, state: str = "completed") -> dict[str, Any]:
-    """The record at the end of the run."""
+    """The record at the end of the run (completed), or of this start (failed, interrupted)."""
     record = dict(record)
     record["state"] = state
     record["ended_at"] = now_iso()

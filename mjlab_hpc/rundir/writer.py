@@ -4,7 +4,9 @@ happen once per run."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +16,10 @@ from mjlab_hpc.rundir.checkpoint import save_checkpoint
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.lock import LeaseLock, LockError, OwnerInfo, write_fenced
 
-__all__ = ["RunWriter", "once"]
+__all__ = ["RESERVE_BYTES", "RunWriter", "once"]
+
+#: Disk space the writer keeps for a run's last records (run.json and friends).
+RESERVE_BYTES = 1 << 20
 
 
 class RunWriter:
@@ -37,7 +42,31 @@ class RunWriter:
         crashed previous writer's lock can expire)."""
         lock = LeaseLock(run.writer_lock, owner=OwnerInfo.from_env(rank), lease_s=lease_s)
         lock.acquire(timeout_s=lease_s * 1.5 + 5.0 if timeout_s is None else timeout_s)
-        return cls(run, lock)
+        writer = cls(run, lock)
+        writer._reserve()
+        return writer
+
+    def _reserve(self) -> None:
+        # Space set aside while the disk has it, so that the run's last records (failed,
+        # stopped) can still be written when the disk fills up during training.
+        path = self.run.writer_reserve
+        with contextlib.suppress(OSError):
+            if not path.exists() or path.stat().st_size < RESERVE_BYTES:
+                with open(path, "wb") as f:
+                    f.write(b"\0" * RESERVE_BYTES)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+    def last_records(self, write: Callable[[], None]) -> None:
+        """Write the run's last records (`write`); on a full disk, give up the reserved space
+        and try once more."""
+        try:
+            write()
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.run.writer_reserve.unlink(missing_ok=True)
+            write()
 
     def check(self) -> None:
         """Raise LockLost if another process has taken over."""
@@ -63,6 +92,8 @@ class RunWriter:
 
     def release(self) -> None:
         """Give the run up (the lock is left for a successor to take at once)."""
+        with contextlib.suppress(OSError):
+            self.run.writer_reserve.unlink(missing_ok=True)
         with contextlib.suppress(LockError):  # lost already: nothing of ours to release
             self.lock.release()
 

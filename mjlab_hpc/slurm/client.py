@@ -18,7 +18,7 @@ from typing import Literal
 
 from mjlab_hpc.procs import run_command
 
-__all__ = ["DEFAULT_TIMEOUT_S", "FINAL_STATES", "SlurmClient", "SlurmRow"]
+__all__ = ["DEFAULT_TIMEOUT_S", "FINAL_STATES", "Partition", "SlurmClient", "SlurmRow"]
 
 log = logging.getLogger("mjlab_hpc")
 
@@ -69,6 +69,30 @@ class SlurmRow:
 
 def _int(text: str) -> int | None:
     return int(text) if text.strip().isdigit() else None
+
+
+@dataclass(frozen=True)
+class Partition:
+    """What a partition can give one job, as sinfo reports it."""
+
+    name: str
+    nodes: int
+    """Nodes in the partition (every state)."""
+    cpus_per_node: int | None
+    """The most CPUs a node of it has."""
+    gpus_per_node: int
+    """The most GPUs (gres gpu) a node of it has."""
+    max_minutes: int | None
+    """The partition's time limit (None: infinite or unknown)."""
+
+
+def _minutes(limit: str) -> int | None:
+    """Minutes of sinfo's `%l` (`infinite`, `1-00:00:00`, `30:00`)."""
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", limit.strip())
+    if not m:
+        return None
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
+    return days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
 
 
 @dataclass(frozen=True)
@@ -222,6 +246,37 @@ class SlurmClient:
         """Mark a job as not requeueable (before cancelling it: our ranks answer SIGTERM with a
         checkpoint and `scontrol requeue`; a job that may not be requeued stays cancelled)."""
         return self.run(["scontrol", "update", f"JobId={job_id}", "Requeue=0"])
+
+    def partitions(self) -> dict[str, Partition] | None:
+        """Every partition by name (the default one also under ""), or None when sinfo does
+        not answer."""
+        proc = self.run(["sinfo", "-h", "-o", "%P|%D|%c|%G|%l"])
+        if proc is None or proc.returncode != 0:
+            return None
+        rows: dict[str, list[list[str]]] = {}
+        default = None
+        for line in proc.stdout.splitlines():
+            parts = line.split("|")
+            if len(parts) != 5:
+                continue
+            name = parts[0].rstrip("*")
+            if parts[0].endswith("*"):
+                default = name
+            rows.setdefault(name, []).append(parts)
+        out = {}
+        for name, group in rows.items():
+            gpus = [int(g) for r in group for g in re.findall(r"gpu(?::[\w.-]+)?:(\d+)", r[3])]
+            cpus = [int(r[2]) for r in group if r[2].strip().isdigit()]
+            out[name] = Partition(
+                name=name,
+                nodes=sum(_int(r[1]) or 0 for r in group),
+                cpus_per_node=max(cpus) if cpus else None,
+                gpus_per_node=max(gpus) if gpus else 0,
+                max_minutes=_minutes(group[0][4]),
+            )
+        if default is not None:
+            out[""] = out[default]
+        return out
 
     def hostnames(self, expr: str, scontrol: str = "scontrol") -> list[str] | None:
         """`scontrol show hostnames EXPR` (None when scontrol is missing, fails, hangs or

@@ -7,7 +7,7 @@ import re
 
 from mjlab_hpc.errors import SpecError
 
-__all__ = ["check_mem", "slurm_time_minutes"]
+__all__ = ["MAX_DAYS", "check_mem", "slurm_time_minutes"]
 
 _TIME_FORMATS = (
     (re.compile(r"^(\d+)$"), ("m",)),
@@ -18,6 +18,10 @@ _TIME_FORMATS = (
     (re.compile(r"^(\d+)-(\d+):(\d{1,2}):(\d{1,2})$"), ("d", "h", "m", "s")),
 )
 _SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+# The largest value of a field that follows a larger unit (hours after days, ...).
+_FIELD_MAX = {"h": 23, "m": 59, "s": 59}
+#: Longer limits are surely typos (Slurm itself caps MaxTime per partition).
+MAX_DAYS = 365
 _MEM = re.compile(r"^\d+[KMGT]?B?$", re.IGNORECASE)
 
 
@@ -28,9 +32,22 @@ def slurm_time_minutes(value: str, flag: str = "--time") -> int:
     for pattern, units in _TIME_FORMATS:
         m = pattern.match(text)
         if m:
-            seconds = sum(int(g) * _SECONDS[u] for g, u in zip(m.groups(), units, strict=True))
+            fields = list(zip(units, (int(g) for g in m.groups()), strict=True))
+            for unit, number in fields[1:]:  # the first field may exceed its unit
+                if number > _FIELD_MAX[unit]:
+                    raise SpecError(
+                        flag,
+                        f"{value!r}: {number} is not a valid number of "
+                        f"{ {'h': 'hours', 'm': 'minutes', 's': 'seconds'}[unit] } "
+                        f"(at most {_FIELD_MAX[unit]} there)",
+                    )
+            seconds = sum(number * _SECONDS[unit] for unit, number in fields)
             if seconds <= 0:
                 break
+            if seconds > MAX_DAYS * 86400:
+                raise SpecError(
+                    flag, f"{value!r} is more than {MAX_DAYS} days; give the limit you mean"
+                )
             return math.ceil(seconds / 60)
     raise SpecError(
         flag,

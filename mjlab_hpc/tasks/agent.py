@@ -90,7 +90,7 @@ def apply_agent_overrides(cfg: dict[str, Any], overrides: tuple[str, ...]) -> di
                 flag, "built-in tasks take --agent.* overrides only (--env.* is for mjlab tasks)"
             )
         path = flag.removeprefix("--agent.").replace("-", "_").split(".")
-        value = _parse_value(raw, yaml.safe_load(raw))
+        value = _parse_value(flag, raw)
         if len(path) == 1:
             key = path[0]
             homes = [out] if key in out else [out[s] for s in ("algorithm", "actor", "critic")
@@ -102,7 +102,7 @@ def apply_agent_overrides(cfg: dict[str, Any], overrides: tuple[str, ...]) -> di
                 )
                 problem = "is ambiguous" if homes else "is not an agent setting"
                 raise SpecError(flag, f"{key!r} {problem}; settings: {', '.join(known)}")
-            homes[0][key] = value
+            homes[0][key] = _same_kind(flag, homes[0][key], value, raw)
             continue
         node = out
         for part in path[:-1]:
@@ -111,11 +111,17 @@ def apply_agent_overrides(cfg: dict[str, Any], overrides: tuple[str, ...]) -> di
             node = node[part]
         if path[-1] not in node:
             raise SpecError(flag, f"{path[-1]!r} is not a setting of {'.'.join(path[:-1])}")
-        node[path[-1]] = value
+        node[path[-1]] = _same_kind(flag, node[path[-1]], value, raw)
     return out
 
 
-def _parse_value(raw: str, parsed: Any) -> Any:
+def _parse_value(flag: str, raw: str) -> Any:
+    """A value as YAML (`1e-3`, `[64,64]`, `true`); SpecError naming the flag when it is not."""
+    try:
+        parsed = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        problem = str(exc).splitlines()[0]
+        raise SpecError(flag, f"{raw!r} is not a value (YAML: {problem})") from None
     # YAML 1.1 reads `3e-4` (no decimal point) as a string: numbers win over strings here.
     if isinstance(parsed, str):
         for kind in (int, float):
@@ -124,3 +130,29 @@ def _parse_value(raw: str, parsed: Any) -> Any:
             except ValueError:
                 pass
     return parsed
+
+
+def _same_kind(flag: str, old: Any, new: Any, raw: str) -> Any:
+    """`new` where it can replace `old` (a whole number for a whole number, a number for a
+    number, a list for a list, ...); SpecError naming the flag otherwise, before the config
+    reaches rsl-rl."""
+    if old is None or new is None:
+        return new
+    if isinstance(old, dict):
+        raise SpecError(flag, "names a section: set one of its settings (--agent.SECTION.KEY)")
+    if isinstance(old, bool):
+        ok, what = isinstance(new, bool), "true or false"
+    elif isinstance(old, int):
+        ok, what = isinstance(new, int) and not isinstance(new, bool), "a whole number"
+    elif isinstance(old, float):
+        ok, what = isinstance(new, int | float) and not isinstance(new, bool), "a number"
+    elif isinstance(old, str):
+        ok, what = isinstance(new, str), "a text"
+    elif isinstance(old, list | tuple):
+        ok, what = isinstance(new, list | tuple), "a list"
+        new = list(new) if ok else new
+    else:
+        return new
+    if not ok:
+        raise SpecError(flag, f"{raw!r} is not {what} (it replaces {old!r})")
+    return new

@@ -3,6 +3,8 @@ training spec's task is resolved into the values every later stage uses."""
 
 from __future__ import annotations
 
+import difflib
+
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks import mjlab
@@ -52,6 +54,11 @@ def resolve(spec: TrainSpec) -> ResolvedSpec:
         )
     if not mjlab.is_mjlab_task(spec.task):
         known = mjlab.list_mjlab_tasks()
+        close = difflib.get_close_matches(spec.task, [*BUILTIN_TASKS, *known], n=1, cutoff=0.6)
+        if not close:  # case and dashes: "mjlab-cartpole-balance", "Cartpole"
+            folded = {t.lower().replace("_", "-"): t for t in [*BUILTIN_TASKS, *known]}
+            close = [folded[k] for k in folded if k == spec.task.lower().replace("_", "-")]
+        guess = f"did you mean {close[0]!r}? " if close else ""
         hint = (
             f"; mjlab tasks: {', '.join(known)}"
             if known
@@ -59,8 +66,8 @@ def resolve(spec: TrainSpec) -> ResolvedSpec:
         )
         raise SpecError(
             "TASK",
-            f"unknown task {spec.task!r}; built-in tasks: {', '.join(sorted(BUILTIN_TASKS))}"
-            + hint,
+            f"unknown task {spec.task!r}; {guess}built-in tasks: "
+            f"{', '.join(sorted(BUILTIN_TASKS))}" + hint,
         )
     try:
         defaults = mjlab.task_defaults(spec.task, spec.num_envs, spec.max_iterations, overrides)

@@ -10,6 +10,7 @@ two-element sweep to plot.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -21,9 +22,9 @@ from pathlib import Path
 import pytest
 from helpers import BIN, cli_env, fault_env, runs_under, wait_for, wait_for_iteration
 
+from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.cancel import cancel_local
 from mjlab_hpc.ops.logs import RankFiles, find_tracebacks, tracebacks_in
-from mjlab_hpc.ops.runs import local_processes
 from mjlab_hpc.procs import alive
 from mjlab_hpc.rundir.layout import RunDir
 
@@ -65,6 +66,9 @@ class LocalJobs:
     sweep_follow: subprocess.Popen
     """Its mjlab-submit --follow, still waiting for the elements."""
     sweep_output: Path
+    long_group: int
+    """The process group the long job's mjlab-submit ran in (as a terminal's foreground
+    command): the job runs in the background, so that terminal's signals must not reach it."""
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +88,14 @@ def local_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalJobs]:
     for n, (args, extra) in enumerate(commands):
         with open(root / f"submit{n}.out", "w") as out:
             procs.append(subprocess.Popen([BIN / "mjlab-submit", *args], env=cli_env(extra),
-                                          stdout=out, stderr=subprocess.STDOUT))  # fmt: skip
+                                          stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))  # fmt: skip
     for n, proc in enumerate(procs[:2]):  # submitting returns at once: the jobs run on
         assert proc.wait(timeout=120) == 0, (root / f"submit{n}.out").read_text()
     jobs = LocalJobs(
-        root / "failing", root / "long", root / "sweep", procs[2], root / "submit2.out"
-    )
+        root / "failing", root / "long", root / "sweep", procs[2], root / "submit2.out",
+        procs[1].pid,
+    )  # fmt: skip
     try:
         yield jobs
     finally:
@@ -119,6 +125,12 @@ def test_status_then_cancel_local_job(local_jobs: LocalJobs) -> None:
     assert status_json(controller, "--log-root", str(local_jobs.long))[0]["run_dir"] == str(run)
     table = hpc("status", "--log-root", str(local_jobs.long))
     assert table.returncode == 0 and "RUNNING" in table.stdout and run.name in table.stdout
+    # A job submitted to the background ignores the terminal it came from.
+    os.killpg(local_jobs.long_group, signal.SIGINT)
+    os.killpg(local_jobs.long_group, signal.SIGHUP)
+    trained = iterations_done(run)
+    wait_for(lambda: iterations_done(run) >= trained + 2, 60, "training after Ctrl-C and SIGHUP")
+    assert sorted(p.pid for p in local_processes(run)) == sorted(pids)
 
     # logs --follow streams every rank's new lines until the job ends (here: the cancel).
     followed = local_jobs.long / "follow.out"
@@ -158,11 +170,16 @@ def test_logs_show_the_failing_rank_first(local_jobs: LocalJobs) -> None:
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     host = socket.gethostname()
-    first = out.splitlines()[0]
+    cause, first = out.splitlines()[:2]
+    assert cause == (
+        f"cause: rank 1 on {host} failed: RuntimeError: injected fault on rank 1 at iteration 3"
+    ), out[:2000]
+    assert row["cause"] == cause.removeprefix("cause: ")
     assert first.startswith(f"first traceback: rank 1 on {host} at "), first
     assert "logs/rank1.log" in first
     cause = "RuntimeError: injected fault on rank 1 at iteration 3"
-    assert out.index("Traceback (most recent call last):") < out.index(cause)
+    traceback = out[out.index("Traceback (most recent call last):") :]
+    assert cause in traceback  # the traceback itself, not only the cause line above it
     later = [line for line in out.splitlines() if line.startswith("later traceback")]
     assert all("rank 1" not in line for line in later)  # rank 1's copy in its .err: once
     assert "── rank 0 ·" in out and "── rank 1 ·" in out

@@ -22,8 +22,9 @@ import pytest
 from helpers import BIN, cli_env, fault_env, wait_for
 from slurm_cluster import SlurmCluster
 
+from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.cancel import cancel_slurm
-from mjlab_hpc.ops.runs import list_runs, local_processes
+from mjlab_hpc.ops.runs import list_runs
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.slurm.client import SlurmClient
 
@@ -186,7 +187,8 @@ def test_logs_name_the_failing_rank_and_host(
     proc = hpc(slurm_cluster, "logs", job, "--log-root", str(log_root))
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    first = out.splitlines()[0]
+    cause, first = out.splitlines()[:2]
+    assert cause.startswith("cause: rank 1 on node2 failed: RuntimeError: injected fault"), out
     assert first.startswith("first traceback: rank 1 on node2 at "), out[:2000]
     cause = "RuntimeError: injected fault on rank 1 at iteration 3"
     assert cause in out.split("later traceback")[0].split("── rank 0")[0]

@@ -1,6 +1,7 @@
 """Preemption, resume and faults with real processes (the Slurm versions are in
 launch/test_slurm_jobs.py): stop at a boundary, checkpoint, requeue through submitit's local
-executor, exact continuation, kill -9 of a rank; the stop signals and exit codes."""
+executor, exact continuation, kill -9 of a rank named as the cause; the stop machinery on its
+own (what each signal means, agreement, exit codes, a lost supervisor)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,26 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, only_run, rank_pids, wait_for_iteration
+from helpers import (
+    BIN,
+    cli_env,
+    only_run,
+    rank_pids,
+    reference_digests,
+    wait_for_iteration,
+)
 
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_STOPPED
 from mjlab_hpc.rank.context import DistContext
-from mjlab_hpc.rank.preemption import (
-    LOCAL_REQUEUE_EXIT_CODE,
-    STOPPED_EXIT_CODE,
+from mjlab_hpc.rank.stop import (
+    Stop,
+    StopKind,
     Stopped,
+    StopRequest,
+    Supervision,
     after_stop,
-    stop_reason,
+    agree,
+    classify,
     watch_signals,
 )
 
@@ -28,18 +40,8 @@ COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1"
           "--save-interval", "100"]  # fmt: skip
 
 
-def reference_digests(tmp_path: Path, iters: int, ranks: int) -> list[str]:
-    args = [*COMMON, "--max-iterations", str(iters), "--log-root", str(tmp_path / "ref")]
-    if ranks > 1:
-        args += ["--num-procs", str(ranks)]
-    proc = subprocess.run([BIN / "mjlab-train", *args], env=cli_env(), capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(only_run(tmp_path / "ref").summary.read_text())["param_digest_per_rank"]
-
-
 @pytest.mark.training
-def test_three_preemptions_local_executor_exact(tmp_path: Path) -> None:
+def test_three_preemptions_local_executor_exact(tmp_path: Path, shared_tmp: Path) -> None:
     """USR2 three times through submitit's local executor: every stop checkpoints, the ranks
     exit for a requeue, the executor restarts them, and the run ends with exactly K
     iterations and the parameters of an uninterrupted run."""
@@ -69,38 +71,49 @@ def test_three_preemptions_local_executor_exact(tmp_path: Path) -> None:
     summary = json.loads(run.summary.read_text())
     assert summary["iterations"] == iters and summary["ranks_in_sync"]
     assert sorted({r["iteration"] for r in run.read_progress()}) == list(range(1, iters + 1))
-    assert summary["param_digest_per_rank"] == reference_digests(tmp_path, iters, 2)
+    reference = reference_digests(shared_tmp, [*COMMON, "--max-iterations", str(iters)], 2)
+    assert summary["param_digest_per_rank"] == reference
     assert rank_pids(run) == []
 
 
 @pytest.mark.training
-def test_resume_by_hand_is_exact(tmp_path: Path) -> None:
+def test_resume_by_hand_is_exact(tmp_path: Path, shared_tmp: Path) -> None:
+    """SIGTERM to a plain process (a `kill`, not a scheduler): checkpoint, exit 3 with the
+    command that resumes it, no traceback; that command continues exactly."""
     iters, root = 8, tmp_path / "job"
     args = [BIN / "mjlab-train", *COMMON, "--max-iterations", str(iters), "--log-root", str(root)]
     proc = subprocess.Popen(args, env=cli_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     wait_for_iteration(root, 3)
-    proc.send_signal(signal.SIGTERM)  # a preemption, for a plain process
+    proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == STOPPED_EXIT_CODE, err
-    assert "--resume" in err
+    assert proc.returncode == EXIT_STOPPED, err
+    assert "Traceback" not in err
     run = only_run(root)
-    stop = json.loads((run.path / "restarts.jsonl").read_text())
-    assert stop["reason"] == "preemption" and not run.summary.exists()
-    again = subprocess.run([*args, "--resume"], env=cli_env(), capture_output=True, text=True,
-                           timeout=300)  # fmt: skip
+    stop = json.loads(run.restarts.read_text())
+    assert (stop["reason"], stop["kind"], stop["signal"]) == ("terminated", "stop", "SIGTERM")
+    assert not run.summary.exists()
+    (line,) = [x for x in err.splitlines() if "resume with:" in x]
+    assert f"stopped at iteration {stop['iteration']} (terminated, SIGTERM)" in line
+    resume = line.split("resume with: ", 1)[1].split()
+    assert resume[0] == "mjlab-train" and resume[-2:] == ["--run-dir", str(run.path)]
+    again = subprocess.run([BIN / resume[0], *resume[1:]], env=cli_env(), capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
     assert again.returncode == 0, again.stderr[-2000:]
     summary = json.loads(only_run(root).summary.read_text())
     assert summary["resumed_from"] == stop["iteration"] and summary["iterations"] == iters
-    assert summary["param_digest_per_rank"] == reference_digests(tmp_path, iters, 1)
+    assert summary["param_digest_per_rank"] == reference_digests(
+        shared_tmp, [*COMMON, "--max-iterations", str(iters)]
+    )
 
 
 @pytest.mark.training
-def test_kill_one_rank_ends_the_job(tmp_path: Path) -> None:
-    """kill -9 of rank 1 mid-run: the job ends promptly, names the dead rank, leaves nothing."""
+def test_kill_one_rank_ends_the_job_and_names_it(tmp_path: Path) -> None:
+    """kill -9 of rank 1 mid-run: the job ends promptly, leaves nothing, and the launcher,
+    `status` and `logs` name rank 1 as the cause, not rank 0 that lost its peer."""
     proc = subprocess.Popen(
         [BIN / "mjlab-train", *COMMON, "--max-iterations", "1000", "--num-procs", "2",
-         "--log-root", str(tmp_path), "--dist-timeout-s", "60"],
+         "--log-root", str(tmp_path), "--dist-timeout-s", "300"],
         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     run = wait_for_iteration(tmp_path, 2)
@@ -109,37 +122,95 @@ def test_kill_one_rank_ends_the_job(tmp_path: Path) -> None:
     victim = max(pids)  # the later-started task: rank 1
     t0 = time.monotonic()
     os.kill(victim, signal.SIGKILL)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=200)
     elapsed = time.monotonic() - t0
-    assert proc.returncode == 1
-    assert "rank 1 died without a result" in " ".join(err.split())
-    assert elapsed < 60  # well inside the collective timeout: gloo sees the closed socket
+    assert proc.returncode == EXIT_FAILED
+    said = " ".join(err.split())
+    assert "failed at iteration" in said and "rank 1 on" in said, said
+    assert "ended without an exit record (killed by a signal" in said
+    assert elapsed < 150  # far inside the collective timeout: gloo sees the closed socket
     assert rank_pids(run) == []
-
-
-def test_signal_handlers_only_record_and_are_restored() -> None:
-    before = signal.getsignal(signal.SIGUSR2)
-    with watch_signals(("USR2", "TERM")) as request:
-        os.kill(os.getpid(), signal.SIGUSR2)
-        time.sleep(0.01)
-        assert request.signum == signal.SIGUSR2 and request.signaled_at is not None
-    assert signal.getsignal(signal.SIGUSR2) is before
-    assert stop_reason(signal.SIGUSR2, "USR2") == "time-limit"
-    assert stop_reason(signal.SIGTERM, "USR2") == "preemption"
+    status = subprocess.run([BIN / "mjlab-hpc", "status", "--json", str(run.path)],
+                            env=cli_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    row = json.loads(status.stdout)[0]
+    assert row["state"] == "FAILED" and row["cause"].startswith("rank 1 on "), row
+    logs = subprocess.run([BIN / "mjlab-hpc", "logs", str(run.path)], env=cli_env(),
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    first = logs.stdout.splitlines()[0]
+    assert first.startswith("cause: rank 1 on ") and "killed" in first, logs.stdout[:500]
 
 
 @pytest.mark.parametrize(
-    ("env", "max_restarts", "code"),
+    ("signum", "mode", "kind", "reason"),
     [
-        ({"SUBMITIT_LOCAL_GLOBALID": "0", "SUBMITIT_LOCAL_LOCALID": "0",
-          "SUBMITIT_LOCAL_NTASKS": "2"}, 10, LOCAL_REQUEUE_EXIT_CODE),
-        ({}, 10, STOPPED_EXIT_CODE),
-        # Restart limit reached: no requeue is attempted, the job ends with an error.
-        ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
-          "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "9",
-          "SLURM_RESTART_COUNT": "3"}, 3, 1),
+        (signal.SIGUSR2, "slurm", StopKind.REQUEUE, "time-limit"),
+        (signal.SIGUSR2, "single", StopKind.REQUEUE, "time-limit"),
+        (signal.SIGTERM, "slurm", StopKind.REQUEUE, "preemption"),
+        (signal.SIGTERM, "submitit-local", StopKind.FOR_GOOD, "terminated"),
+        (signal.SIGTERM, "single", StopKind.FOR_GOOD, "terminated"),
+        (signal.SIGINT, "slurm", StopKind.FOR_GOOD, "interrupt"),
+        (signal.SIGHUP, "torchrun", StopKind.FOR_GOOD, "hangup"),
+    ],
+)
+def test_what_each_signal_means(signum: int, mode: str, kind: StopKind, reason: str) -> None:
+    assert classify(signum, mode, "USR2") == (kind, reason)
+
+
+def test_handlers_record_the_strongest_stop_and_are_restored() -> None:
+    before = signal.getsignal(signal.SIGUSR2)
+    request = StopRequest("submitit-local", "USR2")
+    with watch_signals(request, ("USR2",)):
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.01)
+        assert agree(request, False, "cpu") == Stop(StopKind.REQUEUE, "time-limit", signal.SIGUSR2)
+        # Ctrl-C reaches the ranks, and SIGTERM through the launcher: the stop says interrupt.
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert agree(request, False, "cpu") == Stop(StopKind.FOR_GOOD, "interrupt", signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: at once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    assert signal.getsignal(signal.SIGUSR2) is before
+
+
+def test_a_lost_supervisor_is_a_stop_for_good() -> None:
+    child = subprocess.Popen(["sleep", "30"])
+    request = StopRequest("submitit-local")
+    env = {"MJLAB_HPC_SUPERVISOR_PIDS": str(child.pid)}
+    with Supervision(request, watch_parent=True, env=env, poll_s=0.05) as watch:
+        time.sleep(0.2)
+        assert agree(request, False, "cpu") is None and watch.lost is None
+        child.kill()
+        child.wait()
+        deadline = time.monotonic() + 5
+        while watch.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert watch.lost == f"its launcher (pid {child.pid}) is gone"
+    assert agree(request, False, "cpu") == Stop(StopKind.FOR_GOOD, "supervisor-lost", 0)
+
+
+_SLURM = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
+          "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "9"}  # fmt: skip
+_LOCAL = {"SUBMITIT_LOCAL_GLOBALID": "0", "SUBMITIT_LOCAL_LOCALID": "0",
+          "SUBMITIT_LOCAL_NTASKS": "2"}  # fmt: skip
+_TIME_LIMIT = Stop(StopKind.REQUEUE, "time-limit", signal.SIGUSR2)
+_INTERRUPT = Stop(StopKind.FOR_GOOD, "interrupt", signal.SIGINT)
+
+
+@pytest.mark.parametrize(
+    ("env", "stop", "restarts", "code"),
+    [
+        (_LOCAL, _TIME_LIMIT, 0, EXIT_LOCAL_REQUEUE),
+        (_LOCAL, _TIME_LIMIT, 10, EXIT_FAILED),  # restarts used up: no requeue
+        (_LOCAL, _INTERRUPT, 0, EXIT_STOPPED),  # a stop for good is never requeued
+        ({}, _TIME_LIMIT, 0, EXIT_STOPPED),  # nothing requeues a plain process
+        (_SLURM, _TIME_LIMIT, 3, EXIT_FAILED),
+        (_SLURM, _INTERRUPT, 0, EXIT_STOPPED),
     ],
 )  # fmt: skip
-def test_after_stop_exit_codes(env: dict[str, str], max_restarts: int, code: int) -> None:
+def test_after_stop_exit_codes(env: dict, stop: Stop, restarts: int, code: int) -> None:
     ctx = DistContext.from_env(env, scontrol=None)
-    assert after_stop(Stopped(4, "time-limit", signal.SIGUSR2, ctx), None, max_restarts) == code
+    max_restarts = 3 if env is _SLURM else 10
+    assert after_stop(Stopped(4, stop, ctx, restarts), max_restarts) == code
+    assert EXIT_OK == 0

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mjlab_hpc.rundir.checkpoint import latest_valid, list_checkpoints, prune, save_checkpoint
+from mjlab_hpc.rundir.checkpoint import Checkpoints, latest_valid, save_checkpoint
+from mjlab_hpc.rundir.layout import list_checkpoints
 
 
 @pytest.mark.training
@@ -68,11 +69,24 @@ def test_corrupt_newest_checkpoint_is_skipped(tmp_path: Path, caplog) -> None:
     assert "model_2.pt does not match its checksum" in caplog.text
 
 
-def test_keep_last_n(tmp_path: Path) -> None:
+def test_keep_last_n_counts_only_checkpoints_that_verify(tmp_path: Path) -> None:
     for i in range(1, 6):
         save_checkpoint(tmp_path / f"model_{i}.pt", {"iter": i})
-    deleted = prune(tmp_path, 2)
-    assert [p.name for p in deleted] == ["model_1.pt", "model_2.pt", "model_3.pt"]
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["model_4.pt", "model_5.pt"]
+    (tmp_path / "model_5.pt").write_bytes(b"torn")  # the newest is damaged
+    checkpoints = Checkpoints(tmp_path)
+    deleted = checkpoints.prune(2)
+    # Two valid ones are kept (3, 4); the damaged one is neither counted nor deleted.
+    assert [p.name for p in deleted] == ["model_1.pt", "model_2.pt"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "model_3.pt",
+        "model_4.pt",
+        "model_5.pt",
+    ]
     assert not (tmp_path / "model_1.pt.sha256").exists()
-    assert prune(tmp_path, 0) == []
+    assert checkpoints.prune(0) == []
+    valid, damaged = checkpoints.newest_valid()
+    assert valid is not None and valid.name == "model_4.pt"
+    assert [d.name for d in damaged] == ["model_5.pt"]
+    checkpoints.set_aside(damaged)
+    assert (tmp_path / "model_5.pt.damaged").exists()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["model_3.pt", "model_4.pt"]

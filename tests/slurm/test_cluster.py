@@ -168,9 +168,14 @@ def test_down_leaves_no_process(slurm_cluster: SlurmCluster) -> None:
         pids = {int(p.read_text()) for p in (state / "run").glob("*.pid")}
 
         # A job process that leaves its process group outlives the job (proctrack/pgid).
-        job = own.sbatch(
-            ["-o", str(state / "escape.out"), "--wrap", "setsid sleep 300 </dev/null &>/dev/null &"]
+        # The batch script waits until the child has left (setsid done): ending at once would
+        # let Slurm kill the process group before the child leaves it (seen under load).
+        escaped = state / "escaped.pid"
+        wrap = (
+            f"setsid sh -c 'echo $$ > {escaped}; exec sleep 300' </dev/null &>/dev/null & "
+            f"while [ ! -s {escaped} ]; do sleep 0.1; done"
         )
+        job = own.sbatch(["-o", str(state / "escape.out"), "--wrap", wrap])
         assert own.wait_job(job) == "COMPLETED"
         deadline = time.monotonic() + 10
         while not _escaped_sleep(job) and time.monotonic() < deadline:

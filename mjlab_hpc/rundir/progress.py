@@ -1,4 +1,6 @@
-"""Live progress on the main rank: a rich bar on a terminal, plain lines otherwise."""
+"""Progress of a run: the record of one iteration (a line of progress.jsonl) and its live
+display (a rich bar on a terminal, plain lines otherwise), shown by rank 0 of an in-process
+run and by the launchers that follow a run from its progress file."""
 
 from __future__ import annotations
 
@@ -40,6 +42,29 @@ class IterationStats:
     @property
     def steps_per_s(self) -> float:
         return self.env_steps / self.iteration_s if self.iteration_s > 0 else 0.0
+
+    @classmethod
+    def from_record(cls, record: dict[str, object]) -> IterationStats:
+        """The stats a progress.jsonl line holds (see `as_record`)."""
+
+        def num(key: str, default: float = 0.0) -> float:
+            value = record.get(key)
+            return float(value) if isinstance(value, int | float) else default
+
+        reward = record.get("mean_reward")
+        length = record.get("mean_episode_length")
+        return cls(
+            iteration=int(num("iteration")),
+            total=int(num("total")),
+            env_steps=int(num("env_steps")),
+            collect_s=num("collect_s"),
+            learn_s=num("learn_s"),
+            collective_s=num("collective_s"),
+            collectives=int(num("collectives")),
+            mean_reward=float(reward) if isinstance(reward, int | float) else None,
+            mean_episode_length=float(length) if isinstance(length, int | float) else None,
+            elapsed_s=num("elapsed_s"),
+        )
 
     def as_record(self) -> dict[str, float | int | None]:
         """A JSON-able record for progress.jsonl."""
@@ -99,6 +124,15 @@ class ProgressDisplay:
             file=self.stream,
             flush=True,
         )
+
+    def note(self, text: str) -> None:
+        """A line of news (a resume, a skipped checkpoint), above the live bar."""
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
         """Stop the live display."""

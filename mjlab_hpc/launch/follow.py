@@ -1,0 +1,198 @@
+"""Following a run in the foreground, the same on every launch path: rank 0's progress (a live
+bar in a terminal, plain `[train] it ...` lines otherwise) read from progress.jsonl, stop
+signals to this launcher forwarded to the job, and one closing line that says how the run
+ended and how to resume it.
+
+Stop signals (Ctrl-C, SIGTERM, SIGHUP): the first asks the job to stop at its next iteration
+boundary with a checkpoint; the second stops it at once.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+from mjlab_hpc.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_STOPPED,
+)
+from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.outcome import run_outcome
+from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
+from mjlab_hpc.rundir.record import read_record
+
+__all__ = ["Closing", "Foreground", "closing", "failed_before_start", "follow_progress"]
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Foreground:
+    """While active, this process's stop signals go to the job it follows: the first calls
+    `stop` (the job stops at its next iteration boundary), the second `kill` (at once)."""
+
+    def __init__(self, stop: Callable[[], None], kill: Callable[[], None], err: TextIO) -> None:
+        self.stop = stop
+        self.kill = kill
+        self.err = err
+        self.signals = 0
+        self.killed = False
+        self._saved: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.signals += 1
+        name = signal.Signals(signum).name
+        if self.signals == 1:
+            self.err.write(
+                f"\n{name}: stopping every rank at the next iteration boundary, with a "
+                "checkpoint (again to stop at once)\n"
+            )
+            self.err.flush()
+            self.stop()
+        elif not self.killed:
+            self.err.write(f"\n{name} again: stopping at once\n")
+            self.err.flush()
+            self.killed = True
+            self.kill()
+
+    def __enter__(self) -> Foreground:
+        for sig in _STOP_SIGNALS:
+            self._saved[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+
+def _read_lines(path: Path, pos: int) -> tuple[list[str], int]:
+    """Complete lines appended to `path` after byte `pos`, and the new position."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(pos)
+            chunk = f.read()
+    except OSError:
+        return [], pos
+    end = chunk.rfind(b"\n") + 1
+    return chunk[:end].decode(errors="replace").splitlines(), pos + end
+
+
+def follow_progress(
+    run_dir: Path, total: int, done: Callable[[], bool], out: TextIO | None = None,
+    poll_s: float = 0.25,
+) -> None:  # fmt: skip
+    """Show the run's progress from its progress.jsonl until `done()` and the file is read."""
+    progress = RunDir(run_dir).progress
+    tail = RunDir(run_dir).progress_tail(1)
+    start = int(tail[-1]["iteration"]) if tail else 0
+    pos = progress.stat().st_size if progress.exists() else 0
+    display = ProgressDisplay(total, start, enabled=True, stream=out or sys.stdout)
+    starts_seen = len(read_record(run_dir).get("starts", []))
+    try:
+        while True:
+            finished = done()
+            starts = read_record(run_dir).get("starts", [])
+            for started in starts[starts_seen:]:
+                for line in _start_news(started):
+                    display.note(line)
+            starts_seen = max(starts_seen, len(starts))
+            lines, pos = _read_lines(progress, pos)
+            for line in lines:
+                try:
+                    display.update(IterationStats.from_record(json.loads(line)))
+                except (ValueError, TypeError):
+                    continue
+            if finished:
+                return
+            time.sleep(poll_s)
+    finally:
+        display.close()
+
+
+def _start_news(started: dict[str, Any]) -> list[str]:
+    """What a (re)start of the run that a follower sees should say."""
+    news = [
+        f"skipped damaged checkpoint {d.get('name')}: {d.get('why')}"
+        for d in started.get("skipped_checkpoints") or []
+    ]
+    if started.get("resumed_from_iteration"):
+        news.append(
+            f"resumed from {started.get('checkpoint')} at iteration "
+            f"{started['resumed_from_iteration']}"
+        )
+    return news
+
+
+@dataclass(frozen=True)
+class Closing:
+    """How a run ended, for the last line of a command and its exit code."""
+
+    code: int
+    line: str
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def closing(run_dir: Path, resume: str, cancelled: bool = False) -> Closing | None:
+    """The closing line of a run whose job has ended (None: the run record says nothing, e.g.
+    the ranks failed before training started). `resume`: the command that continues it."""
+    o = run_outcome(run_dir)
+    it = "-" if o.iteration is None else str(o.iteration)
+    reward = "-" if o.mean_reward is None else f"{o.mean_reward:.2f}"
+    where = f"run directory {run_dir}"
+    if o.state == "completed":
+        return Closing(
+            EXIT_OK,
+            f"done: {it} iterations, {_rate(o.env_steps_per_s)} env-steps/s, reward {reward}; "
+            f"{where}",
+        )
+    if o.state == "stopped":
+        stop = o.stop or {}
+        at = stop.get("iteration", it)
+        why = "cancelled" if cancelled else f"{stop.get('reason', 'stopped')}"
+        signal_name = stop.get("signal")
+        if stop.get("kind") == "requeue" and not cancelled:
+            return Closing(
+                EXIT_FAILED,
+                f"stopped at iteration {at} ({why}) and not restarted (--max-restarts "
+                f"reached); checkpoint saved; {where}; resume with: {resume}",
+            )
+        by = f", {signal_name}" if signal_name else ""
+        return Closing(
+            EXIT_STOPPED,
+            f"stopped at iteration {at} ({why}{by}); checkpoint model_{at}.pt saved; "
+            f"resume with: {resume}",
+        )
+    if o.state == "interrupted":
+        return Closing(
+            EXIT_INTERRUPTED,
+            f"interrupted at once at iteration {it}: nothing saved since the last checkpoint; "
+            f"resume with: {resume}",
+        )
+    if o.state == "failed":
+        cause = o.cause.describe() if o.cause is not None else "see the rank logs"
+        return Closing(
+            EXIT_FAILED,
+            f"failed at iteration {it}: {cause}; details: mjlab-hpc logs {run_dir}; "
+            f"resume with: {resume}",
+        )
+    return None
+
+
+def failed_before_start(failures: list[str]) -> Closing:
+    """The closing line when the ranks failed before training (no run record): a refused
+    resume is bad input (exit 2)."""
+    refused = [f for f in failures if "ResumeRefused" in f or "refused" in f]
+    code = EXIT_BAD_INPUT if refused and len(refused) == len(failures) else EXIT_FAILED
+    return Closing(code, "failed before training started:\n  " + "\n  ".join(failures))

@@ -1,0 +1,146 @@
+"""Checks against what exists, before anything is created or started: the log root can be
+written, a run directory is a run (or new), this machine has the cores and GPUs local ranks
+ask for, and a Slurm partition can give what a job asks for."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from mjlab_hpc.errors import SpecError
+from mjlab_hpc.rank.context import cuda_device_count
+from mjlab_hpc.rundir.layout import is_run_dir
+from mjlab_hpc.slurm.client import SlurmClient
+from mjlab_hpc.slurm.units import slurm_time_minutes
+from mjlab_hpc.spec import SubmitSpec
+
+__all__ = [
+    "check_local_cpus",
+    "check_local_gpus",
+    "check_log_root",
+    "check_partition",
+    "check_run_dir",
+    "usable_cores",
+]
+
+
+def check_log_root(flag: str, log_root: str) -> Path:
+    """The log root, or SpecError when runs cannot be written there: it is a file, or the
+    folder (or the nearest one that exists) is read-only or not writable."""
+    path = Path(log_root).expanduser()
+    if path.exists() and not path.is_dir():
+        raise SpecError(flag, f"{log_root} is a file, not a folder; give a folder for the runs")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise SpecError(flag, f"{existing} (in {log_root}) is a file, not a folder")
+    try:
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        raise SpecError(
+            flag, f"{existing} is on a read-only filesystem; give a writable folder for the runs"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SpecError(
+            flag, f"{existing} is not writable by this user; give a folder you can write to"
+        )
+    return path
+
+
+def check_run_dir(flag: str, run_dir: str) -> Path:
+    """`run_dir`, or SpecError when it is a file or a folder of other files (training into it
+    would mix them with the run's)."""
+    path = Path(run_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise SpecError(flag, f"{run_dir} is a file, not a run directory")
+    if path.is_dir() and any(path.iterdir()) and not is_run_dir(path):
+        raise SpecError(
+            flag,
+            f"{run_dir} holds files but no run (no run.json, progress.jsonl, logs/, ...); give "
+            "a run directory, or a new or empty folder",
+        )
+    check_log_root(flag, str(path))
+    return path
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a Slurm allocation)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_local_cpus(flag: str, ranks: int, oversubscribe: bool) -> None:
+    """SpecError when more CPU ranks are asked for than this machine has cores (each rank
+    steps its physics on one core), unless --oversubscribe says to."""
+    cores = usable_cores()
+    if ranks > cores and not oversubscribe:
+        raise SpecError(
+            flag,
+            f"{ranks} ranks on a machine with {cores} usable cores (each rank runs its physics "
+            f"on one core); use at most {cores}, or --oversubscribe to run them anyway",
+        )
+
+
+def check_local_gpus(flag: str, wanted: int, count: Callable[[], int] = cuda_device_count) -> None:
+    """SpecError when local ranks ask for more GPUs than this machine shows."""
+    if wanted <= 0:
+        return
+    have = count()
+    if have < wanted:
+        raise SpecError(
+            flag,
+            f"{wanted} GPU(s) per node asked for, but this machine shows {have}; use "
+            "--gpus-per-node 0 for CPU ranks, or submit to a cluster (--executor slurm)",
+        )
+
+
+def check_partition(
+    spec: SubmitSpec, warn: Callable[[str], None], client: SlurmClient | None = None
+) -> None:
+    """SpecError when the partition cannot give the job what it asks for (nodes, GPUs per
+    node, time), from sinfo; a warning when sinfo cannot tell."""
+    partitions = (client or SlurmClient(timeout_s=10)).partitions()
+    if partitions is None:
+        warn(
+            "sinfo did not answer: the partition's nodes, GPUs and time limit are not checked "
+            "before submitting"
+        )
+        return
+    part = partitions.get(spec.partition or "")
+    if part is None:
+        known = ", ".join(sorted(n for n in partitions if n)) or "none"
+        if spec.partition is None:
+            warn("the cluster has no default partition: sbatch will ask for --partition")
+            return
+        raise SpecError("--partition", f"{spec.partition!r} does not exist; partitions: {known}")
+    if spec.nodes > part.nodes:
+        raise SpecError(
+            "--nodes", f"{spec.nodes} nodes asked for; partition {part.name} has {part.nodes}"
+        )
+    if spec.gpus_per_node > part.gpus_per_node:
+        raise SpecError(
+            "--gpus-per-node",
+            f"{spec.gpus_per_node} GPUs per node asked for; the nodes of partition {part.name} "
+            f"have at most {part.gpus_per_node}",
+        )
+    if part.cpus_per_node is not None:
+        cpus = spec.ranks_per_node * (spec.cpus_per_task or 1)
+        if cpus > part.cpus_per_node:
+            raise SpecError(
+                "--tasks-per-node",
+                f"{spec.ranks_per_node} ranks x {spec.cpus_per_task or 1} CPUs per node asked "
+                f"for; the nodes of partition {part.name} have {part.cpus_per_node} CPUs",
+            )
+    minutes = slurm_time_minutes(spec.time)
+    if part.max_minutes is not None and minutes > part.max_minutes:
+        raise SpecError(
+            "--time",
+            f"{spec.time} is longer than the time limit of partition {part.name} "
+            f"({part.max_minutes} minutes)",
+        )

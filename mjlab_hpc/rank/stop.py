@@ -1,0 +1,296 @@
+"""Every way a rank is asked to stop, and what it does about it.
+
+1. Signals are only recorded by their handlers (acting inside a handler could interrupt a
+   collective half way): the time-limit warning (`--preempt-signal`, USR2 by default), SIGTERM
+   (a preemption under Slurm; elsewhere `kill`, `timeout`, the local launcher or
+   `mjlab-hpc cancel`), SIGINT (Ctrl-C) and SIGHUP (the terminal went away). A second Ctrl-C
+   raises KeyboardInterrupt at once.
+2. A supervisor watch (our local launcher and submitit's local controller, or torchrun's
+   agent) records a stop when the process that supervises the rank disappears, SIGKILL
+   included, so no rank trains on with nobody watching.
+3. At the next iteration boundary all ranks agree through one all-reduce (MAX of an encoded
+   stop), so they stop at the same iteration even if the request reached them at different
+   moments. A stop for good (interrupt) wins over a stop for a requeue.
+4. The writer saves a complete checkpoint; then a requeue-type stop requeues where a
+   scheduler can (rank 0 runs `scontrol requeue`; submitit's local executor restarts ranks
+   that exit 144), and a stop for good exits 3 (resume with `--resume`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_STOPPED
+from mjlab_hpc.procs import alive
+from mjlab_hpc.rank.context import SUPERVISOR_ENV, DistContext
+from mjlab_hpc.slurm.client import SlurmClient
+
+__all__ = [
+    "Interrupted",
+    "StopKind",
+    "StopReason",
+    "StopRequest",
+    "Stopped",
+    "Supervision",
+    "after_stop",
+    "agree",
+    "watch_signals",
+]
+
+log = logging.getLogger("mjlab_hpc")
+
+
+StopReason = Literal[
+    "time-limit", "preemption", "interrupt", "hangup", "terminated", "supervisor-lost"
+]
+# A stop with no signal behind it (the supervisor disappeared).
+_NO_SIGNAL = 255
+_SIGNALS = ("INT", "TERM", "HUP")
+# Within one kind of stop, the reason people recognise wins: Ctrl-C reaches the ranks and,
+# through the launcher and submitit's controller, SIGTERM too; the stop says "interrupt".
+_PRIORITY = {"interrupt": 4, "hangup": 3, "terminated": 2, "supervisor-lost": 1,
+             "time-limit": 2, "preemption": 1}  # fmt: skip
+
+
+class StopKind(IntEnum):
+    """What a stop leads to; when ranks disagree, the larger wins."""
+
+    NONE = 0
+    REQUEUE = 1
+    """Time limit or preemption: the scheduler runs the job again, or the user resumes."""
+    FOR_GOOD = 2
+    """Interrupted, terminated, or the supervisor is gone: checkpoint and exit."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A stop all ranks agreed on."""
+
+    kind: StopKind
+    reason: StopReason
+    signum: int
+    """The signal behind it (0: none)."""
+
+    @property
+    def signal_name(self) -> str | None:
+        """SIGUSR2, SIGINT, ... (None for a stop with no signal)."""
+        return signal.Signals(self.signum).name if self.signum else None
+
+
+def classify(signum: int, mode: str, time_limit_signal: str) -> tuple[StopKind, StopReason]:
+    """What a signal means for a rank launched by `mode`."""
+    if signum == _NO_SIGNAL:
+        return StopKind.FOR_GOOD, "supervisor-lost"
+    name = signal.Signals(signum).name.removeprefix("SIG")
+    if name == time_limit_signal.upper().removeprefix("SIG"):
+        return StopKind.REQUEUE, "time-limit"
+    if name == "TERM":
+        # Slurm sends SIGTERM to preempt a job (and for scancel, where no requeue follows).
+        return (
+            (StopKind.REQUEUE, "preemption")
+            if mode == "slurm"
+            else (StopKind.FOR_GOOD, "terminated")
+        )
+    if name == "HUP":
+        return StopKind.FOR_GOOD, "hangup"
+    return StopKind.FOR_GOOD, "interrupt"
+
+
+class StopRequest:
+    """The stop this rank was asked for, if any (written by handlers and the supervisor watch,
+    read at an iteration boundary)."""
+
+    def __init__(self, mode: str = "single", time_limit_signal: str = "USR2") -> None:
+        self.mode = mode
+        self.time_limit_signal = time_limit_signal
+        self.code = 0
+        self.signaled_at: float | None = None
+        self.interrupts = 0
+
+    def record(self, signum: int) -> None:
+        """Record a stop request (the strongest one wins)."""
+        kind, reason = classify(signum, self.mode, self.time_limit_signal)
+        self.code = max(self.code, (int(kind) << 16) | (_PRIORITY[reason] << 8) | signum)
+        if self.signaled_at is None:
+            self.signaled_at = time.time()
+
+    def handler(self, signum: int, frame: object) -> None:
+        # Only record: the training loop acts at the next iteration boundary. A second
+        # Ctrl-C means "now": Python's own KeyboardInterrupt.
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                raise KeyboardInterrupt
+        self.record(signum)
+
+    def supervisor_lost(self) -> None:
+        """The process supervising this rank is gone."""
+        self.record(_NO_SIGNAL)
+
+    @property
+    def signum(self) -> int:
+        """The recorded signal (0: none or no signal behind the stop)."""
+        signum = self.code & 0xFF
+        return 0 if signum == _NO_SIGNAL else signum
+
+
+@contextlib.contextmanager
+def watch_signals(
+    request: StopRequest, extra: Sequence[str] = (), detached: bool = False
+) -> Iterator[StopRequest]:
+    """Record INT, TERM, HUP and `extra` (the time-limit signal) in `request` for the duration
+    of the block, then restore the old handlers; `detached` leaves INT and HUP as they are
+    (ignored by a background job). Outside the main thread (where Python allows no handlers)
+    nothing is installed."""
+    old: dict[int, object] = {}
+    names = ("TERM",) if detached else _SIGNALS
+    try:
+        for name in (*names, *extra):
+            num = signal.Signals["SIG" + name.upper().removeprefix("SIG")]
+            if num not in old:
+                old[num] = signal.signal(num, request.handler)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield request
+    finally:
+        for num, handler in old.items():
+            signal.signal(num, handler)  # type: ignore[arg-type]
+
+
+def agree(request: StopRequest, distributed: bool, device: str) -> Stop | None:
+    """The strongest stop any rank recorded (None: none); the same answer on every rank."""
+    code = request.code
+    if distributed:
+        flag = torch.tensor([code], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        code = int(flag.item())
+    if code == 0:
+        return None
+    signum = code & 0xFF
+    kind, reason = classify(signum, request.mode, request.time_limit_signal)
+    return Stop(kind, reason, 0 if signum == _NO_SIGNAL else signum)
+
+
+class Supervision:
+    """Watches the processes that supervise this rank and records a stop when one is gone.
+
+    Watched: the PIDs our foreground launchers name in MJLAB_HPC_SUPERVISOR_PIDS, and the
+    parent process when it is a supervisor of ours (submitit's local controller, torchrun's
+    agent): a rank re-parented to init has lost it. A daemon thread checks every `poll_s`.
+    """
+
+    def __init__(
+        self, request: StopRequest, watch_parent: bool, env: dict[str, str] | None = None,
+        poll_s: float = 0.5,
+    ) -> None:  # fmt: skip
+        env = dict(os.environ) if env is None else env
+        self.request = request
+        self.parent = os.getppid() if watch_parent else None
+        self.pids = [int(p) for p in env.get(SUPERVISOR_ENV, "").split(",") if p.strip().isdigit()]
+        self.poll_s = poll_s
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Supervision:
+        if self.parent is not None or self.pids:
+            self._thread = threading.Thread(target=self._run, name="supervision", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _gone(self) -> str | None:
+        if self.parent is not None and os.getppid() != self.parent:
+            return f"its supervisor (pid {self.parent}) is gone"
+        for pid in self.pids:
+            if not alive(pid):
+                return f"its launcher (pid {pid}) is gone"
+        return None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            why = self._gone()
+            if why is not None:
+                self.lost = why
+                log.warning("stopping at the next iteration boundary: %s", why)
+                self.request.supervisor_lost()
+                return
+
+
+class Interrupted(KeyboardInterrupt):
+    """A second Ctrl-C stopped training at once, without a checkpoint."""
+
+    def __init__(self, run_dir: str) -> None:
+        super().__init__(run_dir)
+        self.run_dir = run_dir
+
+
+class Stopped(Exception):
+    """Raised out of the training loop after the stop checkpoint is on disk."""
+
+    def __init__(
+        self, iteration: int, stop: Stop, ctx: DistContext | None = None, restarts: int = 0
+    ) -> None:
+        super().__init__(iteration, stop)
+        self.iteration = iteration
+        self.stop = stop
+        self.ctx = ctx
+        """The stopped rank's context (set by train_rank), for the launcher's next step."""
+        self.restarts = restarts
+        """How many times this run was restarted after a requeue-type stop so far."""
+        self.run_dir: str | None = None
+        """The run directory (set by train_rank)."""
+
+    @property
+    def reason(self) -> StopReason:
+        """Why the run stopped."""
+        return self.stop.reason
+
+    def __str__(self) -> str:
+        by = f", {self.stop.signal_name}" if self.stop.signum else ""
+        return f"stopped at iteration {self.iteration} ({self.stop.reason}{by})"
+
+
+def after_stop(stopped: Stopped, max_restarts: int) -> int:
+    """Requeue the job where the launcher can, and return the exit code for this rank.
+
+    A stop for good exits 3 everywhere. A requeue-type stop: srun tasks have rank 0 run
+    `scontrol requeue` (while restarts remain) and exit 0, so Slurm starts the job again;
+    submitit's local executor restarts ranks that exit 144; elsewhere (a plain process,
+    torchrun) exit 3 and the user resumes.
+    """
+    ctx = stopped.ctx
+    if ctx is None or stopped.stop.kind == StopKind.FOR_GOOD:
+        return EXIT_STOPPED
+    if stopped.restarts >= max_restarts and ctx.mode in ("slurm", "submitit-local"):
+        log.error(
+            "%s; not requeued: the run already restarted %d times (--max-restarts %d)",
+            stopped,
+            stopped.restarts,
+            max_restarts,
+        )
+        return EXIT_FAILED
+    if ctx.mode == "slurm" and ctx.job_id:
+        if ctx.is_main and not SlurmClient().requeue(ctx.job_id):
+            return EXIT_FAILED
+        return EXIT_OK
+    if ctx.mode == "submitit-local":
+        return EXIT_LOCAL_REQUEUE
+    return EXIT_STOPPED

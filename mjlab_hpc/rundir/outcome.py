@@ -1,0 +1,168 @@
+"""How a run, or its latest start, ended: from run.json and the `exit:` line every rank writes
+last into its log (`mjlab_hpc.rank.entry`).
+
+A rank log whose latest start has no exit line ended abruptly (SIGKILL, out of memory, a
+segfault, a lost node). Errors that say a peer went away (connection closed or reset, a
+collective timed out) are consequences: the cause is the first rank that failed otherwise, or
+else the rank that ended without a word.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from mjlab_hpc.rundir.layout import LOGS_DIR, RunDir, progress_summary
+from mjlab_hpc.rundir.record import read_record
+
+__all__ = ["RankEnd", "RunOutcome", "first_failure", "rank_ends", "run_outcome"]
+
+How = Literal["completed", "stopped", "failed", "refused", "interrupted", "no-exit"]
+
+_STAMP = re.compile(r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(\d{3}) rank(\d+) (.*)$")
+_START = re.compile(r"^rank \d+/\d+ \(local ")
+_HOST = re.compile(r"\bhost (\S+?),")
+_RANK_LOG = re.compile(r"^rank(\d+)\.log$")
+_PEER_LOST = re.compile(r"\(peer-lost\)")
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one rank's latest start ended."""
+
+    rank: int
+    host: str | None
+    how: How
+    at: dt.datetime | None
+    """The exit line's time (no-exit: the last line's)."""
+    detail: str
+    """The exit line, or for a failure the exception's last line."""
+    peer_lost: bool = False
+    """A failure that says another rank went away (a consequence)."""
+
+    def describe(self) -> str:
+        """One line for people."""
+        where = f"rank {self.rank} on {self.host or 'an unknown host'}"
+        if self.how == "no-exit":
+            return (
+                f"{where} ended without an exit record (killed by a signal: SIGKILL, out of "
+                "memory, a segfault or a lost node)"
+            )
+        if self.how == "failed":
+            return f"{where} failed: {self.detail}"
+        return f"{where}: {self.detail}"
+
+
+def _stamp(match: re.Match[str]) -> dt.datetime:
+    when = dt.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S")
+    return when.replace(microsecond=int(match.group(2)) * 1000)
+
+
+def _rank_end(rank: int, path: Path) -> RankEnd | None:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    start = None
+    for i, line in enumerate(lines):
+        m = _STAMP.match(line)
+        if m and _START.match(m.group(4)):
+            start = i
+    if start is None:
+        return None
+    head = _STAMP.match(lines[start])
+    host_match = _HOST.search(lines[start])
+    host = host_match.group(1) if host_match else None
+    last_at = _stamp(head) if head else None
+    for i in range(start + 1, len(lines)):
+        m = _STAMP.match(lines[i])
+        if not m:
+            continue
+        last_at = _stamp(m)
+        message = m.group(4)
+        if not message.startswith("exit: "):
+            continue
+        body = message.removeprefix("exit: ")
+        how: How = "failed"
+        for word in ("completed", "stopped", "refused", "interrupted"):
+            if body.startswith(word):
+                how = word  # type: ignore[assignment]
+        detail = body
+        if how == "failed":
+            block = []
+            for line in lines[i + 1 :]:
+                if _STAMP.match(line):
+                    break
+                block.append(line)
+            error = [line.strip() for line in block if line.strip()]
+            detail = error[-1] if error else body
+        return RankEnd(rank, host, how, last_at, detail, bool(_PEER_LOST.search(message)))
+    return RankEnd(rank, host, "no-exit", last_at, "no exit record")
+
+
+def rank_ends(run_dir: Path) -> list[RankEnd]:
+    """How each rank's latest start ended, by rank (ranks that never started are left out)."""
+    logs = run_dir / LOGS_DIR
+    found = []
+    if logs.is_dir():
+        for entry in sorted(logs.iterdir()):
+            m = _RANK_LOG.match(entry.name)
+            if m:
+                end = _rank_end(int(m.group(1)), entry)
+                if end is not None:
+                    found.append(end)
+    return sorted(found, key=lambda e: e.rank)
+
+
+def first_failure(ends: list[RankEnd]) -> RankEnd | None:
+    """The cause of a failed start: the earliest failure that is not a consequence, else the
+    earliest rank that ended without a word, else the earliest consequence."""
+    never = dt.datetime.max
+
+    def earliest(candidates: list[RankEnd]) -> RankEnd | None:
+        return min(candidates, key=lambda e: (e.at or never, e.rank)) if candidates else None
+
+    return (
+        earliest([e for e in ends if e.how == "failed" and not e.peer_lost])
+        or earliest([e for e in ends if e.how == "no-exit"])
+        or earliest([e for e in ends if e.how == "failed"])
+    )
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """How a run's latest start ended, for the closing line of a command."""
+
+    state: str
+    """run.json's state: completed, stopped, failed, interrupted, running, or unknown."""
+    iteration: int | None
+    """The last iteration in progress.jsonl."""
+    stop: dict[str, object] | None
+    """The last stop (reason, kind, signal, iteration), when stopped."""
+    cause: RankEnd | None
+    """The rank that failed first, when failed."""
+    env_steps_per_s: float | None
+    mean_reward: float | None
+
+
+def run_outcome(run_dir: Path) -> RunOutcome:
+    """How the run's latest start ended (call it once the job has ended)."""
+    record = read_record(run_dir)
+    state = str(record.get("state") or "unknown")
+    summary = progress_summary(RunDir(run_dir))
+    stops = record.get("restarts") or []
+    ends = rank_ends(run_dir)
+    failed = state == "failed" or any(e.how in ("failed", "no-exit") for e in ends)
+    if failed and state in ("running", "unknown"):
+        state = "failed"
+    return RunOutcome(
+        state=state,
+        iteration=summary.iteration,
+        stop=stops[-1] if state == "stopped" and stops else None,
+        cause=first_failure(ends) if state == "failed" else None,
+        env_steps_per_s=summary.env_steps_per_s,
+        mean_reward=summary.mean_reward,
+    )

@@ -1,0 +1,215 @@
+"""Hostile and wrong input, property-based: for arbitrary text in every string flag that
+reaches a job script or a path, either a clean refusal (SpecError naming the flag) or scripts
+(the sbatch template and submitit's own) that pass `bash -n`, keep their `#SBATCH` block
+intact, run no injected command when executed with stand-in srun / mjlab-hpc / mjlab-train,
+and put the run under the log root.
+
+Generated cases are derandomized (the same on every run) and include, besides arbitrary
+Unicode, the payloads that break scripts: newlines and other control characters, quotes,
+`$(...)`, backticks, `;`, `../`, `--option=` look-alikes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import BIN
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mjlab_hpc.errors import SpecError
+from mjlab_hpc.launch.slurm import render_sbatch
+from mjlab_hpc.launch.submit import planned_run_dir
+from mjlab_hpc.launch.templates import render
+from mjlab_hpc.launch.validate import validate_submit
+from mjlab_hpc.spec import SubmitSpec, TrainSpec
+
+MARKER = "PWNED"
+PAYLOADS = [
+    f"$(touch {MARKER})", f"`touch {MARKER}`", f"; touch {MARKER}", f"\ntouch {MARKER}\n",
+    f"\rtouch {MARKER}", f"' ; touch {MARKER} ; '", f'" ; touch {MARKER} ; "', "../../escape",
+    "/abs/path", "a/b", "..", ".", "", " ", "--requeue", "x --time=1", "#SBATCH --time=1",
+    "\x00", "\x1b[31m", "\t", "ü💥", "${HOME}", "%j", "*", "?", "\\", "'", '"',
+]  # fmt: skip
+TEXT = st.one_of(
+    st.sampled_from(PAYLOADS),
+    st.lists(st.sampled_from(PAYLOADS), min_size=2, max_size=4).map("".join),
+    st.text(st.characters(codec="utf-8"), max_size=40),
+)
+# Where each flag's text goes: a TrainSpec field, a SubmitSpec field, or a tuple field.
+FLAGS = {
+    "--run-name": ("train", "run_name"),
+    "--experiment-name": ("train", "experiment_name"),
+    "--log-root": ("train", "log_root"),
+    "--job-name": ("submit", "job_name"),
+    "--partition": ("submit", "partition"),
+    "--account": ("submit", "account"),
+    "--qos": ("submit", "qos"),
+    "--constraint": ("submit", "constraint"),
+    "--setup": ("submit-tuple", "setup"),
+    "--sbatch-arg": ("sbatch-arg", "sbatch_arg"),
+    "--agent.learning_rate": ("override", "overrides"),
+}
+CASES = {"count": 0}
+SETTINGS = settings(
+    max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "40")),
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+def spec_with(flag: str, text: str, log_root: Path) -> SubmitSpec:
+    where, field = FLAGS[flag]
+    train = TrainSpec(task="cartpole", log_root=str(log_root), num_envs=16)
+    submit: dict[str, object] = {"gpus_per_node": 0, "nodes": 2, "time": "30",
+                                 "executor": "slurm", "dry_run": True}  # fmt: skip
+    if where == "train":
+        train = dataclasses.replace(train, **{field: text})
+    elif where == "override":
+        train = dataclasses.replace(train, overrides=(f"{flag}={text}",))
+    elif where == "submit":
+        submit[field] = text
+    elif where == "submit-tuple":
+        submit[field] = (text,)
+    else:
+        submit[field] = (f"comment={text}",)
+    return SubmitSpec(train=train, **submit)  # type: ignore[arg-type]
+
+
+def stand_ins(bin_dir: Path, record: Path) -> None:
+    """srun, mjlab-train and mjlab-hpc that record their arguments, one per line."""
+    bin_dir.mkdir(exist_ok=True)
+    for tool in ("srun", "mjlab-train", "mjlab-hpc", "module", "python3"):
+        script = bin_dir / tool
+        script.write_text(
+            "#!/bin/bash\n"
+            f'{{ echo "== {tool}"; for a in "$@"; do printf "%s\\n" "$a"; done; }} >> {record}\n'
+            + ('echo "$PWD/rundir"\n' if tool == "mjlab-hpc" else "")
+        )
+        script.chmod(0o755)
+
+
+def sbatch_block_intact(script: str) -> None:
+    """Every line from the shebang to the last `#SBATCH` line is a comment, an `#SBATCH`
+    option or empty: no value broke out of its line."""
+    lines = script.splitlines()
+    last = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+    for line in lines[1 : last + 1]:
+        assert line.startswith("#") or not line.strip(), line
+    options = [
+        re.match(r"#SBATCH --([a-z-]+)", line) for line in lines if line.startswith("#SBATCH")
+    ]
+    assert all(options), lines
+    names = [m.group(1) for m in options if m]
+    assert names.count("time") == 1 and names.count("signal") == 1, names
+
+
+def run_script(script: str, work: Path, commands_allowed: bool = False) -> None:
+    """Run the script as Slurm would, with stand-ins for what it calls; nothing injected
+    may run (`commands_allowed`: a --setup line is a command by design)."""
+    path = work / "job.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0, script
+    record = work / "argv.txt"
+    stand_ins(work / "bin", record)
+    env = {"PATH": f"{work / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(work),
+           "SLURM_JOB_ID": "42"}  # fmt: skip
+    subprocess.run(["bash", str(path)], cwd=work, env=env, capture_output=True, timeout=30)
+    if not commands_allowed:
+        assert not list(work.rglob(f"*{MARKER}*")), script
+
+
+@pytest.mark.parametrize("flag", sorted(FLAGS))
+def test_arbitrary_text_is_refused_or_stays_in_its_place(flag: str, tmp_path: Path) -> None:
+    log_root = tmp_path / "logs"
+
+    @SETTINGS
+    @given(text=TEXT)
+    def check(text: str) -> None:
+        CASES["count"] += 1
+        work = tmp_path / f"case{CASES['count']}"
+        work.mkdir()
+        spec = spec_with(flag, text, log_root)
+        try:
+            resolved = validate_submit(spec, warn=lambda message: None)
+            template = render("train", spec)
+        except SpecError as exc:
+            # A refusal names a flag; the text itself may be what broke another check
+            # (a run name that is fine alone can make the job name or path too long).
+            assert exc.flag.startswith("-") or exc.flag == "TASK", exc
+            return
+        run_dir = planned_run_dir(spec, resolved)
+        root = Path(spec.train.log_root).resolve()
+        assert run_dir.resolve().is_relative_to(root), (run_dir, root)
+        submitit = render_sbatch(spec, run_dir)
+        for script in (template, submitit):
+            sbatch_block_intact(script)
+            if flag == "--setup":  # one shell line by design: it stays one line
+                assert sum(line == text for line in script.splitlines()) == 1, script
+            run_script(script, work, commands_allowed=flag == "--setup")
+            shutil.rmtree(work / "bin")
+
+    check()
+
+
+def test_number_of_generated_cases() -> None:
+    """Printed for the record (run after the property tests of this module)."""
+    print(f"\n[hostile input] {CASES['count']} generated cases over {len(FLAGS)} flags")
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "words"),
+    [
+        (["--run-name", "a\nb"], "--run-name", "control character"),
+        (["--experiment-name", "../../x"], "--experiment-name", "plain name"),
+        (["--experiment-name", "/abs"], "--experiment-name", "plain name"),
+        (["--experiment-name", "a/b"], "--experiment-name", "plain name"),
+        (["--run-name", "r" * 300], "--run-name", "too long"),
+        (["--partition", "gpu\n#SBATCH --time=9"], "--partition", "control character"),
+        (["--partition", "gpu --time=1"], "--partition", "not a Slurm name"),
+        (["--sbatch-arg", "time=10"], "--sbatch-arg", "use --time"),
+        (["--sbatch-arg", "signal=USR1@10"], "--sbatch-arg", "--preempt-signal"),
+        (["--sbatch-arg", "mail-tpye=END"], "--sbatch-arg", "did you mean mail-type"),
+        (["--sbatch-arg", "comment=a\nb"], "--sbatch-arg", "control character"),
+        (["--time", "25:61:00"], "--time", "not a valid number of minutes"),
+        (["--time", "10000000000"], "--time", "more than 365 days"),
+        (["--setup", "echo 'unterminated"], "--setup", "not a complete shell line"),
+        (["--sweep", "preempt-signal=USR1,USR2"], "--sweep", "cannot be swept"),
+    ],
+)
+def test_wrong_values_exit_2_naming_the_flag(
+    tmp_path: Path, args: list[str], flag: str, words: str
+) -> None:
+    proc = subprocess.run(
+        [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run",
+         "--gpus-per-node", "0", "--log-root", str(tmp_path / "logs"), *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    said = " ".join(proc.stderr.split())
+    assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr
+    assert f"error: {flag}" in said and words in said, said
+    assert "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_render_fails_cleanly_too(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [BIN / "mjlab-hpc", "render", "train", "cartpole", "--run-name", "x\ntouch PWNED"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--run-name" in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.mjlab  # the guess is made among mjlab's tasks too
+def test_a_task_typo_is_answered_with_a_guess(tmp_path: Path) -> None:
+    proc = subprocess.run([BIN / "mjlab-train", "cartpol", "--log-root", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "did you mean 'cartpole'?" in proc.stderr

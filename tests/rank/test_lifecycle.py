@@ -1,0 +1,233 @@
+"""Every way a run stops, with real processes and real signals, as a user meets them: Ctrl-C
+(SIGINT to the whole foreground process group, as a terminal sends it), a second Ctrl-C,
+SIGTERM to the launcher, kill -9 of the launcher or of submitit's local controller, and
+resuming (several ranks, damaged checkpoints, another task, a copied log root). Each asserts
+the exit code, the checkpoint, run.json, the closing line and that no process is left.
+(Time limits and preemption: test_preemption.py; Slurm: launch/test_slurm_jobs.py.)"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import BIN, cli_env, only_run, reference_digests, wait_for, wait_for_iteration
+
+from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED
+from mjlab_hpc.launch.local import local_processes
+from mjlab_hpc.procs import alive
+from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.record import read_record
+
+pytestmark = pytest.mark.training
+
+COMMON = ["cartpole", "--num-envs", "32", "--seed", "3", "--torch-threads", "1",
+          "--save-interval", "100"]  # fmt: skip
+TWO = ["--num-procs", "2"]
+
+
+def start(tmp: Path, args: list[str], prog: str = "mjlab-train") -> subprocess.Popen[str]:
+    """A command in a session of its own, as a terminal would run it in the foreground (its
+    process group receives the terminal's Ctrl-C)."""
+    return subprocess.Popen([BIN / prog, *args], env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+
+
+def all_gone(run: RunDir, launcher: int | None = None, timeout: float = 60) -> None:
+    """No process of the run is left (rank, controller, launcher) within `timeout`."""
+
+    def gone() -> bool:
+        if local_processes(run.path):
+            return False
+        return launcher is None or not alive(launcher)
+
+    wait_for(gone, timeout, f"no process left of {run.path}", poll=0.2)
+
+
+def closing_line(err: str) -> str:
+    lines = [x for x in err.splitlines() if "resume with:" in x]
+    assert lines, err[-2000:]
+    return lines[-1]
+
+
+def test_ctrl_c_stops_two_ranks_with_a_checkpoint_and_resume_continues_exactly(
+    tmp_path: Path, shared_tmp: Path
+) -> None:
+    """Ctrl-C at iteration 3 of `mjlab-train --num-procs 2`: every rank stops at the next
+    boundary with a checkpoint, exit 3, one closing line naming the resume command, no
+    traceback, nothing left running; `--resume` on two ranks continues that same run to the
+    end, one progress line per iteration, with an uninterrupted run's parameters."""
+    root, iters = tmp_path / "logs", 8
+    args = [*COMMON, *TWO, "--max-iterations", str(iters), "--log-root", str(root)]
+    proc = start(tmp_path, args)
+    run = wait_for_iteration(root, 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, err[-2000:]
+    assert "Traceback" not in err and "[train] it 3/8" in out
+    all_gone(run)
+    stop = read_record(run.path)["restarts"][-1]
+    assert (stop["reason"], stop["kind"], stop["signal"]) == ("interrupt", "stop", "SIGINT")
+    assert run.checkpoint(stop["iteration"]).exists()
+    line = closing_line(err)
+    assert line.startswith(f"stopped at iteration {stop['iteration']} (interrupt, SIGINT)")
+
+    again = subprocess.run([BIN / "mjlab-train", *args, "--resume"], env=cli_env(),
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert only_run(root) == run  # the same run, not a new one
+    assert "done: 8 iterations" in again.stdout
+    summary = json.loads(run.summary.read_text())
+    assert summary["resumed_from"] == stop["iteration"] and summary["ranks_in_sync"]
+    assert [r["iteration"] for r in run.read_progress()] == list(range(1, iters + 1))
+    reference = reference_digests(shared_tmp, [*COMMON, "--max-iterations", str(iters)], 2)
+    assert summary["param_digest_per_rank"] == reference
+
+
+@pytest.mark.parametrize("how", ["sigterm-launcher", "kill-controller", "kill-launcher"])
+def test_a_stopped_or_lost_launcher_leaves_no_rank_behind(tmp_path: Path, how: str) -> None:
+    """SIGTERM to the launcher (as `timeout` sends it), kill -9 of submitit's controller, kill
+    -9 of the launcher: the ranks notice within seconds, stop at the next boundary with a
+    checkpoint, and nothing is left running; nothing requeues them."""
+    root = tmp_path / "logs"
+    proc = start(tmp_path, [*COMMON, *TWO, "--max-iterations", "1000", "--log-root", str(root)])
+    run = wait_for_iteration(root, 3)
+    if how == "sigterm-launcher":
+        proc.send_signal(signal.SIGTERM)
+    elif how == "kill-launcher":
+        proc.kill()
+    else:
+        (controller,) = [p.pid for p in local_processes(run.path) if p.role == "controller"]
+        os.kill(controller, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    all_gone(run)
+    record = read_record(run.path)
+    stop = record["restarts"][-1]
+    assert record["state"] == "stopped" and stop["kind"] == "stop"
+    assert stop["reason"] == ("terminated" if how == "sigterm-launcher" else "supervisor-lost")
+    assert run.checkpoint(stop["iteration"]).exists()
+    done = len(run.read_progress())
+    assert done == stop["iteration"]  # stopped for good: no requeue trained on
+    if how == "kill-launcher":
+        assert proc.returncode == -signal.SIGKILL
+    else:
+        assert proc.returncode == EXIT_STOPPED, err[-2000:]
+        assert f"stopped at iteration {stop['iteration']}" in closing_line(err)
+
+
+def test_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
+    """`mjlab-submit --executor local --follow`: Ctrl-C twice stops the job at once (exit
+    130), says so, and leaves nothing running."""
+    root = tmp_path / "logs"
+    # Iterations long enough (~2 s) that the first Ctrl-C's stop is still pending.
+    proc = start(tmp_path, [*COMMON, "--num-envs", "512", "--executor", "local",
+                            "--gpus-per-node", "0", "--tasks-per-node", "2",
+                            "--max-iterations", "1000", "--log-root", str(root), "--follow"],
+                 prog="mjlab-submit")  # fmt: skip
+    run = wait_for_iteration(root, 1)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.2)  # two key presses (signals sent together are delivered as one)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
+    assert "stopped at once" in err and "Traceback" not in err
+    all_gone(run)
+
+
+def test_ctrl_c_in_one_process(tmp_path: Path) -> None:
+    """A plain `mjlab-train`: Ctrl-C saves a checkpoint at the next boundary, exits 3 with the
+    resume command and no traceback; run.json says stopped, not failed."""
+    root = tmp_path / "logs"
+    proc = start(tmp_path, [*COMMON, "--max-iterations", "1000", "--log-root", str(root)])
+    run = wait_for_iteration(root, 2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, err[-2000:]
+    assert "Traceback" not in err
+    stop = read_record(run.path)["restarts"][-1]
+    assert read_record(run.path)["state"] == "stopped" and stop["reason"] == "interrupt"
+    assert run.checkpoint(stop["iteration"]).exists()
+    assert closing_line(err).endswith(f"--run-dir {run.path}")
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _snapshot(run: RunDir) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run.path.iterdir()) if p.is_file()}  # fmt: skip
+
+
+def test_resume_skips_damaged_checkpoints_and_refuses_what_it_cannot_continue(
+    tmp_path: Path,
+) -> None:
+    """A damaged newest checkpoint is skipped, said on the console and in run.json, and set
+    aside; progress.jsonl keeps one line per iteration. A run whose checkpoints are all
+    damaged, a run of another task and a network of another shape are refused (exit 2)
+    without changing anything; --restart-from-scratch trains again. A copied log root
+    resumes in the copy."""
+    root = tmp_path / "logs"
+    base = [BIN / "mjlab-train", "cartpole", "--num-envs", "16", "--torch-threads", "1",
+            "--save-interval", "2", "--log-root", str(root)]  # fmt: skip
+
+    def train(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*base, *extra], env=cli_env(), capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+
+    first = train("--max-iterations", "6")
+    assert first.returncode == 0, first.stderr[-2000:]
+    run = only_run(root)
+    _flip(run.checkpoint(6))
+    resumed = train("--max-iterations", "8", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "skipped damaged checkpoint model_6.pt" in resumed.stderr
+    record = read_record(run.path)
+    assert [s["name"] for s in record["skipped_checkpoints"]] == ["model_6.pt"]
+    assert record["starts"][-1]["resumed_from_iteration"] == 4
+    assert (run.path / "model_6.pt.damaged").exists()
+    assert [r["iteration"] for r in run.read_progress()] == list(range(1, 9))
+
+    # A copy of the log root resumes in the copy (records name runs, not absolute paths).
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    in_copy = subprocess.run(
+        [*base[:-1], str(copy), "--max-iterations", "10", "--resume"],
+        env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert in_copy.returncode == 0, in_copy.stderr[-2000:]
+    assert (copy / "cartpole" / run.path.name / "model_10.pt").exists()
+    assert not run.checkpoint(10).exists()
+
+    for path in run.checkpoints():
+        _flip(path)
+    before = _snapshot(run)
+    refused = train("--max-iterations", "10", "--resume")
+    assert refused.returncode == EXIT_BAD_INPUT
+    assert "--restart-from-scratch" in refused.stderr and "every checkpoint" in refused.stderr
+    assert _snapshot(run) == before
+    other_task = subprocess.run(
+        [BIN / "mjlab-train", "ant", "--run-dir", str(run.path), "--num-envs", "16"],
+        env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert other_task.returncode == EXIT_BAD_INPUT
+    assert "holds a run of task 'cartpole'" in " ".join(other_task.stderr.split())
+    assert _snapshot(run) == before
+
+    fresh = train("--max-iterations", "2", "--resume", "--restart-from-scratch")
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert read_record(run.path)["starts"][-1]["resumed_from_iteration"] == 0
+    assert [r["iteration"] for r in run.read_progress()] == [1, 2]
+    other_shape = train("--max-iterations", "4", "--resume",
+                        "--agent.actor.hidden-dims", "[64,64]")  # fmt: skip
+    assert other_shape.returncode == EXIT_BAD_INPUT, other_shape.stderr[-2000:]
+    assert "network of another shape" in other_shape.stderr
+    assert read_record(run.path)["state"] == "completed"  # unchanged by the refusal
