@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "EXIT_BAD_INPUT",
     "EXIT_FAILED",
@@ -12,6 +14,7 @@ __all__ = [
     "LaunchError",
     "SpecError",
     "SubmitError",
+    "environment_problem",
 ]
 
 #: Done.
@@ -45,3 +48,28 @@ class LaunchError(RuntimeError):
 
 class SubmitError(RuntimeError):
     """The scheduler refused the job (sbatch's own message is included)."""
+
+
+# What an OSError of the filesystem means for a run, and what to do about it.
+_ENVIRONMENT = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the filesystem is read-only",
+    errno.EACCES: "permission denied",
+    errno.ENAMETOOLONG: "a file name is too long",
+}
+
+
+def environment_problem(exc: BaseException, where: object) -> str | None:
+    """One line for a filesystem problem under `where` (a full disk, a quota, a read-only
+    filesystem, permissions, a name too long) and the fix; None for any other error."""
+    if not isinstance(exc, OSError) or exc.errno not in _ENVIRONMENT:
+        return None
+    what = _ENVIRONMENT[exc.errno]
+    path = f" ({exc.filename})" if exc.filename else ""
+    fix = (
+        "free space (or copy the run to a larger filesystem) and resume"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        else "make it writable (or copy the run elsewhere) and resume"
+    )
+    return f"{what} in {where}{path}: {fix}; the checkpoints written so far are intact"

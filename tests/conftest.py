@@ -7,7 +7,9 @@ Slurm test cluster runs on the same worker, which starts the cluster once and st
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,37 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
 def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder every test of this session sees, on every xdist worker (for work done once
     per session, such as reference runs)."""
-    import os
-
     base = tmp_path_factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
+    """Mount small tmpfs filesystems under tmp_path; unmounted at teardown."""
+    mounted: list[Path] = []
+
+    def _mount(name: str, options: str) -> Path:
+        target = tmp_path / name
+        target.mkdir()
+        try:
+            res = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            problem = " ".join(res.stderr.split()) if res.returncode else ""
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            problem = str(exc)
+        if problem:
+            reason = f"cannot mount a tmpfs (needs root / CAP_SYS_ADMIN): {problem}"
+            if os.environ.get("CI") == "true":
+                pytest.fail(reason)
+            pytest.skip(reason)
+        mounted.append(target)
+        return target
+
+    yield _mount
+    for target in reversed(mounted):
+        if subprocess.run(["umount", str(target)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(target)], capture_output=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from mjlab_hpc.cli.common import guarded, parse_with_overrides, resume_command
-from mjlab_hpc.errors import EXIT_INTERRUPTED, EXIT_STOPPED
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED, environment_problem
 from mjlab_hpc.launch.follow import Closing, closing
 from mjlab_hpc.launch.local import LaunchPlan, plan_launch, run_local
 from mjlab_hpc.launch.validate import validate_train
@@ -36,11 +36,13 @@ def _run(spec: TrainSpec, argv: Sequence[str]) -> int:
     if launched_by != "single":
         DistContext.from_env()  # inconsistent launcher variables: fail before any work
     plan = plan_launch(spec, launched_by, cuda_device_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if plan.in_process:
-        return _run_in_process(resolved, plan, argv)
-    if not resolved.train.run_dir:  # decided here, so the closing line can name it
+    if not resolved.train.run_dir and launched_by == "single":
+        # Decided here, so the closing line can name it whatever happens to the ranks
+        # (ranks of torchrun or srun agree on it among themselves).
         run_dir = create_run_dir(spec.log_root, resolved.experiment_name, spec.run_name)
         resolved = resolved.replace_train(run_dir=str(run_dir))
+    if plan.in_process:
+        return _run_in_process(resolved, plan, argv)
     resume = resume_command(PROG, argv, str(resolved.train.run_dir))
     ended = run_local(resolved, plan.ranks, plan.gpus, resume)
     _say(ended)
@@ -70,6 +72,15 @@ def _run_in_process(resolved: ResolvedSpec, plan: LaunchPlan, argv: Sequence[str
             if ended is not None and code == EXIT_STOPPED:
                 _say(ended)
         return code
+    except OSError as exc:
+        run_dir = resolved.train.run_dir or "the run directory"
+        problem = environment_problem(exc, run_dir)
+        if problem is None:
+            raise
+        ended = closing(Path(run_dir), resume_command(PROG, argv, run_dir))
+        line = ended.line if ended is not None else f"failed: {problem}"
+        _say(Closing(EXIT_FAILED, line))
+        return EXIT_FAILED
     except Interrupted as interrupted:
         ended = closing(Path(interrupted.run_dir), resume_command(PROG, argv, interrupted.run_dir))
         if ended is not None:

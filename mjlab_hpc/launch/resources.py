@@ -88,16 +88,21 @@ def check_local_cpus(flag: str, ranks: int, oversubscribe: bool) -> None:
 
 
 def check_local_gpus(flag: str, wanted: int, count: Callable[[], int] = cuda_device_count) -> None:
-    """SpecError when local ranks ask for more GPUs than this machine shows."""
+    """SpecError when local ranks ask for more GPUs than this machine shows (`flag`:
+    --gpus-per-node or --device, each answered with its own fix)."""
     if wanted <= 0:
         return
     have = count()
-    if have < wanted:
-        raise SpecError(
-            flag,
-            f"{wanted} GPU(s) per node asked for, but this machine shows {have}; use "
-            "--gpus-per-node 0 for CPU ranks, or submit to a cluster (--executor slurm)",
-        )
+    if have >= wanted:
+        return
+    shows = f"this machine shows {have} usable GPU(s) (no driver, or a CPU build of torch)"
+    if flag == "--device":
+        raise SpecError(flag, f"cuda asked for, but {shows}; use --device cpu (or auto)")
+    raise SpecError(
+        flag,
+        f"{wanted} GPU(s) per node asked for, but {shows}; use --gpus-per-node 0 for CPU "
+        "ranks, or submit to a cluster (--executor slurm)",
+    )
 
 
 def check_partition(

@@ -12,7 +12,6 @@ line (completed, stopped, interrupted, failed): a rank log without one ended abr
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -21,8 +20,9 @@ import re
 import socket
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import warp as wp
 
+from mjlab_hpc.errors import environment_problem
 from mjlab_hpc.rank.context import (
     DETACHED_ENV,
     DistContext,
@@ -141,17 +142,43 @@ def _gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
     return out
 
 
+class _RankLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The rank log. A record that cannot be written (a full disk) is dropped without
+    logging's "--- Logging error ---" traceback: the failure itself is reported."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
+
+
+def _thread_excepthook(run: RunDir) -> Callable[[threading.ExceptHookArgs], None]:
+    """Threads of libraries (tensorboard's event writer) that die of a full disk: one log
+    line instead of a traceback on the console; the training loop meets the same error."""
+    default = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        problem = environment_problem(args.exc_value, run.path) if args.exc_value else None
+        if problem is None:
+            default(args)
+        else:
+            log.warning("thread %s: %s", args.thread.name if args.thread else "?", problem)
+
+    return hook
+
+
 @contextlib.contextmanager
 def _rank_logging(run: RunDir, rank: int) -> Iterator[TextIO]:
     run.logs.mkdir(parents=True, exist_ok=True)
+    saved_hook = threading.excepthook
     with open(run.rank_log(rank), "a", buffering=1) as stream:
-        handler = logging.StreamHandler(stream)
+        handler = _RankLogHandler(stream)
         handler.setFormatter(logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+        threading.excepthook = _thread_excepthook(run)
         try:
             yield stream
         finally:
+            threading.excepthook = saved_hook
             log.removeHandler(handler)
 
 
@@ -202,17 +229,7 @@ class _Boundary:
             )
             if self.writer is not None and self.checkpoints is not None:
                 path = self.writer.run.checkpoint(s.iteration)
-                try:
-                    self.work.save(path, self.writer, states)
-                except OSError as exc:
-                    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                        raise
-                    raise OSError(
-                        exc.errno,
-                        f"no space left for {path.name} in {self.writer.run.path}: free space "
-                        "(or copy the run elsewhere) and resume; the earlier checkpoints are "
-                        "intact",
-                    ) from exc
+                self.work.save(path, self.writer, states)
                 self.checkpoints.written(path)
                 self.checkpoints.prune(self.spec.keep_checkpoints)
                 if stop is not None:
@@ -425,16 +442,22 @@ def _train(
             _record_end(writer, "interrupted", None)
         raise Interrupted(str(run.path)) from None
     except BaseException as exc:
-        log.exception("exit: failed (%s)", failure_kind(exc))
+        problem = environment_problem(exc, run.path)
         if writer is not None and started:
             failure = {
                 "rank": ctx.rank,
                 "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-                "kind": failure_kind(exc),
-                "error": f"{type(exc).__name__}: {exc}".strip()[:2000],
+                "kind": "environment" if problem is not None else failure_kind(exc),
+                "error": (problem or f"{type(exc).__name__}: {exc}".strip())[:2000],
                 "at": record.now_iso(),
             }
+            # First: on a full disk this gives up the writer's reserve, and the log line
+            # below then has room too.
             _record_end(writer, "failed", failure)
+        if problem is not None:  # the disk, not the code: one line, no traceback
+            log.error("exit: failed (environment)\n%s", problem)
+        else:
+            log.exception("exit: failed (%s)", failure_kind(exc))
         raise
     finally:
         if writer is not None:

@@ -57,7 +57,12 @@ def save_checkpoint(
     data = buf.getvalue()
     digest = hashlib.sha256(data).hexdigest()
     write_atomic(_sidecar(path), f"{digest}\n".encode())
-    write_atomic(path, data, before_rename)
+    try:
+        write_atomic(path, data, before_rename)
+    except BaseException:
+        if not path.exists():  # no sidecar without its checkpoint (a full disk, a lost lock)
+            _sidecar(path).unlink(missing_ok=True)
+        raise
     return digest
 
 
@@ -67,7 +72,12 @@ def publish_file(tmp: Path, path: Path, before_rename: Callable[[], None] | None
     checksum."""
     digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
     write_atomic(_sidecar(path), f"{digest}\n".encode())
-    publish(tmp, path, before_rename)
+    try:
+        publish(tmp, path, before_rename)
+    except BaseException:
+        if not path.exists():
+            _sidecar(path).unlink(missing_ok=True)
+        raise
     return digest
 
 

@@ -158,11 +158,19 @@ def run_outcome(run_dir: Path) -> RunOutcome:
     failed = state == "failed" or any(e.how in ("failed", "no-exit") for e in ends)
     if failed and state in ("running", "unknown"):
         state = "failed"
+    cause = first_failure(ends) if state == "failed" else None
+    failure = record.get("failure") or {}
+    if state == "failed" and failure.get("kind") == "environment":
+        # The writer recorded it; the rank log may have had no room for its exit line.
+        cause = RankEnd(
+            int(failure.get("rank", 0)), failure.get("host"), "failed", None,
+            str(failure.get("error")),
+        )  # fmt: skip
     return RunOutcome(
         state=state,
         iteration=summary.iteration,
         stop=stops[-1] if state == "stopped" and stops else None,
-        cause=first_failure(ends) if state == "failed" else None,
+        cause=cause,
         env_steps_per_s=summary.env_steps_per_s,
         mean_reward=summary.mean_reward,
     )

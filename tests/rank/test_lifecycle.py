@@ -90,16 +90,23 @@ def test_ctrl_c_stops_two_ranks_with_a_checkpoint_and_resume_continues_exactly(
     assert summary["param_digest_per_rank"] == reference
 
 
-@pytest.mark.parametrize("how", ["sigterm-launcher", "kill-controller", "kill-launcher"])
+REASONS = {"sigterm-launcher": "terminated", "hangup-group": "hangup",
+           "kill-controller": "supervisor-lost", "kill-launcher": "supervisor-lost"}  # fmt: skip
+
+
+@pytest.mark.parametrize("how", sorted(REASONS))
 def test_a_stopped_or_lost_launcher_leaves_no_rank_behind(tmp_path: Path, how: str) -> None:
-    """SIGTERM to the launcher (as `timeout` sends it), kill -9 of submitit's controller, kill
-    -9 of the launcher: the ranks notice within seconds, stop at the next boundary with a
-    checkpoint, and nothing is left running; nothing requeues them."""
+    """SIGTERM to the launcher (as `timeout` sends it), SIGHUP to the whole foreground group
+    (the terminal closed), kill -9 of submitit's controller, kill -9 of the launcher: the
+    ranks notice within seconds, stop at the next boundary with a checkpoint, and nothing is
+    left running; nothing requeues them."""
     root = tmp_path / "logs"
     proc = start(tmp_path, [*COMMON, *TWO, "--max-iterations", "1000", "--log-root", str(root)])
     run = wait_for_iteration(root, 3)
     if how == "sigterm-launcher":
         proc.send_signal(signal.SIGTERM)
+    elif how == "hangup-group":
+        os.killpg(proc.pid, signal.SIGHUP)
     elif how == "kill-launcher":
         proc.kill()
     else:
@@ -110,7 +117,7 @@ def test_a_stopped_or_lost_launcher_leaves_no_rank_behind(tmp_path: Path, how: s
     record = read_record(run.path)
     stop = record["restarts"][-1]
     assert record["state"] == "stopped" and stop["kind"] == "stop"
-    assert stop["reason"] == ("terminated" if how == "sigterm-launcher" else "supervisor-lost")
+    assert stop["reason"] == REASONS[how]
     assert run.checkpoint(stop["iteration"]).exists()
     done = len(run.read_progress())
     assert done == stop["iteration"]  # stopped for good: no requeue trained on
@@ -231,3 +238,59 @@ def test_resume_skips_damaged_checkpoints_and_refuses_what_it_cannot_continue(
     assert other_shape.returncode == EXIT_BAD_INPUT, other_shape.stderr[-2000:]
     assert "network of another shape" in other_shape.stderr
     assert read_record(run.path)["state"] == "completed"  # unchanged by the refusal
+
+
+def test_submit_local_resume_continues_on_two_ranks(tmp_path: Path) -> None:
+    """`mjlab-submit --executor local --resume` continues the latest run on as many ranks,
+    in the same run directory, one progress line per iteration."""
+    root = tmp_path / "logs"
+    args = [*COMMON, "--executor", "local", "--gpus-per-node", "0", "--tasks-per-node", "2",
+            "--log-root", str(root), "--follow"]  # fmt: skip
+
+    def submit(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([BIN / "mjlab-submit", *args, *extra], env=cli_env(),
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    first = submit("--max-iterations", "2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    run = only_run(root)
+    again = submit("--max-iterations", "4", "--resume")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert only_run(root) == run and "done: 4 iterations" in again.stdout
+    summary = json.loads(run.summary.read_text())
+    assert summary["resumed_from"] == 2 and summary["world_size"] == 2
+    assert summary["ranks_in_sync"]
+    assert [r["iteration"] for r in run.read_progress()] == [1, 2, 3, 4]
+    all_gone(run)
+
+
+def test_a_terminal_shows_the_live_bar_on_several_ranks(tmp_path: Path) -> None:
+    """In a terminal (a pseudo-terminal here), `--num-procs 2` shows rank 0's progress as a
+    live bar, like one process does, and ends with the one-line summary; no CUDA driver
+    warning on a machine without a GPU."""
+    import pty
+
+    root = tmp_path / "logs"
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [BIN / "mjlab-train", *COMMON, *TWO, "--max-iterations", "4", "--log-root", str(root)],
+        env={**cli_env(), "TERM": "xterm", "COLUMNS": "120"}, stdin=follower, stdout=follower,
+        stderr=follower, start_new_session=True,
+    )  # fmt: skip
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: every process that had it exited
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0
+    screen = b"".join(chunks).decode(errors="replace")
+    assert "\x1b[" in screen and "━" in screen, screen[-2000:]  # rich's live bar
+    assert "4/4" in screen and "[train] it" not in screen
+    assert "done: 4 iterations" in screen
+    assert "CUDA driver" not in screen

@@ -14,9 +14,8 @@ import multiprocessing as mp
 import os
 import signal
 import statistics
-import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -426,38 +425,7 @@ def test_late_racer_does_not_steal_a_fresh_lock(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- 4. filesystems
-
-
-@pytest.fixture
-def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
-    """Mount small tmpfs filesystems under tmp_path; unmounted at teardown."""
-    mounted: list[Path] = []
-
-    def _mount(name: str, options: str) -> Path:
-        target = tmp_path / name
-        target.mkdir()
-        try:
-            res = subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-            problem = " ".join(res.stderr.split()) if res.returncode else ""
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            problem = str(exc)
-        if problem:
-            reason = f"cannot mount a tmpfs (needs root / CAP_SYS_ADMIN): {problem}"
-            if os.environ.get("CI") == "true":
-                pytest.fail(reason)
-            pytest.skip(reason)
-        mounted.append(target)
-        return target
-
-    yield _mount
-    for target in reversed(mounted):
-        if subprocess.run(["umount", str(target)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(target)], capture_output=True)
+# (`mount_tmpfs`: tests/conftest.py)
 
 
 def _fill(directory: Path) -> None:
