@@ -9,6 +9,7 @@ another control character would end an `#SBATCH` line (what follows runs as a co
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -19,8 +20,10 @@ from mjlab_hpc.errors import SpecError
 
 __all__ = [
     "NAME_MAX",
+    "job_name",
     "no_control",
     "path_component",
+    "positive_seconds",
     "sbatch_value",
     "shell_line",
     "slurm_name",
@@ -29,7 +32,9 @@ __all__ = [
 #: The longest file or folder name Linux filesystems take, in bytes.
 NAME_MAX = 255
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# C0 and C1 control characters and Unicode's line and paragraph separators: each ends a line
+# for somebody (bash, Python's splitlines, a terminal).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+@:,-]+$")
 _CONSTRAINT = re.compile(r"^[A-Za-z0-9_.+@:,&|()\[\]*!-]+$")
 
@@ -59,6 +64,9 @@ def path_component(flag: str, value: str, reserved: int = 0) -> str:
     no_control(flag, value)
     if not value:
         raise SpecError(flag, "must not be empty")
+    if value != value.strip():
+        # Records are read back stripped: a requeued job would look for another folder.
+        raise SpecError(flag, f"{_shown(value)} starts or ends with white space; remove it")
     if "/" in value or value in (".", ".."):
         raise SpecError(
             flag, f"{_shown(value)} must be a plain name without '/' (a folder of its own)"
@@ -80,6 +88,20 @@ def path_component(flag: str, value: str, reserved: int = 0) -> str:
 def sbatch_value(flag: str, value: str) -> str:
     """A value written into an `#SBATCH` line (quoted there): no control characters."""
     return no_control(flag, value)
+
+
+def job_name(flag: str, value: str) -> str:
+    """A Slurm job name: an `#SBATCH` value that also fills `%x` in output paths, so no `/`
+    either (it would put the batch log outside its folder)."""
+    no_control(flag, value)
+    if not value.strip():
+        raise SpecError(flag, "must not be empty")
+    if "/" in value:
+        raise SpecError(
+            flag, f"{_shown(value)} holds '/', and Slurm puts the job name into file names "
+            "(%x); use a name without '/'"
+        )  # fmt: skip
+    return value
 
 
 def slurm_name(flag: str, value: str, constraint: bool = False) -> str:
@@ -107,16 +129,30 @@ def shell_line(flag: str, value: str) -> str:
             f"{_shown(value)} is a comment (an #SBATCH line would change the job): give a "
             "command, and set job options with mjlab-submit's flags or --sbatch-arg",
         )
+    if re.search(r"(?<!\\)(\\\\)*\\\s*$", value):
+        # A line continued into the next would take the next line (the next --setup, or the
+        # command that starts the ranks) as its arguments.
+        raise SpecError(flag, f"{_shown(value)} ends with '\\' (continued into the next line)")
     bash = shutil.which("bash")
     if bash is not None:
-        proc = subprocess.run([bash, "-n"], input=value + "\n", capture_output=True, text=True,
-                              timeout=10)  # fmt: skip
-        if proc.returncode != 0:
+        # The line, then a marker line: bash must parse both as commands, without a warning
+        # (an open here-document parses, but swallows every line after it).
+        proc = subprocess.run([bash, "-n"], input=value + "\n:\n", capture_output=True,
+                              text=True, timeout=10)  # fmt: skip
+        if proc.returncode != 0 or proc.stderr.strip():
             why = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "a syntax error"
+            why = re.sub(r"^.*?line \d+: ", "", why)
             raise SpecError(flag, f"{_shown(value)} is not a complete shell line ({why})")
         return value
     try:
         shlex.split(value)
     except ValueError as exc:
         raise SpecError(flag, f"{_shown(value)} is not a complete shell line ({exc})") from None
+    return value
+
+
+def positive_seconds(flag: str, value: float, minimum: float = 0.0) -> float:
+    """A finite duration of at least `minimum` seconds (nan and inf are refused)."""
+    if not math.isfinite(value) or value < minimum:
+        raise SpecError(flag, f"must be a number of seconds >= {minimum:g}, got {value}")
     return value

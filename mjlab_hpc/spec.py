@@ -11,6 +11,7 @@ in `mjlab_hpc.launch.validate`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -30,6 +31,9 @@ __all__ = [
 ]
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
+#: More environments than this on one rank is a typo (Warp indexes worlds with 32 bits).
+MAX_ENVS_PER_RANK = 2**24
+_NOT_FINITE = frozenset({"nan", "inf", "infinity"})
 # What a run's folder name holds before the run name: `2026-11-23_09-12-51_`.
 RUN_NAME_PREFIX = "YYYY-mm-dd_HH-MM-SS_"
 ExecutorChoice = Literal["slurm", "local", "auto"]
@@ -98,18 +102,19 @@ class TrainSpec:
 
     def validate(self) -> None:
         """Raise SpecError naming the flag for values no launcher could run."""
-        if self.num_envs is not None and self.num_envs < 1:
-            raise SpecError("--num-envs", f"must be >= 1, got {self.num_envs}")
-        if self.max_iterations is not None and self.max_iterations < 1:
-            raise SpecError("--max-iterations", f"must be >= 1, got {self.max_iterations}")
-        if self.save_interval < 1:
-            raise SpecError("--save-interval", f"must be >= 1, got {self.save_interval}")
-        if self.num_procs < 1:
-            raise SpecError("--num-procs", f"must be >= 1, got {self.num_procs}")
-        if self.torch_threads < 0:
-            raise SpecError("--torch-threads", f"must be >= 0, got {self.torch_threads}")
-        if self.dist_timeout_s <= 0:
-            raise SpecError("--dist-timeout-s", f"must be > 0, got {self.dist_timeout_s}")
+        # Upper bounds: far above any real run, below what torch, Warp and the OS overflow on.
+        for flag, value, low, high in (
+            ("--num-envs", self.num_envs, 1, MAX_ENVS_PER_RANK),
+            ("--max-iterations", self.max_iterations, 1, 10**9),
+            ("--save-interval", self.save_interval, 1, 10**9),
+            ("--num-procs", self.num_procs, 1, 4096),
+            ("--torch-threads", self.torch_threads, 0, 4096),
+            ("--seed", self.seed, -(2**62), 2**62),
+        ):
+            if value is not None and not low <= value <= high:
+                raise SpecError(flag, f"must be between {low} and {high}, got {value}")
+        if not math.isfinite(self.dist_timeout_s) or self.dist_timeout_s <= 0:
+            raise SpecError("--dist-timeout-s", f"must be > 0 seconds, got {self.dist_timeout_s}")
         if isinstance(self.gpu_ids, tuple) and any(i < 0 for i in self.gpu_ids):
             raise SpecError("--gpu-ids", f"ids must be >= 0, got {list(self.gpu_ids)}")
         if isinstance(self.gpu_ids, tuple) and len(set(self.gpu_ids)) != len(self.gpu_ids):
@@ -132,6 +137,11 @@ class TrainSpec:
         no_control("--log-root", self.log_root)
         if not self.log_root.strip():
             raise SpecError("--log-root", "must not be empty (default: logs)")
+        for flag, path in (("--log-root", self.log_root), ("--run-dir", self.run_dir)):
+            if path is not None and path.startswith("~"):
+                # No shell expanded it (it was quoted), and the job script would not either.
+                raise SpecError(flag, f"{path!r}: '~' is not expanded here; write $HOME/... "
+                                "or the full path")  # fmt: skip
         if self.experiment_name is not None:
             path_component("--experiment-name", self.experiment_name)
         if self.run_name:
@@ -139,8 +149,17 @@ class TrainSpec:
             path_component("--run-name", self.run_name, reserved=len(RUN_NAME_PREFIX) + 5)
         if self.run_dir is not None:
             no_control("--run-dir", self.run_dir)
+            if not self.run_dir.strip():
+                raise SpecError("--run-dir", "must not be empty: name a run directory")
+        flag = "--env/--agent"
         for arg in self.overrides:
-            no_control("--env/--agent", arg)
+            no_control(flag, arg)
+            if arg.startswith("--"):
+                flag, _, value = arg.partition("=")
+            else:
+                value = arg
+            if value.strip().lower().lstrip("+-") in _NOT_FINITE:
+                raise SpecError(flag, f"{value!r} is no setting (nan and inf are refused)")
 
     def replace(self, **changes: object) -> TrainSpec:
         """A copy with some fields changed."""

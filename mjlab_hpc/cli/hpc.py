@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mjlab_hpc.bench.config import BenchConfig
-from mjlab_hpc.checks import no_control
+from mjlab_hpc.checks import no_control, path_component, positive_seconds
 from mjlab_hpc.cli.common import guarded
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.templates import render
@@ -27,7 +27,7 @@ from mjlab_hpc.ops.runs import list_runs, resolve_target, run_jobs
 from mjlab_hpc.ops.status import StatusReport, collect, console, watch
 from mjlab_hpc.ops.status import render as render_status
 from mjlab_hpc.rundir.layout import run_dir_for_key
-from mjlab_hpc.spec import SubmitSpec
+from mjlab_hpc.spec import RUN_NAME_PREFIX, SubmitSpec
 from mjlab_hpc.tasks.registry import list_tasks as all_tasks
 
 __all__ = ["main", "run"]
@@ -165,6 +165,9 @@ def _runs_of(targets: Sequence[str], log_root: str) -> list[Path]:
 
 def status(cmd: Status) -> int:
     """`mjlab-hpc status`."""
+    positive_seconds("--interval-s", cmd.interval_s, minimum=0.1)
+    if cmd.limit < 0:
+        raise SpecError("--limit", f"must be >= 0 (0: all), got {cmd.limit}")
 
     def snapshot() -> tuple[StatusReport, int]:
         runs = _runs_of(cmd.targets, cmd.log_root)
@@ -197,6 +200,8 @@ def single_run(target: str, log_root: str) -> Path:
 
 def logs(cmd: Logs) -> int:
     """`mjlab-hpc logs`."""
+    if cmd.lines < 0:
+        raise SpecError("--lines", f"must be >= 0 (0: whole files), got {cmd.lines}")
     run = single_run(cmd.target, cmd.log_root)
     ranks = rank_files(run)
     out = Console(highlight=False, soft_wrap=True)
@@ -262,6 +267,7 @@ def logs(cmd: Logs) -> int:
 
 def cancel(cmd: Cancel) -> int:
     """`mjlab-hpc cancel`."""
+    positive_seconds("--grace-s", cmd.grace_s, minimum=0.0)
     resolved = resolve_target(cmd.target, Path(cmd.log_root))
     outcomes = cancel_runs(resolved, grace_s=cmd.grace_s)
     out = Console(highlight=False, soft_wrap=True)
@@ -288,6 +294,8 @@ def plot(cmd: Plot) -> int:
     if len(empty) == len(series):
         raise SpecError("RUN", f"no tensorboard scalars in {', '.join(map(str, empty))}")
     no_control("--out", cmd.out)
+    if cmd.title is not None:
+        no_control("--title", cmd.title)
     try:
         drawn = plot_runs(series, Path(cmd.out), cmd.title)
     except OSError as exc:
@@ -317,6 +325,12 @@ def run_dir(cmd: RunDirCommand) -> int:
     """`mjlab-hpc run-dir`."""
     if not cmd.key:
         raise SpecError("--key", "a key is needed, e.g. slurm-$SLURM_JOB_ID")
+    # The same rules as mjlab-submit's: these become folder names under the log root.
+    no_control("--log-root", cmd.log_root)
+    path_component("--experiment", cmd.experiment)
+    path_component("--key", cmd.key)
+    if cmd.run_name:
+        path_component("--run-name", cmd.run_name, reserved=len(RUN_NAME_PREFIX) + 5)
     try:
         print(run_dir_for_key(cmd.log_root, cmd.experiment, cmd.run_name, cmd.key))
     except ValueError as exc:

@@ -25,12 +25,15 @@ __all__ = [
 ]
 
 
-def check_log_root(flag: str, log_root: str) -> Path:
+def check_log_root(flag: str, log_root: str, existing_only: bool = False) -> Path:
     """The log root, or SpecError when runs cannot be written there: it is a file, or the
-    folder (or the nearest one that exists) is read-only or not writable."""
-    path = Path(log_root).expanduser()
+    folder (or the nearest one that exists) is read-only or not writable. `existing_only`:
+    a log root that does not exist here is not checked (a dry run for another machine)."""
+    path = Path(log_root)
     if path.exists() and not path.is_dir():
         raise SpecError(flag, f"{log_root} is a file, not a folder; give a folder for the runs")
+    if existing_only and not path.exists():
+        return path
     existing = path
     while not existing.exists():
         existing = existing.parent
@@ -51,10 +54,10 @@ def check_log_root(flag: str, log_root: str) -> Path:
     return path
 
 
-def check_run_dir(flag: str, run_dir: str) -> Path:
+def check_run_dir(flag: str, run_dir: str, existing_only: bool = False) -> Path:
     """`run_dir`, or SpecError when it is a file or a folder of other files (training into it
     would mix them with the run's)."""
-    path = Path(run_dir).expanduser()
+    path = Path(run_dir)
     if path.exists() and not path.is_dir():
         raise SpecError(flag, f"{run_dir} is a file, not a run directory")
     if path.is_dir() and any(path.iterdir()) and not is_run_dir(path):
@@ -63,7 +66,7 @@ def check_run_dir(flag: str, run_dir: str) -> Path:
             f"{run_dir} holds files but no run (no run.json, progress.jsonl, logs/, ...); give "
             "a run directory, or a new or empty folder",
         )
-    check_log_root(flag, str(path))
+    check_log_root(flag, str(path), existing_only)
     return path
 
 

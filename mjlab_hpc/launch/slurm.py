@@ -81,7 +81,33 @@ _RESERVED = {
     "uid": "nothing",
     "gid": "nothing",
     "batch": "nothing",
+    # Other spellings of the same resources: Slurm refuses them beside ours, or they change
+    # how ranks meet GPUs and cores behind the flags' backs.
+    "time-min": "--time",
+    "mem-per-cpu": "--mem",
+    "mem-per-gpu": "--mem",
+    "cpus-per-gpu": "--cpus-per-task",
+    "gpus-per-task": "--gpus-per-node",
+    "gpus-per-socket": "--gpus-per-node",
+    "tres-per-task": "--gpus-per-node and --cpus-per-task",
+    "ntasks-per-gpu": "--tasks-per-node",
+    "ntasks-per-core": "--tasks-per-node",
+    "ntasks-per-socket": "--tasks-per-node",
+    "container": "--container",
+    "container-id": "--container",
+    "input": "nothing (a job reads no standard input)",
+    "export-file": "nothing (the job needs the submitting environment)",
+    "get-user-env": "nothing (the job needs the submitting environment)",
+    "clusters": "nothing (status, cancel and requeue talk to the cluster submitted from)",
+    "nodefile": "--nodes (or --sbatch-arg nodelist=...)",
+    "version": "nothing",
+    "usage": "nothing",
 }
+# Options that take no value (or an optional one): only these may be given as a bare KEY.
+_BARE = frozenset((
+    "contiguous", "ignore-pbs", "no-kill", "overcommit", "oversubscribe", "reboot",
+    "spread-job", "use-min-nodes", "nice", "propagate", "quiet", "verbose", "exclusive",
+))  # fmt: skip
 _KEY = re.compile(r"^[a-z][a-z0-9-]*$")
 
 
@@ -104,6 +130,8 @@ def sbatch_options(spec: SubmitSpec) -> dict[str, str | bool]:
             close = difflib.get_close_matches(key, SBATCH_OPTIONS, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise SpecError("--sbatch-arg", f"{key} is not an sbatch option{hint}")
+        if not sep and key not in _BARE:
+            raise SpecError("--sbatch-arg", f"{key} needs a value: --sbatch-arg {key}=VALUE")
         out[key] = sbatch_value("--sbatch-arg", value) if sep else True
     return out
 

@@ -54,9 +54,13 @@ _FIXED = frozenset(
         # ranks must handle.
         "preempt_signal",
         "oversubscribe",
+        # The job script asks for the GPUs (--gpus-per-node) of every element alike.
+        "device",
     }
 )
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 
@@ -160,16 +164,16 @@ def _convert(key: str, text: str, hint: Any) -> Any:
         if text.lower() in _FALSE:
             return False
         raise SpecError(FLAG, f"{key}={text}: not true or false")
+    # Plain ASCII numbers only: Python's int() also reads other scripts' digits and `1_0`,
+    # which would make elements that look different and are the same.
     if hint is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise SpecError(FLAG, f"{key}={text}: not an integer") from None
+        if not _INT.fullmatch(text):
+            raise SpecError(FLAG, f"{key}={text}: not an integer")
+        return int(text)
     if hint is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise SpecError(FLAG, f"{key}={text}: not a number") from None
+        if not _FLOAT.fullmatch(text):
+            raise SpecError(FLAG, f"{key}={text}: not a number")
+        return float(text)
     if hint is str:
         return text
     if origin is Literal:
@@ -197,6 +201,15 @@ def expand(
     """One validated (values, spec) per point of the cartesian product (the first flag varies
     slowest). Each element's run name is the base run name plus a suffix naming its values."""
     hints = typing.get_type_hints(TrainSpec, include_extras=True)
+    for axis in axes:  # `4` and `04`, `true` and `yes`: one value written twice
+        if axis.key.startswith(AGENT_PREFIX):
+            continue
+        seen: dict[Any, str] = {}
+        for text in axis.values:
+            value = _convert(axis.key, text, hints[axis.key])
+            if value in seen:
+                raise SpecError(FLAG, f"{axis.key}: {seen[value]} and {text} are the same value")
+            seen[value] = text
     out = []
     for combo in itertools.product(*(a.values for a in axes)):
         overrides = tuple((a.key, v) for a, v in zip(axes, combo, strict=True))

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from mjlab_hpc.checks import no_control, sbatch_value, shell_line, slurm_name
+from mjlab_hpc.checks import job_name, no_control, shell_line, slurm_name
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.resources import (
     check_local_cpus,
@@ -42,12 +42,13 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def _check_places(train: TrainSpec) -> None:
-    """Where the run will be written can be written (nothing is created)."""
+def _check_places(train: TrainSpec, existing_only: bool = False) -> None:
+    """Where the run will be written can be written (nothing is created). `existing_only`
+    (a dry run, a template, maybe for another machine): only what exists here is checked."""
     if train.run_dir:
-        check_run_dir("--run-dir", train.run_dir)
+        check_run_dir("--run-dir", train.run_dir, existing_only)
     else:
-        check_log_root("--log-root", train.log_root)
+        check_log_root("--log-root", train.log_root, existing_only)
 
 
 def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec:
@@ -131,6 +132,13 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
         )
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
         raise SpecError("--cpus-per-task", f"must be >= 1, got {spec.cpus_per_task}")
+    # Far above any cluster, below what sbatch or the ranks overflow on: a typo.
+    for flag, value, high in (("--nodes", spec.nodes, 100_000),
+                              ("--gpus-per-node", spec.gpus_per_node, 1024),
+                              ("--tasks-per-node", spec.tasks_per_node, 4096),
+                              ("--cpus-per-task", spec.cpus_per_task, 4096)):  # fmt: skip
+        if value is not None and value > high:
+            raise SpecError(flag, f"must be at most {high}, got {value}")
     if spec.mem is not None:
         check_mem(spec.mem)
     minutes = slurm_time_minutes(spec.time)
@@ -149,7 +157,7 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     if spec.constraint is not None:
         slurm_name("--constraint", spec.constraint, constraint=True)
     if spec.job_name is not None:
-        sbatch_value("--job-name", spec.job_name)
+        job_name("--job-name", spec.job_name)
     for line in spec.setup:
         shell_line("--setup", line)
     if spec.container is not None:
@@ -185,8 +193,7 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
         if spec.gpus_per_node == 0:
             check_local_cpus("--tasks-per-node", spec.ranks_per_node, spec.train.oversubscribe)
         check_local_gpus("--gpus-per-node", spec.gpus_per_node)
-    if not spec.dry_run:
-        _check_places(resolved.train)
-        if executor == "slurm":
-            check_partition(spec, warn)
+    _check_places(resolved.train, existing_only=spec.dry_run)
+    if not spec.dry_run and executor == "slurm":
+        check_partition(spec, warn)
     return resolved

@@ -103,7 +103,8 @@ def plot_runs(runs: Sequence[RunSeries], out: Path, title: str | None = None) ->
     handles, labels = axes[0][0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize="small")
-    fig.suptitle(title or ", ".join(r.label for r in runs)[:120])
+    # Shown as typed: a `$` would otherwise start matplotlib's math notation.
+    fig.suptitle((title or ", ".join(r.label for r in runs)[:120]).replace("$", r"\$"))
     fig.tight_layout(rect=(0, 0.06 if handles else 0, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100, metadata={METADATA_KEY: json.dumps(drawn)})

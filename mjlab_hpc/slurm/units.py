@@ -9,28 +9,32 @@ from mjlab_hpc.errors import SpecError
 
 __all__ = ["MAX_DAYS", "check_mem", "slurm_time_minutes"]
 
-_TIME_FORMATS = (
-    (re.compile(r"^(\d+)$"), ("m",)),
-    (re.compile(r"^(\d+):(\d{1,2})$"), ("m", "s")),
-    (re.compile(r"^(\d+):(\d{1,2}):(\d{1,2})$"), ("h", "m", "s")),
-    (re.compile(r"^(\d+)-(\d+)$"), ("d", "h")),
-    (re.compile(r"^(\d+)-(\d+):(\d{1,2})$"), ("d", "h", "m")),
-    (re.compile(r"^(\d+)-(\d+):(\d{1,2}):(\d{1,2})$"), ("d", "h", "m", "s")),
+# Whole-string matches of ASCII digits only: the value is written into an #SBATCH line as
+# given, so a trailing newline or another script's digits must not pass.
+_TIME_FORMATS = tuple(
+    (re.compile(pattern, re.ASCII), units)
+    for pattern, units in (
+        (r"(\d+)", ("m",)),
+        (r"(\d+):(\d{1,2})", ("m", "s")),
+        (r"(\d+):(\d{1,2}):(\d{1,2})", ("h", "m", "s")),
+        (r"(\d+)-(\d+)", ("d", "h")),
+        (r"(\d+)-(\d+):(\d{1,2})", ("d", "h", "m")),
+        (r"(\d+)-(\d+):(\d{1,2}):(\d{1,2})", ("d", "h", "m", "s")),
+    )
 )
 _SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 # The largest value of a field that follows a larger unit (hours after days, ...).
 _FIELD_MAX = {"h": 23, "m": 59, "s": 59}
 #: Longer limits are surely typos (Slurm itself caps MaxTime per partition).
 MAX_DAYS = 365
-_MEM = re.compile(r"^\d+[KMGT]?B?$", re.IGNORECASE)
+_MEM = re.compile(r"\d+[KMGT]?B?", re.IGNORECASE | re.ASCII)
 
 
 def slurm_time_minutes(value: str, flag: str = "--time") -> int:
     """Minutes of a Slurm time limit (`30`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`,
     `D-HH:MM:SS`), rounded up to whole minutes as Slurm does; SpecError naming `flag`."""
-    text = value.strip()
     for pattern, units in _TIME_FORMATS:
-        m = pattern.match(text)
+        m = pattern.fullmatch(value)
         if m:
             fields = list(zip(units, (int(g) for g in m.groups()), strict=True))
             for unit, number in fields[1:]:  # the first field may exceed its unit
@@ -58,6 +62,6 @@ def slurm_time_minutes(value: str, flag: str = "--time") -> int:
 
 def check_mem(value: str, flag: str = "--mem") -> str:
     """A Slurm memory size (`64G`, `500M`, `1024`), as given; SpecError naming `flag`."""
-    if not _MEM.match(value):
+    if not _MEM.fullmatch(value):
         raise SpecError(flag, f"{value!r} is not a Slurm memory size (e.g. 64G, 500M)")
     return value

@@ -54,6 +54,8 @@ FLAGS = {
     "--constraint": ("submit", "constraint"),
     "--setup": ("submit-tuple", "setup"),
     "--sbatch-arg": ("sbatch-arg", "sbatch_arg"),
+    "--mem": ("submit", "mem"),
+    "--time": ("submit", "time"),
     "--agent.learning_rate": ("override", "overrides"),
 }
 CASES = {"count": 0}
@@ -183,6 +185,34 @@ def test_number_of_generated_cases() -> None:
         (["--time", "10000000000"], "--time", "more than 365 days"),
         (["--setup", "echo 'unterminated"], "--setup", "not a complete shell line"),
         (["--sweep", "preempt-signal=USR1,USR2"], "--sweep", "cannot be swept"),
+        # Found by a hostile-input probe after the first round:
+        (["--mem", "64G\n"], "--mem", "not a Slurm memory size"),
+        (["--mem", "\u0666\u0664G"], "--mem", "not a Slurm memory size"),
+        (["--time", "30\n"], "--time", "not a Slurm time limit"),
+        (["--run-name", "x "], "--run-name", "white space"),
+        (["--run-name", "x\u2028y"], "--run-name", "control character"),
+        (["--run-name", "x\x85y"], "--run-name", "control character"),
+        (["--setup", "cat <<EOF"], "--setup", "here-document"),
+        (["--setup", "echo \\"], "--setup", "continued into the next line"),
+        (["--sbatch-arg", "time-min=5"], "--sbatch-arg", "use --time"),
+        (["--sbatch-arg", "mem-per-cpu=1G"], "--sbatch-arg", "use --mem"),
+        (["--sbatch-arg", "input=/etc/passwd"], "--sbatch-arg", "set by mjlab-submit"),
+        (["--sbatch-arg", "clusters=other"], "--sbatch-arg", "set by mjlab-submit"),
+        (["--sbatch-arg", "mail-type"], "--sbatch-arg", "needs a value"),
+        (["--job-name", "../../x"], "--job-name", "holds '/'"),
+        (["--run-dir", "/etc"], "--run-dir", "holds files but no run"),
+        (["--run-dir", ""], "--run-dir", "must not be empty"),
+        (["--log-root", "/dev/null"], "--log-root", "is a file"),
+        (["--log-root", "~/x"], "--log-root", "'~' is not expanded"),
+        (["--seed", "99999999999999999999"], "--seed", "must be between"),
+        (["--num-envs", "99999999999999999999"], "--num-envs", "must be between"),
+        (["--torch-threads", "99999999999999999999"], "--torch-threads", "must be between"),
+        (["--dist-timeout-s", "nan"], "--dist-timeout-s", "must be > 0"),
+        (["--nodes", "99999999999"], "--nodes", "at most"),
+        (["--agent.learning_rate", "nan"], "--agent.learning_rate", "nan and inf"),
+        (["--agent.learning_rate=-inf"], "--agent.learning_rate", "nan and inf"),
+        (["--sweep", "seed=4,04"], "--sweep", "the same value"),
+        (["--sweep", "device=cuda,cpu"], "--sweep", "cannot be swept"),
     ],
 )
 def test_wrong_values_exit_2_naming_the_flag(
@@ -198,6 +228,30 @@ def test_wrong_values_exit_2_naming_the_flag(
     assert f"error: {flag}" in said and words in said, said
     assert "Traceback" not in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["run-dir", "--experiment", "../../escaped", "--key", "k1"], "--experiment"),
+        (["run-dir", "--experiment", "..", "--key", "k1"], "--experiment"),
+        (["run-dir", "--key", "k\n3"], "--key"),
+        (["run-dir", "--run-name", "/../../x", "--key", "k1"], "--run-name"),
+        (["run-dir", "--run-name", "x ", "--key", "k1"], "--run-name"),
+        (["status", "--watch", "--interval-s", "nan"], "--interval-s"),
+        (["status", "--watch", "--interval-s", "0"], "--interval-s"),
+        (["status", "--limit", "-1"], "--limit"),
+        (["logs", "x", "--lines", "-1"], "--lines"),
+        (["cancel", "x", "--grace-s", "-5"], "--grace-s"),
+    ],
+)
+def test_mjlab_hpc_subcommands_refuse_what_they_cannot_use(
+    tmp_path: Path, args: list[str], flag: str
+) -> None:
+    proc = subprocess.run([BIN / "mjlab-hpc", *args, "--log-root", str(tmp_path / "logs")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {flag}:"), proc.stderr
+    assert "Traceback" not in proc.stderr and not any(tmp_path.iterdir())
 
 
 def test_render_fails_cleanly_too(tmp_path: Path) -> None:
