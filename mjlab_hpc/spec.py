@@ -38,8 +38,9 @@ _NOT_FINITE = frozenset({"nan", "inf", "infinity"})
 RUN_NAME_PREFIX = "YYYY-mm-dd_HH-MM-SS_"
 ExecutorChoice = Literal["slurm", "local", "auto"]
 GpuIds = tuple[int, ...] | Literal["all", "auto"] | None
-# Signals Slurm can send ahead of the time limit that no library we load relies on.
-_SIGNALS = ("USR2", "USR1", "INT", "HUP", "TERM", "URG")
+# Signals Slurm can send ahead of the time limit that no library we load relies on, and
+# that mean nothing else to a rank (INT, HUP and TERM are stops by a user or a scheduler).
+_SIGNALS = ("USR2", "USR1", "URG")
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class TrainSpec:
     keep_checkpoints: int = 0
     """Keep only the newest N checkpoints (0: keep all)."""
     preempt_signal: str = "USR2"
-    """Signal that announces the time limit (Slurm's --signal); SIGTERM means preemption."""
+    """Signal that announces the time limit (Slurm's --signal): USR2, USR1 or URG. SIGTERM
+    means preemption."""
     max_restarts: int = 10
     """Requeue at most this many times; then stop with the checkpoint saved."""
     overrides: Annotated[tuple[str, ...], tyro.conf.Suppress] = ()
@@ -111,8 +113,10 @@ class TrainSpec:
             ("--torch-threads", self.torch_threads, 0, 4096),
             ("--seed", self.seed, -(2**62), 2**62),
         ):
-            if value is not None and not low <= value <= high:
-                raise SpecError(flag, f"must be between {low} and {high}, got {value}")
+            if value is not None and value < low:
+                raise SpecError(flag, f"must be >= {low}, got {value}")
+            if value is not None and value > high:
+                raise SpecError(flag, f"must be at most {high}, got {value}")
         if not math.isfinite(self.dist_timeout_s) or self.dist_timeout_s <= 0:
             raise SpecError("--dist-timeout-s", f"must be > 0 seconds, got {self.dist_timeout_s}")
         if isinstance(self.gpu_ids, tuple) and any(i < 0 for i in self.gpu_ids):

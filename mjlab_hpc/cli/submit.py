@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from mjlab_hpc.launch.follow import (
     failed_before_start,
     follow_progress,
 )
-from mjlab_hpc.launch.local import local_processes, rank_outcomes
+from mjlab_hpc.launch.local import LocalControls, local_processes, rank_outcomes
 from mjlab_hpc.launch.slurm import render_array_sbatch, render_sbatch
 from mjlab_hpc.launch.submit import (
     Submitted,
@@ -35,7 +34,7 @@ from mjlab_hpc.launch.sweep import sweep_elements
 from mjlab_hpc.launch.validate import executor_for, validate_submit
 from mjlab_hpc.ops.status import collect, status_table
 from mjlab_hpc.ops.status import console as wide_console
-from mjlab_hpc.procs import send_signal, wait_gone
+from mjlab_hpc.procs import wait_gone
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
@@ -98,15 +97,8 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
     line; the exit code."""
     resume = resume_command(PROG, argv, s.run_dir)
     if s.executor == "local":
-        controller = int(s.job_id)  # the local executor's job id is its controller's pid
-
-        def stop() -> None:
-            send_signal(controller, signal.SIGTERM)  # forwarded to the ranks by submitit
-
-        def kill() -> None:
-            for pid in [controller, *(p.pid for p in local_processes(s.run_dir))]:
-                send_signal(pid, signal.SIGKILL)
-
+        controls = LocalControls(int(s.job_id), s.run_dir)
+        stop, kill = controls.stop, controls.kill
     else:
         client = SlurmClient()
 
@@ -129,11 +121,18 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
     if fg.killed:
         if s.executor == "local":
             wait_gone([p.pid for p in local_processes(s.run_dir)], 10)
-        ended: Closing | None = Closing(EXIT_INTERRUPTED, f"stopped at once; resume with: {resume}")
+        ended: Closing | None = (
+            Closing(EXIT_INTERRUPTED, f"stopped at once; resume with: {resume}")
+            if s.executor == "local"
+            # A Slurm job goes on being cancelled (with its checkpoint): only following ends.
+            else Closing(EXIT_INTERRUPTED, f"stopped following job {s.job_id}, which is being "
+                         f"cancelled with a checkpoint; then resume with: {resume}")
+        )  # fmt: skip
     else:
         ended = closing(s.run_dir, resume, cancelled=fg.signals > 0 and s.executor == "slurm")
-    if ended is None:
-        _, failures = rank_outcomes(s.job, s.ranks)
+    failures = rank_outcomes(s.job, s.ranks)[1] if ended is None or ended.code == 0 else []
+    if ended is None or failures:
+        # No record of this start (or only an earlier start's "done"): the ranks failed early.
         ended = failed_before_start(failures or [f"job {s.job_id} ended without a run record"])
     (Console() if ended.code == 0 else Console(stderr=True)).print(
         ended.line, highlight=False, markup=False, soft_wrap=True

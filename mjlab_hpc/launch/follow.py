@@ -10,6 +10,7 @@ boundary with a checkpoint; the second stops it at once.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -48,20 +49,27 @@ class Foreground:
         self.killed = False
         self._saved: dict[int, Any] = {}
 
+    def _say(self, text: str) -> None:
+        # The terminal or a `| tee` may be gone (SIGHUP, Ctrl-C to a pipeline): the stop
+        # matters more than the message.
+        try:
+            self.err.write(text)
+            self.err.flush()
+        except (OSError, ValueError):
+            pass
+
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.signals += 1
         name = signal.Signals(signum).name
         if self.signals == 1:
-            self.err.write(
+            self.stop()
+            self._say(
                 f"\n{name}: stopping every rank at the next iteration boundary, with a "
                 "checkpoint (again to stop at once)\n"
             )
-            self.err.flush()
-            self.stop()
         elif not self.killed:
-            self.err.write(f"\n{name} again: stopping at once\n")
-            self.err.flush()
             self.killed = True
+            self._say(f"\n{name} again: stopping at once\n")
             self.kill()
 
     def __enter__(self) -> Foreground:
@@ -71,13 +79,20 @@ class Foreground:
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._saved.items():
-            signal.signal(sig, handler)
+            # Once stopping, more key presses must not cut the closing line short with a
+            # traceback: the command ends in a moment anyway.
+            signal.signal(sig, signal.SIG_IGN if self.signals else handler)
 
 
 def _read_lines(path: Path, pos: int) -> tuple[list[str], int]:
-    """Complete lines appended to `path` after byte `pos`, and the new position."""
+    """Complete lines appended to `path` after byte `pos`, and the new position. A file that
+    became shorter was rewritten (a restart cuts it back to its checkpoint, before its first
+    iteration): what it holds was shown already, so reading goes on from its end."""
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < pos:
+                return [], size
             f.seek(pos)
             chunk = f.read()
     except OSError:
@@ -162,7 +177,8 @@ def closing(run_dir: Path, resume: str, cancelled: bool = False) -> Closing | No
         at = stop.get("iteration", it)
         why = "cancelled" if cancelled else f"{stop.get('reason', 'stopped')}"
         signal_name = stop.get("signal")
-        if stop.get("kind") == "requeue" and not cancelled:
+        requeuing = o.launch_mode in ("slurm", "submitit-local")
+        if stop.get("kind") == "requeue" and requeuing and not cancelled:
             return Closing(
                 EXIT_FAILED,
                 f"stopped at iteration {at} ({why}) and not restarted (--max-restarts "
@@ -174,6 +190,8 @@ def closing(run_dir: Path, resume: str, cancelled: bool = False) -> Closing | No
             f"stopped at iteration {at} ({why}{by}); checkpoint model_{at}.pt saved; "
             f"resume with: {resume}",
         )
+    if o.state == "refused":
+        return Closing(EXIT_BAD_INPUT, f"error: {o.refusal}")
     if o.state == "interrupted":
         return Closing(
             EXIT_INTERRUPTED,

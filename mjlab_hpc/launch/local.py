@@ -17,11 +17,11 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TextIO
+from typing import Literal, TextIO
 
 import submitit
 
-from mjlab_hpc.errors import EXIT_INTERRUPTED, SpecError
+from mjlab_hpc.errors import EXIT_INTERRUPTED, EXIT_OK, SpecError
 from mjlab_hpc.launch.follow import (
     Closing,
     Foreground,
@@ -35,12 +35,10 @@ from mjlab_hpc.rank.job import RankJob
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR, create_run_dir
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 
-if TYPE_CHECKING:
-    pass
-
 __all__ = [
     "LOCAL_TIMEOUT_MIN",
     "LaunchPlan",
+    "LocalControls",
     "LocalJob",
     "LocalProcess",
     "free_port",
@@ -242,6 +240,32 @@ def local_processes(run_dir: Path) -> list[LocalProcess]:
     return found
 
 
+@dataclass(frozen=True)
+class LocalControls:
+    """How a launcher in the foreground stops the local job it follows."""
+
+    controller: int
+    """The local executor's controller (its pid is the job id)."""
+    run_dir: Path
+
+    def stop(self) -> None:
+        """At the next iteration boundary, with a checkpoint: submitit's controller forwards
+        SIGTERM to the ranks, which stop for good (no requeue)."""
+        send_signal(self.controller, signal.SIGTERM)
+
+    def kill(self, grace_s: float = 3.0) -> None:
+        """At once: the controller first (nothing restarts the ranks then); ranks that were
+        interrupted twice get `grace_s` to record it in run.json, then SIGKILL."""
+        send_signal(self.controller, signal.SIGKILL)
+        ranks = [p.pid for p in local_processes(self.run_dir)]
+        for pid in ranks:
+            send_signal(pid, signal.SIGINT)
+        for pid in wait_gone(ranks, grace_s):
+            send_signal(pid, signal.SIGKILL)
+        for p in local_processes(self.run_dir):  # anything started meanwhile
+            send_signal(p.pid, signal.SIGKILL)
+
+
 def rank_outcomes(job: submitit.Job, ranks: int) -> tuple[list[object], list[str]]:
     """Every rank's result, and a line for each rank that failed or died without a result."""
     results: list[object] = []
@@ -272,22 +296,13 @@ def run_local(
     this process's stop signals forwarded (the first: stop with a checkpoint at the next
     iteration boundary; the second: at once); how it ended, as a closing line."""
     local = submit_local(spec, ranks, gpus, foreground=True)
-    controller = int(local.job.job_id)  # the local executor's job id is its controller's pid
-
-    def stop() -> None:
-        # submitit's controller forwards SIGTERM to the ranks; they stop for good (no requeue).
-        send_signal(controller, signal.SIGTERM)
-
-    def kill() -> None:
-        pids = [p.pid for p in local_processes(local.run_dir)]
-        for pid in [controller, *pids]:
-            send_signal(pid, signal.SIGKILL)
+    controls = LocalControls(int(local.job.job_id), local.run_dir)
 
     def done() -> bool:
         # The controller may be gone (killed) while its ranks still save their checkpoint.
         return local.job.done() and not local_processes(local.run_dir)
 
-    with Foreground(stop, kill, sys.stderr) as fg:
+    with Foreground(controls.stop, controls.kill, sys.stderr) as fg:
         follow_progress(local.run_dir, spec.max_iterations, done, out)
     if fg.killed:
         left = wait_gone([p.pid for p in local_processes(local.run_dir)], 10)
@@ -298,7 +313,8 @@ def run_local(
             f"resume with: {resume}",
         )
     ended = closing(local.run_dir, resume)
-    if ended is not None:
-        return ended
     _, failures = rank_outcomes(local.job, ranks)
+    if ended is not None and not (failures and ended.code == EXIT_OK):
+        return ended
+    # No record of this start (or only an earlier start's "done"): the ranks failed early.
     return failed_before_start(failures or ["the job ended without a run record"])

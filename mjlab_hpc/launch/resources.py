@@ -120,13 +120,17 @@ def check_partition(
             "before submitting"
         )
         return
+    known = ", ".join(sorted(n for n in partitions if n)) or "none"
+    names = (spec.partition or "").split(",")
+    for name in names:
+        if name and name not in partitions:
+            raise SpecError("--partition", f"{name!r} does not exist; partitions: {known}")
+    if len(names) > 1:
+        return  # Slurm picks one of several: each could be the one, so none is held to it
     part = partitions.get(spec.partition or "")
     if part is None:
-        known = ", ".join(sorted(n for n in partitions if n)) or "none"
-        if spec.partition is None:
-            warn("the cluster has no default partition: sbatch will ask for --partition")
-            return
-        raise SpecError("--partition", f"{spec.partition!r} does not exist; partitions: {known}")
+        warn("the cluster has no default partition: sbatch will ask for --partition")
+        return
     if spec.nodes > part.nodes:
         raise SpecError(
             "--nodes", f"{spec.nodes} nodes asked for; partition {part.name} has {part.nodes}"

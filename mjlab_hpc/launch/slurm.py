@@ -111,6 +111,21 @@ _BARE = frozenset((
 _KEY = re.compile(r"^[a-z][a-z0-9-]*$")
 
 
+def _allowed_anyway(key: str, value: str | None, spec: SubmitSpec) -> bool:
+    """Reserved keys in a use the flags leave alone: a generic resource that is not a GPU
+    (`gres=lscratch:100`), an exclusivity the flag cannot say (`exclusive=user`), memory or
+    CPUs per GPU/CPU when --mem / --cpus-per-task are not given."""
+    if key == "gres":
+        return value is not None and "gpu" not in value.lower()
+    if key == "exclusive":
+        return value is not None and value.strip() != ""
+    if key in ("mem-per-cpu", "mem-per-gpu"):
+        return spec.mem is None and value is not None
+    if key == "cpus-per-gpu":
+        return spec.cpus_per_task is None and value is not None
+    return False
+
+
 def sbatch_options(spec: SubmitSpec) -> dict[str, str | bool]:
     """--sbatch-arg KEY=VALUE pairs (a bare KEY is a flag). SpecError for a malformed one, a
     key sbatch does not know, or one the toolkit sets itself (naming the flag that does)."""
@@ -122,7 +137,7 @@ def sbatch_options(spec: SubmitSpec) -> dict[str, str | bool]:
             raise SpecError(
                 "--sbatch-arg", f"{item!r} is not KEY=VALUE with an sbatch option as KEY"
             )
-        if key in _RESERVED:
+        if key in _RESERVED and not _allowed_anyway(key, value if sep else None, spec):
             raise SpecError(
                 "--sbatch-arg", f"{key} is set by mjlab-submit itself: use {_RESERVED[key]}"
             )

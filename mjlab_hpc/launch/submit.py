@@ -74,9 +74,10 @@ class Submitted:
 
 
 def planned_run_dir(spec: SubmitSpec, resolved: ResolvedSpec) -> Path:
-    """Where a dry run would put the run (nothing is created)."""
-    if spec.train.run_dir:
-        return Path(spec.train.run_dir)
+    """Where a dry run would put the run (nothing is created): --run-dir, the run --resume
+    continues, or a new one."""
+    if resolved.train.run_dir:
+        return Path(resolved.train.run_dir)
     name = run_dir_name(dt.datetime.now(), spec.train.run_name)
     return (Path(spec.train.log_root) / resolved.experiment_name / name).resolve()
 

@@ -19,10 +19,9 @@ import random
 import re
 import socket
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -53,7 +52,7 @@ from mjlab_hpc.rank.stop import (
     agree,
     watch_signals,
 )
-from mjlab_hpc.rank.workload import Workload, build_workload, rank_state
+from mjlab_hpc.rank.workload import Workload, build_workload, init_warp, rank_state
 from mjlab_hpc.rundir import record
 from mjlab_hpc.rundir.checkpoint import Checkpoints
 from mjlab_hpc.rundir.layout import RunDir, create_run_dir, latest_run, record_latest_run
@@ -182,27 +181,6 @@ def _rank_logging(run: RunDir, rank: int) -> Iterator[TextIO]:
             log.removeHandler(handler)
 
 
-def _init_warp() -> None:
-    """Initialise Warp without its "Could not find or load the NVIDIA CUDA driver" warning on
-    machines without a GPU (the native library prints it to stderr; everything else it prints
-    is passed on)."""
-    wp.config.quiet = True
-    wp.config.log_level = wp.LOG_WARNING  # kernel-load lines go nowhere useful on N ranks
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as caught:
-        os.dup2(caught.fileno(), 2)
-        try:
-            wp.init()
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        caught.seek(0)
-        for line in caught.read().decode(errors="replace").splitlines(keepends=True):
-            if "Could not find or load the NVIDIA CUDA driver" not in line:
-                sys.stderr.write(line)
-
-
 @dataclass
 class _Boundary:
     """The per-iteration boundary every rank runs: agree on a stop, checkpoint."""
@@ -219,6 +197,8 @@ class _Boundary:
 
     def __call__(self, runner: Any, s: IterationStats) -> None:
         stop = agree(self.request, self.ctx.is_distributed, self.device)
+        if stop is not None and s.iteration >= self.total:
+            stop = None  # the run is done: it completes (every rank agreed on the same value)
         periodic = s.iteration % self.spec.save_interval == 0 or s.iteration == self.total
         if stop is not None or periodic:
             t0 = time.time()
@@ -283,7 +263,9 @@ def _begin(
         checkpoints.set_aside(list(plan.damaged), before=writer.check)
     written = run.read_progress()
     kept = [r for r in written if int(r.get("iteration", 0)) <= start]
-    if len(kept) != len(written):  # iterations after the checkpoint are computed again
+    raw = run.progress.read_bytes() if run.progress.exists() else b""
+    torn = bool(raw) and not raw.endswith(b"\n")
+    if len(kept) != len(written) or torn:  # iterations after the checkpoint, a torn last line
         writer.write_text(run.progress, "".join(json.dumps(r) + "\n" for r in kept))
     started = record.on_start(
         record.read_record(run.path),
@@ -313,14 +295,18 @@ def _requeues_so_far(run: RunDir, ctx: DistContext) -> int:
     return sum(1 for s in stops if s.get("kind", "requeue") == "requeue")
 
 
-def train_rank(resolved: ResolvedSpec, master_port: int | None = None) -> RankResult:
+def train_rank(
+    resolved: ResolvedSpec, master_port: int | None = None, early_signals: Sequence[int] = ()
+) -> RankResult:
     """Train on this rank until the spec's iterations are done; the per-rank entry point.
 
-    Raises `Stopped` after a stop checkpoint (the launcher decides whether to requeue),
+    `early_signals`: stop signals that arrived before this was called (recorded by the
+    caller while the training code loaded). Raises `Stopped` after a stop checkpoint (the
+    launcher decides whether to requeue),
     `ResumeRefused` when the run directory cannot be continued (nothing of it changed), and
     KeyboardInterrupt on a second Ctrl-C.
     """
-    _init_warp()
+    init_warp()
     spec = resolved.train
     spec.validate()
     ctx = DistContext.from_env(master_port=master_port)
@@ -343,6 +329,8 @@ def train_rank(resolved: ResolvedSpec, master_port: int | None = None) -> RankRe
         Supervision(request, watch_parent=watch_parent),
         process_group(ctx, device, spec.dist_timeout_s),
     ):
+        for signum in list(early_signals):  # our handlers are in place: none is lost now
+            request.early(signum)
         run = RunDir(agree_run_dir(spec, ctx, resolved.experiment_name))
         with _rank_logging(run, ctx.rank) as rank_log:
             return _train(resolved, ctx, device, seed, run, rank_log, request)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mjlab_hpc.errors import EXIT_INTERRUPTED
+from mjlab_hpc.rank.context import DETACHED_ENV
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks.registry import resolve
 
@@ -46,13 +48,17 @@ class RankJob:
         return self.spec
 
     def __call__(self) -> RankResult:
+        train = self.spec if isinstance(self.spec, TrainSpec) else self.spec.train
+        # A stop that arrives while torch, Warp and rsl-rl load (seconds) is recorded here and
+        # handed on; submitit's own handlers would only log it.
+        early = _record_early_stops(train.preempt_signal)
         # torch, warp, rsl-rl: imported inside the rank only.
         from mjlab_hpc.rank.entry import train_rank
         from mjlab_hpc.rank.stop import Stopped, after_stop
 
         spec = self.resolved()
         try:
-            return train_rank(spec, master_port=self.master_port)
+            return train_rank(spec, master_port=self.master_port, early_signals=early)
         except Stopped as stopped:
             code = after_stop(stopped, spec.train.max_restarts)
         except KeyboardInterrupt:  # a second Ctrl-C: stop at once
@@ -64,3 +70,15 @@ class RankJob:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _record_early_stops(preempt_signal: str) -> list[int]:
+    """Record stop signals (the time-limit signal, TERM, and INT/HUP unless the job runs in
+    the background) until `train_rank` installs its own handlers; the signals so far."""
+    early: list[int] = []
+    names = ["TERM", preempt_signal.upper().removeprefix("SIG")]
+    if DETACHED_ENV not in os.environ:
+        names += ["INT", "HUP"]
+    for name in names:
+        signal.signal(signal.Signals["SIG" + name], lambda signum, frame: early.append(signum))
+    return early

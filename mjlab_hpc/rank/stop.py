@@ -132,7 +132,16 @@ class StopRequest:
         if signum == signal.SIGINT:
             self.interrupts += 1
             if self.interrupts > 1:
+                # Once: a third Ctrl-C must not interrupt the "interrupted" record.
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
                 raise KeyboardInterrupt
+        self.record(signum)
+
+    def early(self, signum: int) -> None:
+        """A signal that arrived before the handlers were installed (counted as they count
+        it, without acting at once)."""
+        if signum == signal.SIGINT:
+            self.interrupts += 1
         self.record(signum)
 
     def supervisor_lost(self) -> None:

@@ -30,7 +30,6 @@ __all__ = [
     "DAMAGED_SUFFIX",
     "Checkpoints",
     "Damaged",
-    "latest_valid",
     "load_verified",
     "publish_file",
     "save_checkpoint",
@@ -152,8 +151,10 @@ class Checkpoints:
                 if not _check_bytes(path, data):
                     _parse(path, data, "cpu")  # no sidecar: written by other code
                 verdict = None
-            except (ValueError, OSError) as exc:
+            except ValueError as exc:
                 verdict = str(exc)
+            except OSError as exc:  # unreadable now (a flaky filesystem): not remembered
+                return f"{path.name} cannot be read: {exc.strerror or exc}"
             self._verdicts[key] = verdict
         return self._verdicts[key]
 
@@ -201,15 +202,3 @@ class Checkpoints:
             path.unlink(missing_ok=True)
             _sidecar(path).unlink(missing_ok=True)
         return old
-
-
-def latest_valid(
-    run_dir: Path, map_location: str | None = None
-) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that verifies and loads, skipping damaged ones with a warning."""
-    for path in reversed(list_checkpoints(run_dir)):
-        try:
-            return path, load_verified(path, map_location)
-        except (ValueError, OSError) as exc:
-            log.warning("skipping checkpoint: %s", exc)
-    return None

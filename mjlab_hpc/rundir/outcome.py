@@ -137,7 +137,12 @@ class RunOutcome:
     """How a run's latest start ended, for the closing line of a command."""
 
     state: str
-    """run.json's state: completed, stopped, failed, interrupted, running, or unknown."""
+    """run.json's state (completed, stopped, failed, interrupted, running, unknown), or what
+    the ranks' logs say of a start that ended before run.json knew (failed, refused)."""
+    launch_mode: str | None
+    """How the latest start was launched (slurm, submitit-local, single, torchrun)."""
+    refusal: str | None
+    """Why the ranks refused to start (a refused resume), when refused."""
     iteration: int | None
     """The last iteration in progress.jsonl."""
     stop: dict[str, object] | None
@@ -155,8 +160,11 @@ def run_outcome(run_dir: Path) -> RunOutcome:
     summary = progress_summary(RunDir(run_dir))
     stops = record.get("restarts") or []
     ends = rank_ends(run_dir)
-    failed = state == "failed" or any(e.how in ("failed", "no-exit") for e in ends)
-    if failed and state in ("running", "unknown"):
+    # The ranks' logs are newer than run.json when a start ended before its writer recorded
+    # it (a refused resume, a failure while building): they say how this start ended.
+    if ends and all(e.how == "refused" for e in ends):
+        state = "refused"
+    elif any(e.how in ("failed", "no-exit") for e in ends):
         state = "failed"
     cause = first_failure(ends) if state == "failed" else None
     failure = record.get("failure") or {}
@@ -166,8 +174,11 @@ def run_outcome(run_dir: Path) -> RunOutcome:
             int(failure.get("rank", 0)), failure.get("host"), "failed", None,
             str(failure.get("error")),
         )  # fmt: skip
+    starts = record.get("starts") or [{}]
     return RunOutcome(
         state=state,
+        launch_mode=starts[-1].get("launch_mode"),
+        refusal=ends[0].detail.removeprefix("refused: ") if state == "refused" else None,
         iteration=summary.iteration,
         stop=stops[-1] if state == "stopped" and stops else None,
         cause=cause,

@@ -250,7 +250,8 @@ class SlurmClient:
     def partitions(self) -> dict[str, Partition] | None:
         """Every partition by name (the default one also under ""), or None when sinfo does
         not answer."""
-        proc = self.run(["sinfo", "-h", "-o", "%P|%D|%c|%G|%l"])
+        # -a: hidden partitions too (a user may have access to one).
+        proc = self.run(["sinfo", "-a", "-h", "-o", "%P|%D|%c|%G|%l"])
         if proc is None or proc.returncode != 0:
             return None
         rows: dict[str, list[list[str]]] = {}

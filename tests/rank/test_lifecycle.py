@@ -129,8 +129,8 @@ def test_a_stopped_or_lost_launcher_leaves_no_rank_behind(tmp_path: Path, how: s
 
 
 def test_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
-    """`mjlab-submit --executor local --follow`: Ctrl-C twice stops the job at once (exit
-    130), says so, and leaves nothing running."""
+    """`mjlab-submit --executor local --follow`: Ctrl-C twice (and a third time) stops the
+    job at once (exit 130), says so, no traceback, and leaves nothing running."""
     root = tmp_path / "logs"
     # Iterations long enough (~2 s) that the first Ctrl-C's stop is still pending.
     proc = start(tmp_path, [*COMMON, "--num-envs", "512", "--executor", "local",
@@ -138,9 +138,9 @@ def test_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
                             "--max-iterations", "1000", "--log-root", str(root), "--follow"],
                  prog="mjlab-submit")  # fmt: skip
     run = wait_for_iteration(root, 1)
-    os.killpg(proc.pid, signal.SIGINT)
-    time.sleep(0.2)  # two key presses (signals sent together are delivered as one)
-    os.killpg(proc.pid, signal.SIGINT)
+    for _ in range(3):  # impatient key presses (signals sent together are delivered as one)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.2)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
     assert "stopped at once" in err and "Traceback" not in err
@@ -294,3 +294,27 @@ def test_a_terminal_shows_the_live_bar_on_several_ranks(tmp_path: Path) -> None:
     assert "4/4" in screen and "[train] it" not in screen
     assert "done: 4 iterations" in screen
     assert "CUDA driver" not in screen
+
+
+def test_a_refused_resume_on_two_ranks_is_bad_input(tmp_path: Path) -> None:
+    """`--num-procs 2 --resume` with networks of another shape: the ranks refuse before
+    anything changes; the launcher says so with exit 2 (not the run's earlier "done")."""
+    root = tmp_path / "logs"
+    args = [*COMMON, *TWO, "--max-iterations", "2", "--log-root", str(root)]
+    first = subprocess.run([BIN / "mjlab-train", *args], env=cli_env(), capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    run = only_run(root)
+    before = _snapshot(run)
+    other = subprocess.run(
+        [BIN / "mjlab-train", *args, "--max-iterations", "4", "--resume",
+         "--agent.actor.hidden-dims", "[64,64]"],
+        env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert other.returncode == EXIT_BAD_INPUT, other.stdout[-1000:] + other.stderr[-2000:]
+    assert "network of another shape" in other.stderr and "done:" not in other.stdout
+    assert {k: v for k, v in _snapshot(run).items() if k != "run.json"} == {
+        k: v for k, v in before.items() if k != "run.json"
+    }
+    assert read_record(run.path)["state"] == "completed"
+    all_gone(run)

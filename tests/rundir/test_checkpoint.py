@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mjlab_hpc.rundir.checkpoint import Checkpoints, latest_valid, save_checkpoint
+from mjlab_hpc.rundir.checkpoint import Checkpoints, load_verified, save_checkpoint
 from mjlab_hpc.rundir.layout import list_checkpoints
 
 
@@ -44,17 +44,17 @@ def test_sigkill_during_checkpoint_writes_keeps_a_valid_one(tmp_path: Path) -> N
         time.sleep(rng.uniform(0.05, 0.6))  # into the writes
         p.kill()
         p.wait()
-        found = latest_valid(run_dir)
-        assert found is not None
-        path, ckpt = found
+        path, damaged = Checkpoints(run_dir).newest_valid()
+        assert path is not None and not damaged
         assert path == list_checkpoints(run_dir)[-1]  # the newest name is never a broken file
+        ckpt = load_verified(path)
         assert torch.equal(ckpt["w"], torch.full((400_000,), ckpt["iter"]))
         newest.append(ckpt["iter"])
     # The writer really wrote: most kills landed after some checkpoints of that trial.
     assert sum(n >= 1000 for n in newest) >= 4, newest
 
 
-def test_corrupt_newest_checkpoint_is_skipped(tmp_path: Path, caplog) -> None:
+def test_corrupt_newest_checkpoint_is_skipped(tmp_path: Path) -> None:
     for i in (1, 2, 3):
         save_checkpoint(tmp_path / f"model_{i}.pt", {"iter": i, "w": torch.arange(1000) * i})
     newest = tmp_path / "model_3.pt"
@@ -62,11 +62,11 @@ def test_corrupt_newest_checkpoint_is_skipped(tmp_path: Path, caplog) -> None:
     data = bytearray((tmp_path / "model_2.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
     (tmp_path / "model_2.pt").write_bytes(bytes(data))
-    with caplog.at_level("WARNING", logger="mjlab_hpc"):
-        path, ckpt = latest_valid(tmp_path)  # type: ignore[misc]
-    assert path.name == "model_1.pt" and ckpt["iter"] == 1
-    assert "model_3.pt does not match its checksum" in caplog.text
-    assert "model_2.pt does not match its checksum" in caplog.text
+    path, damaged = Checkpoints(tmp_path).newest_valid()
+    assert path is not None and path.name == "model_1.pt"
+    assert load_verified(path)["iter"] == 1
+    assert [(d.name, "does not match its checksum" in d.why) for d in damaged] == [
+        ("model_3.pt", True), ("model_2.pt", True)]  # fmt: skip
 
 
 def test_keep_last_n_counts_only_checkpoints_that_verify(tmp_path: Path) -> None:
