@@ -27,6 +27,7 @@ _START = re.compile(r"^rank \d+/\d+ \(local ")
 _HOST = re.compile(r"\bhost (\S+?),")
 _RANK_LOG = re.compile(r"^rank(\d+)\.log$")
 _PEER_LOST = re.compile(r"\(peer-lost\)")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Refused)\b.*:")
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,10 @@ def _rank_end(rank: int, path: Path) -> RankEnd | None:
                     break
                 block.append(line)
             error = [line.strip() for line in block if line.strip()]
-            detail = error[-1] if error else body
+            # The exception's own line (`ValueError: ...`), not what some libraries print
+            # after it (pydantic's "For further information visit ...").
+            named = [line for line in error if _EXCEPTION_LINE.match(line)]
+            detail = named[-1] if named else error[-1] if error else body
         return RankEnd(rank, host, how, last_at, detail, bool(_PEER_LOST.search(message)))
     return RankEnd(rank, host, "no-exit", last_at, "no exit record")
 

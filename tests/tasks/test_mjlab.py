@@ -230,6 +230,24 @@ def test_cartpole_two_ranks_local_executor_in_sync(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_mjlabs_default_logger_on_two_ranks(tmp_path: Path) -> None:
+    """mjlab's own command as its users type it (no --agent.logger: W&B, offline here) on 2
+    ranks: it trains, and exactly one W&B run exists, made by the writer (wandb >= 0.29
+    removed the start_method setting that rsl-rl-lib 5.4.2 passes: constraints.txt pins it)."""
+    env = {**cli_env(), "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [str(BIN / "mjlab-train"), CARTPOLE, "--num-procs", "2", "--env.scene.num-envs", "16",
+         "--agent.max-iterations", "2", "--torch-threads", "1", "--log-root",
+         str(tmp_path / "logs")],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "done: 2 iterations" in proc.stdout
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+
+
+@pytest.mark.slow
 def test_g1_velocity_trains_a_few_iterations(tmp_path: Path) -> None:
     proc = _cli([str(BIN / "mjlab-train"), G1_FLAT, "--num-envs", "2", "--max-iterations", "2",
                  "--torch-threads", "1", "--log-root", str(tmp_path), *TB_ARGS])  # fmt: skip
