@@ -61,15 +61,17 @@ _ENVIRONMENT = {
 
 
 def environment_problem(exc: BaseException, where: object) -> str | None:
-    """One line for a filesystem problem under `where` (a full disk, a quota, a read-only
-    filesystem, permissions, a name too long) and the fix; None for any other error."""
+    """One line for a filesystem problem (a full disk, a quota, a read-only filesystem,
+    permissions, a name too long) at the file the error names, else at `where`, and the fix;
+    None for any other error."""
     if not isinstance(exc, OSError) or exc.errno not in _ENVIRONMENT:
         return None
     what = _ENVIRONMENT[exc.errno]
-    path = f" ({exc.filename})" if exc.filename else ""
+    # The file the error names when it names one (it may lie outside the run directory).
+    place = exc.filename or where
     fix = (
         "free space (or copy the run to a larger filesystem) and resume"
         if exc.errno in (errno.ENOSPC, errno.EDQUOT)
         else "make it writable (or copy the run elsewhere) and resume"
     )
-    return f"{what} in {where}{path}: {fix}; the checkpoints written so far are intact"
+    return f"{what} at {place}: {fix}; the checkpoints written so far are intact"
