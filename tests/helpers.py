@@ -197,3 +197,21 @@ def reference_digests(shared: Path, args: list[str], ranks: int = 1) -> list[str
         digests = json.loads(only_run(root).summary.read_text())["param_digest_per_rank"]
         done.write_text(json.dumps(digests))
         return list(digests)
+
+
+def recording_tools(
+    bin_dir: Path, record: Path, tools: tuple[str, ...] = ("srun", "mjlab-train", "mjlab-hpc",
+                                                           "module"),
+) -> None:  # fmt: skip
+    """Stand-ins for the commands a job script calls that record their arguments (one per
+    line) in `record`, so a script's quoting is checked by running it with bash; the
+    mjlab-hpc stand-in prints a run directory, as `mjlab-hpc run-dir` does."""
+    bin_dir.mkdir(exist_ok=True)
+    for tool in tools:
+        script = bin_dir / tool
+        script.write_text(
+            "#!/bin/bash\n"
+            f'{{ echo "== {tool}"; for a in "$@"; do printf "%s\\n" "$a"; done; }} >> {record}\n'
+            + ('echo "$PWD/rundir"\n' if tool == "mjlab-hpc" else "")
+        )
+        script.chmod(0o755)

@@ -23,9 +23,8 @@ from mjlab_hpc.launch.resources import (
 )
 from mjlab_hpc.launch.slurm import sbatch_options
 from mjlab_hpc.launch.sweep import sweep_elements
-from mjlab_hpc.rundir.checkpoint import Checkpoints
+from mjlab_hpc.rundir.checkpoint import Checkpoints, cannot_continue
 from mjlab_hpc.rundir.layout import latest_run
-from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.slurm.units import check_mem, slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
 from mjlab_hpc.tasks.registry import resolve
@@ -80,25 +79,13 @@ def continue_target(resolved: ResolvedSpec) -> ResolvedSpec:
             )
     if run_dir is None:
         return resolved
-    theirs = (read_record(run_dir).get("spec") or {}).get("task") if run_dir.is_dir() else None
-    if theirs and theirs != resolved.task:
-        flag = "--run-dir" if train.run_dir else "--resume"
-        raise SpecError(
-            flag,
-            f"{run_dir} holds a run of task {theirs!r}; this command trains {resolved.task!r}. "
-            f"Continue it with {theirs!r}, or give another run directory",
-        )
-    if run_dir.is_dir() and not train.restart_from_scratch:
-        # The ranks check again (and load); refusing here starts no process at all.
-        valid, damaged = Checkpoints(run_dir).newest_valid()
-        if valid is None and damaged:
-            names = ", ".join(d.name for d in damaged)
-            raise SpecError(
-                "--restart-from-scratch",
-                f"every checkpoint of {run_dir} is damaged ({names}; {damaged[0].why}). "
-                "Refusing to train again from iteration 0 over them: restore a checkpoint, or "
-                "pass --restart-from-scratch (they are then kept as model_<n>.pt.damaged)",
-            )
+    # The ranks check again (and load); refusing here starts no process at all.
+    refusal = cannot_continue(
+        Checkpoints(run_dir), resolved.task, train.restart_from_scratch,
+        "--run-dir" if train.run_dir else "--resume",
+    )  # fmt: skip
+    if refusal is not None:
+        raise refusal
     return resolved.replace_train(run_dir=str(run_dir))
 
 

@@ -19,9 +19,8 @@ import torch.distributed as dist
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.workload import Workload
-from mjlab_hpc.rundir.checkpoint import Checkpoints, Damaged, load_verified
+from mjlab_hpc.rundir.checkpoint import Checkpoints, Damaged, cannot_continue, load_verified
 from mjlab_hpc.rundir.layout import RunDir
-from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.spec import ResolvedSpec
 
 __all__ = ["ResumePlan", "ResumeRefused", "load_plan", "plan_resume"]
@@ -44,23 +43,10 @@ class ResumePlan:
 
 
 def _decide(run: RunDir, resolved: ResolvedSpec, checkpoints: Checkpoints) -> ResumePlan:
-    theirs = (read_record(run.path).get("spec") or {}).get("task")
-    if theirs and theirs != resolved.task:
-        raise ResumeRefused(
-            "--run-dir",
-            f"{run.path} holds a run of task {theirs!r}; this command trains "
-            f"{resolved.task!r}. Continue it with {theirs!r}, or give another run directory",
-        )
-    path, damaged = checkpoints.newest_valid()
-    if path is None and damaged and not resolved.train.restart_from_scratch:
-        names = ", ".join(d.name for d in damaged)
-        raise ResumeRefused(
-            "--restart-from-scratch",
-            f"every checkpoint of {run.path} is damaged ({names}; {damaged[0].why}). "
-            "Refusing to train again "
-            "from iteration 0 over them: restore a checkpoint, or pass --restart-from-scratch "
-            "(they are then kept as model_<n>.pt.damaged)",
-        )
+    refusal = cannot_continue(checkpoints, resolved.task, resolved.train.restart_from_scratch)
+    if refusal is not None:
+        raise ResumeRefused(refusal.flag, refusal.problem)
+    path, damaged = checkpoints.newest_valid()  # verdicts are cached: no second read
     return ResumePlan(None if path is None else str(path), tuple(damaged))
 
 

@@ -23,13 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mjlab_hpc.errors import SpecError
 from mjlab_hpc.rundir.durable import fsync_dir, publish, write_atomic
 from mjlab_hpc.rundir.layout import CHECKSUM_SUFFIX, list_checkpoints
+from mjlab_hpc.rundir.record import read_record
 
 __all__ = [
     "DAMAGED_SUFFIX",
     "Checkpoints",
     "Damaged",
+    "cannot_continue",
     "load_verified",
     "publish_file",
     "save_checkpoint",
@@ -202,3 +205,32 @@ class Checkpoints:
             path.unlink(missing_ok=True)
             _sidecar(path).unlink(missing_ok=True)
         return old
+
+
+def cannot_continue(
+    checkpoints: Checkpoints, task: str, restart_from_scratch: bool, flag: str = "--run-dir"
+) -> SpecError | None:
+    """Why a run directory cannot be continued by a run of `task` (None: it can): it holds a
+    run of another task (named as `flag`), or every checkpoint of it is damaged and
+    --restart-from-scratch was not given. The launcher asks before starting anything; the
+    ranks ask again before loading."""
+    run_dir = checkpoints.run_dir
+    theirs = (read_record(run_dir).get("spec") or {}).get("task") if run_dir.is_dir() else None
+    if theirs and theirs != task:
+        return SpecError(
+            flag,
+            f"{run_dir} holds a run of task {theirs!r}; this command trains {task!r}. "
+            f"Continue it with {theirs!r}, or give another run directory",
+        )
+    if restart_from_scratch or not run_dir.is_dir():
+        return None
+    valid, damaged = checkpoints.newest_valid()
+    if valid is None and damaged:
+        names = ", ".join(d.name for d in damaged)
+        return SpecError(
+            "--restart-from-scratch",
+            f"every checkpoint of {run_dir} is damaged ({names}; {damaged[0].why}). "
+            "Refusing to train again from iteration 0 over them: restore a checkpoint, or "
+            "pass --restart-from-scratch (they are then kept as model_<n>.pt.damaged)",
+        )
+    return None

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import BIN
+from helpers import BIN, recording_tools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -86,19 +86,6 @@ def spec_with(flag: str, text: str, log_root: Path) -> SubmitSpec:
     return SubmitSpec(train=train, **submit)  # type: ignore[arg-type]
 
 
-def stand_ins(bin_dir: Path, record: Path) -> None:
-    """srun, mjlab-train and mjlab-hpc that record their arguments, one per line."""
-    bin_dir.mkdir(exist_ok=True)
-    for tool in ("srun", "mjlab-train", "mjlab-hpc", "module", "python3"):
-        script = bin_dir / tool
-        script.write_text(
-            "#!/bin/bash\n"
-            f'{{ echo "== {tool}"; for a in "$@"; do printf "%s\\n" "$a"; done; }} >> {record}\n'
-            + ('echo "$PWD/rundir"\n' if tool == "mjlab-hpc" else "")
-        )
-        script.chmod(0o755)
-
-
 def sbatch_block_intact(script: str) -> None:
     """Every line from the shebang to the last `#SBATCH` line is a comment, an `#SBATCH`
     option or empty: no value broke out of its line."""
@@ -121,7 +108,7 @@ def run_script(script: str, work: Path, commands_allowed: bool = False) -> None:
     path.write_text(script)
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0, script
     record = work / "argv.txt"
-    stand_ins(work / "bin", record)
+    recording_tools(work / "bin", record, ("srun", "mjlab-train", "mjlab-hpc", "module", "python3"))
     env = {"PATH": f"{work / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(work),
            "SLURM_JOB_ID": "42"}  # fmt: skip
     subprocess.run(["bash", str(path)], cwd=work, env=env, capture_output=True, timeout=30)

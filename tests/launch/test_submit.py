@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env
+from helpers import BIN, cli_env, recording_tools
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.slurm import render_sbatch
@@ -152,20 +152,6 @@ def test_golden_submitit_script(name: str) -> None:
     check_golden(f"submitit_{name}.sbatch", text)
 
 
-def fake_tools(bin_dir: Path, record: Path) -> None:
-    """Stand-ins for srun, mjlab-train and mjlab-hpc that record their arguments (one per
-    line), so the script's quoting is checked by running it with bash."""
-    bin_dir.mkdir()
-    for tool in ("srun", "mjlab-train", "mjlab-hpc", "module"):
-        script = bin_dir / tool
-        script.write_text(
-            "#!/bin/bash\n"
-            f'{{ echo "== {tool}"; for a in "$@"; do printf "%s\\n" "$a"; done; }} >> {record}\n'
-            + ('echo "$PWD/rundir"\n' if tool == "mjlab-hpc" else "")
-        )
-        script.chmod(0o755)
-
-
 def test_rendered_template_quotes_user_strings(tmp_path: Path) -> None:
     spec = SubmitSpec(
         train=TrainSpec(task="cartpole", log_root=str(tmp_path / "logs"), run_name=HOSTILE),
@@ -174,7 +160,7 @@ def test_rendered_template_quotes_user_strings(tmp_path: Path) -> None:
     script = tmp_path / "job.sbatch"
     script.write_text(render("train", spec))
     record = tmp_path / "argv.txt"
-    fake_tools(tmp_path / "bin", record)
+    recording_tools(tmp_path / "bin", record)
     env = cli_env(path=f"{tmp_path / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin")
     env |= {"SLURM_JOB_ID": "42"}
     proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
@@ -194,7 +180,7 @@ def test_submitit_script_quotes_user_strings(tmp_path: Path) -> None:
     script = tmp_path / "job.sbatch"
     script.write_text(render_sbatch(spec, run_dir))
     record = tmp_path / "argv.txt"
-    fake_tools(tmp_path / "bin", record)
+    recording_tools(tmp_path / "bin", record)
     env = cli_env(path=f"{tmp_path / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin")
     proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=30)  # fmt: skip
