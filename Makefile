@@ -10,20 +10,33 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 CLUSTER := tests/cluster/cluster.sh
 
-# The fast tier: unit tests that need no Slurm, no training and no mjlab (under 2 minutes).
-FAST := not slurm and not training and not mjlab
+# The fast tier: unit tests that need no Slurm, no training, no mjlab and no GPU (under 2
+# minutes). The GPU tests are left out of `make test` too (pyproject's addopts: -m "not gpu").
+FAST := not slurm and not training and not mjlab and not gpu
 # Two workers: half of a test's time is waiting on subprocesses. Each file stays on one worker,
 # the Slurm tests on one (tests/conftest.py).
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 
-.PHONY: install test test-fast lint format demo bench cluster-up cluster-down clean help
+# make gpu-check: the GPU tests (tests/gpu, marker `gpu`) in a venv of their own with torch's
+# CUDA build (GPU=1), so the CPU venv stays as it is; one test at a time (they share the GPU).
+GPU_VENV ?= .venv-gpu
+GPU_PYTEST_ARGS ?= -rs
+
+.PHONY: install test test-fast gpu-check lint format demo bench cluster-up cluster-down clean help
 
 help:
-	@echo "make install | test | test-fast | lint | format | demo | bench | cluster-up | cluster-down | clean"
+	@echo "make install | test | test-fast | gpu-check | lint | format | demo | bench | cluster-up | cluster-down | clean"
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
+	@# Offscreen rendering for mjlab's --video on CPU (Mesa's software EGL), as root.
+	@if ! ldconfig -p | grep -q 'libEGL_mesa.so.0' && command -v apt-get >/dev/null \
+		&& [ "$$(id -u)" = 0 ]; then \
+		echo "installing Mesa EGL (libegl1 libegl-mesa0 libgl1-mesa-dri) for --video on CPU"; \
+		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 update -qq \
+		&& DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+			--no-install-recommends libegl1 libegl-mesa0 libgl1-mesa-dri >/dev/null; fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt "$(TORCH_SPEC)"
@@ -39,6 +52,27 @@ test: install
 test-fast: install
 	$(BIN)/pytest $(PYTEST_ARGS) -m "$(FAST)"
 
+# Without a GPU (nvidia-smi missing, or it lists none) this prints why it did nothing and
+# exits 0. With one, a missing GPU is an error: MJLAB_HPC_REQUIRE_GPU=1 makes a GPU test fail
+# where it would otherwise skip (torch without CUDA, a driver that does not answer).
+gpu-check:
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then why="nvidia-smi is not installed: no NVIDIA driver"; \
+	elif ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then why="nvidia-smi lists no GPU"; \
+	else why=""; fi; \
+	if [ -n "$$why" ]; then \
+		torch=$$($(BIN)/python -c 'import torch; c = torch.version.cuda; print("torch", torch.__version__, "in $(VENV)", f"(CUDA {c}) sees {torch.cuda.device_count()} GPU(s)" if c else "is a CPU build, without CUDA")' 2>/dev/null || echo "no torch in $(VENV)"); \
+		echo "make gpu-check did nothing: this machine has no GPU ($$why; $$torch)."; \
+		echo "The GPU checks (tests/gpu, pytest marker gpu: training cartpole, ant and an mjlab"; \
+		echo "velocity task on CUDA, the device mapping with and without CUDA_VISIBLE_DEVICES,"; \
+		echo "Warp arrays on the rank's device, graph capture, resume, two ranks on one GPU) need"; \
+		echo "an NVIDIA GPU; run make gpu-check on a GPU machine. Nothing was installed or run."; \
+		exit 0; \
+	fi; \
+	nvidia-smi -L; \
+	$(MAKE) --no-print-directory install VENV=$(GPU_VENV) GPU=1 || exit 1; \
+	$(GPU_VENV)/bin/python -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "available:", torch.cuda.is_available())'; \
+	MJLAB_HPC_REQUIRE_GPU=1 $(GPU_VENV)/bin/pytest -m gpu $(GPU_PYTEST_ARGS)
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -53,7 +87,8 @@ demo: install
 		--num-envs 512 --max-iterations 30 --torch-threads 1 --log-root logs --follow
 
 # Performance figures of this machine (~9 min on 2 cores): bench-results/bench.json, bench.png.
-# BENCH_ARGS=--quick for a smoke run.
+# BENCH_ARGS=--quick for a smoke run. GPU figures where torch sees a GPU: on a GPU machine,
+# make bench VENV=.venv-gpu GPU=1 (torch's CUDA build); without one they are skipped, and said so.
 BENCH_ARGS ?=
 bench: install
 	$(BIN)/python -m mjlab_hpc.bench $(BENCH_ARGS)
@@ -65,4 +100,4 @@ cluster-down:
 	bash $(CLUSTER) down
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info build dist
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .ruff_cache *.egg-info build dist

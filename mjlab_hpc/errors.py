@@ -7,6 +7,7 @@ import errno
 __all__ = [
     "EXIT_BAD_INPUT",
     "EXIT_FAILED",
+    "EXIT_HUNG",
     "EXIT_INTERRUPTED",
     "EXIT_LOCAL_REQUEUE",
     "EXIT_OK",
@@ -27,6 +28,9 @@ EXIT_BAD_INPUT = 2
 #: Slurm, a lost launcher, or a time limit where no scheduler restarts it (resume with
 #: --resume).
 EXIT_STOPPED = 3
+#: A rank's hang watchdog ended it: no progress for --hang-timeout-s (its stacks are in its
+#: log); the launcher ends the others and may requeue the job.
+EXIT_HUNG = 4
 #: Stopped at once by a second Ctrl-C, without a checkpoint (128 + SIGINT, as shells do).
 EXIT_INTERRUPTED = 130
 #: A rank asks submitit's local executor to start it again (submitit.local reads 144).

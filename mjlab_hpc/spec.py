@@ -79,6 +79,15 @@ class TrainSpec:
     """Torch threads per rank (0: SLURM_CPUS_PER_TASK, else the machine's cores / local ranks)."""
     dist_timeout_s: float = 300.0
     """Timeout of collective operations: a dead rank ends the job after at most this long."""
+    hang_timeout_s: float | None = 120.0
+    """A rank whose iteration does not advance for this long (or 5x its slowest iteration,
+    whichever is longer) is hung: every live rank logs its stacks and the job ends, to be
+    requeued. The first iteration of each start and checkpoint writes do not count. Useful
+    only below --dist-timeout-s (a collective times out first otherwise). `none`: no
+    watchdog."""
+    save_every_min: float | None = None
+    """Also save a checkpoint when this many minutes passed since the last one (bounds what a
+    lost node costs). `none`: only every --save-interval iterations."""
     use_graph: bool = True
     """Replay physics through a captured Warp graph (faster; bit-identical to plain stepping)."""
     normalizer_sync: Literal["iteration", "step"] = "iteration"
@@ -99,6 +108,29 @@ class TrainSpec:
     means preemption."""
     max_restarts: int = 10
     """Requeue at most this many times; then stop with the checkpoint saved."""
+    # mjlab's own train flags, with mjlab's names and defaults (docs/mjlab.md).
+    video: bool = False
+    """mjlab tasks: record videos of env 0 on the writer rank (rank 0) into <run>/videos/train
+    (offscreen rendering: MUJOCO_GL=egl, or osmesa). mjlab's `--video True` works too."""
+    video_length: int = 200
+    """Frames per video."""
+    video_interval: int = 2000
+    """Start a video every N env steps of the writer rank."""
+    enable_nan_guard: bool = False
+    """mjlab tasks: mjlab's NaN guard (keep recent simulator states, dump them when a NaN or
+    Inf appears); dumps go to <run>/nan_dumps/rank<k> unless --env.sim.nan-guard.output-dir
+    says otherwise."""
+    registry_name: str | None = None
+    """Tracking tasks: W&B registry motion (entity/project/name[:alias]) fetched once before
+    training when --env.commands.motion.motion-file names no file (needs network then)."""
+    wandb_run_path: str | None = None
+    """With --agent.resume True: start from a checkpoint of this W&B run
+    (entity/project/run-id) instead of a run under --log-root."""
+    wandb_checkpoint_name: str | None = None
+    """With --wandb-run-path: the checkpoint to load (e.g. model_4000.pt; default: the newest)."""
+    torchrunx_log_dir: str | None = None
+    """Accepted for mjlab's commands; no effect (no torchrunx here: every rank logs to
+    <run>/logs/rank<k>.log)."""
     overrides: Annotated[tuple[str, ...], tyro.conf.Suppress] = ()
     """mjlab tasks: `--env.*` / `--agent.*` arguments, as mjlab's own train takes them."""
 
@@ -119,6 +151,21 @@ class TrainSpec:
                 raise SpecError(flag, f"must be at most {high}, got {value}")
         if not math.isfinite(self.dist_timeout_s) or self.dist_timeout_s <= 0:
             raise SpecError("--dist-timeout-s", f"must be > 0 seconds, got {self.dist_timeout_s}")
+        if self.hang_timeout_s is not None and (
+            not math.isfinite(self.hang_timeout_s) or self.hang_timeout_s <= 0
+        ):
+            raise SpecError(
+                "--hang-timeout-s",
+                f"must be > 0 seconds, got {self.hang_timeout_s} (`none` disables the hang "
+                "watchdog)",
+            )
+        if self.save_every_min is not None and (
+            not math.isfinite(self.save_every_min) or self.save_every_min <= 0
+        ):
+            raise SpecError(
+                "--save-every-min",
+                f"must be > 0 minutes, got {self.save_every_min} (`none`: iterations only)",
+            )
         if isinstance(self.gpu_ids, tuple) and any(i < 0 for i in self.gpu_ids):
             raise SpecError("--gpu-ids", f"ids must be >= 0, got {list(self.gpu_ids)}")
         if isinstance(self.gpu_ids, tuple) and len(set(self.gpu_ids)) != len(self.gpu_ids):
@@ -155,6 +202,19 @@ class TrainSpec:
             no_control("--run-dir", self.run_dir)
             if not self.run_dir.strip():
                 raise SpecError("--run-dir", "must not be empty: name a run directory")
+        for flag, low, value in (("--video-length", 1, self.video_length),
+                                 ("--video-interval", 1, self.video_interval)):  # fmt: skip
+            if not low <= value <= 10**9:
+                raise SpecError(flag, f"must be between {low} and 10^9, got {value}")
+        for flag, text in (("--registry-name", self.registry_name),
+                           ("--wandb-run-path", self.wandb_run_path),
+                           ("--torchrunx-log-dir", self.torchrunx_log_dir)):  # fmt: skip
+            if text is not None:
+                no_control(flag, text)
+        if self.wandb_run_path is not None and not self.wandb_run_path.strip("/ "):
+            raise SpecError("--wandb-run-path", "must name a W&B run: entity/project/run-id")
+        if self.wandb_checkpoint_name is not None:
+            path_component("--wandb-checkpoint-name", self.wandb_checkpoint_name)
         flag = "--env/--agent"
         for arg in self.overrides:
             no_control(flag, arg)
@@ -201,6 +261,12 @@ class ResolvedSpec:
     """PPO iterations in total."""
     experiment_name: str
     """Experiment folder under the log root."""
+    start_checkpoint: str | None = None
+    """Another run's checkpoint this run starts from while it has none of its own (mjlab's
+    --agent.resume True, --wandb-run-path): models, optimizer and normalizers; the iteration
+    count starts at 0."""
+    motion_file: str | None = None
+    """Tracking tasks: the motion fetched for --registry-name (None: the env config's)."""
 
     @property
     def task(self) -> str:
@@ -214,13 +280,18 @@ class ResolvedSpec:
 
     def effective(self) -> dict[str, object]:
         """The effective values, for run.json and summaries."""
-        return {
+        out: dict[str, object] = {
             "task": self.task,
             "source": self.source,
             "num_envs": self.num_envs,
             "max_iterations": self.max_iterations,
             "experiment_name": self.experiment_name,
         }
+        # Where the weights and the motion came from, when they came from elsewhere.
+        for key in ("start_checkpoint", "motion_file"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 @dataclass(frozen=True)

@@ -215,3 +215,54 @@ def recording_tools(
             + ('echo "$PWD/rundir"\n' if tool == "mjlab-hpc" else "")
         )
         script.chmod(0o755)
+
+
+# Objects of these packages are walked into when looking for Warp arrays; everything else
+# (torch modules and tensors, numpy, mujoco's MjModel, functions, classes) is a leaf.
+_WALKED_PACKAGES = frozenset({"mujoco_warp", "mjlab", "mjlab_hpc", "rsl_rl"})
+
+
+def warp_devices(root: object, name: str = "env", limit: int = 500_000) -> dict[str, str]:
+    """The device (Warp's alias: `cpu`, `cuda:0`) of every Warp array and captured Warp graph
+    reachable from `root`, by the first path that reaches it (`env.data.qpos`).
+
+    Walks attributes (`__dict__` and `__slots__`), lists, tuples, sets and dicts, into the
+    objects of mujoco_warp, mjlab, mjlab_hpc and rsl-rl and into Warp structs, each object
+    once (BFS: the shortest path names it). Warp's own runtime objects are not walked."""
+    import collections
+
+    import warp as wp
+
+    found: dict[str, str] = {}
+    seen: set[int] = set()
+    queue: collections.deque[tuple[str, object]] = collections.deque([(name, root)])
+    while queue:
+        path, obj = queue.popleft()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        assert len(seen) <= limit, f"more than {limit} objects under {name}: a runaway walk"
+        if isinstance(obj, wp.array | wp.Graph):
+            found[path] = str(obj.device)
+            continue
+        children: list[tuple[str, object]] = []
+        if isinstance(obj, dict):
+            children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+        elif isinstance(obj, list | tuple | set | frozenset):
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+        elif _walked(obj):
+            attrs = dict(getattr(obj, "__dict__", {}))
+            for cls in type(obj).__mro__:
+                for slot in getattr(cls, "__slots__", ()):
+                    if isinstance(slot, str) and hasattr(obj, slot):
+                        attrs.setdefault(slot, getattr(obj, slot))
+            children = [(f"{path}.{k}", v) for k, v in attrs.items()]
+        queue.extend(children)
+    return found
+
+
+def _walked(obj: object) -> bool:
+    cls = type(obj)  # classes and functions: builtins' types, never walked
+    package = cls.__module__.split(".")[0]
+    # Warp structs hold arrays; the rest of Warp (devices, modules, the runtime) does not.
+    return package in _WALKED_PACKAGES or (package == "warp" and cls.__name__ == "StructInstance")

@@ -17,12 +17,17 @@ with its spread (quartiles, min-max). The real CLIs run as subprocesses with `--
    the local executor, resume: signal to checkpoint in iterations, restart to first resumed
    iteration / first start to first iteration, and iterations lost;
 6. mjlab: env-steps/s of an mjlab task through `mjlab-train` / mjlab's own `train`, on
-   mjlab's physics path (no Warp graph on CPU), and with our graph replay.
+   mjlab's physics path (no Warp graph on CPU), and with our graph replay;
+7. GPU, only where CUDA is available (else skipped, and said so): env-steps/s and time to
+   the first iteration of Mjlab-Velocity-Flat-Unitree-G1 through `mjlab-train` / mjlab's own
+   `train` on the same GPU, and env.step / raw physics on `cuda:0`. The CPU figures run with
+   no GPU visible, so they stay CPU figures on a GPU machine.
 
 Writes `<out>/bench.json` and `<out>/bench.png` and prints a table last. `--quick` is a short
+smoke run that checks the machinery (its figures mean nothing).
 
 Modules: `config` (the flags), `stats` (spreads, figures, parsing progress), `watch` (one
 training job run and watched), `compile` (counting Warp compilations), `rollout` (env.step
-against raw physics), `session` (the experiments and their figures), `report` (JSON, PNG,
-table, entry point). Nothing here is imported by the other commands.
+against raw physics), `session` (the experiments and their figures), `gpu` (the GPU section),
+`report` (JSON, PNG, table, entry point). Nothing here is imported by the other commands.
 """

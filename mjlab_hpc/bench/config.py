@@ -11,7 +11,8 @@ __all__ = ["BenchConfig"]
 @dataclass(frozen=True)
 class BenchConfig:
     """Benchmarks of scaling, collectives, rollout overhead, launch and recovery on this
-    machine (CPU ranks). Writes <out>/bench.json and <out>/bench.png."""
+    machine (CPU ranks), and GPU figures where CUDA is available. Writes <out>/bench.json and
+    <out>/bench.png."""
 
     quick: bool = False
     """Short smoke run (small envs, one pair, a partly cold cache): checks the machinery only."""
@@ -37,8 +38,21 @@ class BenchConfig:
     mjlab_repeats: int | None = None
     """Repeats of the mjlab comparison (default: 5; 1 with --quick): separate processes of
     the same program differ by up to ~10% on a shared machine, so it takes more than 3."""
+    gpu: bool = True
+    """Measure the GPU figures where CUDA is available (without a GPU they are skipped, and
+    bench.json and the output say why)."""
+    gpu_task: str = "Mjlab-Velocity-Flat-Unitree-G1"
+    """mjlab task of the GPU comparison with mjlab's own `train`."""
+    gpu_envs: int | None = None
+    """Envs of the GPU comparison and worlds of the GPU rollout benchmark (default: 4096;
+    256 with --quick)."""
+    gpu_repeats: int | None = None
+    """Repeats of the GPU comparison (default: 3; 1 with --quick)."""
+    healing: bool = True
+    """Measure self-healing: a 2-rank local job with a crash and one with a hang (~1 min)."""
     run_timeout_s: float = 300.0
-    """Give up on one subprocess after this long."""
+    """Give up on one subprocess after this long (GPU runs: twice this, for CUDA kernels
+    compiled on a cold cache)."""
 
     @property
     def pairs(self) -> int:
@@ -59,3 +73,11 @@ class BenchConfig:
     @property
     def mjlab_num_envs(self) -> int:
         return self.mjlab_envs or (16 if self.quick else 256)
+
+    @property
+    def gpu_num_envs(self) -> int:
+        return self.gpu_envs or (256 if self.quick else 4096)
+
+    @property
+    def gpu_pairs(self) -> int:
+        return self.gpu_repeats or (1 if self.quick else 3)

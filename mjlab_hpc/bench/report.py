@@ -21,6 +21,8 @@ from typing import Any
 import tyro
 
 from mjlab_hpc.bench.config import BenchConfig
+from mjlab_hpc.bench.gpu import gpu_figures, run_gpu
+from mjlab_hpc.bench.healing import healing_figures, run_healing
 from mjlab_hpc.bench.session import Bench
 
 __all__ = ["main", "run", "run_bench"]
@@ -137,9 +139,24 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None]) -> dict[str, Any]:
     bench.rollout()
     bench.training_pairs()
     bench.mjlab_pairs()
+    gpu = run_gpu(bench)  # where CUDA is available; else the reason it was skipped
     if cfg.cold_compile and not cfg.quick:
         bench.compilations()
-    figures = {f.key: f.summary() for f in bench.figures()}
+    healing: dict[str, Any] = {"skipped": "--no-healing"}
+    if cfg.healing:
+        healing, healing_failures = run_healing(cfg, bench.env, bench.runs, say)
+        bench.failures.extend(healing_failures)
+    bench.details["healing"] = healing
+    figures = {
+        f.key: f.summary()
+        for f in [
+            *bench.figures(),
+            *gpu_figures(cfg, gpu),
+            *(healing_figures(healing) if cfg.healing else []),
+        ]
+    }
+    machine = machine_info()
+    machine["gpu"] = gpu.get("device", {}).get("name")
     doc = {
         "schema": SCHEMA_VERSION,
         "created": dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds"),
@@ -152,7 +169,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None]) -> dict[str, Any]:
             "num_envs": cfg.envs,
             "iterations": cfg.measured,
         },
-        "machine": machine_info(),
+        "machine": machine,
         "duration_s": round(time.time() - t0, 1),
         "loadavg_start": load0,
         "loadavg_end": os.getloadavg(),
@@ -160,8 +177,9 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None]) -> dict[str, Any]:
         "details": bench.details,
         "failures": bench.failures,
         "gpu": {
-            "measured": False,
-            "note": "no GPU on this machine; docs/performance.md says how to measure on one",
+            "measured": "skipped" not in gpu,
+            "device": machine["gpu"],
+            "skipped": gpu.get("skipped"),
         },
     }
     (cfg.out / "bench.json").write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
@@ -202,6 +220,8 @@ def run(cfg: BenchConfig) -> int:
         say(f"FAILED: {failure}")
     say(f"wrote {cfg.out / 'bench.json'} and {cfg.out / 'bench.png'} in {doc['duration_s']} s")
     print_table(list(doc["figures"].values()), cfg.out)
+    if doc["gpu"]["skipped"]:
+        say(f"GPU figures: skipped: {doc['gpu']['skipped']}")
     return 1 if doc["failures"] else 0
 
 

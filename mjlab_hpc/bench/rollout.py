@@ -1,5 +1,5 @@
 """Rollout overhead: `env.step` against raw MuJoCo Warp graph replay of the same worlds, in a
-fresh subprocess with one torch thread."""
+fresh subprocess with one torch thread, on the CPU or (the GPU section) on a CUDA device."""
 
 from __future__ import annotations
 
@@ -21,12 +21,15 @@ def rollout_worker(args_json: str) -> dict[str, Any]:
     """env.step vs raw graph replay of the same worlds, alternately, for each task.
 
     Runs in a fresh process with one torch thread (called through `python -c`). The two
-    alternate at every step from the same state with the same fixed actions.
+    alternate at every step from the same state with the same fixed actions. `device`
+    (default cpu) may name a CUDA device: each timed part then ends with a synchronisation,
+    since CUDA work is only queued when the call returns.
     """
     import torch
     import warp as wp
 
     args = json.loads(args_json)
+    device = args.get("device", "cpu")
     wp.config.quiet = True
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
@@ -34,24 +37,37 @@ def rollout_worker(args_json: str) -> dict[str, Any]:
         task = get_task(name)
         if task.make_env is None:
             raise ValueError(f"{name}: the rollout benchmark takes built-in tasks")
-        with wp.ScopedDevice("cpu"):
-            env = task.make_env(args["num_envs"], "cpu", 0, True)
+        with wp.ScopedDevice(device):
+            env = task.make_env(args["num_envs"], device, 0, True)
             out[name] = _rollout_pairs(env, args["pairs"], args["block_s"])
     return out
+
+
+def _synchronizer(device: str) -> Callable[[], None]:
+    """Waits for the device's queued work (nothing to wait for on the CPU)."""
+    if not device.startswith("cuda"):
+        return lambda: None
+    import torch
+
+    # The env runs Warp on torch's current stream: one synchronisation covers both.
+    return lambda: torch.cuda.synchronize(torch.device(device))
 
 
 def _rollout_pairs(env: Any, pairs: int, block_s: float) -> dict[str, Any]:
     import torch
 
+    sync = _synchronizer(str(env.device))
     gen = torch.Generator().manual_seed(0)
-    actions = torch.rand((env.num_envs, env.num_actions), generator=gen) * 2 - 1
+    actions = (torch.rand((env.num_envs, env.num_actions), generator=gen) * 2 - 1).to(env.device)
     state = env.state_dict()
 
     def timed(fn: Callable[[], object], k: int) -> float:
         env.load_state_dict(state)
+        sync()
         t0 = time.perf_counter()
         for _ in range(k):
             fn()
+        sync()
         return time.perf_counter() - t0
 
     def pair(k: int) -> tuple[float, float]:
@@ -61,12 +77,16 @@ def _rollout_pairs(env: Any, pairs: int, block_s: float) -> dict[str, Any]:
         raw = stepped = 0.0
         for _ in range(k):
             before = env.state_dict()
+            sync()
             t0 = time.perf_counter()
             env.simulate()
+            sync()
             t1 = time.perf_counter()
             env.load_state_dict(before)
+            sync()
             t2 = time.perf_counter()
             env.step(actions)
+            sync()
             t3 = time.perf_counter()
             raw += t1 - t0
             stepped += t3 - t2
@@ -81,9 +101,10 @@ def _rollout_pairs(env: Any, pairs: int, block_s: float) -> dict[str, Any]:
         r, st = pair(k)
         raw.append(r)
         stepped.append(st)
-    breakdown = _step_breakdown(env, actions, state, k)
+    breakdown = _step_breakdown(env, actions, state, k, sync)
     n = env.num_envs
     return {
+        "device": str(env.device),
         "steps_per_block": k,
         "num_envs": n,
         "decimation": env.cfg.decimation,
@@ -94,12 +115,14 @@ def _rollout_pairs(env: Any, pairs: int, block_s: float) -> dict[str, Any]:
     }
 
 
-def _step_breakdown(env: Any, actions: Any, state: dict[str, Any], k: int) -> dict[str, float]:
+def _step_breakdown(
+    env: Any, actions: Any, state: dict[str, Any], k: int, sync: Callable[[], None]
+) -> dict[str, float]:
     """Microseconds per env.step in each of its parts (a profile of the overhead)."""
     import torch
 
     env.load_state_dict(state)
-    done = torch.zeros(env.num_envs, dtype=torch.bool)
+    done = torch.zeros(env.num_envs, dtype=torch.bool, device=env.device)
     parts: dict[str, Callable[[], object]] = {
         "actions_to_ctrl": lambda: env.ctrl.copy_(actions.clamp(-1.0, 1.0) * env.cfg.action_scale),
         "physics": env.simulate,
@@ -111,19 +134,29 @@ def _step_breakdown(env: Any, actions: Any, state: dict[str, Any], k: int) -> di
     out = {}
     for name, fn in parts.items():
         env.load_state_dict(state)
+        sync()
         t0 = time.perf_counter()
         for _ in range(k):
             fn()
+        sync()
         out[name] = (time.perf_counter() - t0) / k * 1e6
     env.load_state_dict(state)
     return out
 
 
-def run_rollout(cfg: BenchConfig, env: dict[str, str]) -> dict[str, Any]:
-    """Run `rollout_worker` in a fresh interpreter and return its result."""
+def run_rollout(
+    cfg: BenchConfig,
+    env: dict[str, str],
+    device: str = "cpu",
+    num_envs: int | None = None,
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """Run `rollout_worker` in a fresh interpreter on `device` with `num_envs` worlds
+    (default: the CPU benchmark's) and return its result."""
     args = {
         "tasks": list(cfg.rollout_tasks),
-        "num_envs": cfg.envs,
+        "device": device,
+        "num_envs": num_envs or cfg.envs,
         "pairs": 2 if cfg.quick else max(cfg.pairs, 7),
         "block_s": 0.05 if cfg.quick else 0.3,
     }
@@ -137,7 +170,7 @@ def run_rollout(cfg: BenchConfig, env: dict[str, str]) -> dict[str, Any]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=cfg.run_timeout_s,
+        timeout=timeout_s or cfg.run_timeout_s,
     )
     for line in proc.stdout.splitlines():
         if line.startswith("BENCH-RESULT "):

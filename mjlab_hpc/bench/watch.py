@@ -50,15 +50,19 @@ _LAUNCH_PREFIXES = ("SLURM_", "SUBMITIT_")
 _POLL_S = 0.02
 
 
-def bench_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def bench_env(extra: dict[str, str] | None = None, gpus: bool = False) -> dict[str, str]:
     """The environment of a benchmark subprocess: ours, without an enclosing job's launcher
-    variables, with this interpreter's scripts first on PATH."""
+    variables, with this interpreter's scripts first on PATH. Without `gpus` no GPU is
+    visible (CUDA_VISIBLE_DEVICES empty), so that the CPU figures stay CPU figures on a GPU
+    machine; with it, the GPUs this process sees."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in _LAUNCH_VARS and not k.startswith(_LAUNCH_PREFIXES)
     }
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra or {})
     return env
 

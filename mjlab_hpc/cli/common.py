@@ -3,7 +3,10 @@ and turning errors into one clear line and an exit code."""
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
+import sys
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -15,9 +18,11 @@ from rich.markup import escape
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED, LaunchError, SpecError, SubmitError
 from mjlab_hpc.spec import split_overrides
 
-__all__ = ["error_line", "guarded", "parse_with_overrides", "resume_command"]
+__all__ = ["error_line", "guarded", "mjlab_booleans", "parse_with_overrides", "resume_command"]
 
 T = TypeVar("T")
+# mjlab's CLI spells booleans `--flag True` (tyro's FlagConversionOff, mjlab.TYRO_FLAGS).
+_BOOL_WORDS = {"true": True, "false": False}
 
 
 def error_line(label: str, message: object) -> None:
@@ -49,7 +54,9 @@ def parse_with_overrides(
     """Parse `argv` into `cls`; arguments tyro does not know are `--env.*`/`--agent.*`
     overrides (as mjlab's own train takes them), given to `attach`. An exit code when an
     argument is neither."""
-    spec, unknown = tyro.cli(cls, args=argv, description=description, return_unknown_args=True)
+    given = list(argv) if argv is not None else sys.argv[1:]
+    args = mjlab_booleans(cls, _none_values(given))
+    spec, unknown = tyro.cli(cls, args=args, description=description, return_unknown_args=True)
     try:
         return attach(spec, split_overrides(unknown))
     except SpecError as exc:
@@ -57,19 +64,74 @@ def parse_with_overrides(
         return EXIT_BAD_INPUT
 
 
+def _bool_flags(cls: type, hints: dict[str, object] | None = None) -> set[str]:
+    """`--name` of every boolean field of a spec dataclass (a nested spec's too: its flags
+    carry no prefix here)."""
+    found = set()
+    hints = hints if hints is not None else typing.get_type_hints(cls, include_extras=True)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        kind = hints[f.name]
+        base = typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Annotated else kind
+        if base is bool:
+            found.add("--" + f.name.replace("_", "-"))
+        elif dataclasses.is_dataclass(base) and isinstance(base, type):
+            found |= _bool_flags(base)
+    return found
+
+
+def mjlab_booleans(cls: type, argv: list[str] | None) -> list[str] | None:
+    """`argv` with mjlab's spelling of booleans (`--video True`, `--video=false`) turned into
+    ours (`--video`, `--no-video`), for every boolean flag of `cls`: commands typed for mjlab's
+    train run unchanged."""
+    if argv is None:
+        return None
+    flags = _bool_flags(cls)
+    out: list[str] = []
+    items = list(argv)
+    while items:
+        arg = items.pop(0)
+        name, eq, value = arg.partition("=")
+        name = "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+        if name in flags and not eq and items and items[0].lower() in _BOOL_WORDS:
+            value, eq = items.pop(0), "="
+        if name in flags and eq and value.lower() in _BOOL_WORDS:
+            out.append(name if _BOOL_WORDS[value.lower()] else "--no-" + name[2:])
+        else:
+            out.append(arg)
+    return out
+
+
+# Flags whose value may be `none` (tyro only knows `None`).
+_NONE_FLAGS = ("--hang-timeout-s", "--save-every-min")
+
+
+def _none_values(argv: Sequence[str]) -> list[str]:
+    """`--hang-timeout-s none` as tyro reads it (`None`), in either spelling of the flag."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        flag, eq, value = arg.partition("=")
+        if flag in _NONE_FLAGS and eq and value.lower() == "none":
+            out[i] = f"{flag}=None"
+        elif arg in _NONE_FLAGS and i + 1 < len(out) and out[i + 1].lower() == "none":
+            out[i + 1] = "None"
+    return out
+
+
 def resume_command(prog: str, argv: Sequence[str], run_dir: str | Path) -> str:
     """The command that continues a run: the same arguments, naming its run directory."""
-    args, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg in ("--resume", "--no-resume", "--restart-from-scratch"):
+    args: list[str] = []
+    items = list(argv)
+    while items:
+        arg = items.pop(0)
+        name = arg.partition("=")[0]
+        if name in ("--resume", "--no-resume", "--restart-from-scratch"):
+            if "=" not in arg and items and items[0].lower() in _BOOL_WORDS:
+                items.pop(0)  # mjlab's spelling: `--resume True`
             continue
         if arg == "--run-dir":
-            skip = True
+            items = items[1:]
             continue
-        if arg.startswith("--run-dir="):
+        if name == "--run-dir":
             continue
         args.append(arg)
     return shlex.join([prog, *args, "--run-dir", str(run_dir)])

@@ -20,11 +20,12 @@ from mjlab_hpc.bench.config import BenchConfig
 from mjlab_hpc.checks import no_control, path_component, positive_seconds
 from mjlab_hpc.cli.common import guarded
 from mjlab_hpc.errors import SpecError
+from mjlab_hpc.launch.heal import heal_job
 from mjlab_hpc.launch.templates import render
 from mjlab_hpc.ops.cancel import cancel as cancel_runs
 from mjlab_hpc.ops.logs import find_tracebacks, follow, rank_files, rank_host, tail
 from mjlab_hpc.ops.runs import list_runs, resolve_target, run_jobs
-from mjlab_hpc.ops.status import StatusReport, collect, console, watch
+from mjlab_hpc.ops.status import StatusReport, collect, console, interruption_line, watch
 from mjlab_hpc.ops.status import render as render_status
 from mjlab_hpc.rundir.layout import run_dir_for_key
 from mjlab_hpc.spec import RUN_NAME_PREFIX, SubmitSpec
@@ -114,6 +115,20 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class Heal:
+    """For job scripts, after srun: when a rank crashed or hung, record the fault in run.json
+    and requeue the job (excluding a suspect node) while restarts remain and the failure is
+    not a repeat. Exits 0 when requeued, else with --exit-code."""
+
+    run_dir: str
+    """The job's run directory (a sweep's directory: this array element's run)."""
+    exit_code: int
+    """srun's exit code (0: nothing to do)."""
+    max_restarts: int = 10
+    """Requeue at most this many times per kind of fault."""
+
+
+@dataclass(frozen=True)
 class Plot:
     """Mean reward and env-steps/s of runs against iteration and wall time, overlaid, as a PNG
     (from their tensorboard events)."""
@@ -134,6 +149,7 @@ Command = (
     | Annotated[Logs, tyro.conf.subcommand("logs")]
     | Annotated[Cancel, tyro.conf.subcommand("cancel")]
     | Annotated[Plot, tyro.conf.subcommand("plot")]
+    | Annotated[Heal, tyro.conf.subcommand("heal")]
     | Annotated[BenchConfig, tyro.conf.subcommand("bench")]
 )
 
@@ -217,7 +233,8 @@ def logs(cmd: Logs) -> int:
         sys.stdout.write(tail(path, cmd.lines) + "\n")
         targets = {"": path}
     else:
-        cause = collect([run]).rows[0].cause
+        row = collect([run]).rows[0]
+        cause = row.cause
         tracebacks = find_tracebacks(ranks)
         if cause is not None:
             out.print(f"[bold red]cause: {escape(cause)}[/]")
@@ -238,6 +255,8 @@ def logs(cmd: Logs) -> int:
                 )
         else:
             out.print("[green]no traceback in any rank's log or task output[/]")
+        for event in row.interruptions:  # every stop and fault, and how the run came back
+            out.print(f"[yellow]{escape(interruption_line(event))}[/]")
         for files in ranks:
             path = files.log or files.stream("err")
             if path is None:
@@ -353,6 +372,7 @@ _COMMANDS = {
     Logs: logs,
     Cancel: cancel,
     Plot: plot,
+    Heal: lambda cmd: heal_job(Path(cmd.run_dir), cmd.exit_code, cmd.max_restarts),
     BenchConfig: bench,
 }
 

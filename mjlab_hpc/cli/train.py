@@ -11,13 +11,20 @@ from pathlib import Path
 from rich.console import Console
 
 from mjlab_hpc.cli.common import guarded, parse_with_overrides, resume_command
-from mjlab_hpc.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED, environment_problem
+from mjlab_hpc.errors import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_STOPPED,
+    SpecError,
+    environment_problem,
+)
 from mjlab_hpc.launch.follow import Closing, closing
 from mjlab_hpc.launch.local import LaunchPlan, plan_launch, run_local
 from mjlab_hpc.launch.validate import validate_train
 from mjlab_hpc.rank.context import DistContext, cuda_device_count, detect_mode
 from mjlab_hpc.rundir.layout import create_run_dir
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
+from mjlab_hpc.tasks.video import rendering_problem
 
 __all__ = ["main", "run"]
 
@@ -36,10 +43,19 @@ def _run(spec: TrainSpec, argv: Sequence[str]) -> int:
     if launched_by != "single":
         DistContext.from_env()  # inconsistent launcher variables: fail before any work
     plan = plan_launch(spec, launched_by, cuda_device_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if spec.video and launched_by == "single":
+        # The writer renders on this machine: a renderer that cannot start stops us here.
+        problem = rendering_problem()
+        if problem is not None:
+            raise SpecError(
+                "--video",
+                f"{problem}. Install EGL (Debian: libegl1 libegl-mesa0 libgl1-mesa-dri) or "
+                "OSMesa (libosmesa6, then MUJOCO_GL=osmesa), or drop --video",
+            )
     if not resolved.train.run_dir and launched_by == "single":
         # Decided here, so the closing line can name it whatever happens to the ranks
         # (ranks of torchrun or srun agree on it among themselves).
-        run_dir = create_run_dir(spec.log_root, resolved.experiment_name, spec.run_name)
+        run_dir = create_run_dir(spec.log_root, resolved.experiment_name, resolved.train.run_name)
         resolved = resolved.replace_train(run_dir=str(run_dir))
     if plan.in_process:
         return _run_in_process(resolved, plan, argv)

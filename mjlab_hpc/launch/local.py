@@ -22,6 +22,7 @@ from typing import Literal, TextIO
 import submitit
 
 from mjlab_hpc.errors import EXIT_INTERRUPTED, EXIT_OK, SpecError
+from mjlab_hpc.launch.controller import CONTROLLER_MODULE, HealingExecutor
 from mjlab_hpc.launch.follow import (
     Closing,
     Foreground,
@@ -125,6 +126,12 @@ def plan_launch(
         )
     rel = tuple(range(count)) if ids == "all" else ids
     assert isinstance(rel, tuple)
+    if max(rel) >= count:
+        raise SpecError(
+            "--gpu-ids",
+            f"GPU {max(rel)} asked for, but this machine shows {count} GPU(s) (ids count from "
+            "0); use --gpu-ids 0 .. " + str(count - 1),
+        )
     phys = tuple(physical_gpu_ids(rel, cuda_visible))
     if len(phys) == 1:
         return LaunchPlan(single_gpu=phys[0])
@@ -184,7 +191,8 @@ def submit_local(
     """Submit `ranks` processes of `train_rank(spec)` on this machine and return at once.
 
     Like Slurm, submitit's local executor sends the time-limit signal `signal_delay_s` before
-    `timeout_min`, and restarts the ranks when they exit for a requeue. `foreground`: this
+    `timeout_min`, and restarts the ranks when they exit for a requeue; after a crash or a hang
+    our controller heals the job (`mjlab_hpc.launch.controller`). `foreground`: this
     process stays and supervises the job (its death stops the ranks); else the job runs in
     the background, untouched by this terminal's signals.
     """
@@ -194,7 +202,7 @@ def submit_local(
         if train.run_dir
         else create_run_dir(train.log_root, spec.experiment_name, train.run_name)
     )
-    executor = submitit.LocalExecutor(folder=run_dir / SUBMITIT_DIR)
+    executor = HealingExecutor(run_dir / SUBMITIT_DIR, train.max_restarts)
     executor.update_parameters(
         tasks_per_node=ranks,
         timeout_min=timeout_min,
@@ -230,7 +238,7 @@ def local_processes(run_dir: Path) -> list[LocalProcess]:
     found = []
     for entry in processes(works_for_run):
         role: Literal["controller", "rank", "launcher"] = "launcher"
-        if "submitit.local._local" in entry.argv:
+        if "submitit.local._local" in entry.argv or CONTROLLER_MODULE in entry.argv:
             role = "controller"
         elif "submitit.core._submit" in entry.argv and Path(entry.argv[0]).name.startswith(
             "python"

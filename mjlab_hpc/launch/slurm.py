@@ -200,17 +200,38 @@ def container_python(spec: SubmitSpec, run_dir: Path) -> str | None:
     )
 
 
+_HEAL_COMMENT = """\
+# Self-healing (mjlab_hpc): when a rank crashed or hung, record the fault in run.json and
+# requeue the job (excluding a node the fault is attributed to) while restarts remain and the
+# failure is not a repeat; nothing happens after a completed or stopped run.
+"""
+
+
 class _SlurmExecutor(submitit.SlurmExecutor):
     """submitit's SlurmExecutor that can also render a script where there is no srun (a dry
     run on a laptop)."""
 
-    def __init__(self, folder: Path, python: str | None, render_only: bool = False) -> None:
+    def __init__(
+        self, folder: Path, python: str | None, max_restarts: int, render_only: bool = False
+    ) -> None:
         self._render_only = render_only
+        self.max_restarts = max_restarts
         super().__init__(folder, python=python)
 
     def affinity(self) -> int:  # type: ignore[override]
         # submitit refuses to build an executor without srun; rendering needs none.
         return 2 if self._render_only else submitit.SlurmExecutor.affinity()
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        # submitit's script ends with its srun line; the healer runs after it, in the batch
+        # shell (which outlives the ranks), with srun's exit code.
+        text = str(super()._make_submission_file_text(command, uid))
+        run_dir = shlex.quote(str(Path(self.folder).parent))
+        heal = (
+            f"{self.python} -m mjlab_hpc.launch.heal --run-dir {run_dir} --exit-code $? "
+            f"--max-restarts {self.max_restarts}"
+        )
+        return text.rstrip("\n") + "\n\n" + _HEAL_COMMENT + heal + "\n"
 
 
 def make_slurm_executor(spec: SubmitSpec, folder_parent: Path, dry_run: bool = False) -> Any:
@@ -218,6 +239,7 @@ def make_slurm_executor(spec: SubmitSpec, folder_parent: Path, dry_run: bool = F
     executor = _SlurmExecutor(
         folder=folder_parent / SUBMITIT_DIR,
         python=container_python(spec, folder_parent),
+        max_restarts=spec.train.max_restarts,
         render_only=dry_run,
     )
     executor.update_parameters(**slurm_parameters(spec))

@@ -78,7 +78,8 @@ def planned_run_dir(spec: SubmitSpec, resolved: ResolvedSpec) -> Path:
     continues, or a new one."""
     if resolved.train.run_dir:
         return Path(resolved.train.run_dir)
-    name = run_dir_name(dt.datetime.now(), spec.train.run_name)
+    # The resolved run name: mjlab's --agent.run-name sets it too.
+    name = run_dir_name(dt.datetime.now(), resolved.train.run_name)
     return (Path(spec.train.log_root) / resolved.experiment_name / name).resolve()
 
 
@@ -107,7 +108,7 @@ def submit(spec: SubmitSpec) -> Submitted:
     kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
     made_here = not resolved.train.run_dir  # --run-dir, or the run --resume continues
     run_dir = (
-        create_run_dir(spec.train.log_root, resolved.experiment_name, spec.train.run_name)
+        create_run_dir(spec.train.log_root, resolved.experiment_name, resolved.train.run_name)
         if made_here
         else Path(str(resolved.train.run_dir)).resolve()
     )

@@ -98,6 +98,7 @@ def template_context(spec: SubmitSpec, resolved: ResolvedSpec) -> dict[str, str 
         "EXPERIMENT": q(resolved.experiment_name),
         "RUN_NAME": q(spec.train.run_name),
         "TRAIN_ARGS": " ".join(q(a) for a in train_cli_args(spec.train)),
+        "MAX_RESTARTS": str(spec.train.max_restarts),
         "IMAGE": opt(Path(spec.container).resolve() if spec.container else None),
         "NV": "--nv" if spec.gpus_per_node > 0 else "",
     }

@@ -25,10 +25,19 @@ from mjlab_hpc.ops.runs import JobKind, RunJobs, run_jobs
 from mjlab_hpc.ops.state import JobState, job_states
 from mjlab_hpc.rundir.layout import ElementRecord, RunDir, progress_summary, read_sweep
 from mjlab_hpc.rundir.outcome import first_failure, rank_ends
-from mjlab_hpc.rundir.record import read_record
+from mjlab_hpc.rundir.record import interruptions, now_iso, read_record
 from mjlab_hpc.slurm.client import SlurmClient
 
-__all__ = ["RunStatus", "StatusReport", "collect", "console", "render", "status_table", "watch"]
+__all__ = [
+    "RunStatus",
+    "StatusReport",
+    "collect",
+    "console",
+    "interruption_line",
+    "render",
+    "status_table",
+    "watch",
+]
 
 STATE_STYLES = {
     "RUNNING": "bold green",
@@ -70,6 +79,8 @@ class RunStatus:
     restart_reasons: tuple[str, ...]
     sweep: ElementRecord | None
     cause: str | None = None
+    interruptions: tuple[dict[str, Any], ...] = ()
+    """Every stop and fault of the run (run.json `restarts` and `faults`), oldest first."""
     """For a failed run: the rank that failed first and why (not the ranks that died of it)."""
 
     def as_dict(self) -> dict[str, Any]:
@@ -90,6 +101,7 @@ class RunStatus:
             "mean_reward": self.mean_reward,
             "restarts": self.restarts,
             "restart_reasons": list(self.restart_reasons),
+            "interruptions": list(self.interruptions),
             "cause": self.cause,
             "sweep": None
             if self.sweep is None
@@ -121,7 +133,9 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         gpus = world // nodes
     starts = record.get("starts", [])
     restarts = max(0, len(starts) - 1)
-    reasons = tuple(str(r.get("reason")) for r in record.get("restarts", [])[:restarts])
+    events = interruptions(record)
+    requeues = [e for e in events if e.get("kind", "requeue") == "requeue"]
+    reasons = tuple(str(r.get("reason")) for r in requeues[:restarts])
     return RunStatus(
         run_dir=run_dir,
         kind=jobs.kind,
@@ -138,6 +152,7 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         mean_reward=progress.mean_reward,
         restarts=restarts,
         restart_reasons=reasons,
+        interruptions=tuple(events),
         sweep=jobs.element,
         cause=_cause(run_dir) if state.state in _FAILED else None,
     )
@@ -202,6 +217,33 @@ def _size(s: RunStatus) -> str:
     if s.ranks:
         return f"{s.nodes} x {max(1, s.ranks // max(1, s.nodes))} CPU"
     return f"{s.nodes} node(s)"
+
+
+def interruption_line(e: dict[str, Any]) -> str:
+    """One line for a stop or fault: when, what, where, what happened next, how it came back."""
+    when = str(e.get("at") or "")
+    if not when and e.get("signal_at"):
+        when = now_iso(float(e["signal_at"]))
+    where = ""
+    if e.get("ranks"):
+        hosts = ", ".join(map(str, e.get("hosts") or [])) or "?"
+        where = f" of rank {', '.join(map(str, e['ranks']))} on {hosts}"
+    if e.get("nodes"):
+        where = f" of node {', '.join(map(str, e['nodes']))}"
+    line = (
+        f"{when[:19].replace('T', ' ')} {e.get('reason')}{where} at iteration {e.get('iteration')}"
+    )
+    if e.get("error") and e.get("reason") in ("crash", "hang"):
+        line += f" ({e['error']})"
+    line += f": {e.get('action') or ('requeued' if e.get('kind') == 'requeue' else 'stopped')}"
+    if e.get("excluded_nodes"):
+        line += f"; excluded {', '.join(e['excluded_nodes'])}"
+    if e.get("not_excluded"):
+        line += f"; {e['not_excluded']}"
+    if "recovered_at" in e:
+        line += (f"; resumed from {e.get('resumed_from')} ({e.get('recomputed')} iteration(s) "
+                 f"recomputed), first iteration {e.get('recovery_s')} s after")  # fmt: skip
+    return line
 
 
 def _number(value: float | None, fmt: str) -> str:

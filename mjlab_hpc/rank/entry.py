@@ -20,7 +20,6 @@ import re
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch.distributed as dist
 import warp as wp
 
 from mjlab_hpc.errors import environment_problem
+from mjlab_hpc.rank.boundary import IterationBoundary, note_node_failure, requeues_so_far
 from mjlab_hpc.rank.context import (
     DETACHED_ENV,
     DistContext,
@@ -43,16 +43,9 @@ from mjlab_hpc.rank.context import (
 )
 from mjlab_hpc.rank.resume import ResumePlan, ResumeRefused, load_plan, plan_resume
 from mjlab_hpc.rank.runner import IterationHook
-from mjlab_hpc.rank.stop import (
-    Interrupted,
-    StopKind,
-    Stopped,
-    StopRequest,
-    Supervision,
-    agree,
-    watch_signals,
-)
-from mjlab_hpc.rank.workload import Workload, build_workload, init_warp, rank_state
+from mjlab_hpc.rank.stop import Interrupted, Stopped, StopRequest, Supervision, watch_signals
+from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog
+from mjlab_hpc.rank.workload import Workload, build_workload, init_warp
 from mjlab_hpc.rundir import record
 from mjlab_hpc.rundir.checkpoint import Checkpoints
 from mjlab_hpc.rundir.layout import RunDir, create_run_dir, latest_run, record_latest_run
@@ -133,14 +126,6 @@ def _gather(obj: Any, ctx: DistContext) -> list[Any]:
     return out
 
 
-def _gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
-    if not ctx.is_distributed:
-        return [obj]
-    out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
 class _RankLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """The rank log. A record that cannot be written (a full disk) is dropped without
     logging's "--- Logging error ---" traceback: the failure itself is reported."""
@@ -181,66 +166,6 @@ def _rank_logging(run: RunDir, rank: int) -> Iterator[TextIO]:
             log.removeHandler(handler)
 
 
-@dataclass
-class _Boundary:
-    """The per-iteration boundary every rank runs: agree on a stop, checkpoint."""
-
-    work: Workload
-    ctx: DistContext
-    device: str
-    spec: TrainSpec
-    total: int
-    request: StopRequest
-    writer: RunWriter | None
-    checkpoints: Checkpoints | None
-    restarts: int
-
-    def __call__(self, runner: Any, s: IterationStats) -> None:
-        stop = agree(self.request, self.ctx.is_distributed, self.device)
-        if stop is not None and s.iteration >= self.total:
-            stop = None  # the run is done: it completes (every rank agreed on the same value)
-        periodic = s.iteration % self.spec.save_interval == 0 or s.iteration == self.total
-        if stop is not None or periodic:
-            t0 = time.time()
-            states = (
-                _gather_to_main(rank_state(self.work.env, self.device), self.ctx)
-                if self.work.exact_resume
-                else None
-            )
-            if self.writer is not None and self.checkpoints is not None:
-                path = self.writer.run.checkpoint(s.iteration)
-                self.work.save(path, self.writer, states)
-                self.checkpoints.written(path)
-                self.checkpoints.prune(self.spec.keep_checkpoints)
-                if stop is not None:
-                    self._record_stop(stop, s.iteration, t0)
-        if stop is not None:
-            raise Stopped(s.iteration, stop, self.ctx, self.restarts)
-
-    def _record_stop(self, stop: Any, iteration: int, t0: float) -> None:
-        assert self.writer is not None
-        entry = {
-            "reason": stop.reason,
-            "kind": "requeue" if stop.kind == StopKind.REQUEUE else "stop",
-            "signal": stop.signal_name,
-            "iteration": iteration,
-            "job_id": self.ctx.job_id,
-            "restart_count": self.ctx.restart_count,
-            "signal_at": self.request.signaled_at,
-            "checkpoint_at": time.time(),
-            "checkpoint_s": round(time.time() - t0, 3),
-        }
-        run = self.writer.run
-
-        def write() -> None:
-            self.writer.append_line(run.restarts, json.dumps(entry))  # type: ignore[union-attr]
-            self.writer.write_json(  # type: ignore[union-attr]
-                run.record, record.on_stop(record.read_record(run.path), entry)
-            )
-
-        self.writer.last_records(write)
-
-
 def _begin(
     writer: RunWriter,
     checkpoints: Checkpoints,
@@ -267,8 +192,12 @@ def _begin(
     torn = bool(raw) and not raw.endswith(b"\n")
     if len(kept) != len(written) or torn:  # iterations after the checkpoint, a torn last line
         writer.write_text(run.progress, "".join(json.dumps(r) + "\n" for r in kept))
+    before = record.read_record(run.path)
+    if ctx.mode == "slurm":
+        last = int(written[-1].get("iteration", start)) if written else start
+        before = note_node_failure(before, ctx.job_id, ctx.restart_count, last)
     started = record.on_start(
-        record.read_record(run.path),
+        before,
         spec=resolved.train.to_dict(),
         effective=resolved.effective(),
         job_id=ctx.job_id,
@@ -286,13 +215,6 @@ def _begin(
     record_latest_run(run.path)
     if start == 0:
         work.dump_params(writer)
-
-
-def _requeues_so_far(run: RunDir, ctx: DistContext) -> int:
-    if ctx.mode == "slurm":
-        return ctx.restart_count
-    stops = record.read_record(run.path).get("restarts", [])
-    return sum(1 for s in stops if s.get("kind", "requeue") == "requeue")
 
 
 def train_rank(
@@ -349,6 +271,7 @@ def _train(
     writer: RunWriter | None = None
     started = False
     try:
+        injection = FaultInjection.from_env()
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         log.info(
             "%s on %s, host %s, pid %d, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s",
@@ -390,15 +313,20 @@ def _train(
         ]
         if writer is not None:
             hooks.append(_progress_writer(writer))
+        watchdog = Watchdog(
+            run, ctx.rank, ctx.world_size, spec.hang_timeout_s, rank_log,
+            on_fire=writer.release if writer is not None else None,
+        )  # fmt: skip
         hooks.append(
-            _Boundary(
-                work, ctx, device, spec, total, request, writer, checkpoints,
-                _requeues_so_far(run, ctx),
+            IterationBoundary(
+                work, run, ctx, device, spec, total, start, request, writer, checkpoints,
+                requeues_so_far(run), watchdog, injection,
             )
         )  # fmt: skip
         try:
-            with wp.ScopedDevice(device):
+            with wp.ScopedDevice(device), watchdog:
                 runner.learn_until(total, hooks, init_at_random_ep_len=work.random_ep_len)
+                watchdog.disarm()
         finally:
             display.close()
         digest = runner.param_digest()

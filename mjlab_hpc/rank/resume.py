@@ -1,6 +1,8 @@
-"""Where a rank's training starts: the newest checkpoint of the run that verifies, or iteration
-0, refusing what cannot be continued (a run of another task, a network of another shape,
-nothing valid left) before anything of the run is changed.
+"""Where a rank's training starts: the newest checkpoint of the run that verifies, else the
+checkpoint of another run it starts from (mjlab's `--agent.resume True`: models, optimizer
+and normalizers, iteration 0), else iteration 0, refusing what cannot be continued (a run of
+another task, a network of another shape, nothing valid left) before anything of the run is
+changed.
 
 Rank 0 decides (it verifies each checkpoint once) and every rank gets the same plan, or the
 same refusal, through the process group.
@@ -40,6 +42,9 @@ class ResumePlan:
     """The checkpoint to load (None: iteration 0)."""
     damaged: tuple[Damaged, ...]
     """Checkpoints that do not verify and are skipped (newer than the one loaded)."""
+    other_run: bool = False
+    """The checkpoint is another run's (the run has none of its own yet): its weights start
+    this run at iteration 0."""
 
 
 def _decide(run: RunDir, resolved: ResolvedSpec, checkpoints: Checkpoints) -> ResumePlan:
@@ -47,6 +52,14 @@ def _decide(run: RunDir, resolved: ResolvedSpec, checkpoints: Checkpoints) -> Re
     if refusal is not None:
         raise ResumeRefused(refusal.flag, refusal.problem)
     path, damaged = checkpoints.newest_valid()  # verdicts are cached: no second read
+    source = resolved.start_checkpoint
+    if path is None and source:
+        flag = "--wandb-run-path" if resolved.train.wandb_run_path else "--agent.load-checkpoint"
+        src = Path(source)
+        why = Checkpoints(src.parent).problem(src) if src.is_file() else f"{src} is gone"
+        if why is not None:
+            raise ResumeRefused(flag, f"cannot start from {src}: {why}")
+        return ResumePlan(str(src), tuple(damaged), other_run=True)
     return ResumePlan(None if path is None else str(path), tuple(damaged))
 
 
@@ -75,9 +88,9 @@ def _shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in module.state_dict().items()}
 
 
-def check_shapes(path: Path, ckpt: dict[str, Any], runner: Any) -> None:
-    """ResumeRefused naming the first parameter whose shape differs between the checkpoint and
-    this run's networks (another task, other hidden sizes)."""
+def check_shapes(path: Path, ckpt: dict[str, Any], runner: Any, flag: str = "--run-dir") -> None:
+    """ResumeRefused (as `flag`) naming the first parameter whose shape differs between the
+    checkpoint and this run's networks (another task, other hidden sizes)."""
     for part, module in (("actor", runner.alg.actor), ("critic", runner.alg.critic)):
         saved = ckpt.get(f"{part}_state_dict")
         if not isinstance(saved, dict):
@@ -87,7 +100,7 @@ def check_shapes(path: Path, ckpt: dict[str, Any], runner: Any) -> None:
         for key in sorted(set(ours) | set(theirs)):
             if ours.get(key) != theirs.get(key):
                 raise ResumeRefused(
-                    "--run-dir",
+                    flag,
                     f"{path.name} holds a network of another shape: {part}.{key} is "
                     f"{theirs.get(key, 'absent')} there and {ours.get(key, 'absent')} here "
                     "(another task or other --agent settings); nothing was changed",
@@ -101,7 +114,13 @@ def load_plan(plan: ResumePlan, work: Workload, device: str) -> int:
         return 0
     path = Path(plan.checkpoint)
     ckpt = load_verified(path, map_location=device)
-    check_shapes(path, ckpt, work.runner)
-    work.load(path, ckpt)
+    check_shapes(
+        path, ckpt, work.runner, "--agent.load-checkpoint" if plan.other_run else "--run-dir"
+    )
+    work.load(path, ckpt, plan.other_run)
+    if plan.other_run:
+        log.info("started from %s (another run's checkpoint, iteration %s there) at iteration 0",
+                 path, ckpt.get("iter"))  # fmt: skip
+        return 0
     log.info("resumed from %s at iteration %d", path.name, work.runner.current_learning_iteration)
     return int(work.runner.current_learning_iteration)

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import os
+import secrets
 import statistics
+import string
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,16 +27,22 @@ from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.normalization import NormalizerSync, agree_normalizers, sync_normalizers
 from mjlab_hpc.rank.ppo import fold_collectives
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
+from mjlab_hpc.rundir.durable import create_exclusive, write_atomic
 from mjlab_hpc.rundir.progress import IterationStats
 
 __all__ = [
+    "WANDB_RECORD",
     "CollectiveClock",
     "ContextRunnerMixin",
     "DistributedRunner",
     "IterationHook",
+    "WandbBook",
     "runner_class",
     "state_digest",
 ]
+
+#: The run's W&B record (its W&B run id and the last step W&B was given), in the run folder.
+WANDB_RECORD = "wandb_run.json"
 
 
 IterationHook = Callable[[Any, IterationStats], None]
@@ -166,10 +176,14 @@ class ContextRunnerMixin:
         if self.is_distributed:
             with contextlib.redirect_stdout(self.quiet):
                 self.alg.broadcast_parameters()
-        with contextlib.redirect_stdout(self.quiet):
-            self.logger.init_logging_writer()
         start_it = self.current_learning_iteration
+        book = self._wandb_book()
+        tags = tuple(self.cfg.get("wandb_tags") or ())
+        with contextlib.redirect_stdout(self.quiet), _wandb_identity(book, tags):
+            self.logger.init_logging_writer()
         self._continue_tensorboard(start_it)
+        if book is not None:
+            _skip_logged_steps(self.logger.writer, book)
         clock = CollectiveClock()
         t_start = time.perf_counter()
         try:
@@ -180,16 +194,26 @@ class ContextRunnerMixin:
 
     def _continue_tensorboard(self, start_it: int) -> None:
         # After a resume, drop events a killed predecessor logged past its last checkpoint, so
-        # every curve continues at the right step without duplicates.
+        # every curve continues at the right step without duplicates. The writer itself stays
+        # (rsl-rl's W&B writer is a SummaryWriter too): its event file is reopened with a purge.
         writer = self.logger.writer
-        if start_it > 0 and writer is not None and hasattr(writer, "add_scalar"):
+        if start_it > 0 and writer is not None:
             from torch.utils.tensorboard import SummaryWriter
 
             if isinstance(writer, SummaryWriter):
-                writer.close()
-                self.logger.writer = SummaryWriter(
-                    log_dir=self.logger.log_dir, flush_secs=10, purge_step=start_it
-                )
+                SummaryWriter.close(writer)
+                writer.purge_step = start_it
+
+    def _wandb_book(self) -> WandbBook | None:
+        """The run's W&B record when this process logs to W&B (the writer, logger `wandb`)."""
+        logger = self.cfg.get("logger", "tensorboard")
+        kind = logger if isinstance(logger, str) else str(logger.get("class_name", ""))
+        log_dir = getattr(self.logger, "log_dir", None)
+        if kind != "wandb" and not kind.endswith("WandbLogWriter"):
+            return None
+        if log_dir is None or getattr(self.logger, "disable_logs", False):
+            return None
+        return WandbBook.open(Path(log_dir))
 
     def _close_tensorboard(self) -> None:
         writer = self.logger.writer
@@ -270,6 +294,90 @@ class ContextRunnerMixin:
     def param_digest(self) -> str:
         """sha256 of the actor and critic parameters, to compare ranks bit for bit."""
         return state_digest(self.alg.actor, self.alg.critic)
+
+
+class WandbBook:
+    """One W&B run per run directory: its id, made once and kept in <run>/wandb_run.json with
+    the last step handed to W&B. Every start of the run (requeue, --resume, a restart after a
+    crash) resumes that W&B run (WANDB_RUN_ID, WANDB_RESUME=allow) and logs no step W&B
+    already has: iterations computed again after a crash are trained but not logged again."""
+
+    def __init__(self, path: Path, run_id: str, last_step: int) -> None:
+        self.path = path
+        self.run_id = run_id
+        self.last_step = last_step
+        self.logged_before = last_step
+        """Steps up to this one were handed to W&B by an earlier start."""
+
+    @classmethod
+    def open(cls, run_dir: Path) -> WandbBook:
+        """The run's record, made on its first start (the first writer to create it wins)."""
+        path = run_dir / WANDB_RECORD
+        new_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        create_exclusive(path, json.dumps({"id": new_id, "last_step": -1}).encode())
+        data = json.loads(path.read_text())
+        return cls(path, str(data["id"]), int(data.get("last_step", -1)))
+
+    def handing(self, step: int) -> bool:
+        """Whether `step` goes to W&B; a new step is recorded before it is handed over (a
+        crash then loses it at worst, never duplicates it)."""
+        if step <= self.logged_before:
+            return False
+        if step > self.last_step:
+            self.last_step = step
+            write_atomic(self.path, json.dumps({"id": self.run_id, "last_step": step}).encode())
+        return True
+
+
+@contextlib.contextmanager
+def _wandb_identity(book: WandbBook | None, tags: tuple[str, ...] = ()) -> Iterator[None]:
+    """W&B's variables while rsl-rl's writer calls wandb.init: the run's one W&B run, and
+    mjlab's --agent.wandb-tags (mjlab's train passes them the same way, WANDB_TAGS)."""
+    if book is None:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_TAGS")}
+    os.environ.update(WANDB_RUN_ID=book.run_id, WANDB_RESUME="allow")
+    if tags:
+        known = [t for t in os.environ.get("WANDB_TAGS", "").split(",") if t]
+        os.environ["WANDB_TAGS"] = ",".join(sorted({*known, *tags}))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _skip_logged_steps(writer: Any, book: WandbBook) -> None:
+    """Make rsl-rl's W&B writer hand W&B only steps it does not have (tensorboard gets all)."""
+    if writer is None or not hasattr(writer, "save_video"):
+        return
+    import wandb
+    from torch.utils.tensorboard import SummaryWriter
+
+    # Online, a resumed W&B run knows its last step too (offline it starts at 0).
+    if wandb.run is not None:
+        book.logged_before = max(book.logged_before, int(wandb.run.starting_step) - 1)
+    add_scalar, save_video = writer.add_scalar, writer.save_video
+    logged_videos = getattr(writer, "logged_videos", None)
+    if isinstance(logged_videos, set) and book.logged_before >= 0:
+        # Videos of earlier starts were uploaded then (rsl-rl uploads each file once).
+        logged_videos.update(p.name for p in Path(book.path.parent).rglob("*.mp4"))
+
+    def scalar(tag: str, value: Any, global_step: int | None = None, *args: Any, **kw: Any) -> None:
+        if global_step is None or book.handing(global_step):
+            add_scalar(tag, value, global_step, *args, **kw)
+        elif isinstance(writer, SummaryWriter):
+            SummaryWriter.add_scalar(writer, tag, value, global_step, *args, **kw)
+
+    def video(path: Path, it: int) -> None:
+        if book.handing(it):
+            save_video(path, it)
+
+    writer.add_scalar, writer.save_video = scalar, video
 
 
 def state_digest(*modules: torch.nn.Module) -> str:

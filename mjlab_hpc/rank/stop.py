@@ -46,6 +46,7 @@ __all__ = [
     "Supervision",
     "after_stop",
     "agree",
+    "agree_boundary",
     "watch_signals",
 ]
 
@@ -181,16 +182,24 @@ def watch_signals(
 
 def agree(request: StopRequest, distributed: bool, device: str) -> Stop | None:
     """The strongest stop any rank recorded (None: none); the same answer on every rank."""
-    code = request.code
+    return agree_boundary(request, distributed, device)[0]
+
+
+def agree_boundary(
+    request: StopRequest, distributed: bool, device: str, save_due: bool = False
+) -> tuple[Stop | None, bool]:
+    """At an iteration boundary, in one all-reduce: the strongest stop any rank recorded, and
+    whether any rank wants a checkpoint now (--save-every-min); the same on every rank."""
+    code, save = request.code, int(save_due)
     if distributed:
-        flag = torch.tensor([code], dtype=torch.int64, device=device)
+        flag = torch.tensor([code, save], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        code = int(flag.item())
+        code, save = int(flag[0].item()), int(flag[1].item())
     if code == 0:
-        return None
+        return None, bool(save)
     signum = code & 0xFF
     kind, reason = classify(signum, request.mode, request.time_limit_signal)
-    return Stop(kind, reason, 0 if signum == _NO_SIGNAL else signum)
+    return Stop(kind, reason, 0 if signum == _NO_SIGNAL else signum), bool(save)
 
 
 class Supervision:

@@ -5,11 +5,16 @@ The trainer drives every workload the same way; the differences live here:
 - built-in tasks: rsl-rl's runner; checkpoints also hold every rank's worlds and random
   number generators, so a resume is bit-exact;
 - mjlab tasks: mjlab's own runner class for the task (its `save` with the environment's step
-  counter and ONNX export, its `load`), its params dump; environments start fresh on resume.
+  counter and ONNX export, its `load`), its params dump; environments start fresh on resume;
+  mjlab's --video (the writer records), --enable-nan-guard and tracking motions.
+
+A run may start from another run's checkpoint (mjlab's --agent.resume True): models,
+optimizer and normalizers come from it, the iteration count and the environments start fresh.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import io
@@ -39,6 +44,7 @@ from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks import mjlab as mjlab_tasks
 from mjlab_hpc.tasks.agent import agent_config, apply_agent_overrides
 from mjlab_hpc.tasks.builtin import get_task
+from mjlab_hpc.tasks.video import Recording
 
 __all__ = [
     "Workload",
@@ -66,8 +72,9 @@ class Workload:
     dump_params: Callable[[RunWriter], None]
     save: Callable[[Path, RunWriter, list[Any] | None], None]
     """(path, writer, every rank's state gathered to the writer) -> checkpoint on disk."""
-    load: Callable[[Path, dict[str, Any]], None]
-    """(path, verified checkpoint) -> models, optimizer and iteration restored."""
+    load: Callable[[Path, dict[str, Any], bool], None]
+    """(path, verified checkpoint, another run's) -> models, optimizer and iteration restored
+    (another run's checkpoint: iteration 0, environments fresh)."""
 
     def first_obs_digest(self) -> str:
         """sha256 of this rank's first observations (to check that ranks differ)."""
@@ -127,7 +134,7 @@ def build_workload(
     """The workload of this rank (the writer's runner gets the run directory as log dir)."""
     log_dir = str(run.path) if ctx.is_main else None
     if resolved.source == "mjlab":
-        return _mjlab_workload(resolved.train, ctx, device, seed, log_dir, quiet)
+        return _mjlab_workload(resolved, ctx, device, seed, run, quiet)
     return _builtin_workload(resolved, ctx, device, seed, log_dir, quiet)
 
 
@@ -177,13 +184,13 @@ def _builtin_workload(
         state["rank_states"] = states
         writer.save_checkpoint(path, state)
 
-    def load(path: Path, ckpt: dict[str, Any]) -> None:
+    def load(path: Path, ckpt: dict[str, Any], other_run: bool) -> None:
         runner.alg.load(ckpt, None, strict=True)
-        runner.current_learning_iteration = int(ckpt["iter"])
-        states = ckpt.get("rank_states")
+        runner.current_learning_iteration = 0 if other_run else int(ckpt["iter"])
+        states = None if other_run else ckpt.get("rank_states")
         if states and len(states) == ctx.world_size:
             restore_rank_state(env, states[ctx.rank], device)
-        else:
+        elif not other_run:
             log.warning(
                 "%s has no per-rank state for %d ranks: models and optimizer restored, "
                 "environments start fresh (the continuation is not bit-exact)",
@@ -195,13 +202,22 @@ def _builtin_workload(
 
 
 def _mjlab_workload(
-    spec: TrainSpec,
+    resolved: ResolvedSpec,
     ctx: DistContext,
     device: str,
     seed: int,
-    log_dir: str | None,
+    run: RunDir,
     quiet: TextIO,
 ) -> Workload:
+    spec = resolved.train
+    log_dir = str(run.path) if ctx.is_main else None
+    # Only the writer records videos (mjlab: rank 0), into the run directory.
+    recording = (
+        Recording(str(run.path / "videos" / "train"), spec.video_length, spec.video_interval)
+        if spec.video and ctx.is_main
+        else None
+    )
+
     def build() -> Any:
         # mjlab prints its managers' tables while building: they belong in the rank's log.
         with contextlib.redirect_stdout(quiet):
@@ -212,10 +228,21 @@ def _mjlab_workload(
                 seed=seed,
                 device=device,
                 overrides=spec.overrides,
+                registry_name=spec.registry_name,
                 cpu_graph=spec.use_graph,
+                motion_file=resolved.motion_file,
+                recording=recording,
+                nan_guard=spec.enable_nan_guard,
+                nan_guard_dir=str(run.path / "nan_dumps" / f"rank{ctx.rank}"),
             )
 
     runtime = build_staged(build, ctx)
+    if recording is not None:
+        log.info("recording videos of env 0 into %s: %d frames every %d env steps",
+                 recording.folder, recording.length, recording.interval)  # fmt: skip
+        # Close the renderer before MuJoCo's own exit handler ends EGL (handlers run last
+        # registered first); a video being recorded is saved.
+        atexit.register(_close_quietly, runtime.recorder)
     runner = make_mjlab_runner(runtime, ctx, log_dir, quiet, spec.normalizer_sync)
 
     def dump_params(writer: RunWriter) -> None:
@@ -224,17 +251,34 @@ def _mjlab_workload(
         _write_params(writer, spec, {})
 
     def save(path: Path, writer: RunWriter, states: list[Any] | None) -> None:
-        # mjlab's own save (step counter, ONNX export, W&B upload) into a temporary file of
-        # the run directory, then the same fenced, checksummed publication as ours.
+        # mjlab's own save (step counter, ONNX export) into a temporary file of the run
+        # directory, then the same fenced, checksummed publication as ours; its W&B upload
+        # waits for the checkpoint's real name (W&B runs are searched for model_<n>.pt).
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        runner.save(str(tmp))
+        logger = runner.logger
+        upload, uploads = logger.save_model, []
+        logger.save_model = lambda _path, it: uploads.append(it)
+        try:
+            runner.save(str(tmp))
+        finally:
+            vars(logger).pop("save_model", None)
         publish_file(tmp, path, before_rename=writer.check)
+        for it in uploads:
+            upload(str(path), it)
 
-    def load(path: Path, ckpt: dict[str, Any]) -> None:
+    def load(path: Path, ckpt: dict[str, Any], other_run: bool) -> None:
         runner.load(str(path), map_location=device)
-        runner.current_learning_iteration = int(ckpt["iter"])
+        runner.current_learning_iteration = 0 if other_run else int(ckpt["iter"])
+        if runtime.recorder is not None:  # videos go on where the last start stopped
+            steps = runner.current_learning_iteration * runtime.agent_cfg.num_steps_per_env
+            runtime.recorder.step_count = steps
 
     return Workload(runtime.env, runner, False, True, dump_params, save, load)
+
+
+def _close_quietly(env: Any) -> None:
+    with contextlib.suppress(Exception):
+        env.close()
 
 
 def _write_params(writer: RunWriter, spec: TrainSpec, extra: dict[str, Any]) -> None:

@@ -17,6 +17,8 @@ Decided once per run and shared by every rank and every restart:
         sweep_element.json                        its place in a sweep (submitter)
         cancelled.json                            written by `mjlab-hpc cancel`
         logs/rank<k>.log                          every rank's own log
+        logs/heartbeat/rank<k>.json               every rank's heartbeat (liveness, iteration)
+        logs/heartbeat/hang-rank<k>.json          what a rank's hang watchdog found
         submitit/                                 launcher files, per-task stdout/stderr
         .writer.lock, .writer.lock.tokens/        the single writer's lease lock
         .writer.reserve                           space kept for the last records (full disk)
@@ -53,6 +55,8 @@ __all__ = [
     "list_checkpoints",
     "progress_summary",
     "read_element",
+    "read_hangs",
+    "read_heartbeats",
     "read_jsonl",
     "read_sweep",
     "record_latest_run",
@@ -75,6 +79,7 @@ SUBMITIT_DIR = "submitit"
 WRITER_LOCK = ".writer.lock"
 WRITER_RESERVE = ".writer.reserve"
 ONCE_DIR = ".once"
+HEARTBEAT_DIR = "heartbeat"
 CHECKSUM_SUFFIX = ".sha256"
 # Files of an experiment folder.
 KEYS_DIR = ".keys"
@@ -119,6 +124,32 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         if isinstance(value, dict):
             records.append(value)
     return records
+
+
+def read_heartbeats(run: RunDir, world_size: int) -> dict[int, dict[str, Any]]:
+    """The ranks' latest heartbeats, by rank (a missing or torn one is left out)."""
+    beats: dict[int, dict[str, Any]] = {}
+    for rank in range(world_size):
+        try:
+            value = json.loads(run.heartbeat(rank).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(value, dict):
+            beats[rank] = value
+    return beats
+
+
+def read_hangs(run: RunDir) -> list[dict[str, Any]]:
+    """What the ranks' hang watchdogs recorded in the latest start, by rank."""
+    found = []
+    for path in sorted(run.heartbeats.glob("hang-rank*.json")):
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(value, dict):
+            found.append(value)
+    return sorted(found, key=lambda h: int(h.get("rank", 0)))
 
 
 @dataclass(frozen=True)
@@ -176,6 +207,13 @@ class RunDir:
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank{rank}.log"
+
+    @property
+    def heartbeats(self) -> Path:
+        return self.logs / HEARTBEAT_DIR
+
+    def heartbeat(self, rank: int) -> Path:
+        return self.heartbeats / f"rank{rank}.json"
 
     def checkpoint(self, iterations: int) -> Path:
         return self.path / f"model_{iterations}.pt"

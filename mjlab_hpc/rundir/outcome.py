@@ -20,7 +20,7 @@ from mjlab_hpc.rundir.record import read_record
 
 __all__ = ["RankEnd", "RunOutcome", "first_failure", "rank_ends", "run_outcome"]
 
-How = Literal["completed", "stopped", "failed", "refused", "interrupted", "no-exit"]
+How = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung", "no-exit"]
 
 _STAMP = re.compile(r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(\d{3}) rank(\d+) (.*)$")
 _START = re.compile(r"^rank \d+/\d+ \(local ")
@@ -54,6 +54,8 @@ class RankEnd:
             )
         if self.how == "failed":
             return f"{where} failed: {self.detail}"
+        if self.how == "hung":
+            return f"{where} {self.detail} (its stacks are in its log)"
         return f"{where}: {self.detail}"
 
 
@@ -88,7 +90,7 @@ def _rank_end(rank: int, path: Path) -> RankEnd | None:
             continue
         body = message.removeprefix("exit: ")
         how: How = "failed"
-        for word in ("completed", "stopped", "refused", "interrupted"):
+        for word in ("completed", "stopped", "refused", "interrupted", "hung"):
             if body.startswith(word):
                 how = word  # type: ignore[assignment]
         detail = body
@@ -132,7 +134,7 @@ def first_failure(ends: list[RankEnd]) -> RankEnd | None:
     return (
         earliest([e for e in ends if e.how == "failed" and not e.peer_lost])
         or earliest([e for e in ends if e.how == "no-exit"])
-        or earliest([e for e in ends if e.how == "failed"])
+        or earliest([e for e in ends if e.how in ("failed", "hung")])
     )
 
 
@@ -168,7 +170,7 @@ def run_outcome(run_dir: Path) -> RunOutcome:
     # it (a refused resume, a failure while building): they say how this start ended.
     if ends and all(e.how == "refused" for e in ends):
         state = "refused"
-    elif any(e.how in ("failed", "no-exit") for e in ends):
+    elif any(e.how in ("failed", "hung", "no-exit") for e in ends):
         state = "failed"
     cause = first_failure(ends) if state == "failed" else None
     failure = record.get("failure") or {}

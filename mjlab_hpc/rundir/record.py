@@ -7,23 +7,38 @@ logs.
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import importlib.metadata
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.procs import run_command
 from mjlab_hpc.rundir.layout import RUN_RECORD
 
-__all__ = ["git_commit", "now_iso", "on_end", "on_start", "on_stop", "read_record", "versions"]
+__all__ = [
+    "git_commit",
+    "interruptions",
+    "now_iso",
+    "on_end",
+    "on_fault",
+    "on_recovered",
+    "on_start",
+    "on_stop",
+    "read_record",
+    "versions",
+]
 
 _PACKAGES = ("torch", "warp-lang", "mujoco", "mujoco-warp", "rsl-rl-lib", "mjlab", "mjlab-hpc")
 
 
-def now_iso() -> str:
-    """The current time, ISO 8601 with the UTC offset."""
-    return dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+def now_iso(at: float | None = None) -> str:
+    """The current time (or the epoch time `at`), ISO 8601 with the UTC offset."""
+    when = dt.datetime.now(dt.timezone.utc) if at is None else dt.datetime.fromtimestamp(
+        at, dt.timezone.utc)  # fmt: skip
+    return when.astimezone().isoformat(timespec="seconds")
 
 
 def versions() -> dict[str, str | None]:
@@ -112,6 +127,44 @@ def on_stop(record: dict[str, Any], stop: dict[str, Any]) -> dict[str, Any]:
     record["restarts"] = [*record.get("restarts", []), stop]
     record["state"] = "stopped"
     record["stopped_at"] = now_iso()
+    return record
+
+
+def on_fault(record: dict[str, Any], fault: dict[str, Any], requeued: bool) -> dict[str, Any]:
+    """The record after a crash or hang of a start (`faults`): requeued, or the run failed."""
+    record = dict(record)
+    record["faults"] = [*record.get("faults", []), fault]
+    record["state"] = "requeued" if requeued else "failed"
+    record["ended_at" if not requeued else "stopped_at"] = now_iso()
+    return record
+
+
+def interruptions(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every stop (`restarts`) and fault (`faults`) of the run, oldest first; each has a
+    `reason` (time-limit, preemption, node-lost, crash, hang, interrupt, ...)."""
+
+    def when(entry: dict[str, Any]) -> float:
+        return float(entry.get("at_s") or entry.get("signal_at") or entry.get("checkpoint_at") or 0)
+
+    return sorted([*record.get("restarts", []), *record.get("faults", [])], key=when)
+
+
+def on_recovered(record: dict[str, Any], resumed_from: int) -> dict[str, Any]:
+    """The record once the first iteration after a requeue-type interruption completed: the
+    interruption gets the time from fault (or stop signal) to that iteration and how many
+    iterations were computed again."""
+    record = copy.deepcopy(record)
+    pending = [e for e in interruptions(record)
+               if e.get("kind") == "requeue" and "recovered_at" not in e]  # fmt: skip
+    if not pending:
+        return record
+    entry = pending[-1]
+    began = float(entry.get("at_s") or entry.get("signal_at") or 0)
+    entry["recovered_at"] = now_iso()
+    if began:
+        entry["recovery_s"] = round(time.time() - began, 2)
+    entry["resumed_from"] = resumed_from
+    entry["recomputed"] = max(0, int(entry.get("iteration") or 0) - resumed_from)
     return record
 
 

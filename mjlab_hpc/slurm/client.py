@@ -172,6 +172,16 @@ class SlurmClient:
             )
         return rows
 
+    def attempts(self, job_id: str) -> list[tuple[str, str, str]] | None:
+        """Every run of a requeued job, oldest first: (state, node list, end time); None when
+        sacct fails. An attempt that ended because a node failed says NODE_FAIL."""
+        proc = self.run(["sacct", "-n", "-P", "-X", "--duplicates", "-j", job_id, "-o",
+                         "State,NodeList,End"])  # fmt: skip
+        if proc is None or proc.returncode != 0:
+            return None
+        rows = [line.split("|") for line in proc.stdout.splitlines()]
+        return [(r[0].split()[0], r[1], r[2]) for r in rows if len(r) == 3 and r[0]]
+
     def query(self, ids: Sequence[str]) -> tuple[dict[str, SlurmRow], bool]:
         """The freshest row for every id that Slurm knows, and whether accounting answered.
 

@@ -23,6 +23,10 @@ def agent_config(task: TaskInfo, save_interval: int, experiment_name: str) -> di
         "obs_groups": {"actor": ["policy"], "critic": ["policy"]},
         "logger": "tensorboard",
         "check_for_nan": True,
+        # mjlab's names: start a new run from a checkpoint of another run (--agent.resume True).
+        "resume": False,
+        "load_run": ".*",
+        "load_checkpoint": "model_.*.pt",
         "actor": {
             "class_name": "rsl_rl.models.MLPModel",
             "hidden_dims": list(a.get("actor_hidden", (128, 128))),
@@ -147,7 +151,7 @@ def _same_kind(flag: str, old: Any, new: Any, raw: str) -> Any:
     elif isinstance(old, float):
         ok, what = isinstance(new, int | float) and not isinstance(new, bool), "a number"
     elif isinstance(old, str):
-        ok, what = isinstance(new, str), "a text"
+        return raw  # as typed: `2026-11-23` is a run's name here, not a date
     elif isinstance(old, list | tuple):
         ok, what = isinstance(new, list | tuple), "a list"
         new = list(new) if ok else new

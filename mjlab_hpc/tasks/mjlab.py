@@ -44,10 +44,14 @@ import importlib.util
 import io
 import os
 import re
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from mjlab_hpc.errors import SpecError
+from mjlab_hpc.tasks.video import Recording, egl_device_for_cuda, gl_backend, record_videos
 
 __all__ = [
     "MjlabDefaults",
@@ -70,6 +74,8 @@ __all__ = [
 _SEED_FLAGS = ("--agent.seed", "--env.seed")
 _OVERRIDE_PREFIXES = ("--env.", "--agent.")
 _MOTION_FLAG = "--env.commands.motion.motion-file"
+# mjlab's NanGuardCfg.output_dir default (node-local /tmp): replaced by the run's folder.
+_DEFAULT_NAN_DUMPS = "/tmp/mjlab/nan_dumps"
 
 
 def mjlab_available() -> bool:
@@ -78,8 +84,21 @@ def mjlab_available() -> bool:
 
 
 def _registry() -> Any:
-    """mjlab's task registry, filled (importing mjlab.tasks registers the built-in tasks)."""
-    import mjlab.tasks  # noqa: F401
+    """mjlab's task registry, filled (importing mjlab.tasks registers the built-in tasks).
+    MuJoCo loads its offscreen GL library when it is imported: a MUJOCO_GL whose library is
+    missing is one SpecError naming it, not an import traceback."""
+    try:
+        import mjlab.tasks  # noqa: F401
+    except Exception as exc:
+        gl = gl_backend()
+        if "OpenGL" not in "".join(traceback.format_tb(exc.__traceback__)):
+            raise
+        raise SpecError(
+            "MUJOCO_GL",
+            f"importing mjlab failed loading MUJOCO_GL={gl}'s library ({type(exc).__name__}: "
+            f"{exc}): install it (egl: libegl1 libegl-mesa0 libgl1-mesa-dri; osmesa: "
+            "libosmesa6 on Debian) or set MUJOCO_GL to one this machine has",
+        ) from None
     from mjlab.tasks import registry
 
     return registry
@@ -118,6 +137,8 @@ class MjlabRuntime:
     """The RslRlOnPolicyRunnerCfg (or other RslRlBaseRunnerCfg) after flags and overrides."""
     device: str
     seed: int
+    recorder: Any = None
+    """mjlab's VideoRecorder inside `env` (--video, writer only), else None."""
 
     def runner_cfg(self) -> dict[str, Any]:
         """A fresh copy of `train_cfg` for one runner."""
@@ -263,6 +284,10 @@ def make_mjlab_runtime(
     overrides: Sequence[str] = (),
     registry_name: str | None = None,
     cpu_graph: bool = False,
+    motion_file: str | None = None,
+    recording: Recording | None = None,
+    nan_guard: bool = False,
+    nan_guard_dir: str | None = None,
 ) -> MjlabRuntime:
     """Build one rank's env for a registered mjlab task, and its rsl-rl config and runner class.
 
@@ -277,6 +302,11 @@ def make_mjlab_runtime(
     through `mjlab_hpc.rundir.once`) and name it with
     `--env.commands.motion.motion-file PATH`.
 
+    `motion_file`: a tracking task's motion when the env config names no existing file (what
+    --registry-name fetched). `recording`: record videos as mjlab's --video does (this rank
+    renders; EGL on its own GPU). `nan_guard`: mjlab's --enable-nan-guard, its dumps in
+    `nan_guard_dir` unless the config names another folder than mjlab's default.
+
     `cpu_graph`: on CPU, replay physics through captured Warp graphs as mjlab does on CUDA
     (mjlab itself never captures on CPU). Measured here bit-identical to plain stepping and
     2.5x (G1, 16 envs) to ~30x (cartpole, 16 envs) faster per env step. No effect on CUDA,
@@ -287,9 +317,16 @@ def make_mjlab_runtime(
     )
     agent_cfg.seed = seed
     env_cfg.seed = seed
+    if nan_guard:  # as mjlab's train applies --enable-nan-guard: after the overrides
+        env_cfg.sim.nan_guard.enabled = True
+        if nan_guard_dir and env_cfg.sim.nan_guard.output_dir == _DEFAULT_NAN_DUMPS:
+            env_cfg.sim.nan_guard.output_dir = nan_guard_dir
     runner_kwargs: dict[str, Any] = {}
     if tracking:
-        motion_file = env_cfg.commands["motion"].motion_file
+        motion = env_cfg.commands["motion"]
+        if motion_file and not (motion.motion_file and Path(motion.motion_file).is_file()):
+            motion.motion_file = motion_file
+        motion_file = motion.motion_file
         if not motion_file or not Path(motion_file).is_file():
             raise ValueError(
                 f"{task} imitates a motion: give {_MOTION_FLAG} /path/to/motion.npz "
@@ -299,7 +336,6 @@ def make_mjlab_runtime(
         runner_kwargs["registry_name"] = _with_alias(registry_name) if registry_name else None
 
     import warp as wp
-    from mjlab.envs import ManagerBasedRlEnv
     from mjlab.rl import RslRlVecEnvWrapper
 
     if device.startswith("cuda"):
@@ -307,11 +343,17 @@ def make_mjlab_runtime(
         from mjlab.utils.torch import configure_torch_backends
 
         configure_torch_backends()
+    if recording is not None and device.startswith("cuda"):
+        # EGL's device order is its own: render on the EGL device of this rank's GPU.
+        egl = egl_device_for_cuda(int(device.partition(":")[2] or 0))
+        if egl is not None:
+            os.environ["MUJOCO_EGL_DEVICE_ID"] = str(egl)
     with wp.ScopedDevice(device):
-        env = ManagerBasedRlEnv(cfg=env_cfg, device=device, render_mode=None)
+        env = _make_env(env_cfg, device, recording)
+        recorder = record_videos(env, recording) if recording is not None else None
         if cpu_graph:
             enable_cpu_graph(env)
-        vec_env = RslRlVecEnvWrapper(env, clip_actions=agent_cfg.clip_actions)
+        vec_env = RslRlVecEnvWrapper(recorder or env, clip_actions=agent_cfg.clip_actions)
     return MjlabRuntime(
         task=task,
         env=vec_env,
@@ -322,7 +364,28 @@ def make_mjlab_runtime(
         agent_cfg=agent_cfg,
         device=device,
         seed=seed,
+        recorder=recorder,
     )
+
+
+def _make_env(env_cfg: Any, device: str, recording: Recording | None) -> Any:
+    """mjlab's env, with an offscreen renderer when it records; a renderer that cannot start
+    is one line naming --video, not a GL traceback."""
+    from mjlab.envs import ManagerBasedRlEnv
+
+    if recording is None:
+        return ManagerBasedRlEnv(cfg=env_cfg, device=device, render_mode=None)
+    try:
+        return ManagerBasedRlEnv(cfg=env_cfg, device=device, render_mode="rgb_array")
+    except Exception as exc:
+        detail = " ".join(str(exc).split())[:300]
+        egl_id = os.environ.get("MUJOCO_EGL_DEVICE_ID", "unset")
+        raise RuntimeError(
+            f"--video: offscreen rendering does not work on this machine (MUJOCO_GL="
+            f"{gl_backend()}, MUJOCO_EGL_DEVICE_ID={egl_id}: {type(exc).__name__}: {detail}); "
+            "install EGL (libegl1, libegl-mesa0, libgl1-mesa-dri on Debian) or OSMesa "
+            "(libosmesa6, MUJOCO_GL=osmesa), or drop --video"
+        ) from None
 
 
 def enable_cpu_graph(env: Any) -> bool:
@@ -385,6 +448,20 @@ class MjlabDefaults:
     """agent.experiment_name"""
     description: str
     """One line for listings."""
+    tracking: bool = False
+    """The task imitates a motion file."""
+    motion_file: str = ""
+    """env.commands.motion.motion_file (tracking tasks)."""
+    resume: bool = False
+    """agent.resume: start from a checkpoint of another run (mjlab's --agent.resume True)."""
+    load_run: str = ".*"
+    """agent.load_run: which run (regular expression on run folder names)."""
+    load_checkpoint: str = r"model_.*.pt"
+    """agent.load_checkpoint: which checkpoint of it (regular expression)."""
+    save_interval: int = 50
+    """agent.save_interval"""
+    run_name: str = ""
+    """agent.run_name: the run folder's suffix (and the W&B run's name)."""
 
 
 def task_defaults(
@@ -398,4 +475,11 @@ def task_defaults(
         max_iterations=int(agent_cfg.max_iterations),
         experiment_name=str(agent_cfg.experiment_name),
         description="mjlab task" + (" (motion tracking)" if tracking else ""),
+        tracking=tracking,
+        motion_file=str(env_cfg.commands["motion"].motion_file or "") if tracking else "",
+        resume=bool(agent_cfg.resume),
+        load_run=str(agent_cfg.load_run),
+        load_checkpoint=str(agent_cfg.load_checkpoint),
+        save_interval=int(agent_cfg.save_interval),
+        run_name=str(agent_cfg.run_name or ""),
     )

@@ -4,12 +4,19 @@ training spec's task is resolved into the values every later stage uses."""
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks import mjlab
 from mjlab_hpc.tasks.agent import agent_config, apply_agent_overrides
 from mjlab_hpc.tasks.builtin import BUILTIN_TASKS, TaskInfo
+from mjlab_hpc.tasks.warmstart import (
+    fetch_wandb_checkpoint,
+    fetch_wandb_motion,
+    find_run_checkpoint,
+    run_checkpoints,
+)
 
 __all__ = ["list_tasks", "resolve"]
 
@@ -39,18 +46,31 @@ def resolve(spec: TrainSpec) -> ResolvedSpec:
     and `--env.*`/`--agent.*` overrides: the effective values every later stage uses.
 
     SpecError naming TASK for an unknown task (with the known ones), or the override flag that
-    cannot apply.
+    cannot apply. A run that starts from another run's checkpoint (`--agent.resume True`)
+    gets it here, and a tracking task its motion (`--registry-name`): W&B downloads happen
+    here, once, before anything of the run exists.
     """
     overrides = tuple(spec.overrides)
     if spec.task in BUILTIN_TASKS:
         task = BUILTIN_TASKS[spec.task]
-        apply_agent_overrides(agent_config(task, 1, task.name), overrides)  # validates them
+        cfg = apply_agent_overrides(agent_config(task, 1, task.name), overrides)  # validates
+        for flag, given in (("--video", spec.video), ("--enable-nan-guard", spec.enable_nan_guard)):
+            if given:
+                raise SpecError(
+                    flag,
+                    f"is for mjlab tasks; the built-in task {spec.task!r} has no renderer and "
+                    "no NaN guard (it checks for NaN itself): drop it",
+                )
+        experiment = spec.experiment_name or task.experiment_name
         return ResolvedSpec(
             train=spec,
             source="built-in",
             num_envs=spec.num_envs or task.num_envs,
             max_iterations=spec.max_iterations or task.max_iterations,
-            experiment_name=spec.experiment_name or task.experiment_name,
+            experiment_name=experiment,
+            start_checkpoint=_start_checkpoint(
+                spec, experiment, bool(cfg["resume"]), cfg["load_run"], cfg["load_checkpoint"]
+            ),
         )
     if not mjlab.is_mjlab_task(spec.task):
         known = mjlab.list_mjlab_tasks()
@@ -73,10 +93,52 @@ def resolve(spec: TrainSpec) -> ResolvedSpec:
         defaults = mjlab.task_defaults(spec.task, spec.num_envs, spec.max_iterations, overrides)
     except ValueError as exc:
         raise SpecError("--env/--agent", str(exc)) from None
+    experiment = spec.experiment_name or defaults.experiment_name
+    # mjlab's --agent.save-interval and --agent.run-name mean what our flags of those names do.
+    given = {o.partition("=")[0].replace("_", "-") for o in overrides if o.startswith("--agent.")}
+    if "--agent.save-interval" in given:
+        spec = spec.replace(save_interval=defaults.save_interval)
+    if "--agent.run-name" in given and not spec.run_name:
+        spec = spec.replace(run_name=defaults.run_name)
+    spec.validate()
+    motion = None
+    if defaults.tracking and not Path(defaults.motion_file or ".").is_file():
+        if spec.registry_name is None:
+            raise SpecError(
+                "--env.commands.motion.motion-file",
+                f"{spec.task} imitates a motion: give --env.commands.motion.motion-file "
+                "/path/to/motion.npz (on the shared filesystem), or --registry-name "
+                "entity/project/name to fetch it from the W&B registry once"
+                + (f" ({defaults.motion_file!r} is no file)" if defaults.motion_file else ""),
+            )
+        motion = str(fetch_wandb_motion(Path(spec.log_root) / experiment, spec.registry_name))
     return ResolvedSpec(
         train=spec,
         source="mjlab",
         num_envs=defaults.num_envs,
         max_iterations=defaults.max_iterations,
-        experiment_name=spec.experiment_name or defaults.experiment_name,
+        experiment_name=experiment,
+        start_checkpoint=_start_checkpoint(
+            spec, experiment, defaults.resume, defaults.load_run, defaults.load_checkpoint
+        ),
+        motion_file=motion,
     )
+
+
+def _start_checkpoint(
+    spec: TrainSpec, experiment: str, resume: bool, load_run: str, load_checkpoint: str
+) -> str | None:
+    """The checkpoint of another run a new run starts from (mjlab's --agent.resume True:
+    --wandb-run-path, else the latest run matching --agent.load-run), None without one. A run
+    directory that holds checkpoints continues from its own: none is looked up."""
+    if not resume:
+        return None
+    if spec.run_dir and run_checkpoints(Path(spec.run_dir)):
+        return None
+    folder = Path(spec.log_root) / experiment
+    if spec.wandb_run_path:
+        path = fetch_wandb_checkpoint(folder, spec.wandb_run_path, spec.wandb_checkpoint_name)
+    else:
+        exclude = Path(spec.run_dir) if spec.run_dir else None
+        path = find_run_checkpoint(folder, load_run, load_checkpoint, exclude)
+    return str(path.resolve())

@@ -1,6 +1,8 @@
-"""The benchmark (`make bench`): a real `--quick` run writes every figure and a readable PNG;
-the statistics and the compile counter on their own. No timing is asserted: the figures of a
-quick run on a shared machine mean nothing, only that they are all there."""
+"""The benchmark (`make bench`): a real `--quick` run writes every figure and a readable PNG
+(and the GPU figures where there is a GPU, else the reason they were skipped); the statistics,
+the compile counter and the GPU section's orchestration (with stand-in commands) on their own.
+No timing is asserted: the figures of a quick run on a shared machine mean nothing, only that
+they are all there."""
 
 from __future__ import annotations
 
@@ -13,8 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from mjlab_hpc.bench import gpu
 from mjlab_hpc.bench.compile import CompileWatch
+from mjlab_hpc.bench.config import BenchConfig
+from mjlab_hpc.bench.healing import HANG_TIMEOUT_S, healing_figures
 from mjlab_hpc.bench.report import main as bench_main
+from mjlab_hpc.bench.session import Bench
 from mjlab_hpc.bench.stats import Figure, parse_rsl_rl_log, spread, throughput
 from mjlab_hpc.bench.watch import bench_env
 
@@ -38,10 +44,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.mark.training
 @pytest.mark.mjlab
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # 300 s without a GPU; with one, the GPU section follows
 def test_quick_bench_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "bench"
-    assert bench_main(["--quick", "--out", str(out)]) == 0
+    # Self-healing has its own tests (tests/launch/test_healing.py) and figures test below.
+    assert bench_main(["--quick", "--no-healing", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "scaling efficiency" in printed  # the table comes last
 
@@ -49,7 +56,14 @@ def test_quick_bench_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureF
     assert doc["failures"] == []
     assert doc["quick"] is True
     assert doc["machine"]["cores"] >= 1 and doc["machine"]["cpu_model"]
-    assert set(doc["figures"]) == FIGURES
+    if doc["gpu"]["measured"]:
+        assert doc["machine"]["gpu"] and doc["gpu"]["skipped"] is None
+        assert set(doc["figures"]) == FIGURES | set(gpu.GPU_FIGURES)
+    else:  # said in bench.json and printed after the table
+        assert doc["gpu"]["skipped"].startswith("no GPU: "), doc["gpu"]
+        assert doc["machine"]["gpu"] is None
+        assert f"GPU figures: skipped: {doc['gpu']['skipped']}" in printed.split("target")[-1]
+        assert set(doc["figures"]) == FIGURES
     for key, fig in doc["figures"].items():
         assert fig["n"] >= 1, key
         for stat in ("median", "q1", "q3", "min", "max"):
@@ -153,3 +167,113 @@ def test_bench_env_drops_launcher_variables(monkeypatch: pytest.MonkeyPatch) -> 
     assert "RANK" not in env and "SLURM_PROCID" not in env and "SUBMITIT_LOCAL_NTASKS" not in env
     assert env["WARP_CACHE_PATH"] == "/x"
     assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    assert env["CUDA_VISIBLE_DEVICES"] == ""  # CPU figures stay CPU figures on a GPU machine
+    with_gpus = bench_env(gpus=True)  # the GPU section: the GPUs this process sees
+    assert with_gpus.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_cuda_probe_answers_or_says_why_not() -> None:
+    found = gpu.cuda_probe(bench_env(gpus=True))
+    assert isinstance(found["available"], bool)
+    if found["available"]:
+        assert found["name"] and found["count"] >= 1
+    else:
+        assert found["reason"] and "torch" in found["reason"], found
+
+
+def test_gpu_section_without_a_gpu_is_skipped_and_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    said: list[str] = []
+    why = "torch 2.13.0+cpu is a CPU build, nvidia-smi is not installed"
+    monkeypatch.setattr(gpu, "cuda_probe", lambda env: {"available": False, "reason": why})
+    bench = Bench(BenchConfig(out=tmp_path), said.append)
+    record = gpu.run_gpu(bench)
+    assert record["skipped"] == f"no GPU: {why}"
+    assert bench.details["gpu"] is record
+    assert said == [f"GPU figures: skipped: no GPU: {why}"]
+    assert gpu.gpu_figures(bench.cfg, record) == []
+
+
+# Stand-ins for mjlab's `train` (rsl-rl's console blocks) and our `mjlab-train`
+# (progress.jsonl): 1000 env-steps per iteration in 0.3 s and in 0.24 s of collection + update.
+MJLAB_TRAIN = """
+import sys, time
+n = int(sys.argv[sys.argv.index("--agent.max-iterations") + 1])
+for i in range(n):
+    time.sleep(0.1)
+    print("#" * 80)
+    print(f"                 Learning iteration {i}/{n}")
+    print(f"                 Total steps: {(i + 1) * 1000}")
+    print("                 Collection time: 0.200s")
+    print("                 Learning time: 0.100s")
+    print(f"                 Mean reward: {i:.2f}", flush=True)
+"""
+OUR_TRAIN = """
+import json, pathlib, sys, time
+n = int(sys.argv[sys.argv.index("--max-iterations") + 1])
+run = pathlib.Path(sys.argv[sys.argv.index("--log-root") + 1]) / "g1" / "run"
+run.mkdir(parents=True)
+for i in range(1, n + 1):
+    time.sleep(0.1)
+    with open(run / "progress.jsonl", "a") as f:
+        f.write(json.dumps({"iteration": i, "env_steps": 1000, "collect_s": 0.16,
+                            "learn_s": 0.08, "mean_reward": i - 1.0}) + "\\n")
+"""
+
+
+def test_gpu_section_runs_both_sides_and_computes_its_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU comparison's orchestration on a machine without a GPU: stand-in commands,
+    a stand-in probe and rollout; alternation, parsing, first-iteration times and figures."""
+    pytest.importorskip("mjlab", reason="the GPU comparison needs the [mjlab] extra")
+    scripts = {}
+    for name, code in (("train", MJLAB_TRAIN), ("mjlab-train", OUR_TRAIN)):
+        path = tmp_path / name
+        path.write_text(f"#!{sys.executable}\n{code}")
+        path.chmod(0o755)
+        scripts[name] = str(path)
+    rollouts = []
+
+    def rollout(cfg: BenchConfig, env: dict, device: str, n: int, timeout_s: float) -> dict:
+        rollouts.append((device, n))
+        return {"cartpole": {"ratios": [0.5, 0.7]}}
+
+    monkeypatch.setattr(gpu, "cli", scripts.__getitem__)
+    monkeypatch.setattr(gpu, "run_rollout", rollout)
+    monkeypatch.setattr(gpu, "cuda_probe", lambda env: {"available": True, "name": "Stand-in"})
+    said: list[str] = []
+    cfg = BenchConfig(out=tmp_path / "out", iterations=2, gpu_repeats=2)
+    record = gpu.run_gpu(Bench(cfg, said.append))
+
+    assert rollouts == [("cuda:0", 4096)]
+    pairs = record["mjlab"]["pairs"]
+    assert len(pairs) == 2 and all(p["same_rewards"] for p in pairs)
+    assert [p["mjlab_train"] for p in pairs] == pytest.approx([2000 / 0.6] * 2)
+    assert [p["ours"] for p in pairs] == pytest.approx([2000 / 0.48] * 2)
+    for p in pairs:  # after about one 0.1 s iteration, not at the end of the run
+        assert (
+            0.05 < p["ours_first_iteration_s"] < 5 and 0.05 < p["mjlab_train_first_iteration_s"] < 5
+        )
+    # Alternating order: mjlab's train first, then ours first.
+    started = [line.split(":")[0].strip() for line in said if line.startswith("  gpu-")]
+    assert started == ["gpu-mjlab-train-1", "gpu-ours-1", "gpu-ours-2", "gpu-mjlab-train-2"]
+    figures = {f.key: f.summary() for f in gpu.gpu_figures(cfg, record)}
+    assert set(figures) == {"gpu_mjlab_vs_train", "gpu_first_iteration",
+                            "gpu_rollout_overhead_cartpole"}  # fmt: skip
+    assert figures["gpu_mjlab_vs_train"]["median"] == pytest.approx(1.25)
+    assert figures["gpu_mjlab_vs_train"]["met"] is True
+    assert figures["gpu_first_iteration"]["n"] == 2
+    assert figures["gpu_rollout_overhead_cartpole"]["median"] == pytest.approx(0.6)
+
+
+def test_healing_figures() -> None:
+    """The self-healing figures from what the crash and hang jobs recorded in run.json."""
+    details = {"crash": {"recovery_s": 21.5, "recomputed": 3},
+               "hang": {"recovery_s": 33.0, "recomputed": 3}}  # fmt: skip
+    figs = {f.key: f.summary() for f in healing_figures(details)}
+    assert figs["heal_crash_s"]["median"] == 21.5 and figs["heal_crash_s"]["met"] is True
+    assert figs["heal_hang_s"]["target"] == 60.0 + HANG_TIMEOUT_S
+    assert "3 iteration(s) recomputed" in figs["heal_hang_s"]["definition"]
+    assert [f.samples for f in healing_figures({})] == [(), ()]

@@ -76,8 +76,8 @@ def local_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalJobs]:
     root = tmp_path_factory.mktemp("ops")
     local = ["cartpole", "--executor", "local", *SMALL]
     commands = [
-        ([*local, "--tasks-per-node", "2", "--max-iterations", "50", "--log-root",
-          str(root / "failing")], fault_env(root / "fault", rank=1, iteration=3)),
+        ([*local, "--tasks-per-node", "2", "--max-iterations", "50", "--max-restarts", "0",
+          "--log-root", str(root / "failing")], fault_env(root / "fault", rank=1, iteration=3)),
         ([*local, "--tasks-per-node", "2", "--max-iterations", "5000", "--log-root",
           str(root / "long")], {}),
         ([*local, "--tasks-per-node", "1", "--max-iterations", "3", "--sweep", "seed=1,2",

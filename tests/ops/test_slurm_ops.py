@@ -87,7 +87,7 @@ def cluster_jobs(
     root = tmp_path_factory.mktemp("slurm-ops")
     two_nodes = ["cartpole", "--nodes", "2", "--tasks-per-node", "1", *SMALL]
     commands = {
-        "failing": ([*two_nodes, "--max-iterations", "50"],
+        "failing": ([*two_nodes, "--max-iterations", "50", "--max-restarts", "0"],
                     fault_env(root / "fault", rank=1, iteration=3)),
         "long": ([*two_nodes, "--max-iterations", "5000"], {}),
         "sweep": (["cartpole", "--nodes", "1", *SMALL, "--max-iterations", "3", "--sweep",

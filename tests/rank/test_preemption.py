@@ -35,6 +35,7 @@ from mjlab_hpc.rank.stop import (
     classify,
     watch_signals,
 )
+from mjlab_hpc.rundir.record import read_record
 
 COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
           "--save-interval", "100"]  # fmt: skip
@@ -109,11 +110,12 @@ def test_resume_by_hand_is_exact(tmp_path: Path, shared_tmp: Path) -> None:
 
 @pytest.mark.training
 def test_kill_one_rank_ends_the_job_and_names_it(tmp_path: Path) -> None:
-    """kill -9 of rank 1 mid-run: the job ends promptly, leaves nothing, and the launcher,
-    `status` and `logs` name rank 1 as the cause, not rank 0 that lost its peer."""
+    """kill -9 of rank 1 mid-run with self-healing off (--max-restarts 0): the job ends
+    promptly, leaves nothing, and the launcher, `status` and `logs` name rank 1 as the cause,
+    not rank 0 that lost its peer. (With healing: tests/launch/test_healing.py.)"""
     proc = subprocess.Popen(
         [BIN / "mjlab-train", *COMMON, "--max-iterations", "1000", "--num-procs", "2",
-         "--log-root", str(tmp_path), "--dist-timeout-s", "300"],
+         "--log-root", str(tmp_path), "--dist-timeout-s", "300", "--max-restarts", "0"],
         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     run = wait_for_iteration(tmp_path, 2)
@@ -130,6 +132,9 @@ def test_kill_one_rank_ends_the_job_and_names_it(tmp_path: Path) -> None:
     assert "ended without an exit record (killed by a signal" in said
     assert elapsed < 150  # far inside the collective timeout: gloo sees the closed socket
     assert rank_pids(run) == []
+    (fault,) = read_record(run.path)["faults"]  # recorded, not healed: restarts exhausted
+    assert fault["kind"] == "failed" and "--max-restarts 0" in fault["action"], fault
+    assert fault["reason"] == "crash" and fault["ranks"] == [1]
     status = subprocess.run([BIN / "mjlab-hpc", "status", "--json", str(run.path)],
                             env=cli_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
     row = json.loads(status.stdout)[0]

@@ -1,0 +1,162 @@
+"""The controller of our local jobs: submitit's local controller, plus what srun and the batch
+script do for a Slurm job.
+
+- When a rank fails (an exception, a signal, the hang watchdog), the others are ended after a
+  moment instead of waiting in a collective (srun's --kill-on-bad-exit).
+- A start that ended in a crash or a hang is healed: `mjlab_hpc.launch.heal` records the
+  fault and the ranks start again from the newest valid checkpoint, while restarts remain
+  and the failure is not a repeat.
+- Ranks that exit for a requeue (the time-limit signal) start again, as under submitit.
+
+Run as `python -m mjlab_hpc.launch.controller <submitit folder>` by `HealingExecutor`; the
+run directory is the folder's parent. A stop signal to the controller (our launcher's first
+Ctrl-C, `mjlab-hpc cancel`) is forwarded to the ranks and nothing is healed after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.local.local import Controller, LocalJob, LocalJobEnvironment
+
+from mjlab_hpc.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_HUNG,
+    EXIT_INTERRUPTED,
+    EXIT_LOCAL_REQUEUE,
+    EXIT_OK,
+    EXIT_STOPPED,
+)
+from mjlab_hpc.launch.heal import decide, record_healing
+
+__all__ = ["CONTROLLER_MODULE", "MAX_RESTARTS_ENV", "HealingController", "HealingExecutor"]
+
+CONTROLLER_MODULE = "mjlab_hpc.launch.controller"
+MAX_RESTARTS_ENV = "MJLAB_HPC_MAX_RESTARTS"
+# Seconds the other ranks get after one failed, before they are killed: a rank whose peer
+# died has nothing to save, and one that waits on a frozen peer never ends by itself.
+_KILL_GRACE_S = 5.0
+# Starts in one job at most, whatever the ranks say (each rank also counts its requeues).
+_MAX_STARTS = 1000
+# Exit codes of a rank that ended on purpose (all ranks end alike): no reason to end others.
+_ON_PURPOSE = (EXIT_OK, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_LOCAL_REQUEUE)
+
+
+class HealingController(Controller):  # type: ignore[misc]
+    """submitit's local controller that ends a failed start at once and heals it."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.run_dir = Path(folder).parent
+        self.max_restarts = int(os.environ.get(MAX_RESTARTS_ENV, "10"))
+        self.signalled = False
+        signal.signal(signal.SIGTERM, self._stop_signal)
+
+    def _stop_signal(self, signum: int, frame: Any) -> None:
+        # A stop by a person or our launcher: forwarded; nothing is healed after it.
+        self.signalled = True
+        self._forward_signal(signum)
+
+    def _end_others(self) -> None:
+        for task in self.tasks:
+            if task.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped rank too
+                    with contextlib.suppress(OSError):
+                        task.send_signal(sig)
+
+    def wait(self, freq: int = 24) -> Sequence[int | None]:
+        """Wait for every rank; the time-limit signal as submitit sends it; the others ended
+        shortly after one failed."""
+        timeout = freq * self.timeout_s
+        almost = freq * (self.timeout_s - self.signal_delay_s)
+        failed_at: float | None = None
+        for step in range(timeout):
+            codes = [t.poll() for t in self.tasks]
+            if all(c is not None for c in codes):
+                return codes
+            if failed_at is None and any(c is not None and c not in _ON_PURPOSE for c in codes):
+                failed_at = time.monotonic()
+            # After a hang the live ranks have written their stacks: the rest is frozen.
+            grace = 0.0 if EXIT_HUNG in codes else _KILL_GRACE_S
+            if failed_at is not None and time.monotonic() - failed_at > grace:
+                self._end_others()
+            if step == almost:
+                self._time_limit_signal()
+            time.sleep(1.0 / freq)
+        return [t.poll() for t in self.tasks]
+
+    def _time_limit_signal(self) -> None:
+        self._forward_signal(LocalJobEnvironment._usr_sig())
+
+    def run(self, max_retry: int = _MAX_STARTS) -> None:
+        """Start the ranks; start them again after a requeue or a healed fault."""
+        for _ in range(max_retry):
+            try:
+                self.start_tasks()
+                codes = self.wait()
+            finally:
+                self.kill_tasks()
+            if any(c == EXIT_LOCAL_REQUEUE for c in codes):
+                continue
+            if self.signalled or all(c == EXIT_OK for c in codes):
+                return
+            heal = decide(self.run_dir, self.max_restarts, job_id=self.pid)
+            if heal.fault is None:
+                return
+            print(f"mjlab-hpc heal: {heal.fault.reason} after iteration "
+                  f"{heal.fault.iteration}: {heal.fault.error}; {heal.why}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            try:
+                record_healing(self.run_dir, heal)
+            except Exception as exc:  # the run matters more than its record: heal anyway
+                print(f"mjlab-hpc heal: could not record the fault: {exc}", file=sys.stderr)
+            if not heal.requeue or self.signalled:
+                return
+
+
+class HealingExecutor(submitit.LocalExecutor):  # type: ignore[misc]
+    """submitit's LocalExecutor whose jobs run under `HealingController`."""
+
+    def __init__(self, folder: Path, max_restarts: int) -> None:
+        super().__init__(folder=folder)
+        self.max_restarts = max_restarts
+
+    def _submit_command(self, command: str) -> LocalJob[Any]:
+        ntasks = self.parameters.get("tasks_per_node", 1)
+        n_gpus = self.parameters.get("gpus_per_node", 0)
+        visible = self.parameters.get("visible_gpus", ())
+        gpus = range(n_gpus) if visible == () else visible[:n_gpus]
+        env = dict(os.environ)
+        # What submitit's start_controller sets, for its Controller and the tasks.
+        env.update(
+            SUBMITIT_LOCAL_NTASKS=str(ntasks),
+            SUBMITIT_LOCAL_COMMAND=command,
+            SUBMITIT_LOCAL_TIMEOUT_S=str(int(60 * self.parameters.get("timeout_min", 2.0))),
+            SUBMITIT_LOCAL_SIGNAL_DELAY_S=str(int(self.parameters.get("signal_delay_s", 30))),
+            SUBMITIT_LOCAL_NODEID="0",
+            SUBMITIT_LOCAL_JOB_NUM_NODES="1",
+            SUBMITIT_STDERR_TO_STDOUT="1" if self.parameters.get("stderr_to_stdout") else "",
+            SUBMITIT_EXECUTOR="local",
+            CUDA_VISIBLE_DEVICES=",".join(str(k) for k in gpus),
+            SUBMITIT_LOCAL_WITH_SHELL="",
+        )
+        env[MAX_RESTARTS_ENV] = str(self.max_restarts)
+        argv = [sys.executable, "-m", CONTROLLER_MODULE, str(self.folder)]
+        process = subprocess.Popen(argv, env=env)  # outlives this call, as submitit's does
+        return LocalJob(
+            folder=self.folder, job_id=str(process.pid), process=process, tasks=list(range(ntasks))
+        )
+
+
+if __name__ == "__main__":
+    assert len(sys.argv) == 2, f"usage: python -m {CONTROLLER_MODULE} <submitit folder>"
+    HealingController(Path(sys.argv[1])).run()

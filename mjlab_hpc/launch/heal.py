@@ -1,0 +1,365 @@
+"""Self-healing: after a start of a job ended because a rank crashed or hung, record the fault
+and start the job again from its newest valid checkpoint, without a person.
+
+Runs in the part of a job that outlives its ranks: the Slurm batch script after `srun`
+returns (`python -m mjlab_hpc.launch.heal --run-dir DIR --exit-code $?`), and our local
+executor's controller (`mjlab_hpc.launch.controller`). It reads what the ranks left (their
+`exit:` lines, the hang watchdog's findings), and decides:
+
+- nothing to heal: every rank completed, stopped, was refused or interrupted, or the run was
+  cancelled;
+- not again: the same failure at the same iteration as the previous fault (a bug in a reward,
+  a NaN: a crash loop), or --max-restarts faults of this kind already;
+- else requeue. On Slurm a fault attributed to a node (a rank killed by a signal, a rank that
+  stopped heartbeating) adds that node to the job's excluded nodes first, unless the
+  partition would then be too small for the job.
+
+The decision is recorded in run.json (`faults`) by the writer's lease lock, before acting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
+from mjlab_hpc.rundir import record
+from mjlab_hpc.rundir.layout import (
+    CANCEL_RECORD,
+    RunDir,
+    progress_summary,
+    read_hangs,
+    read_sweep,
+)
+from mjlab_hpc.rundir.outcome import first_failure, rank_ends
+from mjlab_hpc.rundir.writer import RunWriter
+from mjlab_hpc.slurm.client import SlurmClient
+
+__all__ = [
+    "Fault",
+    "Healing",
+    "apply_slurm",
+    "decide",
+    "exclude_and_release",
+    "find_fault",
+    "heal_job",
+    "heal_slurm",
+    "job_run_dir",
+    "main",
+    "record_healing",
+    "release_later",
+    "usable_without",
+]
+
+log = logging.getLogger("mjlab_hpc")
+
+_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
+# Node states in which a node takes no job.
+_UNUSABLE = ("DOWN", "DRAIN", "FAIL", "MAINT", "NOT_RESPONDING", "POWER", "REBOOT", "INVAL")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What ended a start: a crash or a hang, where, and at which iteration."""
+
+    reason: str
+    """crash or hang."""
+    error: str
+    ranks: tuple[int, ...]
+    hosts: tuple[str, ...]
+    iteration: int
+    """The last iteration completed before the fault."""
+    suspect_nodes: tuple[str, ...] = ()
+    """Nodes the fault is attributed to (a rank killed by a signal, a frozen rank)."""
+    at_s: float | None = None
+    """When it happened (a crash: the failing rank's last log line; a hang: its last
+    progress)."""
+
+    def signature(self) -> str:
+        """The fault with its numbers blanked (pids, addresses): equal for a repeat."""
+        return f"{self.reason}|{_NUMBERS.sub('#', self.error)}"
+
+
+@dataclass
+class Healing:
+    """The decision about one failed start."""
+
+    fault: Fault | None
+    """None: nothing to heal (the start completed, stopped or was refused)."""
+    requeue: bool = False
+    why: str = ""
+    """Why not (or how) it is requeued, for people."""
+    exclude: list[str] = field(default_factory=list)
+    entry: dict[str, Any] = field(default_factory=dict)
+    """The run.json `faults` entry."""
+
+
+def find_fault(run_dir: Path) -> Fault | None:
+    """The crash or hang that ended the latest start (None: it ended otherwise)."""
+    run = RunDir(run_dir)
+    iteration = progress_summary(run).iteration or 0
+    hangs = read_hangs(run)
+    if hangs:
+        stalled = tuple(sorted({int(r) for h in hangs for r in h.get("stalled_ranks", [])}))
+        hosts = tuple(dict.fromkeys(str(x) for h in hangs for x in h.get("stalled_hosts", [])))
+        first = hangs[0]
+        who = (
+            f"rank(s) {', '.join(map(str, stalled))} on {', '.join(hosts)}"
+            if stalled
+            else ("every rank alike")
+        )
+        error = (f"no progress for {first.get('waited_s')} s after iteration "
+                 f"{first.get('iteration')} (limit {first.get('limit_s')} s): {who}")  # fmt: skip
+        began = float(first.get("at", time.time())) - float(first.get("waited_s", 0))
+        return Fault("hang", error, stalled, hosts, iteration, hosts if stalled else (), began)
+    ends = rank_ends(run_dir)
+    if not any(e.how in ("failed", "hung", "no-exit") for e in ends):
+        return None
+    cause = first_failure(ends)
+    assert cause is not None
+    host = cause.host or "?"
+    killed = cause.how == "no-exit"
+    failure = record.read_record(run_dir).get("failure") or {}
+    error = cause.describe()
+    if failure.get("kind") == "environment" and failure.get("error"):
+        error = str(failure["error"]).splitlines()[0]
+    at = cause.at.timestamp() if cause.at is not None else None  # rank logs: local time
+    return Fault("crash", error, (cause.rank,), (host,), iteration,
+                 (host,) if killed and cause.host else (), at)  # fmt: skip
+
+
+def decide(run_dir: Path, max_restarts: int, job_id: str | None = None) -> Healing:
+    """Whether to requeue after the latest start of the run in `run_dir` ended."""
+    fault = find_fault(run_dir)
+    if fault is None:
+        return Healing(None, why="nothing to heal")
+    rec = record.read_record(run_dir)
+    earlier = [f for f in rec.get("faults", []) if f.get("reason") == fault.reason]
+    requeued_before = sum(1 for f in earlier if f.get("kind") == "requeue")
+    entry: dict[str, Any] = {
+        "reason": fault.reason,
+        "error": fault.error[:2000],
+        "ranks": list(fault.ranks),
+        "hosts": list(fault.hosts),
+        "iteration": fault.iteration,
+        "job_id": job_id,
+        "at": record.now_iso(fault.at_s),
+        "at_s": fault.at_s or time.time(),
+        "healed_at": record.now_iso(),
+        "signature": fault.signature(),
+    }
+    heal = Healing(fault, entry=entry)
+    last = (rec.get("faults") or [None])[-1]
+    if (run_dir / CANCEL_RECORD).exists():
+        heal.why = "the run was cancelled (mjlab-hpc cancel)"
+    elif (
+        last
+        and last.get("signature") == entry["signature"]
+        and (int(last.get("iteration", -1)) == fault.iteration)
+    ):
+        heal.why = (
+            f"the same failure at iteration {fault.iteration} as the previous start: not "
+            "retried (a crash loop: a bug, a NaN or a bad node; fix it and resume)"
+        )
+    elif requeued_before >= max_restarts:
+        heal.why = (
+            f"--max-restarts {max_restarts}: the run already restarted {requeued_before} "
+            f"time(s) after a {fault.reason}"
+        )
+    else:
+        heal.requeue = True
+        heal.exclude = list(fault.suspect_nodes)
+        heal.why = f"requeued after a {fault.reason} ({requeued_before + 1} of {max_restarts})"
+    entry["kind"] = "requeue" if heal.requeue else "failed"
+    entry["action"] = heal.why
+    return heal
+
+
+def record_healing(run_dir: Path, heal: Healing, lease_wait_s: float = 60.0) -> None:
+    """Write the decision into run.json as the run's writer (waiting for a crashed writer's
+    lease to run out)."""
+    writer = RunWriter.acquire(RunDir(run_dir), rank=0, timeout_s=lease_wait_s)
+    try:
+        after = record.on_fault(record.read_record(run_dir), heal.entry, heal.requeue)
+        if not heal.requeue:  # the cause, not a consequence the writer may have recorded
+            after["failure"] = {
+                "kind": heal.entry["reason"], "error": heal.entry["error"],
+                "rank": (heal.entry["ranks"] or [None])[0],
+                "host": (heal.entry["hosts"] or [None])[0], "at": heal.entry["at"],
+            }  # fmt: skip
+        writer.write_json(writer.run.record, after)
+    finally:
+        writer.release()
+    for path in RunDir(run_dir).heartbeats.glob("hang-rank*.json"):  # recorded now
+        path.unlink(missing_ok=True)
+
+
+def _job_fields(client: SlurmClient, job_id: str) -> dict[str, str]:
+    text = client.show_job(job_id) or ""
+    return {m.group(1): m.group(2) for m in re.finditer(r"(\w+)=(\S*)", text)}
+
+
+def _excluded(client: SlurmClient, job_id: str) -> list[str]:
+    """The nodes the job already excludes."""
+    value = _job_fields(client, job_id).get("ExcNodeList", "(null)")
+    return [] if value in ("(null)", "") else client.hostnames(value) or []
+
+
+def usable_without(client: SlurmClient, job_id: str, exclude: Sequence[str]) -> tuple[bool, str]:
+    """Whether the job's partition still has enough usable nodes once `exclude` (and the
+    nodes excluded before) are left out; and why not."""
+    fields = _job_fields(client, job_id)
+    partition = fields.get("Partition", "")
+    needed = int(fields.get("NumNodes", "1").split("-")[0] or 1)
+    before = _excluded(client, job_id)
+    proc = client.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%T"])
+    if proc is None or proc.returncode != 0:
+        return False, "sinfo did not answer: the partition's size is unknown"
+    usable = {
+        line.split("|")[0]
+        for line in proc.stdout.splitlines()
+        if "|" in line and not any(s in line.split("|")[1].upper() for s in _UNUSABLE)
+    }
+    left = usable - set(exclude) - set(before)
+    if len(left) < needed:
+        return False, (
+            f"partition {partition} would have {len(left)} usable node(s) for a {needed}-node job"
+        )
+    return True, ""
+
+
+def apply_slurm(client: SlurmClient, job_id: str, heal: Healing) -> bool:
+    """Exclude the suspect nodes and requeue the job (from inside it). True when done."""
+    if not heal.exclude:
+        return client.requeue(job_id)
+    nodes = ",".join(dict.fromkeys([*_excluded(client, job_id), *heal.exclude]))
+    # A running job's ExcNodeList cannot change, and a requeue ends this script: hold the
+    # requeued job, change it while pending, release it, within Slurm's KillWait. A detached
+    # process does the same in case this one is killed first (where proctrack lets it live):
+    # a job left held would never run again.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    env = {**os.environ, **(client.env or {})}
+    with contextlib.suppress(OSError):
+        subprocess.Popen(
+            [sys.executable, "-m", "mjlab_hpc.launch.heal", "--release", job_id, "--exclude",
+             nodes],
+            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+    hold = client.run(["scontrol", "requeuehold", job_id])
+    if hold is None or hold.returncode != 0:
+        log.error("scontrol requeuehold %s failed: %s", job_id, hold and hold.stderr.strip())
+        return client.requeue(job_id)
+    return exclude_and_release(client, job_id, nodes)
+
+
+def exclude_and_release(client: SlurmClient, job_id: str, nodes: str) -> bool:
+    """Set a pending job's excluded nodes and release it (harmless when not held)."""
+    update = client.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={nodes}"])
+    if update is None or update.returncode != 0:
+        log.error("excluding %s failed: %s", nodes, update and update.stderr.strip())
+    release = client.run(["scontrol", "release", job_id])
+    return release is not None and release.returncode == 0
+
+
+def release_later(client: SlurmClient, job_id: str, nodes: str, wait_s: float = 60.0) -> int:
+    """The detached helper of `apply_slurm`: once the job is pending, exclude and release."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        state = client.job_state(job_id)
+        if state == "PENDING":
+            exclude_and_release(client, job_id, nodes)
+            return EXIT_OK
+        if state not in (None, "RUNNING", "REQUEUED", "REQUEUE_HOLD", "COMPLETING"):
+            return EXIT_OK  # running elsewhere already, or ended
+        time.sleep(0.2)
+    return EXIT_FAILED
+
+
+def heal_slurm(run_dir: Path, exit_code: int, max_restarts: int, client: SlurmClient) -> int:
+    """The batch script's step after srun: decide, record, act; the script's exit code."""
+    if exit_code == EXIT_OK:
+        return EXIT_OK
+    job_id = os.environ.get("SLURM_JOB_ID")
+    heal = decide(run_dir, max_restarts, job_id)
+    if heal.fault is None:
+        return exit_code
+    if heal.requeue and heal.exclude and job_id:
+        ok, why = usable_without(client, job_id, heal.exclude)
+        heal.entry["excluded_nodes"] = heal.exclude if ok else []
+        if not ok:
+            heal.entry["not_excluded"] = f"{', '.join(heal.exclude)} not excluded: {why}"
+            heal.exclude = []
+    _say(heal)
+    try:
+        record_healing(run_dir, heal)
+    except Exception as exc:  # the run matters more than its record: heal anyway
+        log.error("could not record the fault in run.json: %s", exc)
+    if heal.requeue and job_id and apply_slurm(client, job_id, heal):
+        return EXIT_OK
+    return exit_code if exit_code != EXIT_OK else EXIT_FAILED
+
+
+def _say(heal: Healing) -> None:
+    assert heal.fault is not None
+    print(f"mjlab-hpc heal: {heal.fault.reason} after iteration {heal.fault.iteration}: "
+          f"{heal.fault.error}; {heal.why}", file=sys.stderr, flush=True)  # fmt: skip
+    if heal.entry.get("excluded_nodes"):
+        print(f"mjlab-hpc heal: excluding node(s) {', '.join(heal.entry['excluded_nodes'])}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if heal.entry.get("not_excluded"):
+        print(f"mjlab-hpc heal: {heal.entry['not_excluded']}", file=sys.stderr, flush=True)
+
+
+def job_run_dir(path: Path, env: Mapping[str, str]) -> Path:
+    """The run directory of this job: `path`, or for a sweep's job array (`path` is the sweep
+    directory) the run directory of this array element."""
+    elements = read_sweep(path).get("elements")
+    if not elements:
+        return path
+    index = int(env.get("SLURM_ARRAY_TASK_ID", "0"))
+    return Path(elements[index]["run_dir"])
+
+
+def heal_job(run_dir: Path, exit_code: int, max_restarts: int) -> int:
+    """What a Slurm job script runs after srun: heal (see `heal_slurm`), never raising; the
+    script's exit code."""
+    logging.basicConfig(level=logging.INFO, format="mjlab-hpc heal: %(message)s")
+    try:
+        return heal_slurm(job_run_dir(run_dir, os.environ), exit_code, max_restarts, SlurmClient())
+    except Exception as exc:  # the job's own exit code matters more than ours
+        print(f"mjlab-hpc heal: could not heal on {socket.gethostname()}: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return exit_code or EXIT_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m mjlab_hpc.launch.heal --run-dir DIR --exit-code N --max-restarts N`."""
+    parser = argparse.ArgumentParser(prog="mjlab_hpc.launch.heal", description=__doc__)
+    parser.add_argument("--run-dir", type=Path)
+    parser.add_argument("--exit-code", type=int, default=0)
+    parser.add_argument("--max-restarts", type=int, default=10)
+    parser.add_argument("--release", help=argparse.SUPPRESS)  # apply_slurm's helper
+    parser.add_argument("--exclude", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.release:
+        return release_later(SlurmClient(), args.release, args.exclude or "")
+    if args.run_dir is None:
+        parser.error("--run-dir is required")
+    return heal_job(args.run_dir, args.exit_code, args.max_restarts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

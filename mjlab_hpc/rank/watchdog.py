@@ -1,0 +1,306 @@
+"""A rank that stops making progress: heartbeats, the hang watchdog, and injected faults.
+
+Every rank runs one daemon thread that writes its heartbeat (`logs/heartbeat/rank<k>.json`:
+iteration, host, pid, time) every few seconds and watches its own progress. Once the first
+iteration of a start has completed (kernel compilation, environment building and mjlab's
+start-up are behind), a rank whose iteration does not advance for the hang limit is hung, or
+waits for a peer that is:
+
+1. it writes its Python stacks (faulthandler, every thread) to its rank log, and names the
+   ranks that stopped heartbeating (a frozen process: SIGSTOP, a lost node) or that lag
+   behind the others (stuck in the filesystem, a deadlock), with their hosts;
+2. it records the hang (`logs/heartbeat/hang-rank<k>.json`) and waits a moment for the other
+   live ranks to do the same, so every live rank's stacks are on disk;
+3. it exits with EXIT_HUNG; the launcher (srun's --kill-on-bad-exit, our local controller)
+   ends the other ranks and the healer decides whether to requeue (`mjlab_hpc.launch.heal`).
+
+The limit is `--hang-timeout-s` or five times the slowest iteration seen so far, whichever is
+longer, so slow iterations never count as a hang; checkpoint writes do not count either.
+
+`MJLAB_HPC_FAULT` injects a fault for fire drills and tests: `KIND@ITERATION[:rankK][:once]`
+with KIND `raise` (a Python exception), `kill` (SIGKILL of the rank itself: a segfault, the
+OOM killer) or `stop` (SIGSTOP of the rank itself: a hang), at the end of that iteration, on
+rank K (default 0), on every start or only the first (`once`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from mjlab_hpc.errors import EXIT_HUNG
+from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
+
+__all__ = ["FAULT_ENV", "FaultInjection", "Hang", "Watchdog", "hang_limit_s"]
+
+log = logging.getLogger("mjlab_hpc")
+
+FAULT_ENV = "MJLAB_HPC_FAULT"
+_FAULT = re.compile(r"^(raise|kill|stop)@(\d+)((?::rank\d+)?)((?::once)?)$")
+# A heartbeat older than this many beats is a process that no longer runs.
+_STALE_BEATS = 3
+
+
+def hang_limit_s(timeout_s: float, slowest_iteration_s: float) -> float:
+    """How long without progress is a hang: the timeout, or five times the slowest iteration
+    so far when that is longer."""
+    return max(timeout_s, 5.0 * slowest_iteration_s)
+
+
+@dataclass(frozen=True)
+class Hang:
+    """What the watchdog found when it fired."""
+
+    rank: int
+    iteration: int
+    waited_s: float
+    limit_s: float
+    stalled: tuple[int, ...]
+    """Ranks that stopped heartbeating or lag behind (empty: every rank is stuck alike)."""
+    hosts: tuple[str, ...]
+    """Their hosts."""
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """For the hang file the healer reads."""
+        return {
+            "rank": self.rank,
+            "iteration": self.iteration,
+            "waited_s": round(self.waited_s, 1),
+            "limit_s": round(self.limit_s, 1),
+            "stalled_ranks": list(self.stalled),
+            "stalled_hosts": list(self.hosts),
+            "detail": self.detail,
+            "at": time.time(),
+        }
+
+
+class Watchdog:
+    """This rank's heartbeat and hang watchdog (a daemon thread; a context manager)."""
+
+    def __init__(
+        self,
+        run: RunDir,
+        rank: int,
+        world_size: int,
+        timeout_s: float | None,
+        rank_log: TextIO,
+        beat_s: float = 2.0,
+        host: str | None = None,
+        on_fire: Callable[[], None] | None = None,
+    ) -> None:
+        self.run = run
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.rank_log = rank_log
+        self.beat_s = beat_s if timeout_s is None else min(beat_s, max(timeout_s / 4, 0.25))
+        self.host = host or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        self.on_fire = on_fire
+        """Called before the exit (the writer gives up its lease: the healer needs it)."""
+        self.iteration = 0
+        self._armed_at: float | None = None
+        self._paused = 0
+        self._last = time.monotonic()
+        self._slowest = 0.0
+        self._first = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Watchdog:
+        self.run.heartbeats.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(
+            OSError
+        ):  # an earlier start's hang, read by the healer before this start
+            (self.run.heartbeats / f"hang-rank{self.rank}.json").unlink(missing_ok=True)
+        self._beat()
+        self._thread = threading.Thread(target=self._loop, name="watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def progress(self, iteration: int) -> None:
+        """An iteration completed: arm the watchdog (after the first one) and reset it."""
+        now = time.monotonic()
+        if self._armed_at is not None:
+            self._slowest = max(self._slowest, now - self._last)
+        else:
+            # Until an iteration has been timed, the first one (compilation included) stands
+            # in for it: a slow regime (a big CPU run) is not a hang at its second iteration.
+            self._armed_at = now
+            self._slowest = now - self._last
+            self._first = True
+        if self._first and self._armed_at != now:
+            self._slowest = now - self._last  # the first timed iteration replaces it
+            self._first = False
+        self._last = now
+        self.iteration = iteration
+
+    def paused(self) -> _Paused:
+        """A block that does not count as a hang (a checkpoint write)."""
+        return _Paused(self)
+
+    def disarm(self) -> None:
+        """Training is over (the last records are written): no longer watched."""
+        self._armed_at = None
+
+    def _beat(self) -> None:
+        beat = {"rank": self.rank, "host": self.host, "pid": os.getpid(),
+                "iteration": self.iteration, "t": time.time()}  # fmt: skip
+        path = self.run.heartbeat(self.rank)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        try:  # liveness only: no fsync; a failed beat is retried at the next one
+            tmp.write_text(json.dumps(beat))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    def _loop(self) -> None:
+        next_beat = time.monotonic() + self.beat_s
+        while not self._stop.wait(min(self.beat_s, 0.5)):
+            now = time.monotonic()
+            if now >= next_beat:
+                self._beat()
+                next_beat = now + self.beat_s
+            if self.timeout_s is None or self._armed_at is None or self._paused:
+                continue
+            limit = hang_limit_s(self.timeout_s, self._slowest)
+            if now - self._last > limit:
+                self._fire(self._diagnose(now - self._last, limit))
+                return
+
+    def _diagnose(self, waited: float, limit: float) -> Hang:
+        beats = read_heartbeats(self.run, self.world_size)
+        wall = time.time()
+        stale_s = _STALE_BEATS * self.beat_s
+        stalled = [
+            r
+            for r in range(self.world_size)
+            if r != self.rank and (r not in beats or wall - float(beats[r].get("t", 0)) > stale_s)
+        ]
+        if not stalled and beats:
+            top = max(int(b.get("iteration", 0)) for b in beats.values())
+            stalled = [r for r, b in sorted(beats.items()) if int(b.get("iteration", 0)) < top]
+        hosts = tuple(dict.fromkeys(str(beats.get(r, {}).get("host", "?")) for r in stalled))
+        lines = []
+        for r in range(self.world_size):
+            b = beats.get(r)
+            if b is None:
+                lines.append(f"rank {r}: no heartbeat")
+                continue
+            age = wall - float(b.get("t", 0))
+            mark = " <- stalled" if r in stalled else ""
+            lines.append(
+                f"rank {r} on {b.get('host')} (pid {b.get('pid')}): iteration "
+                f"{b.get('iteration')}, last heartbeat {age:.0f} s ago{mark}"
+            )
+        return Hang(self.rank, self.iteration, waited, limit, tuple(stalled), hosts,
+                    "; ".join(lines))  # fmt: skip
+
+    def _fire(self, hang: Hang) -> None:
+        who = (
+            f"rank(s) {', '.join(map(str, hang.stalled))} on {', '.join(hang.hosts)} stopped"
+            if hang.stalled
+            else "every rank stopped progressing alike (a collective, the filesystem or a GPU)"
+        )
+        log.error(
+            "hang: no progress for %.0f s after iteration %d (limit %.0f s): %s. %s. "
+            "Python stacks of this rank follow.",
+            hang.waited_s, hang.iteration, hang.limit_s, who, hang.detail,
+        )  # fmt: skip
+        try:
+            self.rank_log.flush()
+            faulthandler.dump_traceback(file=self.rank_log, all_threads=True)
+        except (OSError, ValueError):
+            pass
+        with contextlib.suppress(OSError):
+            (self.run.heartbeats / f"hang-rank{self.rank}.json").write_text(
+                json.dumps(hang.as_dict())
+            )
+        # The other live ranks fire within moments (they wait for the same peer): give them
+        # the time to write their stacks before this exit ends the job's other ranks.
+        deadline = time.monotonic() + min(10.0, max(2.0, 2 * self.beat_s))
+        live = {r for r in range(self.world_size) if r not in hang.stalled}
+        while time.monotonic() < deadline:
+            done = {r for r in live if (self.run.heartbeats / f"hang-rank{r}.json").exists()}
+            if done >= live:
+                break
+            time.sleep(0.2)
+        if self.on_fire is not None:
+            with contextlib.suppress(Exception):
+                self.on_fire()
+        log.error("exit: hung after iteration %d (%s)", hang.iteration, who)
+        for handler in log.handlers:
+            with contextlib.suppress(OSError):
+                handler.flush()
+        os._exit(EXIT_HUNG)
+
+
+class _Paused:
+    def __init__(self, dog: Watchdog) -> None:
+        self.dog = dog
+
+    def __enter__(self) -> None:
+        self.dog._paused += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.dog._paused -= 1
+        self.dog._last = time.monotonic()
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """A fault to inject at the end of an iteration (`MJLAB_HPC_FAULT`)."""
+
+    kind: str
+    iteration: int
+    rank: int = 0
+    once: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> FaultInjection | None:
+        """The injection asked for (None: none); ValueError for a malformed value."""
+        text = (os.environ if env is None else env).get(FAULT_ENV, "").strip()
+        if not text:
+            return None
+        m = _FAULT.match(text)
+        if not m:
+            raise ValueError(
+                f"{FAULT_ENV}={text!r}: use KIND@ITERATION[:rankK][:once], KIND one of "
+                "raise, kill, stop (e.g. kill@12:rank1:once)"
+            )
+        rank = int(m.group(3).removeprefix(":rank")) if m.group(3) else 0
+        return cls(m.group(1), int(m.group(2)), rank, bool(m.group(4)))
+
+    def fire_if_due(self, run: RunDir, rank: int, iteration: int) -> None:
+        """Inject the fault when this is its rank and iteration (once: only the first time)."""
+        if rank != self.rank or iteration != self.iteration:
+            return
+        marker = run.heartbeats / f"injected-{self.kind}@{self.iteration}-rank{rank}"
+        if self.once and marker.exists():
+            return
+        with contextlib.suppress(OSError):
+            marker.touch()
+        log.warning("injecting a fault (%s=%s@%d) after iteration %d", FAULT_ENV, self.kind,
+                    self.iteration, iteration)  # fmt: skip
+        for handler in log.handlers:
+            with contextlib.suppress(OSError):
+                handler.flush()
+        if self.kind == "raise":
+            raise RuntimeError(f"injected fault at iteration {iteration} ({FAULT_ENV})")
+        os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)

@@ -1,0 +1,135 @@
+"""Videos of training as mjlab's train records them (`--video`): env 0 of the writer rank,
+rendered offscreen, `--video-length` frames every `--video-interval` env steps, into
+<run>/videos/train/rl-video-step-<n>.mp4 (mjlab's VideoRecorder).
+
+Rendering goes through MuJoCo's offscreen GL: MUJOCO_GL=egl (mjlab's default on Linux) or
+osmesa. On a GPU the writer renders on its own GPU: EGL numbers devices in its own order,
+which CUDA_VISIBLE_DEVICES does not change, so the EGL device is found through the
+EGL_NV_device_cuda extension (the CUDA ordinal each EGL device reports) rather than assumed
+equal to the CUDA index. On a CPU machine Mesa's software EGL renders (Debian: libegl1,
+libegl-mesa0, libgl1-mesa-dri); osmesa needs libosmesa6. The mp4 encoder is the `ffmpeg` on
+PATH, else the binary imageio-ffmpeg (an mjlab dependency) ships.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from mjlab_hpc.procs import run_command
+
+__all__ = [
+    "Recording",
+    "egl_device_for_cuda",
+    "gl_backend",
+    "record_videos",
+    "rendering_problem",
+    "use_ffmpeg",
+]
+
+# EGL_NV_device_cuda: the CUDA device (this process's numbering) of an EGL device.
+_EGL_CUDA_DEVICE_NV = 0x323A
+# One tiny offscreen render in a fresh process (a broken GL driver may crash it).
+_PROBE = """
+import mujoco
+m = mujoco.MjModel.from_xml_string('<mujoco><worldbody><geom size=".1"/></worldbody></mujoco>')
+d = mujoco.MjData(m)
+r = mujoco.Renderer(m, 16, 16)
+mujoco.mj_forward(m, d)
+r.update_scene(d)
+r.render()
+r.close()
+print("rendered")
+"""
+
+
+@dataclass(frozen=True)
+class Recording:
+    """What the writer records (mjlab's --video-length and --video-interval)."""
+
+    folder: str
+    """Where the mp4 files go (<run>/videos/train)."""
+    length: int
+    """Frames per video."""
+    interval: int
+    """A video starts every this many env steps."""
+
+
+def gl_backend() -> str:
+    """The offscreen GL MuJoCo uses here (mjlab makes egl the default on Linux)."""
+    default = "egl" if sys.platform.startswith("linux") else "glfw"
+    return os.environ.get("MUJOCO_GL", default).lower()
+
+
+def rendering_problem(timeout_s: float = 120.0) -> str | None:
+    """Why MuJoCo cannot render offscreen on this machine (None: it can), from one tiny
+    render in a separate process with this environment."""
+    env = {**os.environ, "MUJOCO_GL": gl_backend()}
+    proc = run_command([sys.executable, "-c", _PROBE], timeout_s=timeout_s, env=env)
+    if proc is not None and proc.returncode == 0 and "rendered" in proc.stdout:
+        return None
+    if proc is None:
+        return f"MUJOCO_GL={env['MUJOCO_GL']}: a test render did not finish in {timeout_s:g} s"
+    lines = [x.strip() for x in proc.stderr.splitlines() if x.strip()]
+    last = lines[-1] if lines else f"exit code {proc.returncode}"
+    return f"MUJOCO_GL={env['MUJOCO_GL']}: a test render failed ({last[:300]})"
+
+
+def egl_device_for_cuda(ordinal: int) -> int | None:
+    """The EGL device index of CUDA device `ordinal` (this process's numbering), through
+    EGL_NV_device_cuda; None where EGL is not the backend or cannot say (no NVIDIA EGL, a
+    driver without the extension)."""
+    if gl_backend() != "egl":
+        return None
+    try:
+        from mujoco.egl import egl_ext as EGL
+
+        address = EGL.eglGetProcAddress("eglQueryDeviceAttribEXT")
+        if not address:
+            return None
+        query = ctypes.CFUNCTYPE(
+            ctypes.c_uint, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_ssize_t)
+        )(address)
+        for index, device in enumerate(EGL.eglQueryDevicesEXT()):
+            value = ctypes.c_ssize_t(-1)
+            found = query(device, _EGL_CUDA_DEVICE_NV, ctypes.byref(value))
+            EGL.eglGetError()  # clear a failed query's error: MuJoCo checks it when it opens
+            if found and value.value == ordinal:
+                return index
+    except Exception:
+        return None
+    return None
+
+
+def use_ffmpeg() -> None:
+    """Make mediapy (which mjlab's VideoRecorder writes with) find an ffmpeg: the one on
+    PATH, else imageio-ffmpeg's binary."""
+    if shutil.which("ffmpeg"):
+        return
+    try:
+        import imageio_ffmpeg
+        import mediapy
+
+        mediapy.set_ffmpeg(imageio_ffmpeg.get_ffmpeg_exe())
+    except Exception:  # mediapy then names the missing program itself
+        pass
+
+
+def record_videos(env: Any, recording: Recording) -> Any:
+    """`env` (a ManagerBasedRlEnv made with render_mode="rgb_array") wrapped in mjlab's
+    VideoRecorder exactly as mjlab's train wraps it."""
+    from mjlab.utils.wrappers import VideoRecorder
+
+    use_ffmpeg()
+    interval = recording.interval
+    return VideoRecorder(
+        env,
+        video_folder=recording.folder,
+        step_trigger=lambda step: step % interval == 0,
+        video_length=recording.length,
+        disable_logger=True,
+    )

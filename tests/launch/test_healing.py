@@ -1,0 +1,208 @@
+"""Self-healing runs, as users meet them: a rank killed (kill -9), a rank frozen (SIGSTOP)
+with a short --hang-timeout-s, an exception that repeats at the same iteration (no crash
+loop), and a node set DOWN (restarts exhausted: tests/rank/test_preemption.py, with
+--max-restarts 0); locally through `mjlab-train --num-procs 2`
+(submitit's local executor under our controller) and on the real Slurm test cluster. Each
+asserts the final state, the iteration count, the fault record, that no process is left, and
+for the healed crash the bit-identical final parameters.
+
+Faults are injected with MJLAB_HPC_FAULT (`mjlab_hpc.rank.watchdog`): the rank kills or stops
+itself at the end of a fixed iteration, so the tests do not race the training.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import BIN, cli_env, only_run, reference_digests, wait_for, wait_for_iteration
+from slurm_cluster import SlurmCluster
+
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
+from mjlab_hpc.launch.local import local_processes
+from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.record import read_record
+
+COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
+          "--save-interval", "5", "--max-iterations", "12"]  # fmt: skip
+# The uninterrupted run to compare with: the same training (checkpoints do not change it), so
+# its digests are shared with tests/rank/test_preemption.py's reference.
+REFERENCE = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
+             "--save-interval", "100", "--max-iterations", "12"]  # fmt: skip
+TWO = ["--num-procs", "2"]
+
+
+def train(args: list[str], root: Path, fault: str | None, timeout: float = 300):
+    extra = {"MJLAB_HPC_FAULT": fault} if fault else {}
+    return subprocess.run(
+        [BIN / "mjlab-train", *args, "--log-root", str(root)], env=cli_env(extra),
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def faults_of(run: RunDir) -> list[dict]:
+    return list(read_record(run.path).get("faults", []))
+
+
+def hpc_json(run: RunDir, env: dict[str, str] | None = None) -> dict:
+    cmd = [BIN / "mjlab-hpc", "status", "--json", str(run.path)]
+    status = subprocess.run(cmd, env=env or cli_env(), capture_output=True, text=True, timeout=60)
+    return json.loads(status.stdout)[0]
+
+
+@pytest.mark.training
+def test_local_crash_heals_to_the_same_parameters(tmp_path: Path, shared_tmp: Path) -> None:
+    """kill -9 of rank 1 after iteration 8: the job is healed without a person, resumes from
+    model_5.pt, ends with the parameters of a run that never crashed, and leaves nothing."""
+    proc = train([*COMMON, *TWO], tmp_path, "kill@8:rank1:once")
+    assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
+    assert "mjlab-hpc heal: crash after iteration 8" in proc.stderr
+    run = only_run(tmp_path)
+    (fault,) = faults_of(run)
+    assert (fault["reason"], fault["kind"], fault["ranks"], fault["iteration"]) == (
+        "crash", "requeue", [1], 8
+    ), fault  # fmt: skip
+    assert "killed by a signal" in fault["error"]
+    assert fault["resumed_from"] == 5 and fault["recomputed"] == 3, fault
+    assert 0 < fault["recovery_s"] < 120, fault
+    summary = json.loads(run.summary.read_text())
+    assert summary["iterations"] == 12 and summary["resumed_from"] == 5
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
+    assert local_processes(run.path) == []
+    row = hpc_json(run)
+    assert row["state"] == "COMPLETED" and row["restart_reasons"] == ["crash"], row
+
+
+@pytest.mark.training
+def test_local_hang_is_detected_and_healed(tmp_path: Path) -> None:
+    """SIGSTOP of rank 1 with --hang-timeout-s 5: rank 0 notices within seconds (not the
+    300 s collective timeout), writes its Python stacks and names rank 1 and its host, and the
+    job heals and completes."""
+    t0 = time.monotonic()
+    proc = train([*COMMON, *TWO, "--hang-timeout-s", "5"], tmp_path, "stop@8:rank1:once")
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
+    assert elapsed < 200
+    run = only_run(tmp_path)
+    (fault,) = faults_of(run)
+    assert (fault["reason"], fault["kind"], fault["ranks"]) == ("hang", "requeue", [1]), fault
+    assert fault["iteration"] == 8 and fault["recomputed"] == 3
+    log0 = run.rank_log(0).read_text()
+    assert "hang: no progress for" in log0 and "rank(s) 1 on" in log0
+    assert "<- stalled" in log0 and "Thread 0x" in log0 and 'File "' in log0  # faulthandler
+    assert "exit: hung after iteration 8" in log0
+    assert json.loads(run.summary.read_text())["iterations"] == 12
+    assert local_processes(run.path) == []
+
+
+@pytest.mark.training
+def test_a_repeated_failure_is_not_retried(tmp_path: Path) -> None:
+    """An exception at the same iteration on every start (a bug in a reward, a NaN): healed
+    once, then the run ends FAILED with that error in `status` and `logs`, not a crash loop."""
+    proc = train([*COMMON, *TWO], tmp_path, "raise@6:rank1")
+    assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
+    run = only_run(tmp_path)
+    first, second = faults_of(run)
+    assert first["kind"] == "requeue" and second["kind"] == "failed"
+    assert "the same failure at iteration 6" in second["action"]
+    assert "injected fault at iteration 6" in second["error"]
+    record = read_record(run.path)
+    assert record["state"] == "failed" and record["failure"]["rank"] == 1
+    row = hpc_json(run)
+    assert row["state"] == "FAILED" and "injected fault at iteration 6" in row["cause"], row
+    logs = subprocess.run([BIN / "mjlab-hpc", "logs", str(run.path)], env=cli_env(),
+                          capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    assert logs.startswith("cause: rank 1 on") and "not retried (a crash loop" in logs
+    assert local_processes(run.path) == []
+
+
+# --- Slurm --------------------------------------------------------------------------------
+
+
+def submit(cluster: SlurmCluster, args: list[str], root: Path, fault: str | None = None,
+           follow: bool = True):  # fmt: skip
+    extra = {"MJLAB_HPC_FAULT": fault} if fault else {}
+    cmd = [BIN / "mjlab-submit", *args, "--gpus-per-node", "0", "--time", "10",
+           "--log-root", str(root)] + (["--follow"] if follow else [])  # fmt: skip
+    return subprocess.run(cmd, env=cli_env(extra, base=cluster.environ()), capture_output=True,
+                          text=True, timeout=400)  # fmt: skip
+
+
+def hosts_of_starts(run: RunDir) -> list[str]:
+    """Rank 0's host at every start (its log's start lines)."""
+    return [line.split(" host ")[1].split(",")[0]
+            for line in run.rank_log(0).read_text().splitlines()
+            if " rank 0/" in line and " host " in line]  # fmt: skip
+
+
+@pytest.mark.slurm
+def test_slurm_crash_excludes_the_node_and_heals(
+    slurm_cluster: SlurmCluster, tmp_path: Path, shared_tmp: Path
+) -> None:
+    """kill -9 of rank 1 of a 1-node job: the batch script's healer adds the node to the
+    job's excluded nodes and requeues it; it resumes on the other node to the same final
+    parameters as a run that never crashed."""
+    proc = submit(slurm_cluster, [*COMMON, "--nodes", "1", "--tasks-per-node", "2"], tmp_path,
+                  "kill@8:rank1:once")  # fmt: skip
+    assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run = only_run(tmp_path)
+    (fault,) = faults_of(run)
+    first, second = hosts_of_starts(run)
+    assert fault["reason"] == "crash" and fault["excluded_nodes"] == [first], fault
+    assert second != first and fault["recomputed"] == 3
+    summary = json.loads(run.summary.read_text())
+    assert summary["iterations"] == 12 and summary["launch_mode"] == "slurm"
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
+    job = summary["job_id"]
+    shown = slurm_cluster.run(["scontrol", "show", "job", job]).stdout
+    assert f"ExcNodeList={first}" in shown, shown
+    assert slurm_cluster.wait_job(job, timeout=60) == "COMPLETED"
+
+
+@pytest.mark.slurm
+def test_slurm_hang_on_two_nodes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """SIGSTOP of rank 1 (node2) of a 2-node job: the watchdog ends the attempt after
+    --hang-timeout-s, node2 is not excluded (the partition would be too small, and the record
+    says so), and the requeued job completes."""
+    args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--hang-timeout-s", "5"]
+    proc = submit(slurm_cluster, args, tmp_path, "stop@8:rank1:once")
+    assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run = only_run(tmp_path)
+    (fault,) = faults_of(run)
+    assert (fault["reason"], fault["ranks"], fault["hosts"]) == ("hang", [1], ["node2"]), fault
+    assert "partition debug would have 1 usable node(s) for a 2-node job" in fault["not_excluded"]
+    assert "Thread 0x" in run.rank_log(0).read_text()
+    summary = json.loads(run.summary.read_text())
+    assert summary["iterations"] == 12
+    assert slurm_cluster.wait_job(summary["job_id"], timeout=60) == "COMPLETED"  # nothing left
+
+
+@pytest.mark.slurm
+def test_slurm_node_down_requeues_into_the_same_run(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """node2 set DOWN under a running 2-node job: Slurm requeues it, the ranks checkpoint on
+    the way out, and the job resumes in the same run directory; run.json calls it node-lost."""
+    args = [*COMMON[:-2], "--max-iterations", "40", "--nodes", "2", "--tasks-per-node", "1"]
+    proc = submit(slurm_cluster, args, tmp_path, follow=False)
+    assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
+    run = wait_for_iteration(tmp_path, 6)
+    down = slurm_cluster.run(["scontrol", "update", "nodename=node2", "state=down",
+                              "reason=mjlab-hpc-test"])  # fmt: skip
+    assert down.returncode == 0, down.stderr
+    try:
+        summary = wait_for(lambda: run.summary.exists() and json.loads(run.summary.read_text()),
+                           300, "the requeued job to finish")  # fmt: skip
+    finally:
+        # Usually back to idle by itself already (ReturnToService=2): "Invalid node state".
+        slurm_cluster.run(["scontrol", "update", "nodename=node2", "state=resume"], check=False)
+    stops = read_record(run.path)["restarts"]
+    # Named by sinfo while node2 is still down, else by sacct's NODE_FAIL (the allocation).
+    assert [s["reason"] for s in stops] == ["node-lost"], stops
+    assert stops[0]["nodes"] in (["node2"], ["node[1-2]"]), stops
+    assert stops[0]["recomputed"] == 0 and stops[0]["recovery_s"] > 0
+    assert summary["iterations"] == 40 and summary["resumed_from"] == stops[0]["iteration"]
+    assert slurm_cluster.wait_job(summary["job_id"], timeout=60) == "COMPLETED"

@@ -1,0 +1,122 @@
+"""The hang watchdog's pieces without training: its limit, heartbeats and the diagnosis it
+writes, fault injection's syntax, and the healer's decisions on recorded faults."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from mjlab_hpc.launch.heal import decide, find_fault
+from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog, hang_limit_s
+from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
+
+
+def test_hang_limit_never_below_five_slowest_iterations() -> None:
+    assert hang_limit_s(120, 1.0) == 120
+    assert hang_limit_s(120, 60.0) == 300  # slow iterations are not a hang
+    assert hang_limit_s(5, 0.2) == 5
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("kill@12:rank1:once", FaultInjection("kill", 12, 1, True)),
+        ("raise@3", FaultInjection("raise", 3, 0, False)),
+        ("stop@7:rank2", FaultInjection("stop", 7, 2, False)),
+        ("", None),
+    ],
+)
+def test_fault_injection_syntax(text: str, parsed: FaultInjection | None) -> None:
+    assert FaultInjection.from_env({"MJLAB_HPC_FAULT": text}) == parsed
+
+
+@pytest.mark.parametrize("bad", ["kill", "kill@x", "boom@3", "kill@3:rank", "raise@3:twice"])
+def test_fault_injection_refuses_typos(bad: str) -> None:
+    with pytest.raises(ValueError, match="KIND@ITERATION"):
+        FaultInjection.from_env({"MJLAB_HPC_FAULT": bad})
+
+
+def test_heartbeat_and_diagnosis_name_the_stalled_rank(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    run.heartbeats.mkdir(parents=True)
+    # Rank 1 last beat a minute ago at iteration 7: frozen.
+    run.heartbeat(1).write_text(json.dumps(
+        {"rank": 1, "host": "node2", "pid": 1, "iteration": 7, "t": time.time() - 60}
+    ))  # fmt: skip
+    log = io.StringIO()
+    with Watchdog(run, 0, 2, timeout_s=None, rank_log=log, host="node1") as dog:
+        dog.progress(8)
+        beats = read_heartbeats(run, 2)
+        assert beats[0]["host"] == "node1" and beats[0]["pid"] == os.getpid()
+        hang = dog._diagnose(30.0, 20.0)
+    assert hang.stalled == (1,) and hang.hosts == ("node2",)
+    assert "rank 1 on node2 (pid 1): iteration 7" in hang.detail and "<- stalled" in hang.detail
+
+
+def _rank_log(run: RunDir, rank: int, body: str) -> None:
+    run.logs.mkdir(parents=True, exist_ok=True)
+    head = (
+        f"2026-11-23 10:00:0{rank},000 rank{rank} rank {rank}/2 (local {rank}/2, node 0/1) via "
+        f"submitit-local, master x:1 on cpu, host h{rank}, pid 1, seed 1, 8 envs"
+    )
+    run.rank_log(rank).write_text(head + "\n" + body)
+
+
+def _crash(run: RunDir) -> None:
+    _rank_log(run, 0, "2026-11-23 10:00:09,000 rank0 exit: failed (peer-lost)\nRuntimeError: "
+              "Connection reset by peer\n")  # fmt: skip
+    _rank_log(run, 1, "2026-11-23 10:00:05,000 rank1 exit: failed (exception)\nTraceback\n"
+              "ValueError: reward is nan at step 1234\n")  # fmt: skip
+    run.progress.write_text("".join(json.dumps({"iteration": i}) + "\n" for i in (1, 2, 3)))
+
+
+def test_healer_names_the_cause_and_stops_a_crash_loop(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    _crash(run)
+    fault = find_fault(run.path)
+    assert fault is not None and (fault.reason, fault.ranks, fault.iteration) == ("crash", (1,), 3)
+    assert "ValueError: reward is nan" in fault.error and fault.suspect_nodes == ()  # code
+    first = decide(run.path, max_restarts=3)
+    assert first.requeue and first.entry["kind"] == "requeue"
+    run.record.write_text(json.dumps({"faults": [first.entry]}))
+    again = decide(run.path, max_restarts=3)  # same error, same iteration: a loop
+    assert not again.requeue and "same failure at iteration 3" in again.why
+    run.progress.write_text(json.dumps({"iteration": 4}) + "\n")  # another iteration: transient
+    assert decide(run.path, max_restarts=3).requeue
+    assert not decide(run.path, max_restarts=1).requeue  # 1 crash restart used already
+
+
+def test_a_killed_rank_is_attributed_to_its_node(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    _rank_log(run, 0, "2026-11-23 10:00:09,000 rank0 exit: failed (peer-lost)\n")
+    _rank_log(run, 1, "2026-11-23 10:00:05,000 rank1 iteration 3/10 1000 steps/s\n")
+    fault = find_fault(run.path)
+    assert fault is not None and fault.suspect_nodes == ("h1",) and fault.ranks == (1,)
+
+
+def test_nothing_to_heal_after_a_stop(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    for rank in (0, 1):
+        _rank_log(run, rank, f"2026-11-23 10:00:09,000 rank{rank} exit: stopped at iteration 3\n")
+    assert decide(run.path, max_restarts=3).fault is None
+
+
+def test_the_first_iteration_stands_in_until_one_is_timed(tmp_path: Path) -> None:
+    """A slow regime is no hang: the first iteration (compilation included) bounds the limit
+    until the second one is timed; from then on the slowest timed iteration does."""
+    dog = Watchdog(RunDir(tmp_path), 0, 1, timeout_s=10, rank_log=io.StringIO())
+    dog._last -= 50  # the first iteration took 50 s
+    dog.progress(1)
+    assert hang_limit_s(10, dog._slowest) == pytest.approx(250, abs=1)
+    dog._last -= 2
+    dog.progress(2)
+    assert dog._slowest == pytest.approx(2, abs=0.5)
+    dog._last -= 3
+    dog.progress(3)
+    assert dog._slowest == pytest.approx(3, abs=0.5)
+    assert hang_limit_s(10, dog._slowest) == pytest.approx(15, abs=2.5)

@@ -1,0 +1,79 @@
+"""Where a run started from another run finds its checkpoint (mjlab's --agent.resume True,
+--agent.load-run, --agent.load-checkpoint, --wandb-run-path), and mjlab's spelling of
+booleans on our command lines. No mjlab, no training: real folders, the real W&B client
+(without network or login here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mjlab_hpc.cli.common import mjlab_booleans, resume_command
+from mjlab_hpc.errors import SpecError
+from mjlab_hpc.spec import SubmitSpec, TrainSpec
+from mjlab_hpc.tasks.warmstart import (
+    CHECKPOINT_CACHE,
+    fetch_wandb_checkpoint,
+    find_run_checkpoint,
+)
+
+
+def _files(folder: Path, *names: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (folder / name).write_bytes(b"x")
+    return folder
+
+
+def test_the_latest_run_with_a_matching_checkpoint_is_chosen_as_mjlab_chooses(
+    tmp_path: Path,
+) -> None:
+    exp = tmp_path / "cartpole"
+    old = _files(exp / "2026-01-01_00-00-00", "model_50.pt", "model_100.pt",
+                 "model_100.pt.sha256", "model_150.pt.damaged", ".model_200.pt.1.tmp")  # fmt: skip
+    _files(exp / "2026-01-02_00-00-00_crashed-early", "progress.jsonl")  # no checkpoint yet
+    _files(exp / "wandb_checkpoints" / "abc", "model_999.pt")  # mjlab's W&B cache: not a run
+    _files(exp / CHECKPOINT_CACHE / "abc", "model_999.pt")
+    _files(exp / ".keys")
+    # mjlab's order: model_100 after model_50 (shorter numbers first), sidecars ignored.
+    assert find_run_checkpoint(exp, ".*", "model_.*.pt") == old / "model_100.pt"
+    assert find_run_checkpoint(exp, "2026-01-01", "model_50.pt") == old / "model_50.pt"
+    with pytest.raises(SpecError, match=r"--agent\.load-checkpoint"):
+        find_run_checkpoint(exp, ".*", "model_.*.pt", exclude=old)  # the run being continued
+    with pytest.raises(SpecError, match=r"--agent\.load-run.*matches 'nope'"):
+        find_run_checkpoint(exp, "nope", "model_.*.pt")
+    with pytest.raises(SpecError, match=r"--agent\.load-run.*not a regular expression"):
+        find_run_checkpoint(exp, "(", "model_.*.pt")
+    with pytest.raises(SpecError, match=r"--agent\.load-run"):
+        find_run_checkpoint(tmp_path / "nothing-here", ".*", "model_.*.pt")
+
+
+def test_a_downloaded_wandb_checkpoint_needs_no_network(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cache = _files(tmp_path / CHECKPOINT_CACHE / "run1", "model_50.pt", "model_100.pt")
+    named = fetch_wandb_checkpoint(tmp_path, "ent/proj/run1", "model_50.pt")
+    assert named == cache / "model_50.pt"
+    # "The newest" needs W&B; unreachable, the newest downloaded one stands for it.
+    assert fetch_wandb_checkpoint(tmp_path, "ent/proj/run1/") == cache / "model_100.pt"
+    with pytest.raises(SpecError, match=r"--wandb-run-path: cannot fetch .*'ent/proj/run2'"):
+        fetch_wandb_checkpoint(tmp_path, "ent/proj/run2")
+    assert not (tmp_path / CHECKPOINT_CACHE / "run2").exists()
+
+
+def test_mjlabs_spelling_of_booleans_is_ours_too() -> None:
+    args = ["T", "--video", "True", "--enable_nan_guard=false", "--agent.resume", "True",
+            "--resume", "--use-graph", "False", "--video-length", "True"]  # fmt: skip
+    assert mjlab_booleans(TrainSpec, args) == [
+        "T", "--video", "--no-enable-nan-guard", "--agent.resume", "True", "--resume",
+        "--no-use-graph", "--video-length", "True",
+    ]  # fmt: skip
+    # mjlab-submit: the training flags sit at its top level.
+    assert mjlab_booleans(SubmitSpec, ["T", "--video", "true", "--follow", "False"]) == [
+        "T", "--video", "--no-follow"
+    ]  # fmt: skip
+    command = resume_command("mjlab-train", ["T", "--resume", "True", "--run-dir", "old",
+                                             "--video", "True"], "run")  # fmt: skip
+    assert command == "mjlab-train T --video True --run-dir run"
