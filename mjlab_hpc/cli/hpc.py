@@ -126,6 +126,9 @@ class Heal:
     """srun's exit code (0: nothing to do)."""
     max_restarts: int = 10
     """Requeue at most this many times per kind of fault."""
+    elapsed_s: float | None = None
+    """How long the job script has run ($SECONDS): rank logs older than that are an earlier
+    run's."""
 
 
 @dataclass(frozen=True)
@@ -372,7 +375,7 @@ _COMMANDS = {
     Logs: logs,
     Cancel: cancel,
     Plot: plot,
-    Heal: lambda cmd: heal_job(Path(cmd.run_dir), cmd.exit_code, cmd.max_restarts),
+    Heal: lambda cmd: heal_job(Path(cmd.run_dir), cmd.exit_code, cmd.max_restarts, cmd.elapsed_s),
     BenchConfig: bench,
 }
 

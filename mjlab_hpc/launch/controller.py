@@ -100,16 +100,19 @@ class HealingController(Controller):  # type: ignore[misc]
     def run(self, max_retry: int = _MAX_STARTS) -> None:
         """Start the ranks; start them again after a requeue or a healed fault."""
         for _ in range(max_retry):
+            began = time.time()
             try:
                 self.start_tasks()
                 codes = self.wait()
             finally:
                 self.kill_tasks()
+            if self.signalled:  # a stop by a person: not restarted, whatever the ranks say
+                return
             if any(c == EXIT_LOCAL_REQUEUE for c in codes):
                 continue
-            if self.signalled or all(c == EXIT_OK for c in codes):
+            if all(c == EXIT_OK for c in codes):
                 return
-            heal = decide(self.run_dir, self.max_restarts, job_id=self.pid)
+            heal = decide(self.run_dir, self.max_restarts, job_id=self.pid, since=began)
             if heal.fault is None:
                 return
             print(f"mjlab-hpc heal: {heal.fault.reason} after iteration "

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as dt
+import json
 import logging
 import os
 import re
@@ -77,8 +79,11 @@ class Fault:
     reason: str
     """crash or hang."""
     error: str
+    """What happened, for people (the failing rank's exception, or the hang's findings)."""
     ranks: tuple[int, ...]
+    """The ranks it is attributed to (empty: none in particular)."""
     hosts: tuple[str, ...]
+    """Their hosts."""
     iteration: int
     """The last iteration completed before the fault."""
     suspect_nodes: tuple[str, ...] = ()
@@ -106,8 +111,11 @@ class Healing:
     """The run.json `faults` entry."""
 
 
-def find_fault(run_dir: Path) -> Fault | None:
-    """The crash or hang that ended the latest start (None: it ended otherwise)."""
+def find_fault(run_dir: Path, since: float | None = None) -> Fault | None:
+    """The crash or hang that ended the latest start (None: it ended otherwise). `since`: when
+    that start began (epoch s): a rank whose log has no start line after it failed before it
+    could log (a broken node, the process group never formed), and its older lines are not
+    this start's."""
     run = RunDir(run_dir)
     iteration = progress_summary(run).iteration or 0
     hangs = read_hangs(run)
@@ -115,16 +123,24 @@ def find_fault(run_dir: Path) -> Fault | None:
         stalled = tuple(sorted({int(r) for h in hangs for r in h.get("stalled_ranks", [])}))
         hosts = tuple(dict.fromkeys(str(x) for h in hangs for x in h.get("stalled_hosts", [])))
         first = hangs[0]
-        who = (
-            f"rank(s) {', '.join(map(str, stalled))} on {', '.join(hosts)}"
-            if stalled
-            else ("every rank alike")
+        who = f"rank(s) {', '.join(map(str, stalled))} on {', '.join(hosts)}" if stalled else (
+            "every rank alike")  # fmt: skip
+        # Only a rank whose process stopped heartbeating points at its node; one that lags
+        # behind (a deadlock, a stuck read) is the code's or the filesystem's.
+        frozen_hosts = tuple(
+            dict.fromkeys(str(x) for h in hangs for x in h.get("frozen_hosts", []))
         )
         error = (f"no progress for {first.get('waited_s')} s after iteration "
                  f"{first.get('iteration')} (limit {first.get('limit_s')} s): {who}")  # fmt: skip
         began = float(first.get("at", time.time())) - float(first.get("waited_s", 0))
-        return Fault("hang", error, stalled, hosts, iteration, hosts if stalled else (), began)
+        return Fault("hang", error, stalled, hosts, iteration, frozen_hosts, began)
     ends = rank_ends(run_dir)
+    if since is not None:
+        limit = dt.datetime.fromtimestamp(since - 2)  # rank logs: local time, whole seconds
+        if not ends or all(e.started is None or e.started < limit for e in ends):
+            return Fault("crash", "no rank started (it failed before training: see the job's "
+                         "output in submitit/)", (), (), iteration, (), time.time())  # fmt: skip
+        ends = [e for e in ends if e.started is not None and e.started >= limit]
     if not any(e.how in ("failed", "hung", "no-exit") for e in ends):
         return None
     cause = first_failure(ends)
@@ -140,9 +156,21 @@ def find_fault(run_dir: Path) -> Fault | None:
                  (host,) if killed and cause.host else (), at)  # fmt: skip
 
 
-def decide(run_dir: Path, max_restarts: int, job_id: str | None = None) -> Healing:
+def _cancelled_since_start(run_dir: Path, rec: dict[str, Any]) -> bool:
+    """`mjlab-hpc cancel` after the run's latest start (a cancel before a resume is over)."""
+    try:
+        marker = json.loads((run_dir / CANCEL_RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    starts = rec.get("starts") or [{}]
+    return str(marker.get("at", "")) >= str(starts[-1].get("at", ""))
+
+
+def decide(
+    run_dir: Path, max_restarts: int, job_id: str | None = None, since: float | None = None
+) -> Healing:
     """Whether to requeue after the latest start of the run in `run_dir` ended."""
-    fault = find_fault(run_dir)
+    fault = find_fault(run_dir, since)
     if fault is None:
         return Healing(None, why="nothing to heal")
     rec = record.read_record(run_dir)
@@ -155,6 +183,7 @@ def decide(run_dir: Path, max_restarts: int, job_id: str | None = None) -> Heali
         "hosts": list(fault.hosts),
         "iteration": fault.iteration,
         "job_id": job_id,
+        "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
         "at": record.now_iso(fault.at_s),
         "at_s": fault.at_s or time.time(),
         "healed_at": record.now_iso(),
@@ -162,7 +191,7 @@ def decide(run_dir: Path, max_restarts: int, job_id: str | None = None) -> Heali
     }
     heal = Healing(fault, entry=entry)
     last = (rec.get("faults") or [None])[-1]
-    if (run_dir / CANCEL_RECORD).exists():
+    if _cancelled_since_start(run_dir, rec):
         heal.why = "the run was cancelled (mjlab-hpc cancel)"
     elif (
         last
@@ -187,23 +216,30 @@ def decide(run_dir: Path, max_restarts: int, job_id: str | None = None) -> Heali
     return heal
 
 
-def record_healing(run_dir: Path, heal: Healing, lease_wait_s: float = 60.0) -> None:
+def record_healing(
+    run_dir: Path, heal: Healing, lease_wait_s: float = 60.0, replace_last: bool = False
+) -> None:
     """Write the decision into run.json as the run's writer (waiting for a crashed writer's
-    lease to run out)."""
-    writer = RunWriter.acquire(RunDir(run_dir), rank=0, timeout_s=lease_wait_s)
+    lease to run out); `replace_last`: it corrects the fault recorded last."""
     try:
-        after = record.on_fault(record.read_record(run_dir), heal.entry, heal.requeue)
-        if not heal.requeue:  # the cause, not a consequence the writer may have recorded
-            after["failure"] = {
-                "kind": heal.entry["reason"], "error": heal.entry["error"],
-                "rank": (heal.entry["ranks"] or [None])[0],
-                "host": (heal.entry["hosts"] or [None])[0], "at": heal.entry["at"],
-            }  # fmt: skip
-        writer.write_json(writer.run.record, after)
-    finally:
-        writer.release()
-    for path in RunDir(run_dir).heartbeats.glob("hang-rank*.json"):  # recorded now
-        path.unlink(missing_ok=True)
+        writer = RunWriter.acquire(RunDir(run_dir), rank=0, timeout_s=lease_wait_s)
+        try:
+            before = record.read_record(run_dir)
+            if replace_last and before.get("faults"):
+                before["faults"] = before["faults"][:-1]
+            after = record.on_fault(before, heal.entry, heal.requeue)
+            if not heal.requeue:  # the cause, not a consequence the writer may have recorded
+                after["failure"] = {
+                    "kind": heal.entry["reason"], "error": heal.entry["error"],
+                    "rank": (heal.entry["ranks"] or [None])[0],
+                    "host": (heal.entry["hosts"] or [None])[0], "at": heal.entry["at"],
+                }  # fmt: skip
+            writer.write_json(writer.run.record, after)
+        finally:
+            writer.release()
+    finally:  # read now: never taken for a later start's
+        for path in RunDir(run_dir).heartbeats.glob("hang-rank*.json"):
+            path.unlink(missing_ok=True)
 
 
 def _job_fields(client: SlurmClient, job_id: str) -> dict[str, str]:
@@ -288,12 +324,16 @@ def release_later(client: SlurmClient, job_id: str, nodes: str, wait_s: float = 
     return EXIT_FAILED
 
 
-def heal_slurm(run_dir: Path, exit_code: int, max_restarts: int, client: SlurmClient) -> int:
-    """The batch script's step after srun: decide, record, act; the script's exit code."""
+def heal_slurm(
+    run_dir: Path, exit_code: int, max_restarts: int, client: SlurmClient,
+    since: float | None = None,
+) -> int:  # fmt: skip
+    """The batch script's step after srun: decide, record, act; the script's exit code.
+    `since`: when this run of the job began."""
     if exit_code == EXIT_OK:
         return EXIT_OK
     job_id = os.environ.get("SLURM_JOB_ID")
-    heal = decide(run_dir, max_restarts, job_id)
+    heal = decide(run_dir, max_restarts, job_id, since)
     if heal.fault is None:
         return exit_code
     if heal.requeue and heal.exclude and job_id:
@@ -309,6 +349,12 @@ def heal_slurm(run_dir: Path, exit_code: int, max_restarts: int, client: SlurmCl
         log.error("could not record the fault in run.json: %s", exc)
     if heal.requeue and job_id and apply_slurm(client, job_id, heal):
         return EXIT_OK
+    if heal.requeue:  # run.json must not say requeued
+        heal.requeue = False
+        heal.entry["kind"] = "failed"
+        heal.entry["action"] = f"{heal.why}, but Slurm refused the requeue (see the job's output)"
+        with contextlib.suppress(Exception):
+            record_healing(run_dir, heal, replace_last=True)
     return exit_code if exit_code != EXIT_OK else EXIT_FAILED
 
 
@@ -333,12 +379,16 @@ def job_run_dir(path: Path, env: Mapping[str, str]) -> Path:
     return Path(elements[index]["run_dir"])
 
 
-def heal_job(run_dir: Path, exit_code: int, max_restarts: int) -> int:
+def heal_job(
+    run_dir: Path, exit_code: int, max_restarts: int, elapsed_s: float | None = None
+) -> int:
     """What a Slurm job script runs after srun: heal (see `heal_slurm`), never raising; the
-    script's exit code."""
+    script's exit code. `elapsed_s`: how long the script has run (bash's $SECONDS)."""
     logging.basicConfig(level=logging.INFO, format="mjlab-hpc heal: %(message)s")
+    since = time.time() - elapsed_s if elapsed_s is not None else None
     try:
-        return heal_slurm(job_run_dir(run_dir, os.environ), exit_code, max_restarts, SlurmClient())
+        return heal_slurm(job_run_dir(run_dir, os.environ), exit_code, max_restarts,
+                          SlurmClient(), since)  # fmt: skip
     except Exception as exc:  # the job's own exit code matters more than ours
         print(f"mjlab-hpc heal: could not heal on {socket.gethostname()}: {exc}",
               file=sys.stderr)  # fmt: skip
@@ -351,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path)
     parser.add_argument("--exit-code", type=int, default=0)
     parser.add_argument("--max-restarts", type=int, default=10)
+    parser.add_argument("--elapsed-s", type=float)
     parser.add_argument("--release", help=argparse.SUPPRESS)  # apply_slurm's helper
     parser.add_argument("--exclude", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -358,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return release_later(SlurmClient(), args.release, args.exclude or "")
     if args.run_dir is None:
         parser.error("--run-dir is required")
-    return heal_job(args.run_dir, args.exit_code, args.max_restarts)
+    return heal_job(args.run_dir, args.exit_code, args.max_restarts, args.elapsed_s)
 
 
 if __name__ == "__main__":

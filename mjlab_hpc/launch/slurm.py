@@ -229,7 +229,7 @@ class _SlurmExecutor(submitit.SlurmExecutor):
         run_dir = shlex.quote(str(Path(self.folder).parent))
         heal = (
             f"{self.python} -m mjlab_hpc.launch.heal --run-dir {run_dir} --exit-code $? "
-            f"--max-restarts {self.max_restarts}"
+            f"--elapsed-s $SECONDS --max-restarts {self.max_restarts}"
         )
         return text.rstrip("\n") + "\n\n" + _HEAL_COMMENT + heal + "\n"
 

@@ -7,6 +7,7 @@ a bad value raises SpecError naming the flag and the fix.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from mjlab_hpc.launch.resources import (
 )
 from mjlab_hpc.launch.slurm import sbatch_options
 from mjlab_hpc.launch.sweep import sweep_elements
+from mjlab_hpc.rank.watchdog import FAULT_ENV, parse_faults
 from mjlab_hpc.rundir.checkpoint import Checkpoints, cannot_continue
 from mjlab_hpc.rundir.layout import latest_run
 from mjlab_hpc.slurm.units import check_mem, slurm_time_minutes
@@ -50,11 +52,20 @@ def _check_places(train: TrainSpec, existing_only: bool = False) -> None:
         check_log_root("--log-root", train.log_root, existing_only)
 
 
+def _check_faults() -> None:
+    """A fire drill's MJLAB_HPC_FAULT that the ranks could not read is bad input here."""
+    try:
+        parse_faults(os.environ)
+    except ValueError as exc:
+        raise SpecError(FAULT_ENV, str(exc).removeprefix(f"{FAULT_ENV}: ")) from None
+
+
 def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec:
     """Check a training spec and resolve its task; with --resume, the run it continues is
     decided here (the resolved spec names it as its run directory). `launched_by`: the
     launcher that started this process (a torchrun or srun rank starts no other rank)."""
     spec.validate()
+    _check_faults()
     resolved = resolve(spec)
     _check_places(spec)
     if launched_by == "single" and spec.num_procs > 1:
@@ -102,6 +113,7 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     naming the flag for anything that cannot be submitted. What cannot be checked here (a
     partition sinfo does not describe) is said through `warn`."""
     spec.train.validate()
+    _check_faults()
     resolved = resolve(spec.train)
     if not spec.sweep:
         resolved = continue_target(resolved)

@@ -79,9 +79,9 @@ class RunStatus:
     restart_reasons: tuple[str, ...]
     sweep: ElementRecord | None
     cause: str | None = None
+    """For a failed run: the rank that failed first and why (not the ranks that died of it)."""
     interruptions: tuple[dict[str, Any], ...] = ()
     """Every stop and fault of the run (run.json `restarts` and `faults`), oldest first."""
-    """For a failed run: the rank that failed first and why (not the ranks that died of it)."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values, for `status --json`."""

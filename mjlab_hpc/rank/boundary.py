@@ -6,6 +6,7 @@ back (time from the fault to its first iteration, iterations computed again)."""
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import json
 import logging
 import os
@@ -31,8 +32,8 @@ __all__ = ["IterationBoundary", "note_node_failure", "requeues_so_far"]
 
 log = logging.getLogger("mjlab_hpc")
 
-# Slurm node states that mean the node is lost, not preempted.
-_LOST = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING")
+# Slurm node states that mean the node is lost, not preempted (a drain lets jobs finish).
+_LOST = ("DOWN", "FAIL", "NOT_RESPONDING")
 
 
 def requeues_so_far(run: RunDir) -> dict[str, int]:
@@ -67,10 +68,14 @@ def note_node_failure(
             mine[-1]["reason"] = "node-lost"
             mine[-1].setdefault("nodes", [nodes])
         return rec
+    try:
+        at_s = dt.datetime.fromisoformat(ended).timestamp()  # sacct: local time
+    except ValueError:
+        at_s = time.time()
     rec["faults"] = [*rec.get("faults", []), {
         "reason": "node-lost", "kind": "requeue", "nodes": [nodes], "job_id": job_id,
         "restart_count": restart_count - 1, "iteration": iteration, "at": ended,
-        "action": "requeued by Slurm (NODE_FAIL)",
+        "at_s": at_s, "action": "requeued by Slurm (NODE_FAIL)",
     }]  # fmt: skip
     return rec
 
@@ -101,7 +106,7 @@ class IterationBoundary:
     restarts: dict[str, int]
     """Requeues so far by reason (the same on every rank: read before training)."""
     watchdog: Watchdog | None = None
-    injection: FaultInjection | None = None
+    injections: tuple[FaultInjection, ...] = ()
     _last_save: float = field(default_factory=time.monotonic)
     _recovered: bool = False
 
@@ -111,13 +116,15 @@ class IterationBoundary:
         if self.writer is not None and not self._recovered:
             self._recovered = True
             self._record_recovery()
-        if self.injection is not None:
-            self.injection.fire_if_due(self.run, self.ctx.rank, s.iteration)
+        for injection in self.injections:
+            injection.fire_if_due(self.run, self.ctx.rank, s.iteration)
         every = self.spec.save_every_min
         due = every is not None and time.monotonic() - self._last_save >= every * 60
         stop, save = agree_boundary(self.request, self.ctx.is_distributed, self.device, due)
         if stop is not None and s.iteration >= self.total:
             stop = None  # the run is done: it completes (every rank agreed on the same value)
+        if self.watchdog is not None and (stop is not None or s.iteration >= self.total):
+            self.watchdog.disarm()  # what follows (W&B's upload, the last records) is no hang
         periodic = save or s.iteration % self.spec.save_interval == 0 or s.iteration == self.total
         if stop is not None or periodic:
             if self.watchdog is not None:
@@ -142,6 +149,10 @@ class IterationBoundary:
             self.checkpoints.prune(self.spec.keep_checkpoints)
             if stop is not None:
                 self._record_stop(stop, iteration, t0)
+        if self.ctx.is_distributed:
+            # The others wait here, not in the next iteration's first collective, so that
+            # their watchdogs (paused now) never count a long write as a hang.
+            dist.barrier()
         self._last_save = time.monotonic()
 
     def _record_recovery(self) -> None:

@@ -44,7 +44,7 @@ from mjlab_hpc.rank.context import (
 from mjlab_hpc.rank.resume import ResumePlan, ResumeRefused, load_plan, plan_resume
 from mjlab_hpc.rank.runner import IterationHook
 from mjlab_hpc.rank.stop import Interrupted, Stopped, StopRequest, Supervision, watch_signals
-from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog
+from mjlab_hpc.rank.watchdog import Watchdog, parse_faults
 from mjlab_hpc.rank.workload import Workload, build_workload, init_warp
 from mjlab_hpc.rundir import record
 from mjlab_hpc.rundir.checkpoint import Checkpoints
@@ -271,7 +271,7 @@ def _train(
     writer: RunWriter | None = None
     started = False
     try:
-        injection = FaultInjection.from_env()
+        injections = parse_faults()
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         log.info(
             "%s on %s, host %s, pid %d, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s",
@@ -320,7 +320,7 @@ def _train(
         hooks.append(
             IterationBoundary(
                 work, run, ctx, device, spec, total, start, request, writer, checkpoints,
-                requeues_so_far(run), watchdog, injection,
+                requeues_so_far(run), watchdog, injections,
             )
         )  # fmt: skip
         try:

@@ -17,10 +17,10 @@ waits for a peer that is:
 The limit is `--hang-timeout-s` or five times the slowest iteration seen so far, whichever is
 longer, so slow iterations never count as a hang; checkpoint writes do not count either.
 
-`MJLAB_HPC_FAULT` injects a fault for fire drills and tests: `KIND@ITERATION[:rankK][:once]`
-with KIND `raise` (a Python exception), `kill` (SIGKILL of the rank itself: a segfault, the
-OOM killer) or `stop` (SIGSTOP of the rank itself: a hang), at the end of that iteration, on
-rank K (default 0), on every start or only the first (`once`).
+`MJLAB_HPC_FAULT` injects faults for fire drills and tests: `KIND@ITERATION[:rankK][:once]`,
+several comma-separated, with KIND `raise` (a Python exception), `kill` (SIGKILL of the rank
+itself: a segfault, the OOM killer) or `stop` (SIGSTOP of the rank itself: a hang), at the end
+of that iteration, on rank K (default 0), on every start or only the first (`once`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any, TextIO
 from mjlab_hpc.errors import EXIT_HUNG
 from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
 
-__all__ = ["FAULT_ENV", "FaultInjection", "Hang", "Watchdog", "hang_limit_s"]
+__all__ = ["FAULT_ENV", "FaultInjection", "Hang", "Watchdog", "hang_limit_s", "parse_faults"]
 
 log = logging.getLogger("mjlab_hpc")
 
@@ -50,6 +50,13 @@ FAULT_ENV = "MJLAB_HPC_FAULT"
 _FAULT = re.compile(r"^(raise|kill|stop)@(\d+)((?::rank\d+)?)((?::once)?)$")
 # A heartbeat older than this many beats is a process that no longer runs.
 _STALE_BEATS = 3
+
+
+def parse_faults(env: Mapping[str, str] | None = None) -> tuple[FaultInjection, ...]:
+    """The faults MJLAB_HPC_FAULT asks for (comma-separated; none: empty); ValueError for a
+    malformed one."""
+    text = (os.environ if env is None else env).get(FAULT_ENV, "")
+    return tuple(FaultInjection.parse(part) for part in text.split(",") if part.strip())
 
 
 def hang_limit_s(timeout_s: float, slowest_iteration_s: float) -> float:
@@ -71,6 +78,9 @@ class Hang:
     hosts: tuple[str, ...]
     """Their hosts."""
     detail: str
+    frozen: tuple[int, ...] = ()
+    """Of the stalled ranks, those whose heartbeat stopped (a frozen process, a lost node)."""
+    frozen_hosts: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """For the hang file the healer reads."""
@@ -81,6 +91,8 @@ class Hang:
             "limit_s": round(self.limit_s, 1),
             "stalled_ranks": list(self.stalled),
             "stalled_hosts": list(self.hosts),
+            "frozen_ranks": list(self.frozen),
+            "frozen_hosts": list(self.frozen_hosts),
             "detail": self.detail,
             "at": time.time(),
         }
@@ -171,20 +183,36 @@ class Watchdog:
             pass
 
     def _loop(self) -> None:
+        tick = min(self.beat_s, 0.5)
         next_beat = time.monotonic() + self.beat_s
-        while not self._stop.wait(min(self.beat_s, 0.5)):
+        before = time.monotonic()
+        while not self._stop.wait(tick):
             now = time.monotonic()
+            if now - before > 10 * tick + 5:
+                # This process was suspended (scontrol suspend, gang scheduling, Ctrl-Z): the
+                # time it did not run is no hang.
+                self._last += now - before - tick
+            before = now
             if now >= next_beat:
                 self._beat()
                 next_beat = now + self.beat_s
             if self.timeout_s is None or self._armed_at is None or self._paused:
                 continue
             limit = hang_limit_s(self.timeout_s, self._slowest)
-            if now - self._last > limit:
-                self._fire(self._diagnose(now - self._last, limit))
+            peer = self._peer_fired()
+            if now - self._last > limit or peer:
+                self._fire(self._diagnose(now - self._last, limit, peer))
                 return
 
-    def _diagnose(self, waited: float, limit: float) -> Hang:
+    def _peer_fired(self) -> bool:
+        """Another rank's watchdog has fired in this start: write this rank's stacks too."""
+        try:
+            return any(p.name != f"hang-rank{self.rank}.json"
+                       for p in self.run.heartbeats.glob("hang-rank*.json"))  # fmt: skip
+        except OSError:
+            return False
+
+    def _diagnose(self, waited: float, limit: float, peer: bool = False) -> Hang:
         beats = read_heartbeats(self.run, self.world_size)
         wall = time.time()
         stale_s = _STALE_BEATS * self.beat_s
@@ -193,6 +221,7 @@ class Watchdog:
             for r in range(self.world_size)
             if r != self.rank and (r not in beats or wall - float(beats[r].get("t", 0)) > stale_s)
         ]
+        frozen = tuple(stalled)
         if not stalled and beats:
             top = max(int(b.get("iteration", 0)) for b in beats.values())
             stalled = [r for r, b in sorted(beats.items()) if int(b.get("iteration", 0)) < top]
@@ -209,8 +238,9 @@ class Watchdog:
                 f"rank {r} on {b.get('host')} (pid {b.get('pid')}): iteration "
                 f"{b.get('iteration')}, last heartbeat {age:.0f} s ago{mark}"
             )
+        frozen_hosts = tuple(dict.fromkeys(str(beats.get(r, {}).get("host", "?")) for r in frozen))
         return Hang(self.rank, self.iteration, waited, limit, tuple(stalled), hosts,
-                    "; ".join(lines))  # fmt: skip
+                    "; ".join(lines), frozen, frozen_hosts)  # fmt: skip
 
     def _fire(self, hang: Hang) -> None:
         who = (
@@ -273,16 +303,13 @@ class FaultInjection:
     once: bool = False
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> FaultInjection | None:
-        """The injection asked for (None: none); ValueError for a malformed value."""
-        text = (os.environ if env is None else env).get(FAULT_ENV, "").strip()
-        if not text:
-            return None
-        m = _FAULT.match(text)
+    def parse(cls, text: str) -> FaultInjection:
+        """One `KIND@ITERATION[:rankK][:once]`; ValueError for a malformed one."""
+        m = _FAULT.match(text.strip())
         if not m:
             raise ValueError(
-                f"{FAULT_ENV}={text!r}: use KIND@ITERATION[:rankK][:once], KIND one of "
-                "raise, kill, stop (e.g. kill@12:rank1:once)"
+                f"{FAULT_ENV}: {text!r} is not KIND@ITERATION[:rankK][:once] with KIND one of "
+                "raise, kill, stop (e.g. kill@12:rank1:once; several: comma-separated)"
             )
         rank = int(m.group(3).removeprefix(":rank")) if m.group(3) else 0
         return cls(m.group(1), int(m.group(2)), rank, bool(m.group(4)))

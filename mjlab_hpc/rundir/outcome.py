@@ -43,6 +43,8 @@ class RankEnd:
     """The exit line, or for a failure the exception's last line."""
     peer_lost: bool = False
     """A failure that says another rank went away (a consequence)."""
+    started: dt.datetime | None = None
+    """When this start of the rank logged its first line."""
 
     def describe(self) -> str:
         """One line for people."""
@@ -105,8 +107,10 @@ def _rank_end(rank: int, path: Path) -> RankEnd | None:
             # after it (pydantic's "For further information visit ...").
             named = [line for line in error if _EXCEPTION_LINE.match(line)]
             detail = named[-1] if named else error[-1] if error else body
-        return RankEnd(rank, host, how, last_at, detail, bool(_PEER_LOST.search(message)))
-    return RankEnd(rank, host, "no-exit", last_at, "no exit record")
+        started = _stamp(head) if head else None
+        return RankEnd(rank, host, how, last_at, detail, bool(_PEER_LOST.search(message)), started)
+    return RankEnd(rank, host, "no-exit", last_at, "no exit record",
+                   started=_stamp(head) if head else None)  # fmt: skip
 
 
 def rank_ends(run_dir: Path) -> list[RankEnd]:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, only_run, reference_digests, wait_for, wait_for_iteration
+from helpers import BIN, cli_env, only_run, reference_digests, runs_under, wait_for
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
@@ -54,48 +54,43 @@ def hpc_json(run: RunDir, env: dict[str, str] | None = None) -> dict:
 
 
 @pytest.mark.training
-def test_local_crash_heals_to_the_same_parameters(tmp_path: Path, shared_tmp: Path) -> None:
-    """kill -9 of rank 1 after iteration 8: the job is healed without a person, resumes from
-    model_5.pt, ends with the parameters of a run that never crashed, and leaves nothing."""
-    proc = train([*COMMON, *TWO], tmp_path, "kill@8:rank1:once")
-    assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
-    assert "mjlab-hpc heal: crash after iteration 8" in proc.stderr
-    run = only_run(tmp_path)
-    (fault,) = faults_of(run)
-    assert (fault["reason"], fault["kind"], fault["ranks"], fault["iteration"]) == (
-        "crash", "requeue", [1], 8
-    ), fault  # fmt: skip
-    assert "killed by a signal" in fault["error"]
-    assert fault["resumed_from"] == 5 and fault["recomputed"] == 3, fault
-    assert 0 < fault["recovery_s"] < 120, fault
-    summary = json.loads(run.summary.read_text())
-    assert summary["iterations"] == 12 and summary["resumed_from"] == 5
-    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
-    assert local_processes(run.path) == []
-    row = hpc_json(run)
-    assert row["state"] == "COMPLETED" and row["restart_reasons"] == ["crash"], row
-
-
-@pytest.mark.training
-def test_local_hang_is_detected_and_healed(tmp_path: Path) -> None:
-    """SIGSTOP of rank 1 with --hang-timeout-s 5: rank 0 notices within seconds (not the
-    300 s collective timeout), writes its Python stacks and names rank 1 and its host, and the
-    job heals and completes."""
+def test_local_crash_then_hang_heal_to_the_same_parameters(
+    tmp_path: Path, shared_tmp: Path
+) -> None:
+    """kill -9 of rank 1 after iteration 6, then SIGSTOP of rank 1 after iteration 10 with
+    --hang-timeout-s 5: each is healed without a person (the hang noticed within seconds, not
+    the 300 s collective timeout, with rank 0's Python stacks and rank 1 and its host named),
+    and the run ends with the parameters of a run that never failed, leaving nothing."""
+    args = [*COMMON, *TWO, "--save-interval", "4", "--hang-timeout-s", "5"]
     t0 = time.monotonic()
-    proc = train([*COMMON, *TWO, "--hang-timeout-s", "5"], tmp_path, "stop@8:rank1:once")
+    proc = train(args, tmp_path, "kill@6:rank1:once,stop@10:rank1:once")
     elapsed = time.monotonic() - t0
     assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
-    assert elapsed < 200
+    assert "mjlab-hpc heal: crash after iteration 6" in proc.stderr
+    assert "mjlab-hpc heal: hang after iteration 10" in proc.stderr
+    assert elapsed < 240
     run = only_run(tmp_path)
-    (fault,) = faults_of(run)
-    assert (fault["reason"], fault["kind"], fault["ranks"]) == ("hang", "requeue", [1]), fault
-    assert fault["iteration"] == 8 and fault["recomputed"] == 3
+    crash, hang = faults_of(run)
+    assert (crash["reason"], crash["kind"], crash["ranks"], crash["iteration"]) == (
+        "crash", "requeue", [1], 6
+    ), crash  # fmt: skip
+    assert "killed by a signal" in crash["error"]
+    assert crash["resumed_from"] == 4 and crash["recomputed"] == 2, crash
+    assert (hang["reason"], hang["kind"], hang["ranks"], hang["iteration"]) == (
+        "hang", "requeue", [1], 10
+    ), hang  # fmt: skip
+    assert hang["resumed_from"] == 8 and hang["recomputed"] == 2, hang
+    assert all(0 < f["recovery_s"] < 120 for f in (crash, hang))
     log0 = run.rank_log(0).read_text()
     assert "hang: no progress for" in log0 and "rank(s) 1 on" in log0
     assert "<- stalled" in log0 and "Thread 0x" in log0 and 'File "' in log0  # faulthandler
-    assert "exit: hung after iteration 8" in log0
-    assert json.loads(run.summary.read_text())["iterations"] == 12
+    assert "exit: hung after iteration 10" in log0
+    summary = json.loads(run.summary.read_text())
+    assert summary["iterations"] == 12 and summary["resumed_from"] == 8
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
     assert local_processes(run.path) == []
+    row = hpc_json(run)
+    assert row["state"] == "COMPLETED" and row["restart_reasons"] == ["crash", "hang"], row
 
 
 @pytest.mark.training
@@ -163,33 +158,26 @@ def test_slurm_crash_excludes_the_node_and_heals(
 
 
 @pytest.mark.slurm
-def test_slurm_hang_on_two_nodes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    """SIGSTOP of rank 1 (node2) of a 2-node job: the watchdog ends the attempt after
-    --hang-timeout-s, node2 is not excluded (the partition would be too small, and the record
-    says so), and the requeued job completes."""
-    args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--hang-timeout-s", "5"]
-    proc = submit(slurm_cluster, args, tmp_path, "stop@8:rank1:once")
-    assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
-    run = only_run(tmp_path)
+def test_slurm_hang_then_node_down_on_two_nodes(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """A 2-node job. SIGSTOP of rank 1 (node2) after iteration 8: the watchdog ends the
+    start after --hang-timeout-s, node2 is not excluded (the partition would be too small,
+    and the record says so), and the job is requeued. Then node2 is set DOWN under the
+    running job: Slurm requeues it, the ranks checkpoint on the way out, run.json calls it
+    node-lost, and the job completes in the same run directory."""
+    args = [*COMMON[:-2], "--max-iterations", "40", "--nodes", "2", "--tasks-per-node", "1",
+            "--hang-timeout-s", "5"]  # fmt: skip
+    proc = submit(slurm_cluster, args, tmp_path, "stop@8:rank1:once", follow=False)
+    assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
+    run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
+    wait_for(lambda: len(read_record(run.path).get("starts", [])) >= 2
+             and (run.read_progress() or [{}])[-1].get("iteration", 0) >= 14,
+             240, "the healed start to pass iteration 14")  # fmt: skip
     (fault,) = faults_of(run)
     assert (fault["reason"], fault["ranks"], fault["hosts"]) == ("hang", [1], ["node2"]), fault
     assert "partition debug would have 1 usable node(s) for a 2-node job" in fault["not_excluded"]
     assert "Thread 0x" in run.rank_log(0).read_text()
-    summary = json.loads(run.summary.read_text())
-    assert summary["iterations"] == 12
-    assert slurm_cluster.wait_job(summary["job_id"], timeout=60) == "COMPLETED"  # nothing left
-
-
-@pytest.mark.slurm
-def test_slurm_node_down_requeues_into_the_same_run(
-    slurm_cluster: SlurmCluster, tmp_path: Path
-) -> None:
-    """node2 set DOWN under a running 2-node job: Slurm requeues it, the ranks checkpoint on
-    the way out, and the job resumes in the same run directory; run.json calls it node-lost."""
-    args = [*COMMON[:-2], "--max-iterations", "40", "--nodes", "2", "--tasks-per-node", "1"]
-    proc = submit(slurm_cluster, args, tmp_path, follow=False)
-    assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
-    run = wait_for_iteration(tmp_path, 6)
     down = slurm_cluster.run(["scontrol", "update", "nodename=node2", "state=down",
                               "reason=mjlab-hpc-test"])  # fmt: skip
     assert down.returncode == 0, down.stderr
@@ -205,4 +193,4 @@ def test_slurm_node_down_requeues_into_the_same_run(
     assert stops[0]["nodes"] in (["node2"], ["node[1-2]"]), stops
     assert stops[0]["recomputed"] == 0 and stops[0]["recovery_s"] > 0
     assert summary["iterations"] == 40 and summary["resumed_from"] == stops[0]["iteration"]
-    assert slurm_cluster.wait_job(summary["job_id"], timeout=60) == "COMPLETED"
+    assert slurm_cluster.wait_job(summary["job_id"], timeout=60) == "COMPLETED"  # nothing left

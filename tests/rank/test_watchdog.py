@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mjlab_hpc.launch.heal import decide, find_fault
-from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog, hang_limit_s
+from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog, hang_limit_s, parse_faults
 from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
 
 
@@ -25,20 +25,21 @@ def test_hang_limit_never_below_five_slowest_iterations() -> None:
 @pytest.mark.parametrize(
     ("text", "parsed"),
     [
-        ("kill@12:rank1:once", FaultInjection("kill", 12, 1, True)),
-        ("raise@3", FaultInjection("raise", 3, 0, False)),
-        ("stop@7:rank2", FaultInjection("stop", 7, 2, False)),
-        ("", None),
+        ("kill@12:rank1:once", (FaultInjection("kill", 12, 1, True),)),
+        ("raise@3", (FaultInjection("raise", 3, 0, False),)),
+        ("kill@5:rank1:once, stop@10:rank1:once",
+         (FaultInjection("kill", 5, 1, True), FaultInjection("stop", 10, 1, True))),
+        ("", ()),
     ],
-)
-def test_fault_injection_syntax(text: str, parsed: FaultInjection | None) -> None:
-    assert FaultInjection.from_env({"MJLAB_HPC_FAULT": text}) == parsed
+)  # fmt: skip
+def test_fault_injection_syntax(text: str, parsed: tuple[FaultInjection, ...]) -> None:
+    assert parse_faults({"MJLAB_HPC_FAULT": text}) == parsed
 
 
 @pytest.mark.parametrize("bad", ["kill", "kill@x", "boom@3", "kill@3:rank", "raise@3:twice"])
 def test_fault_injection_refuses_typos(bad: str) -> None:
     with pytest.raises(ValueError, match="KIND@ITERATION"):
-        FaultInjection.from_env({"MJLAB_HPC_FAULT": bad})
+        parse_faults({"MJLAB_HPC_FAULT": bad})
 
 
 def test_heartbeat_and_diagnosis_name_the_stalled_rank(tmp_path: Path) -> None:
@@ -120,3 +121,24 @@ def test_the_first_iteration_stands_in_until_one_is_timed(tmp_path: Path) -> Non
     dog.progress(3)
     assert dog._slowest == pytest.approx(3, abs=0.5)
     assert hang_limit_s(10, dog._slowest) == pytest.approx(15, abs=2.5)
+
+
+def test_a_start_that_never_logged_is_a_crash_of_this_start(tmp_path: Path) -> None:
+    """Rank logs older than the start the healer looks at are an earlier start's: their
+    `exit: stopped` must not hide a start that died before it could log."""
+    run = RunDir(tmp_path)
+    for rank in (0, 1):
+        _rank_log(run, rank, f"2026-11-23 10:00:09,000 rank{rank} exit: stopped at iteration 3\n")
+    assert find_fault(run.path) is None  # as the earlier start ended
+    fault = find_fault(run.path, since=time.time())
+    assert fault is not None and fault.reason == "crash" and "no rank started" in fault.error
+
+
+def test_a_cancel_before_a_resume_does_not_stop_healing(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    _crash(run)
+    (run.path / "cancelled.json").write_text(json.dumps({"at": "2026-11-23T09:00:00+00:00"}))
+    run.record.write_text(json.dumps({"starts": [{"at": "2026-11-23T09:30:00+00:00"}]}))
+    assert decide(run.path, max_restarts=3).requeue  # cancelled, then resumed: heals
+    (run.path / "cancelled.json").write_text(json.dumps({"at": "2026-11-23T10:30:00+00:00"}))
+    assert not decide(run.path, max_restarts=3).requeue  # cancelled during this start
