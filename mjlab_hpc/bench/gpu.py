@@ -28,8 +28,8 @@ from typing import Any
 from mjlab_hpc.bench.config import BenchConfig
 from mjlab_hpc.bench.rollout import run_rollout
 from mjlab_hpc.bench.session import Bench
-from mjlab_hpc.bench.stats import Figure, parse_rsl_rl_log, reward_text, throughput
-from mjlab_hpc.bench.watch import bench_env, cli, find_run_dir, kill_job
+from mjlab_hpc.bench.stats import Figure, reward_text, throughput
+from mjlab_hpc.bench.watch import bench_env, cli, find_run_dir, kill_job, measured_records
 from mjlab_hpc.rundir.layout import PROGRESS, read_jsonl
 
 __all__ = ["GPU_FIGURES", "cuda_probe", "gpu_figures", "run_gpu"]
@@ -195,12 +195,7 @@ def _gpu_run(bench: Bench, side: str, repeat: int, iterations: int) -> dict[str,
 
     code, first_s = _run_timed(cmd, cwd, out, first_done, 2 * cfg.run_timeout_s)
     text = out.read_text(errors="replace")
-    if side == "mjlab_train":
-        records = parse_rsl_rl_log(text)
-    else:
-        run = find_run_dir(cwd / "logs")
-        records = read_jsonl(run / PROGRESS) if run is not None else []
-    records = [r for r in records if 2 <= r["iteration"] <= iterations]
+    records = measured_records(side, text, cwd, iterations)
     if code != 0 or len(records) != iterations - 1:
         bench.failures.append(f"{name}: exit {code}\n{text[-1500:]}")
         bench.say(f"  {name}: FAILED (exit {code}), output in {out}")

@@ -24,7 +24,6 @@ from mjlab_hpc.bench.stats import (
     Figure,
     collective_share,
     median_iteration_s,
-    parse_rsl_rl_log,
     reward_text,
     share_of,
     throughput,
@@ -33,13 +32,12 @@ from mjlab_hpc.bench.watch import (
     JobTrace,
     bench_env,
     cli,
-    find_run_dir,
     kill_job,
     launch_parts,
+    measured_records,
     recovery,
     watch_job,
 )
-from mjlab_hpc.rundir.layout import PROGRESS, read_jsonl
 
 __all__ = ["Bench"]
 
@@ -262,12 +260,7 @@ class Bench:
             except subprocess.TimeoutExpired:
                 kill_job(proc)
         text = out.read_text(errors="replace")
-        if side == "mjlab_train":
-            records = parse_rsl_rl_log(text)
-        else:
-            run = find_run_dir(cwd / "logs")
-            records = read_jsonl(run / PROGRESS) if run is not None else []
-        records = [r for r in records if 2 <= r["iteration"] <= iterations]
+        records = measured_records(side, text, cwd, iterations)
         if proc.returncode != 0 or len(records) != iterations - 1:
             self.failures.append(f"{name}: exit {proc.returncode}\n{text[-1500:]}")
             self.say(f"  {name}: FAILED (exit {proc.returncode}), output in {out}")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc import procs
-from mjlab_hpc.bench.stats import median_iteration_s
+from mjlab_hpc.bench.stats import median_iteration_s, parse_rsl_rl_log
 from mjlab_hpc.rundir.layout import PROGRESS, RESTARTS, RUN_RECORD, SUBMITIT_DIR, read_jsonl
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "find_run_dir",
     "kill_job",
     "launch_parts",
+    "measured_records",
     "rank_pids",
     "recovery",
     "watch_job",
@@ -214,6 +215,17 @@ class _Watch:
 def find_run_dir(log_root: Path) -> Path | None:
     runs = [p for p in log_root.glob("*/*") if p.is_dir() and not p.name.startswith(".")]
     return runs[0] if len(runs) == 1 else None
+
+
+def measured_records(side: str, output: str, cwd: Path, iterations: int) -> list[dict[str, Any]]:
+    """Iterations 2..`iterations` of one side of the mjlab comparison: mjlab's own train
+    (`mjlab_train`, parsed from its console `output`), else ours (its progress.jsonl)."""
+    if side == "mjlab_train":
+        records = parse_rsl_rl_log(output)
+    else:
+        run = find_run_dir(cwd / "logs")
+        records = read_jsonl(run / PROGRESS) if run is not None else []
+    return [r for r in records if 2 <= r["iteration"] <= iterations]
 
 
 def watch_job(

@@ -132,9 +132,8 @@ class Watchdog:
 
     def __enter__(self) -> Watchdog:
         self.run.heartbeats.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(
-            OSError
-        ):  # an earlier start's hang, read by the healer before this start
+        # An earlier start's hang (the healer read it before this start).
+        with contextlib.suppress(OSError):
             (self.run.heartbeats / f"hang-rank{self.rank}.json").unlink(missing_ok=True)
         self._beat()
         self._thread = threading.Thread(target=self._loop, name="watchdog", daemon=True)
