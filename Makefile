@@ -22,10 +22,10 @@ PYTEST_ARGS ?= -n 2 --dist loadgroup
 GPU_VENV ?= .venv-gpu
 GPU_PYTEST_ARGS ?= -rs
 
-.PHONY: install test test-fast gpu-check lint format demo bench cluster-up cluster-down clean help
+.PHONY: install test test-fast gpu-check lint format demo bench scale cluster-up cluster-down clean help
 
 help:
-	@echo "make install | test | test-fast | gpu-check | lint | format | demo | bench | cluster-up | cluster-down | clean"
+	@echo "make install | test | test-fast | gpu-check | lint | format | demo | bench | scale | cluster-up | cluster-down | clean"
 
 install: $(STAMP)
 
@@ -86,12 +86,25 @@ demo: install
 	$(BIN)/mjlab-submit cartpole --executor local --gpus-per-node 0 --tasks-per-node 2 \
 		--num-envs 512 --max-iterations 30 --torch-threads 1 --log-root logs --follow
 
-# Performance figures of this machine (~9 min on 2 cores): bench-results/bench.json, bench.png.
+# Performance figures of this machine (~10 min on 2 cores): bench-results/bench.json, bench.png.
 # BENCH_ARGS=--quick for a smoke run. GPU figures where torch sees a GPU: on a GPU machine,
 # make bench VENV=.venv-gpu GPU=1 (torch's CUDA build); without one they are skipped, and said so.
 BENCH_ARGS ?=
 bench: install
 	$(BIN)/python -m mjlab_hpc.bench $(BENCH_ARGS)
+
+# What grows with the world size (~11 min on 2 cores): its own 8-node Slurm test cluster (as
+# root, in SCALE_DIR, stopped at the end), then jobs of 1-32 CPU ranks through mjlab-submit;
+# bench-results/scale.json and a table. SCALE_ARGS=--sizes 1,2,4 for fewer. Not in make test.
+SCALE_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-scale
+SCALE_NODES ?= 8
+SCALE_ARGS ?=
+scale: install
+	@export MJLAB_HPC_CLUSTER_DIR="$(SCALE_DIR)/cluster" MJLAB_HPC_CLUSTER_NODES=$(SCALE_NODES); \
+	bash $(CLUSTER) up || exit 1; \
+	source "$$MJLAB_HPC_CLUSTER_DIR/env.sh"; \
+	$(BIN)/python -m mjlab_hpc.bench.scale --max-nodes $(SCALE_NODES) $(SCALE_ARGS); rc=$$?; \
+	bash $(CLUSTER) down; exit $$rc
 
 cluster-up:
 	bash $(CLUSTER) up

@@ -28,6 +28,7 @@ __all__ = [
     "SubmitSpec",
     "TrainSpec",
     "split_overrides",
+    "train_cli_args",
 ]
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
@@ -36,7 +37,7 @@ MAX_ENVS_PER_RANK = 2**24
 _NOT_FINITE = frozenset({"nan", "inf", "infinity"})
 # What a run's folder name holds before the run name: `2026-11-23_09-12-51_`.
 RUN_NAME_PREFIX = "YYYY-mm-dd_HH-MM-SS_"
-ExecutorChoice = Literal["slurm", "local", "auto"]
+ExecutorChoice = Literal["slurm", "local", "allocation", "auto"]
 GpuIds = tuple[int, ...] | Literal["all", "auto"] | None
 # Signals Slurm can send ahead of the time limit that no library we load relies on, and
 # that mean nothing else to a rank (INT, HUP and TERM are stops by a user or a scheduler).
@@ -331,7 +332,9 @@ class SubmitSpec:
     sbatch_arg: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
     """Any other sbatch option as KEY=VALUE (repeatable), e.g. mail-type=END."""
     executor: ExecutorChoice = "auto"
-    """slurm, local (this machine, CPU ranks unless GPUs), or auto (slurm if sbatch exists)."""
+    """slurm (a new job), local (this machine, CPU ranks unless GPUs), allocation (srun in the
+    Slurm allocation this shell is in: salloc, an interactive job), or auto (allocation
+    inside one, else slurm if sbatch exists, else local)."""
     signal_delay_s: int = 90
     """Seconds before the time limit at which Slurm sends USR2 (checkpoint and requeue)."""
     dry_run: bool = False
@@ -343,6 +346,17 @@ class SubmitSpec:
     one run directory per element, e.g. seed=0,1,2 or num_envs=512,1024."""
     array_parallelism: int | None = None
     """With --sweep: at most N elements run at once (Slurm's --array=...%N)."""
+    after: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """Start only once this Slurm job has ended, however it ended (repeatable; sbatch's
+    --dependency=afterany:JOBID)."""
+    no_snapshot: bool = False
+    """Run the code as it is when the job starts, instead of a copy of the git repository
+    mjlab-submit is run from taken at submit time (the default, for this job and all its
+    requeues)."""
+    chain: int = 1
+    """Submit N jobs of --time each, one after the other: each starts when the previous one
+    ended and continues the run from its checkpoint (for clusters that forbid requeue or cap
+    --time). With --sweep, N job arrays."""
 
     @property
     def ranks_per_node(self) -> int:
@@ -369,3 +383,21 @@ class SubmitSpec:
     def replace(self, **changes: object) -> SubmitSpec:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def train_cli_args(spec: TrainSpec) -> list[str]:
+    """`mjlab-train` arguments that reproduce `spec` (its task and every non-default flag)."""
+    args = [spec.task]
+    defaults = TrainSpec()
+    for f in dataclasses.fields(TrainSpec):
+        if f.name in ("task", "run_dir", "gpu_ids", "num_procs", "overrides"):
+            continue
+        value = getattr(spec, f.name)
+        if value == getattr(defaults, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{f.name.replace('_', '-')}")
+        else:
+            args += [flag, str(value)]
+    return args + list(spec.overrides)

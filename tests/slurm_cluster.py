@@ -131,9 +131,12 @@ def _tail(text: str, lines: int = 60) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def start_cluster(state_dir: Path) -> SlurmCluster:
-    """Run `cluster.sh up` for state_dir; raises RuntimeError with its output on failure."""
+def start_cluster(state_dir: Path, nodes: int | None = None) -> SlurmCluster:
+    """Run `cluster.sh up` for state_dir (with `nodes` nodes, else cluster.sh's default, 2);
+    raises RuntimeError with its output on failure."""
     env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(state_dir)}
+    if nodes is not None:
+        env["MJLAB_HPC_CLUSTER_NODES"] = str(nodes)
     try:
         proc = subprocess.run(
             ["bash", str(SCRIPT), "up"],

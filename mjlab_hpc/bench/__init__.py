@@ -6,7 +6,9 @@ busy machine slows both sides of a pair alike; each is reported as the median ov
 with its spread (quartiles, min-max). The real CLIs run as subprocesses with `--torch-threads 1`:
 
 1. scaling efficiency: env-steps/s (collection + update) of 2 ranks / (2 x 1 rank), same envs
-   per rank (`mjlab-train` vs `mjlab-submit --executor local --tasks-per-node 2`);
+   per rank (`mjlab-train` vs `mjlab-submit --executor local --tasks-per-node 2`); the
+   machine's limit: two independent 1-rank trainings at once, each / one alone (same repeat);
+   and scaling efficiency / that limit;
 2. collective share: time inside torch.distributed collectives / iteration time at 2 ranks;
 3. rollout overhead: `env.step` throughput / raw MuJoCo Warp graph replay (`env.simulate()`) of
    the same worlds and substeps, for each built-in task;
@@ -29,5 +31,6 @@ smoke run that checks the machinery (its figures mean nothing).
 Modules: `config` (the flags), `stats` (spreads, figures, parsing progress), `watch` (one
 training job run and watched), `compile` (counting Warp compilations), `rollout` (env.step
 against raw physics), `session` (the experiments and their figures), `gpu` (the GPU section),
-`report` (JSON, PNG, table, entry point). Nothing here is imported by the other commands.
+`report` (JSON, PNG, table, entry point); `scale` is `make scale` (one job per world size on
+a Slurm cluster, docs/scaling.md). Nothing here is imported by the other commands.
 """

@@ -22,7 +22,7 @@ import tyro
 
 from mjlab_hpc.bench.config import BenchConfig
 from mjlab_hpc.bench.gpu import gpu_figures, run_gpu
-from mjlab_hpc.bench.healing import healing_figures, run_healing
+from mjlab_hpc.bench.healing import healing_figures, lock_figures, run_healing, run_lock
 from mjlab_hpc.bench.session import Bench
 
 __all__ = ["main", "run", "run_bench"]
@@ -147,12 +147,17 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None]) -> dict[str, Any]:
         healing, healing_failures = run_healing(cfg, bench.env, bench.runs, say)
         bench.failures.extend(healing_failures)
     bench.details["healing"] = healing
+    # The run directory's writer lock with 128 contenders (~10 s, no training).
+    lock, lock_failures = run_lock(cfg, say, bench.runs)
+    bench.failures.extend(lock_failures)
+    bench.details["lock"] = lock
     figures = {
         f.key: f.summary()
         for f in [
             *bench.figures(),
             *gpu_figures(cfg, gpu),
             *(healing_figures(healing) if cfg.healing else []),
+            *lock_figures(lock),
         ]
     }
     machine = machine_info()

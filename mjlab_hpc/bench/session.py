@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import shutil
+import statistics
 import subprocess
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +54,8 @@ class Bench:
     runs: Path = field(init=False)
     env: dict[str, str] = field(init=False)
     traces: dict[str, list[JobTrace]] = field(default_factory=dict)
+    limits: list[tuple[JobTrace, ...]] = field(default_factory=list)
+    """Per repeat: the two 1-rank trainings that ran at once (the machine's limit)."""
     details: dict[str, Any] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
 
@@ -159,14 +164,51 @@ class Bench:
             self.failures.append(f"rollout: {exc}")
             self.details["rollout"] = {}
 
+    def concurrent(self, name: str, last: int) -> list[JobTrace]:
+        """Two independent 1-rank trainings (`mjlab-train`, no process group) started
+        together under `<runs>/<name>-a` and `-b`, each watched as a 1-rank job alone is: what
+        this machine allows two ranks when they exchange nothing."""
+        traces: list[JobTrace] = []
+
+        def one(side: str) -> None:
+            root = self.runs / f"{name}-{side}"
+            traces.append(
+                watch_job(
+                    [cli("mjlab-train"), *self.train_args(root, last)],
+                    label=f"{name}-{side}",
+                    ranks=1,
+                    log_root=root,
+                    env=self.env,
+                    timeout_s=self.cfg.run_timeout_s,
+                    cpu_window=(1, last),
+                )
+            )
+
+        threads = [threading.Thread(target=one, args=(side,)) for side in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.limits.append(tuple(traces))
+        bad = [t for t in traces if t.returncode != 0]
+        for t in bad:
+            self.failures.append(f"{t.label}: exit {t.returncode}\n{t.output_tail[-1500:]}")
+        self.say(f"  {name}: " + ("FAILED" if bad else "done (two 1-rank trainings at once)"))
+        return traces
+
     def training_pairs(self) -> None:
-        """Per repeat: 1 rank (mjlab-train), 2 ranks (mjlab-submit, preempted once), 1 rank
-        (mjlab-submit). With --quick the first two also count compilations on a partly cold
-        cache (separate cold jobs would double the smoke run's time)."""
+        """Per repeat: 1 rank (mjlab-train), 2 ranks (mjlab-submit, preempted once), two
+        independent 1-rank trainings at once (the machine's limit; before the 2-rank job in odd
+        repeats, after it in even ones, so drift hits both alike), 1 rank (mjlab-submit). With
+        --quick the first two also count compilations on a partly cold cache (separate cold
+        jobs would double the smoke run's time)."""
         last = self.cfg.measured + 1  # iteration 1 is the warm-up
         piggyback = self.cfg.quick and self.cfg.cold_compile
         for r in range(1, self.cfg.pairs + 1):
-            self.say(f"repeat {r}/{self.cfg.pairs}: 1 rank | 2 ranks + preemption | submit 1 rank")
+            limit_first = r % 2 == 1
+            two, limit = "2 ranks + preemption", "2 x 1 rank at once"
+            order = f"{limit} | {two}" if limit_first else f"{two} | {limit}"
+            self.say(f"repeat {r}/{self.cfg.pairs}: 1 rank | {order} | submit 1 rank")
             first = piggyback and r == 1
             self.job(
                 f"one-{r}",
@@ -176,6 +218,8 @@ class Bench:
                 cache=self.cold_cache("one") if first else None,
                 cpu_window=(1, last),
             )
+            if limit_first:
+                self.concurrent(f"limit-{r}", last)
             # Ends 2 iterations after the measured ones: USR2 stops the job at the next
             # boundary, the executor restarts it, and it resumes to the end.
             self.job(
@@ -187,6 +231,8 @@ class Bench:
                 cpu_window=(1, last),
                 signal_after=last,
             )
+            if not limit_first:
+                self.concurrent(f"limit-{r}", last)
             self.job(f"submit1-{r}", 1, 1, submit=True)
 
     def mjlab_pairs(self) -> None:
@@ -281,10 +327,16 @@ class Bench:
         last = n + 1
         ones, twos, subs = (self.traces.get(k, []) for k in ("one", "two", "submit1"))
         eff, coll, launch, launch2, resume, stop_its, lost = [], [], [], [], [], [], []
+        limit, of_limit = [], []
         pair_details = []
-        for a, b, c in zip(ones, twos, subs, strict=False):
+        for i, (a, b, c) in enumerate(zip(ones, twos, subs, strict=False)):
             ta, tb = throughput(a.window(2, last)), throughput(b.window(2, last))
             eff.append(tb / (2 * ta))
+            both = self.limits[i] if i < len(self.limits) else ()
+            alone = [throughput(t.window(2, last)) / ta for t in both]
+            if len(alone) == 2 and all(math.isfinite(x) for x in alone):
+                limit.append(statistics.mean(alone))
+                of_limit.append(eff[-1] / limit[-1])
             coll.append(collective_share(b.window(2, last)))
             if a.launch_s and c.launch_s:
                 launch.append(c.launch_s / a.launch_s)
@@ -310,6 +362,13 @@ class Bench:
                     },
                     "cpu_1rank": a.cpu.as_dict(),
                     "cpu_2ranks": b.cpu.as_dict(),
+                    "limit_each_vs_alone": alone,
+                    "cpu_limit": [t.cpu.as_dict() for t in both],
+                    # Each window's other_cores counts the sibling: without it, what else ran.
+                    "limit_other_cores": [
+                        round(t.cpu.other_cores - sum(u.cpu.rank_cores), 3)
+                        for t, u in zip(both, both[::-1], strict=True)
+                    ],
                     "recovery": rec,
                 }
             )
@@ -318,6 +377,12 @@ class Bench:
             Figure("scaling_efficiency", "scaling efficiency (2 ranks)", tuple(eff), 0.95, ">=",
                    "env-steps/s of 2 ranks / (2 x env-steps/s of 1 rank), same envs per rank, "
                    "iterations 2.. of each run", "scaling"),
+            Figure("machine_limit", "machine limit: 2 x 1 rank at once / alone", tuple(limit),
+                   0.95, ">=", "env-steps/s of each of two independent 1-rank trainings run "
+                   "at once / of the 1-rank training alone (mean of the two), same repeat",
+                   "scaling"),
+            Figure("scaling_of_limit", "scaling efficiency / machine limit", tuple(of_limit),
+                   0.97, ">=", "scaling efficiency / machine limit, per repeat", "scaling"),
             Figure("collective_share", "collective share (2 ranks)", tuple(coll), 0.02, "<=",
                    "time inside all-reduce/broadcast / iteration time, rank 0, 2 ranks",
                    "scaling"),

@@ -295,7 +295,13 @@ def _poll_once(
     # The ranks: the CLI itself when it trains in-process, else the local executor's tasks.
     if in_process:
         pids = [proc.pid]
-    elif run is not None and now >= state.next_pid_scan:
+    elif (
+        run is not None
+        and now >= state.next_pid_scan
+        # Scanning /proc costs the measured ranks a share of a core: only until every rank
+        # of the first start is known, and again once the signal asks for a restart.
+        and (len(state.pids) < trace.ranks or trace.signal_sent_at is not None)
+    ):
         pids = rank_pids(run / SUBMITIT_DIR)
         state.next_pid_scan = now + 0.1
     else:

@@ -19,10 +19,12 @@ from rich.table import Table
 from mjlab_hpc.bench.config import BenchConfig
 from mjlab_hpc.checks import no_control, path_component, positive_seconds
 from mjlab_hpc.cli.common import guarded
-from mjlab_hpc.errors import SpecError
+from mjlab_hpc.errors import EXIT_INTERRUPTED, SpecError
 from mjlab_hpc.launch.heal import heal_job
 from mjlab_hpc.launch.templates import render
+from mjlab_hpc.launch.validate import validate_submit
 from mjlab_hpc.ops.cancel import cancel as cancel_runs
+from mjlab_hpc.ops.doctor import diagnose
 from mjlab_hpc.ops.logs import find_tracebacks, follow, rank_files, rank_host, tail
 from mjlab_hpc.ops.runs import list_runs, resolve_target, run_jobs
 from mjlab_hpc.ops.status import StatusReport, collect, console, interruption_line, watch
@@ -132,6 +134,22 @@ class Heal:
 
 
 @dataclass(frozen=True)
+class Doctor:
+    """Check that a job as asked would run on this cluster, on the cluster itself: Slurm's
+    commands, the partition and the request, a log root every node shares, the same Python
+    and mjlab_hpc on the nodes, GPUs per task, the time-limit signal, requeue, accounting and
+    job arrays. Two short probe jobs run; exit 0 only when every check passes."""
+
+    spec: Annotated[SubmitSpec, tyro.conf.OmitArgPrefixes] = field(default_factory=SubmitSpec)
+    wait_s: float = 300.0
+    """Seconds to wait for the probe jobs to start and end (a busy cluster queues them)."""
+    json: bool = False
+    """Print the checks as JSON instead of a table."""
+    keep: bool = False
+    """Keep the probe folder (<log-root>/.doctor/...) for a look at what the nodes wrote."""
+
+
+@dataclass(frozen=True)
 class Plot:
     """Mean reward and env-steps/s of runs against iteration and wall time, overlaid, as a PNG
     (from their tensorboard events)."""
@@ -151,6 +169,7 @@ Command = (
     | Annotated[Status, tyro.conf.subcommand("status")]
     | Annotated[Logs, tyro.conf.subcommand("logs")]
     | Annotated[Cancel, tyro.conf.subcommand("cancel")]
+    | Annotated[Doctor, tyro.conf.subcommand("doctor")]
     | Annotated[Plot, tyro.conf.subcommand("plot")]
     | Annotated[Heal, tyro.conf.subcommand("heal")]
     | Annotated[BenchConfig, tyro.conf.subcommand("bench")]
@@ -339,6 +358,12 @@ def render_template(cmd: Render) -> int:
     """`mjlab-hpc render`."""
     if cmd.spec.sweep or cmd.spec.array_parallelism is not None:
         raise SpecError("--sweep", "a template renders one job; submit sweeps with mjlab-submit")
+    if cmd.spec.chain > 1 or cmd.spec.after:
+        raise SpecError(
+            "--chain" if cmd.spec.chain > 1 else "--after",
+            "a template renders one job: chain its jobs with "
+            "`sbatch --dependency=afterany:JOBID job.sbatch`, or use mjlab-submit",
+        )
     sys.stdout.write(render(cmd.template, cmd.spec))
     return 0
 
@@ -360,6 +385,42 @@ def run_dir(cmd: RunDirCommand) -> int:
     return 0
 
 
+def doctor(cmd: Doctor) -> int:
+    """`mjlab-hpc doctor`."""
+    positive_seconds("--wait-s", cmd.wait_s, minimum=1.0)
+    spec = cmd.spec.replace(executor="slurm", dry_run=True, follow=False)
+    resolved = validate_submit(spec, warn=lambda _: None)  # bad flags: exit 2
+    say = (lambda _: None) if cmd.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        report = diagnose(spec, resolved, cmd.wait_s, keep=cmd.keep, progress=say)
+    except KeyboardInterrupt:  # the probe jobs are cancelled and their folder removed
+        print("doctor stopped: probe jobs cancelled", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if cmd.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        table = Table(title="mjlab-hpc doctor", box=None)
+        for col in ("check", "result", "found", "fix"):
+            table.add_column(col, overflow="fold")
+        style = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+        for c in report.checks:
+            table.add_row(
+                c.name,
+                f"[{style[c.result]}]{c.result}[/]",
+                escape(c.detail),
+                escape(c.fix) if c.result != "ok" else "",
+            )
+        # Piped (a log, CI), rich would wrap the fixes at 80 columns.
+        out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+        out.print(table)
+        out.print(
+            "[green]a job as asked would run here[/]"
+            if report.ok
+            else "[bold red]a job as asked would not run here: see the fixes above[/]"
+        )
+    return 0 if report.ok else 1
+
+
 def bench(cmd: BenchConfig) -> int:
     """`mjlab-hpc bench`."""
     from mjlab_hpc.bench.report import run as run_bench  # the benchmark: only when asked
@@ -375,6 +436,7 @@ _COMMANDS = {
     Logs: logs,
     Cancel: cancel,
     Plot: plot,
+    Doctor: doctor,
     Heal: lambda cmd: heal_job(Path(cmd.run_dir), cmd.exit_code, cmd.max_restarts, cmd.elapsed_s),
     BenchConfig: bench,
 }

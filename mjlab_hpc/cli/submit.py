@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import shlex
+import shutil
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import yaml
 from rich.console import Console
@@ -21,20 +25,29 @@ from mjlab_hpc.launch.follow import (
     follow_progress,
 )
 from mjlab_hpc.launch.local import LocalControls, local_processes, rank_outcomes
-from mjlab_hpc.launch.slurm import render_array_sbatch, render_sbatch
+from mjlab_hpc.launch.slurm import (
+    allocation_srun,
+    current_allocation,
+    render_array_sbatch,
+    render_sbatch,
+    run_in_allocation,
+)
 from mjlab_hpc.launch.submit import (
     Submitted,
     SubmittedSweep,
+    make_run_dir,
     planned_run_dir,
     planned_sweep,
     submit,
     submit_sweep,
 )
 from mjlab_hpc.launch.sweep import sweep_elements
-from mjlab_hpc.launch.validate import executor_for, validate_submit
+from mjlab_hpc.launch.validate import executor_for, slurm_only, validate_submit
 from mjlab_hpc.ops.status import collect, status_table
 from mjlab_hpc.ops.status import console as wide_console
 from mjlab_hpc.procs import wait_gone
+from mjlab_hpc.rank.context import CHAIN_ENV
+from mjlab_hpc.rundir.snapshot import plan_snapshot, record_code
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
@@ -71,6 +84,12 @@ def summary_table(s: Submitted) -> Table:
     t.add_column(style="bold", no_wrap=True)
     t.add_column(overflow="fold")  # paths are copied from here: wrap, never crop
     t.add_row("job", f"{s.job_id} ({s.executor})")
+    if s.chain:
+        t.add_row(
+            "chain",
+            f"{' -> '.join(s.job_ids)}: {len(s.job_ids)} jobs of --time {spec.time}, each "
+            "starting when the one before ends and continuing the run",
+        )
     gpus = f"{spec.gpus_per_node} GPU(s)" if spec.gpus_per_node else "CPU"
     t.add_row(
         "ranks",
@@ -104,14 +123,14 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
 
         def stop() -> None:
             # The ranks save a checkpoint on SIGTERM; with requeue forbidden, none follows.
-            client.forbid_requeue(s.job_id)
-            client.scancel([s.job_id])
+            client.forbid_requeue(s.job_ids)  # a --chain's queued jobs too
+            client.scancel(list(s.job_ids))
 
         def kill() -> None:
             pass  # stop following; the cancel goes on
 
     def done() -> bool:
-        if fg.killed or not s.job.done():
+        if fg.killed or not all(j.done() for j in (s.job, *s.chain)):
             return fg.killed
         # A local controller may be gone (killed) while its ranks still save their checkpoint.
         return s.executor != "local" or not local_processes(s.run_dir)
@@ -151,8 +170,13 @@ def sweep_dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
     for e, run_dir in zip(elements, run_dirs, strict=True):
         out.write(f"# {e.index:>3}  {e.label:<32} {run_dir}\n")
     if executor_for(spec) == "slurm":
-        out.write("# ---- sbatch script of the job array (dry run: not submitted) ----\n")
+        out.write(
+            "# ---- sbatch script of the job array (dry run: not submitted"
+            f"{_no_slurm_here(spec)}) ----\n"
+        )
         out.write(render_array_sbatch(spec, sweep_dir, len(elements)))
+        if spec.chain > 1:
+            out.write(chain_note(spec))
     else:
         out.write(
             f"# ---- local executor (dry run: not started) ----\n# {len(elements)} local jobs "
@@ -170,6 +194,10 @@ def sweep_table(s: SubmittedSweep) -> Table:
     if s.array_job_id is not None:
         at_once = f", at most {spec.array_parallelism} at once" if spec.array_parallelism else ""
         t.add_row("job array", f"{s.array_job_id} (slurm), {n} elements{at_once}")
+        if spec.chain > 1 and s.runs:
+            arrays = [str(j.job_id).split("_")[0] for j in s.runs[0].chain]
+            t.add_row("chain", f"{' -> '.join([s.array_job_id, *arrays])}: each array starts "
+                      "when the one before has ended")  # fmt: skip
     else:
         t.add_row("jobs", f"{n} local jobs ({s.executor}), all running at once")
     t.add_row(
@@ -193,7 +221,7 @@ def sweep_table(s: SubmittedSweep) -> Table:
 def follow_sweep(s: SubmittedSweep, console: Console) -> int:
     """Wait for every element to end, then show their status; 0 if all completed."""
     try:
-        while not all(r.job.done() for r in s.runs):
+        while not all(j.done() for r in s.runs for j in (r.job, *r.chain)):
             time.sleep(2.0)
     except KeyboardInterrupt:
         console.print("stopped waiting; the sweep keeps running")
@@ -220,6 +248,8 @@ def _run(spec: SubmitSpec, argv: Sequence[str]) -> int:
         else:
             dry_run(spec, resolved)
         return 0
+    if executor_for(spec) == "allocation":
+        return in_allocation(spec, argv)
     if spec.sweep:
         sweep = submit_sweep(spec)
         console.print("[bold]submitted sweep[/]")
@@ -231,15 +261,59 @@ def _run(spec: SubmitSpec, argv: Sequence[str]) -> int:
     return follow_job(submitted, argv) if spec.follow else 0
 
 
+def _no_slurm_here(spec: SubmitSpec) -> str:
+    """Why a dry run shows a Slurm script where there is no Slurm."""
+    if shutil.which("sbatch") or spec.executor == "slurm":
+        return ""
+    return f"; Slurm was not found here, {slurm_only(spec)} asks for it"
+
+
+def chain_note(spec: SubmitSpec) -> str:
+    """What a dry run says about the later jobs of a --chain."""
+    return (
+        f"# ---- jobs 2..{spec.chain} of the chain: the same script, with "
+        "--dependency=afterany:<the job before> and "
+        f"{CHAIN_ENV}=<K>/{spec.chain} ----\n"
+    )
+
+
+def in_allocation(spec: SubmitSpec, argv: Sequence[str]) -> int:
+    """Run the ranks with srun inside the allocation this shell is in, to their end."""
+    resolved = validate_submit(spec)
+    alloc = current_allocation(os.environ)
+    assert alloc is not None  # validate_submit refuses --executor allocation outside one
+    code = plan_snapshot(Path.cwd(), spec.no_snapshot)  # too large: refused, nothing made
+    run_dir = make_run_dir(spec, resolved)
+    record_code(code, run_dir)
+    console = Console(stderr=True)
+    console.print(
+        f"[bold]inside Slurm allocation {alloc.job_id}[/] ({alloc.nodes} node(s)): starting "
+        f"{spec.world_size} rank(s) with srun here, no new job (--executor slurm submits one)",
+        soft_wrap=True,
+    )
+    console.print(f"run directory: {run_dir}", highlight=False, soft_wrap=True)
+    ended = run_in_allocation(spec, resolved, run_dir, alloc, resume_command(PROG, argv, run_dir))
+    (Console() if ended.code == 0 else Console(stderr=True)).print(
+        ended.line, highlight=False, markup=False, soft_wrap=True
+    )
+    return ended.code
+
+
 def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
     """Print the resolved spec and the exact sbatch script (or what would start locally).
     Plain text, uncropped: users copy the script from here."""
     run_dir = planned_run_dir(spec, resolved)
     out = sys.stdout
     out.write("# ---- resolved spec ----\n" + spec_yaml(spec, resolved))
-    if executor_for(spec) == "slurm":
-        out.write("# ---- sbatch script (dry run: not submitted) ----\n")
+    if executor_for(spec) == "allocation":
+        command = allocation_srun(spec, resolved, run_dir)
+        out.write(f"# ---- srun inside the current allocation (dry run: not started) ----\n"
+                  f"{shlex.join(command)}\n")  # fmt: skip
+    elif executor_for(spec) == "slurm":
+        out.write(f"# ---- sbatch script (dry run: not submitted{_no_slurm_here(spec)}) ----\n")
         out.write(render_sbatch(spec, run_dir))
+        if spec.chain > 1:
+            out.write(chain_note(spec))
     else:
         out.write(
             f"# ---- local executor (dry run: not started) ----\n"

@@ -20,6 +20,7 @@ from mjlab_hpc.errors import (
 )
 from mjlab_hpc.launch.follow import Closing, closing
 from mjlab_hpc.launch.local import LaunchPlan, plan_launch, run_local
+from mjlab_hpc.launch.slurm import current_allocation
 from mjlab_hpc.launch.validate import validate_train
 from mjlab_hpc.rank.context import DistContext, cuda_device_count, detect_mode
 from mjlab_hpc.rundir.layout import create_run_dir
@@ -52,6 +53,15 @@ def _run(spec: TrainSpec, argv: Sequence[str]) -> int:
                 f"{problem}. Install EGL (Debian: libegl1 libegl-mesa0 libgl1-mesa-dri) or "
                 "OSMesa (libosmesa6, then MUJOCO_GL=osmesa), or drop --video",
             )
+    alloc = current_allocation(os.environ) if launched_by == "single" else None
+    if alloc is not None:
+        print(
+            f"note: inside Slurm allocation {alloc.job_id} ({alloc.nodes} node(s)): mjlab-train "
+            "runs on this machine only; `mjlab-submit TASK --nodes N ...` starts the ranks "
+            "across the allocation with srun",
+            file=sys.stderr,
+            flush=True,
+        )
     if not resolved.train.run_dir and launched_by == "single":
         # Decided here, so the closing line can name it whatever happens to the ranks
         # (ranks of torchrun or srun agree on it among themselves).

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import json
 import logging
 import os
 import re
@@ -39,7 +38,6 @@ from typing import Any
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
 from mjlab_hpc.rundir import record
 from mjlab_hpc.rundir.layout import (
-    CANCEL_RECORD,
     RunDir,
     progress_summary,
     read_hangs,
@@ -156,16 +154,6 @@ def find_fault(run_dir: Path, since: float | None = None) -> Fault | None:
                  (host,) if killed and cause.host else (), at)  # fmt: skip
 
 
-def _cancelled_since_start(run_dir: Path, rec: dict[str, Any]) -> bool:
-    """`mjlab-hpc cancel` after the run's latest start (a cancel before a resume is over)."""
-    try:
-        marker = json.loads((run_dir / CANCEL_RECORD).read_text())
-    except (OSError, ValueError):
-        return False
-    starts = rec.get("starts") or [{}]
-    return str(marker.get("at", "")) >= str(starts[-1].get("at", ""))
-
-
 def decide(
     run_dir: Path, max_restarts: int, job_id: str | None = None, since: float | None = None
 ) -> Healing:
@@ -191,7 +179,7 @@ def decide(
     }
     heal = Healing(fault, entry=entry)
     last = (rec.get("faults") or [None])[-1]
-    if _cancelled_since_start(run_dir, rec):
+    if record.cancel_marker(run_dir, rec) is not None:
         heal.why = "the run was cancelled (mjlab-hpc cancel)"
     elif (
         last

@@ -34,6 +34,7 @@ from mjlab_hpc.procs import processes, send_signal, wait_gone
 from mjlab_hpc.rank.context import DETACHED_ENV, SUPERVISOR_ENV
 from mjlab_hpc.rank.job import RankJob
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR, create_run_dir
+from mjlab_hpc.rundir.snapshot import import_path, snapshot_for
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 
 __all__ = [
@@ -151,14 +152,20 @@ class LocalJob:
 
 
 @contextlib.contextmanager
-def _controller_environment(foreground: bool) -> Iterator[None]:
+def _controller_environment(foreground: bool, pythonpath: str | None = None) -> Iterator[None]:
     """What submitit's local controller, and the ranks it starts, inherit from this process
     (it copies os.environ and the signal dispositions): Ctrl-C and a hang-up are ignored by
     the controller (a terminal's Ctrl-C reaches every process of the foreground group; the
     controller would kill the ranks 1 s later, before their checkpoint), and the ranks learn
     whether a launcher in the foreground supervises them (it forwards stops; its death stops
-    them) or whether they run in the background (terminal signals do not concern them)."""
-    saved_env = {k: os.environ.get(k) for k in (SUPERVISOR_ENV, DETACHED_ENV)}
+    them) or whether they run in the background (terminal signals do not concern them), and
+    import the code snapshot first (`pythonpath`)."""
+    names = (SUPERVISOR_ENV, DETACHED_ENV, "PYTHONPATH", "PYTHONSAFEPATH")
+    saved_env = {k: os.environ.get(k) for k in names}
+    if pythonpath is not None:  # ahead of what is there; `python -m` puts the cwd first else
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = pythonpath + (os.pathsep + before if before else "")
+        os.environ["PYTHONSAFEPATH"] = "1"
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGHUP)}
     if foreground:
         os.environ[SUPERVISOR_ENV] = str(os.getpid())
@@ -210,7 +217,8 @@ def submit_local(
         gpus_per_node=len(gpus),
         visible_gpus=tuple(gpus),
     )
-    with _controller_environment(foreground):
+    code = snapshot_for(run_dir)
+    with _controller_environment(foreground, import_path(code) if code else None):
         job = executor.submit(RankJob(spec.replace_train(run_dir=str(run_dir)), free_port()))
     return LocalJob(job=job, run_dir=run_dir, ranks=ranks)
 

@@ -1,29 +1,51 @@
 """Slurm jobs through submitit: the executor for a SubmitSpec, its sbatch parameters, and the
-exact script it submits (also what `--dry-run` prints)."""
+exact script it submits (also what `--dry-run` prints); and ranks started with srun inside an
+existing allocation (salloc, an interactive job) instead of a new job."""
 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import submitit
 
 from mjlab_hpc.checks import sbatch_value
-from mjlab_hpc.errors import SpecError
+from mjlab_hpc.errors import EXIT_INTERRUPTED, SpecError
+from mjlab_hpc.launch.follow import (
+    Closing,
+    Foreground,
+    closing,
+    failed_before_start,
+    follow_progress,
+)
+from mjlab_hpc.rank.context import ALLOCATION_ENV, CHAIN_ENV
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR
+from mjlab_hpc.rundir.snapshot import import_path, snapshot_for, with_snapshot
+from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
-from mjlab_hpc.spec import SubmitSpec
+from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, train_cli_args
 
 __all__ = [
     "SBATCH_OPTIONS",
+    "Allocation",
+    "allocation_srun",
     "array_executor",
+    "check_allocation",
     "container_python",
+    "current_allocation",
     "make_slurm_executor",
     "render_array_sbatch",
     "render_sbatch",
+    "run_in_allocation",
     "sbatch_options",
     "slurm_parameters",
 ]
@@ -78,6 +100,7 @@ _RESERVED = {
     "test-only": "nothing",
     "wait": "--follow",
     "hold": "nothing",
+    "dependency": "--after JOBID (or --chain N)",
     "uid": "nothing",
     "gid": "nothing",
     "batch": "nothing",
@@ -151,8 +174,19 @@ def sbatch_options(spec: SubmitSpec) -> dict[str, str | bool]:
     return out
 
 
-def slurm_parameters(spec: SubmitSpec) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters for a spec (validated)."""
+def slurm_parameters(
+    spec: SubmitSpec, link: int = 1, after: Sequence[str] = (), snapshot: str | None = None
+) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters for a spec (validated): of job `link` of its
+    --chain, starting once the jobs `after` ended; `snapshot`: the code snapshot's import
+    roots, put first on PYTHONPATH for every rank and requeue."""
+    setup = list(spec.setup)
+    if spec.chain > 1:  # the ranks leave a time-limit stop to the next job of the chain
+        setup.insert(0, f"export {CHAIN_ENV}={link}/{spec.chain}")
+    if snapshot:  # before --setup: a `conda activate` there keeps PYTHONPATH
+        path = f"export PYTHONPATH={shlex.quote(snapshot)}${{PYTHONPATH:+:$PYTHONPATH}}"
+        # `python -m` would put the working directory (the checkout) first otherwise.
+        setup[:0] = [path, "export PYTHONSAFEPATH=1"]
     params: dict[str, Any] = {
         "job_name": spec.name,
         "nodes": spec.nodes,
@@ -167,8 +201,10 @@ def slurm_parameters(spec: SubmitSpec) -> dict[str, Any]:
             "signal": f"{spec.preempt_signal}@{spec.signal_delay_s}",
             **sbatch_options(spec),
         },
-        "setup": list(spec.setup),
+        "setup": setup,
     }
+    if after:
+        params["additional_parameters"]["dependency"] = "afterany:" + ":".join(after)
     if spec.gpus_per_node > 0:
         params["gpus_per_node"] = spec.gpus_per_node
     optional = {
@@ -234,15 +270,26 @@ class _SlurmExecutor(submitit.SlurmExecutor):
         return text.rstrip("\n") + "\n\n" + _HEAL_COMMENT + heal + "\n"
 
 
-def make_slurm_executor(spec: SubmitSpec, folder_parent: Path, dry_run: bool = False) -> Any:
-    """A configured submitit SlurmExecutor writing into `<folder_parent>/submitit`."""
+def make_slurm_executor(
+    spec: SubmitSpec,
+    folder_parent: Path,
+    dry_run: bool = False,
+    link: int = 1,
+    after: Sequence[str] | None = None,
+) -> Any:
+    """A configured submitit SlurmExecutor writing into `<folder_parent>/submitit`, for job
+    `link` of the spec's --chain that waits for the jobs `after` (default: --after)."""
     executor = _SlurmExecutor(
         folder=folder_parent / SUBMITIT_DIR,
         python=container_python(spec, folder_parent),
         max_restarts=spec.train.max_restarts,
         render_only=dry_run,
     )
-    executor.update_parameters(**slurm_parameters(spec))
+    snapshot = snapshot_for(folder_parent)
+    after = spec.after if after is None else after
+    executor.update_parameters(
+        **slurm_parameters(spec, link, after, import_path(snapshot) if snapshot else None)
+    )
     return executor
 
 
@@ -252,9 +299,16 @@ def render_sbatch(spec: SubmitSpec, run_dir: Path) -> str:
     return str(executor._make_submission_file_text(executor._submitit_command_str, "dry-run"))
 
 
-def array_executor(spec: SubmitSpec, sweep_dir: Path, dry_run: bool = False) -> Any:
-    """The executor of a sweep's job array (throttled by --array-parallelism)."""
-    executor = make_slurm_executor(spec, sweep_dir, dry_run=dry_run)
+def array_executor(
+    spec: SubmitSpec,
+    sweep_dir: Path,
+    dry_run: bool = False,
+    link: int = 1,
+    after: Sequence[str] | None = None,
+) -> Any:
+    """The executor of a sweep's job array (throttled by --array-parallelism), for array
+    `link` of the --chain."""
+    executor = make_slurm_executor(spec, sweep_dir, dry_run, link, after)
     if spec.array_parallelism is not None:
         executor.update_parameters(array_parallelism=spec.array_parallelism)
     return executor
@@ -265,3 +319,118 @@ def render_array_sbatch(spec: SubmitSpec, sweep_dir: Path, count: int) -> str:
     executor = array_executor(spec, sweep_dir, dry_run=True)
     executor.parameters["map_count"] = count  # what submitit sets when it submits an array
     return str(executor._make_submission_file_text(executor._submitit_command_str, "dry-run"))
+
+
+# --- inside an existing allocation ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The Slurm allocation this process runs in (a salloc shell, an interactive job or a batch
+    script), outside any srun step."""
+
+    job_id: str
+    nodes: int
+    gpus_per_node: int | None
+    """SLURM_GPUS_ON_NODE where Slurm set it."""
+
+
+def current_allocation(env: Mapping[str, str]) -> Allocation | None:
+    """The allocation of this process, None outside one or inside an srun step (a rank)."""
+    job = env.get("SLURM_JOB_ID", "")
+    if not job or "SLURM_STEP_ID" in env or "SLURM_STEPID" in env:
+        return None
+    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    gpus = env.get("SLURM_GPUS_ON_NODE", "")
+    return Allocation(
+        job, int(nodes) if nodes.isdigit() else 1, int(gpus) if gpus.isdigit() else None
+    )
+
+
+def check_allocation(spec: SubmitSpec, alloc: Allocation) -> None:
+    """SpecError when the job does not fit the allocation (or is not one srun can run)."""
+    fix = "or leave the allocation and submit a new job (--executor slurm)"
+    if spec.nodes > alloc.nodes:
+        raise SpecError(
+            "--nodes",
+            f"{spec.nodes} nodes asked for; allocation {alloc.job_id} "
+            f"has {alloc.nodes}: use --nodes {alloc.nodes} or fewer, {fix}",
+        )
+    if alloc.gpus_per_node is not None and spec.gpus_per_node > alloc.gpus_per_node:
+        raise SpecError(
+            "--gpus-per-node",
+            f"{spec.gpus_per_node} asked for; allocation "
+            f"{alloc.job_id} has {alloc.gpus_per_node} per node, {fix}",
+        )
+    for flag, given in (
+        ("--sweep", spec.sweep),
+        ("--chain", spec.chain > 1),
+        ("--after", spec.after),
+    ):
+        if given:
+            raise SpecError(
+                flag,
+                f"queues new jobs; inside allocation {alloc.job_id} the "
+                "ranks run at once: drop it, or use --executor slurm",
+            )
+
+
+def allocation_srun(
+    spec: SubmitSpec, resolved: ResolvedSpec, run_dir: Path, step_name: str = "mjlab-ranks"
+) -> list[str]:
+    """The srun command that starts every rank inside the current allocation, as a step
+    named `step_name`."""
+    python = container_python(spec, run_dir)
+    argv = [
+        "srun",
+        f"--job-name={step_name}",
+        f"--nodes={spec.nodes}",
+        f"--ntasks={spec.world_size}",
+        f"--ntasks-per-node={spec.ranks_per_node}",
+        "--kill-on-bad-exit=1",
+        "--unbuffered",
+        f"--output={run_dir}/logs/task-%j.%s-%t.out",
+    ]
+    if spec.gpus_per_node > 0:
+        argv.append(f"--gpus-per-node={spec.gpus_per_node}")
+    if spec.cpus_per_task is not None:
+        argv.append(f"--cpus-per-task={spec.cpus_per_task}")
+    run = [*shlex.split(python), "-u"] if python else [sys.executable, "-u"]
+    train = train_cli_args(resolved.train)
+    return [*argv, *run, "-m", "mjlab_hpc.cli.train", *train, "--run-dir", str(run_dir)]
+
+
+def run_in_allocation(
+    spec: SubmitSpec, resolved: ResolvedSpec, run_dir: Path, alloc: Allocation, resume: str
+) -> Closing:
+    """Run every rank with srun inside the allocation, in the foreground to the end: rank 0's
+    progress, this process's stop signals forwarded (the first: every rank stops at its next
+    iteration boundary with a checkpoint; the second: at once); how it ended."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    env = with_snapshot({**os.environ, ALLOCATION_ENV: alloc.job_id}, snapshot_for(run_dir))
+    name = f"mjlab-ranks-{os.getpid()}"
+    # A session of its own: the terminal's Ctrl-C reaches srun only through us. srun takes a
+    # single Ctrl-C as a request for its status, and ends the step on SIGTERM (SIGKILL after
+    # KillWait, before the ranks' checkpoint): stops go to the ranks through scancel.
+    proc = subprocess.Popen(
+        allocation_srun(spec, resolved, run_dir, name),
+        env=env,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
+    slurm = SlurmClient(timeout_s=10)
+
+    def to_ranks(sig: str) -> None:
+        step = slurm.step_of(alloc.job_id, name)
+        if step is None or not slurm.signal_steps([step], sig):
+            proc.send_signal(signal.SIGKILL if sig == "KILL" else signal.SIGTERM)
+
+    with Foreground(lambda: to_ranks("TERM"), lambda: to_ranks("KILL"), sys.stderr) as fg:
+        follow_progress(run_dir, resolved.max_iterations, lambda: proc.poll() is not None)
+    code = proc.wait()
+    if fg.killed:
+        return Closing(EXIT_INTERRUPTED, f"stopped at once; resume with: {resume}")
+    ended = closing(run_dir, resume)
+    if ended is None or (code != 0 and ended.code == 0):
+        return failed_before_start([f"srun exited {code}; task output: {run_dir}/logs/task-*"])
+    return ended

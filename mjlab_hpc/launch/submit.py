@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +32,7 @@ from mjlab_hpc.rundir.layout import (
     run_dir_name,
 )
 from mjlab_hpc.rundir.record import now_iso
+from mjlab_hpc.rundir.snapshot import plan_snapshot, record_code, write_code_record
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
 
@@ -38,10 +40,12 @@ __all__ = [
     "Submitted",
     "SubmittedSweep",
     "element_spec",
+    "make_run_dir",
     "planned_run_dir",
     "planned_sweep",
     "submit",
-    "submit_one",
+    "submit_chain",
+    "submit_run",
     "submit_sweep",
 ]
 
@@ -57,6 +61,13 @@ class Submitted:
     spec: SubmitSpec
     resolved: ResolvedSpec
     """What every rank runs (the task resolved once)."""
+    chain: tuple[Any, ...] = ()
+    """The later jobs of a --chain (submitit jobs), in order; each waits for the one before."""
+
+    @property
+    def job_ids(self) -> tuple[str, ...]:
+        """Every job of the run, the --chain's later ones included."""
+        return (self.job_id, *(str(j.job_id) for j in self.chain))
 
     @property
     def ranks(self) -> int:
@@ -83,10 +94,31 @@ def planned_run_dir(spec: SubmitSpec, resolved: ResolvedSpec) -> Path:
     return (Path(spec.train.log_root) / resolved.experiment_name / name).resolve()
 
 
-def submit_one(
+def submit_chain(
+    spec: SubmitSpec, submit_link: Callable[[int, tuple[str, ...]], list[Any]]
+) -> list[list[Any]]:
+    """Submit the --chain's jobs (or job arrays) in order, `submit_link(link, after)` each:
+    the first waits for --after, every later one for the one before it. All or nothing: when
+    one is refused, the ones already queued are cancelled."""
+    links: list[list[Any]] = []
+    after = tuple(spec.after)
+    try:
+        for link in range(1, spec.chain + 1):
+            jobs = submit_link(link, after)
+            links.append(jobs)
+            after = (str(jobs[0].job_id).split("_")[0],)  # a job array's id: all of it
+    except Exception:
+        for job in (j for jobs in links for j in jobs):
+            job.cancel(check=False)
+        raise
+    return links
+
+
+def submit_run(
     spec: SubmitSpec, resolved: ResolvedSpec, kind: Literal["slurm", "local"], run_dir: Path
-) -> Any:
-    """Submit the ranks of one job that trains `resolved` in `run_dir`; the submitit job."""
+) -> list[Any]:
+    """Submit the ranks of one run that trains `resolved` in `run_dir`: its job, or the jobs
+    of its --chain in order."""
     train = resolved.replace_train(run_dir=str(run_dir))
     if kind == "local":
         local = submit_local(
@@ -97,8 +129,27 @@ def submit_one(
             signal_delay_s=spec.signal_delay_s,
             foreground=spec.follow,
         )
-        return local.job
-    return make_slurm_executor(spec, run_dir).submit(RankJob(train))
+        return [local.job]
+    links = submit_chain(
+        spec,
+        lambda link, after: [
+            make_slurm_executor(spec, run_dir, link=link, after=after).submit(RankJob(train))
+        ],
+    )
+    return [jobs[0] for jobs in links]
+
+
+def make_run_dir(spec: SubmitSpec, resolved: ResolvedSpec) -> Path:
+    """The run directory, decided once: --run-dir, the run --resume continues, or a new one
+    (made here)."""
+    if resolved.train.run_dir:
+        run_dir = Path(str(resolved.train.run_dir)).resolve()
+    else:
+        run_dir = create_run_dir(
+            spec.train.log_root, resolved.experiment_name, resolved.train.run_name
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
 
 
 def submit(spec: SubmitSpec) -> Submitted:
@@ -107,19 +158,16 @@ def submit(spec: SubmitSpec) -> Submitted:
     resolved = validate_submit(spec)
     kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
     made_here = not resolved.train.run_dir  # --run-dir, or the run --resume continues
-    run_dir = (
-        create_run_dir(spec.train.log_root, resolved.experiment_name, resolved.train.run_name)
-        if made_here
-        else Path(str(resolved.train.run_dir)).resolve()
-    )
-    run_dir.mkdir(parents=True, exist_ok=True)
+    code = plan_snapshot(Path.cwd(), spec.no_snapshot)  # too large: refused, nothing made
+    run_dir = make_run_dir(spec, resolved)
     try:
-        job = submit_one(spec, resolved, kind, run_dir)
+        record_code(code, run_dir)
+        jobs = submit_run(spec, resolved, kind, run_dir)
     except Exception as exc:
         if made_here:  # nothing ran: leave no empty run behind
             shutil.rmtree(run_dir, ignore_errors=True)
         raise SubmitError(f"{kind} refused the job: {str(exc).strip()}") from exc
-    return Submitted(job=job, executor=kind, run_dir=run_dir, spec=spec, resolved=resolved)
+    return Submitted(jobs[0], kind, run_dir, spec, resolved, chain=tuple(jobs[1:]))
 
 
 @dataclass(frozen=True)
@@ -156,31 +204,36 @@ def _submit_elements(
     sweep_dir: Path,
     elements: list[SweepElement],
     run_dirs: list[Path],
-) -> list[Any]:
-    """Submit one job per element (local) or one job array (Slurm); the jobs in order."""
+) -> list[list[Any]]:
+    """Submit one job per element (local) or one job array per job of the --chain (Slurm);
+    per link of the chain, the jobs in element order."""
     if kind == "local":
         jobs: list[Any] = []
         try:
             for element, run_dir in zip(elements, run_dirs, strict=True):
-                jobs.append(submit_one(spec, element.resolved, kind, run_dir))
+                jobs.extend(submit_run(spec, element.resolved, kind, run_dir))
         except Exception:
             for job in jobs:  # all or nothing: stop what already started
                 job.cancel(check=False)
             raise
-        return jobs
+        return [jobs]
     # The array shares one submitit folder (submitit names its files <array>_<index>_<rank>);
     # each run directory links to it, so `<run>/submitit` works as for single jobs.
     folder = sweep_dir / SUBMITIT_DIR
     folder.mkdir()
     for run_dir in run_dirs:
         (run_dir / SUBMITIT_DIR).symlink_to(os.path.relpath(folder, run_dir))
-    executor = array_executor(spec, sweep_dir)
-    with executor.batch():
-        jobs = [
-            executor.submit(RankJob(e.resolved.replace_train(run_dir=str(d))))
-            for e, d in zip(elements, run_dirs, strict=True)
-        ]
-    return jobs
+
+    def submit_array(link: int, after: tuple[str, ...]) -> list[Any]:
+        executor = array_executor(spec, sweep_dir, link=link, after=after)
+        with executor.batch():
+            jobs = [
+                executor.submit(RankJob(e.resolved.replace_train(run_dir=str(d))))
+                for e, d in zip(elements, run_dirs, strict=True)
+            ]
+        return jobs
+
+    return submit_chain(spec, submit_array)
 
 
 def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
@@ -190,20 +243,25 @@ def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
     elements = sweep_elements(spec.train, spec.sweep)
     kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
     log_root, experiment = spec.train.log_root, resolved.experiment_name
+    code = plan_snapshot(Path.cwd(), spec.no_snapshot)  # too large: refused, nothing made
     sweep_dir = create_run_dir(Path(log_root) / experiment, SWEEPS_DIR, spec.train.run_name)
     run_dirs: list[Path] = []
     try:
+        code_record = record_code(code, sweep_dir)  # one copy for every element
         for element in elements:
             run_dirs.append(create_run_dir(log_root, experiment, element.train.run_name))
-        jobs = _submit_elements(spec, kind, sweep_dir, elements, run_dirs)
+            write_code_record(run_dirs[-1], code_record)
+        links = _submit_elements(spec, kind, sweep_dir, elements, run_dirs)
     except Exception as exc:
         for path in [*run_dirs, sweep_dir]:  # nothing ran: leave no empty runs behind
             shutil.rmtree(path, ignore_errors=True)
         raise SubmitError(f"{kind} refused the sweep: {str(exc).strip()}") from exc
+    jobs = links[0]
     job_ids = [str(job.job_id) for job in jobs]
     array_id = job_ids[0].split("_")[0] if kind == "slurm" else None
+    chain_arrays = [str(link[0].job_id).split("_")[0] for link in links[1:]]
     records = []
-    for element, run_dir, job_id in zip(elements, run_dirs, job_ids, strict=True):
+    for i, (element, run_dir, job_id) in enumerate(zip(elements, run_dirs, job_ids, strict=True)):
         record = {
             "sweep_dir": str(sweep_dir),
             "index": element.index,
@@ -211,6 +269,8 @@ def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
             "executor": kind,
             "overrides": element.as_dict(),
         }
+        if chain_arrays:  # this element's job in every later array of the chain
+            record["chain"] = [str(link[i].job_id) for link in links[1:]]
         write_json_atomic(run_dir / ELEMENT_RECORD, record)
         records.append({**record, "run_dir": str(run_dir)})
     write_json_atomic(
@@ -221,14 +281,13 @@ def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
             "created_at": now_iso(),
             "axes": {k: list(v) for k, v in _axes_of(elements).items()},
             "array_parallelism": spec.array_parallelism,
+            "chain_array_job_ids": chain_arrays,
             "elements": records,
         },
     )
     runs = tuple(
-        Submitted(
-            job=job, executor=kind, run_dir=d, spec=element_spec(spec, e), resolved=e.resolved
-        )
-        for job, d, e in zip(jobs, run_dirs, elements, strict=True)
+        Submitted(job, kind, d, element_spec(spec, e), e.resolved, tuple(li[i] for li in links[1:]))
+        for i, (job, d, e) in enumerate(zip(jobs, run_dirs, elements, strict=True))
     )
     return SubmittedSweep(kind, sweep_dir, array_id, tuple(elements), runs, spec)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.slurm import sbatch_options
 from mjlab_hpc.launch.validate import validate_submit
-from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
+from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, train_cli_args
 
 __all__ = [
     "TEMPLATE_NAMES",
@@ -26,7 +26,6 @@ __all__ = [
     "render",
     "render_template",
     "template_context",
-    "train_cli_args",
 ]
 
 TEMPLATE_NAMES = ("train", "train_apptainer")
@@ -45,24 +44,6 @@ def read_template(name: str) -> str:
         "TEMPLATE",
         f"no template {name!r}: use one of {', '.join(TEMPLATE_NAMES)} or a path to a file",
     )
-
-
-def train_cli_args(spec: TrainSpec) -> list[str]:
-    """`mjlab-train` arguments that reproduce `spec` (its task and every non-default flag)."""
-    args = [spec.task]
-    defaults = TrainSpec()
-    for f in dataclasses.fields(TrainSpec):
-        if f.name in ("task", "run_dir", "gpu_ids", "num_procs", "overrides"):
-            continue
-        value = getattr(spec, f.name)
-        if value == getattr(defaults, f.name):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            args.append(flag if value else f"--no-{f.name.replace('_', '-')}")
-        else:
-            args += [flag, str(value)]
-    return args + list(spec.overrides)
 
 
 def template_context(spec: SubmitSpec, resolved: ResolvedSpec) -> dict[str, str | None]:

@@ -8,6 +8,7 @@ a bad value raises SpecError naming the flag and the fix.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -22,11 +23,12 @@ from mjlab_hpc.launch.resources import (
     check_partition,
     check_run_dir,
 )
-from mjlab_hpc.launch.slurm import sbatch_options
+from mjlab_hpc.launch.slurm import check_allocation, current_allocation, sbatch_options
 from mjlab_hpc.launch.sweep import sweep_elements
 from mjlab_hpc.rank.watchdog import FAULT_ENV, parse_faults
 from mjlab_hpc.rundir.checkpoint import Checkpoints, cannot_continue
 from mjlab_hpc.rundir.layout import latest_run
+from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import check_mem, slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
 from mjlab_hpc.tasks.registry import resolve
@@ -34,6 +36,7 @@ from mjlab_hpc.tasks.registry import resolve
 __all__ = [
     "continue_target",
     "executor_for",
+    "slurm_only",
     "validate_submit",
     "validate_train",
 ]
@@ -101,11 +104,76 @@ def continue_target(resolved: ResolvedSpec) -> ResolvedSpec:
 
 
 def executor_for(spec: SubmitSpec) -> str:
-    """The executor a submission uses: `auto` becomes slurm where sbatch can be found, else
-    local."""
+    """The executor a submission uses: `auto` becomes allocation inside a Slurm allocation
+    (salloc), else slurm where sbatch can be found, else local."""
     if spec.executor != "auto":
         return spec.executor
-    return "slurm" if shutil.which("sbatch") else "local"
+    if current_allocation(os.environ) is not None:
+        return "allocation"
+    if shutil.which("sbatch"):
+        return "slurm"
+    # A laptop preparing a cluster job: a dry run of a request only Slurm can run shows the
+    # Slurm script instead of refusing it for the local executor.
+    return "slurm" if spec.dry_run and slurm_only(spec) else "local"
+
+
+def slurm_only(spec: SubmitSpec) -> str | None:
+    """The first flag of the request that only Slurm can run (several nodes, a partition,
+    an account, ...), None when this machine could run it."""
+    for flag, given in (("--nodes", spec.nodes > 1), ("--partition", spec.partition),
+                        ("--account", spec.account), ("--qos", spec.qos),
+                        ("--constraint", spec.constraint), ("--container", spec.container),
+                        ("--chain", spec.chain > 1), ("--after", spec.after),
+                        ("--sbatch-arg", spec.sbatch_arg)):  # fmt: skip
+        if given:
+            return flag
+    return None
+
+
+_JOB_ID = re.compile(r"^\d+(_\d+)?$")
+
+
+def _check_chain(spec: SubmitSpec, executor: str) -> None:
+    """--after and --chain: Slurm job ids, a sane length, and Slurm (queued jobs wait for
+    each other there; the local executor restarts its ranks itself)."""
+    for job in spec.after:
+        if not _JOB_ID.fullmatch(job):
+            raise SpecError("--after", f"{job!r} is not a Slurm job id (4711, or 4711_2)")
+    if not 1 <= spec.chain <= 1000:
+        raise SpecError("--chain", f"must be between 1 and 1000 jobs, got {spec.chain}")
+    if executor == "local" and (spec.after or spec.chain > 1):
+        flag = "--chain" if spec.chain > 1 else "--after"
+        raise SpecError(
+            flag,
+            "chains wait in Slurm's queue; the local executor restarts its ranks itself "
+            "(use --executor slurm, or drop the flag)",
+        )
+
+
+def _check_after_exists(spec: SubmitSpec) -> None:
+    """A --after job Slurm does not know would leave ours pending for ever."""
+    if not spec.after:
+        return
+    known, _ = SlurmClient(timeout_s=10).query(spec.after)
+    missing = [j for j in spec.after if j not in known]
+    if missing:
+        raise SpecError("--after", f"Slurm knows no job {', '.join(missing)} (squeue, sacct)")
+
+
+def _check_array_size(spec: SubmitSpec) -> None:
+    """A sweep larger than the cluster's job arrays (MaxArraySize) is refused by sbatch with
+    "Invalid job array specification": say why, before anything is made."""
+    if not spec.sweep:
+        return
+    count = len(sweep_elements(spec.train, spec.sweep))
+    limit = (SlurmClient(timeout_s=10).config() or {}).get("MaxArraySize", "")
+    # Indexes 0 .. MaxArraySize - 1: MaxArraySize elements.
+    if limit.isdigit() and count > int(limit):
+        raise SpecError(
+            "--sweep",
+            f"{count} elements; this cluster's job arrays hold at most {limit} "
+            "(MaxArraySize): split the sweep into several submissions",
+        )
 
 
 def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> ResolvedSpec:
@@ -179,6 +247,16 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
         raise SpecError("--nodes", "the local executor runs on this one machine: use --nodes 1")
     if executor == "local" and spec.container is not None:
         raise SpecError("--container", "containers run through Slurm: use --executor slurm")
+    _check_chain(spec, executor)
+    if executor == "allocation":
+        alloc = current_allocation(os.environ)
+        if alloc is None:
+            raise SpecError(
+                "--executor",
+                "allocation, but this shell is in no Slurm allocation (no SLURM_JOB_ID, or "
+                "inside an srun step): start one with salloc, or use --executor slurm",
+            )
+        check_allocation(spec, alloc)
     if spec.array_parallelism is not None and spec.array_parallelism < 1:
         raise SpecError("--array-parallelism", f"must be >= 1, got {spec.array_parallelism}")
     if not spec.sweep and spec.array_parallelism is not None:
@@ -195,4 +273,6 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     _check_places(resolved.train, existing_only=spec.dry_run)
     if not spec.dry_run and executor == "slurm":
         check_partition(spec, warn)
+        _check_after_exists(spec)
+        _check_array_size(spec)
     return resolved

@@ -63,8 +63,7 @@ def cancel_slurm(
         )
     for run in runs:
         _write_cancel_marker(run, active)
-    for job in active:
-        slurm.forbid_requeue(job)
+    slurm.forbid_requeue(active)  # one scontrol call for all of them
     proc = slurm.scancel(active)
     if proc is None or proc.returncode != 0:
         why = "scancel not found" if proc is None else (proc.stderr.strip() or proc.stdout)
@@ -129,15 +128,20 @@ def cancel(
     resolved: Target, slurm: SlurmClient | None = None, grace_s: float = 30.0
 ) -> list[CancelOutcome]:
     """Cancel what a RUN|JOB argument named: a whole job array at once, else every run's
-    current job (Slurm) or processes (local)."""
+    jobs that are still queued or running (Slurm; a --chain's included) or processes
+    (local)."""
     slurm = slurm or SlurmClient()
     runs = [run_jobs(r) for r in resolved.runs]
     outcomes = []
+    # A --chain's queued jobs go too: each would otherwise start and continue the run.
+    chained = [j for r in runs if r.element for j in r.element.chain]
     if resolved.array_job_id is not None and all(r.kind == "slurm" for r in runs):
-        return [cancel_slurm([resolved.array_job_id], resolved.runs, slurm, grace_s)]
+        ids = [resolved.array_job_id, *dict.fromkeys(chained)]
+        return [cancel_slurm(ids, resolved.runs, slurm, grace_s)]
     slurm_runs = [r for r in runs if r.kind == "slurm" and r.current]
     if slurm_runs:
-        ids = list(dict.fromkeys(str(r.current) for r in slurm_runs))
+        # Every job of each run (those that ended are skipped): a --chain's later ones too.
+        ids = list(dict.fromkeys(str(j) for r in slurm_runs for j in r.job_ids))
         outcomes.append(cancel_slurm(ids, [r.run_dir for r in slurm_runs], slurm, grace_s))
     for run in runs:
         if run.kind == "local":

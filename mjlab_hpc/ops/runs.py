@@ -90,7 +90,8 @@ def submitit_folder(run_dir: Path) -> Path:
 
 @dataclass(frozen=True)
 class RunJobs:
-    """The jobs that ran (or run) a run directory, oldest first: the last one is current."""
+    """The jobs that ran (or run) a run directory, oldest first (a --chain's in its order):
+    the last one is current, except in a chain, where Slurm's states tell which one runs."""
 
     run_dir: Path
     kind: JobKind | None
@@ -129,7 +130,7 @@ def run_jobs(run_dir: Path) -> RunJobs:
     element = read_element(run_dir)
     if element is not None:
         kind: JobKind = "slurm" if element.executor == "slurm" else "local"
-        return RunJobs(run_dir, kind, (element.job_id,), element)
+        return RunJobs(run_dir, kind, (element.job_id, *element.chain), element)
     record = read_record(run_dir)
     ids, slurm = _folder_jobs(run_dir / SUBMITIT_DIR)
     found: JobKind | None = None

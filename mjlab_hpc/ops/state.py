@@ -4,20 +4,19 @@ processes for local jobs, else from the run's own files (run.json, the writer's 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.runs import RunJobs
-from mjlab_hpc.rundir.layout import CANCEL_RECORD, WRITER_LOCK
+from mjlab_hpc.rundir.layout import WRITER_LOCK
 from mjlab_hpc.rundir.lock import LeaseLock, LockError
-from mjlab_hpc.rundir.record import read_record
-from mjlab_hpc.slurm.client import SlurmClient
+from mjlab_hpc.rundir.record import cancel_marker, read_record
+from mjlab_hpc.slurm.client import SlurmAnswer, SlurmClient, SlurmRow
 
-__all__ = ["JobState", "cancel_marker", "job_states", "record_state", "writer_alive"]
+__all__ = ["JobState", "job_states", "record_state", "writer_alive"]
 
 
 @dataclass(frozen=True)
@@ -32,18 +31,6 @@ class JobState:
     active: bool
     nodes: int | None = None
     gpus_per_node: int | None = None
-
-
-def cancel_marker(run_dir: Path) -> dict[str, Any] | None:
-    """The cancel record, if the run was cancelled after its last start."""
-    try:
-        marker = dict(json.loads((run_dir / CANCEL_RECORD).read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
-    starts = read_record(run_dir).get("starts", [])
-    last_start = str(starts[-1].get("at", "")) if starts else ""
-    # ISO 8601 with the same offset sorts as text; a start after the cancel wins.
-    return marker if str(marker.get("at", "")) >= last_start else None
 
 
 def writer_alive(run_dir: Path) -> bool:
@@ -80,17 +67,26 @@ def record_state(run_dir: Path) -> JobState:
     return JobState(mapped, "record", False, record.get("num_nodes"))
 
 
+def _current_row(run: RunJobs, rows: dict[str, SlurmRow]) -> SlurmRow | None:
+    """The row of the run's job that runs or waits (the first of a chain that has not
+    ended), else of its last job."""
+    known = [rows[j] for j in run.job_ids if j in rows]
+    return next((r for r in known if not r.final), rows.get(run.current or ""))
+
+
 def job_states(
     runs: Sequence[RunJobs], slurm: SlurmClient | None = None
-) -> tuple[dict[Path, JobState], bool | None]:
-    """Every run's state (one squeue and one sacct call for all Slurm runs), and whether
-    accounting answered (None: no Slurm run asked)."""
+) -> tuple[dict[Path, JobState], SlurmAnswer | None]:
+    """Every run's state, and what Slurm answered (None: no Slurm run asked). One squeue and
+    one sacct call for all Slurm runs together, however many runs and array elements."""
     slurm = slurm or SlurmClient()
-    slurm_ids = [r.current for r in runs if r.kind == "slurm" and r.current]
-    rows, accounting = slurm.query(slurm_ids) if slurm_ids else ({}, None)
+    # Every job of a run: in a --chain the current one is the first that has not ended.
+    slurm_ids = [j for r in runs if r.kind == "slurm" for j in r.job_ids]
+    answer = slurm.answer(slurm_ids) if slurm_ids else None
+    rows = answer.rows if answer else {}
     out: dict[Path, JobState] = {}
     for run in runs:
-        row = rows.get(run.current or "") if run.kind == "slurm" else None
+        row = _current_row(run, rows) if run.kind == "slurm" else None
         if row is not None:
             active = not row.final
             out[run.run_dir] = JobState(row.state, row.source, active, row.nodes, row.gpus_per_node)
@@ -98,4 +94,4 @@ def job_states(
             out[run.run_dir] = JobState("RUNNING", "process", True, 1)
         else:
             out[run.run_dir] = record_state(run.run_dir)
-    return out, accounting if slurm_ids else None
+    return out, answer

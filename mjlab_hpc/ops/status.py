@@ -176,6 +176,8 @@ class StatusReport:
     """None: no Slurm job was asked about."""
     slurm_here: bool = True
     """Whether Slurm's commands are on PATH."""
+    queue: bool = True
+    """Whether squeue answered (False: it failed to answer within the client's timeout)."""
 
     @property
     def note(self) -> str | None:
@@ -185,6 +187,9 @@ class StatusReport:
                 "Slurm's commands are not on PATH here: the states of Slurm jobs come from "
                 "their run records"
             )
+        if self.accounting is not None and not self.queue:
+            source = "sacct and the run records" if self.accounting else "the run records"
+            return f"squeue did not answer (slurmctld slow or down?): states come from {source}"
         if self.accounting is False:
             return (
                 "sacct failed (accounting disabled?): states come from squeue, and from the "
@@ -194,11 +199,13 @@ class StatusReport:
 
 
 def collect(run_dirs: Sequence[Path], slurm: SlurmClient | None = None) -> StatusReport:
-    """The status of every run (Slurm is asked once for all of them)."""
+    """The status of every run (one squeue and one sacct call for all of them)."""
     jobs = [run_jobs(Path(r).absolute()) for r in run_dirs]
-    states, accounting = job_states(jobs, slurm)
+    states, answer = job_states(jobs, slurm)
     rows = [_status_of(j, states[j.run_dir]) for j in jobs]
-    return StatusReport(tuple(rows), accounting, shutil.which("squeue") is not None)
+    accounting = answer.accounting if answer else None
+    queue = answer.queue if answer else True
+    return StatusReport(tuple(rows), accounting, shutil.which("squeue") is not None, queue)
 
 
 def _display_path(path: Path) -> str:

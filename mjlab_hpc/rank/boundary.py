@@ -144,7 +144,14 @@ class IterationBoundary:
         )
         if self.writer is not None and self.checkpoints is not None:
             path = self.writer.run.checkpoint(iteration)
+            t1 = time.time()
             self.work.save(path, self.writer, states)
+            written_s = time.time() - t1
+            size = path.stat().st_size if path.is_file() else -1
+            log.info(
+                "checkpoint %s: %d bytes, ranks' states gathered in %.3f s, written in %.3f s",
+                path.name, size, t1 - t0, written_s,
+            )  # fmt: skip
             self.checkpoints.written(path)
             self.checkpoints.prune(self.spec.keep_checkpoints)
             if stop is not None:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "ALLOCATION_ENV",
+    "CHAIN_ENV",
     "DETACHED_ENV",
     "GATHER_MAX_RANKS",
     "PORT_BASE",
@@ -32,6 +34,7 @@ __all__ = [
     "DistContext",
     "LaunchMode",
     "backend_for",
+    "chain_link",
     "cuda_device_count",
     "derive_master_port",
     "detect_mode",
@@ -52,6 +55,20 @@ SUPERVISOR_ENV = "MJLAB_HPC_SUPERVISOR_PIDS"
 #: Set for ranks of a job started in the background (`mjlab-submit --executor local` without
 #: --follow): they ignore Ctrl-C and hang-ups of the terminal they were started from.
 DETACHED_ENV = "MJLAB_HPC_DETACHED"
+#: Set in the jobs of `mjlab-submit --chain N` to "K/N": job K of N continues the run.
+CHAIN_ENV = "MJLAB_HPC_CHAIN"
+#: Set for ranks that `mjlab-submit` started with srun inside an existing allocation (salloc):
+#: nothing requeues them (requeueing the allocation would end the user's session).
+ALLOCATION_ENV = "MJLAB_HPC_ALLOCATION"
+
+
+def chain_link(env: Mapping[str, str]) -> tuple[int, int] | None:
+    """(K, N) of a job of a --chain, None outside a chain (or for an unreadable value)."""
+    m = re.fullmatch(r"(\d+)/(\d+)", env.get(CHAIN_ENV, "").strip())
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        return None
+    return int(m.group(1)), int(m.group(2))
+
 
 # Below Linux's default ephemeral range (32768-60999), so a derived port does not collide with
 # the source port of some outgoing connection, and above the privileged / well-known ports.
@@ -306,7 +323,10 @@ def _from_slurm(
         node_rank=node_rank,
         num_nodes=num_nodes,
         master_addr=addr,
-        master_port=_explicit_port(env) or master_port or derive_master_port(job_id, restarts),
+        # Steps of one allocation (salloc) may train at the same time: one port each.
+        master_port=_explicit_port(env)
+        or master_port
+        or derive_master_port(job_id, restarts + 997 * _int(env, "SLURM_STEP_ID", default=0)),
         job_id=job_id,
         restart_count=restarts,
     )

@@ -20,6 +20,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,11 +46,12 @@ from mjlab_hpc.rank.resume import ResumePlan, ResumeRefused, load_plan, plan_res
 from mjlab_hpc.rank.runner import IterationHook
 from mjlab_hpc.rank.stop import Interrupted, Stopped, StopRequest, Supervision, watch_signals
 from mjlab_hpc.rank.watchdog import Watchdog, parse_faults
-from mjlab_hpc.rank.workload import Workload, build_workload, init_warp
+from mjlab_hpc.rank.workload import Workload, build_workload, init_warp, pin_cpus
 from mjlab_hpc.rundir import record
 from mjlab_hpc.rundir.checkpoint import Checkpoints
 from mjlab_hpc.rundir.layout import RunDir, create_run_dir, latest_run, record_latest_run
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
+from mjlab_hpc.rundir.snapshot import code_record
 from mjlab_hpc.rundir.writer import RunWriter
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 
@@ -211,6 +213,8 @@ def _begin(
         skipped=[d.as_dict() for d in plan.damaged],
         code_dir=Path.cwd(),
     )
+    # What ran: the submission's code record, and where this rank imported us from.
+    started["code"] = {**(code_record(run.path) or {}), "ran_from": str(Path(__file__).parents[1])}
     writer.write_json(run.record, started)
     record_latest_run(run.path)
     if start == 0:
@@ -233,6 +237,9 @@ def train_rank(
     spec.validate()
     ctx = DistContext.from_env(master_port=master_port)
     device = rank_device(spec, ctx)
+    # Before the process group starts gloo's threads: they inherit the binding.
+    if device == "cpu":
+        pin_cpus(ctx.local_rank, ctx.local_world_size, dict(os.environ))
     torch.set_num_threads(torch_threads(spec.torch_threads, ctx, os.environ))
     if device.startswith("cuda"):
         # Offscreen rendering (videos) on this rank's GPU, as mjlab does.
@@ -246,16 +253,18 @@ def train_rank(
     # the process group forms is acted on at the first iteration boundary.
     request = StopRequest(ctx.mode, spec.preempt_signal)
     watch_parent = ctx.mode in ("submitit-local", "torchrun")
+    joining = time.time()
     with (
         watch_signals(request, (spec.preempt_signal,), detached=DETACHED_ENV in os.environ),
         Supervision(request, watch_parent=watch_parent),
         process_group(ctx, device, spec.dist_timeout_s),
     ):
+        joined = time.time()
         for signum in list(early_signals):  # our handlers are in place: none is lost now
             request.early(signum)
         run = RunDir(agree_run_dir(spec, ctx, resolved.experiment_name))
         with _rank_logging(run, ctx.rank) as rank_log:
-            return _train(resolved, ctx, device, seed, run, rank_log, request)
+            return _train(resolved, ctx, device, seed, run, rank_log, request, (joining, joined))
 
 
 def _train(
@@ -266,6 +275,7 @@ def _train(
     run: RunDir,
     rank_log: TextIO,
     request: StopRequest,
+    joining: tuple[float, float],
 ) -> RankResult:
     spec = resolved.train
     writer: RunWriter | None = None
@@ -274,15 +284,20 @@ def _train(
         injections = parse_faults()
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         log.info(
-            "%s on %s, host %s, pid %d, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s",
+            "%s on %s, host %s, pid %d, CPUs %s, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s",
             ctx.describe(),
             device,
             node,
             os.getpid(),
+            ",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
             seed,
             resolved.num_envs,
             os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
         )
+        if ctx.is_distributed:
+            # Wall-clock times: from the last rank's call to everyone joined is the rendezvous.
+            log.info("process group of %d ranks: called at %.3f, joined in %.3f s",
+                     ctx.world_size, joining[0], joining[1] - joining[0])  # fmt: skip
         if device == "cpu" and os.environ.get("CUDA_VISIBLE_DEVICES") and spec.gpu_ids:
             msg = (
                 f"rank {ctx.rank}: GPUs {os.environ['CUDA_VISIBLE_DEVICES']} were allocated "

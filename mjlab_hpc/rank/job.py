@@ -12,10 +12,12 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mjlab_hpc.errors import EXIT_INTERRUPTED
-from mjlab_hpc.rank.context import DETACHED_ENV
+from mjlab_hpc.rank.context import DETACHED_ENV, chain_link
+from mjlab_hpc.rundir.record import cancel_marker, read_record
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks.registry import resolve
 
@@ -47,8 +49,12 @@ class RankJob:
             return resolve(self.spec)
         return self.spec
 
-    def __call__(self) -> RankResult:
+    def __call__(self) -> RankResult | None:
         train = self.spec if isinstance(self.spec, TrainSpec) else self.spec.train
+        done = _chain_done(train.run_dir)
+        if done is not None:
+            print(done, file=sys.stderr, flush=True)
+            return None
         # A stop that arrives while torch, Warp and rsl-rl load (seconds) is recorded here and
         # handed on; submitit's own handlers would only log it.
         early = _record_early_stops(train.preempt_signal)
@@ -70,6 +76,22 @@ class RankJob:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _chain_done(run_dir: str | None) -> str | None:
+    """Why a later job of a --chain has nothing to do (the run completed, or was cancelled
+    with `mjlab-hpc cancel`), None when it continues the run (or is not in a chain)."""
+    link = chain_link(os.environ)
+    if link is None or link[0] == 1 or not run_dir:
+        return None
+    record = read_record(Path(run_dir))
+    if record.get("state") == "completed":
+        why = "the run already completed"
+    elif cancel_marker(Path(run_dir), record) is not None:
+        why = "the run was cancelled (mjlab-hpc cancel)"
+    else:
+        return None
+    return f"job {link[0]} of {link[1]} of the chain: {why}, nothing to do"
 
 
 def _record_early_stops(preempt_signal: str) -> list[int]:

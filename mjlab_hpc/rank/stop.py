@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_STOPPED
 from mjlab_hpc.procs import alive
-from mjlab_hpc.rank.context import SUPERVISOR_ENV, DistContext
+from mjlab_hpc.rank.context import ALLOCATION_ENV, SUPERVISOR_ENV, DistContext, chain_link
 from mjlab_hpc.slurm.client import SlurmClient
 
 __all__ = [
@@ -290,13 +291,22 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
     """Requeue the job where the launcher can, and return the exit code for this rank.
 
     A stop for good exits 3 everywhere. A requeue-type stop: srun tasks have rank 0 run
-    `scontrol requeue` (while restarts remain) and exit 0, so Slurm starts the job again;
+    `scontrol requeue` (while restarts remain) and exit 0, so Slurm starts the job again
+    (at the time limit of a --chain job that is not the last, the next job continues);
     submitit's local executor restarts ranks that exit 144; elsewhere (a plain process,
-    torchrun) exit 3 and the user resumes.
+    torchrun, srun inside a salloc allocation) exit 3 and the user resumes.
     """
     ctx = stopped.ctx
     if ctx is None or stopped.stop.kind == StopKind.FOR_GOOD:
         return EXIT_STOPPED
+    link = chain_link(os.environ)
+    if ctx.mode == "slurm" and stopped.reason == "time-limit" and link and link[0] < link[1]:
+        # The next job of the chain is queued behind this one and continues the run.
+        # The rank log is closed by now: say it in the task's stderr (submitit's .err file).
+        if ctx.is_main:
+            print(f"{stopped}; job {link[0]} of {link[1]} of the chain ends here, the next "
+                  "one continues the run", file=sys.stderr, flush=True)  # fmt: skip
+        return EXIT_OK
     if stopped.restarts >= max_restarts and ctx.mode in ("slurm", "submitit-local"):
         log.error(
             "%s; not requeued: the run already restarted %d times (--max-restarts %d)",
@@ -305,7 +315,7 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
             max_restarts,
         )
         return EXIT_FAILED
-    if ctx.mode == "slurm" and ctx.job_id:
+    if ctx.mode == "slurm" and ctx.job_id and ALLOCATION_ENV not in os.environ:
         if ctx.is_main and not SlurmClient().requeue(ctx.job_id):
             return EXIT_FAILED
         return EXIT_OK

@@ -356,6 +356,8 @@ class ElementRecord:
     job_id: str
     executor: str
     overrides: dict[str, str]
+    chain: tuple[str, ...] = ()
+    """This element's job in each later job array of a --chain, in order."""
 
     @property
     def label(self) -> str:
@@ -374,6 +376,7 @@ def read_element(run_dir: Path) -> ElementRecord | None:
             job_id=str(data["job_id"]),
             executor=str(data["executor"]),
             overrides={str(k): str(v) for k, v in data["overrides"].items()},
+            chain=tuple(str(j) for j in data.get("chain", ())),
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

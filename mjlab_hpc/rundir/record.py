@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.procs import run_command
-from mjlab_hpc.rundir.layout import RUN_RECORD
+from mjlab_hpc.rundir.layout import CANCEL_RECORD, RUN_RECORD
 
 __all__ = [
+    "cancel_marker",
     "git_commit",
     "interruptions",
     "now_iso",
@@ -175,3 +176,15 @@ def on_end(record: dict[str, Any], iterations: int, state: str = "completed") ->
     record["ended_at"] = now_iso()
     record["iterations"] = iterations
     return record
+
+
+def cancel_marker(run_dir: Path, record: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The record `mjlab-hpc cancel` left (`cancelled.json`), if it came after the run's
+    latest start (a cancel before a resume is over); `record`: run.json, if already read."""
+    try:
+        marker = dict(json.loads((run_dir / CANCEL_RECORD).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    starts = (read_record(run_dir) if record is None else record).get("starts") or [{}]
+    # ISO 8601 with the same offset sorts as text; a start after the cancel wins.
+    return marker if str(marker.get("at", "")) >= str(starts[-1].get("at", "")) else None

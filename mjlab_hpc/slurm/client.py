@@ -18,12 +18,24 @@ from typing import Literal
 
 from mjlab_hpc.procs import run_command
 
-__all__ = ["DEFAULT_TIMEOUT_S", "FINAL_STATES", "Partition", "SlurmClient", "SlurmRow"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "FINAL_STATES",
+    "QUERY_CHUNK",
+    "Partition",
+    "SlurmAnswer",
+    "SlurmClient",
+    "SlurmRow",
+]
 
 log = logging.getLogger("mjlab_hpc")
 
 #: Seconds any one Slurm command may take before it counts as not answering.
 DEFAULT_TIMEOUT_S = 30.0
+
+#: Job ids per squeue / sacct / scontrol call: a status of thousands of runs stays a few calls,
+#: each command line a few kB (far below ARG_MAX and what slurmctld parses quickly).
+QUERY_CHUNK = 500
 
 #: Slurm states after which a job never runs again (REQUEUED is not one of them).
 FINAL_STATES = frozenset(
@@ -65,6 +77,56 @@ class SlurmRow:
     def matches(self, asked: str) -> bool:
         """Whether this row answers a question about job `asked`."""
         return asked in (self.job_id, self.raw_id)
+
+
+@dataclass(frozen=True)
+class SlurmAnswer:
+    """What Slurm said about a set of jobs."""
+
+    rows: dict[str, SlurmRow]
+    """The freshest row for every asked id that Slurm knows."""
+    accounting: bool
+    """Whether sacct answered (False: accounting disabled, sacct missing or hanging)."""
+    queue: bool
+    """Whether squeue answered (False: missing, or slurmctld did not answer in time)."""
+
+
+def _chunks(ids: Sequence[str]) -> list[list[str]]:
+    ids = list(ids)
+    return [ids[i : i + QUERY_CHUNK] for i in range(0, len(ids), QUERY_CHUNK)]
+
+
+_FOLDED = re.compile(r"^(\d+)_\[([\d,-]+)(?:%\d+)?\]$")
+
+
+def _array_elements(job: str) -> list[str]:
+    """`4711_[0-2,5%2]` (sacct's one row for array elements that never started) as
+    `4711_0 4711_1 4711_2 4711_5`; any other id as itself."""
+    m = _FOLDED.match(job)
+    if not m:
+        return [job]
+    out = []
+    for part in m.group(2).split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit() and (hi.isdigit() or not hi):
+            out += [f"{m.group(1)}_{i}" for i in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
+def _index(rows: Sequence[SlurmRow]) -> dict[str, list[SlurmRow]]:
+    """Rows by every id a caller may ask them by: job id, raw id, and the array's id."""
+    out: dict[str, list[SlurmRow]] = {}
+    for row in rows:
+        keys = {row.job_id, row.raw_id, row.job_id.split("_", 1)[0]}
+        for key in keys:
+            out.setdefault(key, []).append(row)
+    return out
+
+
+def _pick(rows: Sequence[SlurmRow]) -> SlurmRow | None:
+    """The row that answers for an id: the job itself, or for a whole array an element that
+    is still queued or running."""
+    return next((r for r in rows if not r.final), rows[0] if rows else None)
 
 
 def _int(text: str) -> int | None:
@@ -113,63 +175,68 @@ class SlurmClient:
 
     # --- job states ----------------------------------------------------------------------
 
-    def squeue(self, ids: Sequence[str]) -> list[SlurmRow]:
-        """The jobs slurmctld still knows (running, pending, and recently ended ones)."""
-        if not ids:
-            return []
+    def squeue(self, ids: Sequence[str]) -> list[SlurmRow] | None:
+        """The jobs slurmctld still knows (running, pending, and recently ended ones), one row
+        per array element (`-r`: else a pending array is one row `4711_[0-199]`). Asked in
+        chunks of QUERY_CHUNK ids; None when squeue is missing, fails or does not answer."""
         fmt = "%i|%F|%K|%A|%T|%D|%N|%b"
-        proc = self.run(["squeue", "-h", "-t", "all", "-j", ",".join(ids), "-o", fmt])
-        if proc is None or proc.returncode != 0:
-            return []  # all ids unknown ("Invalid job id"), or no Slurm here
-        rows = []
-        for line in proc.stdout.splitlines():
-            parts = line.strip().split("|")
-            if len(parts) != 8:
-                continue
-            job, array, task, raw, state, nodes, node_list, tres = parts
-            job_id = f"{array}_{task}" if task.isdigit() else job
-            gpus = _GPUS.search(tres)
-            rows.append(
-                SlurmRow(
-                    job_id=job_id,
-                    raw_id=raw,
-                    state=state,
-                    nodes=_int(nodes),
-                    gpus_per_node=int(gpus.group(1)) if gpus else None,
-                    node_list=node_list or None,
-                    source="squeue",
+        rows: list[SlurmRow] = []
+        for chunk in _chunks(ids):
+            proc = self.run(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(chunk), "-o", fmt])
+            if proc is not None and proc.returncode != 0 and "Invalid job id" in proc.stderr:
+                continue  # every id of the chunk unknown: slurmctld forgot them
+            if proc is None or proc.returncode != 0:
+                return None  # slurmctld down or too slow ("Unable to contact slurm controller")
+            for line in proc.stdout.splitlines():
+                parts = line.strip().split("|")
+                if len(parts) != 8:
+                    continue
+                job, array, task, raw, state, nodes, node_list, tres = parts
+                job_id = f"{array}_{task}" if task.isdigit() else job
+                gpus = _GPUS.search(tres)
+                rows.append(
+                    SlurmRow(
+                        job_id=job_id,
+                        raw_id=raw,
+                        state=state,
+                        nodes=_int(nodes),
+                        gpus_per_node=int(gpus.group(1)) if gpus else None,
+                        node_list=node_list or None,
+                        source="squeue",
+                    )
                 )
-            )
         return rows
 
     def sacct(self, ids: Sequence[str]) -> list[SlurmRow] | None:
-        """The jobs in accounting; None when sacct fails (e.g. accounting is disabled)."""
-        if not ids:
-            return []
+        """The jobs in accounting, in chunks of QUERY_CHUNK ids; None when sacct fails (e.g.
+        accounting is disabled). Array elements that never started, which sacct folds into
+        one row (`4711_[3-199]`), come back one row each."""
         fields = "JobID,JobIDRaw,State,NNodes,AllocTRES,NodeList"
-        proc = self.run(["sacct", "-n", "-P", "-X", "-j", ",".join(ids), "-o", fields])
-        if proc is None or proc.returncode != 0:
-            return None
-        rows = []
-        for line in proc.stdout.splitlines():
-            parts = line.strip().split("|")
-            if len(parts) != 6 or not parts[2]:
-                continue
-            job, raw, state, nodes, tres, node_list = parts
-            n = _int(nodes)
-            gpus = re.search(r"gres/gpu=(\d+)", tres)
-            per_node = int(gpus.group(1)) // n if gpus and n else None
-            rows.append(
-                SlurmRow(
-                    job_id=job,
-                    raw_id=raw,
-                    state=state.split()[0],  # "CANCELLED by 0" -> CANCELLED
-                    nodes=n,
-                    gpus_per_node=per_node,
-                    node_list=None if node_list in ("", "None assigned") else node_list,
-                    source="sacct",
-                )
-            )
+        rows: list[SlurmRow] = []
+        for chunk in _chunks(ids):
+            proc = self.run(["sacct", "-n", "-P", "-X", "-j", ",".join(chunk), "-o", fields])
+            if proc is None or proc.returncode != 0:
+                return None
+            for line in proc.stdout.splitlines():
+                parts = line.strip().split("|")
+                if len(parts) != 6 or not parts[2]:
+                    continue
+                job, raw, state, nodes, tres, node_list = parts
+                n = _int(nodes)
+                gpus = re.search(r"gres/gpu=(\d+)", tres)
+                per_node = int(gpus.group(1)) // n if gpus and n else None
+                rows += [
+                    SlurmRow(
+                        job_id=element,
+                        raw_id=raw,
+                        state=state.split()[0],  # "CANCELLED by 0" -> CANCELLED
+                        nodes=n,
+                        gpus_per_node=per_node,
+                        node_list=None if node_list in ("", "None assigned") else node_list,
+                        source="sacct",
+                    )
+                    for element in _array_elements(job)
+                ]
         return rows
 
     def attempts(self, job_id: str) -> list[tuple[str, str, str]] | None:
@@ -182,30 +249,37 @@ class SlurmClient:
         rows = [line.split("|") for line in proc.stdout.splitlines()]
         return [(r[0].split()[0], r[1], r[2]) for r in rows if len(r) == 3 and r[0]]
 
-    def query(self, ids: Sequence[str]) -> tuple[dict[str, SlurmRow], bool]:
-        """The freshest row for every id that Slurm knows, and whether accounting answered.
+    def answer(self, ids: Sequence[str]) -> SlurmAnswer:
+        """The freshest row for every id that Slurm knows, from one squeue and one sacct call
+        for all of them (more only past QUERY_CHUNK distinct jobs): array elements (`4711_2`)
+        are asked by their array's id, which lists every element at once.
 
         squeue is current while slurmctld knows the job; sacct has the precise end state
         (squeue says COMPLETING while sacct already says CANCELLED) and jobs slurmctld has
         forgotten. Without accounting only squeue is used, and callers fall back to the run
-        record for jobs squeue no longer lists.
+        record for jobs squeue no longer lists. An asked array id (`4711`) is answered by an
+        element still queued or running, else by any of its elements.
         """
         ids = sorted(set(ids))
-        queue = self.squeue(ids)
-        accounting = self.sacct(ids)
+        asked = sorted({i.split("_", 1)[0] for i in ids})
+        queue = self.squeue(asked)
+        accounting = self.sacct(asked)
+        sq, sa = _index(queue or []), _index(accounting or [])
         out: dict[str, SlurmRow] = {}
-        for asked in ids:
-            sq = next((r for r in queue if r.matches(asked)), None)
-            sa = next((r for r in accounting or [] if r.matches(asked)), None)
-            if sq is not None and not (sq.final or sq.state == "COMPLETING"):
-                out[asked] = sq  # sacct may still say PENDING for a job that just started
-            elif sa is not None and sa.final:
-                out[asked] = sa
-            elif sq is not None:
-                out[asked] = sq
-            elif sa is not None:
-                out[asked] = sa
-        return out, accounting is not None
+        for job in ids:
+            q, a = _pick(sq.get(job, [])), _pick(sa.get(job, []))
+            if q is not None and not (q.final or q.state == "COMPLETING"):
+                out[job] = q  # sacct may still say PENDING for a job that just started
+            elif a is not None and a.final:
+                out[job] = a
+            elif q is not None or a is not None:
+                out[job] = q or a  # type: ignore[assignment]
+        return SlurmAnswer(out, accounting is not None, queue is not None)
+
+    def query(self, ids: Sequence[str]) -> tuple[dict[str, SlurmRow], bool]:
+        """`answer(ids)` as (rows by asked id, whether accounting answered)."""
+        got = self.answer(ids)
+        return got.rows, got.accounting
 
     def show_job(self, job_id: str) -> str | None:
         """`scontrol show job JOB` as printed (None when slurmctld does not know the job)."""
@@ -249,13 +323,42 @@ class SlurmClient:
         return True
 
     def scancel(self, ids: Sequence[str]) -> subprocess.CompletedProcess[str] | None:
-        """Cancel jobs (SIGTERM to their steps, then SIGKILL after KillWait)."""
-        return self.run(["scancel", *ids])
+        """Cancel jobs (SIGTERM to their steps, then SIGKILL after KillWait), QUERY_CHUNK ids
+        per call; the answer of the first call that failed, else of the last."""
+        last = None
+        for chunk in _chunks(ids):
+            last = self.run(["scancel", *chunk])
+            if last is None or last.returncode != 0:
+                return last
+        return last
 
-    def forbid_requeue(self, job_id: str) -> subprocess.CompletedProcess[str] | None:
-        """Mark a job as not requeueable (before cancelling it: our ranks answer SIGTERM with a
-        checkpoint and `scontrol requeue`; a job that may not be requeued stays cancelled)."""
-        return self.run(["scontrol", "update", f"JobId={job_id}", "Requeue=0"])
+    def signal_steps(self, ids: Sequence[str], name: str) -> bool:
+        """Send signal `name` (TERM, KILL, ...) to the tasks of jobs or steps (`4711.0`)
+        without ending them: they decide what to do with it."""
+        proc = self.run(["scancel", f"--signal={name}", *ids])
+        return proc is not None and proc.returncode == 0
+
+    def step_of(self, job_id: str, step_name: str) -> str | None:
+        """The id (`4711.3`) of the running step of a job that has this name."""
+        proc = self.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j"])
+        if proc is None or proc.returncode != 0:
+            return None
+        for line in proc.stdout.splitlines():
+            step, _, name = line.strip().partition("|")
+            if name == step_name:
+                return step
+        return None
+
+    def forbid_requeue(self, job_ids: str | Sequence[str]) -> bool:
+        """Mark jobs as not requeueable (before cancelling them: our ranks answer SIGTERM with
+        a checkpoint and `scontrol requeue`; a job that may not be requeued stays cancelled).
+        One `scontrol update` per QUERY_CHUNK jobs; False when any call failed."""
+        ids = [job_ids] if isinstance(job_ids, str) else list(job_ids)
+        ok = True
+        for chunk in _chunks(ids):
+            proc = self.run(["scontrol", "update", f"JobId={','.join(chunk)}", "Requeue=0"])
+            ok = ok and proc is not None and proc.returncode == 0
+        return ok
 
     def partitions(self) -> dict[str, Partition] | None:
         """Every partition by name (the default one also under ""), or None when sinfo does
@@ -300,3 +403,44 @@ class SlurmClient:
             return None
         hosts = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
         return hosts or None
+
+    # --- cluster facts and submissions (mjlab-hpc doctor) --------------------------------
+
+    def config(self) -> dict[str, str] | None:
+        """`scontrol show config` as a dict (None when scontrol does not answer)."""
+        proc = self.run(["scontrol", "show", "config"])
+        if proc is None or proc.returncode != 0:
+            return None
+        out = {}
+        for line in proc.stdout.splitlines():
+            key, sep, value = line.partition("=")
+            if sep and key.strip() and " " not in key.strip():
+                out[key.strip()] = value.strip()
+        return out
+
+    def sbatch(self, args: Sequence[str]) -> tuple[str | None, str]:
+        """`sbatch --parsable ARGS`: the job id (None when refused) and what sbatch said."""
+        proc = self.run(["sbatch", "--parsable", *args])
+        if proc is None:
+            return None, "sbatch is not on PATH or did not answer"
+        said = " ".join((proc.stderr + " " + proc.stdout).split())
+        if proc.returncode != 0:
+            return None, said or f"sbatch exited {proc.returncode}"
+        job = proc.stdout.strip().split(";")[0]
+        return (job, said) if job.isdigit() else (None, said)
+
+    def test_only(self, args: Sequence[str]) -> tuple[bool, str]:
+        """`sbatch --test-only ARGS`: whether Slurm would accept the job, and its answer
+        (where and when it would start, or why not). Nothing is submitted."""
+        proc = self.run(["sbatch", "--test-only", *args])
+        if proc is None:
+            return False, "sbatch is not on PATH or did not answer"
+        said = " ".join((proc.stderr + " " + proc.stdout).split())
+        return proc.returncode == 0, said.removeprefix("sbatch: ")
+
+    def pending_reason(self, job_id: str) -> str | None:
+        """Why a pending job waits (squeue's reason), None when it is not pending."""
+        proc = self.run(["squeue", "-h", "-j", job_id, "-t", "PD", "-o", "%r"])
+        if proc is None or proc.returncode != 0:
+            return None
+        return proc.stdout.strip() or None

@@ -141,10 +141,17 @@ def _split_groups(expr: str) -> list[str]:
 
 def _parse_range(expr: str, group: str, item: str) -> _Range:
     """Parse one ``N`` or ``N-M`` item of a bracket list."""
-    where = f"in {group!r}"
+    match = _RANGE_RE.fullmatch(item)
+    if match is not None:
+        lo = int(match.group(1))
+        hi = lo if match.group(2) is None else int(match.group(2))
+        if lo <= hi and hi - lo + 1 <= SLURM_MAX_RANGE:
+            return _Range(lo, hi, len(match.group(1)))  # valid: no message to build
+    # Only an error quotes the group: quoting it for every item made a list of thousands of
+    # items (one bracket of a 10,000-node allocation) quadratic.
+    where = f"in {_quote(group)}"
     if not item:
         raise HostlistError(expr, f"empty range {where}")
-    match = _RANGE_RE.fullmatch(item)
     if match is None:
         if ":" in item:
             reason = f"stepped range {item!r} {where}: Slurm hostlists have no step syntax"
@@ -221,6 +228,10 @@ def _iter_name(name: _Name) -> Iterator[str]:
     texts, brackets = name.texts, name.brackets
     if not brackets:
         yield texts[0]
+        return
+    if len(brackets) == 1:  # the common `node[0001-9999]`: no product to build
+        prefix, suffix = texts
+        yield from (prefix + value + suffix for value in _values(brackets[0]))
         return
     # _push_range_list() in hostlist.c expands the last bracket innermost and
     # the others right to left from the outside in: for b1, b2, b3 the loop nest

@@ -26,6 +26,8 @@ from mjlab_hpc.bench.watch import bench_env
 
 FIGURES = {
     "scaling_efficiency",
+    "machine_limit",
+    "scaling_of_limit",
     "collective_share",
     "rollout_overhead_cartpole",
     "rollout_overhead_ant",
@@ -37,6 +39,8 @@ FIGURES = {
     "recovery_stop_iterations",
     "recovery_resume_ratio",
     "recovery_iterations_lost",
+    "lock_takeover_s",
+    "lock_handover_ms",
 }
 COUNTS = {"recovery_iterations_lost"}  # may be 0; every other figure is a positive ratio
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -75,6 +79,11 @@ def test_quick_bench_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureF
     compiles = doc["details"]["compilations"]
     assert compiles["one-1"]["compilations"] >= 1  # the partly cold cache did compile
     assert doc["details"]["pairs"][0]["recovery"]["completed"] is True
+    # The machine's limit: two 1-rank trainings ran at once, each measured against one alone.
+    assert len(doc["details"]["pairs"][0]["limit_each_vs_alone"]) == 2
+    figs = doc["figures"]
+    of_limit = figs["scaling_efficiency"]["samples"][0] / figs["machine_limit"]["samples"][0]
+    assert figs["scaling_of_limit"]["samples"][0] == pytest.approx(of_limit, rel=1e-3)
     # mjlab's train and ours ran the same configuration and seeds: the same rewards.
     assert doc["details"]["mjlab"]["pairs"][0]["same_rewards"] is True
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# A real two-node Slurm cluster (Debian's Slurm 22.05) on one machine, for tests.
+# A real Slurm cluster (Debian's Slurm 22.05) of N nodes on one machine, for tests.
 #
 #   cluster.sh up       install missing packages, start munged, MariaDB, slurmdbd,
-#                       slurmctld and two slurmd (node1, node2) from an empty state dir
+#                       slurmctld and N slurmd (node1..nodeN) from an empty state dir
 #   cluster.sh down     stop everything `up` started, by PID; idempotent
 #   cluster.sh status   say whether it is up (sinfo)
 #
+# N: ${MJLAB_HPC_CLUSTER_NODES:-2} (1-64), read by `up` (saved in <state>/node-count); `down`
+# stops whatever nodes were started, whatever their count.
 # State: ${MJLAB_HPC_CLUSTER_DIR:-${TMPDIR:-/tmp}/mjlab-hpc-cluster}. Clients need
 # `source <state>/env.sh` (SLURM_CONF). Needs root: it starts daemons, mknods fake GPUs
 # and bind-mounts a hosts file in a private mount namespace.
@@ -19,7 +21,7 @@ STATE="${MJLAB_HPC_CLUSTER_DIR:-${TMPDIR:-/tmp}/mjlab-hpc-cluster}"
 STATE="${STATE%/}"
 readonly STATE
 readonly MARKER="$STATE/.mjlab-hpc-cluster"
-readonly NODES=(node1 node2)
+readonly MAX_NODES=64
 readonly GPUS_PER_NODE=4
 readonly CPUS_PER_NODE=8
 readonly MEM_PER_NODE_MB=4096
@@ -32,6 +34,17 @@ readonly IDLE_TIMEOUT_S=60
 readonly DB_TIMEOUT_S=60
 
 log() { printf 'cluster.sh: %s\n' "$*" >&2; }
+
+# N of node1..nodeN for `up`: MJLAB_HPC_CLUSTER_NODES (default 2).
+node_count() {
+  local n=${MJLAB_HPC_CLUSTER_NODES:-2}
+  if [[ ! $n =~ ^[0-9]+$ ]] || ((n < 1 || n > MAX_NODES)); then
+    printf 'cluster.sh: MJLAB_HPC_CLUSTER_NODES=%s: a node count from 1 to %d\n' "$n" \
+      "$MAX_NODES" >&2
+    exit 2
+  fi
+  echo "$((10#$n))"
+}
 
 # Microseconds since the epoch, without forking (bash 5).
 now_us() {
@@ -154,8 +167,15 @@ do_down() {
   ns=$(cat "$STATE/run/mntns" 2>/dev/null || true)
   if ! ns_is_ours "$ns"; then ns=""; fi
 
-  # Stage 1: slurmctld and the slurmds (tini forwards SIGTERM to its slurmd).
-  mapfile -t stage1 < <(pids_of slurmctld "${NODES[@]/#/tini-}" "${NODES[@]/#/slurmd-}")
+  # Stage 1: slurmctld and the slurmds (tini forwards SIGTERM to its slurmd), of every node
+  # that has a pid file: down needs no node count.
+  local f nodes=()
+  for f in "$STATE"/run/tini-*.pid "$STATE"/run/slurmd-*.pid; do
+    [[ -e $f ]] || continue
+    f=${f##*/}
+    nodes+=("${f%.pid}")
+  done
+  mapfile -t stage1 < <(pids_of slurmctld "${nodes[@]}")
   stop_pids 10 "${stage1[@]}"
   # Job processes (slurmstepd, anything that escaped its process group) live on in the
   # slurmds' namespace: end them by PID until none is left.
@@ -262,12 +282,13 @@ check_running() {
   done
 }
 
-# Free TCP port blocks: nothing answers on loopback. Ports below the ephemeral range.
+# Free TCP port blocks (slurmctld, slurmdbd, MariaDB, one per slurmd): nothing answers on
+# loopback. Blocks of MAX_NODES + 3 ports, below the ephemeral range (32768).
 pick_ports() {
   local tries base i
   for tries in $(seq 50); do
-    base=$((20000 + (RANDOM % 1000) * 10))
-    for ((i = 0; i < 5; i++)); do
+    base=$((20000 + (RANDOM % 180) * (MAX_NODES + 6)))
+    for ((i = 0; i < ${#NODES[@]} + 3; i++)); do
       if (: <>"/dev/tcp/127.0.0.1/$((base + i))") 2>/dev/null; then continue 2; fi
     done
     echo "$base"
@@ -298,7 +319,8 @@ fail() {
 
 write_configs() {
   local host=$1 base=$2 dbpass=$3 first_job_id
-  local etc=$STATE/etc
+  local etc=$STATE/etc nodes="node[1-${#NODES[@]}]" ports="$((base + 3))-$((base + 2 + ${#NODES[@]}))"
+  ((${#NODES[@]} > 1)) || nodes=node1 ports=$((base + 3))
   # Job ids restart at FirstJobId on every fresh state dir; derive it from the clock (10 ids
   # per second, wrapping every ~76 days) so ids never repeat between bring-ups.
   first_job_id=$((1000 + ($(date +%s) * 10) % 66000000))
@@ -346,13 +368,13 @@ AccountingStoragePort=$((base + 1))
 # Connections to slurmdbd take the munge socket from here, not from AuthInfo.
 AccountingStoragePass=$STATE/munge/sock/munge.socket
 AccountingStorageTRES=gres/gpu
-NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=$((base + 3))-$((base + 4)) CPUs=$CPUS_PER_NODE Sockets=1 CoresPerSocket=$CPUS_PER_NODE ThreadsPerCore=1 RealMemory=$MEM_PER_NODE_MB Gres=gpu:$GPUS_PER_NODE State=UNKNOWN
-PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
+NodeName=$nodes NodeHostname=$host NodeAddr=127.0.0.1 Port=$ports CPUs=$CPUS_PER_NODE Sockets=1 CoresPerSocket=$CPUS_PER_NODE ThreadsPerCore=1 RealMemory=$MEM_PER_NODE_MB Gres=gpu:$GPUS_PER_NODE State=UNKNOWN
+PartitionName=debug Nodes=$nodes Default=YES MaxTime=INFINITE State=UP
 EOF
 
   cat >"$etc/gres.conf" <<EOF
 AutoDetect=off
-NodeName=node[1-2] Name=gpu File=$STATE/gpu/nvidia[0-$((GPUS_PER_NODE - 1))]
+NodeName=$nodes Name=gpu File=$STATE/gpu/nvidia[0-$((GPUS_PER_NODE - 1))]
 EOF
 
   # slurmdbd reads slurmdbd.conf beside SLURM_CONF and insists on mode 0600.
@@ -460,6 +482,10 @@ do_up() {
   t0=$(now_us)
   [[ $(id -u) -eq 0 ]] || fail "must run as root (starts daemons, mknod, mount namespace)"
   if is_up; then
+    local had
+    had=$(cat "$STATE/node-count" 2>/dev/null || echo 2)
+    ((had == ${#NODES[@]})) ||
+      fail "already up in $STATE with $had nodes, not ${#NODES[@]}: run down first, or use another MJLAB_HPC_CLUSTER_DIR"
     echo "already up ($STATE)"
     return 0
   fi
@@ -473,6 +499,7 @@ do_up() {
   mkdir -p "$(dirname "$STATE")"
   mkdir -m 0755 "$STATE"
   touch "$MARKER"
+  echo "${#NODES[@]}" >"$STATE/node-count"
   mkdir -m 0755 "$STATE"/{etc,log,run,spool,gpu,db}
   for n in ctld "${NODES[@]}"; do
     mkdir -m 0755 "$STATE/spool/$n"
@@ -543,6 +570,10 @@ with_lock() {
   flock -w 300 9 || fail "could not lock $STATE.lock"
   "$@"
 }
+
+NODE_COUNT=$(node_count)
+mapfile -t NODES < <(seq -f 'node%g' "$NODE_COUNT")
+readonly NODES
 
 case "${1:-}" in
   up) with_lock do_up ;;

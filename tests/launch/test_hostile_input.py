@@ -53,6 +53,7 @@ FLAGS = {
     "--qos": ("submit", "qos"),
     "--constraint": ("submit", "constraint"),
     "--setup": ("submit-tuple", "setup"),
+    "--after": ("submit-tuple", "after"),
     "--sbatch-arg": ("sbatch-arg", "sbatch_arg"),
     "--mem": ("submit", "mem"),
     "--time": ("submit", "time"),
@@ -207,6 +208,14 @@ def test_number_of_generated_cases() -> None:
         (["--agent.learning_rate=-inf"], "--agent.learning_rate", "nan and inf"),
         (["--sweep", "seed=4,04"], "--sweep", "the same value"),
         (["--sweep", "device=cuda,cpu"], "--sweep", "cannot be swept"),
+        (["--after", "12;rm -rf x"], "--after", "not a Slurm job id"),
+        (["--after", "12\n"], "--after", "not a Slurm job id"),
+        (["--after", "afterok:12"], "--after", "not a Slurm job id"),
+        (["--chain", "0"], "--chain", "between 1 and 1000"),
+        (["--chain", "99999999999"], "--chain", "between 1 and 1000"),
+        (["--sbatch-arg", "dependency=afterok:1"], "--sbatch-arg", "use --after"),
+        (["--executor", "local", "--chain", "2"], "--chain", "local executor"),
+        (["--executor", "allocation"], "--executor", "in no Slurm allocation"),
     ],
 )
 def test_wrong_values_exit_2_naming_the_flag(
@@ -237,6 +246,9 @@ def test_wrong_values_exit_2_naming_the_flag(
         (["status", "--limit", "-1"], "--limit"),
         (["logs", "x", "--lines", "-1"], "--lines"),
         (["cancel", "x", "--grace-s", "-5"], "--grace-s"),
+        (["doctor", "--wait-s", "0"], "--wait-s"),
+        (["doctor", "--nodes", "0"], "--nodes"),
+        (["doctor", "--after", "x"], "--after"),
     ],
 )
 def test_mjlab_hpc_subcommands_refuse_what_they_cannot_use(
@@ -278,6 +290,7 @@ def test_a_task_typo_is_answered_with_a_guess(tmp_path: Path) -> None:
         ["--setup", "conda activate mjlab"],
         ["--setup", "cat <<< 'here-string'"],
         ["--run-name", "ablation-a", "--job-name", "my job (v2)"],
+        ["--after", "4711", "--after", "4712_3", "--chain", "3"],
     ],
 )
 def test_real_options_are_not_refused(tmp_path: Path, args: list[str]) -> None:

@@ -15,6 +15,7 @@ import pytest
 from helpers import BIN, cli_env, only_run
 from slurm_cluster import SlurmCluster
 
+from mjlab_hpc.bench.scale import rank_log_figures
 from mjlab_hpc.rundir.layout import RunDir
 
 pytestmark = pytest.mark.slurm
@@ -63,6 +64,12 @@ def test_submit_2x2_cpu(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     summary = json.loads(run.summary.read_text())
     assert summary["world_size"] == 4 and summary["ranks_in_sync"]
     assert summary["launch_mode"] == "slurm" and summary["job_id"] == job
+    # What `make scale` reads from the rank logs: every rank's rendezvous, the writer's checkpoint.
+    logged = rank_log_figures(run.path, 4)
+    assert 0 <= logged["rendezvous_s"] < 60 and logged["arrival_spread_s"] >= 0, logged
+    assert [(c["file"], c["bytes"]) for c in logged["checkpoints"]] == [
+        ("model_3.pt", (run.path / "model_3.pt").stat().st_size)
+    ], logged
     assert slurm_cluster.wait_job(job, timeout=60) == "COMPLETED"
 
 

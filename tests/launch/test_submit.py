@@ -15,10 +15,10 @@ from helpers import BIN, cli_env, recording_tools
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.slurm import render_sbatch
-from mjlab_hpc.launch.templates import render, train_cli_args
+from mjlab_hpc.launch.templates import render
 from mjlab_hpc.rundir.layout import RunDir, run_dir_for_key
 from mjlab_hpc.slurm.units import slurm_time_minutes
-from mjlab_hpc.spec import SubmitSpec, TrainSpec
+from mjlab_hpc.spec import SubmitSpec, TrainSpec, train_cli_args
 
 GOLDEN = Path(__file__).parent / "golden"
 HOSTILE = "my run; $(touch pwned) `touch pwned2` \"q\" 'x'"

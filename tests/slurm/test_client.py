@@ -8,7 +8,10 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from mjlab_hpc.procs import alive
+from mjlab_hpc.slurm import client
 from mjlab_hpc.slurm.client import SlurmClient
 
 
@@ -61,7 +64,38 @@ def test_requeue_only_a_running_job(tmp_path: Path) -> None:
 def test_a_hanging_command_is_no_answer_and_is_killed(tmp_path: Path) -> None:
     env = stand_ins(tmp_path, squeue=f"echo $$ > {tmp_path / 'pid'}\nexec sleep 60\n")
     t0 = time.monotonic()
-    assert SlurmClient(env=env, timeout_s=0.5).squeue(["1"]) == []
+    assert SlurmClient(env=env, timeout_s=0.5).squeue(["1"]) is None
     assert time.monotonic() - t0 < 10
     assert not alive(int((tmp_path / "pid").read_text()))
     assert SlurmClient(env={**env, "PATH": str(tmp_path / "empty")}).sacct(["1"]) is None
+
+
+def test_arrays_are_asked_by_their_id_in_chunks_and_folded_rows_unfold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Elements `9_0..9_5` are one id (`9`) on the command line; ids go QUERY_CHUNK per call;
+    sacct's one row for elements that never started (`9_[3-5%2]`) answers for each of them."""
+    log = tmp_path / "calls"
+    env = stand_ins(
+        tmp_path,
+        squeue=f'echo "squeue $@" >> {log}\necho "9_0|9|0|10|RUNNING|1|node1|"\n',
+        sacct=f'echo "sacct $@" >> {log}\necho "9_0|10|RUNNING|1||node1"\n'
+        'echo "9_[3-5%2]|9|PENDING|1||"\n',
+    )
+    monkeypatch.setattr(client, "QUERY_CHUNK", 2)
+    ids = [f"9_{i}" for i in range(6)] + ["11", "12", "13"]
+    rows = SlurmClient(env=env).query(ids)[0]
+    assert rows["9_0"].state == "RUNNING" and rows["9_0"].source == "squeue"
+    assert [rows[f"9_{i}"].state for i in (3, 4, 5)] == ["PENDING"] * 3
+    assert "9_1" not in rows and "11" not in rows
+    asked = [line.split(" -j ")[1].split()[0] for line in log.read_text().splitlines()]
+    assert asked == ["11,12", "13,9", "11,12", "13,9"]  # squeue twice, then sacct twice
+
+
+def test_squeue_failing_is_no_answer_but_unknown_ids_are_an_answer(tmp_path: Path) -> None:
+    down = stand_ins(tmp_path, squeue="echo 'Unable to contact slurm controller' >&2; exit 1\n",
+                     sacct='echo "7|7|COMPLETED|1||node1"\n')  # fmt: skip
+    got = SlurmClient(env=down).answer(["7"])
+    assert not got.queue and got.accounting and got.rows["7"].source == "sacct"
+    forgot = stand_ins(tmp_path, squeue="echo 'Invalid job id specified' >&2; exit 1\n")
+    assert SlurmClient(env=forgot).answer(["7"]).queue

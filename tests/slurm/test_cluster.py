@@ -153,16 +153,25 @@ def _escaped_sleep(job_id: int) -> bool:
 
 def test_down_leaves_no_process(slurm_cluster: SlurmCluster) -> None:
     # A second, private cluster: the session's may be shared (make cluster-up). Its parent
-    # is the session cluster's, known to suit munged (no 0700 directory above it).
+    # is the session cluster's, known to suit munged (no 0700 directory above it). Three
+    # nodes: the node count is a setting (make scale uses 8), and down stops any count.
     state = Path(tempfile.mkdtemp(prefix="mjlab-hpc-own-", dir=slurm_cluster.state_dir.parent))
-    env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(state)}
+    env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(state), "MJLAB_HPC_CLUSTER_NODES": "3"}
     try:
-        own = start_cluster(state)
+        own = start_cluster(state, nodes=3)
         assert own.started_here
         again = subprocess.run(
             ["bash", str(SCRIPT), "up"], env=env, capture_output=True, text=True, timeout=60
         )
         assert again.returncode == 0 and "already up" in again.stdout, again
+        other = subprocess.run(["bash", str(SCRIPT), "up"], capture_output=True, text=True,
+                               env={**env, "MJLAB_HPC_CLUSTER_NODES": "2"}, timeout=60)  # fmt: skip
+        assert other.returncode == 1 and "with 3 nodes, not 2" in other.stderr, other
+        bad = subprocess.run(["bash", str(SCRIPT), "up"], capture_output=True, text=True,
+                             env={**env, "MJLAB_HPC_CLUSTER_NODES": "0"}, timeout=60)  # fmt: skip
+        assert bad.returncode == 2 and "a node count from 1 to 64" in bad.stderr, bad
+        names = own.run(["srun", "-N3", "bash", "-c", "echo $SLURMD_NODENAME"]).stdout.split()
+        assert sorted(names) == ["node1", "node2", "node3"], names
         cluster_id = (state / "cluster-id").read_text().strip()
         ns = (state / "run" / "mntns").read_text().strip()
         pids = {int(p.read_text()) for p in (state / "run").glob("*.pid")}

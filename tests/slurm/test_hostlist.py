@@ -351,3 +351,55 @@ def test_parser_agrees_with_scontrol_random(slurm_cluster: SlurmCluster) -> None
             assert expand_hostlist(expr) == slurm, expr
             compared += 1
     assert compared >= 30, f"only {compared} of 300 random expressions compared"
+
+
+# ---- 10,000-node lists ------------------------------------------------------------------
+
+
+def _fragmented(hosts: int) -> str:
+    """Every other node of `2 * hosts`: one bracket of `hosts` items, as Slurm compresses a
+    scattered allocation."""
+    return "n[" + ",".join(str(i) for i in range(1, 2 * hosts, 2)) + "]"
+
+
+# Forms Slurm emits for 10,000 nodes (several prefixes, padding, two brackets, a scattered
+# allocation, pairs, no compression at all).
+HUGE = {
+    "one range": "node[00001-10000]",
+    "prefixes": "gpu[0001-2500],cpu[0001-2500],mem[01-5000]",
+    "two brackets": "rack[01-40]-node[001-250]",
+    "scattered": _fragmented(10_000),
+    "pairs": "n[" + ",".join(f"{i:05d}-{i + 1:05d}" for i in range(0, 20_000, 4)) + "]",
+    "plain": ",".join(f"n{i:05d}" for i in range(10_000)),
+}
+
+
+def _best_of_3(expr: str) -> float:
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        expand_hostlist(expr)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def test_10000_node_lists_are_fast_and_linear(capsys: pytest.CaptureFixture) -> None:
+    """Each 10,000-node form expands in well under a second (about 5-100 ms here), and 8x the
+    items of one bracket costs about 8x (quoting the group per item once made it quadratic:
+    1 s for 10,000 items, 13 s for 40,000, 100 s for 100,000)."""
+    times = {}
+    for name, expr in HUGE.items():
+        assert len(expand_hostlist(expr)) == 10_000, name
+        times[name] = _best_of_3(expr)
+        assert times[name] < 0.5, (name, times[name])
+    ratio = _best_of_3(_fragmented(80_000)) / times["scattered"]
+    assert ratio < 20, f"80,000 items cost {ratio:.1f}x 10,000 (linear: 8x, quadratic: 64x)"
+    with capsys.disabled():
+        shown = ", ".join(f"{k} {1000 * v:.0f} ms" for k, v in times.items())
+        print(f"\n[hostlist 10,000 nodes] {shown}; 8x items: {ratio:.1f}x time")
+
+
+@pytest.mark.slurm
+def test_10000_node_lists_agree_with_scontrol(slurm_cluster: SlurmCluster) -> None:
+    for name, expr in HUGE.items():
+        assert expand_hostlist(expr) == _scontrol_hostnames(slurm_cluster, expr), name

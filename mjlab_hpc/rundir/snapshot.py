@@ -1,0 +1,241 @@
+"""The code a run runs: a copy, taken at submit time, of the git repository mjlab-submit was
+run from (the user's task package, or mjlab_hpc itself when developing it).
+
+`plan_snapshot` decides what would be copied (git's tracked and untracked-but-not-ignored
+files) and refuses a repository too large to copy per job, before anything is made;
+`write_snapshot` copies it into `<run>/code/src/` with `code/snapshot.json` (repository,
+commit, whether it was dirty, the files) and `code/changes.diff` (the uncommitted changes).
+Every rank of the job and of all its requeues puts the copy's import roots first on
+PYTHONPATH (`import_path`), ahead of an editable install of the same package, so editing the
+checkout after submitting changes nothing in the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mjlab_hpc.errors import SpecError
+from mjlab_hpc.procs import run_command
+from mjlab_hpc.rundir.durable import write_json_atomic
+from mjlab_hpc.rundir.layout import read_element
+from mjlab_hpc.rundir.record import now_iso
+
+__all__ = [
+    "CODE_DIR",
+    "MAX_BYTES",
+    "MAX_FILES",
+    "SNAPSHOT_RECORD",
+    "Snapshot",
+    "code_record",
+    "import_path",
+    "plan_snapshot",
+    "read_snapshot",
+    "record_code",
+    "snapshot_for",
+    "with_snapshot",
+    "write_code_record",
+    "write_snapshot",
+]
+
+#: `<run>/code`: the copy (`src/`), its record and the uncommitted diff.
+CODE_DIR = "code"
+SNAPSHOT_RECORD = "snapshot.json"
+#: Above these a repository holds data, not code: copying it per job is refused.
+MAX_BYTES = 200 * 1024 * 1024
+MAX_FILES = 20_000
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a submission's snapshot copies (decided before anything is made)."""
+
+    root: Path
+    """The repository's top folder."""
+    commit: str | None
+    """HEAD (None in a repository without commits)."""
+    files: tuple[str, ...]
+    """Paths relative to `root`: tracked files that exist, and untracked ones git does not
+    ignore."""
+    untracked: tuple[str, ...]
+    size: int
+    """Bytes of all files."""
+    roots: tuple[str, ...]
+    """Folders (relative to `root`) the running interpreter imports from: where an editable
+    install points, else the top folder and `src/`."""
+
+
+def _git(root: Path, *args: str) -> str | None:
+    proc = run_command(["git", "-C", str(root), *args], timeout_s=60)
+    if proc is None or proc.returncode != 0:
+        return None
+    return proc.stdout
+
+
+def _import_roots(root: Path) -> tuple[str, ...]:
+    """The folders of `root` this interpreter imports packages from: sys.path entries (an
+    old-style editable install's .pth) and the folders setuptools' editable finders map
+    packages to; the top folder and `src/` when there is neither."""
+    found: list[str] = []
+
+    def add(path: str | os.PathLike[str]) -> None:
+        # sys.path also holds path-hook names (setuptools' editable finder): folders only.
+        if not Path(path).is_absolute() or not Path(path).is_dir():
+            return
+        try:
+            rel = Path(path).resolve().relative_to(root)
+        except (ValueError, OSError):
+            return
+        if str(rel) not in found:
+            found.append(str(rel))
+
+    for entry in sys.path:
+        if entry:
+            add(entry)
+    for name, module in list(sys.modules.items()):
+        mapping = getattr(module, "MAPPING", None)
+        if name.startswith("__editable__") and isinstance(mapping, dict):
+            for target in mapping.values():
+                add(Path(target).parent)
+    if not found:
+        found = ["."] + (["src"] if (root / "src").is_dir() else [])
+    return tuple(found)
+
+
+def plan_snapshot(cwd: Path, off: bool = False) -> Snapshot | str:
+    """The snapshot of the git repository holding `cwd`, or why there is none (not a git
+    repository, git missing, `off`: --no-snapshot). SpecError naming --no-snapshot when it is
+    too large to copy."""
+    if off:
+        return "--no-snapshot: the job runs the code as it is when it starts"
+    top = _git(cwd, "rev-parse", "--show-toplevel")
+    if top is None:
+        return "not in a git repository (or git is not installed)"
+    root = Path(top.strip()).resolve()
+    listed = _git(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    others = _git(root, "ls-files", "-z", "--others", "--exclude-standard")
+    if listed is None or others is None:
+        return f"git could not list the files of {root}"
+    files, size = [], 0
+    for rel in dict.fromkeys(p for p in listed.split("\0") if p):
+        path = root / rel
+        if path.is_symlink():
+            files.append(rel)
+        elif path.is_file():  # a deleted tracked file, or a submodule (a folder): skipped
+            files.append(rel)
+            size += path.stat().st_size
+    if size > MAX_BYTES or len(files) > MAX_FILES:
+        raise SpecError(
+            "--no-snapshot",
+            f"the repository {root} holds {len(files)} files, {size / 2**20:.0f} MiB not "
+            f"ignored by git (at most {MAX_FILES} files, {MAX_BYTES // 2**20} MiB are copied "
+            "per job): add data to .gitignore, or submit with --no-snapshot",
+        )
+    commit = _git(root, "rev-parse", "--verify", "-q", "HEAD")
+    return Snapshot(
+        root=root,
+        commit=commit.strip() if commit else None,
+        files=tuple(files),
+        untracked=tuple(p for p in others.split("\0") if p),
+        size=size,
+        roots=_import_roots(root),
+    )
+
+
+def write_snapshot(plan: Snapshot, dest: Path) -> dict[str, Any]:
+    """Copy the planned files into `dest/code/src` and record them; the record."""
+    code = dest / CODE_DIR
+    src = code / "src"
+    n = 1
+    while src.exists():  # a resumed run: the earlier copy stays for the earlier job's requeues
+        n += 1
+        src = code / f"src-{n}"
+    for rel in plan.files:
+        source, target = plan.root / rel, src / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            target.symlink_to(os.readlink(source))
+        else:
+            shutil.copy2(source, target)
+    diff = _git(plan.root, "diff", "--binary", "HEAD") if plan.commit else None
+    if diff:
+        (code / "changes.diff").write_text(diff)
+    record = {
+        "repository": str(plan.root),
+        "commit": plan.commit,
+        "dirty": bool(diff) or bool(plan.untracked) or plan.commit is None,
+        "diff": "changes.diff" if diff else None,
+        "untracked": list(plan.untracked),
+        "files": len(plan.files),
+        "bytes": plan.size,
+        "copy": str(src),
+        "import_roots": list(plan.roots),
+        "taken_at": now_iso(),
+    }
+    write_code_record(dest, record)
+    return record
+
+
+def write_code_record(dest: Path, record: dict[str, Any]) -> None:
+    """Write a code record into a run (or sweep) directory's `code/` folder."""
+    (dest / CODE_DIR).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(dest / CODE_DIR / SNAPSHOT_RECORD, record)
+
+
+def read_snapshot(folder: Path) -> dict[str, Any] | None:
+    """The snapshot record of a run (or sweep) directory, None without one."""
+    try:
+        return dict(json.loads((folder / CODE_DIR / SNAPSHOT_RECORD).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def import_path(record: dict[str, Any]) -> str:
+    """The PYTHONPATH entries (joined by ':') that make a process import the copy first."""
+    copy = Path(record["copy"])
+    return os.pathsep.join(str((copy / r).resolve()) for r in record.get("import_roots", ["."]))
+
+
+def code_record(run_dir: Path) -> dict[str, Any] | None:
+    """What the submission recorded about the run's code: its own record, or its sweep's
+    (one copy for all elements); None for runs that mjlab-submit did not start."""
+    own = read_snapshot(run_dir)
+    if own is not None:
+        return own
+    element = read_element(run_dir)
+    return read_snapshot(element.sweep_dir) if element is not None else None
+
+
+def snapshot_for(run_dir: Path) -> dict[str, Any] | None:
+    """The snapshot a run runs from, None when it runs the code as it is."""
+    record = code_record(run_dir)
+    return record if record is not None and record.get("copy") else None
+
+
+def record_code(plan: Snapshot | str, dest: Path) -> dict[str, Any]:
+    """Write the snapshot into `dest` (a run or sweep directory), or record why there is none
+    (`plan` is the reason); the record."""
+    if isinstance(plan, Snapshot):
+        return write_snapshot(plan, dest)
+    record = {"copy": None, "why": plan, "taken_at": now_iso()}
+    write_code_record(dest, record)
+    return record
+
+
+def with_snapshot(env: dict[str, str], record: dict[str, Any] | None) -> dict[str, str]:
+    """`env` with the snapshot's import roots first on PYTHONPATH (unchanged without one),
+    and PYTHONSAFEPATH: `python -m` (how submitit starts ranks) would otherwise put the
+    working directory, the checkout itself when submitted from it, ahead of PYTHONPATH."""
+    if record is None:
+        return env
+    before = env.get("PYTHONPATH", "")
+    return {
+        **env,
+        "PYTHONPATH": import_path(record) + (os.pathsep + before if before else ""),
+        "PYTHONSAFEPATH": "1",
+    }

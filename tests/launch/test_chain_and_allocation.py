@@ -1,0 +1,145 @@
+"""Job chains and existing allocations on the real two-node Slurm test cluster.
+
+`mjlab-submit --chain 3` with a short --time: the first job meets its real time limit
+(Slurm's --signal), saves a checkpoint and ends without a requeue; the second starts behind it
+and continues the run from that checkpoint; `mjlab-hpc cancel` then stops the second and the
+still-queued third.
+
+`mjlab-submit` inside `salloc`: the ranks start with srun in the allocation (no new job), a
+request larger than the allocation is refused, and Ctrl-C stops every rank with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import BIN, cli_env, only_run, wait_for
+from slurm_cluster import SlurmCluster
+
+from mjlab_hpc.rundir.layout import RunDir
+
+pytestmark = pytest.mark.slurm
+
+
+def _run(cluster: SlurmCluster, *args: str, timeout: float = 120) -> tuple[int, str]:
+    proc = subprocess.run(
+        [*args], env=cli_env(base=cluster.environ()), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_chain_continues_the_run_after_the_time_limit_and_cancel_stops_it_all(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    code, out = _run(
+        slurm_cluster, str(BIN / "mjlab-submit"), "cartpole", "--gpus-per-node", "0",
+        "--num-envs", "32", "--torch-threads", "1", "--max-iterations", "100000",
+        "--save-interval", "100000", "--log-root", str(tmp_path), "--time", "1",
+        "--signal-delay-s", "45", "--chain", "3",
+    )  # fmt: skip
+    assert code == 0, out
+    chain = re.search(r"(\d+) -> (\d+) -> (\d+)", out)
+    assert chain, out
+    first, second, third = chain.groups()
+    squeue = slurm_cluster.run(["squeue", "-h", "-j", third, "-o", "%E"]).stdout
+    assert f"afterany:{second}" in squeue, squeue
+    try:
+        _chain_continues(slurm_cluster, only_run(tmp_path), first, second, third)
+    finally:  # leave no job behind, whatever failed
+        slurm_cluster.run(["scancel", first, second, third], check=False)
+
+
+def _chain_continues(
+    slurm_cluster: SlurmCluster, run: RunDir, first: str, second: str, third: str
+) -> None:
+    def second_started() -> dict | None:
+        record = json.loads(run.record.read_text()) if run.record.exists() else {}
+        starts = record.get("starts", [])
+        return record if len(starts) >= 2 and run.read_progress() else None
+
+    record = wait_for(second_started, 150, "the chain's second job to start the run again")
+    starts = record["starts"]
+    assert [s["job_id"] for s in starts[:2]] == [first, second], starts
+    stop = record["restarts"][0]
+    assert stop["reason"] == "time-limit", stop
+    # The second job continued from the first one's stop checkpoint.
+    assert starts[1]["resumed_from_iteration"] == stop["iteration"] > 0, (starts, stop)
+    # The first job ended at its time limit without a requeue (one attempt, not REQUEUED).
+    attempts = slurm_cluster.run(
+        ["sacct", "-n", "-P", "-X", "--duplicates", "-j", first, "-o", "State"]
+    ).stdout.split()
+    assert attempts == ["COMPLETED"], attempts
+    err = run.path / "submitit" / f"{first}_0_log.err"
+    assert "job 1 of 3 of the chain ends here" in err.read_text()
+
+    status = json.loads(_run(slurm_cluster, str(BIN / "mjlab-hpc"), "status", "--json",
+                             str(run.path))[1])  # fmt: skip
+    assert status[0]["state"] == "RUNNING", status
+    assert status[0]["job_ids"] == [first, second, third], status
+
+    code, out = _run(slurm_cluster, str(BIN / "mjlab-hpc"), "cancel", str(run.path))
+    assert code == 0, out
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = slurm_cluster.run(["squeue", "-h", "-j", f"{second},{third}", "-o", "%i %T"])
+        if not left.stdout.strip():
+            break
+        time.sleep(0.5)
+    states = {j: slurm_cluster.sacct_state(j) for j in (second, third)}
+    assert states == {second: "CANCELLED", third: "CANCELLED"}, states
+
+
+SALLOC = ["salloc", "-N2", "--ntasks-per-node=1", "-t", "5"]
+
+
+def test_inside_salloc_the_ranks_run_in_the_allocation_and_ctrl_c_saves_them(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    small = ["cartpole", "--gpus-per-node", "0", "--num-envs", "32", "--torch-threads", "1",
+             "--log-root", str(tmp_path)]  # fmt: skip
+    submit = str(BIN / "mjlab-submit")
+    code, out = _run(slurm_cluster, *SALLOC, submit, *small, "--nodes", "3")
+    assert code == 2 and "--nodes: 3 nodes asked for; allocation" in out, out
+    code, out = _run(slurm_cluster, *SALLOC, submit, *small, "--nodes", "2", "--dry-run")
+    assert code == 0 and "--nodes=2 --ntasks=2 --ntasks-per-node=1" in out, out
+    assert not list(tmp_path.iterdir())
+
+    pid_file = tmp_path.parent / f"{tmp_path.name}.pid"
+    proc = subprocess.Popen(
+        [*SALLOC, "bash", "-c", 'echo $$ > "$0"; exec "$@"', str(pid_file), submit, *small,
+         "--nodes", "2", "--max-iterations", "100000"],
+        env=cli_env(base=slurm_cluster.environ()), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        run = wait_for(lambda: _progressing(tmp_path, 3), 120, "the ranks to train")
+        queued = slurm_cluster.run(["squeue", "-h", "-o", "%i %j"]).stdout.split("\n")
+        assert len([q for q in queued if q.strip()]) == 1, queued  # the allocation, no new job
+        subprocess.run(["kill", "-INT", pid_file.read_text().strip()], check=True)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, out
+    assert "inside Slurm allocation" in out and "stopped at iteration" in out, out
+    record = json.loads(run.record.read_text())
+    assert record["state"] == "stopped", record
+    stop = record["restarts"][-1]
+    assert (run.path / f"model_{stop['iteration']}.pt").exists()
+    assert [p for p in run.logs.glob("task-*.out")], "srun's per-task output"
+    left = subprocess.run(["pgrep", "-f", str(run.path)], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
+
+
+def _progressing(root: Path, iterations: int) -> RunDir | None:
+    runs = [p for p in root.glob("*/*") if p.is_dir()]
+    if not runs:
+        return None
+    run = RunDir(runs[0])
+    return run if len(run.read_progress()) >= iterations else None

@@ -1,0 +1,150 @@
+"""The fast tier of job chains, allocations and the doctor's reading of its probe (no Slurm):
+the job's place in a chain, what an allocation allows, the srun command inside it, the
+dependency in the script, all-or-nothing chain submission, and probe files read back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import BIN, cli_env
+
+from mjlab_hpc.errors import SpecError
+from mjlab_hpc.launch.slurm import (
+    Allocation,
+    allocation_srun,
+    check_allocation,
+    current_allocation,
+    render_sbatch,
+)
+from mjlab_hpc.launch.submit import submit_chain
+from mjlab_hpc.ops.probe import TOKEN_FILE, read_probe
+from mjlab_hpc.rank.context import chain_link, derive_master_port, detect_mode
+from mjlab_hpc.spec import SubmitSpec, TrainSpec
+from mjlab_hpc.tasks.registry import resolve
+
+
+def test_chain_link_reads_only_sane_places() -> None:
+    assert chain_link({"MJLAB_HPC_CHAIN": "2/3"}) == (2, 3)
+    for bad in ("", "0/3", "4/3", "x/3", "2/3\n1", "-1/2"):
+        assert chain_link({"MJLAB_HPC_CHAIN": bad}) is None, bad
+    assert chain_link({}) is None
+
+
+def test_allocation_is_found_outside_steps_only() -> None:
+    salloc = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "4"}
+    assert current_allocation(salloc) == Allocation("7", 2, None)
+    assert detect_mode(salloc) == "single"  # the salloc shell is not a rank
+    assert current_allocation({**salloc, "SLURM_STEP_ID": "0"}) is None  # a rank
+    assert current_allocation({}) is None
+    alloc = Allocation("7", 2, 4)
+    spec = SubmitSpec(train=TrainSpec(), nodes=3, gpus_per_node=0)
+    with pytest.raises(SpecError, match="--nodes: 3 nodes asked for; allocation 7 has 2"):
+        check_allocation(spec, alloc)
+    with pytest.raises(SpecError, match="--gpus-per-node"):
+        check_allocation(spec.replace(nodes=2, gpus_per_node=8), alloc)
+    with pytest.raises(SpecError, match="--chain"):
+        check_allocation(spec.replace(nodes=1, chain=2), alloc)
+    check_allocation(spec.replace(nodes=2, gpus_per_node=4), alloc)
+
+
+def test_the_srun_inside_an_allocation(tmp_path: Path) -> None:
+    spec = SubmitSpec(train=TrainSpec(task="cartpole", num_envs=16), nodes=2, gpus_per_node=0,
+                      tasks_per_node=2)  # fmt: skip
+    argv = allocation_srun(spec, resolve(spec.train), tmp_path, "step-1")
+    assert argv[:5] == ["srun", "--job-name=step-1", "--nodes=2", "--ntasks=4",
+                        "--ntasks-per-node=2"]  # fmt: skip
+    assert argv[argv.index(sys.executable) :][:4] == [sys.executable, "-u", "-m",
+                                                      "mjlab_hpc.cli.train"]  # fmt: skip
+    assert argv[-2:] == ["--run-dir", str(tmp_path)]
+    # Two trainings at once in one allocation get ports of their own; a batch job's first
+    # step keeps the port it always had.
+    assert derive_master_port("7", 0) != derive_master_port("7", 997)
+
+
+def test_the_script_of_a_chained_job_waits_and_knows_its_place(tmp_path: Path) -> None:
+    spec = SubmitSpec(train=TrainSpec(), gpus_per_node=0, after=("41", "42_1"), chain=3,
+                      time="30")  # fmt: skip
+    script = render_sbatch(spec, tmp_path)
+    assert "#SBATCH --dependency=afterany:41:42_1" in script
+    assert "export MJLAB_HPC_CHAIN=1/3" in script
+
+
+class _Job:
+    def __init__(self, job_id: str, log: list[str]) -> None:
+        self.job_id, self.log = job_id, log
+
+    def cancel(self, check: bool = True) -> None:
+        self.log.append(f"cancel {self.job_id}")
+
+
+def test_a_chain_is_submitted_whole_or_not_at_all() -> None:
+    log: list[str] = []
+
+    def submit(link: int, after: tuple[str, ...]) -> list[Any]:
+        log.append(f"submit {link} after {','.join(after) or '-'}")
+        if link == 3:
+            raise RuntimeError("sbatch: error: QOSMaxSubmitJobPerUserLimit")
+        return [_Job(f"{100 + link}_0", log), _Job(f"{100 + link}_1", log)]
+
+    with pytest.raises(RuntimeError):
+        submit_chain(SubmitSpec(train=TrainSpec(), chain=3, after=("9",)), submit)
+    assert log == ["submit 1 after 9", "submit 2 after 101", "submit 3 after 102",
+                   "cancel 101_0", "cancel 101_1", "cancel 102_0", "cancel 102_1"]  # fmt: skip
+
+
+def _task(folder: Path, rank: int, node: str, **extra: Any) -> None:
+    token = (folder / TOKEN_FILE).read_text().strip()
+    (folder / f"shell-{rank}").write_text(f"{node} {token}\n")
+    info = {"rank": rank, "node": node, "python_version": ".".join(map(str, sys.version_info[:3])),
+            "folder": str(folder.resolve()), "mjlab_hpc": {"ok": True, "version": "0+unknown"},
+            "gpus": {"CUDA_VISIBLE_DEVICES": "0,1", "torch_cuda": None, "torch_devices": 0},
+            **extra}  # fmt: skip
+    (folder / f"task{rank}.json").write_text(json.dumps(info))
+
+
+def test_the_probe_files_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mjlab_hpc.ops.probe._version", lambda: "0+unknown")
+    folder = tmp_path / "logs" / ".doctor" / "p"
+    folder.mkdir(parents=True)
+    (folder / TOKEN_FILE).write_text("t0k\n")
+    _task(folder, 0, "node1")
+    _task(folder, 1, "node2", mjlab_hpc={"ok": False, "error": "ModuleNotFoundError: rsl_rl"})
+    for rank in (0, 1):
+        (folder / f"seen-{rank}").write_text("shell-0\nshell-1\n")
+    checks = {c.name: c for c in read_probe(folder, ["node1", "node2"], 2, 2, mjlab=False)}
+    assert checks["log root shared"].result == "ok"
+    assert checks["mjlab_hpc on nodes"].result == "fail"
+    assert "task 1: ModuleNotFoundError: rsl_rl" in checks["mjlab_hpc on nodes"].detail
+    assert checks["GPUs"].result == "fail" and "a CPU build of torch" in checks["GPUs"].detail
+    # node2 wrote its note somewhere this host cannot see, and read another token.
+    (folder / "shell-1").unlink()
+    (folder / "seen-0").write_text("shell-0\n")
+    shared = read_probe(folder, ["node1", "node2"], 2, 0, mjlab=False)[0]
+    assert shared.result == "fail"
+    assert "nodes whose writes this host does not see: node2" in shared.detail
+
+
+def test_a_laptop_dry_run_shows_the_slurm_script_of_a_cluster_request(tmp_path: Path) -> None:
+    env = cli_env(path=str(BIN))  # no sbatch on PATH: a laptop
+    base = [str(BIN / "mjlab-submit"), "cartpole", "--log-root", str(tmp_path / "logs")]
+    for extra, reason in ((["--nodes", "2", "--gpus-per-node", "4"], "--nodes"),
+                          (["--gpus-per-node", "0", "--partition", "gpu"], "--partition"),
+                          (["--gpus-per-node", "0", "--chain", "2"], "--chain")):  # fmt: skip
+        proc = subprocess.run([*base, *extra, "--dry-run"], env=env, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert f"not submitted; Slurm was not found here, {reason} asks for it" in proc.stdout
+        assert "#SBATCH --time=60" in proc.stdout
+    local = subprocess.run([*base, "--gpus-per-node", "0", "--dry-run"], env=env,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "# ---- local executor (dry run: not started) ----" in local.stdout
+    # Without --dry-run it is still refused: nothing here can run two nodes.
+    real = subprocess.run([*base, "--nodes", "2", "--gpus-per-node", "0"], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert real.returncode == 2 and "--nodes" in real.stderr
+    assert not (tmp_path / "logs").exists()
