@@ -18,10 +18,11 @@ from mjlab_hpc.rundir.layout import RunDir
 #: The venv's scripts (mjlab-train, mjlab-submit, mjlab-hpc, torchrun).
 BIN = Path(sys.executable).parent
 
-# Variables of an enclosing launcher: a CLI started by a test must start as a plain process.
+# Variables of an enclosing launcher: a CLI started by a test must start as a plain process
+# (SLURM_JOB_ID: a suite run inside a Slurm job would make mjlab-submit use that allocation).
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                   "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_STEP_ID",
-                  "SLURM_STEPID")  # fmt: skip
+                  "SLURM_STEPID", "SLURM_JOB_ID")  # fmt: skip
 
 
 def cli_env(

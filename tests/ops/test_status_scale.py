@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env
+from helpers import BIN, cli_env, wait_for
 from slurm_cluster import SlurmCluster
 
 pytestmark = pytest.mark.slurm
@@ -118,7 +118,16 @@ def test_status_and_cancel_of_250_runs_cost_a_constant_number_of_slurm_calls(
         assert f"sweep {array}" in table and "200 PENDING" in table
         assert calls(log) == per_small
 
-        # squeue failing (slurmctld unreachable): one clear line, states from sacct.
+        # squeue failing (slurmctld unreachable): one clear line, states from sacct. On a
+        # fresh cluster slurmctld hands new jobs to slurmdbd a few seconds late: wait until
+        # accounting knows all of them (the array as one folded row), else they are UNKNOWN.
+        def accounted() -> bool:
+            out = slurm_cluster.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-j",
+                                     ",".join([*jobs, array])], check=False).stdout  # fmt: skip
+            known = {line.split("_")[0] for line in out.split()}
+            return known >= {*jobs, array}
+
+        wait_for(accounted, 60, "slurmdbd to know the held jobs")
         broken = tmp_path / "broken"
         broken.mkdir()
         (broken / "squeue").write_text(
