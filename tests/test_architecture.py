@@ -22,6 +22,7 @@ LAYERS = {
     "spec": 2,
     "slurm": 3,
     "tasks": 3,
+    "collective": 3,
     "rundir": 3,
     "rank": 4,
     "launch": 5,

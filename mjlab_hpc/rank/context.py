@@ -15,19 +15,16 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+from mjlab_hpc.collective.sums import same_node_reductions
 from mjlab_hpc.errors import LaunchError
 from mjlab_hpc.slurm.hostlist import HostlistError, first_host
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "ALLOCATION_ENV",
     "CHAIN_ENV",
     "DETACHED_ENV",
-    "GATHER_MAX_RANKS",
     "PORT_BASE",
     "PORT_SPAN",
     "SUPERVISOR_ENV",
@@ -41,7 +38,6 @@ __all__ = [
     "process_group",
     "resolve_device",
     "seed_for_rank",
-    "sum_over_ranks",
     "tasks_on_node",
     "torch_threads",
 ]
@@ -419,7 +415,9 @@ def backend_for(device: str) -> str:
 def process_group(ctx: DistContext, device: str, timeout_s: float) -> Iterator[None]:
     """Join the job's process group for the duration of the block, and always leave it.
 
-    A single process gets no process group (rsl_rl then skips every collective).
+    A single process gets no process group (rsl_rl then skips every collective). When every
+    rank is on this machine, sums and maxima go through shared memory for the block
+    (`mjlab_hpc.collective`).
     """
     if not ctx.is_distributed:
         yield
@@ -443,7 +441,8 @@ def process_group(ctx: DistContext, device: str, timeout_s: float) -> Iterator[N
         timeout=timedelta(seconds=timeout_s),
     )
     try:
-        yield
+        with same_node_reductions(timeout_s):
+            yield
     finally:
         dist.destroy_process_group()
         for k, v in saved.items():
@@ -451,40 +450,3 @@ def process_group(ctx: DistContext, device: str, timeout_s: float) -> Iterator[N
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-# Above this many ranks a gather moves too much data; all-reduce wins.
-GATHER_MAX_RANKS = 8
-
-
-def sum_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    """Replace `tensor` by its sum over all ranks (in place; returned). Without a process
-    group it is left as it is.
-
-    Sums over ranks that cost one round trip on CPU.
-
-    gloo's all-reduce takes several message rounds even between two processes: on a 2-core VM
-    0.25-0.45 ms for one or two elements but 1.0-1.8 ms from four elements up (the gradient
-    buffer included), while an all-gather of the same data takes 0.5-0.7 ms. With few ranks,
-    gathering everyone's tensor and adding them locally is the cheaper sum. Additions run
-    element by element in rank order, so every rank computes the same bits (on any CPU: one IEEE
-    addition per element and step, no vectorised reduction tree). NCCL (GPUs) and larger gloo
-    groups keep the all-reduce, whose cost does not grow with the world size as gathering does.
-    """
-    import torch  # here: the CLIs import this module and must not load torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return tensor
-    world = dist.get_world_size()
-    if world == 1:
-        return tensor
-    if dist.get_backend() != "gloo" or world > GATHER_MAX_RANKS:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(parts, tensor.contiguous())
-    tensor.copy_(parts[0])
-    for part in parts[1:]:
-        tensor += part
-    return tensor

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import warp as wp
 
+from mjlab_hpc.collective.sums import same_node_channel
 from mjlab_hpc.errors import environment_problem
 from mjlab_hpc.rank.boundary import IterationBoundary, note_node_failure, requeues_so_far
 from mjlab_hpc.rank.context import (
@@ -61,8 +62,8 @@ log = logging.getLogger("mjlab_hpc")
 
 # Errors of a rank whose peer died or hung: consequences, not causes.
 _PEER_LOST = re.compile(
-    r"closed by peer|reset by peer|remote worker|broken pipe|connection refused|timed out|"
-    r"timeout|DistBackendError|NCCL communicator",
+    r"closed by peer|reset by peer|peer lost|remote worker|broken pipe|connection refused|"
+    r"timed out|timeout|DistBackendError|NCCL communicator",
     re.IGNORECASE,
 )
 
@@ -296,8 +297,9 @@ def _train(
         )
         if ctx.is_distributed:
             # Wall-clock times: from the last rank's call to everyone joined is the rendezvous.
-            log.info("process group of %d ranks: called at %.3f, joined in %.3f s",
-                     ctx.world_size, joining[0], joining[1] - joining[0])  # fmt: skip
+            sums = "shared memory" if same_node_channel() is not None else "torch.distributed"
+            log.info("process group of %d ranks: called at %.3f, joined in %.3f s; sums through %s",
+                     ctx.world_size, joining[0], joining[1] - joining[0], sums)  # fmt: skip
         if device == "cpu" and os.environ.get("CUDA_VISIBLE_DEVICES") and spec.gpu_ids:
             msg = (
                 f"rank {ctx.rank}: GPUs {os.environ['CUDA_VISIBLE_DEVICES']} were allocated "

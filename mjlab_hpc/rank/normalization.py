@@ -24,7 +24,7 @@ import torch
 from rsl_rl.modules import EmpiricalNormalization
 from torch import nn
 
-from mjlab_hpc.rank.context import sum_over_ranks
+from mjlab_hpc.collective.sums import sum_over_ranks
 
 __all__ = [
     "NormalizerSync",

@@ -21,7 +21,7 @@ import torch
 from rsl_rl.algorithms import PPO
 from torch import nn
 
-from mjlab_hpc.rank.context import sum_over_ranks
+from mjlab_hpc.collective.sums import sum_over_ranks
 
 __all__ = ["CLASS_NAME", "FoldedPPO", "fold_collectives"]
 

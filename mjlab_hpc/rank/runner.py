@@ -23,6 +23,8 @@ import torch
 from rsl_rl.runners import OnPolicyRunner
 from rsl_rl.utils import check_nan
 
+from mjlab_hpc.collective.shared_memory import SameNodeChannel
+from mjlab_hpc.collective.sums import same_node_channel
 from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.normalization import NormalizerSync, agree_normalizers, sync_normalizers
 from mjlab_hpc.rank.ppo import fold_collectives
@@ -49,11 +51,12 @@ IterationHook = Callable[[Any, IterationStats], None]
 
 
 class CollectiveClock:
-    """Accumulates the time spent inside torch.distributed collectives.
+    """Accumulates the time spent inside collectives: torch.distributed's and the same-node
+    shared-memory reductions (`mjlab_hpc.collective`).
 
     rsl-rl calls torch.distributed's functions directly, so the only place to time them without
     copying its algorithm is the module attribute; `timing()` wraps them for the duration of a
-    block and always restores the originals.
+    block and always restores the originals. The shared-memory channel counts its own calls.
     """
 
     NAMES = (
@@ -66,8 +69,22 @@ class CollectiveClock:
     )
 
     def __init__(self) -> None:
-        self.seconds = 0.0
-        self.calls = 0
+        self._seconds = 0.0
+        self._calls = 0
+        self._channel: SameNodeChannel | None = None
+        self._base = (0.0, 0)
+
+    @property
+    def seconds(self) -> float:
+        """Seconds inside collectives while timing."""
+        ch = self._channel
+        return self._seconds + (ch.seconds - self._base[0] if ch is not None else 0.0)
+
+    @property
+    def calls(self) -> int:
+        """Collectives made while timing."""
+        ch = self._channel
+        return self._calls + (ch.calls - self._base[1] if ch is not None else 0)
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
@@ -81,11 +98,14 @@ class CollectiveClock:
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    self.seconds += time.perf_counter() - t0
-                    self.calls += 1
+                    self._seconds += time.perf_counter() - t0
+                    self._calls += 1
 
             return timed
 
+        self._channel = same_node_channel()
+        if self._channel is not None:
+            self._base = (self._channel.seconds, self._channel.calls)
         try:
             for name, fn in originals.items():
                 setattr(dist, name, wrap(fn))
@@ -93,6 +113,8 @@ class CollectiveClock:
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
+            self._seconds, self._calls = self.seconds, self.calls
+            self._channel = None
 
 
 class ContextRunnerMixin:
