@@ -19,12 +19,14 @@ class BenchConfig:
     out: Path = Path("bench-results")
     """Folder for bench.json, bench.png and runs/ (the runs' directories, replaced)."""
     repeats: int | None = None
-    """Repeats of the training runs, one A/B pair each (default: 3; 1 with --quick); the
-    rollout benchmark takes at least 7 pairs (they are cheap)."""
+    """Repeats of the training runs, one A/B pair each (default: 5; 1 with --quick): a 3%
+    target needs more than 3 on a shared machine; the rollout benchmark takes at least 7
+    pairs (they are cheap)."""
     num_envs: int | None = None
     """Envs per rank, and worlds of the rollout benchmark (default: 1024; 64 with --quick)."""
     iterations: int | None = None
-    """Measured PPO iterations per run after one warm-up iteration (default: 8; 1 with --quick)."""
+    """Measured PPO iterations per run after one warm-up iteration (default: 20, about 7 s of
+    cartpole at 1024 envs; 1 with --quick)."""
     task: str = "cartpole"
     """Task of the training runs (scaling, collectives, launch, recovery, compilations)."""
     rollout_tasks: tuple[str, ...] = ("cartpole", "ant")
@@ -56,7 +58,7 @@ class BenchConfig:
 
     @property
     def pairs(self) -> int:
-        return self.repeats or (1 if self.quick else 3)
+        return self.repeats or (1 if self.quick else 5)
 
     @property
     def envs(self) -> int:
@@ -64,7 +66,7 @@ class BenchConfig:
 
     @property
     def measured(self) -> int:
-        return self.iterations or (1 if self.quick else 8)
+        return self.iterations or (1 if self.quick else 20)
 
     @property
     def mjlab_pairs(self) -> int:

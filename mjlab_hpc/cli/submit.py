@@ -28,6 +28,7 @@ from mjlab_hpc.launch.local import LocalControls, local_processes, rank_outcomes
 from mjlab_hpc.launch.slurm import (
     allocation_srun,
     current_allocation,
+    interactive_step,
     render_array_sbatch,
     render_sbatch,
     run_in_allocation,
@@ -47,7 +48,7 @@ from mjlab_hpc.ops.status import collect, status_table
 from mjlab_hpc.ops.status import console as wide_console
 from mjlab_hpc.procs import wait_gone
 from mjlab_hpc.rank.context import CHAIN_ENV
-from mjlab_hpc.rundir.snapshot import plan_snapshot, record_code
+from mjlab_hpc.rundir.snapshot import plan_snapshot, planned_record, record_code
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
@@ -174,7 +175,8 @@ def sweep_dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
             "# ---- sbatch script of the job array (dry run: not submitted"
             f"{_no_slurm_here(spec)}) ----\n"
         )
-        out.write(render_array_sbatch(spec, sweep_dir, len(elements)))
+        code = planned_record(plan_snapshot(Path.cwd(), spec.no_snapshot), sweep_dir)
+        out.write(render_array_sbatch(spec, sweep_dir, len(elements), code))
         if spec.chain > 1:
             out.write(chain_note(spec))
     else:
@@ -250,6 +252,17 @@ def _run(spec: SubmitSpec, argv: Sequence[str]) -> int:
         return 0
     if executor_for(spec) == "allocation":
         return in_allocation(spec, argv)
+    step = interactive_step(os.environ) if spec.executor == "auto" else None
+    if step is not None and executor_for(spec) == "slurm":
+        # srun --pty holds the allocation's resources: ranks could not start beside it.
+        Console(stderr=True).print(
+            f"note: inside interactive {step} (srun --pty): submitting a new job. To run "
+            "the ranks in that allocation instead, start mjlab-submit from the allocation's "
+            "own shell (salloc, outside srun --pty)",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
     if spec.sweep:
         sweep = submit_sweep(spec)
         console.print("[bold]submitted sweep[/]")
@@ -311,7 +324,8 @@ def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
                   f"{shlex.join(command)}\n")  # fmt: skip
     elif executor_for(spec) == "slurm":
         out.write(f"# ---- sbatch script (dry run: not submitted{_no_slurm_here(spec)}) ----\n")
-        out.write(render_sbatch(spec, run_dir))
+        code = planned_record(plan_snapshot(Path.cwd(), spec.no_snapshot), run_dir)
+        out.write(render_sbatch(spec, run_dir, code))
         if spec.chain > 1:
             out.write(chain_note(spec))
     else:

@@ -80,6 +80,8 @@ def _identity() -> dict[str, Any]:
         boot = ""
     return {
         "host": socket.gethostname(),
+        # Slurm's node name: the test cluster's nodes share one machine, but are nodes.
+        "node": os.environ.get("SLURMD_NODENAME", ""),
         "boot": boot,
         "machine": platform.machine(),
         "pid": os.getpid(),
@@ -189,8 +191,8 @@ class SameNodeChannel:
 
 def open_channel(timeout_s: float) -> SameNodeChannel | None:
     """Collectively (every rank of the default process group calls it): a channel when every
-    rank runs on this machine, in this PID namespace, on x86-64, and a shared mapping in
-    /dev/shm works for all of them; else None on every rank."""
+    rank runs on this machine (and on one Slurm node), in this PID namespace, on x86-64, and a
+    shared mapping in /dev/shm works for all of them; else None on every rank."""
     import torch
     import torch.distributed as dist
 
@@ -201,7 +203,10 @@ def open_channel(timeout_s: float) -> SameNodeChannel | None:
     ok = (
         mine["machine"] in ("x86_64", "AMD64")
         and bool(mine["boot"])
-        and all((i["host"], i["boot"]) == (mine["host"], mine["boot"]) for i in ids)
+        and all(
+            (i["host"], i["node"], i["boot"]) == (mine["host"], mine["node"], mine["boot"])
+            for i in ids
+        )
         # Same PID namespace: the peers' pids name the processes that reported them.
         and all(i["start"] is not None and _start_time(i["pid"]) == i["start"] for i in ids)
     )

@@ -42,6 +42,7 @@ __all__ = [
     "check_allocation",
     "container_python",
     "current_allocation",
+    "interactive_step",
     "make_slurm_executor",
     "render_array_sbatch",
     "render_sbatch",
@@ -276,16 +277,19 @@ def make_slurm_executor(
     dry_run: bool = False,
     link: int = 1,
     after: Sequence[str] | None = None,
+    snapshot: dict[str, Any] | None = None,
 ) -> Any:
     """A configured submitit SlurmExecutor writing into `<folder_parent>/submitit`, for job
-    `link` of the spec's --chain that waits for the jobs `after` (default: --after)."""
+    `link` of the spec's --chain that waits for the jobs `after` (default: --after).
+    `snapshot`: the code record to run from (default: the one recorded in `folder_parent`;
+    a dry run passes the planned one)."""
     executor = _SlurmExecutor(
         folder=folder_parent / SUBMITIT_DIR,
         python=container_python(spec, folder_parent),
         max_restarts=spec.train.max_restarts,
         render_only=dry_run,
     )
-    snapshot = snapshot_for(folder_parent)
+    snapshot = snapshot if snapshot is not None else snapshot_for(folder_parent)
     after = spec.after if after is None else after
     executor.update_parameters(
         **slurm_parameters(spec, link, after, import_path(snapshot) if snapshot else None)
@@ -293,9 +297,10 @@ def make_slurm_executor(
     return executor
 
 
-def render_sbatch(spec: SubmitSpec, run_dir: Path) -> str:
-    """The exact sbatch script submitit submits for this spec."""
-    executor = make_slurm_executor(spec, run_dir, dry_run=True)
+def render_sbatch(spec: SubmitSpec, run_dir: Path, snapshot: dict[str, Any] | None = None) -> str:
+    """The exact sbatch script submitit submits for this spec (`snapshot`: the planned code
+    record, whose import roots the script puts first)."""
+    executor = make_slurm_executor(spec, run_dir, dry_run=True, snapshot=snapshot)
     return str(executor._make_submission_file_text(executor._submitit_command_str, "dry-run"))
 
 
@@ -305,18 +310,21 @@ def array_executor(
     dry_run: bool = False,
     link: int = 1,
     after: Sequence[str] | None = None,
+    snapshot: dict[str, Any] | None = None,
 ) -> Any:
     """The executor of a sweep's job array (throttled by --array-parallelism), for array
     `link` of the --chain."""
-    executor = make_slurm_executor(spec, sweep_dir, dry_run, link, after)
+    executor = make_slurm_executor(spec, sweep_dir, dry_run, link, after, snapshot)
     if spec.array_parallelism is not None:
         executor.update_parameters(array_parallelism=spec.array_parallelism)
     return executor
 
 
-def render_array_sbatch(spec: SubmitSpec, sweep_dir: Path, count: int) -> str:
+def render_array_sbatch(
+    spec: SubmitSpec, sweep_dir: Path, count: int, snapshot: dict[str, Any] | None = None
+) -> str:
     """The exact sbatch script of a sweep's job array of `count` elements."""
-    executor = array_executor(spec, sweep_dir, dry_run=True)
+    executor = array_executor(spec, sweep_dir, dry_run=True, snapshot=snapshot)
     executor.parameters["map_count"] = count  # what submitit sets when it submits an array
     return str(executor._make_submission_file_text(executor._submitit_command_str, "dry-run"))
 
@@ -345,6 +353,16 @@ def current_allocation(env: Mapping[str, str]) -> Allocation | None:
     return Allocation(
         job, int(nodes) if nodes.isdigit() else 1, int(gpus) if gpus.isdigit() else None
     )
+
+
+def interactive_step(env: Mapping[str, str]) -> str | None:
+    """'step S of job J' when this process runs in an interactive srun step (`srun --pty
+    bash`), whose resources its own step holds; None elsewhere (a salloc shell, a batch
+    script, the ranks we start)."""
+    job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
+    if not job or step is None or "SLURM_PTY_PORT" not in env or ALLOCATION_ENV in env:
+        return None
+    return f"step {step} of job {job}"
 
 
 def check_allocation(spec: SubmitSpec, alloc: Allocation) -> None:
@@ -389,6 +407,9 @@ def allocation_srun(
         f"--ntasks-per-node={spec.ranks_per_node}",
         "--kill-on-bad-exit=1",
         "--unbuffered",
+        # The allocation's end, as a submitted job's: the ranks stop with a checkpoint, in
+        # time (without it Slurm's SIGTERM at the end leaves only KillWait to save).
+        f"--signal={spec.preempt_signal}@{spec.signal_delay_s}",
         f"--output={run_dir}/logs/task-%j.%s-%t.out",
     ]
     if spec.gpus_per_node > 0:

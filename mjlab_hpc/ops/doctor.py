@@ -106,11 +106,12 @@ def probe_script(spec: SubmitSpec, folder: Path, mjlab: bool) -> str:
     return "\n".join(lines)
 
 
-# The requeue probe: waits for the time-limit signal (USR2 up to 55 s before a 1-minute
-# limit), then requeues itself once. Exit 7: no signal came; 8: requeue refused.
+# The requeue probe: waits for the time-limit signal (the job's --preempt-signal, up to 55 s
+# before a 1-minute limit), then requeues itself once. Exit 7: no signal came; 8: requeue
+# refused. {signal} is filled in.
 _REQUEUE_SCRIPT = """#!/bin/bash
-if [ "${SLURM_RESTART_COUNT:-0}" != 0 ]; then exit 0; fi
-srun --ntasks=1 bash -c 'trap "exit 0" USR2; sleep 120 & wait; exit 7' || exit 7
+if [ "${{SLURM_RESTART_COUNT:-0}}" != 0 ]; then exit 0; fi
+srun --ntasks=1 bash -c 'trap "exit 0" {signal}; sleep 120 & wait; exit 7' || exit 7
 scontrol requeue "$SLURM_JOB_ID" || exit 8
 sleep 120
 """
@@ -337,7 +338,7 @@ def diagnose(
     (folder / TOKEN_FILE).write_text(secrets.token_hex(16) + "\n")
     mjlab = resolved.source == "mjlab"
     (folder / "shape.sh").write_text(probe_script(spec, folder, mjlab))
-    (folder / "requeue.sh").write_text(_REQUEUE_SCRIPT)
+    (folder / "requeue.sh").write_text(_REQUEUE_SCRIPT.format(signal=spec.preempt_signal))
     jobs: list[str] = []
     try:
         progress("submitting two probe jobs (job shape; time-limit signal and requeue)")
@@ -348,10 +349,12 @@ def diagnose(
                 str(folder / "shape.sh"),
             ]
         )
+        # One task (one GPU where GPUs are asked for: a GPU partition may refuse a job
+        # without one).
         single = spec.replace(
             nodes=1,
             tasks_per_node=1,
-            gpus_per_node=0,
+            gpus_per_node=min(spec.gpus_per_node, 1),
             exclusive=False,
             mem=None,
             cpus_per_task=None,
@@ -359,7 +362,7 @@ def diagnose(
         requeue, said_rq = slurm.sbatch(
             [
                 *_directives(single, 1, "mjlab-doctor-requeue"),
-                "--signal=USR2@55",
+                f"--signal={spec.preempt_signal}@55",
                 "--requeue",
                 "--output=/dev/null",
                 str(folder / "requeue.sh"),

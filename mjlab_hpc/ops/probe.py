@@ -143,9 +143,6 @@ def _shared(folder: Path, nodes: list[str], tasks: dict[int, dict[str, Any]]) ->
     for path in folder.glob("seen-*"):
         if (seen := len(path.read_text().split())) < len(shells):
             problems.append(f"task {path.name[5:]} saw {seen} of {len(shells)} notes")
-    here = str(folder.resolve())
-    for other in sorted({str(t.get("folder")) for t in tasks.values()} - {here}):
-        problems.append(f"the folder is {other} on a node, {here} here")
     if problems:
         return Check(
             "log root shared",
@@ -154,11 +151,19 @@ def _shared(folder: Path, nodes: list[str], tasks: dict[int, dict[str, Any]]) ->
             "give --log-root a filesystem every node mounts at the same path",
         )
     hosts = len({w[0] for w in shells.values() if w})
-    return Check(
-        "log root shared",
-        "ok",
-        f"{len(shells)} task(s) on {hosts} node(s) and this host read each other's writes",
-    )
+    seen = f"{len(shells)} task(s) on {hosts} node(s) and this host read each other's writes"
+    # The writes went through, so the same path works everywhere; a different real path (a
+    # symbolic link on one side, an automounter) is worth knowing, not a failure.
+    here = str(folder.resolve())
+    other = sorted({str(t.get("folder")) for t in tasks.values() if t.get("folder")} - {here})
+    if other:
+        return Check(
+            "log root shared",
+            "warn",
+            f"{seen}; its real path is {other[0]} on a node, {here} here",
+            "fine as long as the path resolves the same way on every node",
+        )
+    return Check("log root shared", "ok", seen)
 
 
 def _python(folder: Path, ranks: int, tasks: dict[int, dict[str, Any]], mjlab: bool) -> list[Check]:
@@ -251,6 +256,33 @@ def _gpus_check(gpus_per_node: int, tasks: dict[int, dict[str, Any]]) -> Check:
             "; ".join(problems[:4]),
             "install torch's CUDA build on the nodes (make install GPU=1), or ask "
             "your admins about the partition's GPU gres",
+        )
+    # The count: the node's tasks together must see the GPUs asked for (each task sees all of
+    # its node's GPUs, or its own one with a per-task binding).
+    seen: dict[str, set[str]] = {}
+    for info in tasks.values():
+        gpus = info.get("gpus", {})
+        ids = {g for g in (gpus.get("CUDA_VISIBLE_DEVICES") or "").split(",") if g}
+        seen.setdefault(str(info.get("node")), set()).update(ids)
+        if int(gpus.get("torch_devices") or 0) < len(ids):
+            problems.append(
+                f"task on {info.get('node')}: torch sees {gpus.get('torch_devices')} of the "
+                f"{len(ids)} GPU(s) Slurm gave it"
+            )
+    short = {node: len(ids) for node, ids in seen.items() if len(ids) < gpus_per_node}
+    if short:
+        problems.insert(
+            0,
+            ", ".join(f"{node}: {n}" for node, n in sorted(short.items()))
+            + f" GPU(s) visible to the node's tasks, {gpus_per_node} per node asked for",
+        )
+    if problems:
+        return Check(
+            "GPUs",
+            "fail",
+            "; ".join(problems[:4]),
+            "ask for what the partition's nodes have (scontrol show partition; sinfo -o "
+            "'%P %G'), or ask your admins why Slurm hides GPUs (gres.conf, cgroups)",
         )
     return Check("GPUs", "ok", f"every task sees its GPU(s), {gpus_per_node} per node")
 

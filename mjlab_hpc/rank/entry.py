@@ -52,7 +52,7 @@ from mjlab_hpc.rundir import record
 from mjlab_hpc.rundir.checkpoint import Checkpoints
 from mjlab_hpc.rundir.layout import RunDir, create_run_dir, latest_run, record_latest_run
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
-from mjlab_hpc.rundir.snapshot import code_record
+from mjlab_hpc.rundir.snapshot import code_record, imported_from
 from mjlab_hpc.rundir.writer import RunWriter
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 
@@ -215,7 +215,14 @@ def _begin(
         code_dir=Path.cwd(),
     )
     # What ran: the submission's code record, and where this rank imported us from.
-    started["code"] = {**(code_record(run.path) or {}), "ran_from": str(Path(__file__).parents[1])}
+    # `imported_from`: the packages the snapshot holds, as this rank imported them (a path
+    # inside the copy: the submitted code ran).
+    code = code_record(run.path) or {}
+    started["code"] = {
+        **code,
+        "ran_from": str(Path(__file__).parents[1]),
+        "imported_from": imported_from(code),
+    }
     writer.write_json(run.record, started)
     record_latest_run(run.path)
     if start == 0:

@@ -12,10 +12,12 @@ checkout after submitting changes nothing in the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,9 @@ __all__ = [
     "Snapshot",
     "code_record",
     "import_path",
+    "imported_from",
     "plan_snapshot",
+    "planned_record",
     "read_snapshot",
     "record_code",
     "snapshot_for",
@@ -77,11 +81,15 @@ def _git(root: Path, *args: str) -> str | None:
     return proc.stdout
 
 
-def _import_roots(root: Path) -> tuple[str, ...]:
+def _import_roots(root: Path, files: Sequence[str]) -> tuple[str, ...]:
     """The folders of `root` this interpreter imports packages from: sys.path entries (an
     old-style editable install's .pth) and the folders setuptools' editable finders map
-    packages to; the top folder and `src/` when there is neither."""
+    packages to; the top folder and `src/` when there is neither. Only folders the copy holds
+    (`files`, relative to `root`) count: a virtual environment inside the repository that git
+    ignores is on sys.path too, and would stand in for the user's code."""
     found: list[str] = []
+    copied = {str(Path(f).parent) for f in files}
+    folders = {str(p) for f in copied for p in (Path(f), *Path(f).parents)}
 
     def add(path: str | os.PathLike[str]) -> None:
         # sys.path also holds path-hook names (setuptools' editable finder): folders only.
@@ -91,7 +99,7 @@ def _import_roots(root: Path) -> tuple[str, ...]:
             rel = Path(path).resolve().relative_to(root)
         except (ValueError, OSError):
             return
-        if str(rel) not in found:
+        if str(rel) in folders and str(rel) not in found:
             found.append(str(rel))
 
     for entry in sys.path:
@@ -143,7 +151,7 @@ def plan_snapshot(cwd: Path, off: bool = False) -> Snapshot | str:
         files=tuple(files),
         untracked=tuple(p for p in others.split("\0") if p),
         size=size,
-        roots=_import_roots(root),
+        roots=_import_roots(root, files),
     )
 
 
@@ -225,6 +233,36 @@ def record_code(plan: Snapshot | str, dest: Path) -> dict[str, Any]:
     record = {"copy": None, "why": plan, "taken_at": now_iso()}
     write_code_record(dest, record)
     return record
+
+
+def imported_from(record: dict[str, Any] | None) -> dict[str, str]:
+    """Where this process imported the top-level packages that the snapshot holds: a folder
+    inside the copy, or the path they came from instead (the copy was not used for them)."""
+    if record is None or not record.get("copy"):
+        return {}
+    copy = Path(record["copy"]).resolve()
+    names: dict[str, str] = {}
+    for root in record.get("import_roots", ["."]):
+        folder = copy / root
+        with contextlib.suppress(OSError):
+            for entry in folder.iterdir():
+                name = entry.stem if entry.suffix == ".py" else entry.name
+                if entry.suffix == ".py" or (entry / "__init__.py").is_file():
+                    names.setdefault(name, "")
+    for name in names:
+        where = getattr(sys.modules.get(name), "__file__", None)
+        if where:  # a package: its folder; a module: its file
+            path = Path(where)
+            names[name] = str(path.parent if path.name == "__init__.py" else path)
+    return {n: w for n, w in sorted(names.items()) if w}
+
+
+def planned_record(plan: Snapshot | str, dest: Path) -> dict[str, Any] | None:
+    """What `record_code(plan, dest)` would record about the copy, without copying (dry
+    runs: the script shows the import roots the job will have); None without a snapshot."""
+    if isinstance(plan, str):
+        return None
+    return {"copy": str(dest / CODE_DIR / "src"), "import_roots": list(plan.roots)}
 
 
 def with_snapshot(env: dict[str, str], record: dict[str, Any] | None) -> dict[str, str]:

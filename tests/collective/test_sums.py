@@ -25,7 +25,7 @@ def _main(body: Callable[[int], Any], rank: int, world: int, port: int, timeout_
 
     from mjlab_hpc.rank.context import DistContext, process_group
 
-    os.environ.update(env)
+    os.environ.update({k: v.format(rank=rank) for k, v in env.items()})
     torch.set_num_threads(1)
     try:
         with process_group(DistContext.from_env(rank_env(rank, port, world)), "cpu", timeout_s):
@@ -123,6 +123,15 @@ def test_turned_off_on_rank_0_means_gloo_everywhere() -> None:
     got = _spawn(_reductions, env={SHARED_MEMORY_ENV: "0"})
     assert [got[r]["channel"] for r in (0, 1)] == [False, False]
     assert all(got[r]["same"] for r in (0, 1))
+
+
+def test_ranks_on_different_slurm_nodes_use_gloo_even_on_one_machine() -> None:
+    # The test cluster's nodes share this machine; a job over two of them is still multi-node.
+    got = _spawn(_reductions, env={"SLURMD_NODENAME": "node{rank}"})
+    assert [got[r]["channel"] for r in (0, 1)] == [False, False]
+    assert all(got[r]["same"] for r in (0, 1))
+    same = _spawn(_reductions, env={"SLURMD_NODENAME": "node1"})
+    assert [same[r]["channel"] for r in (0, 1)] == [True, True]
 
 
 def _dies_or_sleeps(how: str) -> Callable[[int], Any]:

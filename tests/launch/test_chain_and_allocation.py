@@ -3,7 +3,9 @@
 `mjlab-submit --chain 3` with a short --time: the first job meets its real time limit
 (Slurm's --signal), saves a checkpoint and ends without a requeue; the second starts behind it
 and continues the run from that checkpoint; `mjlab-hpc cancel` then stops the second and the
-still-queued third.
+still-queued third. A chained sweep (behind a held job, so nothing trains) queues one job
+array per link, each element's later job waiting for the array before it, and cancelling the
+first array's id removes them all.
 
 `mjlab-submit` inside `salloc`: the ranks start with srun in the allocation (no new job), a
 request larger than the allocation is refused, and Ctrl-C stops every rank with a checkpoint.
@@ -143,3 +145,44 @@ def _progressing(root: Path, iterations: int) -> RunDir | None:
         return None
     run = RunDir(runs[0])
     return run if len(run.read_progress()) >= iterations else None
+
+
+def test_a_chained_sweep_queues_one_array_per_link_and_cancel_stops_them_all(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    # Everything waits behind a held job: the dependencies are Slurm's, nothing trains.
+    held = slurm_cluster.run(
+        ["sbatch", "--parsable", "--hold", "--output", "/dev/null", "--time", "1", "--wrap", "true"]
+    ).stdout.strip()
+    try:
+        code, out = _run(
+            slurm_cluster, str(BIN / "mjlab-submit"), "cartpole", "--gpus-per-node", "0",
+            "--num-envs", "16", "--torch-threads", "1", "--max-iterations", "4",
+            "--log-root", str(tmp_path), "--time", "5", "--sweep", "seed=1,2",
+            "--chain", "2", "--after", held,
+        )  # fmt: skip
+        assert code == 0, out
+        elements = sorted(tmp_path.glob("cartpole/*/sweep_element.json"))
+        assert len(elements) == 2, out
+        records = [json.loads(p.read_text()) for p in elements]
+        first = records[0]["job_id"].split("_")[0]
+        second = records[0]["chain"][0].split("_")[0]
+        assert first != second
+        # Each element's job in the later array is its continuation.
+        assert [r["chain"] for r in records] == [[f"{second}_0"], [f"{second}_1"]], records
+        deps = slurm_cluster.run(["squeue", "-h", "-r", "-o", "%i %E"]).stdout
+        assert f"{first}_0 afterany:{held}" in deps and f"{second}_1 afterany:{first}" in deps, deps
+        # The first array's id names the sweep: its later arrays go too.
+        code, out = _run(slurm_cluster, str(BIN / "mjlab-hpc"), "cancel", first)
+        assert code == 0, out
+        wait_for(
+            lambda: (
+                not slurm_cluster.run(
+                    ["squeue", "-h", "-j", f"{first},{second}", "-o", "%i"]
+                ).stdout.strip()
+            ),
+            30,
+            "both arrays of the chain to leave the queue",
+        )
+    finally:
+        slurm_cluster.run(["scancel", held], check=False)

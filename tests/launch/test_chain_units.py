@@ -19,11 +19,12 @@ from mjlab_hpc.launch.slurm import (
     allocation_srun,
     check_allocation,
     current_allocation,
+    interactive_step,
     render_sbatch,
 )
 from mjlab_hpc.launch.submit import submit_chain
-from mjlab_hpc.ops.probe import TOKEN_FILE, read_probe
-from mjlab_hpc.rank.context import chain_link, derive_master_port, detect_mode
+from mjlab_hpc.ops.probe import TOKEN_FILE, _gpus_check, read_probe
+from mjlab_hpc.rank.context import ALLOCATION_ENV, chain_link, derive_master_port, detect_mode
 from mjlab_hpc.spec import SubmitSpec, TrainSpec
 from mjlab_hpc.tasks.registry import resolve
 
@@ -41,6 +42,12 @@ def test_allocation_is_found_outside_steps_only() -> None:
     assert detect_mode(salloc) == "single"  # the salloc shell is not a rank
     assert current_allocation({**salloc, "SLURM_STEP_ID": "0"}) is None  # a rank
     assert current_allocation({}) is None
+    # srun --pty bash: a step that holds the allocation; mjlab-submit says so, and submits.
+    pty = {**salloc, "SLURM_STEP_ID": "0", "SLURM_PTY_PORT": "40001"}
+    assert interactive_step(pty) == "step 0 of job 7"
+    assert interactive_step({**salloc, "SLURM_STEP_ID": "0"}) is None  # a rank of ours
+    assert interactive_step({**pty, ALLOCATION_ENV: "7"}) is None  # a rank started from it
+    assert interactive_step(salloc) is None
     alloc = Allocation("7", 2, 4)
     spec = SubmitSpec(train=TrainSpec(), nodes=3, gpus_per_node=0)
     with pytest.raises(SpecError, match="--nodes: 3 nodes asked for; allocation 7 has 2"):
@@ -61,6 +68,7 @@ def test_the_srun_inside_an_allocation(tmp_path: Path) -> None:
     assert argv[argv.index(sys.executable) :][:4] == [sys.executable, "-u", "-m",
                                                       "mjlab_hpc.cli.train"]  # fmt: skip
     assert argv[-2:] == ["--run-dir", str(tmp_path)]
+    assert "--signal=USR2@90" in argv  # the allocation's end: a checkpoint in time
     # Two trainings at once in one allocation get ports of their own; a batch job's first
     # step keeps the port it always had.
     assert derive_master_port("7", 0) != derive_master_port("7", 997)
@@ -127,6 +135,43 @@ def test_the_probe_files_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     shared = read_probe(folder, ["node1", "node2"], 2, 0, mjlab=False)[0]
     assert shared.result == "fail"
     assert "nodes whose writes this host does not see: node2" in shared.detail
+
+
+def test_the_gpu_check_counts_what_each_node_sees() -> None:
+    def task(node: str, visible: str, torch_devices: int) -> dict:
+        gpus = {
+            "CUDA_VISIBLE_DEVICES": visible,
+            "torch_cuda": "12.8",
+            "torch_devices": torch_devices,
+        }
+        return {"node": node, "gpus": gpus}
+
+    every = {0: task("n1", "0,1", 2), 1: task("n1", "0,1", 2), 2: task("n2", "0,1", 2)}
+    assert _gpus_check(2, every).result == "ok"
+    # A per-task binding: each task sees its own GPU, the node's tasks all of them.
+    per_task = {0: task("n1", "0", 1), 1: task("n1", "1", 1)}
+    assert _gpus_check(2, per_task).result == "ok"
+    short = _gpus_check(4, every)
+    assert short.result == "fail" and "n1: 2, n2: 2 GPU(s) visible" in short.detail
+    assert "4 per node asked for" in short.detail and "sinfo" in short.fix
+    hidden = _gpus_check(2, {0: task("n1", "0,1", 1)})
+    assert hidden.result == "fail" and "torch sees 1 of the 2 GPU(s)" in hidden.detail
+
+
+def test_a_real_path_that_differs_is_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("mjlab_hpc.ops.probe._version", lambda: "0+unknown")
+    folder = tmp_path / "logs" / ".doctor" / "p"
+    folder.mkdir(parents=True)
+    (folder / TOKEN_FILE).write_text("t0k\n")
+    _task(folder, 0, "node1")
+    info = json.loads((folder / "task0.json").read_text())
+    info["folder"] = "/gpfs/u/logs/.doctor/p"  # the log root is a symbolic link on this host
+    (folder / "task0.json").write_text(json.dumps(info))
+    (folder / "seen-0").write_text("shell-0\n")
+    shared = read_probe(folder, ["node1"], 1, 0, mjlab=False)[0]
+    assert shared.result == "warn" and "/gpfs/u/logs/.doctor/p on a node" in shared.detail
 
 
 def test_a_laptop_dry_run_shows_the_slurm_script_of_a_cluster_request(tmp_path: Path) -> None:

@@ -7,8 +7,10 @@ import the code as it was at submit time, from the copy, not the edited checkout
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,28 @@ def test_what_a_snapshot_copies_and_records(tmp_path: Path) -> None:
     assert snapshot_for(off) is None
 
 
+def test_import_roots_are_folders_the_copy_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = tmp_path / "repo"
+    site = repo / ".venv" / "lib" / "site-packages"  # a venv inside the checkout, ignored
+    site.mkdir(parents=True)
+    (repo / "src" / "tasks").mkdir(parents=True)
+    (repo / "src" / "tasks" / "__init__.py").write_text("")
+    (repo / ".gitignore").write_text(".venv/\n")
+    _git(repo, "init", "-q")
+    monkeypatch.setattr("sys.path", [str(site), *sys.path])
+    plan = plan_snapshot(repo)
+    assert not isinstance(plan, str)
+    # Not the ignored venv (it would stand in for the copy): the fallback, top and src/.
+    assert plan.roots == (".", "src")
+    monkeypatch.setattr("sys.path", [str(repo / "src"), str(site), *sys.path])
+    plan = plan_snapshot(repo)
+    assert not isinstance(plan, str) and plan.roots == ("src",)
+    record = record_code(plan, tmp_path / "run")
+    assert snap.import_path(record) == str((tmp_path / "run" / "code" / "src" / "src").resolve())
+
+
 def test_a_repository_of_data_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -116,7 +140,31 @@ def test_a_job_runs_the_code_of_submit_time_through_a_requeue(tmp_path: Path) ->
     assert len(record["starts"]) == 2 and record["faults"][0]["reason"] == "crash", record
     code = record["code"]
     assert code["ran_from"] == str(run.path / "code" / "src" / "mjlab_hpc")
+    assert code["imported_from"] == {"mjlab_hpc": str(run.path / "code" / "src" / "mjlab_hpc")}
     # Clean at submit time: the edit came after.
     assert code["repository"] == str(repo.resolve()) and code["commit"] and not code["dirty"]
     said = "".join(p.read_text() for p in (run.path / "submitit").glob("*_0_log.err"))
     assert said.count(f"{MARKER} old") == 2 and f"{MARKER} new" not in said, said
+
+
+def test_a_dry_run_shows_the_snapshot_lines_the_job_will_have(tmp_path: Path) -> None:
+    repo = tmp_path / "tasks"
+    (repo / "my_tasks").mkdir(parents=True)
+    (repo / "my_tasks" / "__init__.py").write_text("")
+    _git(repo, "init", "-q")
+    tools = tmp_path / "bin"  # git, and no sbatch: a laptop; --nodes 2 asks for Slurm
+    tools.mkdir()
+    (tools / "git").symlink_to(shutil.which("git") or "/usr/bin/git")
+    env = cli_env(path=f"{BIN}{os.pathsep}{tools}")
+    base = [str(BIN / "mjlab-submit"), "cartpole", "--nodes", "2", "--gpus-per-node", "0",
+            "--log-root", str(tmp_path / "logs"), "--dry-run"]  # fmt: skip
+    proc = subprocess.run(base, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    path = next(line for line in lines if line.startswith("export PYTHONPATH="))
+    assert "/code/src" in path and str(tmp_path / "logs" / "cartpole") in path, path
+    assert "export PYTHONSAFEPATH=1" in lines
+    assert not (tmp_path / "logs").exists()  # a dry run makes nothing
+    proc = subprocess.run([*base, "--no-snapshot"], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "PYTHONPATH" not in proc.stdout, proc.stdout
