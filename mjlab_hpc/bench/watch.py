@@ -214,6 +214,8 @@ class _Watch:
     stop_iteration: int | None = None
     next_pid_scan: float = 0.0
     signaled: set[int] = field(default_factory=set)
+    iterations: int = 0
+    """Iterations on disk at the last poll."""
 
 
 def find_run_dir(log_root: Path) -> Path | None:
@@ -269,7 +271,14 @@ def watch_job(
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{label}: no end within {timeout_s:.0f} s")
-                measuring = state.cpu_start is not None and trace.cpu.wall_s == 0.0
+                # Slow only well inside the window: its end and the signal after it are
+                # timed by polling.
+                ends = [x for x in (cpu_window and cpu_window[1], signal_after) if x]
+                measuring = (
+                    state.cpu_start is not None
+                    and trace.cpu.wall_s == 0.0
+                    and all(state.iterations < end - 1 for end in ends)
+                )
                 time.sleep(_POLL_MEASURED_S if measuring else _POLL_S)
         finally:
             if proc.poll() is None:
@@ -324,7 +333,7 @@ def _poll_once(
     records = read_jsonl(run / PROGRESS)
     if records and trace.first_iteration_at is None:
         trace.first_iteration_at = now
-    done_its = len(records)
+    done_its = state.iterations = len(records)
     if cpu_window is not None and state.cpu_start is None and done_its >= cpu_window[0]:
         state.cpu_start = CpuSnapshot.take(pids, proc.pid)
     if (
