@@ -62,6 +62,7 @@ class FoldedPPO(PPO):
             )
         adaptive = self.desired_kl is not None and self.schedule == "adaptive"
         mean_value_loss = mean_surrogate_loss = mean_entropy = 0.0
+        buffer, params = self._gradient_buffer()
         for batch in generator:
             if self.normalize_advantage_per_mini_batch:
                 with torch.no_grad():
@@ -110,9 +111,9 @@ class FoldedPPO(PPO):
                 - self.entropy_coef * entropy.mean()
             )
 
-            self.optimizer.zero_grad()
-            loss.backward()
-            kl_mean = self._reduce_gradients(kl_mean)
+            buffer.zero_()  # the gradients (views of it) and the KL slot
+            loss.backward()  # accumulates into the views, in place
+            kl_mean = self._reduce_gradients(buffer, kl_mean)
             if kl_mean is not None:
                 self._adapt_learning_rate(kl_mean)
 
@@ -124,6 +125,8 @@ class FoldedPPO(PPO):
             mean_surrogate_loss += surrogate_loss.item()
             mean_entropy += entropy.mean().item()
 
+        for p in params:  # nothing outside the update sees the buffer
+            p.grad = None
         num_updates = self.num_learning_epochs * self.num_mini_batches
         self.storage.clear()
         return {
@@ -132,23 +135,36 @@ class FoldedPPO(PPO):
             "entropy": mean_entropy / num_updates,
         }
 
-    def _reduce_gradients(self, kl_mean: torch.Tensor | None) -> torch.Tensor | None:
-        """Average the gradients (and the KL divergence, as one more element) over the ranks
-        with one all-reduce; the averaged KL divergence."""
-        params = [p for p in chain(self.actor.parameters(), self.critic.parameters())]
-        grads = [p.grad.view(-1) for p in params if p.grad is not None]
-        if kl_mean is not None:
-            grads.append(kl_mean.reshape(1).to(grads[0].dtype))
-        buffer = torch.cat(grads)
-        sum_over_ranks(buffer)
-        buffer /= self.gpu_world_size
+    def _gradient_buffer(self) -> tuple[torch.Tensor, list[nn.Parameter]]:
+        """One flat buffer (every trainable parameter's gradient, then one element for the KL
+        divergence) and the parameters whose `.grad` are now views of it, as DDP's
+        `gradient_as_bucket_view`: backward accumulates into the views, the sum over ranks
+        works on the buffer in place, and nothing is copied back. Zeroing the buffer instead
+        of setting the gradients to None keeps rsl-rl's bits: a gradient that starts at +0
+        only differs from a fresh one in the sign of a zero, which Adam and the gradient
+        clipping cannot see."""
+        params = [
+            p for p in chain(self.actor.parameters(), self.critic.parameters()) if p.requires_grad
+        ]
+        buffer = torch.zeros(
+            sum(p.numel() for p in params) + 1, dtype=params[0].dtype, device=params[0].device
+        )
         offset = 0
         for p in params:
-            if p.grad is not None:
-                n = p.numel()
-                p.grad.data.copy_(buffer[offset : offset + n].view_as(p.grad.data))
-                offset += n
-        return buffer[offset] if kl_mean is not None else None
+            p.grad = buffer[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return buffer, params
+
+    def _reduce_gradients(
+        self, buffer: torch.Tensor, kl_mean: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """Average the gradients (views of `buffer`) and the KL divergence (its last element)
+        over the ranks with one reduction; the averaged KL divergence."""
+        if kl_mean is not None:
+            buffer[-1] = kl_mean
+        sum_over_ranks(buffer)
+        buffer /= self.gpu_world_size
+        return buffer[-1] if kl_mean is not None else None
 
     def _adapt_learning_rate(self, kl_mean: torch.Tensor) -> None:
         """rsl-rl's adaptive schedule, on every rank from the same averaged KL divergence."""
