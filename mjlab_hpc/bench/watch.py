@@ -216,6 +216,8 @@ class _Watch:
     signaled: set[int] = field(default_factory=set)
     iterations: int = 0
     """Iterations on disk at the last poll."""
+    iteration_s: float = 0.0
+    """The last iteration's duration (0 until two are on disk)."""
 
 
 def find_run_dir(log_root: Path) -> Path | None:
@@ -273,10 +275,12 @@ def watch_job(
                     raise TimeoutError(f"{label}: no end within {timeout_s:.0f} s")
                 # Slow only well inside the window: its end and the signal after it are
                 # timed by polling.
+                # Only with iterations longer than a slow poll, so no poll skips one.
                 ends = [x for x in (cpu_window and cpu_window[1], signal_after) if x]
                 measuring = (
                     state.cpu_start is not None
                     and trace.cpu.wall_s == 0.0
+                    and state.iteration_s > _POLL_MEASURED_S
                     and all(state.iterations < end - 1 for end in ends)
                 )
                 time.sleep(_POLL_MEASURED_S if measuring else _POLL_S)
@@ -334,6 +338,9 @@ def _poll_once(
     if records and trace.first_iteration_at is None:
         trace.first_iteration_at = now
     done_its = state.iterations = len(records)
+    if done_its >= 2:
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            state.iteration_s = float(records[-1]["time"]) - float(records[-2]["time"])
     if cpu_window is not None and state.cpu_start is None and done_its >= cpu_window[0]:
         state.cpu_start = CpuSnapshot.take(pids, proc.pid)
     if (

@@ -258,7 +258,8 @@ def _run(spec: SubmitSpec, argv: Sequence[str]) -> int:
         Console(stderr=True).print(
             f"note: inside interactive {step} (srun --pty): submitting a new job. To run "
             "the ranks in that allocation instead, start mjlab-submit from the allocation's "
-            "own shell (salloc, outside srun --pty)",
+            "own shell (salloc, outside srun --pty); where salloc's shell is itself such a "
+            "step (LaunchParameters=use_interactive_step), a new job is the way",
             highlight=False,
             markup=False,
             soft_wrap=True,

@@ -32,6 +32,7 @@ import platform
 import secrets
 import socket
 import time
+import zlib
 from typing import Any
 
 __all__ = ["PeerLost", "SameNodeChannel", "open_channel"]
@@ -53,6 +54,7 @@ _SPIN_SHARED_CORES_S = 2e-3
 _SLEEP_MAX = 1e-3
 _ALIVE_EVERY = 0.05
 _SHM_DIR = "/dev/shm"
+_OPS = ("sum", "max")
 _MAGIC = b"mjlab-hpc-same-node-v1"
 
 
@@ -106,7 +108,11 @@ class SameNodeChannel:
         self.seconds = 0.0  # time inside reductions, waiting included
         self._mm = mm
         words = world * _LINE // 8
-        self._seq = np.frombuffer(mm, dtype=np.int64, count=words).reshape(world, _LINE // 8)[:, 0]
+        # Per rank, one cache line: the call counter, then what the call carries (element
+        # count, dtype, operation), so that ranks whose calls differ fail instead of adding
+        # each other's bytes up.
+        self._lines = np.frombuffer(mm, dtype=np.int64, count=words).reshape(world, _LINE // 8)
+        self._seq = self._lines[:, 0]
         self._data = np.frombuffer(mm, dtype=np.uint8, offset=world * _LINE)
         self._views: dict[tuple[Any, int, int], list[Any]] = {}
         self._n = 0
@@ -116,7 +122,7 @@ class SameNodeChannel:
         return (
             tensor.device.type == "cpu"
             and tensor.is_contiguous()
-            and tensor.numel() * tensor.element_size() <= self.slot_bytes
+            and 0 < tensor.numel() * tensor.element_size() <= self.slot_bytes
         )
 
     def _slots(self, dtype: Any, numel: int, parity: int) -> list[Any]:
@@ -127,10 +133,13 @@ class SameNodeChannel:
 
             nbytes = numel * torch.empty((), dtype=dtype).element_size()
             views = []
-            for r in range(self.world):
-                start = (parity * self.world + r) * self.slot_bytes
-                buf = self._data[start : start + nbytes]
-                views.append(torch.frombuffer(buf, dtype=dtype, count=numel))
+            # Ordinary tensors, even when first made inside torch.inference_mode(): an
+            # inference tensor could not be written outside it later.
+            with torch.inference_mode(False):
+                for r in range(self.world):
+                    start = (parity * self.world + r) * self.slot_bytes
+                    buf = self._data[start : start + nbytes]
+                    views.append(torch.frombuffer(buf, dtype=dtype, count=numel))
             self._views[key] = views
         return views
 
@@ -144,10 +153,19 @@ class SameNodeChannel:
         n = self._n
         slots = self._slots(tensor.dtype, tensor.numel(), n & 1)
         slots[self.rank].copy_(tensor.reshape(-1))
+        what = (tensor.numel(), zlib.crc32(str(tensor.dtype).encode()), _OPS.index(op))
+        head = slice(1, 4) if n & 1 else slice(4, 7)  # by parity, as the slots
+        self._lines[self.rank, head] = what
         self._seq[self.rank] = n  # after the data: the others read it once they see n
         for r in range(self.world):
             if self._seq[r] < n:
                 self._wait(r, n)
+            if r != self.rank and tuple(self._lines[r, head]) != what:
+                raise RuntimeError(
+                    f"same-node reduction {n}: rank {r} sent {tuple(self._lines[r, head])} "
+                    f"(elements, dtype code, operation), rank {self.rank} {what}: the ranks' "
+                    "reductions do not match (a bug: every rank must reduce the same tensors)"
+                )
         flat = tensor.view(-1)
         flat.copy_(slots[0])
         for part in slots[1:]:
@@ -165,11 +183,14 @@ class SameNodeChannel:
         spin_until = start + self.spin_s
         while seq[r] < n and time.monotonic() < spin_until:
             os.sched_yield()  # gives the core to anything runnable, else returns at once
-        sleep, alive_at = 2e-5, start + _ALIVE_EVERY
+        sleep, alive_at, last = 2e-5, start + _ALIVE_EVERY, time.monotonic()
         while seq[r] < n:
             time.sleep(sleep)
             sleep = min(sleep * 2, _SLEEP_MAX)
             now = time.monotonic()
+            if now - last > 1.0:  # this process was stopped (Ctrl-Z, a suspended job): not waiting
+                start += now - last
+            last = now
             if now >= alive_at:
                 alive_at = now + _ALIVE_EVERY
                 pid, started = self.peers[r]
@@ -184,7 +205,7 @@ class SameNodeChannel:
         """Unmap the file (already unlinked). Views still exported are left to the process's
         exit."""
         self._views.clear()
-        self._seq = self._data = None  # type: ignore[assignment]
+        self._lines = self._seq = self._data = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):
             self._mm.close()
 
@@ -214,13 +235,17 @@ def open_channel(timeout_s: float) -> SameNodeChannel | None:
         return None
     slot = min(_SLOT_MAX, _CHANNEL_MAX // (2 * world)) // _LINE * _LINE
     size = world * _LINE + 2 * world * slot
-    name: list[Any] = [_create(size) if rank == 0 else None]
-    dist.broadcast_object_list(name, src=0)
-    mm = _attach(name[0], size) if name[0] else None
-    flag = torch.tensor([1 if mm is not None else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if rank == 0 and name[0]:
-        os.unlink(name[0][0])  # every rank has mapped it (or given up): nothing to leave behind
+    made = _create(size) if rank == 0 else None
+    try:
+        name: list[Any] = [made]
+        dist.broadcast_object_list(name, src=0)
+        mm = _attach(name[0], size) if name[0] else None
+        flag = torch.tensor([1 if mm is not None else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    finally:
+        if made is not None:  # every rank has mapped it (or given up, or failed): none left
+            with contextlib.suppress(OSError):
+                os.unlink(made[0])
     if not flag.item():
         if mm is not None:
             mm.close()

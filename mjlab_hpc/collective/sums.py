@@ -58,9 +58,11 @@ def same_node_reductions(
     import torch.distributed as dist
 
     env = os.environ if env is None else env
-    wanted = [env.get(SHARED_MEMORY_ENV, "1").strip() != "0"]
-    dist.broadcast_object_list(wanted, src=0)  # rank 0 decides, so all ranks take one path
-    channel = open_channel(timeout_s) if wanted[0] and dist.get_backend() == "gloo" else None
+    channel = None
+    if dist.get_backend() == "gloo":  # the same on every rank; NCCL keeps its own collectives
+        wanted = [env.get(SHARED_MEMORY_ENV, "1").strip() != "0"]
+        dist.broadcast_object_list(wanted, src=0)  # rank 0 decides: all ranks take one path
+        channel = open_channel(timeout_s) if wanted[0] else None
     token = _CHANNEL.set(channel)
     try:
         yield channel

@@ -258,12 +258,16 @@ def _gpus_check(gpus_per_node: int, tasks: dict[int, dict[str, Any]]) -> Check:
             "your admins about the partition's GPU gres",
         )
     # The count: the node's tasks together must see the GPUs asked for (each task sees all of
-    # its node's GPUs, or its own one with a per-task binding).
+    # its node's GPUs, or its own one with a per-task binding, where Slurm may number each
+    # task's GPU 0: then the GPUs Slurm names for the step or job on that node count).
     seen: dict[str, set[str]] = {}
     for info in tasks.values():
         gpus = info.get("gpus", {})
         ids = {g for g in (gpus.get("CUDA_VISIBLE_DEVICES") or "").split(",") if g}
-        seen.setdefault(str(info.get("node")), set()).update(ids)
+        given = gpus.get("SLURM_STEP_GPUS") or gpus.get("SLURM_JOB_GPUS") or ""
+        physical = {f"slurm:{g}" for g in given.split(",") if g}
+        node = seen.setdefault(str(info.get("node")), set())
+        node.update(physical or ids)
         if int(gpus.get("torch_devices") or 0) < len(ids):
             problems.append(
                 f"task on {info.get('node')}: torch sees {gpus.get('torch_devices')} of the "

@@ -9,8 +9,11 @@ value; the all-reduce result is the same on every rank, so the learning rates ag
 broadcast. The arithmetic is rsl-rl's, in rsl-rl's order (the learning rate goes through a
 float32 tensor as its broadcast does), so training is bit-identical to the stock algorithm.
 
-Only the plain configuration is folded (no RND, no symmetry augmentation); anything else, and
-any single-process run, uses rsl-rl's own `update`.
+The gradients live in that buffer: each parameter's `.grad` is a view of it during the update,
+so backward fills it and the sum over ranks needs no copy in or out.
+
+Only the plain configuration is folded (no RND, no symmetry augmentation, parameters of one
+dtype and device); anything else, and any single-process run, uses rsl-rl's own `update`.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class FoldedPPO(PPO):
 
     def update(self) -> dict[str, float]:
         """rsl-rl's update; folded when several ranks train the plain configuration."""
-        if not self.is_multi_gpu or self.rnd or self.symmetry:
+        if not self.is_multi_gpu or self.rnd or self.symmetry or not self._one_buffer_fits():
             return super().update()
         return self._folded_update()
 
@@ -135,6 +138,12 @@ class FoldedPPO(PPO):
             "entropy": mean_entropy / num_updates,
         }
 
+    def _one_buffer_fits(self) -> bool:
+        """Whether every trainable parameter's gradient fits one flat buffer (one dtype, one
+        device)."""
+        params = chain(self.actor.parameters(), self.critic.parameters())
+        return len({(p.dtype, p.device) for p in params if p.requires_grad}) == 1
+
     def _gradient_buffer(self) -> tuple[torch.Tensor, list[nn.Parameter]]:
         """One flat buffer (every trainable parameter's gradient, then one element for the KL
         divergence) and the parameters whose `.grad` are now views of it, as DDP's
@@ -142,9 +151,14 @@ class FoldedPPO(PPO):
         works on the buffer in place, and nothing is copied back. Zeroing the buffer instead
         of setting the gradients to None keeps rsl-rl's bits: a gradient that starts at +0
         only differs from a fresh one in the sign of a zero, which Adam and the gradient
-        clipping cannot see."""
+        clipping cannot see. (A trainable parameter the loss never reaches gets a zero
+        gradient instead of none; rsl-rl's models have none such, and its own multi-GPU
+        update would misalign its buffer there.)"""
+        # Once each (a parameter the actor and critic share has one gradient).
         params = [
-            p for p in chain(self.actor.parameters(), self.critic.parameters()) if p.requires_grad
+            p
+            for p in dict.fromkeys(chain(self.actor.parameters(), self.critic.parameters()))
+            if p.requires_grad
         ]
         buffer = torch.zeros(
             sum(p.numel() for p in params) + 1, dtype=params[0].dtype, device=params[0].device

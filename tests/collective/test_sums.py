@@ -181,3 +181,35 @@ def test_a_silent_peer_times_out_with_the_process_group_timeout() -> None:
     assert "rank 1" in msg and "timed out" in msg
     assert 3 <= waited < 10
     assert failure_kind(RuntimeError(msg)) == "peer-lost"
+
+
+def _edge_cases(rank: int) -> dict[str, Any]:
+    """A tensor first reduced inside torch.inference_mode and then outside it (the normalizer
+    merge, then a float64 policy's gradients), an empty tensor, and ranks whose calls differ."""
+    import torch
+
+    from mjlab_hpc.collective import same_node_channel, sum_over_ranks
+
+    got: dict[str, Any] = {"channel": same_node_channel() is not None}
+    with torch.inference_mode():
+        inside = sum_over_ranks(torch.full((5,), float(rank + 1), dtype=torch.float64))
+    outside = sum_over_ranks(torch.full((5,), float(rank + 1), dtype=torch.float64))
+    got["inference_then_not"] = [inside.tolist(), outside.tolist()]
+    got["empty"] = sum_over_ranks(torch.empty(0)).numel()
+    try:
+        sum_over_ranks(torch.ones(3 if rank == 0 else 4))  # a bug in a caller
+        got["mismatch"] = "no error"
+    except RuntimeError as exc:
+        got["mismatch"] = str(exc)
+    return got
+
+
+def test_odd_calls_do_not_pass_silently() -> None:
+    got = _spawn(_edge_cases)
+    for rank in (0, 1):
+        r = got[rank]
+        assert r["channel"] is True
+        assert r["inference_then_not"] == [[3.0] * 5, [3.0] * 5]
+        assert r["empty"] == 0
+        # Different element counts: an error naming both, not each other's bytes added up.
+        assert "do not match" in r["mismatch"] and "rank" in r["mismatch"], r["mismatch"]

@@ -154,6 +154,11 @@ def test_the_gpu_check_counts_what_each_node_sees() -> None:
     short = _gpus_check(4, every)
     assert short.result == "fail" and "n1: 2, n2: 2 GPU(s) visible" in short.detail
     assert "4 per node asked for" in short.detail and "sinfo" in short.fix
+    # Slurm numbers each task's one GPU 0: the GPUs it names for the step count.
+    renumbered = {0: task("n1", "0", 1), 1: task("n1", "0", 1)}
+    assert _gpus_check(2, renumbered).result == "fail"
+    renumbered[0]["gpus"]["SLURM_STEP_GPUS"], renumbered[1]["gpus"]["SLURM_STEP_GPUS"] = "2", "3"
+    assert _gpus_check(2, renumbered).result == "ok"
     hidden = _gpus_check(2, {0: task("n1", "0,1", 1)})
     assert hidden.result == "fail" and "torch sees 1 of the 2 GPU(s)" in hidden.detail
 
