@@ -273,9 +273,8 @@ def watch_job(
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{label}: no end within {timeout_s:.0f} s")
-                # Slow only well inside the window: its end and the signal after it are
-                # timed by polling.
-                # Only with iterations longer than a slow poll, so no poll skips one.
+                # Slow only well inside the window (its end and the signal after it are timed
+                # by polling) and with iterations longer than a slow poll (none is skipped).
                 ends = [x for x in (cpu_window and cpu_window[1], signal_after) if x]
                 measuring = (
                     state.cpu_start is not None

@@ -235,10 +235,17 @@ def _gpus_check(gpus_per_node: int, tasks: dict[int, dict[str, Any]]) -> Check:
     """Every task sees GPUs from Slurm, and torch can use them."""
     if gpus_per_node == 0:
         return Check("GPUs", "skip", "CPU ranks (--gpus-per-node 0)")
-    problems = []
+    problems, counts = [], []
+    # The count: the node's tasks together must see the GPUs asked for (each task sees all of
+    # its node's GPUs, or its own one with a per-task binding, where Slurm may number each
+    # task's GPU 0: then the GPUs Slurm names for the step or job on that node count).
+    seen: dict[str, set[str]] = {}
     for rank, info in sorted(tasks.items()):
         gpus = info.get("gpus", {})
         visible = [g for g in (gpus.get("CUDA_VISIBLE_DEVICES") or "").split(",") if g]
+        given = gpus.get("SLURM_STEP_GPUS") or gpus.get("SLURM_JOB_GPUS") or ""
+        physical = {f"slurm:{g}" for g in given.split(",") if g}
+        seen.setdefault(str(info.get("node")), set()).update(physical or visible)
         if not visible:
             problems.append(f"task {rank} on {info.get('node')}: Slurm set no CUDA_VISIBLE_DEVICES")
         elif not gpus.get("torch_devices"):
@@ -249,6 +256,11 @@ def _gpus_check(gpus_per_node: int, tasks: dict[int, dict[str, Any]]) -> Check:
                 f"task {rank} on {info.get('node')}: torch sees no GPU ({why}); "
                 f"Slurm gave {','.join(visible)}; the ranks would train on CPU"
             )
+        elif int(gpus["torch_devices"]) < len(visible):
+            counts.append(
+                f"task on {info.get('node')}: torch sees {gpus['torch_devices']} of the "
+                f"{len(visible)} GPU(s) Slurm gave it"
+            )
     if problems:
         return Check(
             "GPUs",
@@ -257,34 +269,18 @@ def _gpus_check(gpus_per_node: int, tasks: dict[int, dict[str, Any]]) -> Check:
             "install torch's CUDA build on the nodes (make install GPU=1), or ask "
             "your admins about the partition's GPU gres",
         )
-    # The count: the node's tasks together must see the GPUs asked for (each task sees all of
-    # its node's GPUs, or its own one with a per-task binding, where Slurm may number each
-    # task's GPU 0: then the GPUs Slurm names for the step or job on that node count).
-    seen: dict[str, set[str]] = {}
-    for info in tasks.values():
-        gpus = info.get("gpus", {})
-        ids = {g for g in (gpus.get("CUDA_VISIBLE_DEVICES") or "").split(",") if g}
-        given = gpus.get("SLURM_STEP_GPUS") or gpus.get("SLURM_JOB_GPUS") or ""
-        physical = {f"slurm:{g}" for g in given.split(",") if g}
-        node = seen.setdefault(str(info.get("node")), set())
-        node.update(physical or ids)
-        if int(gpus.get("torch_devices") or 0) < len(ids):
-            problems.append(
-                f"task on {info.get('node')}: torch sees {gpus.get('torch_devices')} of the "
-                f"{len(ids)} GPU(s) Slurm gave it"
-            )
     short = {node: len(ids) for node, ids in seen.items() if len(ids) < gpus_per_node}
     if short:
-        problems.insert(
+        counts.insert(
             0,
             ", ".join(f"{node}: {n}" for node, n in sorted(short.items()))
             + f" GPU(s) visible to the node's tasks, {gpus_per_node} per node asked for",
         )
-    if problems:
+    if counts:
         return Check(
             "GPUs",
             "fail",
-            "; ".join(problems[:4]),
+            "; ".join(counts[:4]),
             "ask for what the partition's nodes have (scontrol show partition; sinfo -o "
             "'%P %G'), or ask your admins why Slurm hides GPUs (gres.conf, cgroups)",
         )
