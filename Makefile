@@ -91,7 +91,7 @@ demo: install
 # make bench VENV=.venv-gpu GPU=1 (torch's CUDA build); without one they are skipped, and said so.
 BENCH_ARGS ?=
 bench: install
-	$(BIN)/python -m mjlab_hpc.bench $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 # What grows with the world size (~11 min on 2 cores): its own 8-node Slurm test cluster (as
 # root, in SCALE_DIR, stopped at the end), then jobs of 1-32 CPU ranks through mjlab-submit;
@@ -103,7 +103,7 @@ scale: install
 	@export MJLAB_HPC_CLUSTER_DIR="$(SCALE_DIR)/cluster" MJLAB_HPC_CLUSTER_NODES=$(SCALE_NODES); \
 	bash $(CLUSTER) up || exit 1; \
 	source "$$MJLAB_HPC_CLUSTER_DIR/env.sh"; \
-	$(BIN)/python -m mjlab_hpc.bench.scale --max-nodes $(SCALE_NODES) $(SCALE_ARGS); rc=$$?; \
+	$(BIN)/python -m benchmarks.scale --max-nodes $(SCALE_NODES) $(SCALE_ARGS); rc=$$?; \
 	bash $(CLUSTER) down; exit $$rc
 
 cluster-up:

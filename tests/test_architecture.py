@@ -22,16 +22,14 @@ LAYERS = {
     "spec": 2,
     "slurm": 3,
     "tasks": 3,
-    "collective": 3,
     "rundir": 3,
     "rank": 4,
     "launch": 5,
     "ops": 6,
-    "bench": 6,
     "cli": 7,
 }
-# The public facade and the alias kept for configs of 0.1.0 sit above everything.
-FACADES = {"mjlab_hpc", "mjlab_hpc.ppo"}
+# The public facade sits above everything.
+FACADES = {"mjlab_hpc"}
 # Imports of our own modules inside functions: only where loading them at the top would
 # defeat their purpose (heavy code that a light command must not load).
 LAZY_ALLOWED = {
@@ -40,7 +38,6 @@ LAZY_ALLOWED = {
     ("mjlab_hpc.cli.train", "mjlab_hpc.rank.entry"),  # bad input is refused before torch loads
     ("mjlab_hpc.cli.train", "mjlab_hpc.rank.stop"),
     ("mjlab_hpc.cli.hpc", "mjlab_hpc.ops.plot"),  # tensorboard, matplotlib
-    ("mjlab_hpc.cli.hpc", "mjlab_hpc.bench.report"),  # the benchmark
     ("mjlab_hpc.tasks.builtin", "mjlab_hpc.tasks.cartpole"),  # environments: torch, warp
     ("mjlab_hpc.tasks.builtin", "mjlab_hpc.tasks.ant"),
 }

@@ -16,7 +16,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mjlab_hpc.bench.config import BenchConfig
 from mjlab_hpc.checks import no_control, path_component, positive_seconds
 from mjlab_hpc.cli.common import guarded
 from mjlab_hpc.errors import EXIT_INTERRUPTED, SpecError
@@ -172,7 +171,6 @@ Command = (
     | Annotated[Doctor, tyro.conf.subcommand("doctor")]
     | Annotated[Plot, tyro.conf.subcommand("plot")]
     | Annotated[Heal, tyro.conf.subcommand("heal")]
-    | Annotated[BenchConfig, tyro.conf.subcommand("bench")]
 )
 
 
@@ -421,13 +419,6 @@ def doctor(cmd: Doctor) -> int:
     return 0 if report.ok else 1
 
 
-def bench(cmd: BenchConfig) -> int:
-    """`mjlab-hpc bench`."""
-    from mjlab_hpc.bench.report import run as run_bench  # the benchmark: only when asked
-
-    return run_bench(cmd)
-
-
 _COMMANDS = {
     ListTasks: lambda cmd: list_tasks(),
     Render: render_template,
@@ -438,7 +429,6 @@ _COMMANDS = {
     Plot: plot,
     Doctor: doctor,
     Heal: lambda cmd: heal_job(Path(cmd.run_dir), cmd.exit_code, cmd.max_restarts, cmd.elapsed_s),
-    BenchConfig: bench,
 }
 
 

@@ -1,6 +1,6 @@
 """sbatch templates for people who prefer plain `sbatch`, filled from the same SubmitSpec as
 `mjlab-submit` (`mjlab-hpc render TEMPLATE ...`). The templates ship inside the package
-(`mjlab_hpc/launch/templates/*.sbatch`).
+(`slurm_templates/*.sbatch` in the repository, `mjlab_hpc/slurm_templates/` installed).
 
 A template is a shell script with `{{NAME}}` placeholders. Values are shell-quoted here, so no
 user string (a run name with `;` or `$(...)`) can run a command. A line holding a placeholder
@@ -39,7 +39,7 @@ def read_template(name: str) -> str:
     if path.is_file():
         return path.read_text()
     if name in TEMPLATE_NAMES:
-        return (resources.files("mjlab_hpc.launch") / "templates" / f"{name}.sbatch").read_text()
+        return (resources.files("mjlab_hpc") / "slurm_templates" / f"{name}.sbatch").read_text()
     raise SpecError(
         "TEMPLATE",
         f"no template {name!r}: use one of {', '.join(TEMPLATE_NAMES)} or a path to a file",

@@ -39,7 +39,6 @@ __all__ = [
     "resolve_target",
     "run_dirs_of_job",
     "run_jobs",
-    "submitit_folder",
     "sweep_runs",
 ]
 
@@ -81,11 +80,6 @@ def list_runs(root: Path) -> list[Path]:
             if not run.name.startswith(".") and is_run_dir(run)
         )
     return sorted(found, key=lambda p: (created_at(p), p.name), reverse=True)
-
-
-def submitit_folder(run_dir: Path) -> Path:
-    """`<run>/submitit`; for a sweep element, the array's shared folder it links to."""
-    return (run_dir / SUBMITIT_DIR).resolve()
 
 
 @dataclass(frozen=True)

@@ -115,11 +115,8 @@ class RunStatus:
 
 
 def _total_iterations(record: dict[str, Any]) -> int | None:
-    # The effective total the task resolved to; records of 0.1.0 only hold the flag.
-    for source in (record.get("effective") or {}, record.get("spec") or {}):
-        if source.get("max_iterations"):
-            return int(source["max_iterations"])
-    return None
+    total = (record.get("effective") or {}).get("max_iterations")
+    return int(total) if total else None
 
 
 def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:

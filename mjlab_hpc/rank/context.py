@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from mjlab_hpc.collective.sums import same_node_reductions
 from mjlab_hpc.errors import LaunchError
 from mjlab_hpc.slurm.hostlist import HostlistError, first_host
 
@@ -415,9 +414,7 @@ def backend_for(device: str) -> str:
 def process_group(ctx: DistContext, device: str, timeout_s: float) -> Iterator[None]:
     """Join the job's process group for the duration of the block, and always leave it.
 
-    A single process gets no process group (rsl_rl then skips every collective). When every
-    rank is on this machine, sums and maxima go through shared memory for the block
-    (`mjlab_hpc.collective`).
+    A single process gets no process group (rsl_rl then skips every collective).
     """
     if not ctx.is_distributed:
         yield
@@ -441,8 +438,7 @@ def process_group(ctx: DistContext, device: str, timeout_s: float) -> Iterator[N
         timeout=timedelta(seconds=timeout_s),
     )
     try:
-        with same_node_reductions(timeout_s):
-            yield
+        yield
     finally:
         dist.destroy_process_group()
         for k, v in saved.items():

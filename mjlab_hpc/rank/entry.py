@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 import warp as wp
 
-from mjlab_hpc.collective.sums import same_node_channel
 from mjlab_hpc.errors import environment_problem
 from mjlab_hpc.rank.boundary import IterationBoundary, note_node_failure, requeues_so_far
 from mjlab_hpc.rank.context import (
@@ -304,9 +303,8 @@ def _train(
         )
         if ctx.is_distributed:
             # Wall-clock times: from the last rank's call to everyone joined is the rendezvous.
-            sums = "shared memory" if same_node_channel() is not None else "torch.distributed"
-            log.info("process group of %d ranks: called at %.3f, joined in %.3f s; sums through %s",
-                     ctx.world_size, joining[0], joining[1] - joining[0], sums)  # fmt: skip
+            log.info("process group of %d ranks: called at %.3f, joined in %.3f s",
+                     ctx.world_size, joining[0], joining[1] - joining[0])  # fmt: skip
         if device == "cpu" and os.environ.get("CUDA_VISIBLE_DEVICES") and spec.gpu_ids:
             msg = (
                 f"rank {ctx.rank}: GPUs {os.environ['CUDA_VISIBLE_DEVICES']} were allocated "

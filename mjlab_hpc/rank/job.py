@@ -13,13 +13,12 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mjlab_hpc.errors import EXIT_INTERRUPTED
 from mjlab_hpc.rank.context import DETACHED_ENV, chain_link
 from mjlab_hpc.rundir.record import cancel_marker, read_record
-from mjlab_hpc.spec import ResolvedSpec, TrainSpec
-from mjlab_hpc.tasks.registry import resolve
+from mjlab_hpc.spec import ResolvedSpec
 
 if TYPE_CHECKING:
     from mjlab_hpc.rank.entry import RankResult
@@ -35,34 +34,19 @@ class RankJob:
     master_port: int | None = None
     """The launcher's port for local jobs; Slurm jobs derive theirs from the job id."""
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # Jobs submitted by mjlab_hpc 0.1.0 pickled `mjlab_hpc.launch.RankJob(train=TrainSpec)`
-        # into <run>/submitit/; their requeues unpickle here and resolve the task at start.
-        if "train" in state and "spec" not in state:
-            state = {"spec": state["train"], "master_port": state.get("master_port")}
-        for name, value in state.items():
-            object.__setattr__(self, name, value)
-
-    def resolved(self) -> ResolvedSpec:
-        """The resolved spec (resolving a 0.1.0 job's TrainSpec on the way)."""
-        if isinstance(self.spec, TrainSpec):
-            return resolve(self.spec)
-        return self.spec
-
     def __call__(self) -> RankResult | None:
-        train = self.spec if isinstance(self.spec, TrainSpec) else self.spec.train
-        done = _chain_done(train.run_dir)
+        done = _chain_done(self.spec.train.run_dir)
         if done is not None:
             print(done, file=sys.stderr, flush=True)
             return None
         # A stop that arrives while torch, Warp and rsl-rl load (seconds) is recorded here and
         # handed on; submitit's own handlers would only log it.
-        early = _record_early_stops(train.preempt_signal)
+        early = _record_early_stops(self.spec.train.preempt_signal)
         # torch, warp, rsl-rl: imported inside the rank only.
         from mjlab_hpc.rank.entry import train_rank
         from mjlab_hpc.rank.stop import Stopped, after_stop
 
-        spec = self.resolved()
+        spec = self.spec
         try:
             return train_rank(spec, master_port=self.master_port, early_signals=early)
         except Stopped as stopped:

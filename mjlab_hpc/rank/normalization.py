@@ -21,10 +21,9 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from rsl_rl.modules import EmpiricalNormalization
 from torch import nn
-
-from mjlab_hpc.collective.sums import sum_over_ranks
 
 __all__ = [
     "NormalizerSync",
@@ -74,7 +73,8 @@ class SyncedEmpiricalNormalization(EmpiricalNormalization):
             packed, share.pending = share.pending, None
         else:
             # One sum over ranks of [n, sum, sum of squares] gives the global batch's moments.
-            packed = sum_over_ranks(_moments(x))
+            packed = _moments(x)
+            dist.all_reduce(packed)
             if share is not None and self._leads:
                 share.pending = packed
         self._merge(packed)
@@ -162,7 +162,8 @@ def agree_normalizers(*models: nn.Module) -> int:
     if not pending:
         return 0
     sizes = [m._pending.numel() for m in pending]  # type: ignore[union-attr]
-    reduced = sum_over_ranks(torch.cat([m._pending for m in pending]))  # type: ignore[misc]
+    reduced = torch.cat([m._pending for m in pending])  # type: ignore[misc]
+    dist.all_reduce(reduced)
     for m, part in zip(pending, torch.split(reduced, sizes), strict=True):
         m.agree(part)
     return len(pending)

@@ -21,10 +21,9 @@ from __future__ import annotations
 from itertools import chain
 
 import torch
+import torch.distributed as dist
 from rsl_rl.algorithms import PPO
 from torch import nn
-
-from mjlab_hpc.collective.sums import sum_over_ranks
 
 __all__ = ["CLASS_NAME", "FoldedPPO", "fold_collectives"]
 
@@ -176,7 +175,7 @@ class FoldedPPO(PPO):
         over the ranks with one reduction; the averaged KL divergence."""
         if kl_mean is not None:
             buffer[-1] = kl_mean
-        sum_over_ranks(buffer)
+        dist.all_reduce(buffer)
         buffer /= self.gpu_world_size
         return buffer[-1] if kl_mean is not None else None
 

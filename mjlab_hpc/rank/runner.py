@@ -23,8 +23,6 @@ import torch
 from rsl_rl.runners import OnPolicyRunner
 from rsl_rl.utils import check_nan
 
-from mjlab_hpc.collective.shared_memory import SameNodeChannel
-from mjlab_hpc.collective.sums import same_node_channel
 from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.normalization import NormalizerSync, agree_normalizers, sync_normalizers
 from mjlab_hpc.rank.ppo import fold_collectives
@@ -51,12 +49,11 @@ IterationHook = Callable[[Any, IterationStats], None]
 
 
 class CollectiveClock:
-    """Accumulates the time spent inside collectives: torch.distributed's and the same-node
-    shared-memory reductions (`mjlab_hpc.collective`).
+    """Accumulates the time spent inside torch.distributed's collectives.
 
     rsl-rl calls torch.distributed's functions directly, so the only place to time them without
     copying its algorithm is the module attribute; `timing()` wraps them for the duration of a
-    block and always restores the originals. The shared-memory channel counts its own calls.
+    block and always restores the originals.
     """
 
     NAMES = (
@@ -69,22 +66,10 @@ class CollectiveClock:
     )
 
     def __init__(self) -> None:
-        self._seconds = 0.0
-        self._calls = 0
-        self._channel: SameNodeChannel | None = None
-        self._base = (0.0, 0)
-
-    @property
-    def seconds(self) -> float:
+        self.seconds = 0.0
         """Seconds inside collectives while timing."""
-        ch = self._channel
-        return self._seconds + (ch.seconds - self._base[0] if ch is not None else 0.0)
-
-    @property
-    def calls(self) -> int:
+        self.calls = 0
         """Collectives made while timing."""
-        ch = self._channel
-        return self._calls + (ch.calls - self._base[1] if ch is not None else 0)
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
@@ -98,14 +83,11 @@ class CollectiveClock:
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    self._seconds += time.perf_counter() - t0
-                    self._calls += 1
+                    self.seconds += time.perf_counter() - t0
+                    self.calls += 1
 
             return timed
 
-        self._channel = same_node_channel()
-        if self._channel is not None:
-            self._base = (self._channel.seconds, self._channel.calls)
         try:
             for name, fn in originals.items():
                 setattr(dist, name, wrap(fn))
@@ -113,8 +95,6 @@ class CollectiveClock:
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
-            self._seconds, self._calls = self.seconds, self.calls
-            self._channel = None
 
 
 class ContextRunnerMixin:

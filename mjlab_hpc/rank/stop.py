@@ -31,8 +31,8 @@ from enum import IntEnum
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
-from mjlab_hpc.collective.sums import max_over_ranks
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_STOPPED
 from mjlab_hpc.procs import alive
 from mjlab_hpc.rank.context import ALLOCATION_ENV, SUPERVISOR_ENV, DistContext, chain_link
@@ -194,7 +194,7 @@ def agree_boundary(
     code, save = request.code, int(save_due)
     if distributed:
         flag = torch.tensor([code, save], dtype=torch.int64, device=device)
-        max_over_ranks(flag)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         code, save = int(flag[0].item()), int(flag[1].item())
     if code == 0:
         return None, bool(save)

@@ -183,14 +183,6 @@ class RunDir:
         return self.path / SUMMARY
 
     @property
-    def element_record(self) -> Path:
-        return self.path / ELEMENT_RECORD
-
-    @property
-    def cancel_record(self) -> Path:
-        return self.path / CANCEL_RECORD
-
-    @property
     def submitit(self) -> Path:
         return self.path / SUBMITIT_DIR
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import random
 import threading
@@ -43,7 +44,6 @@ from mjlab_hpc.rundir.lock_files import (
     MAX_IMMEDIATE_RETRIES,
     TICKETS_SUFFIX,
     Held,
-    LeaseConfig,
     LockError,
     LockLost,
     LockRecord,
@@ -63,7 +63,6 @@ from mjlab_hpc.rundir.lock_files import (
 )
 
 __all__ = [
-    "LeaseConfig",
     "LeaseLock",
     "LockError",
     "LockLost",
@@ -73,6 +72,10 @@ __all__ = [
     "OwnerInfo",
     "write_fenced",
 ]
+
+# Waiting for a held lock: exponential, jittered backoff between these (seconds).
+_POLL_S = 0.01
+_POLL_MAX_S = 0.5
 
 # --------------------------------------------------------------------------- the lock
 
@@ -94,29 +97,20 @@ class LeaseLock:
     """
 
     def __init__(
-        self,
-        path: str | os.PathLike[str],
-        owner: OwnerInfo | None = None,
-        *,
-        lease_s: float = 60.0,
-        heartbeat_s: float | None = None,
-        guard_s: float | None = None,
-        poll_s: float = 0.01,
-        poll_max_s: float = 0.5,
-        timeout_s: float | None = None,
-        config: LeaseConfig | None = None,
+        self, path: str | os.PathLike[str], owner: OwnerInfo | None = None, *, lease_s: float = 60.0
     ) -> None:
-        """Create an (unacquired) lock; ``config`` overrides the individual timing args."""
+        """Create an (unacquired) lock. Another process may take over once the holder's
+        heartbeat is older than `lease_s`: keep it much larger than the clock skew between
+        hosts and than any pause to survive without losing the lock. The holder writes its
+        heartbeat every `lease_s / 4` and treats its own lease as expired `lease_s / 5` early
+        (clock skew, and the check-then-rename window of `write_fenced`)."""
+        if not (math.isfinite(lease_s) and lease_s > 0):
+            raise ValueError(f"lease_s must be a positive number, got {lease_s}")
         self.path = Path(path).absolute()
         self.owner = owner if owner is not None else OwnerInfo.from_env()
-        self.config = config or LeaseConfig(
-            lease_s=lease_s,
-            heartbeat_s=heartbeat_s,
-            guard_s=guard_s,
-            poll_s=poll_s,
-            poll_max_s=poll_max_s,
-            timeout_s=timeout_s,
-        )
+        self.lease_s = lease_s
+        self.heartbeat_s = lease_s / 4
+        self.guard_s = lease_s / 5
         self._tickets = self.path.with_name(self.path.name + TICKETS_SUFFIX)
         self._mutex = threading.RLock()
         self._held: Held | None = None
@@ -172,16 +166,13 @@ class LeaseLock:
 
         Waits with jittered exponential backoff while another process holds a
         fresh lease, and takes over a holder whose heartbeat is older than its
-        lease. ``timeout_s`` (default ``config.timeout_s``): ``None`` waits
-        forever, ``0`` tries once.
+        lease. ``timeout_s``: ``None`` waits forever, ``0`` tries once.
 
         Raises:
             LockTimeout: not acquired in time; the message names the holder.
             LockError: the lock directory is missing, read-only, full, ...
             LockUsageError: this object already holds the lock.
         """
-        if timeout_s is None:
-            timeout_s = self.config.timeout_s
         with self._mutex:
             if self._held is not None:
                 raise LockUsageError(
@@ -207,7 +198,7 @@ class LeaseLock:
                     quick_retries += 1
                     continue
                 quick_retries = 0
-                pause = min(self.config.poll_max_s, self.config.poll_s * 1.5**attempt)
+                pause = min(_POLL_MAX_S, _POLL_S * 1.5**attempt)
                 pause *= self._rng.uniform(0.5, 1.0)
                 if deadline is not None:
                     pause = min(pause, max(0.0, deadline - now))
@@ -308,7 +299,7 @@ class LeaseLock:
         nonce = uuid.uuid4().hex
         temp = self.path.with_name(f"{self.path.name}.new.{nonce}")
         now = time.time()
-        raw = encode_record(self.owner, None, nonce, now, now, self.config.lease_s)
+        raw = encode_record(self.owner, None, nonce, now, now, self.lease_s)
         try:
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except OSError as exc:
@@ -329,9 +320,9 @@ class LeaseLock:
                             return None, None, False  # vacant again: released just now
                         if not self._is_stale(snap.record):
                             return None, snap.record, True
-                        if not take_over(self.path, snap, temp, fd, self.config.lease_s):
+                        if not take_over(self.path, snap, temp, fd, self.lease_s):
                             return None, snap.record, False
-                elif not take_over(self.path, snap, temp, fd, self.config.lease_s):
+                elif not take_over(self.path, snap, temp, fd, self.lease_s):
                     return None, snap.record, False
             except OSError as exc:
                 raise env_error("create the lock file", self.path, exc) from exc
@@ -355,7 +346,7 @@ class LeaseLock:
             token = claim_ticket(self._tickets, hint)
             heartbeat_mono = time.monotonic()
             now = time.time()
-            raw = encode_record(self.owner, token, nonce, acquired_at, now, self.config.lease_s)
+            raw = encode_record(self.owner, token, nonce, acquired_at, now, self.lease_s)
             pwrite_all(fd, raw)
             os.fsync(fd)
             snap = read_snapshot(self.path)
@@ -378,17 +369,17 @@ class LeaseLock:
 
     def _is_stale(self, record: LockRecord) -> bool:
         # Unknown holders use our lease; known ones the lease they announced.
-        lease = record.lease_s if record.lease_s is not None else self.config.lease_s
+        lease = record.lease_s if record.lease_s is not None else self.lease_s
         return record.age_s() > lease
 
     def _own_lease_problem(self, held: Held) -> str | None:
         own_age = time.monotonic() - held.hb_mono
-        limit = self.config.lease_s - self.config.guard_period_s
+        limit = self.lease_s - self.guard_s
         if own_age > limit:
             return (
                 f"own lease expired: last heartbeat written {own_age:.1f} s ago "
-                f"(lease {self.config.lease_s:g} s minus guard "
-                f"{self.config.guard_period_s:g} s); another process may have taken over"
+                f"(lease {self.lease_s:g} s minus guard "
+                f"{self.guard_s:g} s); another process may have taken over"
             )
         return None
 
@@ -417,7 +408,7 @@ class LeaseLock:
 
     def _heartbeat_loop(self, held: Held) -> None:
         """Refresh the heartbeat until stopped or until the lock is known lost."""
-        period = self.config.heartbeat_period_s
+        period = self.heartbeat_s
         while not held.stop.wait(period):
             # Never refresh an expired lease: another process may already own it.
             reason = self._own_lease_problem(held) or self._file_problem(held)
@@ -427,7 +418,7 @@ class LeaseLock:
             mono = time.monotonic()
             now = time.time()
             raw = encode_record(
-                self.owner, held.token, held.nonce, held.acquired_at, now, self.config.lease_s
+                self.owner, held.token, held.nonce, held.acquired_at, now, self.lease_s
             )
             try:
                 with held.io_lock:

@@ -29,7 +29,6 @@ from mjlab_hpc.rundir.durable import fsync_dir
 
 __all__ = [
     "Held",
-    "LeaseConfig",
     "LockError",
     "LockLost",
     "LockRecord",
@@ -203,58 +202,6 @@ class LockRecord:
             f"{self.owner.describe()} token={token}, last heartbeat {age:.1f} s ago "
             f"(lease {self.lease_s:g} s)"
         )
-
-
-@dataclass(frozen=True)
-class LeaseConfig:
-    """Timing of a :class:`LeaseLock`; all values in seconds.
-
-    lease_s: another process may take over once the holder's heartbeat is older
-        than this. Keep it much larger than the clock skew between hosts and
-        than any pause you want to survive without losing the lock.
-    heartbeat_s: heartbeat period (default ``lease_s / 4``).
-    guard_s: the holder treats its lease as expired this long before others may
-        take over, to absorb clock skew and the check-then-rename window of
-        :func:`write_fenced` (default ``lease_s / 5``).
-    poll_s / poll_max_s: initial and maximum wait between acquisition attempts
-        (exponential, jittered).
-    timeout_s: default timeout of :meth:`LeaseLock.acquire` and of ``with``;
-        ``None`` waits forever.
-    """
-
-    lease_s: float = 60.0
-    heartbeat_s: float | None = None
-    guard_s: float | None = None
-    poll_s: float = 0.01
-    poll_max_s: float = 0.5
-    timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.lease_s) and self.lease_s > 0):
-            raise ValueError(f"lease_s must be a positive number, got {self.lease_s}")
-        if not 0 < self.heartbeat_period_s <= self.lease_s / 2:
-            raise ValueError(
-                f"heartbeat_s must be in (0, lease_s/2]; got {self.heartbeat_period_s} "
-                f"for lease_s={self.lease_s}"
-            )
-        if not 0 <= self.guard_period_s < self.lease_s - self.heartbeat_period_s:
-            raise ValueError(
-                f"guard_s must be in [0, lease_s - heartbeat_s); got {self.guard_period_s}"
-            )
-        if not 0 < self.poll_s <= self.poll_max_s:
-            raise ValueError("need 0 < poll_s <= poll_max_s")
-        if self.timeout_s is not None and self.timeout_s < 0:
-            raise ValueError("timeout_s must be >= 0 or None")
-
-    @property
-    def heartbeat_period_s(self) -> float:
-        """Effective heartbeat period."""
-        return self.lease_s / 4 if self.heartbeat_s is None else self.heartbeat_s
-
-    @property
-    def guard_period_s(self) -> float:
-        """Effective guard margin."""
-        return self.lease_s / 5 if self.guard_s is None else self.guard_s
 
 
 # --------------------------------------------------------------------------- file helpers

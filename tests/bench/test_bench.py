@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from mjlab_hpc.bench import gpu
-from mjlab_hpc.bench.compile import CompileWatch
-from mjlab_hpc.bench.config import BenchConfig
-from mjlab_hpc.bench.healing import HANG_TIMEOUT_S, healing_figures
-from mjlab_hpc.bench.report import main as bench_main
-from mjlab_hpc.bench.session import Bench
-from mjlab_hpc.bench.stats import Figure, parse_rsl_rl_log, spread, throughput
-from mjlab_hpc.bench.watch import bench_env
+from benchmarks import gpu
+from benchmarks.compile import CompileWatch
+from benchmarks.config import BenchConfig
+from benchmarks.healing import HANG_TIMEOUT_S, healing_figures
+from benchmarks.report import main as bench_main
+from benchmarks.session import Bench
+from benchmarks.stats import Figure, parse_rsl_rl_log, spread, throughput
+from benchmarks.watch import bench_env
 
 FIGURES = {
     "scaling_efficiency",
@@ -42,7 +42,13 @@ FIGURES = {
     "lock_takeover_s",
     "lock_handover_ms",
 }
-COUNTS = {"recovery_iterations_lost"}  # may be 0; every other figure is a positive ratio
+COUNTS = {"recovery_iterations_lost"}
+UNTARGETED = {
+    "scaling_efficiency",
+    "machine_limit",
+    "scaling_of_limit",
+    "collective_share",
+}  # may be 0; every other figure is a positive ratio
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -75,7 +81,8 @@ def test_quick_bench_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureF
             assert isinstance(value, (int, float)) and math.isfinite(value), (key, stat, value)
             assert value >= 0 if key in COUNTS else value > 0, (key, stat, value)
         assert fig["min"] <= fig["median"] <= fig["max"]
-        assert isinstance(fig["met"], bool)
+        # The CPU scaling figures are reported without a target (CPU ranks are for testing).
+        assert fig["met"] is None if key in UNTARGETED else isinstance(fig["met"], bool), key
     compiles = doc["details"]["compilations"]
     assert compiles["one-1"]["compilations"] >= 1  # the partly cold cache did compile
     assert doc["details"]["pairs"][0]["recovery"]["completed"] is True

@@ -15,7 +15,7 @@ import pytest
 from helpers import BIN, cli_env, only_run
 from slurm_cluster import SlurmCluster
 
-from mjlab_hpc.bench.scale import rank_log_figures
+from benchmarks.scale import rank_log_figures
 from mjlab_hpc.rundir.layout import RunDir
 
 pytestmark = pytest.mark.slurm
@@ -184,12 +184,14 @@ path, record, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rank = int(os.environ["SLURM_PROCID"])
 node = os.environ["SLURMD_NODENAME"]
 for _ in range(rounds):
-    with LeaseLock(path, owner=OwnerInfo.from_env(rank), lease_s=10, timeout_s=120) as lock:
-        fd = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        os.write(fd, f"{lock.token} {node} {rank} enter\\n".encode())
-        time.sleep(0.002)
-        os.write(fd, f"{lock.token} {node} {rank} exit\\n".encode())
-        os.close(fd)
+    lock = LeaseLock(path, owner=OwnerInfo.from_env(rank), lease_s=10)
+    lock.acquire(timeout_s=120)
+    fd = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.write(fd, f"{lock.token} {node} {rank} enter\\n".encode())
+    time.sleep(0.002)
+    os.write(fd, f"{lock.token} {node} {rank} exit\\n".encode())
+    os.close(fd)
+    lock.release()
 """
 
 

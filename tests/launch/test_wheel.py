@@ -38,8 +38,8 @@ def wheel_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = (root / "dist").glob("mjlab_hpc-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "mjlab_hpc/launch/templates/train.sbatch" in names
-    assert "mjlab_hpc/launch/templates/train_apptainer.sbatch" in names
+    assert "mjlab_hpc/slurm_templates/train.sbatch" in names
+    assert "mjlab_hpc/slurm_templates/train_apptainer.sbatch" in names
     assert not [n for n in names if n.startswith("tests/")]
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)

@@ -103,6 +103,6 @@ def test_fold_collectives_replaces_only_rsl_rl_ppo() -> None:
             fold_collectives({"algorithm": {"class_name": name}})["algorithm"]["class_name"]
             == CLASS_NAME
         )
-    custom = {"algorithm": {"class_name": "mjlab_hpc.ppo:FoldedPPO"}}
+    custom = {"algorithm": {"class_name": CLASS_NAME}}
     assert fold_collectives(custom) is custom
     assert issubclass(FoldedPPO, __import__("rsl_rl.algorithms").algorithms.PPO)

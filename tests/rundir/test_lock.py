@@ -22,7 +22,6 @@ import pytest
 
 from mjlab_hpc.rundir import lock_files as lock_mod
 from mjlab_hpc.rundir.lock import (
-    LeaseConfig,
     LeaseLock,
     LockError,
     LockLost,
@@ -99,13 +98,7 @@ def _append(fd: int, text: str) -> None:
 def _contender(
     lock_path: str, record_path: str, rounds: int, rank: int, lease_s: float, start: object
 ) -> None:
-    lock = LeaseLock(
-        lock_path,
-        owner=OwnerInfo.from_env(rank=rank),
-        lease_s=lease_s,
-        poll_s=0.002,
-        poll_max_s=0.05,
-    )
+    lock = LeaseLock(lock_path, owner=OwnerInfo.from_env(rank=rank), lease_s=lease_s)
     fd = os.open(record_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     start.wait()  # type: ignore[attr-defined]
     for _ in range(rounds):
@@ -119,7 +112,7 @@ def _contender(
 
 
 def _holder_forever(lock_path: str, lease_s: float, ready_path: str) -> None:
-    lock = LeaseLock(lock_path, lease_s=lease_s, heartbeat_s=lease_s / 8)
+    lock = LeaseLock(lock_path, lease_s=lease_s)
     token = lock.acquire(timeout_s=60)
     Path(ready_path).write_text(str(token))
     while True:
@@ -128,7 +121,7 @@ def _holder_forever(lock_path: str, lease_s: float, ready_path: str) -> None:
 
 def _stale_holder(lock_path: str, lease_s: float, workdir: str) -> None:
     work = Path(workdir)
-    lock = LeaseLock(lock_path, lease_s=lease_s, heartbeat_s=lease_s / 8)
+    lock = LeaseLock(lock_path, lease_s=lease_s)
     token = lock.acquire(timeout_s=60)
     write_fenced(lock, work / "target", f"A {token}".encode())
     (work / "ready").write_text(str(token))
@@ -346,7 +339,7 @@ def test_stopped_owner_resuming_after_takeover_is_fenced(tmp_path: Path) -> None
         frozen = LeaseLock(lock_path, lease_s=lease).holder()
         assert frozen is not None and frozen.token == token_a
 
-        b = LeaseLock(lock_path, lease_s=lease, heartbeat_s=lease / 8)
+        b = LeaseLock(lock_path, lease_s=lease)
         token_b = b.acquire(timeout_s=lease + SLACK_S)
         assert time.time() >= frozen.heartbeat_at + lease, "taken over before the lease expired"
         assert b.displaced is not None and b.displaced.token == token_a
@@ -415,7 +408,7 @@ def test_late_racer_does_not_steal_a_fresh_lock(tmp_path: Path) -> None:
         temp = tmp_path / "late.tmp"
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
-            assert not lock_mod.take_over(late.path, stale, temp, fd, late.config.lease_s)
+            assert not lock_mod.take_over(late.path, stale, temp, fd, late.lease_s)
         finally:
             os.close(fd)
         assert path.stat().st_ino == inode  # same inode back under the lock name
@@ -595,16 +588,10 @@ def test_owner_info_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
         info.rank = 1  # type: ignore[misc]
 
 
-def test_lease_config_validation() -> None:
-    assert LeaseConfig(lease_s=8).heartbeat_period_s == 2
-    for bad in (
-        {"lease_s": 0},
-        {"lease_s": 10, "heartbeat_s": 6},
-        {"lease_s": 10, "heartbeat_s": 2, "guard_s": 8},
-        {"poll_s": 1, "poll_max_s": 0.5},
-    ):
-        with pytest.raises(ValueError):
-            LeaseConfig(**bad)
+def test_a_lease_must_be_a_positive_number(tmp_path: Path) -> None:
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="lease_s"):
+            LeaseLock(tmp_path / "writer.lock", lease_s=bad)
 
 
 # --------------------------------------------------------------------------- 128 contenders
@@ -616,7 +603,7 @@ def test_128_contenders_and_a_killed_holder(tmp_path: Path, capsys: pytest.Captu
     the first takes over after the lease and not before, then each of the others holds it
     once, never two at a time, with strictly increasing tokens; nothing is left behind.
     The measured figures are `make bench`'s (bench.healing.lock_contention)."""
-    from mjlab_hpc.bench.healing import lock_contention, lock_summary
+    from benchmarks.healing import lock_contention, lock_summary
 
     lease = 1.0
     raw = lock_contention(tmp_path, contenders=128, lease_s=lease, hold_s=0.001)

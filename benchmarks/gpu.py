@@ -25,11 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mjlab_hpc.bench.config import BenchConfig
-from mjlab_hpc.bench.rollout import run_rollout
-from mjlab_hpc.bench.session import Bench
-from mjlab_hpc.bench.stats import Figure, reward_text, throughput
-from mjlab_hpc.bench.watch import bench_env, cli, find_run_dir, kill_job, measured_records
+from benchmarks.config import BenchConfig
+from benchmarks.rollout import run_rollout
+from benchmarks.session import Bench
+from benchmarks.stats import Figure, reward_text, throughput
+from benchmarks.watch import bench_env, cli, find_run_dir, kill_job, measured_records
 from mjlab_hpc.rundir.layout import PROGRESS, read_jsonl
 
 __all__ = ["GPU_FIGURES", "cuda_probe", "gpu_figures", "run_gpu"]

@@ -1,5 +1,5 @@
-"""`make bench` / `python -m mjlab_hpc.bench` / `mjlab-hpc bench`: the performance figures of
-this machine.
+"""`make bench` / `python -m benchmarks`: the performance figures of this machine. Not part
+of the installed package: it runs from the repository and imports mjlab_hpc like any user.
 
 Every figure is a ratio of two things measured alternately in the same run (A B A B ...), so a
 busy machine slows both sides of a pair alike; each is reported as the median over the pairs

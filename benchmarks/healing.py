@@ -21,9 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mjlab_hpc.bench.config import BenchConfig
-from mjlab_hpc.bench.stats import Figure
-from mjlab_hpc.bench.watch import cli, find_run_dir
+from benchmarks.config import BenchConfig
+from benchmarks.stats import Figure
+from benchmarks.watch import cli, find_run_dir
 from mjlab_hpc.rundir.lock import LeaseLock, OwnerInfo
 from mjlab_hpc.rundir.record import read_record
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.stats import median_iteration_s, parse_rsl_rl_log
 from mjlab_hpc import procs
-from mjlab_hpc.bench.stats import median_iteration_s, parse_rsl_rl_log
 from mjlab_hpc.rundir.layout import PROGRESS, RESTARTS, RUN_RECORD, SUBMITIT_DIR, read_jsonl
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The benchmark's flags (`mjlab-hpc bench`, `python -m mjlab_hpc.bench`)."""
+"""The benchmark's flags (`make bench`, `python -m benchmarks`)."""
 
 from __future__ import annotations
 

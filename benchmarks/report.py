@@ -20,10 +20,10 @@ from typing import Any
 
 import tyro
 
-from mjlab_hpc.bench.config import BenchConfig
-from mjlab_hpc.bench.gpu import gpu_figures, run_gpu
-from mjlab_hpc.bench.healing import healing_figures, lock_figures, run_healing, run_lock
-from mjlab_hpc.bench.session import Bench
+from benchmarks.config import BenchConfig
+from benchmarks.gpu import gpu_figures, run_gpu
+from benchmarks.healing import healing_figures, lock_figures, run_healing, run_lock
+from benchmarks.session import Bench
 
 __all__ = ["main", "run", "run_bench"]
 
@@ -69,7 +69,7 @@ def write_png(path: Path, figures: Sequence[dict[str, Any]]) -> None:
     rows = max(1, math.ceil(len(shown) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
     for ax, f in zip(axes.flat, shown, strict=False):
-        colour = "tab:green" if f["met"] else "tab:red"
+        colour = {True: "tab:green", False: "tab:red"}.get(f["met"], "tab:grey")
         med = f["median"]
         ax.bar([0], [med], width=0.5, color=colour, alpha=0.6)
         ax.errorbar(
@@ -82,13 +82,14 @@ def write_png(path: Path, figures: Sequence[dict[str, Any]]) -> None:
             label="median, min-max",
         )
         ax.vlines([0], f["q1"], f["q3"], color="black", linewidth=5, alpha=0.5, label="IQR")
-        ax.axhline(
-            f["target"],
-            color="tab:blue",
-            linestyle="--",
-            label=f"target {f['direction']} {f['target']:g}",
-        )
-        top = max(f["max"], f["target"]) * 1.25 or 1.0
+        if f["target"] is not None:
+            ax.axhline(
+                f["target"],
+                color="tab:blue",
+                linestyle="--",
+                label=f"target {f['direction']} {f['target']:g}",
+            )
+        top = max(f["max"], f["target"] or 0) * 1.25 or 1.0
         ax.set_ylim(0, top)
         ax.set_xlim(-1, 1)
         ax.set_xticks([])
@@ -111,17 +112,18 @@ def print_table(figures: Sequence[dict[str, Any]], out: Path) -> None:
     for col in ("figure", "median", "IQR", "min-max", "n", "target", "met"):
         table.add_column(col, justify="left" if col == "figure" else "right")
     for f in figures:
+        target = "-" if f["target"] is None else f"{f['direction']} {f['target']:g}"
         if f["median"] is None:
-            table.add_row(f["label"], "n/a", "", "", "0", f"{f['direction']} {f['target']:g}", "?")
+            table.add_row(f["label"], "n/a", "", "", "0", target, "?")
             continue
-        met = "[green]yes[/]" if f["met"] else "[red]no[/]"
+        met = {True: "[green]yes[/]", False: "[red]no[/]"}.get(f["met"], "-")
         table.add_row(
             f["label"],
             f"{f['median']:.3f}",
             f"{f['q1']:.3f}-{f['q3']:.3f}",
             f"{f['min']:.3f}-{f['max']:.3f}",
             str(f["n"]),
-            f"{f['direction']} {f['target']:g}",
+            target,
             met,
         )
     Console(width=120).print(table)
@@ -165,7 +167,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None]) -> dict[str, Any]:
     doc = {
         "schema": SCHEMA_VERSION,
         "created": dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds"),
-        "command": "python -m mjlab_hpc.bench " + " ".join(_argv_of(cfg)),
+        "command": "python -m benchmarks " + " ".join(_argv_of(cfg)),
         "quick": cfg.quick,
         "config": {
             **asdict(cfg),
@@ -208,7 +210,7 @@ def _argv_of(cfg: BenchConfig) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `python -m mjlab_hpc.bench` (and `mjlab-hpc bench`); 0 unless a
+    """Entry point of `python -m benchmarks` (`make bench`); 0 unless a
     benchmark could not run (a missed target is a finding, not an error)."""
     cfg = tyro.cli(BenchConfig, args=argv, description=__doc__)
     return run(cfg)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mjlab_hpc.bench.config import BenchConfig
+from benchmarks.config import BenchConfig
 from mjlab_hpc.tasks.builtin import get_task
 
 __all__ = ["rollout_worker", "run_rollout"]
@@ -162,7 +162,7 @@ def run_rollout(
     }
     code = (
         "import json, sys\n"
-        "from mjlab_hpc.bench.rollout import rollout_worker\n"
+        "from benchmarks.rollout import rollout_worker\n"
         "print('BENCH-RESULT ' + json.dumps(rollout_worker(sys.argv[1])))\n"
     )
     proc = subprocess.run(

@@ -1,4 +1,4 @@
-"""`make scale` / `python -m mjlab_hpc.bench.scale`: what grows with the world size.
+"""`make scale` / `python -m benchmarks.scale`: what grows with the world size.
 
 Runs one tiny training job per world size through the real `mjlab-submit` path on the Slurm
 cluster this shell talks to (`SLURM_CONF`; `make scale` brings up a cluster of its own with 8
@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from mjlab_hpc.bench.watch import bench_env, cli, find_run_dir, kill_job, rank_pids
+from benchmarks.watch import bench_env, cli, find_run_dir, kill_job, rank_pids
 from mjlab_hpc.rundir.layout import PROGRESS, SUBMITIT_DIR, read_jsonl
 
 __all__ = ["layout", "main", "measure_size", "peak_rss_mib", "print_table", "rank_log_figures"]
@@ -265,7 +265,7 @@ def print_table(results: Sequence[dict[str, Any]]) -> None:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mjlab_hpc.bench.scale", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__)
     p.add_argument("--sizes", default=",".join(map(str, SIZES)),
                    help="world sizes, comma-separated (default %(default)s)")  # fmt: skip
     p.add_argument("--max-nodes", type=int, default=8, help="nodes at most (default 8)")

@@ -1,0 +1,7 @@
+"""`python -m benchmarks`."""
+
+import sys
+
+from benchmarks.report import main
+
+sys.exit(main())
