@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from mjlab_hpc.rank.entry import RankResult, train_rank
     from mjlab_hpc.rundir.lock import LeaseLock, OwnerInfo, write_fenced
     from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
-    from mjlab_hpc.tasks.registry import resolve
+    from mjlab_hpc.validate import resolve
 
 try:
     __version__ = version("mjlab-hpc")
@@ -49,7 +49,7 @@ _EXPORTS = {
     "ResolvedSpec": "mjlab_hpc.spec",
     "SubmitSpec": "mjlab_hpc.spec",
     "TrainSpec": "mjlab_hpc.spec",
-    "resolve": "mjlab_hpc.tasks.registry",
+    "resolve": "mjlab_hpc.validate",
 }
 
 __all__ = [

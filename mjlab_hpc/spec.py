@@ -3,21 +3,18 @@
 whose task was looked up once, with the values every later stage uses).
 
 Specs flow one way: CLI -> launcher -> every rank. They are pickled to ranks and dumped as
-YAML and JSON into the run directory, so they hold only plain values. Checks that need
-nothing but the values themselves live here; checks against tasks, Slurm or this machine live
-in `mjlab_hpc.launch.validate`.
+YAML and JSON into the run directory, so they hold only plain values. What a value may hold is
+checked in `mjlab_hpc.validate`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import tyro
 
-from mjlab_hpc.checks import no_control, path_component
 from mjlab_hpc.errors import SpecError
 
 __all__ = [
@@ -32,16 +29,8 @@ __all__ = [
 ]
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
-#: More environments than this on one rank is a typo (Warp indexes worlds with 32 bits).
-MAX_ENVS_PER_RANK = 2**24
-_NOT_FINITE = frozenset({"nan", "inf", "infinity"})
-# What a run's folder name holds before the run name: `2026-11-23_09-12-51_`.
-RUN_NAME_PREFIX = "YYYY-mm-dd_HH-MM-SS_"
 ExecutorChoice = Literal["slurm", "local", "allocation", "auto"]
 GpuIds = tuple[int, ...] | Literal["all", "auto"] | None
-# Signals Slurm can send ahead of the time limit that no library we load relies on, and
-# that mean nothing else to a rank (INT, HUP and TERM are stops by a user or a scheduler).
-_SIGNALS = ("USR2", "USR1", "URG")
 
 
 @dataclass(frozen=True)
@@ -134,97 +123,6 @@ class TrainSpec:
     <run>/logs/rank<k>.log)."""
     overrides: Annotated[tuple[str, ...], tyro.conf.Suppress] = ()
     """mjlab tasks: `--env.*` / `--agent.*` arguments, as mjlab's own train takes them."""
-
-    def validate(self) -> None:
-        """Raise SpecError naming the flag for values no launcher could run."""
-        # Upper bounds: far above any real run, below what torch, Warp and the OS overflow on.
-        for flag, value, low, high in (
-            ("--num-envs", self.num_envs, 1, MAX_ENVS_PER_RANK),
-            ("--max-iterations", self.max_iterations, 1, 10**9),
-            ("--save-interval", self.save_interval, 1, 10**9),
-            ("--num-procs", self.num_procs, 1, 4096),
-            ("--torch-threads", self.torch_threads, 0, 4096),
-            ("--seed", self.seed, -(2**62), 2**62),
-        ):
-            if value is not None and value < low:
-                raise SpecError(flag, f"must be >= {low}, got {value}")
-            if value is not None and value > high:
-                raise SpecError(flag, f"must be at most {high}, got {value}")
-        if not math.isfinite(self.dist_timeout_s) or self.dist_timeout_s <= 0:
-            raise SpecError("--dist-timeout-s", f"must be > 0 seconds, got {self.dist_timeout_s}")
-        if self.hang_timeout_s is not None and (
-            not math.isfinite(self.hang_timeout_s) or self.hang_timeout_s <= 0
-        ):
-            raise SpecError(
-                "--hang-timeout-s",
-                f"must be > 0 seconds, got {self.hang_timeout_s} (`none` disables the hang "
-                "watchdog)",
-            )
-        if self.save_every_min is not None and (
-            not math.isfinite(self.save_every_min) or self.save_every_min <= 0
-        ):
-            raise SpecError(
-                "--save-every-min",
-                f"must be > 0 minutes, got {self.save_every_min} (`none`: iterations only)",
-            )
-        if isinstance(self.gpu_ids, tuple) and any(i < 0 for i in self.gpu_ids):
-            raise SpecError("--gpu-ids", f"ids must be >= 0, got {list(self.gpu_ids)}")
-        if isinstance(self.gpu_ids, tuple) and len(set(self.gpu_ids)) != len(self.gpu_ids):
-            raise SpecError("--gpu-ids", f"ids must be distinct, got {list(self.gpu_ids)}")
-        if self.num_procs > 1 and self.gpu_ids not in ("auto", None):
-            raise SpecError(
-                "--num-procs",
-                "starts CPU ranks; it cannot be combined with --gpu-ids "
-                "(use --gpu-ids 0 1 ... for one rank per GPU)",
-            )
-        if self.keep_checkpoints < 0:
-            raise SpecError("--keep-checkpoints", f"must be >= 0, got {self.keep_checkpoints}")
-        if self.max_restarts < 0:
-            raise SpecError("--max-restarts", f"must be >= 0, got {self.max_restarts}")
-        name = self.preempt_signal.upper().removeprefix("SIG")
-        if name not in _SIGNALS:
-            raise SpecError(
-                "--preempt-signal", f"{self.preempt_signal!r}: use one of {', '.join(_SIGNALS)}"
-            )
-        no_control("--log-root", self.log_root)
-        if not self.log_root.strip():
-            raise SpecError("--log-root", "must not be empty (default: logs)")
-        for flag, path in (("--log-root", self.log_root), ("--run-dir", self.run_dir)):
-            if path is not None and path.startswith("~"):
-                # No shell expanded it (it was quoted), and the job script would not either.
-                raise SpecError(flag, f"{path!r}: '~' is not expanded here; write $HOME/... "
-                                "or the full path")  # fmt: skip
-        if self.experiment_name is not None:
-            path_component("--experiment-name", self.experiment_name)
-        if self.run_name:
-            # The run's folder is <YYYY-mm-dd_HH-MM-SS>_<run-name>[-<n>].
-            path_component("--run-name", self.run_name, reserved=len(RUN_NAME_PREFIX) + 5)
-        if self.run_dir is not None:
-            no_control("--run-dir", self.run_dir)
-            if not self.run_dir.strip():
-                raise SpecError("--run-dir", "must not be empty: name a run directory")
-        for flag, low, value in (("--video-length", 1, self.video_length),
-                                 ("--video-interval", 1, self.video_interval)):  # fmt: skip
-            if not low <= value <= 10**9:
-                raise SpecError(flag, f"must be between {low} and 10^9, got {value}")
-        for flag, text in (("--registry-name", self.registry_name),
-                           ("--wandb-run-path", self.wandb_run_path),
-                           ("--torchrunx-log-dir", self.torchrunx_log_dir)):  # fmt: skip
-            if text is not None:
-                no_control(flag, text)
-        if self.wandb_run_path is not None and not self.wandb_run_path.strip("/ "):
-            raise SpecError("--wandb-run-path", "must name a W&B run: entity/project/run-id")
-        if self.wandb_checkpoint_name is not None:
-            path_component("--wandb-checkpoint-name", self.wandb_checkpoint_name)
-        flag = "--env/--agent"
-        for arg in self.overrides:
-            no_control(flag, arg)
-            if arg.startswith("--"):
-                flag, _, value = arg.partition("=")
-            else:
-                value = arg
-            if value.strip().lower().lstrip("+-") in _NOT_FINITE:
-                raise SpecError(flag, f"{value!r} is no setting (nan and inf are refused)")
 
     def replace(self, **changes: object) -> TrainSpec:
         """A copy with some fields changed."""

@@ -17,16 +17,16 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mjlab_hpc"
 # Layers, bottom up: a module may import its own subpackage and any lower layer, nothing else.
 LAYERS = {
     "errors": 0,
-    "checks": 1,
     "procs": 1,
     "spec": 2,
     "slurm": 3,
     "tasks": 3,
     "rundir": 3,
     "rank": 4,
-    "launch": 5,
-    "ops": 6,
-    "cli": 7,
+    "validate": 5,
+    "launch": 6,
+    "ops": 7,
+    "cli": 8,
 }
 # The public facade sits above everything.
 FACADES = {"mjlab_hpc"}

@@ -16,12 +16,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mjlab_hpc.checks import no_control, path_component, positive_seconds
 from mjlab_hpc.cli.common import guarded
 from mjlab_hpc.errors import EXIT_INTERRUPTED, SpecError
 from mjlab_hpc.launch.heal import heal_job
 from mjlab_hpc.launch.templates import render
-from mjlab_hpc.launch.validate import validate_submit
 from mjlab_hpc.ops.cancel import cancel as cancel_runs
 from mjlab_hpc.ops.doctor import diagnose
 from mjlab_hpc.ops.logs import find_tracebacks, follow, rank_files, rank_host, tail
@@ -29,8 +27,10 @@ from mjlab_hpc.ops.runs import list_runs, resolve_target, run_jobs
 from mjlab_hpc.ops.status import StatusReport, collect, console, interruption_line, watch
 from mjlab_hpc.ops.status import render as render_status
 from mjlab_hpc.rundir.layout import run_dir_for_key
-from mjlab_hpc.spec import RUN_NAME_PREFIX, SubmitSpec
+from mjlab_hpc.spec import SubmitSpec
 from mjlab_hpc.tasks.registry import list_tasks as all_tasks
+from mjlab_hpc.validate import validate_submit
+from mjlab_hpc.validate.rules import RUN_NAME_PREFIX, no_control, path_component, positive_seconds
 
 __all__ = ["main", "run"]
 

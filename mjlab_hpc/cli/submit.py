@@ -27,8 +27,6 @@ from mjlab_hpc.launch.follow import (
 from mjlab_hpc.launch.local import LocalControls, local_processes, rank_outcomes
 from mjlab_hpc.launch.slurm import (
     allocation_srun,
-    current_allocation,
-    interactive_step,
     render_array_sbatch,
     render_sbatch,
     run_in_allocation,
@@ -42,16 +40,16 @@ from mjlab_hpc.launch.submit import (
     submit,
     submit_sweep,
 )
-from mjlab_hpc.launch.sweep import sweep_elements
-from mjlab_hpc.launch.validate import executor_for, slurm_only, validate_submit
 from mjlab_hpc.ops.status import collect, status_table
 from mjlab_hpc.ops.status import console as wide_console
 from mjlab_hpc.procs import wait_gone
-from mjlab_hpc.rank.context import CHAIN_ENV
+from mjlab_hpc.rank.context import CHAIN_ENV, current_allocation, interactive_step
 from mjlab_hpc.rundir.snapshot import plan_snapshot, planned_record, record_code
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
+from mjlab_hpc.validate import executor_for, slurm_only, validate_submit
+from mjlab_hpc.validate.sweep import sweep_elements
 
 __all__ = ["main", "run"]
 

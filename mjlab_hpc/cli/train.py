@@ -20,12 +20,16 @@ from mjlab_hpc.errors import (
 )
 from mjlab_hpc.launch.follow import Closing, closing
 from mjlab_hpc.launch.local import LaunchPlan, plan_launch, run_local
-from mjlab_hpc.launch.slurm import current_allocation
-from mjlab_hpc.launch.validate import validate_train
-from mjlab_hpc.rank.context import DistContext, cuda_device_count, detect_mode
+from mjlab_hpc.rank.context import (
+    DistContext,
+    cuda_device_count,
+    current_allocation,
+    detect_mode,
+)
 from mjlab_hpc.rundir.layout import create_run_dir
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks.video import rendering_problem
+from mjlab_hpc.validate import validate_train
 
 __all__ = ["main", "run"]
 

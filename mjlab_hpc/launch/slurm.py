@@ -4,22 +4,18 @@ existing allocation (salloc, an interactive job) instead of a new job."""
 
 from __future__ import annotations
 
-import difflib
 import os
-import re
 import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import submitit
 
-from mjlab_hpc.checks import sbatch_value
-from mjlab_hpc.errors import EXIT_INTERRUPTED, SpecError
+from mjlab_hpc.errors import EXIT_INTERRUPTED
 from mjlab_hpc.launch.follow import (
     Closing,
     Foreground,
@@ -27,152 +23,24 @@ from mjlab_hpc.launch.follow import (
     failed_before_start,
     follow_progress,
 )
-from mjlab_hpc.rank.context import ALLOCATION_ENV, CHAIN_ENV
+from mjlab_hpc.rank.context import ALLOCATION_ENV, CHAIN_ENV, Allocation
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR
 from mjlab_hpc.rundir.snapshot import import_path, snapshot_for, with_snapshot
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, train_cli_args
+from mjlab_hpc.validate.rules import sbatch_options
 
 __all__ = [
-    "SBATCH_OPTIONS",
-    "Allocation",
     "allocation_srun",
     "array_executor",
-    "check_allocation",
     "container_python",
-    "current_allocation",
-    "interactive_step",
     "make_slurm_executor",
     "render_array_sbatch",
     "render_sbatch",
     "run_in_allocation",
-    "sbatch_options",
     "slurm_parameters",
 ]
-
-#: sbatch's long options (Slurm 22.05-24.11), for --sbatch-arg: a key not among them is a typo.
-SBATCH_OPTIONS = frozenset((
-    "account", "acctg-freq", "array", "batch", "bb", "bbf", "begin", "chdir",
-    "cluster-constraint", "clusters", "comment", "constraint", "container", "container-id",
-    "contiguous", "core-spec", "cores-per-socket", "cpu-freq", "cpus-per-gpu", "cpus-per-task",
-    "deadline", "delay-boot", "dependency", "distribution", "error", "exclude", "exclusive",
-    "export", "export-file", "extra", "extra-node-info", "get-user-env", "gid", "gpu-bind",
-    "gpu-freq", "gpus", "gpus-per-node", "gpus-per-socket", "gpus-per-task", "gres",
-    "gres-flags", "hint", "hold", "ignore-pbs", "input", "job-name", "kill-on-invalid-dep",
-    "licenses", "mail-type", "mail-user", "mcs-label", "mem", "mem-bind", "mem-per-cpu",
-    "mem-per-gpu", "mincpus", "network", "nice", "no-kill", "no-requeue", "nodefile", "nodelist",
-    "nodes", "ntasks", "ntasks-per-core", "ntasks-per-gpu", "ntasks-per-node",
-    "ntasks-per-socket", "open-mode", "output", "overcommit", "oversubscribe", "parsable",
-    "partition", "power", "prefer", "priority", "profile", "propagate", "qos", "quiet", "reboot",
-    "requeue", "reservation", "segment", "signal", "sockets-per-node", "spread-job", "switches",
-    "test-only", "thread-spec", "threads-per-core", "time", "time-min", "tmp", "tres-bind",
-    "tres-per-task", "uid", "usage", "use-min-nodes", "verbose", "version", "wait",
-    "wait-all-nodes", "wckey", "wrap",
-))  # fmt: skip
-# What the toolkit sets itself, and the flag that sets it.
-_RESERVED = {
-    "time": "--time",
-    "signal": "--preempt-signal and --signal-delay-s",
-    "requeue": "nothing (jobs are always requeueable)",
-    "no-requeue": "nothing (jobs must be requeueable to survive preemption)",
-    "nodes": "--nodes",
-    "ntasks": "--nodes and --tasks-per-node",
-    "ntasks-per-node": "--tasks-per-node",
-    "gpus-per-node": "--gpus-per-node",
-    "gpus": "--gpus-per-node",
-    "gres": "--gpus-per-node",
-    "cpus-per-task": "--cpus-per-task",
-    "mem": "--mem",
-    "partition": "--partition",
-    "account": "--account",
-    "qos": "--qos",
-    "constraint": "--constraint",
-    "exclusive": "--exclusive",
-    "job-name": "--job-name",
-    "array": "--sweep",
-    "output": "nothing (output paths are the run directory's)",
-    "error": "nothing (output paths are the run directory's)",
-    "open-mode": "nothing (logs are appended across requeues)",
-    "chdir": "nothing (paths in the job are absolute)",
-    "export": "nothing (the job needs the submitting environment)",
-    "wrap": "nothing (the toolkit writes the script)",
-    "parsable": "nothing",
-    "test-only": "nothing",
-    "wait": "--follow",
-    "hold": "nothing",
-    "dependency": "--after JOBID (or --chain N)",
-    "uid": "nothing",
-    "gid": "nothing",
-    "batch": "nothing",
-    # Other spellings of the same resources: Slurm refuses them beside ours, or they change
-    # how ranks meet GPUs and cores behind the flags' backs.
-    "time-min": "--time",
-    "mem-per-cpu": "--mem",
-    "mem-per-gpu": "--mem",
-    "cpus-per-gpu": "--cpus-per-task",
-    "gpus-per-task": "--gpus-per-node",
-    "gpus-per-socket": "--gpus-per-node",
-    "tres-per-task": "--gpus-per-node and --cpus-per-task",
-    "ntasks-per-gpu": "--tasks-per-node",
-    "ntasks-per-core": "--tasks-per-node",
-    "ntasks-per-socket": "--tasks-per-node",
-    "container": "--container",
-    "container-id": "--container",
-    "input": "nothing (a job reads no standard input)",
-    "export-file": "nothing (the job needs the submitting environment)",
-    "get-user-env": "nothing (the job needs the submitting environment)",
-    "clusters": "nothing (status, cancel and requeue talk to the cluster submitted from)",
-    "nodefile": "--nodes (or --sbatch-arg nodelist=...)",
-    "version": "nothing",
-    "usage": "nothing",
-}
-# Options that take no value (or an optional one): only these may be given as a bare KEY.
-_BARE = frozenset((
-    "contiguous", "ignore-pbs", "no-kill", "overcommit", "oversubscribe", "reboot",
-    "spread-job", "use-min-nodes", "nice", "propagate", "quiet", "verbose", "exclusive",
-))  # fmt: skip
-_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
-
-
-def _allowed_anyway(key: str, value: str | None, spec: SubmitSpec) -> bool:
-    """Reserved keys in a use the flags leave alone: a generic resource that is not a GPU
-    (`gres=lscratch:100`), an exclusivity the flag cannot say (`exclusive=user`), memory or
-    CPUs per GPU/CPU when --mem / --cpus-per-task are not given."""
-    if key == "gres":
-        return value is not None and "gpu" not in value.lower()
-    if key == "exclusive":
-        return value is not None and value.strip() != ""
-    if key in ("mem-per-cpu", "mem-per-gpu"):
-        return spec.mem is None and value is not None
-    if key == "cpus-per-gpu":
-        return spec.cpus_per_task is None and value is not None
-    return False
-
-
-def sbatch_options(spec: SubmitSpec) -> dict[str, str | bool]:
-    """--sbatch-arg KEY=VALUE pairs (a bare KEY is a flag). SpecError for a malformed one, a
-    key sbatch does not know, or one the toolkit sets itself (naming the flag that does)."""
-    out: dict[str, str | bool] = {}
-    for item in spec.sbatch_arg:
-        key, sep, value = item.partition("=")
-        key = key.strip().lstrip("-")
-        if not _KEY.match(key):
-            raise SpecError(
-                "--sbatch-arg", f"{item!r} is not KEY=VALUE with an sbatch option as KEY"
-            )
-        if key in _RESERVED and not _allowed_anyway(key, value if sep else None, spec):
-            raise SpecError(
-                "--sbatch-arg", f"{key} is set by mjlab-submit itself: use {_RESERVED[key]}"
-            )
-        if key not in SBATCH_OPTIONS:
-            close = difflib.get_close_matches(key, SBATCH_OPTIONS, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise SpecError("--sbatch-arg", f"{key} is not an sbatch option{hint}")
-        if not sep and key not in _BARE:
-            raise SpecError("--sbatch-arg", f"{key} needs a value: --sbatch-arg {key}=VALUE")
-        out[key] = sbatch_value("--sbatch-arg", value) if sep else True
-    return out
 
 
 def slurm_parameters(
@@ -330,67 +198,6 @@ def render_array_sbatch(
 
 
 # --- inside an existing allocation ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """The Slurm allocation this process runs in (a salloc shell, an interactive job or a batch
-    script), outside any srun step."""
-
-    job_id: str
-    nodes: int
-    gpus_per_node: int | None
-    """SLURM_GPUS_ON_NODE where Slurm set it."""
-
-
-def current_allocation(env: Mapping[str, str]) -> Allocation | None:
-    """The allocation of this process, None outside one or inside an srun step (a rank)."""
-    job = env.get("SLURM_JOB_ID", "")
-    if not job or "SLURM_STEP_ID" in env or "SLURM_STEPID" in env:
-        return None
-    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
-    gpus = env.get("SLURM_GPUS_ON_NODE", "")
-    return Allocation(
-        job, int(nodes) if nodes.isdigit() else 1, int(gpus) if gpus.isdigit() else None
-    )
-
-
-def interactive_step(env: Mapping[str, str]) -> str | None:
-    """'step S of job J' when this process runs in an interactive srun step (`srun --pty
-    bash`), whose resources its own step holds; None elsewhere (a salloc shell, a batch
-    script, the ranks we start)."""
-    job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
-    if not job or step is None or "SLURM_PTY_PORT" not in env or ALLOCATION_ENV in env:
-        return None
-    return f"step {step} of job {job}"
-
-
-def check_allocation(spec: SubmitSpec, alloc: Allocation) -> None:
-    """SpecError when the job does not fit the allocation (or is not one srun can run)."""
-    fix = "or leave the allocation and submit a new job (--executor slurm)"
-    if spec.nodes > alloc.nodes:
-        raise SpecError(
-            "--nodes",
-            f"{spec.nodes} nodes asked for; allocation {alloc.job_id} "
-            f"has {alloc.nodes}: use --nodes {alloc.nodes} or fewer, {fix}",
-        )
-    if alloc.gpus_per_node is not None and spec.gpus_per_node > alloc.gpus_per_node:
-        raise SpecError(
-            "--gpus-per-node",
-            f"{spec.gpus_per_node} asked for; allocation "
-            f"{alloc.job_id} has {alloc.gpus_per_node} per node, {fix}",
-        )
-    for flag, given in (
-        ("--sweep", spec.sweep),
-        ("--chain", spec.chain > 1),
-        ("--after", spec.after),
-    ):
-        if given:
-            raise SpecError(
-                flag,
-                f"queues new jobs; inside allocation {alloc.job_id} the "
-                "ranks run at once: drop it, or use --executor slurm",
-            )
 
 
 def allocation_srun(

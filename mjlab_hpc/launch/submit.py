@@ -19,8 +19,6 @@ from typing import Any, Literal
 from mjlab_hpc.errors import SubmitError
 from mjlab_hpc.launch.local import submit_local
 from mjlab_hpc.launch.slurm import array_executor, make_slurm_executor
-from mjlab_hpc.launch.sweep import SweepElement, sweep_elements
-from mjlab_hpc.launch.validate import executor_for, validate_submit
 from mjlab_hpc.rank.job import RankJob
 from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import (
@@ -35,6 +33,8 @@ from mjlab_hpc.rundir.record import now_iso
 from mjlab_hpc.rundir.snapshot import plan_snapshot, record_code, write_code_record
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
+from mjlab_hpc.validate import executor_for, validate_submit
+from mjlab_hpc.validate.sweep import SweepElement, sweep_elements
 
 __all__ = [
     "Submitted",

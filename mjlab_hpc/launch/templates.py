@@ -16,9 +16,9 @@ from importlib import resources
 from pathlib import Path
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.launch.slurm import sbatch_options
-from mjlab_hpc.launch.validate import validate_submit
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, train_cli_args
+from mjlab_hpc.validate import validate_submit
+from mjlab_hpc.validate.rules import sbatch_options
 
 __all__ = [
     "TEMPLATE_NAMES",

@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.launch.resources import check_log_root, check_partition
-from mjlab_hpc.launch.slurm import container_python, sbatch_options
-from mjlab_hpc.launch.sweep import sweep_elements
+from mjlab_hpc.launch.slurm import container_python
 from mjlab_hpc.ops.probe import TOKEN_FILE, Check, Result, read_probe
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
+from mjlab_hpc.validate.rules import sbatch_options
+from mjlab_hpc.validate.sweep import sweep_elements
+from mjlab_hpc.validate.world import check_log_root, check_partition
 
 __all__ = ["PROBE_DIR", "Check", "DoctorReport", "diagnose", "probe_script"]
 

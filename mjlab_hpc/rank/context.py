@@ -1,4 +1,5 @@
-"""The distributed context: who this process is in the job, and the process group it joins.
+"""The distributed context: who this process is in the job, and the process group it joins;
+and the Slurm allocation (salloc, an interactive job) a launcher runs in.
 
 `DistContext.from_env` recognises how the process was launched (an srun task, torchrun or
 torchrunx, submitit's local executor, or a plain process) and turns that launcher's variables
@@ -27,13 +28,16 @@ __all__ = [
     "PORT_BASE",
     "PORT_SPAN",
     "SUPERVISOR_ENV",
+    "Allocation",
     "DistContext",
     "LaunchMode",
     "backend_for",
     "chain_link",
     "cuda_device_count",
+    "current_allocation",
     "derive_master_port",
     "detect_mode",
+    "interactive_step",
     "process_group",
     "resolve_device",
     "seed_for_rank",
@@ -203,6 +207,39 @@ def detect_mode(env: Mapping[str, str]) -> LaunchMode:
     if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
         return "slurm"
     return "single"
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The Slurm allocation this process runs in (a salloc shell, an interactive job or a batch
+    script), outside any srun step."""
+
+    job_id: str
+    nodes: int
+    gpus_per_node: int | None
+    """SLURM_GPUS_ON_NODE where Slurm set it."""
+
+
+def current_allocation(env: Mapping[str, str]) -> Allocation | None:
+    """The allocation of this process, None outside one or inside an srun step (a rank)."""
+    job = env.get("SLURM_JOB_ID", "")
+    if not job or "SLURM_STEP_ID" in env or "SLURM_STEPID" in env:
+        return None
+    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+    gpus = env.get("SLURM_GPUS_ON_NODE", "")
+    return Allocation(
+        job, int(nodes) if nodes.isdigit() else 1, int(gpus) if gpus.isdigit() else None
+    )
+
+
+def interactive_step(env: Mapping[str, str]) -> str | None:
+    """'step S of job J' when this process runs in an interactive srun step (`srun --pty
+    bash`), whose resources its own step holds; None elsewhere (a salloc shell, a batch
+    script, the ranks we start)."""
+    job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
+    if not job or step is None or "SLURM_PTY_PORT" not in env or ALLOCATION_ENV in env:
+        return None
+    return f"step {step} of job {job}"
 
 
 def derive_master_port(job_id: str, restart_count: int = 0) -> int:

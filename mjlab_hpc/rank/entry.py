@@ -241,7 +241,6 @@ def train_rank(
     """
     init_warp()
     spec = resolved.train
-    spec.validate()
     ctx = DistContext.from_env(master_port=master_port)
     device = rank_device(spec, ctx)
     # Before the process group starts gloo's threads: they inherit the binding.

@@ -100,7 +100,6 @@ def resolve(spec: TrainSpec) -> ResolvedSpec:
         spec = spec.replace(save_interval=defaults.save_interval)
     if "--agent.run-name" in given and not spec.run_name:
         spec = spec.replace(run_name=defaults.run_name)
-    spec.validate()
     motion = None
     if defaults.tracking and not Path(defaults.motion_file or ".").is_file():
         if spec.registry_name is None:

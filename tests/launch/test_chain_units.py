@@ -14,19 +14,21 @@ import pytest
 from helpers import BIN, cli_env
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.launch.slurm import (
-    Allocation,
-    allocation_srun,
-    check_allocation,
-    current_allocation,
-    interactive_step,
-    render_sbatch,
-)
+from mjlab_hpc.launch.slurm import allocation_srun, render_sbatch
 from mjlab_hpc.launch.submit import submit_chain
 from mjlab_hpc.ops.probe import TOKEN_FILE, _gpus_check, read_probe
-from mjlab_hpc.rank.context import ALLOCATION_ENV, chain_link, derive_master_port, detect_mode
+from mjlab_hpc.rank.context import (
+    ALLOCATION_ENV,
+    Allocation,
+    chain_link,
+    current_allocation,
+    derive_master_port,
+    detect_mode,
+    interactive_step,
+)
 from mjlab_hpc.spec import SubmitSpec, TrainSpec
 from mjlab_hpc.tasks.registry import resolve
+from mjlab_hpc.validate.world import check_allocation
 
 
 def test_chain_link_reads_only_sane_places() -> None:

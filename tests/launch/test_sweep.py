@@ -11,8 +11,8 @@ import pytest
 from helpers import BIN, cli_env
 
 from mjlab_hpc.cli.submit import main as submit_main
-from mjlab_hpc.launch.sweep import sweep_elements
 from mjlab_hpc.spec import TrainSpec
+from mjlab_hpc.validate.sweep import sweep_elements
 
 
 def hpc(*args: str) -> subprocess.CompletedProcess[str]:

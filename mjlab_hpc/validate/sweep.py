@@ -20,10 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Union, get_args, get_origin
 
-from mjlab_hpc.checks import no_control
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
-from mjlab_hpc.tasks.registry import resolve
+from mjlab_hpc.validate.rules import check_train, no_control, resolve
 
 __all__ = [
     "SweepAxis",
@@ -226,7 +225,7 @@ def expand(
         changes["run_name"] = f"{train.run_name}_{suffix}" if train.run_name else suffix
         spec = dataclasses.replace(train, **changes)
         try:
-            spec.validate()
+            check_train(spec)
         except SpecError as exc:
             label = " ".join(f"{k}={v}" for k, v in overrides)
             raise SpecError(FLAG, f"{label}: {exc}") from None

@@ -1,6 +1,7 @@
-"""Checks against what exists, before anything is created or started: the log root can be
-written, a run directory is a run (or new), this machine has the cores and GPUs local ranks
-ask for, and a Slurm partition can give what a job asks for."""
+"""Checks against what exists, before anything is created, submitted or started: the log root
+can be written, a run directory is a run (or new) and can be continued, this machine has the
+cores and GPUs local ranks ask for, a Slurm partition, allocation or job array can take the job,
+and the jobs it waits for exist."""
 
 from __future__ import annotations
 
@@ -9,18 +10,24 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.rank.context import cuda_device_count
-from mjlab_hpc.rundir.layout import is_run_dir
+from mjlab_hpc.rank.context import Allocation, cuda_device_count
+from mjlab_hpc.rundir.checkpoint import Checkpoints, cannot_continue
+from mjlab_hpc.rundir.layout import is_run_dir, latest_run
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
-from mjlab_hpc.spec import SubmitSpec
+from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
 
 __all__ = [
+    "check_after_exists",
+    "check_allocation",
+    "check_array_size",
     "check_local_cpus",
     "check_local_gpus",
     "check_log_root",
     "check_partition",
+    "check_places",
     "check_run_dir",
+    "continue_target",
     "usable_cores",
 ]
 
@@ -155,4 +162,92 @@ def check_partition(
             "--time",
             f"{spec.time} is longer than the time limit of partition {part.name} "
             f"({part.max_minutes} minutes)",
+        )
+
+
+def check_allocation(spec: SubmitSpec, alloc: Allocation) -> None:
+    """SpecError when the job does not fit the allocation (or is not one srun can run)."""
+    fix = "or leave the allocation and submit a new job (--executor slurm)"
+    if spec.nodes > alloc.nodes:
+        raise SpecError(
+            "--nodes",
+            f"{spec.nodes} nodes asked for; allocation {alloc.job_id} "
+            f"has {alloc.nodes}: use --nodes {alloc.nodes} or fewer, {fix}",
+        )
+    if alloc.gpus_per_node is not None and spec.gpus_per_node > alloc.gpus_per_node:
+        raise SpecError(
+            "--gpus-per-node",
+            f"{spec.gpus_per_node} asked for; allocation "
+            f"{alloc.job_id} has {alloc.gpus_per_node} per node, {fix}",
+        )
+    for flag, given in (
+        ("--sweep", spec.sweep),
+        ("--chain", spec.chain > 1),
+        ("--after", spec.after),
+    ):
+        if given:
+            raise SpecError(
+                flag,
+                f"queues new jobs; inside allocation {alloc.job_id} the "
+                "ranks run at once: drop it, or use --executor slurm",
+            )
+
+
+def check_places(train: TrainSpec, existing_only: bool = False) -> None:
+    """Where the run will be written can be written (nothing is created). `existing_only`
+    (a dry run, a template, maybe for another machine): only what exists here is checked."""
+    if train.run_dir:
+        check_run_dir("--run-dir", train.run_dir, existing_only)
+    else:
+        check_log_root("--log-root", train.log_root, existing_only)
+
+
+def continue_target(resolved: ResolvedSpec) -> ResolvedSpec:
+    """`resolved` with the run directory --resume continues filled in, after checking that an
+    existing run directory (--run-dir or --resume) holds a run of the same task."""
+    train = resolved.train
+    run_dir = Path(train.run_dir) if train.run_dir else None
+    if run_dir is None and train.resume:
+        run_dir = latest_run(train.log_root, resolved.experiment_name)
+        if run_dir is None:
+            raise SpecError(
+                "--resume",
+                f"no earlier run of {resolved.experiment_name} under {train.log_root} to "
+                "continue; drop --resume to start one, or name it with --run-dir",
+            )
+    if run_dir is None:
+        return resolved
+    # The ranks check again (and load); refusing here starts no process at all.
+    refusal = cannot_continue(
+        Checkpoints(run_dir), resolved.task, train.restart_from_scratch,
+        "--run-dir" if train.run_dir else "--resume",
+    )  # fmt: skip
+    if refusal is not None:
+        raise refusal
+    return resolved.replace_train(run_dir=str(run_dir))
+
+
+def check_after_exists(spec: SubmitSpec) -> None:
+    """A --after job Slurm does not know would leave ours pending for ever."""
+    if not spec.after:
+        return
+    known, _ = SlurmClient(timeout_s=10).query(spec.after)
+    missing = [j for j in spec.after if j not in known]
+    if missing:
+        raise SpecError("--after", f"Slurm knows no job {', '.join(missing)} (squeue, sacct)")
+
+
+def check_array_size(count: int) -> None:
+    """A sweep of `count` elements larger than the cluster's job arrays (MaxArraySize) is
+    refused by sbatch with "Invalid job array specification": say why, before anything is
+    made."""
+    if not count:
+        return
+    limit = (SlurmClient(timeout_s=10).config() or {}).get("MaxArraySize", "")
+    # Indexes 0 .. MaxArraySize - 1: MaxArraySize elements.
+    if limit.isdigit() and count > int(limit):
+        raise SpecError(
+            "--sweep",
+            f"{count} elements; this cluster's job arrays hold at most {limit} "
+            "(MaxArraySize): split the sweep into several submissions",
         )

@@ -1,0 +1,143 @@
+"""Every check before anything is created, submitted or started: the one place input is refused.
+
+`validate_train` (mjlab-train) and `validate_submit` (mjlab-submit, mjlab-hpc render and doctor)
+check the values (`rules`: each flag's bounds and what its place allows), expand a sweep
+(`sweep`), resolve the task once (`rules.resolve`) and check what exists (`world`: the log
+root, a run directory to continue, this machine's cores and GPUs, the Slurm partition,
+allocation and job arrays). They return the resolved spec every later stage uses; a bad value
+raises SpecError naming the flag and the fix (exit code 2 in the CLIs).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from mjlab_hpc.errors import SpecError
+from mjlab_hpc.rank.context import current_allocation
+from mjlab_hpc.rank.watchdog import FAULT_ENV, parse_faults
+from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
+from mjlab_hpc.validate import world
+from mjlab_hpc.validate.rules import check_submit, resolve
+from mjlab_hpc.validate.sweep import sweep_elements
+
+__all__ = [
+    "executor_for",
+    "resolve",
+    "slurm_only",
+    "validate_submit",
+    "validate_train",
+]
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _check_faults() -> None:
+    """A fire drill's MJLAB_HPC_FAULT that the ranks could not read is bad input here."""
+    try:
+        parse_faults(os.environ)
+    except ValueError as exc:
+        raise SpecError(FAULT_ENV, str(exc).removeprefix(f"{FAULT_ENV}: ")) from None
+
+
+def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec:
+    """Check a training spec and resolve its task; with --resume, the run it continues is
+    decided here (the resolved spec names it as its run directory). `launched_by`: the
+    launcher that started this process (a torchrun or srun rank starts no other rank)."""
+    _check_faults()
+    resolved = resolve(spec)
+    world.check_places(spec)
+    if launched_by == "single" and spec.num_procs > 1:
+        world.check_local_cpus("--num-procs", spec.num_procs, spec.oversubscribe)
+    if spec.device == "cuda" and spec.gpu_ids == "auto":
+        world.check_local_gpus("--device", 1)
+    return world.continue_target(resolved)
+
+
+def executor_for(spec: SubmitSpec) -> str:
+    """The executor a submission uses: `auto` becomes allocation inside a Slurm allocation
+    (salloc), else slurm where sbatch can be found, else local."""
+    if spec.executor != "auto":
+        return spec.executor
+    if current_allocation(os.environ) is not None:
+        return "allocation"
+    if shutil.which("sbatch"):
+        return "slurm"
+    # A laptop preparing a cluster job: a dry run of a request only Slurm can run shows the
+    # Slurm script instead of refusing it for the local executor.
+    return "slurm" if spec.dry_run and slurm_only(spec) else "local"
+
+
+def slurm_only(spec: SubmitSpec) -> str | None:
+    """The first flag of the request that only Slurm can run (several nodes, a partition,
+    an account, ...), None when this machine could run it."""
+    for flag, given in (("--nodes", spec.nodes > 1), ("--partition", spec.partition),
+                        ("--account", spec.account), ("--qos", spec.qos),
+                        ("--constraint", spec.constraint), ("--container", spec.container),
+                        ("--chain", spec.chain > 1), ("--after", spec.after),
+                        ("--sbatch-arg", spec.sbatch_arg)):  # fmt: skip
+        if given:
+            return flag
+    return None
+
+
+def _check_executor(spec: SubmitSpec, executor: str) -> None:
+    """What the chosen executor can run."""
+    if executor == "slurm" and not spec.dry_run and shutil.which("sbatch") is None:
+        raise SpecError(
+            "--executor",
+            "slurm, but sbatch is not on PATH: submit from a login node, load Slurm's "
+            "module, or use --executor local",
+        )
+    if executor == "local":
+        if spec.nodes > 1:
+            raise SpecError("--nodes", "the local executor runs on this one machine: use --nodes 1")
+        if spec.container is not None:
+            raise SpecError("--container", "containers run through Slurm: use --executor slurm")
+        if spec.after or spec.chain > 1:
+            raise SpecError(
+                "--chain" if spec.chain > 1 else "--after",
+                "chains wait in Slurm's queue; the local executor restarts its ranks itself "
+                "(use --executor slurm, or drop the flag)",
+            )
+        if spec.gpus_per_node == 0:
+            world.check_local_cpus(
+                "--tasks-per-node", spec.ranks_per_node, spec.train.oversubscribe
+            )
+        world.check_local_gpus("--gpus-per-node", spec.gpus_per_node)
+    if executor == "allocation":
+        alloc = current_allocation(os.environ)
+        if alloc is None:
+            raise SpecError(
+                "--executor",
+                "allocation, but this shell is in no Slurm allocation (no SLURM_JOB_ID, or "
+                "inside an srun step): start one with salloc, or use --executor slurm",
+            )
+        world.check_allocation(spec, alloc)
+
+
+def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> ResolvedSpec:
+    """Check a submission (and every element of its sweep) and resolve its task; SpecError
+    naming the flag for anything that cannot be submitted. What cannot be checked here (a
+    partition sinfo does not describe) is said through `warn`."""
+    check_submit(spec)
+    _check_faults()
+    resolved = resolve(spec.train)
+    if not spec.sweep:
+        resolved = world.continue_target(resolved)
+    elements = sweep_elements(spec.train, spec.sweep)
+    if spec.container is not None and not Path(spec.container).is_file():
+        raise SpecError("--container", f"image {spec.container!r} does not exist")
+    executor = executor_for(spec)
+    _check_executor(spec, executor)
+    world.check_places(resolved.train, existing_only=spec.dry_run)
+    if not spec.dry_run and executor == "slurm":
+        world.check_partition(spec, warn)
+        world.check_after_exists(spec)
+        world.check_array_size(len(elements))
+    return resolved
