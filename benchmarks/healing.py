@@ -25,7 +25,7 @@ from benchmarks.config import BenchConfig
 from benchmarks.stats import Figure
 from benchmarks.watch import cli, find_run_dir
 from mjlab_hpc.rundir.lock import LeaseLock, OwnerInfo
-from mjlab_hpc.rundir.record import read_record
+from mjlab_hpc.rundir.state import read_record
 
 __all__ = [
     "HANG_TIMEOUT_S",

@@ -28,9 +28,8 @@ from mjlab_hpc.errors import (
     EXIT_STOPPED,
 )
 from mjlab_hpc.rundir.layout import RunDir
-from mjlab_hpc.rundir.outcome import run_outcome
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
-from mjlab_hpc.rundir.record import read_record
+from mjlab_hpc.rundir.state import read_record, run_outcome
 
 __all__ = ["Closing", "Foreground", "closing", "failed_before_start", "follow_progress"]
 

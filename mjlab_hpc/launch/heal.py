@@ -36,14 +36,20 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
-from mjlab_hpc.rundir import record
 from mjlab_hpc.rundir.layout import (
     RunDir,
     progress_summary,
     read_hangs,
     read_sweep,
 )
-from mjlab_hpc.rundir.outcome import first_failure, rank_ends
+from mjlab_hpc.rundir.state import (
+    cancel_marker,
+    first_failure,
+    now_iso,
+    on_fault,
+    rank_ends,
+    read_record,
+)
 from mjlab_hpc.rundir.writer import RunWriter
 from mjlab_hpc.slurm.client import SlurmClient
 
@@ -145,7 +151,7 @@ def find_fault(run_dir: Path, since: float | None = None) -> Fault | None:
     assert cause is not None
     host = cause.host or "?"
     killed = cause.how == "no-exit"
-    failure = record.read_record(run_dir).get("failure") or {}
+    failure = read_record(run_dir).get("failure") or {}
     error = cause.describe()
     if failure.get("kind") == "environment" and failure.get("error"):
         error = str(failure["error"]).splitlines()[0]
@@ -161,7 +167,7 @@ def decide(
     fault = find_fault(run_dir, since)
     if fault is None:
         return Healing(None, why="nothing to heal")
-    rec = record.read_record(run_dir)
+    rec = read_record(run_dir)
     earlier = [f for f in rec.get("faults", []) if f.get("reason") == fault.reason]
     requeued_before = sum(1 for f in earlier if f.get("kind") == "requeue")
     entry: dict[str, Any] = {
@@ -172,14 +178,14 @@ def decide(
         "iteration": fault.iteration,
         "job_id": job_id,
         "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-        "at": record.now_iso(fault.at_s),
+        "at": now_iso(fault.at_s),
         "at_s": fault.at_s or time.time(),
-        "healed_at": record.now_iso(),
+        "healed_at": now_iso(),
         "signature": fault.signature(),
     }
     heal = Healing(fault, entry=entry)
     last = (rec.get("faults") or [None])[-1]
-    if record.cancel_marker(run_dir, rec) is not None:
+    if cancel_marker(run_dir, rec) is not None:
         heal.why = "the run was cancelled (mjlab-hpc cancel)"
     elif (
         last
@@ -212,10 +218,10 @@ def record_healing(
     try:
         writer = RunWriter.acquire(RunDir(run_dir), rank=0, timeout_s=lease_wait_s)
         try:
-            before = record.read_record(run_dir)
+            before = read_record(run_dir)
             if replace_last and before.get("faults"):
                 before["faults"] = before["faults"][:-1]
-            after = record.on_fault(before, heal.entry, heal.requeue)
+            after = on_fault(before, heal.entry, heal.requeue)
             if not heal.requeue:  # the cause, not a consequence the writer may have recorded
                 after["failure"] = {
                     "kind": heal.entry["reason"], "error": heal.entry["error"],

@@ -16,7 +16,7 @@ from mjlab_hpc.ops.runs import JobKind, Target, run_jobs
 from mjlab_hpc.procs import send_signal, wait_gone
 from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import CANCEL_RECORD
-from mjlab_hpc.rundir.record import now_iso
+from mjlab_hpc.rundir.state import now_iso
 from mjlab_hpc.slurm.client import SlurmClient
 
 __all__ = ["CancelOutcome", "cancel", "cancel_local", "cancel_slurm"]

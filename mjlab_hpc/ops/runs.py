@@ -27,7 +27,7 @@ from mjlab_hpc.rundir.layout import (
     read_element,
     read_sweep,
 )
-from mjlab_hpc.rundir.record import read_record
+from mjlab_hpc.rundir.state import read_record
 from mjlab_hpc.slurm.client import SlurmClient
 
 __all__ = [

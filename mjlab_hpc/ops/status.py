@@ -21,12 +21,19 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.runs import JobKind, RunJobs, run_jobs
-from mjlab_hpc.ops.state import JobState, job_states
 from mjlab_hpc.rundir.layout import ElementRecord, RunDir, progress_summary, read_sweep
-from mjlab_hpc.rundir.outcome import first_failure, rank_ends
-from mjlab_hpc.rundir.record import interruptions, now_iso, read_record
-from mjlab_hpc.slurm.client import SlurmClient
+from mjlab_hpc.rundir.state import (
+    JobState,
+    first_failure,
+    interruptions,
+    now_iso,
+    rank_ends,
+    read_record,
+    record_state,
+)
+from mjlab_hpc.slurm.client import SlurmAnswer, SlurmClient, SlurmRow
 
 __all__ = [
     "RunStatus",
@@ -34,6 +41,7 @@ __all__ = [
     "collect",
     "console",
     "interruption_line",
+    "job_states",
     "render",
     "status_table",
     "watch",
@@ -193,6 +201,36 @@ class StatusReport:
                 "run records for jobs squeue no longer lists"
             )
         return None
+
+
+def _current_row(run: RunJobs, rows: dict[str, SlurmRow]) -> SlurmRow | None:
+    """The row of the run's job that runs or waits (the first of a chain that has not
+    ended), else of its last job."""
+    known = [rows[j] for j in run.job_ids if j in rows]
+    return next((r for r in known if not r.final), rows.get(run.current or ""))
+
+
+def job_states(
+    runs: Sequence[RunJobs], slurm: SlurmClient | None = None
+) -> tuple[dict[Path, JobState], SlurmAnswer | None]:
+    """Every run's state, and what Slurm answered (None: no Slurm run asked). One squeue and
+    one sacct call for all Slurm runs together, however many runs and array elements."""
+    slurm = slurm or SlurmClient()
+    # Every job of a run: in a --chain the current one is the first that has not ended.
+    slurm_ids = [j for r in runs if r.kind == "slurm" for j in r.job_ids]
+    answer = slurm.answer(slurm_ids) if slurm_ids else None
+    rows = answer.rows if answer else {}
+    out: dict[Path, JobState] = {}
+    for run in runs:
+        row = _current_row(run, rows) if run.kind == "slurm" else None
+        if row is not None:
+            active = not row.final
+            out[run.run_dir] = JobState(row.state, row.source, active, row.nodes, row.gpus_per_node)
+        elif run.kind == "local" and local_processes(run.run_dir):
+            out[run.run_dir] = JobState("RUNNING", "process", True, 1)
+        else:
+            out[run.run_dir] = record_state(run.run_dir)
+    return out, answer
 
 
 def collect(run_dirs: Sequence[Path], slurm: SlurmClient | None = None) -> StatusReport:

@@ -20,10 +20,10 @@ from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.stop import Stop, StopKind, Stopped, StopRequest, agree_boundary
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog
 from mjlab_hpc.rank.workload import Workload, rank_state
-from mjlab_hpc.rundir import record
 from mjlab_hpc.rundir.checkpoint import Checkpoints
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import IterationStats
+from mjlab_hpc.rundir.state import interruptions, on_recovered, on_stop, read_record
 from mjlab_hpc.rundir.writer import RunWriter
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.spec import TrainSpec
@@ -39,7 +39,7 @@ _LOST = ("DOWN", "FAIL", "NOT_RESPONDING")
 def requeues_so_far(run: RunDir) -> dict[str, int]:
     """Requeues of the run so far, by reason (time-limit, preemption, node-lost, crash, ...)."""
     counts: dict[str, int] = {}
-    for entry in record.interruptions(record.read_record(run.path)):
+    for entry in interruptions(read_record(run.path)):
         if entry.get("kind", "requeue") == "requeue":
             reason = str(entry.get("reason"))
             counts[reason] = counts.get(reason, 0) + 1
@@ -60,7 +60,7 @@ def note_node_failure(
         return rec
     _, nodes, ended = runs[-2]
     rec = copy.deepcopy(rec)
-    mine = [e for e in record.interruptions(rec)
+    mine = [e for e in interruptions(rec)
             if e.get("job_id") == job_id and e.get("restart_count", restart_count - 1)
             == restart_count - 1]  # fmt: skip
     if mine:
@@ -167,8 +167,8 @@ class IterationBoundary:
         writer = self.writer
 
         def write() -> None:
-            before = record.read_record(writer.run.path)
-            after = record.on_recovered(before, self.start)
+            before = read_record(writer.run.path)
+            after = on_recovered(before, self.start)
             if after != before:
                 writer.write_json(writer.run.record, after)
 
@@ -221,6 +221,6 @@ class IterationBoundary:
 
         def write() -> None:
             writer.append_line(run.restarts, json.dumps(entry))
-            writer.write_json(run.record, record.on_stop(record.read_record(run.path), entry))
+            writer.write_json(run.record, on_stop(read_record(run.path), entry))
 
         writer.last_records(write)

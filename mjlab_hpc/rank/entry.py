@@ -47,11 +47,11 @@ from mjlab_hpc.rank.runner import IterationHook
 from mjlab_hpc.rank.stop import Interrupted, Stopped, StopRequest, Supervision, watch_signals
 from mjlab_hpc.rank.watchdog import Watchdog, parse_faults
 from mjlab_hpc.rank.workload import Workload, build_workload, init_warp, pin_cpus
-from mjlab_hpc.rundir import record
 from mjlab_hpc.rundir.checkpoint import Checkpoints
 from mjlab_hpc.rundir.layout import RunDir, create_run_dir, latest_run, record_latest_run
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
 from mjlab_hpc.rundir.snapshot import code_record, imported_from
+from mjlab_hpc.rundir.state import now_iso, on_end, on_start, read_record
 from mjlab_hpc.rundir.writer import RunWriter
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 
@@ -194,11 +194,11 @@ def _begin(
     torn = bool(raw) and not raw.endswith(b"\n")
     if len(kept) != len(written) or torn:  # iterations after the checkpoint, a torn last line
         writer.write_text(run.progress, "".join(json.dumps(r) + "\n" for r in kept))
-    before = record.read_record(run.path)
+    before = read_record(run.path)
     if ctx.mode == "slurm":
         last = int(written[-1].get("iteration", start)) if written else start
         before = note_node_failure(before, ctx.job_id, ctx.restart_count, last)
-    started = record.on_start(
+    started = on_start(
         before,
         spec=resolved.train.to_dict(),
         effective=resolved.effective(),
@@ -386,7 +386,7 @@ def _train(
                 "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
                 "kind": "environment" if problem is not None else failure_kind(exc),
                 "error": (problem or f"{type(exc).__name__}: {exc}".strip())[:2000],
-                "at": record.now_iso(),
+                "at": now_iso(),
             }
             # First: on a full disk this gives up the writer's reserve, and the log line
             # below then has room too.
@@ -403,9 +403,9 @@ def _train(
 
 def _record_end(writer: RunWriter, state: str, failure: dict[str, Any] | None) -> None:
     def write() -> None:
-        before = record.read_record(writer.run.path)
+        before = read_record(writer.run.path)
         tail = writer.run.progress_tail(1)
-        after = record.on_end(before, int(tail[-1]["iteration"]) if tail else 0, state)
+        after = on_end(before, int(tail[-1]["iteration"]) if tail else 0, state)
         if failure is not None:
             after["failure"] = failure
         writer.write_json(writer.run.record, after)
@@ -441,7 +441,7 @@ def _finish(
     )
     if len(set(digests)) != 1:
         log.error("ranks diverged: parameter digests %s", digests)
-    ended = record.on_end(record.read_record(run.path), runner.current_learning_iteration)
+    ended = on_end(read_record(run.path), runner.current_learning_iteration)
     writer.write_json(run.record, ended)
 
 

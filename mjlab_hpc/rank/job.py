@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from mjlab_hpc.errors import EXIT_INTERRUPTED
 from mjlab_hpc.rank.context import DETACHED_ENV, chain_link
-from mjlab_hpc.rundir.record import cancel_marker, read_record
+from mjlab_hpc.rundir.state import cancel_marker, read_record
 from mjlab_hpc.spec import ResolvedSpec
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from typing import Any
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.rundir.durable import fsync_dir, publish, write_atomic
 from mjlab_hpc.rundir.layout import CHECKSUM_SUFFIX, list_checkpoints
-from mjlab_hpc.rundir.record import read_record
+from mjlab_hpc.rundir.state import read_record
 
 __all__ = [
     "DAMAGED_SUFFIX",

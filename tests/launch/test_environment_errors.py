@@ -15,7 +15,7 @@ from helpers import BIN, cli_env, only_run
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from mjlab_hpc.rank.context import cuda_device_count
-from mjlab_hpc.rundir.record import read_record
+from mjlab_hpc.rundir.state import read_record
 from mjlab_hpc.validate.world import usable_cores
 
 TRAIN = [BIN / "mjlab-train", "cartpole", "--num-envs", "16", "--torch-threads", "1"]

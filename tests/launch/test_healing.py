@@ -24,7 +24,7 @@ from slurm_cluster import SlurmCluster
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.rundir.layout import RunDir
-from mjlab_hpc.rundir.record import read_record
+from mjlab_hpc.rundir.state import read_record
 
 COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
           "--save-interval", "5", "--max-iterations", "12"]  # fmt: skip

@@ -23,7 +23,7 @@ from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.procs import alive
 from mjlab_hpc.rundir.layout import RunDir
-from mjlab_hpc.rundir.record import read_record
+from mjlab_hpc.rundir.state import read_record
 
 pytestmark = pytest.mark.training
 

@@ -35,7 +35,7 @@ from mjlab_hpc.rank.stop import (
     classify,
     watch_signals,
 )
-from mjlab_hpc.rundir.record import read_record
+from mjlab_hpc.rundir.state import read_record
 
 COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
           "--save-interval", "100"]  # fmt: skip
