@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mjlab_hpc.errors import LaunchError, SpecError, SubmitError
     from mjlab_hpc.launch.submit import Submitted, submit, submit_sweep
-    from mjlab_hpc.rank.entry import RankResult, train_rank
+    from mjlab_hpc.rank.train import RankResult, train_rank
     from mjlab_hpc.rundir.lock import LeaseLock, OwnerInfo, write_fenced
     from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
     from mjlab_hpc.validate import resolve
@@ -41,8 +41,8 @@ _EXPORTS = {
     "Submitted": "mjlab_hpc.launch.submit",
     "submit": "mjlab_hpc.launch.submit",
     "submit_sweep": "mjlab_hpc.launch.submit",
-    "RankResult": "mjlab_hpc.rank.entry",
-    "train_rank": "mjlab_hpc.rank.entry",
+    "RankResult": "mjlab_hpc.rank.train",
+    "train_rank": "mjlab_hpc.rank.train",
     "LeaseLock": "mjlab_hpc.rundir.lock",
     "OwnerInfo": "mjlab_hpc.rundir.lock",
     "write_fenced": "mjlab_hpc.rundir.lock",

@@ -33,9 +33,8 @@ FACADES = {"mjlab_hpc"}
 # Imports of our own modules inside functions: only where loading them at the top would
 # defeat their purpose (heavy code that a light command must not load).
 LAZY_ALLOWED = {
-    ("mjlab_hpc.rank.job", "mjlab_hpc.rank.entry"),  # the submitter pickles RankJob: no torch
-    ("mjlab_hpc.rank.job", "mjlab_hpc.rank.stop"),
-    ("mjlab_hpc.cli.train", "mjlab_hpc.rank.entry"),  # bad input is refused before torch loads
+    ("mjlab_hpc.rank", "mjlab_hpc.rank.train"),  # the submitter pickles RankJob: no torch
+    ("mjlab_hpc.cli.train", "mjlab_hpc.rank.train"),  # bad input is refused before torch loads
     ("mjlab_hpc.cli.train", "mjlab_hpc.rank.stop"),
     ("mjlab_hpc.cli.hpc", "mjlab_hpc.ops.plot"),  # tensorboard, matplotlib
     ("mjlab_hpc.tasks.builtin", "mjlab_hpc.tasks.cartpole"),  # environments: torch, warp

@@ -90,8 +90,8 @@ def _run_in_process(resolved: ResolvedSpec, plan: LaunchPlan, argv: Sequence[str
         # Before CUDA initialises: the chosen GPU becomes cuda:0 of this process.
         os.environ["CUDA_VISIBLE_DEVICES"] = str(plan.single_gpu)
     # torch, warp, rsl-rl: loaded only once the input is known to be good.
-    from mjlab_hpc.rank.entry import train_rank
     from mjlab_hpc.rank.stop import Interrupted, Stopped, after_stop
+    from mjlab_hpc.rank.train import train_rank
 
     try:
         result = train_rank(resolved)

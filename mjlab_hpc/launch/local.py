@@ -31,8 +31,8 @@ from mjlab_hpc.launch.follow import (
     follow_progress,
 )
 from mjlab_hpc.procs import processes, send_signal, wait_gone
+from mjlab_hpc.rank import RankJob
 from mjlab_hpc.rank.context import DETACHED_ENV, SUPERVISOR_ENV
-from mjlab_hpc.rank.job import RankJob
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR, create_run_dir
 from mjlab_hpc.rundir.snapshot import import_path, snapshot_for
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec

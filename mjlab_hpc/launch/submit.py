@@ -19,7 +19,7 @@ from typing import Any, Literal
 from mjlab_hpc.errors import SubmitError
 from mjlab_hpc.launch.local import submit_local
 from mjlab_hpc.launch.slurm import array_executor, make_slurm_executor
-from mjlab_hpc.rank.job import RankJob
+from mjlab_hpc.rank import RankJob
 from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import (
     ELEMENT_RECORD,

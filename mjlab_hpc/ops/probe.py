@@ -91,7 +91,7 @@ def probe(folder: Path, mjlab: bool) -> dict[str, Any]:
         "token": token,
         "folder": os.path.realpath(folder),
         # What a rank imports: torch, warp, rsl-rl and our rank code.
-        "mjlab_hpc": _try_import("mjlab_hpc.rank.entry"),
+        "mjlab_hpc": _try_import("mjlab_hpc.rank.train"),
         "gpus": _gpus(),
     }
     if mjlab:

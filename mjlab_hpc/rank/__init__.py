@@ -1,13 +1,76 @@
-"""What runs inside one rank: where it stands in the job (`context`), the job callable
-(`job`) and the training entry point (`entry`), its workload (`workload`: environments and
-runner), the runner (`runner`), what the ranks exchange (`ppo`, `normalization`; how they
-reduce: `mjlab_hpc.collective`), resume (`resume`), the iteration boundary (`boundary`),
-stops (`stop`) and the hang watchdog (`watchdog`).
+"""What runs inside one rank: `RankJob` (what submitit runs in every task of a job), the
+training from start to end (`train`: the per-rank entry point and the iteration boundary),
+where the rank stands in the job (`context`), where it starts from (`resume`), what it trains
+(`workload`: environments and runner), the runner (`runner`), what the ranks exchange (`ppo`,
+`normalization`), stops (`stop`) and the hang watchdog (`watchdog`).
 
-Only `context` and `job` are light; the others import torch, warp and rsl-rl.
+Only this module and `context` are light; the others import torch, warp and rsl-rl.
 """
 
-from mjlab_hpc.rank.context import DistContext, detect_mode
-from mjlab_hpc.rank.job import RankJob
+from __future__ import annotations
 
-__all__ = ["DistContext", "RankJob", "detect_mode"]
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mjlab_hpc.rank.context import DETACHED_ENV, chain_link
+from mjlab_hpc.rundir.state import cancel_marker, read_record
+from mjlab_hpc.spec import ResolvedSpec
+
+if TYPE_CHECKING:
+    from mjlab_hpc.rank.train import RankResult
+
+__all__ = ["RankJob"]
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """One rank's training as a picklable callable, for submitit's executors. Light: the
+    submitting process pickles it; the rank imports the training code when the job runs."""
+
+    spec: ResolvedSpec
+    master_port: int | None = None
+    """The launcher's port for local jobs; Slurm jobs derive theirs from the job id."""
+
+    def __call__(self) -> RankResult | None:
+        done = _chain_done(self.spec.train.run_dir)
+        if done is not None:
+            print(done, file=sys.stderr, flush=True)
+            return None
+        # A stop that arrives while torch, Warp and rsl-rl load (seconds) is recorded here and
+        # handed on; submitit's own handlers would only log it.
+        early = _record_early_stops(self.spec.train.preempt_signal)
+        from mjlab_hpc.rank.train import run_job  # torch, warp, rsl-rl: in the rank only
+
+        return run_job(self.spec, self.master_port, early)
+
+
+def _chain_done(run_dir: str | None) -> str | None:
+    """Why a later job of a --chain has nothing to do (the run completed, or was cancelled
+    with `mjlab-hpc cancel`), None when it continues the run (or is not in a chain)."""
+    link = chain_link(os.environ)
+    if link is None or link[0] == 1 or not run_dir:
+        return None
+    record = read_record(Path(run_dir))
+    if record.get("state") == "completed":
+        why = "the run already completed"
+    elif cancel_marker(Path(run_dir), record) is not None:
+        why = "the run was cancelled (mjlab-hpc cancel)"
+    else:
+        return None
+    return f"job {link[0]} of {link[1]} of the chain: {why}, nothing to do"
+
+
+def _record_early_stops(preempt_signal: str) -> list[int]:
+    """Record stop signals (the time-limit signal, TERM, and INT/HUP unless the job runs in
+    the background) until `train_rank` installs its own handlers; the signals so far."""
+    early: list[int] = []
+    names = ["TERM", preempt_signal.upper().removeprefix("SIG")]
+    if DETACHED_ENV not in os.environ:
+        names += ["INT", "HUP"]
+    for name in names:
+        signal.signal(signal.Signals["SIG" + name], lambda signum, frame: early.append(signum))
+    return early

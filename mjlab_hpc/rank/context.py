@@ -20,6 +20,7 @@ from typing import Literal
 
 from mjlab_hpc.errors import LaunchError
 from mjlab_hpc.slurm.hostlist import HostlistError, first_host
+from mjlab_hpc.spec import TrainSpec
 
 __all__ = [
     "ALLOCATION_ENV",
@@ -39,6 +40,7 @@ __all__ = [
     "detect_mode",
     "interactive_step",
     "process_group",
+    "rank_device",
     "resolve_device",
     "seed_for_rank",
     "tasks_on_node",
@@ -418,6 +420,18 @@ def resolve_device(
         f"local rank {local_rank} has no GPU: this task sees {cuda_count} GPU(s) "
         f"(CUDA_VISIBLE_DEVICES={shown}) for {local_world_size} ranks on the node. Ask for "
         "as many GPUs per node as tasks per node (--gpus-per-node), or one GPU per task."
+    )
+
+
+def rank_device(spec: TrainSpec, ctx: DistContext) -> str:
+    """The device this rank trains on."""
+    choice = "cpu" if spec.gpu_ids is None or spec.num_procs > 1 else spec.device
+    return resolve_device(
+        choice,
+        ctx.local_rank,
+        ctx.local_world_size,
+        cuda_count=0 if choice == "cpu" else cuda_device_count(),
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
 
 

@@ -1,4 +1,4 @@
-"""Every way a rank is asked to stop, and what it does about it.
+"""Every way a rank is asked to stop, and the iteration boundary where it acts on it.
 
 1. Signals are only recorded by their handlers (acting inside a handler could interrupt a
    collective half way): the time-limit warning (`--preempt-signal`, USR2 by default), SIGTERM
@@ -14,11 +14,16 @@
 4. The writer saves a complete checkpoint; then a requeue-type stop requeues where a
    scheduler can (rank 0 runs `scontrol requeue`; submitit's local executor restarts ranks
    that exit 144), and a stop for good exits 3 (resume with `--resume`).
+
+`IterationBoundary` is what every rank runs after each PPO iteration: the watchdog's progress,
+an injected fault, the agreement (a stop, a time-based checkpoint: one all-reduce), the
+checkpoint, the stop's record, and the record of how a requeued run came back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -26,9 +31,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -36,10 +41,19 @@ import torch.distributed as dist
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_STOPPED
 from mjlab_hpc.procs import alive
 from mjlab_hpc.rank.context import ALLOCATION_ENV, SUPERVISOR_ENV, DistContext, chain_link
+from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog
+from mjlab_hpc.rank.workload import Workload, rank_state
+from mjlab_hpc.rundir.checkpoint import Checkpoints
+from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.progress import IterationStats
+from mjlab_hpc.rundir.state import on_recovered, on_stop, read_record
+from mjlab_hpc.rundir.writer import RunWriter
 from mjlab_hpc.slurm.client import SlurmClient
+from mjlab_hpc.spec import TrainSpec
 
 __all__ = [
     "Interrupted",
+    "IterationBoundary",
     "StopKind",
     "StopReason",
     "StopRequest",
@@ -322,3 +336,136 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
     if ctx.mode == "submitit-local":
         return EXIT_LOCAL_REQUEUE
     return EXIT_STOPPED
+
+
+def _gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
+    if not ctx.is_distributed:
+        return [obj]
+    out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+@dataclass
+class IterationBoundary:
+    """The per-iteration boundary every rank runs (an rsl-rl iteration hook)."""
+
+    work: Workload
+    run: RunDir
+    ctx: DistContext
+    device: str
+    spec: TrainSpec
+    total: int
+    start: int
+    """The iteration this start resumed from."""
+    request: StopRequest
+    writer: RunWriter | None
+    checkpoints: Checkpoints | None
+    restarts: dict[str, int]
+    """Requeues so far by reason (the same on every rank: read before training)."""
+    watchdog: Watchdog | None = None
+    injections: tuple[FaultInjection, ...] = ()
+    _last_save: float = field(default_factory=time.monotonic)
+    _recovered: bool = False
+
+    def __call__(self, runner: Any, s: IterationStats) -> None:
+        if self.watchdog is not None:
+            self.watchdog.progress(s.iteration)
+        if self.writer is not None and not self._recovered:
+            self._recovered = True
+            self._record_recovery()
+        for injection in self.injections:
+            injection.fire_if_due(self.run, self.ctx.rank, s.iteration)
+        every = self.spec.save_every_min
+        due = every is not None and time.monotonic() - self._last_save >= every * 60
+        stop, save = agree_boundary(self.request, self.ctx.is_distributed, self.device, due)
+        if stop is not None and s.iteration >= self.total:
+            stop = None  # the run is done: it completes (every rank agreed on the same value)
+        if self.watchdog is not None and (stop is not None or s.iteration >= self.total):
+            self.watchdog.disarm()  # what follows (W&B's upload, the last records) is no hang
+        periodic = save or s.iteration % self.spec.save_interval == 0 or s.iteration == self.total
+        if stop is not None or periodic:
+            if self.watchdog is not None:
+                with self.watchdog.paused():
+                    self._checkpoint(s.iteration, stop)
+            else:
+                self._checkpoint(s.iteration, stop)
+        if stop is not None:
+            raise Stopped(s.iteration, stop, self.ctx, self.restarts.get(stop.reason, 0))
+
+    def _checkpoint(self, iteration: int, stop: Stop | None) -> None:
+        t0 = time.time()
+        states = (
+            _gather_to_main(rank_state(self.work.env, self.device), self.ctx)
+            if self.work.exact_resume
+            else None
+        )
+        if self.writer is not None and self.checkpoints is not None:
+            path = self.writer.run.checkpoint(iteration)
+            t1 = time.time()
+            self.work.save(path, self.writer, states)
+            written_s = time.time() - t1
+            size = path.stat().st_size if path.is_file() else -1
+            log.info(
+                "checkpoint %s: %d bytes, ranks' states gathered in %.3f s, written in %.3f s",
+                path.name, size, t1 - t0, written_s,
+            )  # fmt: skip
+            self.checkpoints.written(path)
+            self.checkpoints.prune(self.spec.keep_checkpoints)
+            if stop is not None:
+                self._record_stop(stop, iteration, t0)
+        if self.ctx.is_distributed:
+            # The others wait here, not in the next iteration's first collective, so that
+            # their watchdogs (paused now) never count a long write as a hang.
+            dist.barrier()
+        self._last_save = time.monotonic()
+
+    def _record_recovery(self) -> None:
+        assert self.writer is not None
+        writer = self.writer
+
+        def write() -> None:
+            before = read_record(writer.run.path)
+            after = on_recovered(before, self.start)
+            if after != before:
+                writer.write_json(writer.run.record, after)
+
+        try:
+            writer.last_records(write)
+        except Exception as exc:  # a record, not the training
+            log.warning("could not record the recovery in run.json: %s", exc)
+
+    def _record_stop(self, stop: Stop, iteration: int, t0: float) -> None:
+        assert self.writer is not None
+        reason: str = stop.reason
+        nodelist = os.environ.get("SLURM_JOB_NODELIST")
+        lost = (
+            SlurmClient().lost_nodes(nodelist) or []
+            if stop.reason == "preemption" and self.ctx.mode == "slurm" and nodelist
+            else []
+        )
+        if lost:
+            reason = "node-lost"
+        entry = {
+            "reason": reason,
+            "kind": "requeue" if stop.kind == StopKind.REQUEUE else "stop",
+            "signal": stop.signal_name,
+            "iteration": iteration,
+            "job_id": self.ctx.job_id,
+            "restart_count": self.ctx.restart_count,
+            "signal_at": self.request.signaled_at,
+            "checkpoint_at": time.time(),
+            "checkpoint_s": round(time.time() - t0, 3),
+        }
+        if lost:
+            entry["nodes"] = lost
+            log.warning("node(s) %s lost: the job is requeued from iteration %d",
+                        ", ".join(lost), iteration)  # fmt: skip
+        run = self.writer.run
+        writer = self.writer
+
+        def write() -> None:
+            writer.append_line(run.restarts, json.dumps(entry))
+            writer.write_json(run.record, on_stop(read_record(run.path), entry))
+
+        writer.last_records(write)

@@ -38,18 +38,21 @@ __all__ = [
     "RankEnd",
     "RunOutcome",
     "cancel_marker",
+    "failure_kind",
     "first_failure",
     "git_commit",
     "interruptions",
     "now_iso",
     "on_end",
     "on_fault",
+    "on_node_failed",
     "on_recovered",
     "on_start",
     "on_stop",
     "rank_ends",
     "read_record",
     "record_state",
+    "requeues_so_far",
     "run_outcome",
     "versions",
     "writer_alive",
@@ -215,7 +218,61 @@ def cancel_marker(run_dir: Path, record: dict[str, Any] | None = None) -> dict[s
     return marker if str(marker.get("at", "")) >= str(starts[-1].get("at", "")) else None
 
 
+def requeues_so_far(record: dict[str, Any]) -> dict[str, int]:
+    """Requeues of the run so far, by reason (time-limit, preemption, node-lost, crash, ...)."""
+    counts: dict[str, int] = {}
+    for entry in interruptions(record):
+        if entry.get("kind", "requeue") == "requeue":
+            reason = str(entry.get("reason"))
+            counts[reason] = counts.get(reason, 0) + 1
+    return counts
+
+
+def on_node_failed(
+    record: dict[str, Any], job_id: str, restart_count: int, iteration: int, nodes: str,
+    ended: str,
+) -> dict[str, Any]:  # fmt: skip
+    """The record once a Slurm job requeued because a node failed (sacct: NODE_FAIL, on
+    `nodes`, at `ended`) starts again: the stop its ranks recorded (SIGTERM, taken for a
+    preemption) becomes `node-lost`, or, when the node died before they could record
+    anything, a `node-lost` fault is added."""
+    record = copy.deepcopy(record)
+    mine = [e for e in interruptions(record)
+            if e.get("job_id") == job_id and e.get("restart_count", restart_count - 1)
+            == restart_count - 1]  # fmt: skip
+    if mine:
+        if mine[-1].get("reason") == "preemption":
+            mine[-1]["reason"] = "node-lost"
+            mine[-1].setdefault("nodes", [nodes])
+        return record
+    try:
+        at_s = dt.datetime.fromisoformat(ended).timestamp()  # sacct: local time
+    except ValueError:
+        at_s = time.time()
+    record["faults"] = [*record.get("faults", []), {
+        "reason": "node-lost", "kind": "requeue", "nodes": [nodes], "job_id": job_id,
+        "restart_count": restart_count - 1, "iteration": iteration, "at": ended,
+        "at_s": at_s, "action": "requeued by Slurm (NODE_FAIL)",
+    }]  # fmt: skip
+    return record
+
+
 # --- how the latest start ended ---------------------------------------------------------
+
+# Errors of a rank whose peer died or hung: consequences, not causes.
+_PEER_LOST_ERROR = re.compile(
+    r"closed by peer|reset by peer|peer lost|remote worker|broken pipe|connection refused|"
+    r"timed out|timeout|DistBackendError|NCCL communicator",
+    re.IGNORECASE,
+)
+
+
+def failure_kind(exc: BaseException) -> str:
+    """`peer-lost` for an error that says another rank died or hung (a consequence), else
+    `exception`."""
+    text = f"{type(exc).__name__}: {exc}"
+    return "peer-lost" if _PEER_LOST_ERROR.search(text) else "exception"
+
 
 How = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung", "no-exit"]
 

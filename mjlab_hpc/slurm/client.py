@@ -55,6 +55,9 @@ FINAL_STATES = frozenset(
 )
 _GPUS = re.compile(r"gpu(?::[\w.-]+)?[:=](\d+)")
 
+# Slurm node states that mean a node is lost, not preempted (a drain lets jobs finish).
+_LOST = ("DOWN", "FAIL", "NOT_RESPONDING")
+
 
 @dataclass(frozen=True)
 class SlurmRow:
@@ -391,6 +394,21 @@ class SlurmClient:
         if default is not None:
             out[""] = out[default]
         return out
+
+    def lost_nodes(self, nodelist: str) -> list[str] | None:
+        """The nodes of a node list that Slurm marks down or failing (a SIGTERM because a
+        node failed, not a preemption; a drain lets jobs finish); None when Slurm does not
+        answer."""
+        hosts = self.hostnames(nodelist)
+        proc = (
+            self.run(["sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N|%T"]) if hosts else None
+        )
+        if proc is None or proc.returncode != 0:
+            return None
+        return sorted({
+            line.split("|")[0] for line in proc.stdout.splitlines()
+            if "|" in line and any(w in line.split("|")[1].upper() for w in _LOST)
+        })  # fmt: skip
 
     def hostnames(self, expr: str, scontrol: str = "scontrol") -> list[str] | None:
         """`scontrol show hostnames EXPR` (None when scontrol is missing, fails, hangs or

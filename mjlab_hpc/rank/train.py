@@ -1,12 +1,17 @@
-"""One rank's training: rsl-rl PPO on one rank of a (possibly) distributed job.
+"""One rank's training from start to end: rsl-rl PPO on one rank of a (possibly) distributed job.
 
 `train_rank(spec)` is the one per-rank entry point, whatever launched the process (a plain
-`mjlab-train`, our local launcher, torchrun, srun, submitit). It reads the distributed
-context, records stop requests (signals, a lost supervisor), joins the process group, agrees
-on the run directory, makes one process the writer, decides where training starts (refusing
-what cannot be continued before anything of the run changes), builds the rank's workload on
-its device, and runs PPO to the end or to a stop. Every rank ends its log with one `exit:`
-line (completed, stopped, interrupted, failed): a rank log without one ended abruptly.
+`mjlab-train`, our local launcher, torchrun, srun, submitit's `RankJob`). It reads the
+distributed context, records stop requests (signals, a lost supervisor), joins the process
+group, agrees on the run directory, makes one process the writer, decides where training
+starts (refusing what cannot be continued before anything of the run changes), builds the
+rank's workload on its device, and runs PPO to the end or to a stop.
+
+After every iteration each rank runs the same `IterationBoundary`: the watchdog's progress,
+an injected fault, the one all-reduce on which all ranks agree (a stop, a time-based
+checkpoint), the checkpoint, the stop's record, and the record of how a requeued run came back.
+Every rank ends its log with one `exit:` line (completed, stopped, interrupted, failed): a rank
+log without one ended abruptly.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import json
 import logging
 import os
 import random
-import re
 import socket
 import sys
 import threading
@@ -31,40 +35,53 @@ import torch
 import torch.distributed as dist
 import warp as wp
 
-from mjlab_hpc.errors import environment_problem
-from mjlab_hpc.rank.boundary import IterationBoundary, note_node_failure, requeues_so_far
+from mjlab_hpc.errors import EXIT_INTERRUPTED, environment_problem
 from mjlab_hpc.rank.context import (
     DETACHED_ENV,
     DistContext,
-    cuda_device_count,
     process_group,
-    resolve_device,
+    rank_device,
     seed_for_rank,
     torch_threads,
 )
 from mjlab_hpc.rank.resume import ResumePlan, ResumeRefused, load_plan, plan_resume
 from mjlab_hpc.rank.runner import IterationHook
-from mjlab_hpc.rank.stop import Interrupted, Stopped, StopRequest, Supervision, watch_signals
+from mjlab_hpc.rank.stop import (
+    Interrupted,
+    IterationBoundary,
+    Stopped,
+    StopRequest,
+    Supervision,
+    after_stop,
+    watch_signals,
+)
 from mjlab_hpc.rank.watchdog import Watchdog, parse_faults
 from mjlab_hpc.rank.workload import Workload, build_workload, init_warp, pin_cpus
 from mjlab_hpc.rundir.checkpoint import Checkpoints
 from mjlab_hpc.rundir.layout import RunDir, create_run_dir, latest_run, record_latest_run
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
 from mjlab_hpc.rundir.snapshot import code_record, imported_from
-from mjlab_hpc.rundir.state import now_iso, on_end, on_start, read_record
+from mjlab_hpc.rundir.state import (
+    failure_kind,
+    now_iso,
+    on_end,
+    on_node_failed,
+    on_start,
+    read_record,
+    requeues_so_far,
+)
 from mjlab_hpc.rundir.writer import RunWriter
+from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 
-__all__ = ["RankResult", "agree_run_dir", "failure_kind", "rank_device", "train_rank"]
+__all__ = [
+    "RankResult",
+    "agree_run_dir",
+    "run_job",
+    "train_rank",
+]
 
 log = logging.getLogger("mjlab_hpc")
-
-# Errors of a rank whose peer died or hung: consequences, not causes.
-_PEER_LOST = re.compile(
-    r"closed by peer|reset by peer|peer lost|remote worker|broken pipe|connection refused|"
-    r"timed out|timeout|DistBackendError|NCCL communicator",
-    re.IGNORECASE,
-)
 
 
 @dataclass(frozen=True)
@@ -78,25 +95,6 @@ class RankResult:
     device: str
     param_digest: str
     first_obs_digest: str
-
-
-def rank_device(spec: TrainSpec, ctx: DistContext) -> str:
-    """The device this rank trains on."""
-    choice = "cpu" if spec.gpu_ids is None or spec.num_procs > 1 else spec.device
-    return resolve_device(
-        choice,
-        ctx.local_rank,
-        ctx.local_world_size,
-        cuda_count=0 if choice == "cpu" else cuda_device_count(),
-        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-    )
-
-
-def failure_kind(exc: BaseException) -> str:
-    """`peer-lost` for an error that says another rank died or hung (a consequence), else
-    `exception`."""
-    text = f"{type(exc).__name__}: {exc}"
-    return "peer-lost" if _PEER_LOST.search(text) else "exception"
 
 
 def agree_run_dir(spec: TrainSpec, ctx: DistContext, experiment: str) -> Path:
@@ -195,9 +193,13 @@ def _begin(
     if len(kept) != len(written) or torn:  # iterations after the checkpoint, a torn last line
         writer.write_text(run.progress, "".join(json.dumps(r) + "\n" for r in kept))
     before = read_record(run.path)
-    if ctx.mode == "slurm":
-        last = int(written[-1].get("iteration", start)) if written else start
-        before = note_node_failure(before, ctx.job_id, ctx.restart_count, last)
+    if ctx.mode == "slurm" and ctx.job_id and ctx.restart_count >= 1:
+        # The previous run of a requeued job ended because a node failed (sacct: NODE_FAIL).
+        runs = SlurmClient().attempts(ctx.job_id) or []
+        if len(runs) >= 2 and runs[-2][0] == "NODE_FAIL":
+            last = int(written[-1].get("iteration", start)) if written else start
+            _, nodes, ended = runs[-2]
+            before = on_node_failed(before, ctx.job_id, ctx.restart_count, last, nodes, ended)
     started = on_start(
         before,
         spec=resolved.train.to_dict(),
@@ -341,7 +343,7 @@ def _train(
         hooks.append(
             IterationBoundary(
                 work, run, ctx, device, spec, total, start, request, writer, checkpoints,
-                requeues_so_far(run), watchdog, injections,
+                requeues_so_far(read_record(run.path)), watchdog, injections,
             )
         )  # fmt: skip
         try:
@@ -450,3 +452,22 @@ def _progress_writer(writer: RunWriter) -> IterationHook:
         writer.append_line(writer.run.progress, json.dumps(s.as_record()))
 
     return hook
+
+
+def run_job(
+    spec: ResolvedSpec, master_port: int | None, early_signals: Sequence[int]
+) -> RankResult:
+    """What a submitted job's task runs (`mjlab_hpc.rank.RankJob`): `train_rank`, then on a
+    stop the exit it asks for (a requeue, or a stop for good), at once: the checkpoint is on
+    disk, and no result file is written (the job is not done)."""
+    try:
+        return train_rank(spec, master_port=master_port, early_signals=early_signals)
+    except Stopped as stopped:
+        code = after_stop(stopped, spec.train.max_restarts)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once
+        code = EXIT_INTERRUPTED
+    # A normal interpreter exit spends seconds collecting garbage while the grace time runs.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
