@@ -19,7 +19,7 @@ from rich.table import Table
 from mjlab_hpc.cli.common import guarded
 from mjlab_hpc.errors import EXIT_INTERRUPTED, SpecError
 from mjlab_hpc.launch.heal import heal_job
-from mjlab_hpc.launch.templates import render
+from mjlab_hpc.launch.slurm import render
 from mjlab_hpc.ops.cancel import cancel as cancel_runs
 from mjlab_hpc.ops.doctor import diagnose
 from mjlab_hpc.ops.logs import find_tracebacks, follow, rank_files, rank_host, tail

@@ -3,7 +3,7 @@ and start the job again from its newest valid checkpoint, without a person.
 
 Runs in the part of a job that outlives its ranks: the Slurm batch script after `srun`
 returns (`python -m mjlab_hpc.launch.heal --run-dir DIR --exit-code $?`), and our local
-executor's controller (`mjlab_hpc.launch.controller`). It reads what the ranks left (their
+executor's controller (`mjlab_hpc.launch.executors`). It reads what the ranks left (their
 `exit:` lines, the hang watchdog's findings), and decides:
 
 - nothing to heal: every rank completed, stopped, was refused or interrupted, or the run was

@@ -22,7 +22,12 @@ from typing import Literal, TextIO
 import submitit
 
 from mjlab_hpc.errors import EXIT_INTERRUPTED, EXIT_OK, SpecError
-from mjlab_hpc.launch.controller import CONTROLLER_MODULE, HealingExecutor
+from mjlab_hpc.launch.executors import (
+    CONTROLLER_MODULE,
+    SUBMITIT_CONTROLLER_MODULE,
+    TASK_MODULE,
+    LocalJobExecutor,
+)
 from mjlab_hpc.launch.follow import (
     Closing,
     Foreground,
@@ -199,7 +204,7 @@ def submit_local(
 
     Like Slurm, submitit's local executor sends the time-limit signal `signal_delay_s` before
     `timeout_min`, and restarts the ranks when they exit for a requeue; after a crash or a hang
-    our controller heals the job (`mjlab_hpc.launch.controller`). `foreground`: this
+    our controller heals the job (`mjlab_hpc.launch.executors`). `foreground`: this
     process stays and supervises the job (its death stops the ranks); else the job runs in
     the background, untouched by this terminal's signals.
     """
@@ -209,7 +214,7 @@ def submit_local(
         if train.run_dir
         else create_run_dir(train.log_root, spec.experiment_name, train.run_name)
     )
-    executor = HealingExecutor(run_dir / SUBMITIT_DIR, train.max_restarts)
+    executor = LocalJobExecutor(run_dir / SUBMITIT_DIR, train.max_restarts)
     executor.update_parameters(
         tasks_per_node=ranks,
         timeout_min=timeout_min,
@@ -246,11 +251,9 @@ def local_processes(run_dir: Path) -> list[LocalProcess]:
     found = []
     for entry in processes(works_for_run):
         role: Literal["controller", "rank", "launcher"] = "launcher"
-        if "submitit.local._local" in entry.argv or CONTROLLER_MODULE in entry.argv:
+        if SUBMITIT_CONTROLLER_MODULE in entry.argv or CONTROLLER_MODULE in entry.argv:
             role = "controller"
-        elif "submitit.core._submit" in entry.argv and Path(entry.argv[0]).name.startswith(
-            "python"
-        ):
+        elif TASK_MODULE in entry.argv and Path(entry.argv[0]).name.startswith("python"):
             role = "rank"
         found.append(LocalProcess(entry.pid, role))
     return found

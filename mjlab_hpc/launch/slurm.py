@@ -1,21 +1,30 @@
-"""Slurm jobs through submitit: the executor for a SubmitSpec, its sbatch parameters, and the
-exact script it submits (also what `--dry-run` prints); and ranks started with srun inside an
-existing allocation (salloc, an interactive job) instead of a new job."""
+"""The Slurm job script, one home for every form of it: the script submitit submits for a
+SubmitSpec (its sbatch parameters, the code snapshot's PYTHONPATH, the heal step after srun; also
+what `--dry-run` prints), the plain-sbatch templates filled from the same spec (`mjlab-hpc
+render`, from `slurm_templates/`), and the srun command that starts the ranks inside an existing
+allocation (salloc, an interactive job) instead of a new job.
+
+A template is a shell script with `{{NAME}}` placeholders. Values are shell-quoted here, so no
+user string (a run name with `;` or `$(...)`) can run a command. A line holding a placeholder
+whose value is None (an option the user did not set) is left out.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import submitit
-
-from mjlab_hpc.errors import EXIT_INTERRUPTED
+from mjlab_hpc.errors import EXIT_INTERRUPTED, SpecError
+from mjlab_hpc.launch.executors import SlurmJobExecutor
 from mjlab_hpc.launch.follow import (
     Closing,
     Foreground,
@@ -29,17 +38,23 @@ from mjlab_hpc.rundir.snapshot import import_path, snapshot_for, with_snapshot
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, train_cli_args
+from mjlab_hpc.validate import validate_submit
 from mjlab_hpc.validate.rules import sbatch_options
 
 __all__ = [
+    "TEMPLATE_NAMES",
     "allocation_srun",
     "array_executor",
     "container_python",
     "make_slurm_executor",
+    "read_template",
+    "render",
     "render_array_sbatch",
     "render_sbatch",
+    "render_template",
     "run_in_allocation",
     "slurm_parameters",
+    "template_context",
 ]
 
 
@@ -105,40 +120,6 @@ def container_python(spec: SubmitSpec, run_dir: Path) -> str | None:
     )
 
 
-_HEAL_COMMENT = """\
-# Self-healing (mjlab_hpc): when a rank crashed or hung, record the fault in run.json and
-# requeue the job (excluding a node the fault is attributed to) while restarts remain and the
-# failure is not a repeat; nothing happens after a completed or stopped run.
-"""
-
-
-class _SlurmExecutor(submitit.SlurmExecutor):
-    """submitit's SlurmExecutor that can also render a script where there is no srun (a dry
-    run on a laptop)."""
-
-    def __init__(
-        self, folder: Path, python: str | None, max_restarts: int, render_only: bool = False
-    ) -> None:
-        self._render_only = render_only
-        self.max_restarts = max_restarts
-        super().__init__(folder, python=python)
-
-    def affinity(self) -> int:  # type: ignore[override]
-        # submitit refuses to build an executor without srun; rendering needs none.
-        return 2 if self._render_only else submitit.SlurmExecutor.affinity()
-
-    def _make_submission_file_text(self, command: str, uid: str) -> str:
-        # submitit's script ends with its srun line; the healer runs after it, in the batch
-        # shell (which outlives the ranks), with srun's exit code.
-        text = str(super()._make_submission_file_text(command, uid))
-        run_dir = shlex.quote(str(Path(self.folder).parent))
-        heal = (
-            f"{self.python} -m mjlab_hpc.launch.heal --run-dir {run_dir} --exit-code $? "
-            f"--elapsed-s $SECONDS --max-restarts {self.max_restarts}"
-        )
-        return text.rstrip("\n") + "\n\n" + _HEAL_COMMENT + heal + "\n"
-
-
 def make_slurm_executor(
     spec: SubmitSpec,
     folder_parent: Path,
@@ -151,7 +132,7 @@ def make_slurm_executor(
     `link` of the spec's --chain that waits for the jobs `after` (default: --after).
     `snapshot`: the code record to run from (default: the one recorded in `folder_parent`;
     a dry run passes the planned one)."""
-    executor = _SlurmExecutor(
+    executor = SlurmJobExecutor(
         folder=folder_parent / SUBMITIT_DIR,
         python=container_python(spec, folder_parent),
         max_restarts=spec.train.max_restarts,
@@ -168,8 +149,7 @@ def make_slurm_executor(
 def render_sbatch(spec: SubmitSpec, run_dir: Path, snapshot: dict[str, Any] | None = None) -> str:
     """The exact sbatch script submitit submits for this spec (`snapshot`: the planned code
     record, whose import roots the script puts first)."""
-    executor = make_slurm_executor(spec, run_dir, dry_run=True, snapshot=snapshot)
-    return str(executor._make_submission_file_text(executor._submitit_command_str, "dry-run"))
+    return make_slurm_executor(spec, run_dir, dry_run=True, snapshot=snapshot).script()
 
 
 def array_executor(
@@ -194,7 +174,91 @@ def render_array_sbatch(
     """The exact sbatch script of a sweep's job array of `count` elements."""
     executor = array_executor(spec, sweep_dir, dry_run=True, snapshot=snapshot)
     executor.parameters["map_count"] = count  # what submitit sets when it submits an array
-    return str(executor._make_submission_file_text(executor._submitit_command_str, "dry-run"))
+    return executor.script()
+
+
+# --- plain-sbatch templates ------------------------------------------------------------------
+
+TEMPLATE_NAMES = ("train", "train_apptainer")
+_PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
+
+
+def read_template(name: str) -> str:
+    """A template's text, by name (`train`, `train_apptainer`: shipped inside the package, so
+    an installed wheel has them) or by path."""
+    path = Path(name)
+    if path.is_file():
+        return path.read_text()
+    if name in TEMPLATE_NAMES:
+        return (resources.files("mjlab_hpc") / "slurm_templates" / f"{name}.sbatch").read_text()
+    raise SpecError(
+        "TEMPLATE",
+        f"no template {name!r}: use one of {', '.join(TEMPLATE_NAMES)} or a path to a file",
+    )
+
+
+def template_context(spec: SubmitSpec, resolved: ResolvedSpec) -> dict[str, str | None]:
+    """Placeholder values for a validated spec, already quoted for the shell."""
+    q = shlex.quote
+    log_root = Path(spec.train.log_root).resolve()
+
+    def opt(value: object) -> str | None:
+        return None if value is None else q(str(value))
+
+    extra = [
+        f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={q(str(v))}"
+        for k, v in sbatch_options(spec).items()
+    ]
+    return {
+        "JOB_NAME": q(spec.name),
+        "NODES": str(spec.nodes),
+        "TASKS_PER_NODE": str(spec.ranks_per_node),
+        "GPUS_PER_NODE": str(spec.gpus_per_node) if spec.gpus_per_node > 0 else None,
+        "CPUS_PER_TASK": opt(spec.cpus_per_task),
+        "MEM": opt(spec.mem),
+        "PARTITION": opt(spec.partition),
+        "ACCOUNT": opt(spec.account),
+        "QOS": opt(spec.qos),
+        "CONSTRAINT": opt(spec.constraint),
+        "EXCLUSIVE": "--exclusive" if spec.exclusive else None,
+        "TIME": q(spec.time),
+        "SIGNAL": f"{spec.preempt_signal}@{spec.signal_delay_s}",
+        "BATCH_LOG": "slurm-%x-%j.out",
+        "SBATCH_EXTRA": "\n".join(extra) or None,
+        "SETUP": "\n".join(spec.setup) or None,  # shell lines by design: not quoted
+        "LOG_ROOT": q(str(log_root)),
+        "EXPERIMENT": q(resolved.experiment_name),
+        "RUN_NAME": q(spec.train.run_name),
+        "TRAIN_ARGS": " ".join(q(a) for a in train_cli_args(spec.train)),
+        "MAX_RESTARTS": str(spec.train.max_restarts),
+        "IMAGE": opt(Path(spec.container).resolve() if spec.container else None),
+        "NV": "--nv" if spec.gpus_per_node > 0 else "",
+    }
+
+
+def render_template(text: str, context: dict[str, str | None]) -> str:
+    """Fill `{{NAME}}` placeholders; drop lines whose placeholder is None."""
+    out = []
+    for line in text.splitlines():
+        names = _PLACEHOLDER.findall(line)
+        unknown = [n for n in names if n not in context]
+        if unknown:
+            raise SpecError("TEMPLATE", f"unknown placeholder {{{{{unknown[0]}}}}} in: {line}")
+        if any(context[n] is None for n in names):
+            continue
+        out.append(_PLACEHOLDER.sub(lambda m: str(context[m.group(1)]), line))
+    return "\n".join(out) + "\n"
+
+
+def render(template: str, spec: SubmitSpec) -> str:
+    """The filled template for `spec` (validated first, as a Slurm job that is not submitted
+    here: rendering works on a machine without Slurm)."""
+    spec = dataclasses.replace(spec, executor="slurm", dry_run=True)
+    resolved = validate_submit(spec)
+    text = read_template(template)
+    if "{{IMAGE}}" in text and spec.container is None:
+        raise SpecError("--container", f"template {template!r} needs an image: --container IMAGE")
+    return render_template(text, template_context(spec, resolved))
 
 
 # --- inside an existing allocation ------------------------------------------------------------

@@ -293,6 +293,21 @@ class ContextRunnerMixin:
         saved["infos"] = infos
         return saved
 
+    def save_published(self, path: Path, publish: Callable[[Path], None]) -> None:
+        """The runner's own `save` (mjlab's: the environment's step counter, ONNX export)
+        into a temporary file beside `path`, then `publish(tmp)` (which renames it to `path`);
+        its W&B upload waits for the real name (W&B runs are searched for model_<n>.pt)."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        upload, uploads = self.logger.save_model, []
+        self.logger.save_model = lambda _path, it: uploads.append(it)
+        try:
+            self.save(str(tmp))  # type: ignore[attr-defined]
+        finally:
+            vars(self.logger).pop("save_model", None)
+        publish(tmp)
+        for it in uploads:
+            upload(str(path), it)
+
     def param_digest(self) -> str:
         """sha256 of the actor and critic parameters, to compare ranks bit for bit."""
         return state_digest(self.alg.actor, self.alg.critic)

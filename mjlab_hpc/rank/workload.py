@@ -253,20 +253,9 @@ def _mjlab_workload(
         _write_params(writer, spec, {})
 
     def save(path: Path, writer: RunWriter, states: list[Any] | None) -> None:
-        # mjlab's own save (step counter, ONNX export) into a temporary file of the run
-        # directory, then the same fenced, checksummed publication as ours; its W&B upload
-        # waits for the checkpoint's real name (W&B runs are searched for model_<n>.pt).
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        logger = runner.logger
-        upload, uploads = logger.save_model, []
-        logger.save_model = lambda _path, it: uploads.append(it)
-        try:
-            runner.save(str(tmp))
-        finally:
-            vars(logger).pop("save_model", None)
-        publish_file(tmp, path, before_rename=writer.check)
-        for it in uploads:
-            upload(str(path), it)
+        # mjlab's own save (step counter, ONNX export), then the same fenced, checksummed
+        # publication as ours.
+        runner.save_published(path, lambda tmp: publish_file(tmp, path, writer.check))
 
     def load(path: Path, ckpt: dict[str, Any], other_run: bool) -> None:
         runner.load(str(path), map_location=device)

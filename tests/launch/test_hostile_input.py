@@ -24,9 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.launch.slurm import render_sbatch
+from mjlab_hpc.launch.slurm import render, render_sbatch
 from mjlab_hpc.launch.submit import planned_run_dir
-from mjlab_hpc.launch.templates import render
 from mjlab_hpc.spec import SubmitSpec, TrainSpec
 from mjlab_hpc.validate import validate_submit
 

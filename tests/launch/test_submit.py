@@ -14,8 +14,7 @@ import pytest
 from helpers import BIN, cli_env, recording_tools
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.launch.slurm import render_sbatch
-from mjlab_hpc.launch.templates import render
+from mjlab_hpc.launch.slurm import render, render_sbatch
 from mjlab_hpc.rundir.layout import RunDir, run_dir_for_key
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import SubmitSpec, TrainSpec, train_cli_args

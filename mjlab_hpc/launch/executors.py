@@ -1,22 +1,27 @@
-"""The controller of our local jobs: submitit's local controller, plus what srun and the batch
-script do for a Slurm job.
+"""Our submitit executors, and every use of submitit beyond its public API (its script text,
+its local controller), in one place: `tests/test_upstream.py` fails naming the part when an
+installed submitit no longer has it.
 
-- When a rank fails (an exception, a signal, the hang watchdog), the others are ended after a
-  moment instead of waiting in a collective (srun's --kill-on-bad-exit).
-- A start that ended in a crash or a hang is healed: `mjlab_hpc.launch.heal` records the
-  fault and the ranks start again from the newest valid checkpoint, while restarts remain
-  and the failure is not a repeat.
-- Ranks that exit for a requeue (the time-limit signal) start again, as under submitit.
-
-Run as `python -m mjlab_hpc.launch.controller <submitit folder>` by `HealingExecutor`; the
-run directory is the folder's parent. A stop signal to the controller (our launcher's first
-Ctrl-C, `mjlab-hpc cancel`) is forwarded to the ranks and nothing is healed after it.
+- `SlurmJobExecutor`: submitit's SlurmExecutor whose batch script ends with the heal step
+  (after srun, in the batch shell, which outlives the ranks), and which renders its script
+  where there is no srun (a dry run on a laptop).
+- `LocalJobExecutor`: submitit's LocalExecutor whose jobs run under `HealingController`,
+  submitit's local controller plus what srun and the batch script do for a Slurm job: when a
+  rank fails, the others are ended after a moment instead of waiting in a collective (srun's
+  --kill-on-bad-exit); a start that ended in a crash or a hang is healed
+  (`mjlab_hpc.launch.heal`: the fault recorded, the ranks started again from the newest valid
+  checkpoint while restarts remain and the failure is not a repeat); ranks that exit for a
+  requeue (the time-limit signal) start again, as under submitit. A stop signal to the
+  controller (our launcher's first Ctrl-C, `mjlab-hpc cancel`) is forwarded to the ranks and
+  nothing is healed after it. It runs as `python -m mjlab_hpc.launch.executors FOLDER
+  MAX_RESTARTS`; the run directory is the submitit folder's parent.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -38,10 +43,20 @@ from mjlab_hpc.errors import (
 )
 from mjlab_hpc.launch.heal import decide, record_healing
 
-__all__ = ["CONTROLLER_MODULE", "MAX_RESTARTS_ENV", "HealingController", "HealingExecutor"]
+__all__ = [
+    "CONTROLLER_MODULE",
+    "SUBMITIT_CONTROLLER_MODULE",
+    "TASK_MODULE",
+    "HealingController",
+    "LocalJobExecutor",
+    "SlurmJobExecutor",
+]
 
-CONTROLLER_MODULE = "mjlab_hpc.launch.controller"
-MAX_RESTARTS_ENV = "MJLAB_HPC_MAX_RESTARTS"
+#: What `python -m` runs: our local controller, submitit's own, and a task of either.
+CONTROLLER_MODULE = "mjlab_hpc.launch.executors"
+SUBMITIT_CONTROLLER_MODULE = "submitit.local._local"
+TASK_MODULE = "submitit.core._submit"
+
 # Seconds the other ranks get after one failed, before they are killed: a rank whose peer
 # died has nothing to save, and one that waits on a frozen peer never ends by itself.
 _KILL_GRACE_S = 5.0
@@ -51,13 +66,51 @@ _MAX_STARTS = 1000
 _ON_PURPOSE = (EXIT_OK, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_LOCAL_REQUEUE)
 
 
+_HEAL_COMMENT = """\
+# Self-healing (mjlab_hpc): when a rank crashed or hung, record the fault in run.json and
+# requeue the job (excluding a node the fault is attributed to) while restarts remain and the
+# failure is not a repeat; nothing happens after a completed or stopped run.
+"""
+
+
+class SlurmJobExecutor(submitit.SlurmExecutor):
+    """submitit's SlurmExecutor that can also render a script where there is no srun (a dry
+    run on a laptop)."""
+
+    def __init__(
+        self, folder: Path, python: str | None, max_restarts: int, render_only: bool = False
+    ) -> None:
+        self._render_only = render_only
+        self.max_restarts = max_restarts
+        super().__init__(folder, python=python)
+
+    def affinity(self) -> int:  # type: ignore[override]
+        # submitit refuses to build an executor without srun; rendering needs none.
+        return 2 if self._render_only else submitit.SlurmExecutor.affinity()
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        # submitit's script ends with its srun line; the healer runs after it, in the batch
+        # shell (which outlives the ranks), with srun's exit code.
+        text = str(super()._make_submission_file_text(command, uid))
+        run_dir = shlex.quote(str(Path(self.folder).parent))
+        heal = (
+            f"{self.python} -m mjlab_hpc.launch.heal --run-dir {run_dir} --exit-code $? "
+            f"--elapsed-s $SECONDS --max-restarts {self.max_restarts}"
+        )
+        return text.rstrip("\n") + "\n\n" + _HEAL_COMMENT + heal + "\n"
+
+    def script(self) -> str:
+        """The exact batch script this executor submits (what a dry run prints)."""
+        return str(self._make_submission_file_text(self._submitit_command_str, "dry-run"))
+
+
 class HealingController(Controller):  # type: ignore[misc]
     """submitit's local controller that ends a failed start at once and heals it."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, max_restarts: int) -> None:
         super().__init__(folder)
         self.run_dir = Path(folder).parent
-        self.max_restarts = int(os.environ.get(MAX_RESTARTS_ENV, "10"))
+        self.max_restarts = max_restarts
         self.signalled = False
         signal.signal(signal.SIGTERM, self._stop_signal)
 
@@ -126,7 +179,7 @@ class HealingController(Controller):  # type: ignore[misc]
                 return
 
 
-class HealingExecutor(submitit.LocalExecutor):  # type: ignore[misc]
+class LocalJobExecutor(submitit.LocalExecutor):  # type: ignore[misc]
     """submitit's LocalExecutor whose jobs run under `HealingController`."""
 
     def __init__(self, folder: Path, max_restarts: int) -> None:
@@ -152,8 +205,7 @@ class HealingExecutor(submitit.LocalExecutor):  # type: ignore[misc]
             CUDA_VISIBLE_DEVICES=",".join(str(k) for k in gpus),
             SUBMITIT_LOCAL_WITH_SHELL="",
         )
-        env[MAX_RESTARTS_ENV] = str(self.max_restarts)
-        argv = [sys.executable, "-m", CONTROLLER_MODULE, str(self.folder)]
+        argv = [sys.executable, "-m", CONTROLLER_MODULE, str(self.folder), str(self.max_restarts)]
         process = subprocess.Popen(argv, env=env)  # outlives this call, as submitit's does
         return LocalJob(
             folder=self.folder, job_id=str(process.pid), process=process, tasks=list(range(ntasks))
@@ -161,5 +213,5 @@ class HealingExecutor(submitit.LocalExecutor):  # type: ignore[misc]
 
 
 if __name__ == "__main__":
-    assert len(sys.argv) == 2, f"usage: python -m {CONTROLLER_MODULE} <submitit folder>"
-    HealingController(Path(sys.argv[1])).run()
+    assert len(sys.argv) == 3, f"usage: python -m {CONTROLLER_MODULE} FOLDER MAX_RESTARTS"
+    HealingController(Path(sys.argv[1]), int(sys.argv[2])).run()
