@@ -247,10 +247,10 @@ class SubmitSpec:
     after: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
     """Start only once this Slurm job has ended, however it ended (repeatable; sbatch's
     --dependency=afterany:JOBID)."""
-    no_snapshot: bool = False
-    """Run the code as it is when the job starts, instead of a copy of the git repository
-    mjlab-submit is run from taken at submit time (the default, for this job and all its
-    requeues)."""
+    snapshot: bool = True
+    """Run this job and all its requeues from a copy, taken at submit time, of the git
+    repository mjlab-submit is run from; --no-snapshot runs the code as it is when the job
+    starts."""
     chain: int = 1
     """Submit N jobs of --time each, one after the other: each starts when the previous one
     ended and continues the run from its checkpoint (for clusters that forbid requeue or cap

@@ -46,7 +46,9 @@ class Render:
     and print it; submit the result with plain `sbatch`."""
 
     template: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="TEMPLATE")]
+    """train, train_apptainer (shipped in the package), or the path of a template of yours."""
     spec: Annotated[SubmitSpec, tyro.conf.OmitArgPrefixes] = field(default_factory=SubmitSpec)
+    """The job, as mjlab-submit's flags give it."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class Status:
     watch: bool = False
     """Redraw the table every --interval-s seconds until Ctrl-C."""
     interval_s: float = 2.0
+    """With --watch: seconds between redraws."""
     limit: int = 20
     """At most this many runs when listing --log-root (0: all)."""
     json: bool = False
@@ -101,6 +104,7 @@ class Logs:
     stream: Literal["log", "out", "err"] = "log"
     """With --rank: the rank's log, or its task stdout / stderr (submitit)."""
     log_root: str = "logs"
+    """Where job ids are looked up."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ class Cancel:
     grace_s: float = 30.0
     """Seconds to wait for the ranks to stop before killing them."""
     log_root: str = "logs"
+    """Where job ids are looked up."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,7 @@ class Doctor:
     job arrays. Two short probe jobs run; exit 0 only when every check passes."""
 
     spec: Annotated[SubmitSpec, tyro.conf.OmitArgPrefixes] = field(default_factory=SubmitSpec)
+    """The job to check, as mjlab-submit's flags give it."""
     wait_s: float = 300.0
     """Seconds to wait for the probe jobs to start and end (a busy cluster queues them)."""
     json: bool = False
@@ -158,7 +164,9 @@ class Plot:
     out: str = "training.png"
     """The PNG to write."""
     title: str | None = None
+    """The figure's title (default: the runs' names)."""
     log_root: str = "logs"
+    """Where job ids are looked up."""
 
 
 Command = (

@@ -173,7 +173,7 @@ def sweep_dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
             "# ---- sbatch script of the job array (dry run: not submitted"
             f"{_no_slurm_here(spec)}) ----\n"
         )
-        code = planned_record(plan_snapshot(Path.cwd(), spec.no_snapshot), sweep_dir)
+        code = planned_record(plan_snapshot(Path.cwd(), not spec.snapshot), sweep_dir)
         out.write(render_array_sbatch(spec, sweep_dir, len(elements), code))
         if spec.chain > 1:
             out.write(chain_note(spec))
@@ -294,7 +294,7 @@ def in_allocation(spec: SubmitSpec, argv: Sequence[str]) -> int:
     resolved = validate_submit(spec)
     alloc = current_allocation(os.environ)
     assert alloc is not None  # validate_submit refuses --executor allocation outside one
-    code = plan_snapshot(Path.cwd(), spec.no_snapshot)  # too large: refused, nothing made
+    code = plan_snapshot(Path.cwd(), not spec.snapshot)  # too large: refused, nothing made
     run_dir = make_run_dir(spec, resolved)
     record_code(code, run_dir)
     console = Console(stderr=True)
@@ -323,7 +323,7 @@ def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
                   f"{shlex.join(command)}\n")  # fmt: skip
     elif executor_for(spec) == "slurm":
         out.write(f"# ---- sbatch script (dry run: not submitted{_no_slurm_here(spec)}) ----\n")
-        code = planned_record(plan_snapshot(Path.cwd(), spec.no_snapshot), run_dir)
+        code = planned_record(plan_snapshot(Path.cwd(), not spec.snapshot), run_dir)
         out.write(render_sbatch(spec, run_dir, code))
         if spec.chain > 1:
             out.write(chain_note(spec))

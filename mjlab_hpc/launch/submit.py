@@ -158,7 +158,7 @@ def submit(spec: SubmitSpec) -> Submitted:
     resolved = validate_submit(spec)
     kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
     made_here = not resolved.train.run_dir  # --run-dir, or the run --resume continues
-    code = plan_snapshot(Path.cwd(), spec.no_snapshot)  # too large: refused, nothing made
+    code = plan_snapshot(Path.cwd(), not spec.snapshot)  # too large: refused, nothing made
     run_dir = make_run_dir(spec, resolved)
     try:
         record_code(code, run_dir)
@@ -243,7 +243,7 @@ def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
     elements = sweep_elements(spec.train, spec.sweep)
     kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
     log_root, experiment = spec.train.log_root, resolved.experiment_name
-    code = plan_snapshot(Path.cwd(), spec.no_snapshot)  # too large: refused, nothing made
+    code = plan_snapshot(Path.cwd(), not spec.snapshot)  # too large: refused, nothing made
     sweep_dir = create_run_dir(Path(log_root) / experiment, SWEEPS_DIR, spec.train.run_name)
     run_dirs: list[Path] = []
     try:

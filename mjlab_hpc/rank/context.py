@@ -50,17 +50,19 @@ __all__ = [
 
 LaunchMode = Literal["single", "torchrun", "slurm", "submitit-local"]
 
+# Variables our own processes pass to the ranks they start (named `_MJLAB_HPC_*`: internal,
+# not for users; docs/launching.md lists the variables a user may set).
 #: Set by our foreground launchers (`mjlab-train --num-procs`, `mjlab-submit --follow`) for
 #: their ranks: comma-separated PIDs whose disappearance stops the ranks.
-SUPERVISOR_ENV = "MJLAB_HPC_SUPERVISOR_PIDS"
+SUPERVISOR_ENV = "_MJLAB_HPC_SUPERVISOR_PIDS"
 #: Set for ranks of a job started in the background (`mjlab-submit --executor local` without
 #: --follow): they ignore Ctrl-C and hang-ups of the terminal they were started from.
-DETACHED_ENV = "MJLAB_HPC_DETACHED"
+DETACHED_ENV = "_MJLAB_HPC_DETACHED"
 #: Set in the jobs of `mjlab-submit --chain N` to "K/N": job K of N continues the run.
-CHAIN_ENV = "MJLAB_HPC_CHAIN"
+CHAIN_ENV = "_MJLAB_HPC_CHAIN"
 #: Set for ranks that `mjlab-submit` started with srun inside an existing allocation (salloc):
 #: nothing requeues them (requeueing the allocation would end the user's session).
-ALLOCATION_ENV = "MJLAB_HPC_ALLOCATION"
+ALLOCATION_ENV = "_MJLAB_HPC_ALLOCATION"
 
 
 def chain_link(env: Mapping[str, str]) -> tuple[int, int] | None:

@@ -220,7 +220,7 @@ def agree_boundary(
 class Supervision:
     """Watches the processes that supervise this rank and records a stop when one is gone.
 
-    Watched: the PIDs our foreground launchers name in MJLAB_HPC_SUPERVISOR_PIDS, and the
+    Watched: the PIDs our foreground launchers name in _MJLAB_HPC_SUPERVISOR_PIDS, and the
     parent process when it is a supervisor of ours (submitit's local controller, torchrun's
     agent): a rank re-parented to init has lost it. A daemon thread checks every `poll_s`.
     """

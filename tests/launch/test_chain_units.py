@@ -32,9 +32,9 @@ from mjlab_hpc.validate.world import check_allocation
 
 
 def test_chain_link_reads_only_sane_places() -> None:
-    assert chain_link({"MJLAB_HPC_CHAIN": "2/3"}) == (2, 3)
+    assert chain_link({"_MJLAB_HPC_CHAIN": "2/3"}) == (2, 3)
     for bad in ("", "0/3", "4/3", "x/3", "2/3\n1", "-1/2"):
-        assert chain_link({"MJLAB_HPC_CHAIN": bad}) is None, bad
+        assert chain_link({"_MJLAB_HPC_CHAIN": bad}) is None, bad
     assert chain_link({}) is None
 
 
@@ -81,7 +81,7 @@ def test_the_script_of_a_chained_job_waits_and_knows_its_place(tmp_path: Path) -
                       time="30")  # fmt: skip
     script = render_sbatch(spec, tmp_path)
     assert "#SBATCH --dependency=afterany:41:42_1" in script
-    assert "export MJLAB_HPC_CHAIN=1/3" in script
+    assert "export _MJLAB_HPC_CHAIN=1/3" in script
 
 
 class _Job:

@@ -182,7 +182,7 @@ def test_handlers_record_the_strongest_stop_and_are_restored() -> None:
 def test_a_lost_supervisor_is_a_stop_for_good() -> None:
     child = subprocess.Popen(["sleep", "30"])
     request = StopRequest("submitit-local")
-    env = {"MJLAB_HPC_SUPERVISOR_PIDS": str(child.pid)}
+    env = {"_MJLAB_HPC_SUPERVISOR_PIDS": str(child.pid)}
     with Supervision(request, watch_parent=True, env=env, poll_s=0.05) as watch:
         time.sleep(0.2)
         assert agree(request, False, "cpu") is None and watch.lost is None
