@@ -25,7 +25,6 @@ from rsl_rl.utils import check_nan
 
 from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.normalization import NormalizerSync, agree_normalizers, sync_normalizers
-from mjlab_hpc.rank.ppo import fold_collectives
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
 from mjlab_hpc.rundir.durable import create_exclusive, write_atomic
 from mjlab_hpc.rundir.progress import IterationStats
@@ -104,10 +103,9 @@ class ContextRunnerMixin:
 
     The process group itself is created by `process_group()` (gloo on CPU, NCCL on CUDA);
     this only tells rsl-rl who it is, so its parameter broadcast and gradient all-reduce work
-    on both. rsl-rl's PPO becomes `FoldedPPO` on several ranks (one collective per mini-batch,
-    bit-identical). The loop is rsl-rl's, with a hook after every iteration (progress, checkpoints,
-    stop requests) and iteration numbers that count completed iterations, so a resume
-    continues exactly. Construct with the base's arguments plus `ctx=`, `quiet=` (where
+    on both (rsl-rl's own PPO averages the gradients). The loop is rsl-rl's, with a hook after
+    every iteration (progress, checkpoints, stop requests) and iteration numbers that count
+    completed iterations, so a resume continues exactly. Construct with the base's arguments plus `ctx=`, `quiet=` (where
     rsl-rl's console output goes: the rank's log) and `normalizer_sync=` (how often the
     ranks' observation normalizers agree: `mjlab_hpc.rank.normalization`).
     """
@@ -135,8 +133,6 @@ class ContextRunnerMixin:
     ) -> None:
         self.ctx = ctx
         self.quiet = quiet
-        if ctx.is_distributed:
-            train_cfg = fold_collectives(train_cfg)
         with contextlib.redirect_stdout(quiet):
             super().__init__(env, train_cfg, *args, **kwargs)  # type: ignore[call-arg]
         if self.is_distributed:
