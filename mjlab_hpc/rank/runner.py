@@ -103,9 +103,9 @@ class ContextRunnerMixin:
 
     The process group itself is created by `process_group()` (gloo on CPU, NCCL on CUDA);
     this only tells rsl-rl who it is, so its parameter broadcast and gradient all-reduce work
-    on both (rsl-rl's own PPO averages the gradients). The loop is rsl-rl's, with a hook after
-    every iteration (progress, checkpoints, stop requests) and iteration numbers that count
-    completed iterations, so a resume continues exactly. Construct with the base's arguments plus `ctx=`, `quiet=` (where
+    on both. The loop is rsl-rl's, with a hook after every iteration (progress, checkpoints,
+    stop requests) and iteration numbers that count completed iterations, so a resume
+    continues exactly. Construct with the base's arguments plus `ctx=`, `quiet=` (where
     rsl-rl's console output goes: the rank's log) and `normalizer_sync=` (how often the
     ranks' observation normalizers agree: `mjlab_hpc.rank.normalization`).
     """
