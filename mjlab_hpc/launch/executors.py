@@ -94,7 +94,7 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
         text = str(super()._make_submission_file_text(command, uid))
         run_dir = shlex.quote(str(Path(self.folder).parent))
         heal = (
-            f"{self.python} -m mjlab_hpc.launch.heal --run-dir {run_dir} --exit-code $? "
+            f"{self.python} -m mjlab_hpc.cli.hpc heal --run-dir {run_dir} --exit-code $? "
             f"--elapsed-s $SECONDS --max-restarts {self.max_restarts}"
         )
         return text.rstrip("\n") + "\n\n" + _HEAL_COMMENT + heal + "\n"

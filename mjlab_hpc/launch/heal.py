@@ -2,7 +2,7 @@
 and start the job again from its newest valid checkpoint, without a person.
 
 Runs in the part of a job that outlives its ranks: the Slurm batch script after `srun`
-returns (`python -m mjlab_hpc.launch.heal --run-dir DIR --exit-code $?`), and our local
+returns (`mjlab-hpc heal --run-dir DIR --exit-code $?`), and our local
 executor's controller (`mjlab_hpc.launch.executors`). It reads what the ranks left (their
 `exit:` lines, the hang watchdog's findings), and decides:
 
@@ -19,7 +19,6 @@ The decision is recorded in run.json (`faults`) by the writer's lease lock, befo
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as dt
 import logging
@@ -63,7 +62,6 @@ __all__ = [
     "heal_job",
     "heal_slurm",
     "job_run_dir",
-    "main",
     "record_healing",
     "release_later",
     "usable_without",
@@ -283,8 +281,7 @@ def apply_slurm(client: SlurmClient, job_id: str, heal: Healing) -> bool:
     env = {**os.environ, **(client.env or {})}
     with contextlib.suppress(OSError):
         subprocess.Popen(
-            [sys.executable, "-m", "mjlab_hpc.launch.heal", "--release", job_id, "--exclude",
-             nodes],
+            [sys.executable, "-m", "mjlab_hpc.launch.heal", job_id, nodes],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, env=env,
         )  # fmt: skip
@@ -389,22 +386,5 @@ def heal_job(
         return exit_code or EXIT_FAILED
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m mjlab_hpc.launch.heal --run-dir DIR --exit-code N --max-restarts N`."""
-    parser = argparse.ArgumentParser(prog="mjlab_hpc.launch.heal", description=__doc__)
-    parser.add_argument("--run-dir", type=Path)
-    parser.add_argument("--exit-code", type=int, default=0)
-    parser.add_argument("--max-restarts", type=int, default=10)
-    parser.add_argument("--elapsed-s", type=float)
-    parser.add_argument("--release", help=argparse.SUPPRESS)  # apply_slurm's helper
-    parser.add_argument("--exclude", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.release:
-        return release_later(SlurmClient(), args.release, args.exclude or "")
-    if args.run_dir is None:
-        parser.error("--run-dir is required")
-    return heal_job(args.run_dir, args.exit_code, args.max_restarts, args.elapsed_s)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # apply_slurm's detached helper: JOB_ID NODES
+    sys.exit(release_later(SlurmClient(), sys.argv[1], sys.argv[2]))

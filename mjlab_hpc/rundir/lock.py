@@ -40,7 +40,7 @@ from pathlib import Path
 from types import TracebackType
 
 from mjlab_hpc.rundir.durable import publish, temp_path, write_new
-from mjlab_hpc.rundir.lock_files import (
+from mjlab_hpc.rundir.lease import (
     MAX_IMMEDIATE_RETRIES,
     TICKETS_SUFFIX,
     Held,

@@ -374,7 +374,7 @@ def test_graph_capture_on_cuda(task: str, capsys: pytest.CaptureFixture[str]) ->
     need_gpu()
     import warp as wp
 
-    from mjlab_hpc.tasks import get_task
+    from mjlab_hpc.tasks.builtin import get_task
 
     init_warp()
     make = get_task(task).make_env

@@ -13,7 +13,8 @@ import pytest
 from helpers import run_two_ranks
 
 from mjlab_hpc.rank.runner import CollectiveClock, state_digest
-from mjlab_hpc.tasks import BUILTIN_TASKS, agent_config
+from mjlab_hpc.tasks.agent import agent_config
+from mjlab_hpc.tasks.builtin import BUILTIN_TASKS
 
 NUM_ENVS, OBS_DIM, NUM_ACTIONS = 32, 6, 2
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from mjlab_hpc.rundir import lock_files as lock_mod
+from mjlab_hpc.rundir import lease as lock_mod
 from mjlab_hpc.rundir.lock import (
     LeaseLock,
     LockError,

@@ -6,8 +6,8 @@ import pytest
 import torch
 import warp as wp
 
-from mjlab_hpc.tasks import BUILTIN_TASKS, get_task
 from mjlab_hpc.tasks.base import WarpVecEnv
+from mjlab_hpc.tasks.builtin import BUILTIN_TASKS, get_task
 
 wp.config.quiet = True
 pytestmark = pytest.mark.training  # steps real worlds (kernels compile on a cold cache)

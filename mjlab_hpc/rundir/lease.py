@@ -1,7 +1,8 @@
-"""The files behind the lease lock: errors, the owner record and its fixed-size encoding,
-reading a lock file, exclusive links, and the never-reused fencing-token tickets.
+"""The lease on disk: who holds it and until when (the owner record and its fixed-size
+encoding in the lock file), the never-reused fencing tokens (ticket files), the atomic steps
+that take a stale lease over and give one back, and the lock's errors.
 
-`mjlab_hpc.rundir.lock` builds the lock itself from these; see its docstring for the design.
+`mjlab_hpc.rundir.lock` builds the lock from these; see its docstring for the design.
 
 Error types: :class:`LockError` derives from :class:`OSError` (an unusable lock
 directory is an I/O-environment problem, and this lets :class:`LockTimeout` be
