@@ -1,18 +1,10 @@
 """mjlab_hpc: multi-node, preemption-safe RL training of MuJoCo Warp robots on Slurm clusters.
 
-The supported API, importable from here (loaded on first use, so `import mjlab_hpc` stays
-light: torch, warp and submitit load only when a name that needs them is used):
-
-- specs: `TrainSpec` (mjlab-train's flags), `SubmitSpec` (mjlab-submit's), `ResolvedSpec`
-  (a TrainSpec with its task resolved by `resolve`);
-- training: `train_rank` (one rank's training, whatever launched the process), `RankResult`;
-- submitting: `submit`, `submit_sweep`, `Submitted`;
-- the run directory's single writer: `LeaseLock`, `OwnerInfo`, `write_fenced`;
-- errors: `SpecError`, `LaunchError`, `SubmitError`.
-
-Packages, from the top down (each imports only those below it): `cli` (the commands), `launch`
-and `ops` (starting jobs; status, logs, cancel, plot), `bench`, `rank` (what runs inside one
-rank), `rundir`, `slurm`, `tasks`, then `spec`, `errors` and `procs`.
+The supported API, loaded on first use (torch, warp and submitit load only when a name that
+needs them is used): `TrainSpec`, `SubmitSpec`, `ResolvedSpec` and `resolve` (the spec checked,
+its task resolved); `train_rank`, `RankResult`; `submit`, `submit_sweep`, `Submitted`;
+`LeaseLock`, `OwnerInfo`, `write_fenced`; `SpecError`, `LaunchError`, `SubmitError`.
+The packages and how they depend on each other: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Our submitit executors, and every use of submitit beyond its public API (its script text,
-its local controller), in one place: `tests/test_upstream.py` fails naming the part when an
-installed submitit no longer has it.
+its local controller), in one place: tests/test_upstream.py names what an upgrade removes.
 
-- `SlurmJobExecutor`: submitit's SlurmExecutor whose batch script ends with the heal step
-  (after srun, in the batch shell, which outlives the ranks), and which renders its script
-  where there is no srun (a dry run on a laptop).
-- `LocalJobExecutor`: submitit's LocalExecutor whose jobs run under `HealingController`,
-  submitit's local controller plus what srun and the batch script do for a Slurm job: when a
-  rank fails, the others are ended after a moment instead of waiting in a collective (srun's
-  --kill-on-bad-exit); a start that ended in a crash or a hang is healed
-  (`mjlab_hpc.launch.heal`: the fault recorded, the ranks started again from the newest valid
-  checkpoint while restarts remain and the failure is not a repeat); ranks that exit for a
-  requeue (the time-limit signal) start again, as under submitit. A stop signal to the
-  controller (our launcher's first Ctrl-C, `mjlab-hpc cancel`) is forwarded to the ranks and
-  nothing is healed after it. It runs as `python -m mjlab_hpc.launch.executors FOLDER
-  MAX_RESTARTS`; the run directory is the submitit folder's parent.
+`SlurmJobExecutor`'s batch script ends with the heal step (in the batch shell, which outlives
+the ranks) and renders where there is no srun (a dry run on a laptop). `LocalJobExecutor` runs
+its jobs under `HealingController` (`python -m mjlab_hpc.launch.executors FOLDER
+MAX_RESTARTS`), submitit's local controller plus what srun and the batch script do on Slurm:
+the other ranks ended shortly after one fails, a crash or hang healed, a requeue started
+again; after a stop signal to it (Ctrl-C of our launcher, `mjlab-hpc cancel`) nothing is healed.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Self-healing: after a start of a job ended because a rank crashed or hung, record the fault
 and start the job again from its newest valid checkpoint, without a person.
 
-Runs in the part of a job that outlives its ranks: the Slurm batch script after `srun`
-returns (`mjlab-hpc heal --run-dir DIR --exit-code $?`), and our local
-executor's controller (`mjlab_hpc.launch.executors`). It reads what the ranks left (their
-`exit:` lines, the hang watchdog's findings), and decides:
-
-- nothing to heal: every rank completed, stopped, was refused or interrupted, or the run was
-  cancelled;
-- not again: the same failure at the same iteration as the previous fault (a bug in a reward,
-  a NaN: a crash loop), or --max-restarts faults of this kind already;
-- else requeue. On Slurm a fault attributed to a node (a rank killed by a signal, a rank that
-  stopped heartbeating) adds that node to the job's excluded nodes first, unless the
-  partition would then be too small for the job.
-
-The decision is recorded in run.json (`faults`) by the writer's lease lock, before acting.
+Runs in what outlives the ranks: the Slurm batch script after srun (`mjlab-hpc heal`) and our
+local controller (`mjlab_hpc.launch.executors`). From what the ranks left (`exit:` lines, the
+hang watchdog's files) it decides: nothing to heal (completed, stopped, refused, cancelled);
+not again (the same failure at the same iteration as before: a crash loop; or --max-restarts
+reached); else requeue, on Slurm excluding a node the fault points at while the partition
+still fits the job. The decision goes into run.json (`faults`), as the writer, before acting.
 """
 
 from __future__ import annotations

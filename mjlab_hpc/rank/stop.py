@@ -1,23 +1,12 @@
 """Every way a rank is asked to stop, and the iteration boundary where it acts on it.
 
-1. Signals are only recorded by their handlers (acting inside a handler could interrupt a
-   collective half way): the time-limit warning (`--preempt-signal`, USR2 by default), SIGTERM
-   (a preemption under Slurm; elsewhere `kill`, `timeout`, the local launcher or
-   `mjlab-hpc cancel`), SIGINT (Ctrl-C) and SIGHUP (the terminal went away). A second Ctrl-C
-   raises KeyboardInterrupt at once.
-2. A supervisor watch (our local launcher and submitit's local controller, or torchrun's
-   agent) records a stop when the process that supervises the rank disappears, SIGKILL
-   included, so no rank trains on with nobody watching.
-3. At the next iteration boundary all ranks agree through one all-reduce (MAX of an encoded
-   stop), so they stop at the same iteration even if the request reached them at different
-   moments. A stop for good (interrupt) wins over a stop for a requeue.
-4. The writer saves a complete checkpoint; then a requeue-type stop requeues where a
-   scheduler can (rank 0 runs `scontrol requeue`; submitit's local executor restarts ranks
-   that exit 144), and a stop for good exits 3 (resume with `--resume`).
-
-`IterationBoundary` is what every rank runs after each PPO iteration: the watchdog's progress,
-an injected fault, the agreement (a stop, a time-based checkpoint: one all-reduce), the
-checkpoint, the stop's record, and the record of how a requeued run came back.
+Handlers only record a signal (acting inside one could interrupt a collective half way): the
+time-limit warning (--preempt-signal), SIGTERM (a preemption under Slurm, a stop elsewhere),
+SIGINT and SIGHUP; a second Ctrl-C raises KeyboardInterrupt at once. A supervisor watch records
+a stop when the process supervising the rank disappears. At the next iteration boundary
+(`IterationBoundary`) all ranks agree through one all-reduce, the writer saves a checkpoint,
+and a requeue-type stop requeues where a scheduler can (`after_stop`); a stop for good exits 3.
+The lifecycle: docs/preemption.md.
 """
 
 from __future__ import annotations

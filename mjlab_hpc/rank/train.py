@@ -1,17 +1,10 @@
 """One rank's training from start to end: rsl-rl PPO on one rank of a (possibly) distributed job.
 
-`train_rank(spec)` is the one per-rank entry point, whatever launched the process (a plain
-`mjlab-train`, our local launcher, torchrun, srun, submitit's `RankJob`). It reads the
-distributed context, records stop requests (signals, a lost supervisor), joins the process
-group, agrees on the run directory, makes one process the writer, decides where training
-starts (refusing what cannot be continued before anything of the run changes), builds the
-rank's workload on its device, and runs PPO to the end or to a stop.
-
-After every iteration each rank runs the same `IterationBoundary`: the watchdog's progress,
-an injected fault, the one all-reduce on which all ranks agree (a stop, a time-based
-checkpoint), the checkpoint, the stop's record, and the record of how a requeued run came back.
-Every rank ends its log with one `exit:` line (completed, stopped, interrupted, failed): a rank
-log without one ended abruptly.
+`train_rank(spec)` is the per-rank entry point, whatever launched the process: it reads the
+distributed context, records stop requests, joins the process group, agrees on the run
+directory, makes rank 0 the writer, decides where training starts (refusing what cannot be
+continued before anything changes), builds the rank's workload and runs PPO to the end or to
+a stop. Every rank ends its log with one `exit:` line; a log without one ended abruptly.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """A rank that stops making progress: heartbeats, the hang watchdog, and injected faults.
 
-Every rank runs one daemon thread that writes its heartbeat (`logs/heartbeat/rank<k>.json`:
-iteration, host, pid, time) every few seconds and watches its own progress. Once the first
-iteration of a start has completed (kernel compilation, environment building and mjlab's
-start-up are behind), a rank whose iteration does not advance for the hang limit is hung, or
-waits for a peer that is:
+Every rank runs a daemon thread that writes its heartbeat (`logs/heartbeat/rank<k>.json`) and
+watches its own progress. Once the first iteration of a start has completed, a rank whose
+iteration does not advance for the hang limit (--hang-timeout-s, or five times the slowest
+iteration, whichever is longer; checkpoint writes do not count) writes its Python stacks to its
+log naming the ranks that stopped heartbeating or lag behind, records the hang
+(`hang-rank<k>.json`), waits a moment for the other live ranks to do the same, and exits with
+EXIT_HUNG; the launcher ends the others and the healer decides (docs/preemption.md).
 
-1. it writes its Python stacks (faulthandler, every thread) to its rank log, and names the
-   ranks that stopped heartbeating (a frozen process: SIGSTOP, a lost node) or that lag
-   behind the others (stuck in the filesystem, a deadlock), with their hosts;
-2. it records the hang (`logs/heartbeat/hang-rank<k>.json`) and waits a moment for the other
-   live ranks to do the same, so every live rank's stacks are on disk;
-3. it exits with EXIT_HUNG; the launcher (srun's --kill-on-bad-exit, our local controller)
-   ends the other ranks and the healer decides whether to requeue (`mjlab_hpc.launch.heal`).
-
-The limit is `--hang-timeout-s` or five times the slowest iteration seen so far, whichever is
-longer, so slow iterations never count as a hang; checkpoint writes do not count either.
-
-`MJLAB_HPC_FAULT` injects faults for fire drills and tests: `KIND@ITERATION[:rankK][:once]`,
-several comma-separated, with KIND `raise` (a Python exception), `kill` (SIGKILL of the rank
-itself: a segfault, the OOM killer) or `stop` (SIGSTOP of the rank itself: a hang), at the end
-of that iteration, on rank K (default 0), on every start or only the first (`once`).
+`MJLAB_HPC_FAULT=KIND@ITERATION[:rankK][:once],...` injects faults for fire drills and tests:
+`raise` (an exception), `kill` (SIGKILL of the rank itself) or `stop` (SIGSTOP: a hang).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""What one rank trains: its environment and runner, and how the run saves and restores them,
-for a built-in task or a registered mjlab task.
-
-The trainer drives every workload the same way; the differences live here:
-- built-in tasks: rsl-rl's runner; checkpoints also hold every rank's worlds and random
-  number generators, so a resume is bit-exact;
-- mjlab tasks: mjlab's own runner class for the task (its `save` with the environment's step
-  counter and ONNX export, its `load`), its params dump; environments start fresh on resume;
-  mjlab's --video (the writer records), --enable-nan-guard and tracking motions.
-
-A run may start from another run's checkpoint (mjlab's --agent.resume True): models,
-optimizer and normalizers come from it, the iteration count and the environments start fresh.
+"""What one rank trains, and how the run saves and restores it: a built-in task (rsl-rl's runner;
+checkpoints also hold every rank's worlds and random generators, so a resume is bit-exact) or
+an mjlab task (mjlab's own runner for it, with its save, load and params; its --video,
+--enable-nan-guard and tracking motions). A run started from another run's checkpoint
+(--agent.resume True) takes its models, optimizer and normalizers, not its iteration count.
 """
 
 from __future__ import annotations

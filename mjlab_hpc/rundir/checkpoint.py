@@ -1,15 +1,10 @@
 """Checkpoints that a SIGKILL at any moment cannot corrupt, and only verified ones counted.
 
-A checkpoint is written to a temporary file, fsynced, renamed over its final name and the
-directory fsynced; a sidecar `<name>.sha256` written just before lets a later reader detect a
-file damaged afterwards (a bad disk, a partial copy). A checkpoint *verifies* when its bytes
-match its sidecar (or, written by other code without one, when it loads as a training
-checkpoint). Resuming takes the newest checkpoint that verifies; retention keeps the newest N
-that verify; a damaged checkpoint is never preferred to a valid one and is set aside
-(`model_<n>.pt.damaged`) once the run has moved on from it.
-
-The files stay plain `torch.save` archives, so rsl-rl's and mjlab's own `load()` read them.
-torch is imported only to write or read one: launchers verify checksums without it.
+Written to a temporary file, fsynced, renamed and the directory fsynced, with a `<name>.sha256`
+sidecar; a checkpoint verifies when its bytes match its sidecar (or, written by other code,
+when it loads). Resuming takes the newest that verifies, retention keeps the newest N that do,
+and a damaged one is set aside (`.damaged`), never preferred. The files stay plain `torch.save`
+archives that rsl-rl's and mjlab's `load()` read; torch loads only to write or read one.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
-"""Single-writer lease lock for run directories on shared filesystems.
+"""Single-writer lease lock for run directories on shared filesystems (NFS, Lustre, GPFS), where
+flock/fcntl locks are not coherent between nodes. Built only from operations atomic on the
+server: exclusive creation of the lock name (`os.link` of a fully written file), `rename`
+within one directory, and `O_EXCL` ticket files whose numbers are fencing tokens never reused.
 
-Many nodes of a SLURM job (and successive or accidentally concurrent launches of
-the same run) share one run directory on NFS, Lustre or GPFS. Exactly one process
-may write checkpoints and metadata there at a time. ``flock``/``fcntl`` locks are
-not reliably coherent between nodes on those filesystems, so this module builds a
-lease lock only from operations that *are* atomic on the server:
-
-* exclusive creation of the lock name (``os.link`` of a fully written temp file,
-  which fails with ``EEXIST`` if the name exists);
-* ``rename`` within one directory (only one of several renames of the same
-  source name can succeed);
-* exclusive creation (``O_CREAT | O_EXCL``) of numbered ticket files, which
-  yields fencing tokens that are never reused.
-
-The owner refreshes a heartbeat inside the lock file's content from a daemon
-thread. When the heartbeat is older than the lease, another process may take the
-lock over. Every acquisition gets a strictly larger fencing token, and
-:func:`write_fenced` refuses to publish data once the token is no longer current
-(:class:`LockLost`). See ``docs/single-writer.md`` for the design and the failure
-cases it does and does not cover.
-
-Clocks: ``heartbeat_at`` in the file is wall-clock time (``time.time``) because
-other hosts compare it with their own clocks, so leases must be much longer than
-the clock skew between nodes. Local durations (timeouts, the holder's own view
-of its lease) use ``time.monotonic``.
+The owner refreshes a heartbeat inside the lock file's content (wall clock: other hosts read
+it, so leases must be much longer than clock skew); an expired lease may be taken over, with a
+larger token, and `write_fenced` refuses to publish once the token is not current (`LockLost`).
+The design and the failures it covers: docs/single-writer.md.
 """
 
 from __future__ import annotations

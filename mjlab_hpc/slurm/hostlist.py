@@ -1,22 +1,8 @@
-"""Slurm hostlist expressions (``gpu[001-004,010]``) expanded without Slurm.
-
-The parser follows Slurm's own (``src/common/hostlist.c``: ``hostlist_create``
-followed by ``hostlist_shift``, which is what ``scontrol show hostnames`` does) on
-an ordinary one-dimensional cluster:
-
-* Groups are separated by ``,``, space, tab or newline; separators inside
-  brackets do not split, and empty groups are skipped.
-* ``[...]`` holds a comma-separated list of ``N`` and ``N-M`` ranges, kept in
-  the order written (no sorting, duplicates kept).
-* Numbers are zero-padded to the number of digits of the range's *start*:
-  ``n[08-11]`` gives ``n08 .. n11``, ``n[8-11]`` gives ``n8 .. n11``.
-* Text may follow a bracket (``rack[1-2]node``) and one name may hold several
-  brackets; these expand as a cartesian product in Slurm's order (see
-  :func:`expand_hostlist`).
-
-Slurm has no stepped ranges (``n[1-9:2]`` is rejected by Slurm too). A few
-malformed forms that Slurm silently accepts and mangles (``n[1-]``, ``n[ 1]``,
-``n[+1]``, a stray ``]``) are rejected here instead.
+"""Slurm hostlist expressions (`gpu[001-004,010]`) expanded without Slurm, as `scontrol show
+hostnames` does (Slurm's `hostlist.c`): groups separated by `,` or white space outside
+brackets; brackets of `N` and `N-M` ranges kept in the order written, zero-padded to the
+digits of the range's start; several brackets in a name expand as a product in Slurm's order.
+Malformed forms Slurm silently mangles (`n[1-]`, `n[ 1]`, a stray `]`) are refused here.
 """
 
 from __future__ import annotations

@@ -1,38 +1,10 @@
 """mjlab's registered tasks (Mjlab-Cartpole-Balance, Mjlab-Velocity-Flat-Unitree-G1, ...) as
-environments, PPO configs and runner classes our trainer can drive.
+environments, PPO configs and runner classes our trainer can drive, built the way mjlab's own
+`train` builds them (docs/mjlab.md, "How a rank builds an mjlab task").
 
-mjlab is optional: this module imports it only inside functions, so `import mjlab_hpc` (and
-this module) works without it; `mjlab_available()` says whether it is installed.
-
-What mjlab 1.6.0's own `train` script (mjlab/scripts/train.py) does, and where this module
-follows it:
-
-- Config: `load_env_cfg(task)` / `load_rl_cfg(task)` / `load_runner_cls(task)` from
-  mjlab/tasks/registry.py (deep copies; `import mjlab.tasks` fills the registry). The CLI
-  parses `--env.*` / `--agent.*` with tyro against a dataclass whose defaults are those cfgs,
-  with `mjlab.TYRO_FLAGS` (`--flag True`, not `--flag`; tuples as `(64,64)`).
-- Seed: seed = agent.seed + RANK, written into both agent.seed and env.seed; the env seeds
-  python/numpy/warp/torch in its constructor (mjlab/utils/random.py `seed_rng`). Here the
-  caller passes the per-rank seed.
-- Env: `ManagerBasedRlEnv(cfg=env_cfg, device=device)` wrapped in
-  `RslRlVecEnvWrapper(env, clip_actions=agent.clip_actions)` (mjlab/rl/vecenv_wrapper.py; it
-  resets the env once). On CPU mjlab turns Warp graph capture off by itself
-  (mjlab/sim/sim.py `_should_use_cuda_graph`: `if not self.wp_device.is_cuda: return False`).
-- Params: rank 0 writes `asdict(env_cfg)` and `asdict(agent_cfg)` with `yaml.dump`
-  (mjlab/utils/os.py `dump_yaml`, unsorted, non-safe dumper: callables become python tags)
-  to <run>/params/env.yaml and agent.yaml, after the env is built and before the runner is
-  made (the runner mutates the agent dict).
-- Runner: the task's class (VelocityOnPolicyRunner, MotionTrackingOnPolicyRunner,
-  ManipulationOnPolicyRunner: `save` also exports <run>/<run-name>.onnx) or
-  MjlabOnPolicyRunner (mjlab/rl/runner.py) when the task names none. Tracking runners take
-  `registry_name=` (W&B artifact lineage).
-- Tracking motion: `wandb.Api().artifact(name + ":latest").download()` / "motion.npz",
-  unless `--env.commands.motion.motion-file` names an existing file (see
-  `download_wandb_motion`; run it once per run with `mjlab_hpc.rundir.writer.once`).
-
-The adapter knows nothing of the rest of the toolkit: the registry (`mjlab_hpc.tasks.registry`)
-asks it for a task's defaults, and each rank's workload (`mjlab_hpc.rank.workload`) asks it for
-a ready environment.
+mjlab is optional: it is imported only inside functions, so this module loads without it
+(`mjlab_available()`). It knows nothing of the rest of the toolkit: the registry asks it for a
+task's defaults, each rank's workload for a ready environment.
 """
 
 from __future__ import annotations
@@ -289,28 +261,14 @@ def make_mjlab_runtime(
     nan_guard: bool = False,
     nan_guard_dir: str | None = None,
 ) -> MjlabRuntime:
-    """Build one rank's env for a registered mjlab task, and its rsl-rl config and runner class.
-
-    Order, as in mjlab's train script: the task's registered cfgs, then our common flags
-    (num_envs -> env.scene.num_envs, max_iterations -> agent.max_iterations; None keeps the
-    task's value), then the user's `overrides` (they win), then `seed` (this rank's seed:
-    base + rank) into agent.seed and env.seed. The env is built inside
-    `wp.ScopedDevice(device)` and wrapped in mjlab's RslRlVecEnvWrapper.
-
-    `registry_name` is the tracking tasks' W&B motion artifact: only passed on to the runner
-    (which records the lineage); fetch the file first (`download_wandb_motion`, once per run
-    through `mjlab_hpc.rundir.once`) and name it with
-    `--env.commands.motion.motion-file PATH`.
-
-    `motion_file`: a tracking task's motion when the env config names no existing file (what
-    --registry-name fetched). `recording`: record videos as mjlab's --video does (this rank
-    renders; EGL on its own GPU). `nan_guard`: mjlab's --enable-nan-guard, its dumps in
-    `nan_guard_dir` unless the config names another folder than mjlab's default.
-
-    `cpu_graph`: on CPU, replay physics through captured Warp graphs as mjlab does on CUDA
-    (mjlab itself never captures on CPU). Measured here bit-identical to plain stepping and
-    2.5x (G1, 16 envs) to ~30x (cartpole, 16 envs) faster per env step. No effect on CUDA,
-    where mjlab decides (graphs when the driver and memory pool allow).
+    """Build one rank's env for a registered mjlab task, its rsl-rl config and runner class, in
+    the order of mjlab's train: the registered cfgs, our flags (None keeps the task's value), the
+    user's `overrides`, then this rank's `seed`; the env is built in `wp.ScopedDevice(device)` and
+    wrapped in mjlab's RslRlVecEnvWrapper. `motion_file`: what --registry-name fetched, where the
+    config names no file; `registry_name` goes to the runner (W&B lineage). `recording`: videos as
+    mjlab's --video (EGL on this rank's GPU). `nan_guard`: --enable-nan-guard, dumps in
+    `nan_guard_dir` unless the config names another folder. `cpu_graph`: replay physics through
+    captured Warp graphs on CPU, as mjlab does on CUDA (bit-identical, faster; docs/mjlab.md).
     """
     env_cfg, agent_cfg, runner_cls, tracking = configured_cfgs(
         task, num_envs, max_iterations, overrides

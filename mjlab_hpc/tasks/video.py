@@ -1,14 +1,8 @@
 """Videos of training as mjlab's train records them (`--video`): env 0 of the writer rank,
-rendered offscreen, `--video-length` frames every `--video-interval` env steps, into
-<run>/videos/train/rl-video-step-<n>.mp4 (mjlab's VideoRecorder).
-
-Rendering goes through MuJoCo's offscreen GL: MUJOCO_GL=egl (mjlab's default on Linux) or
-osmesa. On a GPU the writer renders on its own GPU: EGL numbers devices in its own order,
-which CUDA_VISIBLE_DEVICES does not change, so the EGL device is found through the
-EGL_NV_device_cuda extension (the CUDA ordinal each EGL device reports) rather than assumed
-equal to the CUDA index. On a CPU machine Mesa's software EGL renders (Debian: libegl1,
-libegl-mesa0, libgl1-mesa-dri); osmesa needs libosmesa6. The mp4 encoder is the `ffmpeg` on
-PATH, else the binary imageio-ffmpeg (an mjlab dependency) ships.
+`--video-length` frames every `--video-interval` env steps, into
+<run>/videos/train/rl-video-step-<n>.mp4, rendered offscreen (MUJOCO_GL=egl or osmesa). On a
+GPU the writer renders on the EGL device of its own CUDA device (EGL numbers devices in its own
+order); on a CPU machine Mesa's software EGL renders (docs/mjlab.md).
 """
 
 from __future__ import annotations

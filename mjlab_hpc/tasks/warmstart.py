@@ -1,17 +1,8 @@
-"""Where a new run's weights come from when it starts from another run, and what W&B hands
-over before training: mjlab's `--agent.resume True` with `--agent.load-run` /
-`--agent.load-checkpoint` (a run under the log root) or `--wandb-run-path` /
-`--wandb-checkpoint-name` (a W&B run), and tracking tasks' `--registry-name` motion.
-
-Looked up once, when the task is resolved (before anything of the run is created): bad input
-is one SpecError naming the flag. Downloads land in the experiment folder, on the shared
-filesystem, so the command that starts a run fetches them and the ranks, requeues and
-restarts read that copy without network:
-
-    <log-root>/<experiment>/.wandb_checkpoints/<run-id>/model_<n>.pt
-    <log-root>/<experiment>/.wandb_motions/<name>/<version>/motion.npz
-
-W&B is imported only when one of those flags is given.
+"""Where a new run's weights come from when it starts from another run (mjlab's `--agent.resume
+True` with --agent.load-run / --agent.load-checkpoint, or --wandb-run-path /
+--wandb-checkpoint-name), and a tracking task's --registry-name motion: looked up once, when
+the task is resolved, before anything of the run exists. W&B downloads land in the experiment
+folder (`.wandb_checkpoints/`, `.wandb_motions/`), so ranks and restarts need no network.
 """
 
 from __future__ import annotations
