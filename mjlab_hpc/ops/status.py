@@ -8,6 +8,7 @@ from run.json. Elements of a sweep are shown together under a line naming the sw
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -93,33 +94,12 @@ class RunStatus:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values, for `status --json`."""
-        return {
-            "run_dir": str(self.run_dir),
-            "kind": self.kind,
-            "job_ids": list(self.job_ids),
-            "state": self.state,
-            "state_source": self.state_source,
-            "active": self.active,
-            "nodes": self.nodes,
-            "gpus_per_node": self.gpus_per_node,
-            "ranks": self.ranks,
-            "iteration": self.iteration,
-            "total": self.total,
-            "env_steps_per_s": self.env_steps_per_s,
-            "mean_reward": self.mean_reward,
-            "restarts": self.restarts,
-            "restart_reasons": list(self.restart_reasons),
-            "interruptions": list(self.interruptions),
-            "cause": self.cause,
-            "sweep": None
-            if self.sweep is None
-            else {
-                "sweep_dir": str(self.sweep.sweep_dir),
-                "index": self.sweep.index,
-                "job_id": self.sweep.job_id,
-                "overrides": self.sweep.overrides,
-            },
-        }
+        out = dataclasses.asdict(self)
+        out["run_dir"] = str(self.run_dir)
+        if self.sweep is not None:
+            out["sweep"] = {k: out["sweep"][k] for k in ("index", "job_id", "overrides")}
+            out["sweep"]["sweep_dir"] = str(self.sweep.sweep_dir)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
 def _total_iterations(record: dict[str, Any]) -> int | None:
