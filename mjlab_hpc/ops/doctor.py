@@ -2,44 +2,94 @@
 cluster itself before the first real submission.
 
 The request is mjlab-submit's flags. Checks that need the compute nodes run two short probe
-jobs: one with the job's shape (nodes, tasks, GPUs, partition, account, qos, setup lines)
-whose tasks exchange tokens through the log root and report their Python, imports and GPUs
-(`mjlab_hpc.ops.probe`), and one single-task job that waits for the time-limit signal and
-requeues itself once, which is how our runs survive the time limit. Probe jobs are cancelled
-and their folder removed when the doctor ends, however it ends.
+jobs through submitit, as real jobs are: `_shape_probe` on every task of a job of the job's
+shape (nodes, tasks, GPUs, partition, account, qos, setup lines), whose tasks leave notes for
+each other in the log root and return their Python, imports and GPUs; and `_RequeueProbe`, one
+task that waits for the time-limit signal, is checkpointed and requeued by submitit, and says
+so when it runs again. `shape_checks` turns the tasks' results into checks. Probe jobs are
+cancelled and their folder removed when the doctor ends, however it ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import secrets
 import shlex
 import shutil
+import signal
+import socket
 import sys
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import submitit
+from submitit.helpers import Checkpointable, DelayedSubmission
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.launch.slurm import container_python
-from mjlab_hpc.ops.probe import TOKEN_FILE, Check, Result, read_probe
-from mjlab_hpc.slurm.client import SlurmClient
+from mjlab_hpc.launch.slurm import container_python, render_sbatch, slurm_parameters
+from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
-from mjlab_hpc.validate.rules import sbatch_options
 from mjlab_hpc.validate.sweep import sweep_elements
 from mjlab_hpc.validate.world import check_log_root, check_partition
 
-__all__ = ["PROBE_DIR", "Check", "DoctorReport", "diagnose", "probe_script"]
+__all__ = ["PROBE_DIR", "Check", "DoctorReport", "diagnose", "shape_checks"]
 
 #: The probe jobs' folder under the log root (hidden: run listings skip it).
 PROBE_DIR = ".doctor"
 
+Result = Literal["ok", "warn", "fail", "skip"]
+#: What a task of a probe job left: its result, the last line of its error, or nothing.
+Outcome = dict[str, Any] | str | None
 
 _COMMANDS = ("sbatch", "srun", "squeue", "sacct", "scontrol", "sinfo", "scancel")
+_TOKEN = "token"  # this host writes it into the probe folder; every task reads it
+_NOTES_WAIT_S = 30.0  # how long a task waits for the other tasks' notes
+_SIGNAL_DELAY_S = 55  # the requeue probe's --signal delay, before its 1-minute limit
+_FIXES = {
+    "slurm": "run on the cluster's login node, or load its Slurm module (module load slurm); on "
+    "a machine without Slurm use mjlab-submit --executor local",
+    "controller": "check that slurmctld is reachable from here (sinfo) and SLURM_CONF",
+    "request": "change the flag Slurm names (account, qos, partition, time, resources)",
+    "busy": "the cluster is busy or the request cannot start: try --wait-s longer, or another "
+    "partition",
+    "root": "give --log-root a shared filesystem that the nodes mount at the same path (not /tmp "
+    "or node-local /scratch); ask your admins which one",
+    "mount": "give --log-root a filesystem every node mounts at the same path",
+    "realpath": "fine as long as the path resolves the same way on every node",
+    "env": "install the same environment on the nodes at the same path (a shared filesystem), or "
+    "activate it with --setup",
+    "interpreter": "use the same interpreter on the nodes (--setup to activate it)",
+    "cuda": "install torch's CUDA build on the nodes (make install GPU=1), or ask your admins "
+    "about the partition's GPU gres",
+    "gres": "ask for what the partition's nodes have (scontrol show partition; sinfo -o '%P %G'), "
+    "or ask your admins why Slurm hides GPUs (gres.conf, cgroups)",
+    "signal": "runs cannot checkpoint at the time limit: ask your admins why --signal is not "
+    "delivered; use --save-every-min to bound lost work",
+    "requeue": "runs cannot continue after the time limit by themselves here: use mjlab-submit "
+    "--chain N (one job after another)",
+    "accounting": "status then reads states from squeue and run records; ended jobs show their "
+    "recorded state",
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the doctor's table."""
+
+    name: str
+    """What was checked."""
+    result: Result
+    detail: str
+    """What was found."""
+    fix: str = ""
+    """What to do when it is not ok."""
 
 
 @dataclass
@@ -60,112 +110,202 @@ class DoctorReport:
         return {"ok": self.ok, "checks": [asdict(c) for c in self.checks]}
 
 
-def _directives(spec: SubmitSpec, minutes: int, name: str) -> list[str]:
-    """sbatch options of a probe job with the job's resources (`minutes` of time)."""
-    args = [
-        f"--job-name={name}",
-        f"--time={minutes}",
-        f"--nodes={spec.nodes}",
-        f"--ntasks-per-node={spec.ranks_per_node}",
-    ]
-    if spec.gpus_per_node > 0:
-        args.append(f"--gpus-per-node={spec.gpus_per_node}")
-    for flag, value in (
-        ("partition", spec.partition),
-        ("account", spec.account),
-        ("qos", spec.qos),
-        ("constraint", spec.constraint),
-        ("cpus-per-task", spec.cpus_per_task),
-        ("mem", spec.mem),
-    ):
-        if value is not None:
-            args.append(f"--{flag}={value}")
-    if spec.exclusive:
-        args.append("--exclusive")
-    for key, value in sbatch_options(spec).items():
-        args.append(f"--{key}" if value is True else f"--{key}={value}")
-    return args
+# --- on the nodes ----------------------------------------------------------------------------
 
 
-def probe_script(spec: SubmitSpec, folder: Path, mjlab: bool) -> str:
-    """The shape probe's batch script: three steps over every task. 1 (shell): note this
-    node and the submitting host's token; 2 (shell): list the notes every other task left
-    (so every node reads what the others wrote); 3 (Python): `mjlab_hpc.ops.probe`."""
-    d = shlex.quote(str(folder))
-    python = container_python(spec, folder / "run" / "dir") or shlex.quote(sys.executable)
-    lines = ["#!/bin/bash", *spec.setup, f"D={d}"]
-    lines += [
-        "srun --kill-on-bad-exit=0 bash -c "
-        """'echo "${SLURMD_NODENAME:-$(hostname)} $(cat "$0/token" 2>/dev/null)" """
-        """> "$0/shell-$SLURM_PROCID"' "$D" """.rstrip(),
-        "srun --kill-on-bad-exit=0 bash -c "
-        """'cd "$0" && ls shell-* > "seen-$SLURM_PROCID" 2>/dev/null' "$D" """.rstrip(),
-        f'srun --kill-on-bad-exit=0 --error="$D/py-%t.err" {python} -m mjlab_hpc.ops.probe '
-        f'"$D"{" --mjlab" if mjlab else ""}',
-        "",
-    ]
-    return "\n".join(lines)
+def _try_import(name: str) -> dict[str, Any]:
+    """Import a module: its package's version, or the error's last line."""
+    try:
+        __import__(name)
+    except BaseException as exc:  # a broken install raises anything, SystemExit included
+        return {"ok": False, "error": traceback.format_exception_only(exc)[-1].strip()[:500]}
+    return {"ok": True, "version": getattr(sys.modules[name.split(".")[0]], "__version__", "")}
 
 
-# The requeue probe: waits for the time-limit signal (the job's --preempt-signal, up to 55 s
-# before a 1-minute limit), then requeues itself once. Exit 7: no signal came; 8: requeue
-# refused. {signal} is filled in.
-_REQUEUE_SCRIPT = """#!/bin/bash
-if [ "${{SLURM_RESTART_COUNT:-0}}" != 0 ]; then exit 0; fi
-srun --ntasks=1 bash -c 'trap "exit 0" {signal}; sleep 120 & wait; exit 7' || exit 7
-scontrol requeue "$SLURM_JOB_ID" || exit 8
-sleep 120
-"""
+def _shape_probe(folder: str, ranks: int, mjlab: bool) -> dict[str, Any]:
+    """What one task of the shape probe finds: its node, Python, imports (the rank code's and,
+    for an mjlab task, mjlab's tasks), GPUs, the token this host wrote into `folder`, and how
+    many of the `ranks` tasks' notes it saw there. Never raises: a failure is reported."""
+    here = Path(folder)
+    rank = int(os.environ.get("SLURM_PROCID", "0") or 0)
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    with contextlib.suppress(OSError):  # a note not written counts as one not seen
+        (here / f"note-{rank}").write_text(node)
+    token = (here / _TOKEN).read_text().strip() if (here / _TOKEN).is_file() else None
+    version = ".".join(map(str, sys.version_info[:3]))
+    info: dict[str, Any] = {"rank": rank, "node": node, "python": sys.executable}
+    info |= {"python_version": version, "token": token, "folder": os.path.realpath(here)}
+    info["mjlab_hpc"] = _try_import("mjlab_hpc.rank.train")  # torch, warp, rsl-rl, our ranks
+    names = ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "SLURM_GPUS_ON_NODE")
+    gpus = info["gpus"] = {name: os.environ.get(name) for name in names}
+    try:  # the GPUs torch can use
+        import torch  # on the nodes only: the doctor's command starts without torch
+
+        gpus["torch_cuda"] = torch.version.cuda
+        gpus["torch_devices"] = torch.cuda.device_count() if torch.version.cuda else 0
+    except BaseException as exc:
+        gpus["torch_error"] = str(exc)[:300]
+    if mjlab:
+        info["mjlab"] = _try_import("mjlab.tasks")
+    # After the imports the others' notes are there, where this node can see them.
+    deadline = time.monotonic() + _NOTES_WAIT_S
+    while len(notes := list(here.glob("note-*"))) < ranks and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return {**info, "seen": len(notes)}
 
 
-def _job_field(text: str, key: str) -> str | None:
-    m = re.search(rf"\b{key}=(\S+)", text)
-    return m.group(1) if m else None
+class _RequeueProbe(Checkpointable):
+    """The requeue probe: its first run waits for the time-limit signal, on which submitit
+    calls `checkpoint` and requeues the job; the next run returns at once."""
+
+    signalled = False  # True in the copy that submitit checkpoints, and so in the next run
+
+    def __call__(self) -> dict[str, Any]:
+        # Python started with the signal blocked (see diagnose): one that came before
+        # submitit set its handler is taken now, and a later one by this thread only, which
+        # ends the sleep (one taken by a library's thread would wait for the sleep's end).
+        sig = signal.Signals[f"SIG{os.environ['SUBMITIT_PREEMPT_SIGNAL']}"]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        if not self.signalled:
+            time.sleep(240)  # past the time limit: no signal came
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        return {"requeued": self.signalled, "restarts": restarts}
+
+    def checkpoint(self) -> DelayedSubmission:
+        self.signalled = True
+        return DelayedSubmission(self)
 
 
-def _wait(slurm: SlurmClient, job: str, done: Callable[[str], bool], wait_s: float) -> str:
-    """`scontrol show job` once `done(text)` says so, or the last text after `wait_s`."""
-    deadline = time.monotonic() + wait_s
-    text = ""
-    while True:
-        text = slurm.show_job(job) or text
-        if done(text) or time.monotonic() > deadline:
-            return text
-        time.sleep(1.0)
+# --- on this host: what the shape probe's tasks left -----------------------------------------
 
 
-def _ended(text: str) -> bool:
-    return _job_field(text, "JobState") in {
-        "COMPLETED",
-        "FAILED",
-        "CANCELLED",
-        "TIMEOUT",
-        "NODE_FAIL",
-        "OUT_OF_MEMORY",
-        "BOOT_FAIL",
-    }
+def _said(text: str) -> str:
+    """What a failed task said: the last error line of its traceback or output (srun's and
+    submitit's own lines left out), else its last line."""
+    skip = ("srun:", "submitit ", "-", "You can check", "Job (task=")
+    lines = [s for line in text.splitlines() if (s := line.strip()) and not s.startswith(skip)]
+    errors = [line for line in lines if re.search(r"error|exception", line, re.IGNORECASE)]
+    return (errors or lines or ["no output"])[-1][:300]
+
+
+def _shared(folder: Path, token: str, outcomes: Sequence[Outcome], nodes: str) -> Check:
+    """Whether this host and every node read each other's writes in the log root."""
+    ran = [t for t in outcomes if isinstance(t, dict)]
+    if all(t is None for t in outcomes):
+        detail = f"no task's result or log reached {folder.parent.parent} as this host sees it"
+        detail += f": the nodes ({nodes}) see a different folder there"
+        return Check("log root shared", "fail", detail, _FIXES["root"])
+    n = len(ran)
+    problems = [f"task {t['rank']} saw {t['seen']} of {n} notes" for t in ran if t["seen"] < n]
+    if blind := sorted({t["node"] for t in ran if t["token"] != token}):
+        problems.insert(0, f"nodes that do not see this host's writes: {', '.join(blind)}")
+    if silent := [r for r, t in enumerate(outcomes) if t is None]:
+        problems.insert(0, f"tasks whose writes this host does not see: {silent[:8]}")
+    if problems:
+        return Check("log root shared", "fail", "; ".join(problems), _FIXES["mount"])
+    if not ran:
+        return Check("log root shared", "warn", "the tasks' logs reached this host; none ran")
+    hosts = len({t["node"] for t in ran})
+    seen = f"{len(ran)} task(s) on {hosts} node(s) and this host read each other's writes"
+    # The writes went through, so the same path works everywhere; a different real path (a
+    # symbolic link on one side, an automounter) is worth knowing, not a failure.
+    if other := sorted({t["folder"] for t in ran} - {here := str(folder.resolve())}):
+        detail = f"{seen}; its real path is {other[0]} on a node, {here} here"
+        return Check("log root shared", "warn", detail, _FIXES["realpath"])
+    return Check("log root shared", "ok", seen)
+
+
+def _python(outcomes: Sequence[Outcome], mjlab: bool) -> list[Check]:
+    """The nodes' Python, mjlab_hpc (and mjlab) against this host's."""
+    ran = [t for t in outcomes if isinstance(t, dict)]
+    failed = {r: t for r, t in enumerate(outcomes) if isinstance(t, str)}
+    here, ours = ".".join(map(str, sys.version_info[:3])), _try_import("mjlab_hpc")["version"]
+    if failed:
+        said = f"could not run {sys.executable}: {next(iter(failed.values()))}"
+        said = f"tasks {sorted(failed)[:8]} {said}"
+        out = [Check("Python on nodes", "fail", said, _FIXES["env"])]
+    elif others := sorted({t["python_version"] for t in ran} - {here}):
+        detail = f"Python {others} there, {here} here"
+        out = [Check("Python on nodes", "fail", detail, _FIXES["interpreter"])]
+    else:
+        out = [Check("Python on nodes", "ok", f"{sys.executable} ({here}) on every task")]
+    for name in ("mjlab_hpc", "mjlab")[: 1 + mjlab] if ran else ():
+        bad = [(t["rank"], t[name]["error"]) for t in ran if not t[name]["ok"]]
+        versions = {t[name].get("version") for t in ran} - {ours}
+        found = sorted(versions) if name == "mjlab_hpc" else []  # only ours must match
+        if bad:
+            what = "'mjlab-hpc[mjlab]'" if name == "mjlab" else "the same mjlab-hpc"
+            fix = f"pip install {what} in the nodes' environment"
+            out.append(Check(f"{name} on nodes", "fail", f"task {bad[0][0]}: {bad[0][1]}", fix))
+        elif found:
+            detail, fix = f"version {found} there, {ours} here", "install the same version on both"
+            out.append(Check(f"{name} on nodes", "fail", detail, fix))
+        else:
+            what = f"{ours} and the rank code's imports" if name == "mjlab_hpc" else "imports"
+            out.append(Check(f"{name} on nodes", "ok", what))
+    return out
+
+
+def _gpus_check(gpus_per_node: int, ran: Sequence[dict[str, Any]]) -> Check:
+    """Every task sees GPUs from Slurm and torch can use them; each node's tasks together see
+    the GPUs asked for."""
+    if gpus_per_node == 0:
+        return Check("GPUs", "skip", "CPU ranks (--gpus-per-node 0)")
+    problems, counts, seen = [], [], {}
+    for task in ran:
+        gpus, where = task["gpus"], f"task {task.get('rank')} on {task['node']}"
+        visible = [g for g in (gpus.get("CUDA_VISIBLE_DEVICES") or "").split(",") if g]
+        # A task sees its node's GPUs, or its own one, which Slurm may number 0 in every task:
+        # then the GPUs Slurm names for the step (or job) on that node count.
+        named = gpus.get("SLURM_STEP_GPUS") or gpus.get("SLURM_JOB_GPUS") or ""
+        ids = {f"slurm:{g}" for g in named.split(",") if g} or set(visible)
+        seen.setdefault(task["node"], set()).update(ids)
+        if not visible:
+            problems.append(f"{where}: Slurm set no CUDA_VISIBLE_DEVICES")
+        elif not gpus.get("torch_devices"):
+            cpu = "no driver answers" if gpus.get("torch_cuda") else "a CPU build of torch"
+            why = f"torch sees no GPU ({gpus.get('torch_error') or cpu})"
+            problems.append(
+                f"{where}: {why}; Slurm gave {','.join(visible)}; the ranks would train on CPU"
+            )
+        elif gpus["torch_devices"] < len(visible):
+            n = f"{gpus['torch_devices']} of the {len(visible)}"
+            counts.append(f"task on {task['node']}: torch sees {n} GPU(s) Slurm gave it")
+    if problems:
+        return Check("GPUs", "fail", "; ".join(problems[:4]), _FIXES["cuda"])
+    if short := [f"{n}: {len(i)}" for n, i in sorted(seen.items()) if len(i) < gpus_per_node]:
+        asked = f"GPU(s) visible to the node's tasks, {gpus_per_node} per node asked for"
+        counts.insert(0, f"{', '.join(short)} {asked}")
+    if counts:
+        return Check("GPUs", "fail", "; ".join(counts[:4]), _FIXES["gres"])
+    return Check("GPUs", "ok", f"every task sees its GPU(s), {gpus_per_node} per node")
+
+
+def shape_checks(
+    folder: Path, token: str, outcomes: Sequence[Outcome], gpus: int, mjlab: bool, nodes: str = "?"
+) -> list[Check]:
+    """What the shape probe's tasks left (`outcomes`, by rank) says: the shared log root
+    (`folder`: the probe folder, where this host wrote `token`), the nodes' Python and
+    imports, and their GPUs (`gpus` per node asked for). `nodes`: the job's node list, named
+    when nothing came back."""
+    shared = _shared(folder, token, outcomes, nodes)
+    if all(t is None for t in outcomes):
+        return [shared]
+    ran = [t for t in outcomes if isinstance(t, dict)]
+    return [shared, *_python(outcomes, mjlab), *([_gpus_check(gpus, ran)] if ran else [])]
+
+
+# --- the checks that ask Slurm ---------------------------------------------------------------
 
 
 def _check_slurm(report: DoctorReport, slurm: SlurmClient) -> bool:
-    missing = [c for c in _COMMANDS if shutil.which(c, path=(slurm.env or {}).get("PATH")) is None]
-    if missing:
-        report.add(
-            "Slurm commands",
-            "fail",
-            f"not on PATH: {', '.join(missing)}",
-            "run on the cluster's login node, or load its Slurm module (module load slurm); "
-            "on a machine without Slurm use mjlab-submit --executor local",
-        )
+    path = (slurm.env or {}).get("PATH")
+    if missing := [c for c in _COMMANDS if shutil.which(c, path=path) is None]:
+        report.add("Slurm commands", "fail", f"not on PATH: {', '.join(missing)}", _FIXES["slurm"])
         return False
     version = slurm.run(["sinfo", "--version"])
-    parts = slurm.partitions()
-    if parts is None:
-        report.add(
-            "Slurm controller",
-            "fail",
-            "sinfo did not answer",
-            "check that slurmctld is reachable from here (sinfo) and SLURM_CONF",
-        )
+    if (parts := slurm.partitions()) is None:
+        report.add("Slurm controller", "fail", "sinfo did not answer", _FIXES["controller"])
         return False
     said = (version.stdout.strip() if version else "") or "sinfo answers"
     report.add("Slurm commands", "ok", f"{said}; {len([p for p in parts if p])} partition(s)")
@@ -180,134 +320,119 @@ def _check_request(report: DoctorReport, spec: SubmitSpec, slurm: SlurmClient) -
         report.add("partition", "fail", exc.problem, f"change {exc.flag}")
         return False
     name = spec.partition or "the default partition"
+    shape = f"{spec.nodes} node(s) x {spec.ranks_per_node} task(s), {spec.gpus_per_node} GPU(s)"
     if warnings:
         report.add("partition", "warn", "; ".join(warnings))
     else:
-        report.add(
-            "partition",
-            "ok",
-            f"{name} can give {spec.nodes} node(s) x "
-            f"{spec.ranks_per_node} task(s), {spec.gpus_per_node} GPU(s) per node",
-        )
-    minutes = slurm_time_minutes(spec.time)
-    args = [*_directives(spec, minutes, "mjlab-doctor-test"), "--wrap=true"]
-    ok, said = slurm.test_only(args)
+        report.add("partition", "ok", f"{name} can give {shape} per node")
+    # The options of the job's own script, as mjlab-submit would submit it.
+    script = render_sbatch(spec, Path(spec.train.log_root).absolute() / PROBE_DIR / "run", {})
+    args = [shlex.split(line)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
+    ok, said = slurm.test_only([*args, "--wrap=true"])
     if not ok:
-        report.add(
-            "request",
-            "fail",
-            f"sbatch --test-only refused it: {said}",
-            "change the flag Slurm names (account, qos, partition, time, resources)",
-        )
+        report.add("request", "fail", f"sbatch --test-only refused it: {said}", _FIXES["request"])
         return False
     report.add("request", "ok", said)
     return True
 
 
-def _check_shape(
-    report: DoctorReport,
-    spec: SubmitSpec,
-    folder: Path,
-    job: str | None,
-    said: str,
-    mjlab: bool,
-    slurm: SlurmClient,
-    wait_s: float,
-) -> None:
-    """Read the shape probe's results: log root, Python, imports, GPUs."""
-    if job is None:
-        report.add("probe job", "fail", f"sbatch refused it: {said}", "see the request check")
-        return
-    text = _wait(slurm, job, _ended, wait_s)
-    state = _job_field(text, "JobState") or "unknown"
-    if not _ended(text):
-        why = slurm.pending_reason(job)
-        report.add(
-            "probe job",
-            "fail",
-            f"job {job} still {state}{f' ({why})' if why else ''} after {wait_s:g} s",
-            "the cluster is busy or the request cannot start: try --wait-s longer, "
-            "or another partition",
-        )
-        return
-    nodes = slurm.hostnames(_job_field(text, "NodeList") or "") or []
-    report.add("probe job", "ok", f"job {job} ran on {','.join(nodes) or '?'} ({state})")
-    report.checks.extend(read_probe(folder, nodes, spec.world_size, spec.gpus_per_node, mjlab))
-
-
-def _check_requeue(
-    report: DoctorReport, job: str | None, said: str, slurm: SlurmClient, wait_s: float
-) -> None:
-    if job is None:
-        report.add("time-limit signal", "fail", f"sbatch refused the probe: {said}")
-        return
-    text = _wait(slurm, job, lambda t: _ended(t) and "Restarts=" in t, wait_s)
-    restarts = int(_job_field(text, "Restarts") or 0)
-    code = (_job_field(text, "ExitCode") or "0:0").split(":")[0]
-    state = _job_field(text, "JobState") or "unknown"
-    if not _ended(text):
-        report.add(
-            "time-limit signal",
-            "fail",
-            f"probe job {job} still {state} after {wait_s:g} s",
-            "try --wait-s longer",
-        )
-        return
-    if (restarts == 0 and code == "7") or state == "TIMEOUT":
-        report.add(
-            "time-limit signal",
-            "fail",
-            "the job got no signal before its time limit",
-            "runs cannot checkpoint at the time limit: ask your admins why --signal is "
-            "not delivered; use --save-every-min to bound lost work",
-        )
-        return
-    report.add("time-limit signal", "ok", "--signal reached the job before its time limit")
-    if restarts >= 1:
-        report.add("requeue", "ok", "the job requeued itself and ran again")
-    else:
-        report.add(
-            "requeue",
-            "fail",
-            f"scontrol requeue was refused (job {state}, exit {code})",
-            "runs cannot continue after the time limit by themselves here: use "
-            "mjlab-submit --chain N (one job after another)",
-        )
-
-
-def _check_accounting(report: DoctorReport, job: str | None, slurm: SlurmClient) -> None:
-    rows = slurm.sacct([job]) if job else None
-    if rows:
-        report.add("accounting", "ok", "sacct knows the probe job")
-    else:
-        report.add(
-            "accounting",
-            "warn",
-            "sacct does not answer (accounting disabled?)",
-            "status then reads states from squeue and run records; ended jobs show "
-            "their recorded state",
-        )
-
-
 def _check_arrays(report: DoctorReport, spec: SubmitSpec, config: dict[str, str] | None) -> None:
-    size = int((config or {}).get("MaxArraySize", "0") or 0)
-    if not size:
-        report.add("job arrays", "warn", "MaxArraySize unknown (scontrol show config)")
-        return
     elements = len(sweep_elements(spec.train, spec.sweep)) if spec.sweep else 0
-    if elements > size:
-        report.add(
-            "job arrays",
-            "fail",
-            f"--sweep has {elements} elements; MaxArraySize is {size}",
-            "split the sweep into several submissions",
-        )
+    if not (size := int((config or {}).get("MaxArraySize", "0") or 0)):
+        report.add("job arrays", "warn", "MaxArraySize unknown (scontrol show config)")
+    elif elements > size:
+        detail = f"--sweep has {elements} elements; MaxArraySize is {size}"
+        report.add("job arrays", "fail", detail, "split the sweep into several submissions")
     else:
-        report.add(
-            "job arrays",
-            "ok",
-            f"sweeps of up to {size} elements" + (f" ({elements} asked)" if elements else ""),
-        )
+        asked = f" ({elements} asked)" if elements else ""
+        report.add("job arrays", "ok", f"sweeps of up to {size} elements{asked}")
+
+
+# --- the probe jobs --------------------------------------------------------------------------
+
+
+def _executor(spec: SubmitSpec, folder: Path, signal_delay_s: int, **params: Any) -> Any:
+    """A submitit executor writing into `folder`, for a probe job with `spec`'s resources: the
+    real jobs' parameters (`slurm_parameters`), `params` over them."""
+    python = container_python(spec, folder / "run" / "dir") or shlex.quote(sys.executable)
+    executor = submitit.SlurmExecutor(folder, python=python)
+    base = slurm_parameters(spec.replace(signal_delay_s=signal_delay_s))
+    # submitit's handler in the job takes the signal the job asks for (--preempt-signal).
+    setup = [*spec.setup, f"export SUBMITIT_PREEMPT_SIGNAL={spec.preempt_signal}"]
+    executor.update_parameters(**{**base, "setup": setup, **params})
+    return executor
+
+
+def _submit(executor: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """The submitted job, or what sbatch said when it refused it."""
+    try:
+        return executor.submit(fn, *args)
+    except Exception as exc:  # submitit's FailedJobError carries sbatch's stderr
+        return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _ended(slurm: SlurmClient, job: Any) -> bool:
+    """Whether Slurm says the job ended (its tasks exit a while after their results are in;
+    scontrol answers without accounting too), or submitit does once slurmctld forgot it."""
+    state = slurm.job_state(job.job_id)
+    return state in FINAL_STATES or (state is None and job.done())
+
+
+def _finish(
+    report: DoctorReport, name: str, job: Any, slurm: SlurmClient, wait_s: float
+) -> tuple[dict[str, str], list[Outcome]] | None:
+    """Wait up to `wait_s` for a probe job to end: `scontrol show job` as a dict and every
+    task's outcome, or None after a failing check `name` (refused, or not ended in time)."""
+    if isinstance(job, str):
+        report.add(name, "fail", f"sbatch refused the probe: {job}", "see the request check")
+        return None
+    deadline = time.monotonic() + wait_s
+    while not (ended := _ended(slurm, job)) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    info = dict(re.findall(r"(\w+)=(\S*)", slurm.show_job(job.job_id) or ""))
+    if not ended:
+        why = f" ({reason})" if (reason := slurm.pending_reason(job.job_id)) else ""
+        detail = f"probe job {job.job_id} still {info.get('JobState', 'unknown')}{why}"
+        report.add(name, "fail", f"{detail} after {wait_s:g} s", _FIXES["busy"])
+        return None
+    tasks = [job.task(k) for k in range(job.num_tasks)]
+    for _ in range(10):  # a shared filesystem may show a result a moment after the job ended
+        if all(t.paths.result_pickle.exists() or not t.paths.stderr.exists() for t in tasks):
+            break
+        time.sleep(1.0)
+    outcomes: list[Outcome] = []
+    for task in tasks:
+        if task.paths.result_pickle.exists():
+            try:
+                outcomes.append(task.result())
+            except Exception as exc:  # it raised, or could not even be unpickled there
+                outcomes.append(_said(str(exc)))
+        else:  # None: nothing of the task reached this host
+            outcomes.append(None if (log := task.stderr()) is None else _said(log))
+    return info, outcomes
+
+
+def _check_requeue(report: DoctorReport, job: Any, slurm: SlurmClient, wait_s: float) -> None:
+    """A signal before the time limit, then a run after the requeue that followed it."""
+    if (finished := _finish(report, "time-limit signal", job, slurm, wait_s)) is None:
+        return
+    state, got = finished[0].get("JobState", "unknown"), finished[1][0]
+    signalled = "--signal reached the job before its time limit"
+    if isinstance(got, dict) and got["requeued"]:
+        report.add("time-limit signal", "ok", signalled)
+        restarts = f"(SLURM_RESTART_COUNT={got['restarts']})"
+        report.add("requeue", "ok", f"the job requeued itself and ran again {restarts}")
+    elif state == "TIMEOUT" or isinstance(got, dict):
+        detail = "the job got no signal before its time limit"
+        report.add("time-limit signal", "fail", detail, _FIXES["signal"])
+    elif "requeue" in str(got):  # submitit's `scontrol requeue` failed
+        report.add("time-limit signal", "ok", signalled)
+        detail = f"scontrol requeue was refused ({got})"
+        report.add("requeue", "fail", detail, _FIXES["requeue"])
+    else:  # it never got to wait for the signal
+        detail = f"the probe could not run: {got or 'nothing of it came back'}"
+        fix = f"see the {'Python on nodes' if got else 'log root shared'} check"
+        report.add("time-limit signal", "fail", detail, fix)
 
 
 def diagnose(
@@ -336,44 +461,43 @@ def diagnose(
     made = [p for p in (log_root / PROBE_DIR, *(log_root / PROBE_DIR).parents) if not p.exists()]
     folder = log_root / PROBE_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
     folder.mkdir(parents=True)
-    (folder / TOKEN_FILE).write_text(secrets.token_hex(16) + "\n")
+    token = secrets.token_hex(16)
+    (folder / _TOKEN).write_text(token + "\n")
+    # The shape probe's time-limit signal at the last second: it is long done by then. A task
+    # that fails leaves the others running, to report.
+    minutes = min(slurm_time_minutes(spec.time), 10)
+    extra = {"job_name": "mjlab-doctor", "time": minutes, "srun_args": ["--kill-on-bad-exit=0"]}
+    shape_ex = _executor(spec, folder, 1, **extra)
+    # One task (one GPU where GPUs are asked for: a GPU partition may refuse a job without one).
+    gpus = min(spec.gpus_per_node, 1)
+    single = spec.replace(nodes=1, tasks_per_node=1, gpus_per_node=gpus, exclusive=False)
+    single = single.replace(mem=None, cpus_per_task=None)
+    extra = {"job_name": "mjlab-doctor-requeue", "time": 1}
+    requeue_ex = _executor(single, folder, _SIGNAL_DELAY_S, **extra)
+    # Python starts with the signal blocked (_RequeueProbe unblocks it): Slurm may send it a
+    # second after the job starts, before submitit has set its handler.
+    block = f"signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIG{spec.preempt_signal}])"
+    requeue_ex.python += f" -c 'import os, signal, sys; {block}; os.execv(sys.executable, "
+    requeue_ex.python += "[sys.executable, *sys.argv[1:]])'"
     mjlab = resolved.source == "mjlab"
-    (folder / "shape.sh").write_text(probe_script(spec, folder, mjlab))
-    (folder / "requeue.sh").write_text(_REQUEUE_SCRIPT.format(signal=spec.preempt_signal))
     jobs: list[str] = []
     try:
         progress("submitting two probe jobs (job shape; time-limit signal and requeue)")
-        shape, said = slurm.sbatch(
-            [
-                *_directives(spec, min(slurm_time_minutes(spec.time), 10), "mjlab-doctor"),
-                f"--output={folder}/shape.out",
-                str(folder / "shape.sh"),
-            ]
-        )
-        # One task (one GPU where GPUs are asked for: a GPU partition may refuse a job
-        # without one).
-        single = spec.replace(
-            nodes=1,
-            tasks_per_node=1,
-            gpus_per_node=min(spec.gpus_per_node, 1),
-            exclusive=False,
-            mem=None,
-            cpus_per_task=None,
-        )
-        requeue, said_rq = slurm.sbatch(
-            [
-                *_directives(single, 1, "mjlab-doctor-requeue"),
-                f"--signal={spec.preempt_signal}@55",
-                "--requeue",
-                "--output=/dev/null",
-                str(folder / "requeue.sh"),
-            ]
-        )
-        jobs = [j for j in (shape, requeue) if j]
+        shape = _submit(shape_ex, _shape_probe, str(folder), spec.world_size, mjlab)
+        requeue = _submit(requeue_ex, _RequeueProbe())
+        jobs = [j.job_id for j in (shape, requeue) if not isinstance(j, str)]
         progress(f"waiting for probe jobs {', '.join(jobs)} (up to {wait_s:g} s)")
-        _check_shape(report, spec, folder, shape, said, mjlab, slurm, wait_s)
-        _check_requeue(report, requeue, said_rq, slurm, wait_s)
-        _check_accounting(report, shape, slurm)
+        if finished := _finish(report, "probe job", shape, slurm, wait_s):
+            (info, outcomes), nodes = finished, finished[0].get("NodeList", "?")
+            state = info.get("JobState", "?")
+            report.add("probe job", "ok", f"job {shape.job_id} ran on {nodes} ({state})")
+            report.checks += shape_checks(folder, token, outcomes, spec.gpus_per_node, mjlab, nodes)
+        _check_requeue(report, requeue, slurm, wait_s)
+        if jobs and slurm.sacct(jobs[:1]):
+            report.add("accounting", "ok", "sacct knows the probe job")
+        else:
+            detail = "sacct does not answer (accounting disabled?)"
+            report.add("accounting", "warn", detail, _FIXES["accounting"])
     finally:
         if jobs:
             slurm.scancel(jobs)

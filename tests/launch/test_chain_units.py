@@ -1,10 +1,10 @@
 """The fast tier of job chains, allocations and the doctor's reading of its probe (no Slurm):
 the job's place in a chain, what an allocation allows, the srun command inside it, the
-dependency in the script, all-or-nothing chain submission, and probe files read back."""
+dependency in the script, all-or-nothing chain submission, and the doctor's checks from its
+shape probe's results."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 from helpers import BIN, cli_env
 
+from mjlab_hpc import __version__
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.slurm import allocation_srun, render_sbatch
 from mjlab_hpc.launch.submit import submit_chain
-from mjlab_hpc.ops.probe import TOKEN_FILE, _gpus_check, read_probe
+from mjlab_hpc.ops.doctor import _gpus_check, _said, shape_checks
 from mjlab_hpc.rank.context import (
     ALLOCATION_ENV,
     Allocation,
@@ -107,36 +108,49 @@ def test_a_chain_is_submitted_whole_or_not_at_all() -> None:
                    "cancel 101_0", "cancel 101_1", "cancel 102_0", "cancel 102_1"]  # fmt: skip
 
 
-def _task(folder: Path, rank: int, node: str, **extra: Any) -> None:
-    token = (folder / TOKEN_FILE).read_text().strip()
-    (folder / f"shell-{rank}").write_text(f"{node} {token}\n")
-    info = {"rank": rank, "node": node, "python_version": ".".join(map(str, sys.version_info[:3])),
-            "folder": str(folder.resolve()), "mjlab_hpc": {"ok": True, "version": "0+unknown"},
+def _task(folder: Path, rank: int, node: str, **extra: Any) -> dict[str, Any]:
+    """What a task of the doctor's shape probe returns (its result, on this host)."""
+    return {"rank": rank, "node": node, "python": sys.executable, "token": "t0k", "seen": 2,
+            "python_version": ".".join(map(str, sys.version_info[:3])),
+            "folder": str(folder.resolve()), "mjlab_hpc": {"ok": True, "version": __version__},
             "gpus": {"CUDA_VISIBLE_DEVICES": "0,1", "torch_cuda": None, "torch_devices": 0},
             **extra}  # fmt: skip
-    (folder / f"task{rank}.json").write_text(json.dumps(info))
 
 
-def test_the_probe_files_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("mjlab_hpc.ops.probe._version", lambda: "0+unknown")
+def test_the_shape_probes_results_become_checks(tmp_path: Path) -> None:
     folder = tmp_path / "logs" / ".doctor" / "p"
     folder.mkdir(parents=True)
-    (folder / TOKEN_FILE).write_text("t0k\n")
-    _task(folder, 0, "node1")
-    _task(folder, 1, "node2", mjlab_hpc={"ok": False, "error": "ModuleNotFoundError: rsl_rl"})
-    for rank in (0, 1):
-        (folder / f"seen-{rank}").write_text("shell-0\nshell-1\n")
-    checks = {c.name: c for c in read_probe(folder, ["node1", "node2"], 2, 2, mjlab=False)}
+    broken = {"ok": False, "error": "ModuleNotFoundError: rsl_rl"}
+    both = [_task(folder, 0, "node1"), _task(folder, 1, "node2", mjlab_hpc=broken)]
+    checks = {c.name: c for c in shape_checks(folder, "t0k", both, 2, mjlab=False)}
     assert checks["log root shared"].result == "ok"
+    assert "2 task(s) on 2 node(s)" in checks["log root shared"].detail
+    assert checks["Python on nodes"].result == "ok"
     assert checks["mjlab_hpc on nodes"].result == "fail"
     assert "task 1: ModuleNotFoundError: rsl_rl" in checks["mjlab_hpc on nodes"].detail
     assert checks["GPUs"].result == "fail" and "a CPU build of torch" in checks["GPUs"].detail
-    # node2 wrote its note somewhere this host cannot see, and read another token.
-    (folder / "shell-1").unlink()
-    (folder / "seen-0").write_text("shell-0\n")
-    shared = read_probe(folder, ["node1", "node2"], 2, 0, mjlab=False)[0]
+    # Task 1 wrote where this host cannot see it; task 2 read another token and saw one note.
+    blind = _task(folder, 2, "node2", token="other", seen=1)
+    shared = shape_checks(folder, "t0k", [both[0], None, blind], 0, mjlab=False)[0]
     assert shared.result == "fail"
-    assert "nodes whose writes this host does not see: node2" in shared.detail
+    assert "tasks whose writes this host does not see: [1]" in shared.detail
+    assert "nodes that do not see this host's writes: node2" in shared.detail
+    assert "task 2 saw 1 of 2 notes" in shared.detail
+    # Nothing came back: the nodes see another folder (the only check then).
+    [nothing] = shape_checks(folder, "t0k", [None, None], 0, mjlab=False, nodes="node[1-2]")
+    assert nothing.result == "fail" and "(node[1-2]) see a different folder" in nothing.detail
+    assert "shared filesystem" in nothing.fix
+    # A task that could not even run the probe: what it said names the problem.
+    said = _said("Traceback (most recent call last):\n  File ...\nModuleNotFoundError: x\n"
+                 "----\nYou can check full logs with 'job.stderr(0)'\n  - /a/b.err")  # fmt: skip
+    assert said == "ModuleNotFoundError: x"
+    srun = "slurmstepd: error: execve(): /nope/python: No such file\nsrun: error: task 0: Exited"
+    assert _said(srun) == "slurmstepd: error: execve(): /nope/python: No such file"
+    one = {c.name: c for c in shape_checks(folder, "t0k", [both[0] | {"seen": 1}, said], 0, False)}
+    assert one["log root shared"].result == "ok"
+    assert one["Python on nodes"].result == "fail"
+    assert "tasks [1] could not run" in one["Python on nodes"].detail
+    assert one["Python on nodes"].detail.endswith("ModuleNotFoundError: x")
 
 
 def test_the_gpu_check_counts_what_each_node_sees() -> None:
@@ -148,36 +162,29 @@ def test_the_gpu_check_counts_what_each_node_sees() -> None:
         }
         return {"node": node, "gpus": gpus}
 
-    every = {0: task("n1", "0,1", 2), 1: task("n1", "0,1", 2), 2: task("n2", "0,1", 2)}
+    every = [task("n1", "0,1", 2), task("n1", "0,1", 2), task("n2", "0,1", 2)]
     assert _gpus_check(2, every).result == "ok"
     # A per-task binding: each task sees its own GPU, the node's tasks all of them.
-    per_task = {0: task("n1", "0", 1), 1: task("n1", "1", 1)}
+    per_task = [task("n1", "0", 1), task("n1", "1", 1)]
     assert _gpus_check(2, per_task).result == "ok"
     short = _gpus_check(4, every)
     assert short.result == "fail" and "n1: 2, n2: 2 GPU(s) visible" in short.detail
     assert "4 per node asked for" in short.detail and "sinfo" in short.fix
     # Slurm numbers each task's one GPU 0: the GPUs it names for the step count.
-    renumbered = {0: task("n1", "0", 1), 1: task("n1", "0", 1)}
+    renumbered = [task("n1", "0", 1), task("n1", "0", 1)]
     assert _gpus_check(2, renumbered).result == "fail"
     renumbered[0]["gpus"]["SLURM_STEP_GPUS"], renumbered[1]["gpus"]["SLURM_STEP_GPUS"] = "2", "3"
     assert _gpus_check(2, renumbered).result == "ok"
-    hidden = _gpus_check(2, {0: task("n1", "0,1", 1)})
+    hidden = _gpus_check(2, [task("n1", "0,1", 1)])
     assert hidden.result == "fail" and "torch sees 1 of the 2 GPU(s)" in hidden.detail
 
 
-def test_a_real_path_that_differs_is_a_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr("mjlab_hpc.ops.probe._version", lambda: "0+unknown")
+def test_a_real_path_that_differs_is_a_warning(tmp_path: Path) -> None:
     folder = tmp_path / "logs" / ".doctor" / "p"
     folder.mkdir(parents=True)
-    (folder / TOKEN_FILE).write_text("t0k\n")
-    _task(folder, 0, "node1")
-    info = json.loads((folder / "task0.json").read_text())
-    info["folder"] = "/gpfs/u/logs/.doctor/p"  # the log root is a symbolic link on this host
-    (folder / "task0.json").write_text(json.dumps(info))
-    (folder / "seen-0").write_text("shell-0\n")
-    shared = read_probe(folder, ["node1"], 1, 0, mjlab=False)[0]
+    # The log root is a symbolic link on this host.
+    task = _task(folder, 0, "node1", seen=1) | {"folder": "/gpfs/u/logs/.doctor/p"}
+    shared = shape_checks(folder, "t0k", [task], 0, mjlab=False)[0]
     assert shared.result == "warn" and "/gpfs/u/logs/.doctor/p on a node" in shared.detail
 
 
