@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from benchmarks.stats import median_iteration_s, parse_rsl_rl_log
 from mjlab_hpc import procs
 from mjlab_hpc.rundir.layout import PROGRESS, RESTARTS, RUN_RECORD, SUBMITIT_DIR, read_jsonl
@@ -53,6 +55,41 @@ _POLL_S = 0.02
 # own records): a slower poll takes less CPU from the measured ranks. A 2-rank job pays for
 # whatever takes one rank's core, since the other waits for it at the next collective.
 _POLL_MEASURED_S = 0.25
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live processes of one session (a job started with start_new_session=True)."""
+    found = []
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == sid and procs.alive(pid):
+                found.append(pid)
+    return found
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (all its threads); None if it is gone."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return float(times.user + times.system)
+
+
+def start_time(pid: int) -> float | None:
+    """When a live process started (epoch seconds); None if it is gone."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores of the machine have spent busy since boot."""
+    t = psutil.cpu_times()
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    total = sum(getattr(t, name) for name in t._fields if name not in ("guest", "guest_nice"))
+    return float(total - idle)
 
 
 def bench_env(extra: dict[str, str] | None = None, gpus: bool = False) -> dict[str, str]:
@@ -109,13 +146,13 @@ class CpuSnapshot:
 
     @classmethod
     def take(cls, rank_pids: Sequence[int], session: int) -> CpuSnapshot:
-        ranks = {p: c for p in rank_pids if (c := procs.cpu_seconds(p)) is not None}
+        ranks = {p: c for p in rank_pids if (c := cpu_seconds(p)) is not None}
         launcher = {
             p: c
-            for p in procs.session_pids(session)
-            if p not in ranks and (c := procs.cpu_seconds(p)) is not None
+            for p in session_pids(session)
+            if p not in ranks and (c := cpu_seconds(p)) is not None
         }
-        return cls(time.time(), ranks, launcher, time.process_time(), procs.machine_busy_s())
+        return cls(time.time(), ranks, launcher, time.process_time(), machine_busy_s())
 
 
 @dataclass(frozen=True)
@@ -325,7 +362,7 @@ def _poll_once(
         pids = sorted(state.pids)
     new = [p for p in pids if p not in state.pids]
     if new:
-        starts = [s for s in (procs.start_time(p) for p in new) if s is not None]
+        starts = [s for s in (start_time(p) for p in new) if s is not None]
         if starts and trace.first_rank_start is None:
             trace.first_rank_start = min(starts)
         elif starts and trace.signal_sent_at is not None and trace.restart_rank_start is None:

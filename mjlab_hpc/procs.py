@@ -22,14 +22,10 @@ import psutil
 __all__ = [
     "ProcessEntry",
     "alive",
-    "cpu_seconds",
     "kill_group",
-    "machine_busy_s",
     "processes",
     "run_command",
     "send_signal",
-    "session_pids",
-    "start_time",
     "wait_gone",
 ]
 
@@ -64,41 +60,6 @@ def processes(match: Callable[[tuple[str, ...]], bool] | None = None) -> list[Pr
         if argv and (match is None or match(argv)):
             found.append(ProcessEntry(proc.pid, argv))
     return found
-
-
-def session_pids(sid: int) -> list[int]:
-    """Live processes of one session (a job started with start_new_session=True)."""
-    found = []
-    for pid in psutil.pids():
-        with contextlib.suppress(OSError):
-            if os.getsid(pid) == sid and alive(pid):
-                found.append(pid)
-    return found
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a live process (all its threads); None if it is gone."""
-    try:
-        times = psutil.Process(pid).cpu_times()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-    return float(times.user + times.system)
-
-
-def start_time(pid: int) -> float | None:
-    """When a live process started (epoch seconds); None if it is gone."""
-    try:
-        return float(psutil.Process(pid).create_time())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
-def machine_busy_s() -> float:
-    """CPU seconds all cores of the machine have spent busy since boot."""
-    t = psutil.cpu_times()
-    idle = t.idle + getattr(t, "iowait", 0.0)
-    total = sum(getattr(t, name) for name in t._fields if name not in ("guest", "guest_nice"))
-    return float(total - idle)
 
 
 def send_signal(pid: int, sig: int) -> bool:

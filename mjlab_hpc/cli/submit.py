@@ -19,10 +19,7 @@ from mjlab_hpc.cli.common import guarded, parse_with_overrides, resume_command
 from mjlab_hpc.errors import EXIT_INTERRUPTED
 from mjlab_hpc.launch.follow import (
     Closing,
-    Foreground,
-    closing,
-    failed_before_start,
-    follow_progress,
+    follow_to_end,
 )
 from mjlab_hpc.launch.local import LocalControls, local_processes, rank_outcomes
 from mjlab_hpc.launch.slurm import (
@@ -129,32 +126,21 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
             pass  # stop following; the cancel goes on
 
     def done() -> bool:
-        if fg.killed or not all(j.done() for j in (s.job, *s.chain)):
-            return fg.killed
+        if not all(j.done() for j in (s.job, *s.chain)):
+            return False
         # A local controller may be gone (killed) while its ranks still save their checkpoint.
         return s.executor != "local" or not local_processes(s.run_dir)
 
-    with Foreground(stop, kill, sys.stderr) as fg:
-        follow_progress(s.run_dir, s.resolved.max_iterations, done)
-    if fg.killed:
-        if s.executor == "local":
-            wait_gone([p.pid for p in local_processes(s.run_dir)], 10)
-        ended: Closing | None = (
-            Closing(EXIT_INTERRUPTED, f"stopped at once; resume with: {resume}")
-            if s.executor == "local"
-            # A Slurm job goes on being cancelled (with its checkpoint): only following ends.
-            else Closing(EXIT_INTERRUPTED, f"stopped following job {s.job_id}, which is being "
-                         f"cancelled with a checkpoint; then resume with: {resume}")
-        )  # fmt: skip
-    else:
-        ended = closing(s.run_dir, resume, cancelled=fg.signals > 0 and s.executor == "slurm")
-    failures = rank_outcomes(s.job, s.ranks)[1] if ended is None or ended.code == 0 else []
-    if ended is None or failures:
-        # No record of this start (or only an earlier start's "done"): the ranks failed early.
-        ended = failed_before_start(failures or [f"job {s.job_id} ended without a run record"])
-    (Console() if ended.code == 0 else Console(stderr=True)).print(
-        ended.line, highlight=False, markup=False, soft_wrap=True
-    )
+    ended, fg = follow_to_end(
+        s.run_dir, s.resolved.max_iterations, stop, kill, done, resume,
+        lambda: rank_outcomes(s.job, s.ranks)[1], cancels=s.executor == "slurm",
+    )  # fmt: skip
+    if fg.killed and s.executor == "local":
+        wait_gone([p.pid for p in local_processes(s.run_dir)], 10)
+    elif fg.killed:  # a Slurm job goes on being cancelled (with its checkpoint)
+        ended = Closing(EXIT_INTERRUPTED, f"stopped following job {s.job_id}, which is being "
+                        f"cancelled with a checkpoint; then resume with: {resume}")  # fmt: skip
+    ended.say()
     return ended.code
 
 
@@ -305,9 +291,7 @@ def in_allocation(spec: SubmitSpec, argv: Sequence[str]) -> int:
     )
     console.print(f"run directory: {run_dir}", highlight=False, soft_wrap=True)
     ended = run_in_allocation(spec, resolved, run_dir, alloc, resume_command(PROG, argv, run_dir))
-    (Console() if ended.code == 0 else Console(stderr=True)).print(
-        ended.line, highlight=False, markup=False, soft_wrap=True
-    )
+    ended.say()
     return ended.code
 
 

@@ -8,8 +8,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rich.console import Console
-
 from mjlab_hpc.cli.common import guarded, parse_with_overrides, resume_command
 from mjlab_hpc.errors import (
     EXIT_FAILED,
@@ -75,14 +73,8 @@ def _run(spec: TrainSpec, argv: Sequence[str]) -> int:
         return _run_in_process(resolved, plan, argv)
     resume = resume_command(PROG, argv, str(resolved.train.run_dir))
     ended = run_local(resolved, plan.ranks, plan.gpus, resume)
-    _say(ended)
+    ended.say()
     return ended.code
-
-
-def _say(ended: Closing) -> None:
-    (Console() if ended.code == 0 else Console(stderr=True)).print(
-        ended.line, highlight=False, markup=False, soft_wrap=True
-    )
 
 
 def _run_in_process(resolved: ResolvedSpec, plan: LaunchPlan, argv: Sequence[str]) -> int:
@@ -100,7 +92,7 @@ def _run_in_process(resolved: ResolvedSpec, plan: LaunchPlan, argv: Sequence[str
         if (stopped.ctx is None or stopped.ctx.is_main) and stopped.run_dir:
             ended = closing(Path(stopped.run_dir), resume_command(PROG, argv, stopped.run_dir))
             if ended is not None and code == EXIT_STOPPED:
-                _say(ended)
+                ended.say()
         return code
     except OSError as exc:
         run_dir = resolved.train.run_dir or "the run directory"
@@ -109,17 +101,17 @@ def _run_in_process(resolved: ResolvedSpec, plan: LaunchPlan, argv: Sequence[str
             raise
         ended = closing(Path(run_dir), resume_command(PROG, argv, run_dir))
         line = ended.line if ended is not None else f"failed: {problem}"
-        _say(Closing(EXIT_FAILED, line))
+        Closing(EXIT_FAILED, line).say()
         return EXIT_FAILED
     except Interrupted as interrupted:
         ended = closing(Path(interrupted.run_dir), resume_command(PROG, argv, interrupted.run_dir))
         if ended is not None:
-            _say(ended)
+            ended.say()
         return EXIT_INTERRUPTED
     if result.rank == 0:
         ended = closing(Path(result.run_dir), resume_command(PROG, argv, result.run_dir))
         if ended is not None:
-            _say(ended)
+            ended.say()
     return 0
 
 

@@ -31,7 +31,14 @@ from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
 from mjlab_hpc.rundir.state import read_record, run_outcome
 
-__all__ = ["Closing", "Foreground", "closing", "failed_before_start", "follow_progress"]
+__all__ = [
+    "Closing",
+    "Foreground",
+    "closing",
+    "failed_before_start",
+    "follow_progress",
+    "follow_to_end",
+]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -153,6 +160,10 @@ class Closing:
     code: int
     line: str
 
+    def say(self) -> None:
+        """Print the line: on stdout when the run completed, else on stderr."""
+        print(self.line, file=sys.stdout if self.code == EXIT_OK else sys.stderr, flush=True)
+
 
 def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
@@ -205,6 +216,33 @@ def closing(run_dir: Path, resume: str, cancelled: bool = False) -> Closing | No
             f"resume with: {resume}",
         )
     return None
+
+
+def follow_to_end(
+    run_dir: Path,
+    total: int,
+    stop: Callable[[], None],
+    kill: Callable[[], None],
+    done: Callable[[], bool],
+    resume: str,
+    failures: Callable[[], list[str]],
+    out: TextIO | None = None,
+    cancels: bool = False,
+) -> tuple[Closing, Foreground]:
+    """Follow a job to its end in the foreground (stop signals forwarded: `stop`, then `kill`)
+    and say how it ended: the run's closing line, or, when the ranks left no record of this
+    start, `failures()` (what the launcher knows of them). `cancels`: a stop signal cancels
+    the job (a Slurm job). The Foreground tells whether it was killed."""
+    with Foreground(stop, kill, sys.stderr) as fg:
+        follow_progress(run_dir, total, lambda: fg.killed or done(), out)
+    if fg.killed:
+        return Closing(EXIT_INTERRUPTED, f"stopped at once; resume with: {resume}"), fg
+    ended = closing(run_dir, resume, cancelled=cancels and fg.signals > 0)
+    failed = failures() if ended is None or ended.code == EXIT_OK else []
+    if ended is None or failed:
+        # No record of this start (or only an earlier start's "done"): the ranks failed early.
+        return failed_before_start(failed or ["the job ended without a run record"]), fg
+    return ended, fg
 
 
 def failed_before_start(failures: list[str]) -> Closing:

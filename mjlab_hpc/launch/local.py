@@ -13,7 +13,6 @@ import re
 import shlex
 import signal
 import socket
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Literal, TextIO
 
 import submitit
 
-from mjlab_hpc.errors import EXIT_INTERRUPTED, EXIT_OK, SpecError
+from mjlab_hpc.errors import EXIT_INTERRUPTED, SpecError
 from mjlab_hpc.launch.executors import (
     CONTROLLER_MODULE,
     SUBMITIT_CONTROLLER_MODULE,
@@ -30,10 +29,7 @@ from mjlab_hpc.launch.executors import (
 )
 from mjlab_hpc.launch.follow import (
     Closing,
-    Foreground,
-    closing,
-    failed_before_start,
-    follow_progress,
+    follow_to_end,
 )
 from mjlab_hpc.procs import processes, send_signal, wait_gone
 from mjlab_hpc.rank import RankJob
@@ -321,8 +317,10 @@ def run_local(
         # The controller may be gone (killed) while its ranks still save their checkpoint.
         return local.job.done() and not local_processes(local.run_dir)
 
-    with Foreground(controls.stop, controls.kill, sys.stderr) as fg:
-        follow_progress(local.run_dir, spec.max_iterations, done, out)
+    ended, fg = follow_to_end(
+        local.run_dir, spec.max_iterations, controls.stop, controls.kill, done, resume,
+        lambda: rank_outcomes(local.job, ranks)[1], out,
+    )  # fmt: skip
     if fg.killed:
         left = wait_gone([p.pid for p in local_processes(local.run_dir)], 10)
         note = "" if not left else f" (still alive: {left})"
@@ -331,9 +329,4 @@ def run_local(
             f"stopped at once: nothing saved since the last checkpoint{note}; "
             f"resume with: {resume}",
         )
-    ended = closing(local.run_dir, resume)
-    _, failures = rank_outcomes(local.job, ranks)
-    if ended is not None and not (failures and ended.code == EXIT_OK):
-        return ended
-    # No record of this start (or only an earlier start's "done"): the ranks failed early.
-    return failed_before_start(failures or ["the job ended without a run record"])
+    return ended

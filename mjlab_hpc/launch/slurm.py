@@ -23,14 +23,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from mjlab_hpc.errors import EXIT_INTERRUPTED, SpecError
+from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.executors import SlurmJobExecutor
 from mjlab_hpc.launch.follow import (
     Closing,
-    Foreground,
-    closing,
-    failed_before_start,
-    follow_progress,
+    follow_to_end,
 )
 from mjlab_hpc.rank.context import ALLOCATION_ENV, CHAIN_ENV, Allocation
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR
@@ -317,12 +314,13 @@ def run_in_allocation(
         if step is None or not slurm.signal_steps([step], sig):
             proc.send_signal(signal.SIGKILL if sig == "KILL" else signal.SIGTERM)
 
-    with Foreground(lambda: to_ranks("TERM"), lambda: to_ranks("KILL"), sys.stderr) as fg:
-        follow_progress(run_dir, resolved.max_iterations, lambda: proc.poll() is not None)
-    code = proc.wait()
-    if fg.killed:
-        return Closing(EXIT_INTERRUPTED, f"stopped at once; resume with: {resume}")
-    ended = closing(run_dir, resume)
-    if ended is None or (code != 0 and ended.code == 0):
-        return failed_before_start([f"srun exited {code}; task output: {run_dir}/logs/task-*"])
+    def failures() -> list[str]:
+        code = proc.wait()
+        return [f"srun exited {code}; task output: {run_dir}/logs/task-*"] if code else []
+
+    ended, _ = follow_to_end(
+        run_dir, resolved.max_iterations, lambda: to_ranks("TERM"), lambda: to_ranks("KILL"),
+        lambda: proc.poll() is not None, resume, failures,
+    )  # fmt: skip
+    proc.wait()
     return ended

@@ -37,20 +37,10 @@ NormalizerSync = Literal["iteration", "step"]
 
 
 class SyncedEmpiricalNormalization(EmpiricalNormalization):
-    """EmpiricalNormalization updated with the moments of the batch of all ranks together.
-
-    Collectives cost about a millisecond each on CPU (gloo over TCP) and this runs every env
-    step, so a normalizer that sees exactly the observations its `leader` saw (the critic's,
-    when actor and critic normalise the same observation groups) reuses the leader's reduced
-    moments instead of reducing them again: the same numbers, half the collectives.
-    """
+    """EmpiricalNormalization updated with the moments of the batch of all ranks together."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        # Not a Module attribute: that would make the leader a submodule of the follower and
-        # put its buffers into the follower's state_dict.
-        self._share: _SharedMoments | None = None
-        self._leads = False
         self.every: NormalizerSync = "step"
         # "iteration": the agreed statistics (count, mean, var) and this rank's batch sums
         # since then.
@@ -67,16 +57,9 @@ class SyncedEmpiricalNormalization(EmpiricalNormalization):
             return
         if self.until is not None and self.count >= self.until:
             return
-        share = self._share
-        if share is not None and not self._leads and share.pending is not None:
-            # rsl-rl updates the actor's normalizer, then the critic's, with the same batch.
-            packed, share.pending = share.pending, None
-        else:
-            # One sum over ranks of [n, sum, sum of squares] gives the global batch's moments.
-            packed = _moments(x)
-            dist.all_reduce(packed)
-            if share is not None and self._leads:
-                share.pending = packed
+        # One sum over ranks of [n, sum, sum of squares] gives the global batch's moments.
+        packed = _moments(x)
+        dist.all_reduce(packed)
         self._merge(packed)
 
     def _accumulate(self, x: torch.Tensor) -> None:
@@ -129,9 +112,8 @@ def _moments(x: torch.Tensor) -> torch.Tensor:
 
 def sync_normalizers(*models: nn.Module, every: NormalizerSync = "step") -> int:
     """Replace every EmpiricalNormalization inside `models` by the synced kind, keeping its
-    statistics; link normalizers of models that read the same observation groups so that
-    they share one reduction per step. With every="iteration", call `agree_normalizers` after
-    each rollout. Returns how many were replaced."""
+    statistics. With every="iteration", call `agree_normalizers` after each rollout. Returns
+    how many were replaced."""
     replaced = 0
     for model in models:
         for parent in list(model.modules()):
@@ -145,7 +127,6 @@ def sync_normalizers(*models: nn.Module, every: NormalizerSync = "step") -> int:
                     synced.every = every
                     setattr(parent, name, synced)
                     replaced += 1
-    _link_same_inputs(models)
     return replaced
 
 
@@ -167,29 +148,3 @@ def agree_normalizers(*models: nn.Module) -> int:
     for m, part in zip(pending, torch.split(reduced, sizes), strict=True):
         m.agree(part)
     return len(pending)
-
-
-def _link_same_inputs(models: tuple[nn.Module, ...]) -> None:
-    # rsl-rl's MLPModel keeps its observation groups in `obs_groups` and its normalizer in
-    # `obs_normalizer`; other models are left alone.
-    first: dict[tuple[str, ...], SyncedEmpiricalNormalization] = {}
-    for model in models:
-        norm = getattr(model, "obs_normalizer", None)
-        groups = getattr(model, "obs_groups", None)
-        if not isinstance(norm, SyncedEmpiricalNormalization) or groups is None:
-            continue
-        key = tuple(groups)
-        leader = first.get(key)
-        if leader is None:
-            first[key] = norm
-        elif leader._mean.shape == norm._mean.shape:
-            share = leader._share or _SharedMoments()
-            leader._share, leader._leads = share, True
-            norm._share, norm._leads = share, False
-
-
-class _SharedMoments:
-    """The leader's reduced moments of the current step, until its follower takes them."""
-
-    def __init__(self) -> None:
-        self.pending: torch.Tensor | None = None

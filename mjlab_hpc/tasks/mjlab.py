@@ -30,11 +30,9 @@ __all__ = [
     "MjlabRuntime",
     "apply_overrides",
     "configured_cfgs",
-    "download_wandb_motion",
     "dump_params",
     "enable_cpu_graph",
     "is_mjlab_task",
-    "is_tracking_task",
     "list_mjlab_tasks",
     "load_mjlab_cfgs",
     "make_mjlab_runtime",
@@ -147,11 +145,6 @@ def _is_tracking_cfg(env_cfg: Any) -> bool:
     from mjlab.tasks.tracking.mdp import MotionCommandCfg
 
     return isinstance(env_cfg.commands.get("motion"), MotionCommandCfg)
-
-
-def is_tracking_task(task: str) -> bool:
-    """Whether the task imitates a motion file (needs --env.commands.motion.motion-file)."""
-    return load_mjlab_cfgs(task)[3]
 
 
 def _flags(args: Sequence[str]) -> list[str]:
@@ -382,16 +375,6 @@ def dump_params(run_dir: str | os.PathLike[str], runtime: MjlabRuntime) -> tuple
 
 def _with_alias(registry_name: str) -> str:
     return registry_name if ":" in registry_name else registry_name + ":latest"
-
-
-def download_wandb_motion(registry_name: str, root: str | None = None) -> str:
-    """Download a tracking motion from the W&B registry as mjlab's train script does
-    (`wandb.Api().artifact(name[:latest]).download(root)` / "motion.npz"); needs network and
-    W&B credentials. Returns the path of motion.npz."""
-    import wandb
-
-    artifact = wandb.Api().artifact(_with_alias(registry_name))
-    return str(Path(artifact.download(root=root)) / "motion.npz")
 
 
 @dataclass(frozen=True)

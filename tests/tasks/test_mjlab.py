@@ -195,8 +195,8 @@ def test_g1_velocity_builds_and_steps() -> None:
 
 
 def test_tracking_task_needs_a_motion_file() -> None:
-    assert mt.is_tracking_task("Mjlab-Tracking-Flat-Unitree-G1")
-    assert not mt.is_tracking_task(CARTPOLE)
+    assert mt.load_mjlab_cfgs("Mjlab-Tracking-Flat-Unitree-G1")[3]  # a tracking task
+    assert not mt.load_mjlab_cfgs(CARTPOLE)[3]
     with pytest.raises(ValueError, match="motion-file"):
         _runtime("Mjlab-Tracking-Flat-Unitree-G1", num_envs=2)
 
