@@ -144,32 +144,6 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
     return ended.code
 
 
-def sweep_dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
-    """Print the resolved spec, the elements with their planned run directories, and the job
-    array's sbatch script (Slurm) or what would start (local)."""
-    elements = sweep_elements(spec.train, spec.sweep)
-    sweep_dir, run_dirs = planned_sweep(spec, resolved)
-    out = sys.stdout
-    out.write("# ---- resolved spec ----\n" + spec_yaml(spec, resolved))
-    out.write(f"# ---- sweep: {len(elements)} elements (dry run: nothing created) ----\n")
-    for e, run_dir in zip(elements, run_dirs, strict=True):
-        out.write(f"# {e.index:>3}  {e.label:<32} {run_dir}\n")
-    if executor_for(spec) == "slurm":
-        out.write(
-            "# ---- sbatch script of the job array (dry run: not submitted"
-            f"{_no_slurm_here(spec)}) ----\n"
-        )
-        code = planned_record(plan_snapshot(Path.cwd(), not spec.snapshot), sweep_dir)
-        out.write(render_array_sbatch(spec, sweep_dir, len(elements), code))
-        if spec.chain > 1:
-            out.write(chain_note(spec))
-    else:
-        out.write(
-            f"# ---- local executor (dry run: not started) ----\n# {len(elements)} local jobs "
-            f"of {spec.ranks_per_node} rank(s) each, all at once on this machine\n"
-        )
-
-
 def sweep_table(s: SubmittedSweep) -> Table:
     """The submitted sweep: its job array, and every element's job, values and run."""
     spec = s.spec
@@ -228,11 +202,7 @@ def run(spec: SubmitSpec, argv: Sequence[str] = ()) -> int:
 def _run(spec: SubmitSpec, argv: Sequence[str]) -> int:
     console = Console()
     if spec.dry_run:
-        resolved = validate_submit(spec)
-        if spec.sweep:
-            sweep_dry_run(spec, resolved)
-        else:
-            dry_run(spec, resolved)
+        dry_run(spec, validate_submit(spec))
         return 0
     if executor_for(spec) == "allocation":
         return in_allocation(spec, argv)
@@ -296,27 +266,39 @@ def in_allocation(spec: SubmitSpec, argv: Sequence[str]) -> int:
 
 
 def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
-    """Print the resolved spec and the exact sbatch script (or what would start locally).
-    Plain text, uncropped: users copy the script from here."""
-    run_dir = planned_run_dir(spec, resolved)
+    """Print the resolved spec, a sweep's elements with their planned run directories, and the
+    exact sbatch script (or the srun command, or what would start locally). Plain text,
+    uncropped: users copy the script from here."""
     out = sys.stdout
     out.write("# ---- resolved spec ----\n" + spec_yaml(spec, resolved))
-    if executor_for(spec) == "allocation":
-        command = allocation_srun(spec, resolved, run_dir)
+    elements = sweep_elements(spec.train, spec.sweep)
+    if elements:
+        folder, run_dirs = planned_sweep(spec, resolved)
+        out.write(f"# ---- sweep: {len(elements)} elements (dry run: nothing created) ----\n")
+        for e, run_dir in zip(elements, run_dirs, strict=True):
+            out.write(f"# {e.index:>3}  {e.label:<32} {run_dir}\n")
+    else:
+        folder = planned_run_dir(spec, resolved)
+    executor = executor_for(spec)
+    if executor == "allocation":
+        command = allocation_srun(spec, resolved, folder)
         out.write(f"# ---- srun inside the current allocation (dry run: not started) ----\n"
                   f"{shlex.join(command)}\n")  # fmt: skip
-    elif executor_for(spec) == "slurm":
-        out.write(f"# ---- sbatch script (dry run: not submitted{_no_slurm_here(spec)}) ----\n")
-        code = planned_record(plan_snapshot(Path.cwd(), not spec.snapshot), run_dir)
-        out.write(render_sbatch(spec, run_dir, code))
+    elif executor == "slurm":
+        what = "sbatch script of the job array" if elements else "sbatch script"
+        out.write(f"# ---- {what} (dry run: not submitted{_no_slurm_here(spec)}) ----\n")
+        code = planned_record(plan_snapshot(Path.cwd(), not spec.snapshot), folder)
+        out.write(render_array_sbatch(spec, folder, len(elements), code) if elements
+                  else render_sbatch(spec, folder, code))  # fmt: skip
         if spec.chain > 1:
             out.write(chain_note(spec))
     else:
-        out.write(
-            f"# ---- local executor (dry run: not started) ----\n"
-            f"# {spec.ranks_per_node} rank(s) of {spec.train.task} on this machine, "
-            f"run directory {run_dir}\n"
+        what = (
+            f"{len(elements)} local jobs of {spec.ranks_per_node} rank(s) each, all at once"
+            if elements
+            else f"{spec.ranks_per_node} rank(s) of {spec.train.task}, run directory {folder}"
         )
+        out.write(f"# ---- local executor (dry run: not started) ----\n# {what} on this machine\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -49,7 +49,7 @@ from mjlab_hpc.rank.stop import (
     watch_signals,
 )
 from mjlab_hpc.rank.watchdog import Watchdog, parse_faults
-from mjlab_hpc.rank.workload import Workload, build_workload, init_warp, pin_cpus
+from mjlab_hpc.rank.workload import Workload, build_workload, init_warp
 from mjlab_hpc.rundir.checkpoint import Checkpoints
 from mjlab_hpc.rundir.layout import RunDir, create_run_dir, latest_run, record_latest_run
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
@@ -238,9 +238,6 @@ def train_rank(
     spec = resolved.train
     ctx = DistContext.from_env(master_port=master_port)
     device = rank_device(spec, ctx)
-    # Before the process group starts gloo's threads: they inherit the binding.
-    if device == "cpu":
-        pin_cpus(ctx.local_rank, ctx.local_world_size, dict(os.environ))
     torch.set_num_threads(torch_threads(spec.torch_threads, ctx, os.environ))
     if device.startswith("cuda"):
         # Offscreen rendering (videos) on this rank's GPU, as mjlab does.

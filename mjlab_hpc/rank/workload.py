@@ -40,13 +40,11 @@ from mjlab_hpc.tasks.builtin import get_task
 from mjlab_hpc.tasks.video import Recording
 
 __all__ = [
-    "PIN_CPUS_ENV",
     "Workload",
     "build_staged",
     "build_workload",
     "init_warp",
     "make_mjlab_runner",
-    "pin_cpus",
     "rank_state",
     "restore_rank_state",
 ]
@@ -313,33 +311,3 @@ def init_warp() -> None:
         for line in caught.read().decode(errors="replace").splitlines(keepends=True):
             if "Could not find or load the NVIDIA CUDA driver" not in line:
                 sys.stderr.write(line)
-
-
-# Set to 1 to bind each CPU rank to its own cores (`pin_cpus`); unset or 0 leaves them to the OS.
-PIN_CPUS_ENV = "MJLAB_HPC_PIN_CPUS"
-
-
-def pin_cpus(local_rank: int, local_world_size: int, env: dict[str, str]) -> list[int] | None:
-    """With MJLAB_HPC_PIN_CPUS=1, bind this CPU rank to its own share of the CPUs this process
-    may use: the allowed CPUs (`os.sched_getaffinity`) in order, split into `local_world_size`
-    equal slices, slice `local_rank`; never a CPU outside the allowed set. Every thread the
-    process has is bound (threads started later, gloo's among them, inherit it). Nothing is
-    done for a single rank, when the node's ranks outnumber the allowed CPUs, or when Slurm
-    has already bound the task (`SLURM_CPU_BIND_TYPE`). Opt-in: on a shared 2-core VM it made
-    no difference we could measure (docs/performance.md). The CPUs bound, else None."""
-    if env.get(PIN_CPUS_ENV, "0").strip().lower() not in ("1", "true", "yes", "on"):
-        return None
-    bound = env.get("SLURM_CPU_BIND_TYPE", "").strip().lower()
-    if bound and not bound.startswith("none"):
-        return None
-    if local_world_size < 2 or not hasattr(os, "sched_setaffinity"):
-        return None
-    allowed = sorted(os.sched_getaffinity(0))
-    per = len(allowed) // local_world_size
-    if per < 1 or not 0 <= local_rank < local_world_size:
-        return None
-    mine = allowed[local_rank * per : (local_rank + 1) * per]
-    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
-        with contextlib.suppress(OSError):  # a thread that just ended
-            os.sched_setaffinity(int(tid), mine)
-    return mine
