@@ -124,6 +124,12 @@ class TrainSpec:
     overrides: Annotated[tuple[str, ...], tyro.conf.Suppress] = ()
     """mjlab tasks: `--env.*` / `--agent.*` arguments, as mjlab's own train takes them."""
 
+    @property
+    def device_choice(self) -> DeviceChoice:
+        """The device the flags ask for: cpu for `--gpu-ids None` and CPU ranks (--num-procs),
+        else --device."""
+        return "cpu" if self.gpu_ids is None or self.num_procs > 1 else self.device
+
     def replace(self, **changes: object) -> TrainSpec:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

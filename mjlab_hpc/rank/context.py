@@ -20,7 +20,6 @@ from typing import Literal
 
 from mjlab_hpc.errors import LaunchError
 from mjlab_hpc.slurm.hostlist import HostlistError, first_host
-from mjlab_hpc.spec import TrainSpec
 
 __all__ = [
     "ALLOCATION_ENV",
@@ -425,9 +424,8 @@ def resolve_device(
     )
 
 
-def rank_device(spec: TrainSpec, ctx: DistContext) -> str:
-    """The device this rank trains on."""
-    choice = "cpu" if spec.gpu_ids is None or spec.num_procs > 1 else spec.device
+def rank_device(choice: str, ctx: DistContext) -> str:
+    """The device this rank trains on, for the device the flags ask for (`device_choice`)."""
     return resolve_device(
         choice,
         ctx.local_rank,

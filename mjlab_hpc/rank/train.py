@@ -237,7 +237,7 @@ def train_rank(
     init_warp()
     spec = resolved.train
     ctx = DistContext.from_env(master_port=master_port)
-    device = rank_device(spec, ctx)
+    device = rank_device(spec.device_choice, ctx)
     torch.set_num_threads(torch_threads(spec.torch_threads, ctx, os.environ))
     if device.startswith("cuda"):
         # Offscreen rendering (videos) on this rank's GPU, as mjlab does.
@@ -332,7 +332,8 @@ def _train(
         )  # fmt: skip
         hooks.append(
             IterationBoundary(
-                work, run, ctx, device, spec, total, start, request, writer, checkpoints,
+                work, run, ctx, device, spec.save_interval, spec.save_every_min,
+                spec.keep_checkpoints, total, start, request, writer, checkpoints,
                 requeues_so_far(read_record(run.path)), watchdog, injections,
             )
         )  # fmt: skip

@@ -130,7 +130,7 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     resolved = resolve(spec.train)
     if not spec.sweep:
         resolved = world.continue_target(resolved)
-    elements = sweep_elements(spec.train, spec.sweep)
+    elements = sweep_elements(spec.train, spec.sweep) if spec.sweep else []
     if spec.container is not None and not Path(spec.container).is_file():
         raise SpecError("--container", f"image {spec.container!r} does not exist")
     executor = executor_for(spec)
