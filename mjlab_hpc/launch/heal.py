@@ -16,6 +16,7 @@ import datetime as dt
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE
 from mjlab_hpc.rundir.layout import (
     RunDir,
     progress_summary,
@@ -313,8 +314,8 @@ def heal_slurm(
 ) -> int:  # fmt: skip
     """The batch script's step after srun: decide, record, act; the script's exit code.
     `since`: when this run of the job began."""
-    if exit_code == EXIT_OK:
-        return EXIT_OK
+    if exit_code in (EXIT_OK, EXIT_REQUEUE):  # done; or a stop the ranks want requeued
+        return exit_code
     job_id = os.environ.get("SLURM_JOB_ID")
     heal = decide(run_dir, max_restarts, job_id, since)
     if heal.fault is None:
@@ -330,6 +331,12 @@ def heal_slurm(
         record_healing(run_dir, heal)
     except Exception as exc:  # the run matters more than its record: heal anyway
         log.error("could not record the fault in run.json: %s", exc)
+    if (
+        heal.requeue
+        and job_id
+        and shutil.which("scontrol", path=(client.env or os.environ).get("PATH")) is None
+    ):
+        return EXIT_REQUEUE  # inside an image without Slurm's client: the batch shell requeues
     if heal.requeue and job_id and apply_slurm(client, job_id, heal):
         return EXIT_OK
     if heal.requeue:  # run.json must not say requeued
