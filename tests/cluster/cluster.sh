@@ -48,10 +48,11 @@ readonly REPO
 readonly SCRIPT=$REPO/tests/cluster/cluster.sh
 # 24.11: Debian trixie's packages in a root of their own. The project's Python comes from the
 # host (bound in at the same path): a second Python there would need torch again (trixie's
-# Python 3.13 gets PyPI's CUDA build, 5.7 GB). git: rsl-rl imports GitPython.
+# Python 3.13 gets PyPI's CUDA build, 5.7 GB). git: rsl-rl imports GitPython; libEGL and
+# libGL: mujoco loads them when it is imported.
 readonly ROOT_SUITE=trixie
 readonly ROOT_PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server-core
-  mariadb-client-core tini git procps)
+  mariadb-client-core tini git procps libegl1 libgl1)
 
 log() { printf 'cluster.sh: %s\n' "$*" >&2; }
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -72,6 +74,54 @@ def test_fake_gpus(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
         assert all(devices in {"0", "1", "2", "3"} for devices in visible.values()), lines
         assert len(set(visible.values())) == 2, lines
         assert all(words[1] == "0123" for words in tasks.values()), lines
+
+
+# One task: its place (our context), the GPUs Slurm shows it, the GPU device files it may open
+# (a fake GPU without a driver: ENXIO when allowed, EPERM when the cgroup denies it), and the
+# device our code picks for it.
+_DEVICE_PROBE = """
+import errno, json, os, sys
+from mjlab_hpc.rank.context import DistContext, resolve_device
+ctx = DistContext.from_env(scontrol=None)
+visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+opens = []
+for i in range(4):
+    try:
+        open(os.path.join(sys.argv[1], f"nvidia{i}")).close()
+    except OSError as exc:
+        if exc.errno == errno.EPERM:
+            continue
+    opens.append(i)
+device = resolve_device("auto", ctx.local_rank, ctx.local_world_size,
+                        cuda_count=len(visible.split(",")), cuda_visible_devices=visible)
+print(json.dumps({"node": os.environ["SLURMD_NODENAME"], "visible": visible.split(","),
+                  "opens": opens, "ordinal": int(device.split(":")[1])}))
+"""
+
+
+@pytest.mark.parametrize("shape", [["--gpus-per-task=1"], ["--gpus-per-node=2"]])
+def test_each_task_trains_on_a_gpu_it_may_open(
+    slurm_cluster: SlurmCluster, shape: list[str]
+) -> None:
+    """The device mapping and the local rank on real tasks, as Slurm numbers their GPUs: its
+    node's real indices (proctrack/pgid, task/none) or, with task/cgroup and ConstrainDevices,
+    only the task's own GPUs, renumbered from 0; CUDA numbers the GPUs a process can use in
+    order. Every task must pick a GPU it may use, and no two tasks of a node the same one."""
+    gpus = str(slurm_cluster.state_dir / "gpu")
+    srun = ["srun", "-N2", "--ntasks-per-node=2", *shape]
+    out = slurm_cluster.run([*srun, sys.executable, "-c", _DEVICE_PROBE, gpus]).stdout
+    tasks = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(tasks) == 4, out
+    picked: dict[str, set[int]] = {}
+    for task in tasks:
+        entry = int(task["visible"][task["ordinal"]])
+        # cgroup: the entry counts within the GPUs the task may open; else it is the GPU.
+        gpu = task["opens"][entry] if slurm_cluster.cgroup else entry
+        assert gpu in task["opens"], task
+        picked.setdefault(task["node"], set()).add(gpu)
+        if slurm_cluster.cgroup:
+            assert len(task["opens"]) == len(task["visible"]), task  # only its own GPUs
+    assert all(len(gpus) == 2 for gpus in picked.values()), tasks
 
 
 def test_sacct_final_states_and_inherited_env(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
