@@ -62,7 +62,11 @@ _ON_PURPOSE = (EXIT_OK, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_LOC
 _HEAL_COMMENT = """\
 # Self-healing (mjlab_hpc): when a rank crashed or hung, record the fault in run.json and
 # requeue the job (excluding a node the fault is attributed to) while restarts remain and the
-# failure is not a repeat; nothing happens after a completed or stopped run.
+# failure is not a repeat; nothing happens after a completed or stopped run. The requeue
+# sends this shell SIGTERM: ignored, so the healer can still exclude the node (the job's
+# processes end with it under proctrack/cgroup).
+ranks=$?
+trap '' TERM
 """
 # After it: a requeue that the ranks or the healer asked for where Slurm's commands are missing
 # (exit 75: a container image without them) is done here, in the batch shell, which has them.
@@ -101,7 +105,7 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
         text = str(super()._make_submission_file_text(command, uid))
         run_dir = shlex.quote(str(Path(self.folder).parent))
         heal = (
-            f"{self.heal_python} -m mjlab_hpc.cli.hpc heal --run-dir {run_dir} --exit-code $? "
+            f"{self.heal_python} -m mjlab_hpc.cli.hpc heal --run-dir {run_dir} --exit-code $ranks "
             f"--elapsed-s $SECONDS --max-restarts {self.max_restarts}"
         )
         return text.rstrip("\n") + "\n\n" + _HEAL_COMMENT + heal + "\n" + _REQUEUE_HERE

@@ -179,18 +179,21 @@ def test_preempt_requeue_resume_exact(slurm_cluster: SlurmCluster, tmp_path: Pat
 
 
 def test_ranks_without_slurm_commands(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    """Ranks in an image without Slurm's client (srun --export gives them a PATH without
-    scontrol, squeue, sinfo or sacct, as a container image would): the rendezvous across both
-    nodes, heartbeats, the stop agreement and the exit records work from the environment
-    alone; after the time-limit signal rank 0 leaves the requeue to the batch script (exit
-    75), which has Slurm's commands: the job runs again and completes the run."""
+    """Ranks in an image without Slurm's client (their PATH has no scontrol, squeue, sinfo or
+    sacct, as in a container image; the batch shell reaches srun and scontrol through shell
+    functions, as it would outside the image): the rendezvous across both nodes, heartbeats,
+    the stop agreement and the exit records work from the environment alone; after the
+    time-limit signal rank 0 leaves the requeue to the batch script (exit 75), which has
+    Slurm's commands: the job runs again and completes the run."""
     bare = tmp_path / "bin"
     bare.mkdir()
     (bare / "git").symlink_to(shutil.which("git") or "/usr/bin/git")  # rsl-rl imports GitPython
+    outside = [f'{name}() {{ {shutil.which(name)} "$@"; }}' for name in ("srun", "scontrol")]
     code, out = submit(slurm_cluster, [
         "cartpole", "--num-envs", "16", "--max-iterations", "8", "--torch-threads", "1",
         "--save-interval", "100", "--nodes", "2", "--gpus-per-node", "0", "--time", "10",
-        "--log-root", str(tmp_path / "job"), "--setup", f"export SLURM_EXPORT_ENV=ALL,PATH={bare}",
+        "--log-root", str(tmp_path / "job"), "--setup", f"export PATH={bare}",
+        "--setup", outside[0], "--setup", outside[1],
     ])  # fmt: skip
     assert code == 0, out
     job = job_id_of(out)
