@@ -28,6 +28,7 @@ from typing import Any
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE
 from mjlab_hpc.rundir.layout import (
+    SUBMITIT_DIR,
     RunDir,
     progress_summary,
     read_hangs,
@@ -280,10 +281,10 @@ def apply_slurm(client: SlurmClient, job_id: str, heal: Healing) -> bool:
 
 def heal_slurm(
     run_dir: Path, exit_code: int, max_restarts: int, client: SlurmClient,
-    since: float | None = None,
+    since: float | None = None, submitit_dir: Path | None = None,
 ) -> int:  # fmt: skip
     """The batch script's step after srun: decide, record, act; the script's exit code.
-    `since`: when this run of the job began."""
+    `since`: when this run of the job began; `submitit_dir`: the job's submitit folder."""
     if exit_code in (EXIT_OK, EXIT_REQUEUE):  # done; or a stop the ranks want requeued
         return exit_code
     job_id = os.environ.get("SLURM_JOB_ID")
@@ -301,6 +302,13 @@ def heal_slurm(
         record_healing(run_dir, heal)
     except Exception as exc:  # the run matters more than its record: heal anyway
         log.error("could not record the fault in run.json: %s", exc)
+    if heal.requeue and submitit_dir is not None:
+        # The failed start's results (a rank's exception): `mjlab-submit --follow` would take
+        # one that the next start has not rewritten yet for its own (seen on 24.11).
+        key = os.environ.get("SLURM_ARRAY_TASK_ID")
+        key = f"{os.environ.get('SLURM_ARRAY_JOB_ID')}_{key}" if key else job_id
+        for stale in submitit_dir.glob(f"{key}_*_result.pkl"):
+            stale.unlink(missing_ok=True)
     if (
         heal.requeue
         and job_id
@@ -348,7 +356,7 @@ def heal_job(
     since = time.time() - elapsed_s if elapsed_s is not None else None
     try:
         return heal_slurm(job_run_dir(run_dir, os.environ), exit_code, max_restarts,
-                          SlurmClient(), since)  # fmt: skip
+                          SlurmClient(), since, run_dir / SUBMITIT_DIR)  # fmt: skip
     except Exception as exc:  # the job's own exit code matters more than ours
         print(f"mjlab-hpc heal: could not heal on {socket.gethostname()}: {exc}",
               file=sys.stderr)  # fmt: skip

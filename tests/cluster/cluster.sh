@@ -661,9 +661,16 @@ in_root() {
   local root py d b skip binds=() extra=()
   root=$(ensure_root) || exit 1
   py=$(sed -n 's/^home = //p' "$REPO/.venv/pyvenv.cfg" 2>/dev/null || true)
-  IFS=: read -r -a extra <<<"${MJLAB_HPC_ROOT_BINDS:-}"
-  for d in /tmp "${TMPDIR:-/tmp}" "$HOME" "$REPO" "${py%/bin}" "$(dirname "$STATE")" "${extra[@]}"; do
-    [[ $d == /?* && -d $d ]] || continue
+  py=${py%/bin}
+  if [[ $py == /usr || $py == /usr/local ]]; then
+    # The system's Python: its interpreter and standard library only, not the host's /usr.
+    local v
+    v=$(sed -n 's/^version = \([0-9]*\.[0-9]*\).*/\1/p' "$REPO/.venv/pyvenv.cfg")
+    py="$py/bin/python$v:$py/lib/python$v"
+  fi
+  IFS=: read -r -a extra <<<"$py:${MJLAB_HPC_ROOT_BINDS:-}"
+  for d in /tmp "${TMPDIR:-/tmp}" "$HOME" "$REPO" "$(dirname "$STATE")" "${extra[@]}"; do
+    [[ $d == /?* && -e $d ]] || continue
     d=$(realpath "$d")
     skip=0
     for b in "${binds[@]}"; do
@@ -682,7 +689,7 @@ mount --rbind /dev "$R/dev"
 touch "$R/etc/hosts"
 mount --bind /etc/hosts "$R/etc/hosts"
 while [ "$1" != -- ]; do
-  mkdir -p "$R$1"
+  if [ -d "$1" ]; then mkdir -p "$R$1"; else mkdir -p "$R${1%/*}" && touch "$R$1"; fi
   mount --rbind "$1" "$R$1"
   shift
 done
