@@ -306,6 +306,7 @@ def allocation_srun(
         argv.append(f"--gpus-per-node={spec.gpus_per_node}")
     if spec.cpus_per_task is not None:
         argv.append(f"--cpus-per-task={spec.cpus_per_task}")
+    argv += pyxis_args(spec)
     run = [*shlex.split(python), "-u"] if python else [sys.executable, "-u"]
     train = train_cli_args(resolved.train)
     return [*argv, *run, "-m", "mjlab_hpc.cli.train", *train, "--run-dir", str(run_dir)]
