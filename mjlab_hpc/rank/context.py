@@ -38,6 +38,7 @@ __all__ = [
     "derive_master_port",
     "detect_mode",
     "interactive_step",
+    "own_mig",
     "process_group",
     "rank_device",
     "resolve_device",
@@ -422,6 +423,16 @@ def resolve_device(
         f"(CUDA_VISIBLE_DEVICES={shown}) for {local_world_size} ranks on the node. Ask for "
         "as many GPUs per node as tasks per node (--gpus-per-node), or one GPU per task."
     )
+
+
+def own_mig(cuda_visible_devices: str | None, local_rank: int, local_world_size: int) -> str | None:
+    """This rank's own entry when CUDA_VISIBLE_DEVICES lists one MIG instance per local rank
+    (CUDA shows a process one MIG instance at most: local rank 1 would find no cuda:1); else
+    None. The caller narrows the variable to it before CUDA starts."""
+    entries = [e.strip() for e in (cuda_visible_devices or "").split(",") if e.strip()]
+    if 1 < len(entries) == local_world_size and any(e.startswith("MIG-") for e in entries):
+        return entries[local_rank]
+    return None
 
 
 def rank_device(choice: str, ctx: DistContext) -> str:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -27,7 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_STOPPED
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_REQUEUE, EXIT_STOPPED
 from mjlab_hpc.procs import alive
 from mjlab_hpc.rank.context import ALLOCATION_ENV, SUPERVISOR_ENV, DistContext, chain_link
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog
@@ -318,6 +319,11 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
         )
         return EXIT_FAILED
     if ctx.mode == "slurm" and ctx.job_id and ALLOCATION_ENV not in os.environ:
+        if ctx.is_main and shutil.which("scontrol") is None:
+            # A container image without Slurm's client: the batch script requeues, outside it.
+            print(f"{stopped}; no scontrol here: the batch script requeues the job",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return EXIT_REQUEUE
         if ctx.is_main and not SlurmClient().requeue(ctx.job_id):
             return EXIT_FAILED
         return EXIT_OK
