@@ -32,5 +32,5 @@ Modules: `config` (the flags), `stats` (spreads, figures, parsing progress), `wa
 training job run and watched), `compile` (counting Warp compilations), `rollout` (env.step
 against raw physics), `session` (the experiments and their figures), `gpu` (the GPU section),
 `report` (JSON, PNG, table, entry point); `scale` is `make scale` (one job per world size on
-a Slurm cluster, docs/scaling.md). Nothing here is imported by the other commands.
+a Slurm cluster, docs/performance.md, Scaling). Nothing here is imported by the other commands.
 """

@@ -19,7 +19,6 @@ from datetime import timedelta
 from typing import Literal
 
 from mjlab_hpc.errors import LaunchError
-from mjlab_hpc.slurm.hostlist import HostlistError, first_host
 
 __all__ = [
     "ALLOCATION_ENV",
@@ -37,6 +36,7 @@ __all__ = [
     "current_allocation",
     "derive_master_port",
     "detect_mode",
+    "first_host",
     "interactive_step",
     "own_mig",
     "process_group",
@@ -145,19 +145,17 @@ class DistContext:
         env: Mapping[str, str] | None = None,
         *,
         master_port: int | None = None,
-        scontrol: str | None = "scontrol",
     ) -> DistContext:
         """Build the context from a launcher's environment variables.
 
         `master_port` is a port the launcher chose (it loses to an explicit MASTER_PORT).
-        `scontrol` is the command used to expand Slurm node lists (None: the built-in parser).
         """
         env = os.environ if env is None else env
         mode = detect_mode(env)
         if mode == "torchrun":
             ctx = _from_torchrun(env)
         elif mode == "slurm":
-            ctx = _from_slurm(env, master_port, scontrol)
+            ctx = _from_slurm(env, master_port)
         elif mode == "submitit-local":
             ctx = _from_submitit_local(env, master_port)
         else:
@@ -328,9 +326,29 @@ def tasks_on_node(tasks_per_node: str, node_rank: int) -> int:
     return counts[node_rank]
 
 
-def _from_slurm(
-    env: Mapping[str, str], master_port: int | None, scontrol: str | None
-) -> DistContext:
+# One name of a Slurm node list: text and brackets of values (`rack[1-2]-node[01,03]`).
+_NODE_NAME = re.compile(r"(?:[^\[\],\s]|\[[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*\])+")
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list (`gpu[007-010],cpu1` gives `gpu007`), the
+    rendezvous node. Read here, not with `scontrol show hostnames`, because container images
+    often lack scontrol and the first host needs only the first value of each bracket, as
+    written (Slurm pads a range to the digits of its start)."""
+    depth, name = 0, ""
+    for ch in nodelist:
+        depth += (ch == "[") - (ch == "]")
+        if depth == 0 and ch in ", \t\n":
+            if name:
+                break
+        else:
+            name += ch
+    if not _NODE_NAME.fullmatch(name):
+        raise LaunchError(f"cannot find the master host in the Slurm node list {nodelist!r}")
+    return re.sub(r"\[([0-9]+)[^\]]*\]", r"\1", name)
+
+
+def _from_slurm(env: Mapping[str, str], master_port: int | None) -> DistContext:
     _missing(env, _SLURM_REQUIRED, "srun")
     # Step variables describe this srun; job variables the whole allocation.
     world = _int(env, "SLURM_STEP_NUM_TASKS", default=_int(env, "SLURM_NTASKS"))
@@ -343,13 +361,7 @@ def _from_slurm(
     local_world = tasks_on_node(per_node, node_rank) if per_node else -(-world // num_nodes)
     job_id = env["SLURM_JOB_ID"]
     restarts = _int(env, "SLURM_RESTART_COUNT", default=0)
-    if env.get("MASTER_ADDR"):
-        addr = env["MASTER_ADDR"]
-    else:
-        try:
-            addr = first_host(nodelist, scontrol=scontrol, env=env)
-        except HostlistError as exc:
-            raise LaunchError(f"cannot find the master host: {exc}") from None
+    addr = env["MASTER_ADDR"] if env.get("MASTER_ADDR") else first_host(nodelist)
     return DistContext(
         mode="slurm",
         rank=_int(env, "SLURM_PROCID"),

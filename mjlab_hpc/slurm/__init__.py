@@ -1,2 +1,2 @@
-"""Everything that speaks to Slurm: one client for its commands (`client`), its hostlist syntax
-(`hostlist`), and its notations for time and memory (`units`)."""
+"""Everything that speaks to Slurm: one client for its commands (`client`) and its notations
+for time and memory (`units`)."""

@@ -2,8 +2,7 @@
 with one timeout policy.
 
 A command that is missing or hangs answers None instead of raising: callers decide what a
-missing answer means (status falls back to the run record, the rendezvous to the built-in
-hostlist parser).
+missing answer means (status falls back to the run record).
 """
 
 from __future__ import annotations
@@ -410,10 +409,10 @@ class SlurmClient:
             if "|" in line and any(w in line.split("|")[1].upper() for w in _LOST)
         })  # fmt: skip
 
-    def hostnames(self, expr: str, scontrol: str = "scontrol") -> list[str] | None:
+    def hostnames(self, expr: str) -> list[str] | None:
         """`scontrol show hostnames EXPR` (None when scontrol is missing, fails, hangs or
         prints no host, as it does for an invalid hostlist while exiting 0)."""
-        argv = [scontrol, "show", "hostnames", expr]
+        argv = ["scontrol", "show", "hostnames", expr]
         if expr.startswith("-"):
             argv.insert(-1, "--")  # else scontrol's getopt takes "-[1-2]" for options
         proc = self.run(argv)

@@ -211,7 +211,7 @@ def test_ranks_without_slurm_commands(slurm_cluster: SlurmCluster, tmp_path: Pat
     assert [r["reason"] for r in restarts] == ["time-limit"], restarts
     said = (run.path / "submitit" / f"{job}_0_log.err").read_text()
     assert "no scontrol here: the batch script requeues the job" in said, said[-2000:]
-    assert "master node1:" in run.rank_log(0).read_text()  # the hostlist parser's answer
+    assert "master node1:" in run.rank_log(0).read_text()  # the first host of the node list
     assert sorted({r["iteration"] for r in run.read_progress()}) == list(range(1, 9))
 
 

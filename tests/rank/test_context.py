@@ -55,7 +55,7 @@ def test_single_process() -> None:
     ("procid", "localid", "nodeid"), [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
 )
 def test_srun_task(procid: int, localid: int, nodeid: int) -> None:
-    ctx = DistContext.from_env(srun_env(procid, localid, nodeid), scontrol=None)
+    ctx = DistContext.from_env(srun_env(procid, localid, nodeid))
     assert ctx.mode == "slurm"
     assert (ctx.rank, ctx.local_rank, ctx.node_rank) == (procid, localid, nodeid)
     assert (ctx.world_size, ctx.local_world_size, ctx.num_nodes) == (4, 2, 2)
@@ -66,20 +66,20 @@ def test_srun_task(procid: int, localid: int, nodeid: int) -> None:
 
 def test_srun_explicit_master_wins() -> None:
     env = srun_env(1, 1, 0, MASTER_PORT="23456", MASTER_ADDR="login1")
-    ctx = DistContext.from_env(env, scontrol=None)
+    ctx = DistContext.from_env(env)
     assert (ctx.master_addr, ctx.master_port) == ("login1", 23456)
 
 
 def test_srun_restart_changes_port() -> None:
-    first = DistContext.from_env(srun_env(0, 0, 0), scontrol=None)
-    again = DistContext.from_env(srun_env(0, 0, 0, SLURM_RESTART_COUNT="1"), scontrol=None)
+    first = DistContext.from_env(srun_env(0, 0, 0))
+    again = DistContext.from_env(srun_env(0, 0, 0, SLURM_RESTART_COUNT="1"))
     assert again.restart_count == 1
     assert first.master_port != again.master_port
 
 
 def test_srun_uneven_tasks_per_node() -> None:
     env = srun_env(2, 0, 1, SLURM_NTASKS="3", SLURM_TASKS_PER_NODE="2,1")
-    ctx = DistContext.from_env(env, scontrol=None)
+    ctx = DistContext.from_env(env)
     assert (ctx.local_world_size, ctx.world_size) == (1, 3)
 
 
@@ -212,7 +212,7 @@ def test_submitit_local() -> None:
 )
 def test_inconsistent_variables(env: dict[str, str], message: str) -> None:
     with pytest.raises(LaunchError, match=message.replace("[", r"\[")):
-        DistContext.from_env(env, scontrol=None)
+        DistContext.from_env(env)
 
 
 def test_detect_mode_order() -> None:
@@ -278,7 +278,7 @@ def test_resolve_device_errors() -> None:
 
 
 def test_seed_and_backend() -> None:
-    ctx = DistContext.from_env(srun_env(3, 1, 1), scontrol=None)
+    ctx = DistContext.from_env(srun_env(3, 1, 1))
     assert seed_for_rank(10, ctx) == 13
     assert backend_for("cuda:1") == "nccl"
     assert backend_for("cpu") == "gloo"

@@ -215,7 +215,7 @@ _INTERRUPT = Stop(StopKind.FOR_GOOD, "interrupt", signal.SIGINT)
     ],
 )  # fmt: skip
 def test_after_stop_exit_codes(env: dict, stop: Stop, restarts: int, code: int) -> None:
-    ctx = DistContext.from_env(env, scontrol=None)
+    ctx = DistContext.from_env(env)
     max_restarts = 3 if env is _SLURM else 10
     assert after_stop(Stopped(4, stop, ctx, restarts), max_restarts) == code
     assert EXIT_OK == 0

@@ -82,7 +82,7 @@ def test_fake_gpus(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
 _DEVICE_PROBE = """
 import errno, json, os, sys
 from mjlab_hpc.rank.context import DistContext, resolve_device
-ctx = DistContext.from_env(scontrol=None)
+ctx = DistContext.from_env()
 visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
 opens = []
 for i in range(4):
