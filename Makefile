@@ -15,7 +15,7 @@ CLUSTER := tests/cluster/cluster.sh
 FAST := not slurm and not training and not mjlab and not gpu
 # Two workers: half of a test's time is waiting on subprocesses. Each file stays on one worker,
 # the Slurm tests on one (tests/conftest.py).
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=25
 
 # make gpu-check: the GPU tests (tests/gpu, marker `gpu`) in a venv of their own with torch's
 # CUDA build (GPU=1), so the CPU venv stays as it is; one test at a time (they share the GPU).
@@ -56,10 +56,15 @@ test-fast: install
 # /var/cache/mjlab-hpc; the tests run inside it with this .venv), with cgroup-constrained tasks
 # (task/cgroup, ConstrainDevices). make test runs them on Debian 12's 22.05. docs/testing.md.
 SLURM_2411_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-cluster-24.11
-# Every Slurm test but two whose Slurm part others cover (a GPU request falling back to CPU:
-# test_fake_gpus and the device mapping; the exact resume after USR2: the chain, the ranks
-# without Slurm's commands and the requeue from inside a job), to keep CI short.
-SLURM_2411_ARGS ?= -m slurm -p no:xdist \
+# The Slurm tests of these files (the issue-30 subset: submit, requeue at the time limit,
+# preemption, crash/hang healing with node exclusion, node loss, chains, allocations, sweeps,
+# status/cancel at scale, doctor, the cluster, the rendezvous host), less two whose Slurm part
+# others cover (a GPU request falling back to CPU; the exact resume after USR2), to keep CI short.
+# Hostile-input Slurm tests run on 22.05 only.
+SLURM_2411_ARGS ?= -m slurm -p no:xdist --durations=15 \
+	tests/launch/test_slurm_jobs.py tests/launch/test_healing.py \
+	tests/launch/test_chain_and_allocation.py tests/ops/test_slurm_ops.py \
+	tests/ops/test_status_scale.py tests/ops/test_doctor.py tests/slurm \
 	-k "not test_gpu_allocation_falls_back_to_cpu and not test_preempt_requeue_resume_exact"
 test-slurm-24.11: install
 	MJLAB_HPC_SLURM_VERSION=24.11 MJLAB_HPC_CLUSTER_CGROUP=1 \
