@@ -326,15 +326,13 @@ def tasks_on_node(tasks_per_node: str, node_rank: int) -> int:
     return counts[node_rank]
 
 
-# One name of a Slurm node list: text and brackets of values (`rack[1-2]-node[01,03]`).
+# One name of a node list: text and brackets of values (`rack[1-2]-node[01,03]`).
 _NODE_NAME = re.compile(r"(?:[^\[\],\s]|\[[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*\])+")
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list (`gpu[007-010],cpu1` gives `gpu007`), the
-    rendezvous node. Read here, not with `scontrol show hostnames`, because container images
-    often lack scontrol and the first host needs only the first value of each bracket, as
-    written (Slurm pads a range to the digits of its start)."""
+    """The first host of a Slurm node list (`gpu[007-010],cpu1` gives `gpu007`), read without
+    scontrol, which container images often lack: each bracket's first value, as written."""
     depth, name = 0, ""
     for ch in nodelist:
         depth += (ch == "[") - (ch == "]")
