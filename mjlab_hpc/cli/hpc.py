@@ -133,8 +133,10 @@ class Heal:
     max_restarts: int = 10
     """Requeue at most this many times per kind of fault."""
     elapsed_s: float | None = None
-    """How long the job script has run ($SECONDS): rank logs older than that are an earlier
-    run's."""
+    """How long the srun step ran: rank logs older than that are an earlier step's."""
+    nodes: int | None = None
+    """Nodes of one srun step (default: the allocation's; fewer: the others are spares that
+    take a failed node's place in the next step)."""
 
 
 @dataclass(frozen=True)
@@ -436,7 +438,9 @@ _COMMANDS = {
     Cancel: cancel,
     Plot: plot,
     Doctor: doctor,
-    Heal: lambda cmd: heal_job(Path(cmd.run_dir), cmd.exit_code, cmd.max_restarts, cmd.elapsed_s),
+    Heal: lambda cmd: heal_job(
+        Path(cmd.run_dir), cmd.exit_code, cmd.max_restarts, cmd.elapsed_s, cmd.nodes
+    ),
 }
 
 
