@@ -63,10 +63,11 @@ _ON_PURPOSE = (EXIT_OK, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_LOC
 # The batch script's end, after submitit's setup: `{srun}` is submitit's srun line, `{heal}`
 # the heal step. A lost node never answers srun (it waits until SlurmdTimeout, 300 s by
 # default, marks the node dead; its own abort, two SIGINTs, waits MessageTimeout per signal):
-# once a rank ended (its submitit result, or a hang report) and srun still waits after
-# _STUCK_S, the watcher kills srun (and its child). The step's tasks on the other nodes were
-# already ended by --kill-on-bad-exit; the step itself stays on the lost node, so the next one
-# shares the nodes it held (--overlap).
+# once a rank failed (its submitit result is an error, or a hang report) and srun still waits
+# after _STUCK_S, the watcher kills srun (and its child). The step's tasks on the other nodes
+# were already ended by --kill-on-bad-exit; the step itself stays until its nodes answer (a
+# lost one: SlurmdTimeout), so the next one shares the nodes it held (--overlap: else "Requested
+# nodes are busy" until then).
 _LOOP = """\
 # Self-healing (mjlab_hpc): when a rank crashed or hung, record the fault in run.json and
 # start the ranks again from the newest valid checkpoint while restarts remain and the failure
@@ -79,33 +80,34 @@ key=${{SLURM_ARRAY_JOB_ID:+${{SLURM_ARRAY_JOB_ID}}_$SLURM_ARRAY_TASK_ID}}
 watch_step() {{
   local ended=
   while sleep 1; do
-    if [ -z "$ended" ] && {{ compgen -G {folder}/"${{key:-$SLURM_JOB_ID}}"'_*_result.pkl' ||
+    if [ -z "$ended" ] && {{ grep -qsa Traceback {folder}/"${{key:-$SLURM_JOB_ID}}"_*_result.pkl ||
       compgen -G {run_dir}/heartbeat/'hang-rank*.json'; }} >/dev/null; then ended=$SECONDS; fi
     if [ -n "$ended" ] && [ $((SECONDS - ended)) -ge {stuck} ]; then
       for p in $(pgrep -P $$ -x srun); do pkill -KILL -P "$p"; kill -KILL "$p"; done
     fi
   done
 }}
-excluded=
+again=
 while :; do
   began=$SECONDS
   trap - TERM
   watch_step &
-  srun ${{excluded:+--exclude=$excluded --overlap}} {srun}
+  srun $again {srun}
   ranks=$?
   kill $! 2>/dev/null
   trap '' TERM
   excluded=$({heal})
   status=$?
   [ "$status" -eq {restart} ] || break
+  again="--overlap${{excluded:+ --exclude=$excluded}}"
 done
 # A requeue that the ranks or the healer asked for where Slurm's commands are missing (exit
 # {requeue}: a container image without them) is done here, in the batch shell, which has them.
 if [ "$status" -eq {requeue} ]; then scontrol requeue "$SLURM_JOB_ID" && status=0; fi
 exit "$status"
 """
-# Seconds srun may wait for the other ranks after one ended (they end within ~3 s of a failure
-# through --kill-on-bad-exit, and within a second of a completion).
+# Seconds srun may wait for the other ranks after one failed (they end within ~3 s through
+# --kill-on-bad-exit).
 _STUCK_S = 5
 
 

@@ -295,11 +295,11 @@ def step_excludes(
     wanted = list(dict.fromkeys([*before, *heal.exclude]))
     if len(set(alloc) - set(wanted)) >= (step_nodes or len(alloc)):
         return wanted
-    if heal.exclude and job and usable_without(client, job, heal.exclude)[0]:
-        return None  # a fresh allocation without the suspect node
-    if heal.exclude:
-        heal.entry["not_excluded"] = (f"{', '.join(heal.exclude)} not excluded: no spare node "
-                                      "in the allocation, none outside it")  # fmt: skip
+    if heal.exclude and job:
+        ok, why = usable_without(client, job, heal.exclude)
+        if ok:
+            return None  # a fresh allocation without the suspect node
+        heal.entry["not_excluded"] = f"{', '.join(heal.exclude)} not excluded: no spare; {why}"
     return before
 
 
