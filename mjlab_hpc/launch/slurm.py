@@ -284,6 +284,9 @@ def render(template: str, spec: SubmitSpec) -> str:
     here: rendering works on a machine without Slurm)."""
     spec = dataclasses.replace(spec, executor="slurm", dry_run=True)
     resolved = validate_submit(spec)
+    if spec.spare_nodes:
+        raise SpecError("--spare-nodes", "the templates run one srun step on every node: "
+                        "submit with mjlab-submit --spare-nodes instead")  # fmt: skip
     text = read_template(template)
     if "{{IMAGE}}" in text and spec.container is None:
         raise SpecError("--container", f"template {template!r} needs an image: --container IMAGE")
