@@ -258,7 +258,8 @@ def test_slurm_hard_node_loss_with_a_spare(
     (fault,) = faults_of(run)
     assert (fault["reason"], fault["kind"], fault["hosts"]) == ("crash", "in-allocation",
                                                                 [lost]), fault  # fmt: skip
-    assert fault["excluded_nodes"] == [lost] and fault["recomputed"] == 1, fault
+    # Resumed from model_5.pt, or from model_6.pt when the ranks saw a stop on the way out.
+    assert fault["excluded_nodes"] == [lost] and fault["resumed_from"] + fault["recomputed"] == 6
     assert 0 < fault["recovery_s"] < 120, fault
     first, second = hosts_of_starts(run, rank=1)
     assert first == lost and second not in (lost, hosts_of_starts(run)[1]), (first, second)
