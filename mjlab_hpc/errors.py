@@ -12,6 +12,7 @@ __all__ = [
     "EXIT_LOCAL_REQUEUE",
     "EXIT_OK",
     "EXIT_REQUEUE",
+    "EXIT_RESTART",
     "EXIT_STOPPED",
     "LaunchError",
     "SpecError",
@@ -35,6 +36,9 @@ EXIT_HUNG = 4
 #: A rank or the healer wants the Slurm job requeued but has no `scontrol` (a container image
 #: without Slurm's client): the batch script, outside the image, requeues it (EX_TEMPFAIL).
 EXIT_REQUEUE = 75
+#: The healer asks the batch script for another srun step in the same allocation (a crash or
+#: hang healed without the queue); it prints the nodes that step leaves out.
+EXIT_RESTART = 76
 #: Stopped at once by a second Ctrl-C, without a checkpoint (128 + SIGINT, as shells do).
 EXIT_INTERRUPTED = 130
 #: A rank asks submitit's local executor to start it again (submitit.local reads 144).

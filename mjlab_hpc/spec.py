@@ -207,6 +207,10 @@ class SubmitSpec:
     """What every rank trains (the flags of mjlab-train)."""
     nodes: int = 1
     """Nodes of the job."""
+    spare_nodes: int = 0
+    """Nodes the job asks for beyond --nodes: the ranks run on --nodes of them, and after a
+    crash, hang or lost node the next srun step, in the same allocation, leaves out the node
+    that failed and runs on a spare (the same world size: the run continues exactly)."""
     gpus_per_node: int = 1
     """GPUs per node; one rank (srun task) per GPU. 0 for CPU-only partitions."""
     tasks_per_node: int | None = None

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 # Session fixture `slurm_cluster`: the real two-node Slurm test cluster (tests/cluster/).
-from slurm_cluster import slurm_cluster  # noqa: F401
+from slurm_cluster import slurm_cluster, slurm_cluster3  # noqa: F401
 
 _ROOT = Path(__file__).resolve().parent
 

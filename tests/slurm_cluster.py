@@ -2,7 +2,8 @@
 
 `slurm_cluster` (session scope) reuses a cluster that is already up (e.g. from
 `make cluster-up`: its env.sh exists and sinfo answers), else starts one and stops it at
-the end of the session. If one cannot be started the tests using it are skipped, or fail
+the end of the session. `slurm_cluster3`: three nodes (that one when it has them, else a
+second cluster beside it). If one cannot be started the tests using it are skipped, or fail
 when CI=true, so a CI machine that should run them cannot silently skip them.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+import psutil
 import pytest
 
 from mjlab_hpc.slurm.client import FINAL_STATES
@@ -103,6 +105,43 @@ class SlurmCluster:
         if proc.returncode != 0 or not lines:
             return None
         return lines[-1].split()[0]
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes it has."""
+        return int((self.state_dir / "node-count").read_text())
+
+    def _in_cluster(self, proc: psutil.Process) -> bool:
+        # The slurmds run in the cluster's private mount namespace (other clusters run their
+        # own node1..nodeN on this machine).
+        try:
+            ns = os.readlink(f"/proc/{proc.pid}/ns/mnt")
+        except OSError:
+            return False
+        return ns == (self.state_dir / "run" / "mntns").read_text().strip()
+
+    def lose_node(self, node: str) -> list[str]:
+        """A hard node loss, as a power cut: SIGKILL at once to the node's slurmd (under its
+        tini) and every process it started (step daemons, ranks). What was killed."""
+        tinis = [p for p in psutil.process_iter(["name", "cmdline"])
+                 if p.info["name"] == "tini" and self._in_cluster(p)
+                 and (p.info["cmdline"] or [])[-3:] == ["-D", "-N", node]]  # fmt: skip
+        assert len(tinis) == 1, f"slurmd of {node}: {tinis}"
+        procs = [tinis[0], *tinis[0].children(recursive=True)]
+        names = [p.name() for p in procs]
+        for p in procs:
+            p.kill()
+        return names
+
+    def start_node(self, node: str) -> None:
+        """Start a lost node's slurmd again (as cluster.sh does, in the cluster's namespace;
+        `cluster.sh down` stops it with the rest)."""
+        ns_pid = (self.state_dir / "run" / "tini-node1.pid").read_text().strip()
+        argv = ["nsenter", "-t", ns_pid, "-m", "-r", "--", "tini", "-s", "--", "slurmd", "-D",
+                "-N", node]  # fmt: skip
+        with open(self.state_dir / "log" / f"slurmd-{node}.out", "a") as log:
+            subprocess.Popen(argv, env=self.environ(), stdin=subprocess.DEVNULL, stdout=log,
+                             stderr=log, start_new_session=True)  # fmt: skip
 
     def wait_job(self, job_id: int | str, timeout: float = 60.0) -> str:
         """Poll sacct until the job reaches a final state and return it."""
@@ -213,6 +252,27 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         if failure:
             # Outside the except block, so the report is the reason, not a chained traceback.
             _unavailable(failure)
+    try:
+        yield cluster
+    finally:
+        if cluster.started_here:
+            stop_cluster(state_dir)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster3(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    """A running cluster of three nodes: the session's when it has them, else a second one
+    (a state directory beside it), stopped at the end of the session."""
+    if slurm_cluster.nodes >= 3:
+        yield slurm_cluster
+        return
+    state_dir = default_state_dir().with_name(default_state_dir().name + "-3")
+    cluster = running_cluster(state_dir)
+    if cluster is None or cluster.nodes < 3:
+        try:
+            cluster = start_cluster(state_dir, nodes=3)
+        except (OSError, RuntimeError) as exc:
+            _unavailable(str(exc))
     try:
         yield cluster
     finally:

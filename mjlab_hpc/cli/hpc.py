@@ -123,18 +123,22 @@ class Cancel:
 @dataclass(frozen=True)
 class Heal:
     """For job scripts, after srun: when a rank crashed or hung, record the fault in run.json
-    and requeue the job (excluding a suspect node) while restarts remain and the failure is
-    not a repeat. Exits 0 when requeued, else with --exit-code."""
+    and start the ranks again while restarts remain and the failure is not a repeat: exits 76
+    when the script should start a new srun step in its allocation (printing the nodes that
+    step leaves out), 0 when it requeued the job (excluding a suspect node), else
+    --exit-code."""
 
     run_dir: str
     """The job's run directory (a sweep's directory: this array element's run)."""
     exit_code: int
     """srun's exit code (0: nothing to do)."""
     max_restarts: int = 10
-    """Requeue at most this many times per kind of fault."""
+    """Start again at most this many times per kind of fault."""
     elapsed_s: float | None = None
-    """How long the job script has run ($SECONDS): rank logs older than that are an earlier
-    run's."""
+    """How long the srun step ran: rank logs older than that are an earlier step's."""
+    nodes: int | None = None
+    """Nodes of one srun step (default: the allocation's; fewer: the others are spares that
+    take a failed node's place in the next step)."""
 
 
 @dataclass(frozen=True)
@@ -436,7 +440,9 @@ _COMMANDS = {
     Cancel: cancel,
     Plot: plot,
     Doctor: doctor,
-    Heal: lambda cmd: heal_job(Path(cmd.run_dir), cmd.exit_code, cmd.max_restarts, cmd.elapsed_s),
+    Heal: lambda cmd: heal_job(
+        Path(cmd.run_dir), cmd.exit_code, cmd.max_restarts, cmd.elapsed_s, cmd.nodes
+    ),
 }
 
 

@@ -111,11 +111,11 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
     a second signal stops at once, or for a Slurm job stops following), then one closing
     line; the exit code."""
     resume = resume_command(PROG, argv, s.run_dir)
+    client = SlurmClient()
     if s.executor == "local":
         controls = LocalControls(int(s.job_id), s.run_dir)
         stop, kill = controls.stop, controls.kill
     else:
-        client = SlurmClient()
 
         def stop() -> None:
             # The ranks save a checkpoint on SIGTERM; with requeue forbidden, none follows.
@@ -126,10 +126,13 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
             pass  # stop following; the cancel goes on
 
     def done() -> bool:
-        if not all(j.done() for j in (s.job, *s.chain)):
+        jobs = (s.job, *s.chain)
+        if not all(j.done() for j in jobs):
             return False
+        if s.executor == "slurm":  # results of ranks that the batch script starts again (healed)
+            return all(client.job_state(j.job_id) != "RUNNING" for j in jobs)
         # A local controller may be gone (killed) while its ranks still save their checkpoint.
-        return s.executor != "local" or not local_processes(s.run_dir)
+        return not local_processes(s.run_dir)
 
     ended, fg = follow_to_end(
         s.run_dir, s.resolved.max_iterations, stop, kill, done, resume,

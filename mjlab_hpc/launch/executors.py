@@ -32,9 +32,10 @@ from mjlab_hpc.errors import (
     EXIT_LOCAL_REQUEUE,
     EXIT_OK,
     EXIT_REQUEUE,
+    EXIT_RESTART,
     EXIT_STOPPED,
 )
-from mjlab_hpc.launch.heal import decide, record_healing
+from mjlab_hpc.launch.heal import decide, record_healing, restart_here
 
 __all__ = [
     "CONTROLLER_MODULE",
@@ -59,22 +60,55 @@ _MAX_STARTS = 1000
 _ON_PURPOSE = (EXIT_OK, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_LOCAL_REQUEUE)
 
 
-_HEAL_COMMENT = """\
+# The batch script's end, after submitit's setup: `{srun}` is submitit's srun line, `{heal}`
+# the heal step. A lost node never answers srun (it waits until SlurmdTimeout, 300 s by
+# default, marks the node dead; its own abort, two SIGINTs, waits MessageTimeout per signal):
+# once a rank failed (its submitit result is an error, or a hang report) and srun still waits
+# after _STUCK_S, the watcher kills srun (and its child). The step's tasks on the other nodes
+# were already ended by --kill-on-bad-exit; the step itself stays until its nodes answer (a
+# lost one: SlurmdTimeout), so the next one shares the nodes it held (--overlap: else "Requested
+# nodes are busy" until then).
+_LOOP = """\
 # Self-healing (mjlab_hpc): when a rank crashed or hung, record the fault in run.json and
-# requeue the job (excluding a node the fault is attributed to) while restarts remain and the
-# failure is not a repeat; nothing happens after a completed or stopped run. The requeue
-# sends this shell SIGTERM: ignored, so the healer can still exclude the node (the job's
-# processes end with it under proctrack/cgroup).
-ranks=$?
-trap '' TERM
-"""
-# After it: a requeue that the ranks or the healer asked for where Slurm's commands are missing
-# (exit 75: a container image without them) is done here, in the batch shell, which has them.
-_REQUEUE_HERE = f"""\
-status=$?
-if [ "$status" -eq {EXIT_REQUEUE} ]; then scontrol requeue "$SLURM_JOB_ID" && status=0; fi
+# start the ranks again from the newest valid checkpoint while restarts remain and the failure
+# is not a repeat: a new srun step in this allocation (exit {restart}; the healer prints the
+# nodes it leaves out, spare nodes take their place), else a requeue (excluding a node the
+# fault is attributed to); nothing happens after a completed or stopped run. The requeue sends
+# this shell SIGTERM: ignored, so the healer can still exclude the node (the job's processes
+# end with it under proctrack/cgroup).
+key=${{SLURM_ARRAY_JOB_ID:+${{SLURM_ARRAY_JOB_ID}}_$SLURM_ARRAY_TASK_ID}}
+watch_step() {{
+  local ended=
+  while sleep 1; do
+    if [ -z "$ended" ] && {{ grep -qsa Traceback {folder}/"${{key:-$SLURM_JOB_ID}}"_*_result.pkl ||
+      compgen -G {run_dir}/heartbeat/'hang-rank*.json'; }} >/dev/null; then ended=$SECONDS; fi
+    if [ -n "$ended" ] && [ $((SECONDS - ended)) -ge {stuck} ]; then
+      for p in $(pgrep -P $$ -x srun); do pkill -KILL -P "$p"; kill -KILL "$p"; done
+    fi
+  done
+}}
+again=
+while :; do
+  began=$SECONDS
+  trap - TERM
+  watch_step &
+  srun $again {srun}
+  ranks=$?
+  kill $! 2>/dev/null
+  trap '' TERM
+  excluded=$({heal})
+  status=$?
+  [ "$status" -eq {restart} ] || break
+  again="--overlap${{excluded:+ --exclude=$excluded}}"
+done
+# A requeue that the ranks or the healer asked for where Slurm's commands are missing (exit
+# {requeue}: a container image without them) is done here, in the batch shell, which has them.
+if [ "$status" -eq {requeue} ]; then scontrol requeue "$SLURM_JOB_ID" && status=0; fi
 exit "$status"
 """
+# Seconds srun may wait for the other ranks after one failed (they end within ~3 s through
+# --kill-on-bad-exit).
+_STUCK_S = 5
 
 
 class SlurmJobExecutor(submitit.SlurmExecutor):
@@ -88,9 +122,12 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
         max_restarts: int,
         render_only: bool = False,
         heal_python: str | None = None,
+        step_nodes: int | None = None,
     ) -> None:
         self._render_only = render_only
         self.max_restarts = max_restarts
+        self.step_nodes = step_nodes
+        """Nodes each srun step runs on (None: all of the allocation's; fewer: spares)."""
         super().__init__(folder, python=python)
         self.heal_python = heal_python or self.python
         """How the heal step runs Python (pyxis: a step in the image)."""
@@ -102,13 +139,19 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         # submitit's script ends with its srun line; the healer runs after it, in the batch
         # shell (which outlives the ranks), with srun's exit code.
+        # Each healed fault loops: a new step, without the nodes the healer printed.
         text = str(super()._make_submission_file_text(command, uid))
+        head, srun = text.rstrip("\n").rsplit("\nsrun ", 1)
         run_dir = shlex.quote(str(Path(self.folder).parent))
+        nodes = f" --nodes {self.step_nodes}" if self.step_nodes else ""
         heal = (
             f"{self.heal_python} -m mjlab_hpc.cli.hpc heal --run-dir {run_dir} --exit-code $ranks "
-            f"--elapsed-s $SECONDS --max-restarts {self.max_restarts}"
+            f"--elapsed-s $((SECONDS - began)) --max-restarts {self.max_restarts}{nodes}"
         )
-        return text.rstrip("\n") + "\n\n" + _HEAL_COMMENT + heal + "\n" + _REQUEUE_HERE
+        return head + "\n" + _LOOP.format(
+            srun=srun, heal=heal, folder=shlex.quote(str(self.folder)), run_dir=run_dir,
+            stuck=_STUCK_S, restart=EXIT_RESTART, requeue=EXIT_REQUEUE,
+        )  # fmt: skip
 
     def script(self) -> str:
         """The exact batch script this executor submits (what a dry run prints)."""
@@ -179,6 +222,8 @@ class HealingController(Controller):  # type: ignore[misc]
             heal = decide(self.run_dir, self.max_restarts, job_id=self.pid, since=began)
             if heal.fault is None:
                 return
+            if heal.requeue:
+                restart_here(heal)
             print(f"mjlab-hpc heal: {heal.fault.reason} after iteration "
                   f"{heal.fault.iteration}: {heal.fault.error}; {heal.why}",
                   file=sys.stderr, flush=True)  # fmt: skip

@@ -5,8 +5,12 @@ Runs in what outlives the ranks: the Slurm batch script after srun (`mjlab-hpc h
 local controller (`mjlab_hpc.launch.executors`). From what the ranks left (`exit:` lines, the
 hang watchdog's files) it decides: nothing to heal (completed, stopped, refused, cancelled);
 not again (the same failure at the same iteration as before: a crash loop; or --max-restarts
-reached); else requeue, on Slurm excluding a node the fault points at while the partition
-still fits the job. The decision goes into run.json (`faults`), as the writer, before acting.
+reached, counting restarts of both kinds); else start again: in the same allocation (a new srun
+step, leaving out the nodes the fault points at while spare nodes of the allocation take their
+place), or by a requeue when the allocation cannot run it (a suspect node and no spare, or a
+restart in it that made no progress), on Slurm excluding a node the fault points at while the
+partition still fits the job. The decision goes into run.json (`faults`), as the writer,
+before acting.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE, EXIT_RESTART
 from mjlab_hpc.rundir.layout import (
     SUBMITIT_DIR,
     RunDir,
@@ -35,6 +39,8 @@ from mjlab_hpc.rundir.layout import (
     read_sweep,
 )
 from mjlab_hpc.rundir.state import (
+    IN_ALLOCATION,
+    RESTARTED,
     cancel_marker,
     first_failure,
     now_iso,
@@ -55,6 +61,8 @@ __all__ = [
     "heal_slurm",
     "job_run_dir",
     "record_healing",
+    "restart_here",
+    "step_excludes",
     "usable_without",
 ]
 
@@ -158,7 +166,7 @@ def decide(
         return Healing(None, why="nothing to heal")
     rec = read_record(run_dir)
     earlier = [f for f in rec.get("faults", []) if f.get("reason") == fault.reason]
-    requeued_before = sum(1 for f in earlier if f.get("kind") == "requeue")
+    requeued_before = sum(1 for f in earlier if f.get("kind") in RESTARTED)
     entry: dict[str, Any] = {
         "reason": fault.reason,
         "error": fault.error[:2000],
@@ -259,6 +267,42 @@ def usable_without(client: SlurmClient, job_id: str, exclude: Sequence[str]) -> 
     return True, ""
 
 
+def restart_here(heal: Healing, excluded: Sequence[str] = ()) -> None:
+    """Make a restart decision one without the queue: a new srun step in the same allocation
+    leaving out `excluded` (locally: new ranks under the same controller)."""
+    heal.entry.update(kind=IN_ALLOCATION, excluded_nodes=list(excluded))
+    heal.why = heal.entry["action"] = "restarted without the queue " + heal.why.removeprefix(
+        "requeued "
+    )
+    heal.exclude = []
+
+
+def step_excludes(
+    client: SlurmClient, run_dir: Path, heal: Healing, step_nodes: int | None
+) -> list[str] | None:
+    """The nodes the next srun step in this job's allocation leaves out (those left out
+    before and the ones the fault points at) while `step_nodes` others remain (None: all of
+    the allocation's); None: requeue instead (the last restart in this allocation made no
+    progress, or a suspect node has no spare to take its place but the partition has)."""
+    assert heal.fault is not None
+    alloc = client.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or []
+    job, count = heal.entry["job_id"], heal.entry["restart_count"]
+    here = [f for f in read_record(run_dir).get("faults", []) if f.get("kind") == IN_ALLOCATION
+            and f.get("job_id") == job and f.get("restart_count") == count]  # fmt: skip
+    if not alloc or (here and int(here[-1].get("iteration", -1)) >= heal.fault.iteration):
+        return None
+    before = list(here[-1].get("excluded_nodes", [])) if here else []
+    wanted = list(dict.fromkeys([*before, *heal.exclude]))
+    if len(set(alloc) - set(wanted)) >= (step_nodes or len(alloc)):
+        return wanted
+    if heal.exclude and job:
+        ok, why = usable_without(client, job, heal.exclude)
+        if ok:
+            return None  # a fresh allocation without the suspect node
+        heal.entry["not_excluded"] = f"{', '.join(heal.exclude)} not excluded: no spare; {why}"
+    return before
+
+
 def apply_slurm(client: SlurmClient, job_id: str, heal: Healing) -> bool:
     """Requeue the job (from inside it), excluding the suspect nodes. True when done."""
     if not heal.exclude:
@@ -281,17 +325,23 @@ def apply_slurm(client: SlurmClient, job_id: str, heal: Healing) -> bool:
 
 def heal_slurm(
     run_dir: Path, exit_code: int, max_restarts: int, client: SlurmClient,
-    since: float | None = None, submitit_dir: Path | None = None,
+    since: float | None = None, submitit_dir: Path | None = None, step_nodes: int | None = None,
 ) -> int:  # fmt: skip
-    """The batch script's step after srun: decide, record, act; the script's exit code.
-    `since`: when this run of the job began; `submitit_dir`: the job's submitit folder."""
+    """The batch script's step after srun: decide, record, act; the script's exit code
+    (EXIT_RESTART: another srun step, leaving out the nodes printed on stdout). `since`: when
+    this srun step began; `submitit_dir`: the job's submitit folder; `step_nodes`: the
+    nodes of a step (the allocation's others are spares)."""
     if exit_code in (EXIT_OK, EXIT_REQUEUE):  # done; or a stop the ranks want requeued
         return exit_code
+    exit_code = EXIT_FAILED if exit_code == EXIT_RESTART else exit_code  # not ours: no loop
     job_id = os.environ.get("SLURM_JOB_ID")
     heal = decide(run_dir, max_restarts, job_id, since)
     if heal.fault is None:
         return exit_code
-    if heal.requeue and heal.exclude and job_id:
+    here = step_excludes(client, run_dir, heal, step_nodes) if heal.requeue and job_id else None
+    if here is not None:
+        restart_here(heal, here)
+    elif heal.requeue and heal.exclude and job_id:
         ok, why = usable_without(client, job_id, heal.exclude)
         heal.entry["excluded_nodes"] = heal.exclude if ok else []
         if not ok:
@@ -302,6 +352,7 @@ def heal_slurm(
         record_healing(run_dir, heal)
     except Exception as exc:  # the run matters more than its record: heal anyway
         log.error("could not record the fault in run.json: %s", exc)
+        here = None  # unrecorded restarts would escape --max-restarts: a requeue instead
     if heal.requeue and submitit_dir is not None:
         # The failed start's results (a rank's exception): `mjlab-submit --follow` would take
         # one that the next start has not rewritten yet for its own (seen on 24.11).
@@ -309,6 +360,9 @@ def heal_slurm(
         key = f"{os.environ.get('SLURM_ARRAY_JOB_ID')}_{key}" if key else job_id
         for stale in submitit_dir.glob(f"{key}_*_result.pkl"):
             stale.unlink(missing_ok=True)
+    if here is not None:
+        print(",".join(here), flush=True)  # the batch script's next `srun --exclude`
+        return EXIT_RESTART
     if (
         heal.requeue
         and job_id
@@ -348,16 +402,17 @@ def job_run_dir(path: Path, env: Mapping[str, str]) -> Path:
 
 
 def heal_job(
-    run_dir: Path, exit_code: int, max_restarts: int, elapsed_s: float | None = None
-) -> int:
+    run_dir: Path, exit_code: int, max_restarts: int, elapsed_s: float | None = None,
+    step_nodes: int | None = None,
+) -> int:  # fmt: skip
     """What a Slurm job script runs after srun: heal (see `heal_slurm`), never raising; the
-    script's exit code. `elapsed_s`: how long the script has run (bash's $SECONDS)."""
+    script's exit code. `elapsed_s`: how long the srun step ran."""
     logging.basicConfig(level=logging.INFO, format="mjlab-hpc heal: %(message)s")
     since = time.time() - elapsed_s if elapsed_s is not None else None
     try:
         return heal_slurm(job_run_dir(run_dir, os.environ), exit_code, max_restarts,
-                          SlurmClient(), since, run_dir / SUBMITIT_DIR)  # fmt: skip
+                          SlurmClient(), since, run_dir / SUBMITIT_DIR, step_nodes)  # fmt: skip
     except Exception as exc:  # the job's own exit code matters more than ours
         print(f"mjlab-hpc heal: could not heal on {socket.gethostname()}: {exc}",
               file=sys.stderr)  # fmt: skip
-        return exit_code or EXIT_FAILED
+        return EXIT_FAILED if exit_code in (EXIT_OK, EXIT_RESTART) else exit_code

@@ -53,6 +53,7 @@ __all__ = [
     "render_template",
     "run_in_allocation",
     "slurm_parameters",
+    "step_shape",
     "template_context",
 ]
 
@@ -72,12 +73,12 @@ def slurm_parameters(
         setup[:0] = [path, "export PYTHONSAFEPATH=1"]
     params: dict[str, Any] = {
         "job_name": spec.name,
-        "nodes": spec.nodes,
+        "nodes": spec.nodes + spec.spare_nodes,
         "ntasks_per_node": spec.ranks_per_node,
         "time": slurm_time_minutes(spec.time),
         "signal_delay_s": spec.signal_delay_s,
         # A dead rank ends the whole step instead of leaving the others in a collective.
-        "srun_args": ["--kill-on-bad-exit=1", *pyxis_args(spec)],
+        "srun_args": ["--kill-on-bad-exit=1", *pyxis_args(spec), *step_shape(spec)],
         # submitit writes --signal=USR2@delay; this also honours --preempt-signal.
         "additional_parameters": {
             "requeue": True,
@@ -103,6 +104,14 @@ def slurm_parameters(
     if spec.exclusive:
         params["exclusive"] = True
     return params
+
+
+def step_shape(spec: SubmitSpec) -> list[str]:
+    """srun's options for a step on --nodes of the job's nodes (none without spare nodes: the
+    step takes the whole allocation)."""
+    if not spec.spare_nodes:
+        return []
+    return [f"--nodes={spec.nodes}", f"--ntasks={spec.world_size}"]
 
 
 def pyxis_args(spec: SubmitSpec) -> list[str]:
@@ -156,6 +165,7 @@ def make_slurm_executor(
         max_restarts=spec.train.max_restarts,
         render_only=dry_run,
         heal_python=heal_python(spec),
+        step_nodes=spec.nodes if spec.spare_nodes else None,
     )
     snapshot = snapshot if snapshot is not None else snapshot_for(folder_parent)
     after = spec.after if after is None else after
@@ -274,6 +284,9 @@ def render(template: str, spec: SubmitSpec) -> str:
     here: rendering works on a machine without Slurm)."""
     spec = dataclasses.replace(spec, executor="slurm", dry_run=True)
     resolved = validate_submit(spec)
+    if spec.spare_nodes:
+        raise SpecError("--spare-nodes", "the templates run one srun step on every node: "
+                        "submit with mjlab-submit --spare-nodes instead")  # fmt: skip
     text = read_template(template)
     if "{{IMAGE}}" in text and spec.container is None:
         raise SpecError("--container", f"template {template!r} needs an image: --container IMAGE")

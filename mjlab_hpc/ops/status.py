@@ -26,6 +26,7 @@ from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.runs import JobKind, RunJobs, run_jobs
 from mjlab_hpc.rundir.layout import ElementRecord, RunDir, progress_summary, read_sweep
 from mjlab_hpc.rundir.state import (
+    RESTARTED,
     JobState,
     first_failure,
     interruptions,
@@ -119,7 +120,7 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
     starts = record.get("starts", [])
     restarts = max(0, len(starts) - 1)
     events = interruptions(record)
-    requeues = [e for e in events if e.get("kind", "requeue") == "requeue"]
+    requeues = [e for e in events if e.get("kind", "requeue") in RESTARTED]
     reasons = tuple(str(r.get("reason")) for r in requeues[:restarts])
     return RunStatus(
         run_dir=run_dir,

@@ -34,6 +34,8 @@ from mjlab_hpc.rundir.layout import (
 from mjlab_hpc.rundir.lock import LeaseLock, LockError
 
 __all__ = [
+    "IN_ALLOCATION",
+    "RESTARTED",
     "JobState",
     "RankEnd",
     "RunOutcome",
@@ -59,6 +61,11 @@ __all__ = [
 ]
 
 # --- the run record -----------------------------------------------------------------------
+
+#: A fault's `kind` when the run started again in the same allocation (a new srun step, or
+#: the local controller's new ranks); RESTARTED: every kind that started the run again.
+IN_ALLOCATION = "in-allocation"
+RESTARTED = ("requeue", IN_ALLOCATION)
 
 _PACKAGES = ("torch", "warp-lang", "mujoco", "mujoco-warp", "rsl-rl-lib", "mjlab", "mjlab-hpc")
 
@@ -184,7 +191,7 @@ def on_recovered(record: dict[str, Any], resumed_from: int) -> dict[str, Any]:
     iterations were computed again."""
     record = copy.deepcopy(record)
     pending = [e for e in interruptions(record)
-               if e.get("kind") == "requeue" and "recovered_at" not in e]  # fmt: skip
+               if e.get("kind") in RESTARTED and "recovered_at" not in e]  # fmt: skip
     if not pending:
         return record
     entry = pending[-1]
@@ -222,7 +229,7 @@ def requeues_so_far(record: dict[str, Any]) -> dict[str, int]:
     """Requeues of the run so far, by reason (time-limit, preemption, node-lost, crash, ...)."""
     counts: dict[str, int] = {}
     for entry in interruptions(record):
-        if entry.get("kind", "requeue") == "requeue":
+        if entry.get("kind", "requeue") in RESTARTED:
             reason = str(entry.get("reason"))
             counts[reason] = counts.get(reason, 0) + 1
     return counts

@@ -415,6 +415,7 @@ def check_submit(spec: SubmitSpec) -> SubmitSpec:
     for flag, value, low, high in (
         # Far above any cluster, below what sbatch or the ranks overflow on: a typo.
         ("--nodes", spec.nodes, 1, 100_000),
+        ("--spare-nodes", spec.spare_nodes, 0, 100_000),
         ("--gpus-per-node", spec.gpus_per_node, 0, 1024),
         ("--tasks-per-node", spec.tasks_per_node, 1, 4096),
         ("--cpus-per-task", spec.cpus_per_task, 1, 4096),

@@ -72,12 +72,12 @@ def test_local_crash_then_hang_heal_to_the_same_parameters(
     run = only_run(tmp_path)
     crash, hang = faults_of(run)
     assert (crash["reason"], crash["kind"], crash["ranks"], crash["iteration"]) == (
-        "crash", "requeue", [1], 6
+        "crash", "in-allocation", [1], 6
     ), crash  # fmt: skip
     assert "killed by a signal" in crash["error"]
     assert crash["resumed_from"] == 4 and crash["recomputed"] == 2, crash
     assert (hang["reason"], hang["kind"], hang["ranks"], hang["iteration"]) == (
-        "hang", "requeue", [1], 10
+        "hang", "in-allocation", [1], 10
     ), hang  # fmt: skip
     assert hang["resumed_from"] == 8 and hang["recomputed"] == 2, hang
     assert all(0 < f["recovery_s"] < 120 for f in (crash, hang))
@@ -101,7 +101,7 @@ def test_a_repeated_failure_is_not_retried(tmp_path: Path) -> None:
     assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
     run = only_run(tmp_path)
     first, second = faults_of(run)
-    assert first["kind"] == "requeue" and second["kind"] == "failed"
+    assert first["kind"] == "in-allocation" and second["kind"] == "failed"
     assert "the same failure at iteration 6" in second["action"]
     assert "injected fault at iteration 6" in second["error"]
     record = read_record(run.path)
@@ -126,11 +126,11 @@ def submit(cluster: SlurmCluster, args: list[str], root: Path, fault: str | None
                           text=True, timeout=400)  # fmt: skip
 
 
-def hosts_of_starts(run: RunDir) -> list[str]:
-    """Rank 0's host at every start (its log's start lines)."""
+def hosts_of_starts(run: RunDir, rank: int = 0) -> list[str]:
+    """The rank's host at every start (its log's start lines)."""
     return [line.split(" host ")[1].split(",")[0]
-            for line in run.rank_log(0).read_text().splitlines()
-            if " rank 0/" in line and " host " in line]  # fmt: skip
+            for line in run.rank_log(rank).read_text().splitlines()
+            if f" rank {rank}/" in line and " host " in line]  # fmt: skip
 
 
 @pytest.mark.slurm
@@ -162,10 +162,10 @@ def test_slurm_hang_then_node_down_on_two_nodes(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
     """A 2-node job. SIGSTOP of rank 1 (node2) after iteration 8: the watchdog ends the
-    start after --hang-timeout-s, node2 is not excluded (the partition would be too small,
-    and the record says so), and the job is requeued. Then node2 is set DOWN under the
-    running job: Slurm requeues it, the ranks checkpoint on the way out, run.json calls it
-    node-lost, and the job completes in the same run directory."""
+    start after --hang-timeout-s, node2 is not excluded (no spare, and the partition would be
+    too small: the record says so), and the ranks start again in the allocation. Then node2
+    is set DOWN under the running job: Slurm requeues it, the ranks checkpoint on the way out,
+    run.json calls it node-lost, and the job completes in the same run directory."""
     args = [*COMMON[:-2], "--max-iterations", "40", "--nodes", "2", "--tasks-per-node", "1",
             "--hang-timeout-s", "5"]  # fmt: skip
     proc = submit(slurm_cluster, args, tmp_path, "stop@8:rank1:once", follow=False)
@@ -176,6 +176,7 @@ def test_slurm_hang_then_node_down_on_two_nodes(
              240, "the healed start to pass iteration 14")  # fmt: skip
     (fault,) = faults_of(run)
     assert (fault["reason"], fault["ranks"], fault["hosts"]) == ("hang", [1], ["node2"]), fault
+    assert fault["kind"] == "in-allocation", fault
     assert "partition debug would have 1 usable node(s) for a 2-node job" in fault["not_excluded"]
     assert "Thread 0x" in run.rank_log(0).read_text()
     down = slurm_cluster.run(["scontrol", "update", "nodename=node2", "state=down",
@@ -194,3 +195,78 @@ def test_slurm_hang_then_node_down_on_two_nodes(
     assert stops[0]["recomputed"] == 0 and stops[0]["recovery_s"] > 0
     assert summary["iterations"] == 40 and summary["resumed_from"] == stops[0]["iteration"]
     assert slurm_cluster.wait_job(summary["job_id"], timeout=60) == "COMPLETED"  # nothing left
+
+
+def restarts_of(cluster: SlurmCluster, job: str) -> int:
+    """How often Slurm started the job again (a requeue): scontrol's Restarts=."""
+    shown = cluster.run(["scontrol", "show", "job", job]).stdout
+    return int(shown.split("Restarts=")[1].split()[0])
+
+
+@pytest.mark.slurm
+def test_slurm_crash_restarts_in_the_allocation(
+    slurm_cluster: SlurmCluster, tmp_path: Path, shared_tmp: Path
+) -> None:
+    """An exception in rank 1 after iteration 6 of a 1-node, 2-rank job: the batch script
+    starts a new srun step in the same allocation (no requeue, no queue wait: the job id and
+    Slurm's restart count unchanged) from the newest checkpoint, and the run ends with the
+    parameters of a run that never failed; the record has the seconds from the fault to the
+    first resumed iteration (docs/performance.md)."""
+    proc = submit(slurm_cluster, [*COMMON, "--nodes", "1", "--tasks-per-node", "2"], tmp_path,
+                  "raise@6:rank1:once")  # fmt: skip
+    assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run = only_run(tmp_path)
+    (fault,) = faults_of(run)
+    assert (fault["reason"], fault["kind"], fault["iteration"]) == ("crash", "in-allocation", 6)
+    assert fault["resumed_from"] == 5 and fault["recomputed"] == 1, fault
+    assert 0 < fault["recovery_s"] < 120, fault
+    summary = json.loads(run.summary.read_text())
+    assert summary["iterations"] == 12 and summary["param_digest_per_rank"] == reference_digests(
+        shared_tmp, REFERENCE, ranks=2)  # fmt: skip
+    job = summary["job_id"]
+    assert fault["job_id"] == job and restarts_of(slurm_cluster, job) == 0
+    assert slurm_cluster.wait_job(job, timeout=60) == "COMPLETED"
+    steps = slurm_cluster.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,State"]).stdout
+    assert f"{job}.0|FAILED" in steps and f"{job}.1|COMPLETED" in steps, steps
+    print(f"crash to the first resumed iteration: {fault['recovery_s']} s")
+
+
+@pytest.mark.slurm
+def test_slurm_hard_node_loss_with_a_spare(
+    slurm_cluster3: SlurmCluster, tmp_path: Path, shared_tmp: Path
+) -> None:
+    """A 2-node job with --spare-nodes 1 (3 nodes allocated, ranks on 2). Rank 1's node is
+    lost after iteration 6 (its slurmd and rank killed at once, as in a power cut; Slurm
+    would call it dead only after SlurmdTimeout, 300 s): the next srun step, in the same
+    allocation, leaves that node out and runs on the spare, with the same world size, to the
+    parameters of a run that never failed. No requeue, nothing left once the node is back."""
+    cluster = slurm_cluster3
+    args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--spare-nodes", "1"]
+    proc = submit(cluster, args, tmp_path, "stop@6:rank1:once", follow=False)
+    assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
+    run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
+    wait_for(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6, 240,
+             "iteration 6 (rank 1 stops itself there)")  # fmt: skip
+    (lost,) = hosts_of_starts(run, rank=1)
+    killed = cluster.lose_node(lost)
+    assert "slurmd" in killed and "slurmstepd" in killed, killed
+    try:
+        summary = wait_for(lambda: run.summary.exists() and json.loads(run.summary.read_text()),
+                           240, "the run to finish on the spare")  # fmt: skip
+    finally:
+        cluster.start_node(lost)
+    (fault,) = faults_of(run)
+    assert (fault["reason"], fault["kind"], fault["hosts"]) == ("crash", "in-allocation",
+                                                                [lost]), fault  # fmt: skip
+    # Resumed from model_5.pt, or from model_6.pt when the ranks saw a stop on the way out.
+    assert fault["excluded_nodes"] == [lost] and fault["resumed_from"] + fault["recomputed"] == 6
+    assert 0 < fault["recovery_s"] < 120, fault
+    first, second = hosts_of_starts(run, rank=1)
+    assert first == lost and second not in (lost, hosts_of_starts(run)[1]), (first, second)
+    assert summary["iterations"] == 12 and summary["param_digest_per_rank"] == reference_digests(
+        shared_tmp, REFERENCE, ranks=2)  # fmt: skip
+    job = summary["job_id"]
+    assert fault["job_id"] == job and restarts_of(cluster, job) == 0
+    # The lost node's step ends once its slurmd is back (else after SlurmdTimeout).
+    assert cluster.wait_job(job, timeout=120) == "COMPLETED"
+    print(f"node lost to the first resumed iteration: {fault['recovery_s']} s")

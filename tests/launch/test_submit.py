@@ -56,6 +56,9 @@ def test_slurm_time_errors(text: str) -> None:
         (["--executor", "local", "--nodes", "2"], "--nodes"),
         (["--num-procs", "2"], "--num-procs"),
         (["--max-iterations", "0"], "--max-iterations"),
+        (["--spare-nodes", "-1"], "--spare-nodes"),
+        (["--spare-nodes", "1.5"], "--spare-nodes"),
+        (["--executor", "local", "--spare-nodes", "1"], "--spare-nodes"),
     ],
 )
 def test_bad_spec_exits_2_and_submits_nothing(tmp_path: Path, args: list[str], flag: str) -> None:
@@ -121,6 +124,9 @@ GOLDEN_SPECS = {
     ),
     "cpu_2x2": dict(nodes=2, gpus_per_node=0, tasks_per_node=2, time="30"),
 }  # fmt: skip
+# The submitit script only: a job with a spare node (sbatch asks for 3, each step runs on 2).
+SPARE = {"cpu_2x2_spare1": dict(nodes=2, gpus_per_node=0, tasks_per_node=2, time="30",
+                                spare_nodes=1)}  # fmt: skip
 
 
 def check_golden(name: str, text: str) -> None:
@@ -151,10 +157,11 @@ def test_golden_pyxis() -> None:
     spec = golden_spec(nodes=2, gpus_per_node=4, time="12:00:00", container_image=image)
     text = render_sbatch(spec, Path("/shared/logs/cartpole/2026-01-01_00-00-00"))
     check_golden("submitit_pyxis_gpu_2x4.sbatch", text)
-    srun = shlex.split(next(line for line in text.splitlines() if line.startswith("srun ")))
+    lines = [line.strip() for line in text.splitlines()]
+    srun = shlex.split(next(line for line in lines if line.startswith("srun ")))
     assert f"--container-image={image}" in srun
     assert srun[-5:-3] == ["python3", "-u"]
-    heal = shlex.split(next(line for line in text.splitlines() if " heal " in line))
+    heal = shlex.split(next(line for line in lines if " heal " in line).removeprefix("excluded=$("))
     assert heal[:4] == ["srun", "--nodes=1", "--ntasks=1", f"--container-image={image}"]
     # Inside a salloc allocation too: srun starts the ranks in the image.
     argv = allocation_srun(spec, resolve(spec.train), Path("/shared/logs/cartpole/run"))
@@ -163,9 +170,9 @@ def test_golden_pyxis() -> None:
         validate_submit(spec.replace(container="/images/mjlab.sif", dry_run=True))
 
 
-@pytest.mark.parametrize("name", sorted(GOLDEN_SPECS))
+@pytest.mark.parametrize("name", sorted({**GOLDEN_SPECS, **SPARE}))
 def test_golden_submitit_script(name: str) -> None:
-    spec = golden_spec(**GOLDEN_SPECS[name])
+    spec = golden_spec(**{**GOLDEN_SPECS, **SPARE}[name])
     text = render_sbatch(spec, Path("/shared/logs/cartpole/2026-01-01_00-00-00"))
     text = text.replace(shlex.quote(sys.executable), "PYTHON")
     check_golden(f"submitit_{name}.sbatch", text)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mjlab_hpc.launch.heal import decide, find_fault
+from mjlab_hpc.launch.heal import decide, find_fault, restart_here
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog, hang_limit_s, parse_faults
 from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
 
@@ -90,6 +90,9 @@ def test_healer_names_the_cause_and_stops_a_crash_loop(tmp_path: Path) -> None:
     run.progress.write_text(json.dumps({"iteration": 4}) + "\n")  # another iteration: transient
     assert decide(run.path, max_restarts=3).requeue
     assert not decide(run.path, max_restarts=1).requeue  # 1 crash restart used already
+    restart_here(first)  # a restart in the allocation counts as much as a requeue
+    run.record.write_text(json.dumps({"faults": [first.entry]}))
+    assert first.entry["kind"] == "in-allocation" and not decide(run.path, max_restarts=1).requeue
 
 
 def test_a_killed_rank_is_attributed_to_its_node(tmp_path: Path) -> None:
