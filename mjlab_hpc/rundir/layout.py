@@ -9,6 +9,8 @@ Decided once per run and shared by every rank and every restart:
       <YYYY-mm-dd_HH-MM-SS>[_<run-name>]/     one run
         params/train.yaml, agent.yaml, env.yaml   the resolved spec and configs (writer)
         model_<n>.pt, model_<n>.pt.sha256         checkpoints after n iterations (writer)
+        rank_states/model_<n>/rank<k>-of-<W>.pt   every rank's environments and random
+                                                  generators of that checkpoint (+ .sha256)
         events.out.tfevents.*                     tensorboard (writer)
         progress.jsonl                            one JSON line per iteration (writer)
         restarts.jsonl                            one JSON line per stop for a requeue (writer)
@@ -54,6 +56,8 @@ __all__ = [
     "latest_run",
     "list_checkpoints",
     "progress_summary",
+    "rank_state_dir",
+    "rank_state_file",
     "read_element",
     "read_hangs",
     "read_heartbeats",
@@ -81,6 +85,7 @@ WRITER_RESERVE = ".writer.reserve"
 ONCE_DIR = ".once"
 HEARTBEAT_DIR = "heartbeat"
 CHECKSUM_SUFFIX = ".sha256"
+RANK_STATES_DIR = "rank_states"
 # Files of an experiment folder.
 KEYS_DIR = ".keys"
 LATEST_RUN = ".latest_run"
@@ -107,6 +112,16 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     """`model_<n>.pt` files, oldest first (by iteration count)."""
     found = [(checkpoint_iteration(p), p) for p in run_dir.glob("model_*.pt")]
     return [p for n, p in sorted((n, p) for n, p in found if n is not None)]
+
+
+def rank_state_dir(checkpoint: Path) -> Path:
+    """The folder of a checkpoint's per-rank states: `rank_states/model_<n>/`."""
+    return checkpoint.parent / RANK_STATES_DIR / checkpoint.name.removesuffix(".pt")
+
+
+def rank_state_file(checkpoint: Path, rank: int, world_size: int) -> Path:
+    """Rank `rank`'s state of a checkpoint written by `world_size` ranks."""
+    return rank_state_dir(checkpoint) / f"rank{rank}-of-{world_size}.pt"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
