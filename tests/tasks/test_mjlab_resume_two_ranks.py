@@ -22,7 +22,8 @@ if os.environ.get("CI") == "true":
 else:
     pytest.importorskip("mjlab", reason="mjlab is not installed (pip install 'mjlab-hpc[mjlab]')")
 
-pytestmark = [pytest.mark.mjlab, pytest.mark.training]
+# Several G1 starts per test (runs, restarts, a reference run): minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.mjlab, pytest.mark.training, pytest.mark.timeout(1200)]
 
 FLAT = ["Mjlab-Velocity-Flat-Unitree-G1", "--num-envs", "2", "--agent.num-steps-per-env", "4",
         "--agent.logger", "tensorboard", "--torch-threads", "1", "--seed", "3",
