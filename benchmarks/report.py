@@ -21,6 +21,7 @@ from typing import Any
 import tyro
 
 from benchmarks.config import BenchConfig
+from benchmarks.envstate import envstate_figures, run_envstate
 from benchmarks.gpu import gpu_figures, run_gpu
 from benchmarks.healing import healing_figures, lock_figures, run_healing, run_lock
 from benchmarks.session import Bench
@@ -149,6 +150,10 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None]) -> dict[str, Any]:
         healing, healing_failures = run_healing(cfg, bench.env, bench.runs, say)
         bench.failures.extend(healing_failures)
     bench.details["healing"] = healing
+    # Checkpoints with every rank's environments: Rough G1 at several sizes (~5 min).
+    envstate, envstate_failures = run_envstate(cfg, say, bench.runs)
+    bench.failures.extend(envstate_failures)
+    bench.details["envstate"] = envstate
     # The run directory's writer lock with 128 contenders (~10 s, no training).
     lock, lock_failures = run_lock(cfg, say, bench.runs)
     bench.failures.extend(lock_failures)
@@ -160,6 +165,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None]) -> dict[str, Any]:
             *gpu_figures(cfg, gpu),
             *(healing_figures(healing) if cfg.healing else []),
             *lock_figures(lock),
+            *envstate_figures(envstate),
         ]
     }
     machine = machine_info()

@@ -18,6 +18,9 @@ import tyro
 from mjlab_hpc.errors import SpecError
 
 __all__ = [
+    "KEPT_ON_CONTINUATION",
+    "NOT_RUN_SETTINGS",
+    "SIMULATOR_PACKAGES",
     "DeviceChoice",
     "ExecutorChoice",
     "GpuIds",
@@ -31,6 +34,22 @@ __all__ = [
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 ExecutorChoice = Literal["slurm", "local", "allocation", "auto"]
 GpuIds = tuple[int, ...] | Literal["all", "auto"] | None
+
+
+#: TrainSpec fields that a continuation keeps: its saved environments fit only the run's values
+#: (like the number of ranks, the env config and the simulator's versions); another value is
+#: refused before anything starts unless --fresh-envs. `task` is never changed. The other
+#: fields but NOT_RUN_SETTINGS may change: applied, said on the console, recorded in run.json.
+#: The rules, in one table: docs/preemption.md, "What a continuation may change".
+KEPT_ON_CONTINUATION = ("num_envs", "seed")
+#: The packages a task's saved environments are made of, by task source: restored only under
+#: the same versions.
+SIMULATOR_PACKAGES = {"built-in": ("mujoco", "mujoco-warp"),
+                      "mjlab": ("mujoco", "mujoco-warp", "mjlab")}  # fmt: skip
+#: TrainSpec fields that name a run or say how to start it, not settings of the run.
+NOT_RUN_SETTINGS = ("task", "log_root", "experiment_name", "run_name", "run_dir", "resume",
+                    "restart_from_scratch", "fresh_envs", "wandb_run_path",
+                    "wandb_checkpoint_name", "torchrunx_log_dir")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -91,6 +110,11 @@ class TrainSpec:
     restart_from_scratch: bool = False
     """When every checkpoint of the run directory is damaged, train again from iteration 0
     (the damaged ones are kept as model_<n>.pt.damaged). Without it such a run is refused."""
+    fresh_envs: bool = False
+    """Continue a run whose saved environments do not fit this start (another --num-envs,
+    --seed, number of ranks, env config or simulator version) with new environments instead
+    of refusing: models, optimizer, normalizers and iteration are restored, the continuation
+    is not exact; run.json records it."""
     keep_checkpoints: int = 0
     """Keep only the newest N checkpoints (0: keep all)."""
     preempt_signal: str = "USR2"

@@ -267,3 +267,20 @@ def _walked(obj: object) -> bool:
     package = cls.__module__.split(".")[0]
     # Warp structs hold arrays; the rest of Warp (devices, modules, the runtime) does not.
     return package in _WALKED_PACKAGES or (package == "warp" and cls.__name__ == "StructInstance")
+
+
+def make_motion(path: Path, frames: int = 40, bodies: int = 40) -> Path:
+    """A small motion file of the kind mjlab's tracking tasks read (a robot swaying in place)."""
+    import numpy as np
+
+    t = np.linspace(0, 1, frames, dtype=np.float32)[:, None]
+    quat = np.zeros((frames, bodies, 4), np.float32)
+    quat[..., 0] = 1.0
+    pos = np.zeros((frames, bodies, 3), np.float32)
+    pos[..., 2] = 0.76
+    pos[..., 0] = 0.05 * np.sin(6 * t)
+    np.savez(path, joint_pos=0.2 * np.sin(6 * t) * np.ones((frames, 29), np.float32),
+             joint_vel=1.2 * np.cos(6 * t) * np.ones((frames, 29), np.float32),
+             body_pos_w=pos, body_quat_w=quat, body_lin_vel_w=np.zeros_like(pos),
+             body_ang_vel_w=np.zeros_like(pos))  # fmt: skip
+    return path

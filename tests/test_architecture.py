@@ -39,6 +39,7 @@ LAZY_ALLOWED = {
     ("mjlab_hpc.cli.hpc", "mjlab_hpc.ops.plot"),  # tensorboard, matplotlib
     ("mjlab_hpc.tasks.builtin", "mjlab_hpc.tasks.cartpole"),  # environments: torch, warp
     ("mjlab_hpc.tasks.builtin", "mjlab_hpc.tasks.ant"),
+    ("mjlab_hpc.tasks.mjlab", "mjlab_hpc.tasks.envstate"),
 }
 MAX_LINES = 520
 MAX_MODULES_PER_FOLDER = 11

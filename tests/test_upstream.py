@@ -15,6 +15,7 @@ import pytest
 
 SUBMITIT = "used by mjlab_hpc/launch/executors.py"
 RSL_RL = "used by mjlab_hpc/rank/runner.py"
+MJLAB = "used by mjlab_hpc/tasks/mjlab.py to save and restore an env's whole state"
 
 
 def _source(obj: object) -> str:
@@ -95,3 +96,27 @@ def test_mjlab_parts() -> None:
             f"mjlab: Simulation {name} is gone (used by mjlab_hpc/tasks/mjlab.py for Warp graphs "
             "on CPU)"
         )
+    # The environment's whole state (tasks/mjlab.py `state_rules`, `restore_env`): MuJoCo's
+    # integration state names mujoco_warp's Data fields, the simulator recomputes the rest
+    # (`forward`), the raycast sensors' render context and what is not state are named.
+    import dataclasses
+
+    import mujoco_warp
+    from mjlab.envs import ManagerBasedRlEnv
+    from mjlab.scene import Scene
+    from mjlab.sensor.sensor_context import SensorContext
+
+    from mjlab_hpc.tasks.mjlab import _integration_state
+
+    data_fields = {f.name for f in dataclasses.fields(mujoco_warp.Data)}
+    state = _integration_state()
+    assert {"qpos", "qvel", "act", "qacc_warmstart", "ctrl", "time"} <= state, state
+    missing = sorted(state - data_fields - {"plugin_state"})  # no plugins in mujoco_warp
+    assert not missing, f"mujoco_warp's Data has no field for MuJoCo's state {missing} ({MJLAB})"
+    for owner, name in ((Simulation, "wp_data"), (Simulation, "forward"),
+                        (Scene, "sensor_context"), (SensorContext, "render_context")):  # fmt: skip
+        assert hasattr(owner, name), f"mjlab: {owner.__name__}.{name} is gone ({MJLAB})"
+    for owner, name in ((ManagerBasedRlEnv, "self._offline_renderer"),
+                        (ManagerBasedRlEnv, "self.extras"),
+                        (Simulation, "self.nan_guard")):  # fmt: skip
+        assert name in _source(owner), f"mjlab: {owner.__name__} {name} is gone ({MJLAB})"

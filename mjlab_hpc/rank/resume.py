@@ -1,8 +1,10 @@
-"""Where a rank's training starts: the newest checkpoint of the run that verifies, else the
-checkpoint of another run it starts from (mjlab's `--agent.resume True`: models, optimizer
-and normalizers, iteration 0), else iteration 0, refusing what cannot be continued (a run of
-another task, a network of another shape, nothing valid left) before anything of the run is
-changed.
+"""Where a rank's training starts: the newest checkpoint of the run that verifies, with this
+rank's saved environments and random generators (or new environments, with --fresh-envs, where
+the saved ones do not fit), else the checkpoint of another run it starts from (mjlab's
+`--agent.resume True`: models, optimizer and normalizers, iteration 0), else iteration 0,
+refusing what cannot be continued (a run of another task, a network of another shape,
+environments saved for another number of ranks or environments, seed or simulator version,
+nothing valid left) before anything of the run is changed.
 
 Rank 0 decides (it verifies each checkpoint once) and every rank gets the same plan, or the
 same refusal, through the process group.
@@ -20,8 +22,15 @@ import torch.distributed as dist
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.rank.context import DistContext
-from mjlab_hpc.rank.workload import Workload
-from mjlab_hpc.rundir.checkpoint import Checkpoints, Damaged, cannot_continue, load_verified
+from mjlab_hpc.rank.workload import Workload, restore_rank_state
+from mjlab_hpc.rundir.checkpoint import (
+    Checkpoints,
+    Damaged,
+    cannot_continue,
+    load_rank_state,
+    load_verified,
+    rank_state_world_size,
+)
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.spec import ResolvedSpec
 
@@ -107,20 +116,62 @@ def check_shapes(path: Path, ckpt: dict[str, Any], runner: Any, flag: str = "--r
                 )
 
 
-def load_plan(plan: ResumePlan, work: Workload, device: str) -> int:
-    """Restore the plan's checkpoint into this rank's workload; the iterations it had done
-    (0: a fresh start)."""
+def _unfit(path: Path, ckpt: dict[str, Any], work: Workload, world_size: int
+           ) -> tuple[str, str] | None:  # fmt: skip
+    """(flag, why) when the checkpoint's saved environments cannot be restored here."""
+    saved = (ckpt.get("infos") or {}).get("environments")
+    if not isinstance(saved, dict) or rank_state_world_size(path) is None:
+        return "--fresh-envs", f"{path.name} holds no environment state (older mjlab_hpc)"
+    if saved["world_size"] != world_size:
+        return "--num-procs", (
+            f"{path.name} holds the environments of {saved['world_size']} rank(s); this start "
+            f"has {world_size} (--num-procs, --gpu-ids, or the job's --nodes x --tasks-per-node)"
+        )
+    for key, flag in (("num_envs", "--num-envs"), ("seed", "--seed"), ("device", "--device")):
+        if saved.get(key) != work.fits[key]:
+            what = key.replace("_", " ")
+            return flag, f"the run has {what} {saved[key]}; this start {work.fits[key]}"
+    for name, version in work.fits["versions"].items():
+        if saved["versions"].get(name) != version:
+            return "--fresh-envs", (
+                f"{path.name} was written with {name} {saved['versions'].get(name)}; this is "
+                f"{name} {version} (saved environments belong to the version that made them)"
+            )
+    return None
+
+
+def load_plan(
+    plan: ResumePlan, work: Workload, device: str, ctx: DistContext, fresh_envs: bool = False
+) -> tuple[int, str]:
+    """Restore the plan's checkpoint into this rank's workload: (the iterations it had done,
+    0 on a fresh start; the environments: `restored`, `fresh` (--fresh-envs) or `new`)."""
     if plan.checkpoint is None:
-        return 0
+        return 0, "new"
     path = Path(plan.checkpoint)
     ckpt = load_verified(path, map_location=device)
     check_shapes(
         path, ckpt, work.runner, "--agent.load-checkpoint" if plan.other_run else "--run-dir"
     )
+    unfit = None if plan.other_run else _unfit(path, ckpt, work, ctx.world_size)
+    if unfit is not None and not fresh_envs:
+        raise ResumeRefused(
+            unfit[0],
+            f"{unfit[1]}: a continuation restores its environments exactly; give the run's "
+            "value, or pass --fresh-envs to continue with new environments (models, optimizer "
+            "and iteration kept; not exact); nothing was changed",
+        )
     work.load(path, ckpt, plan.other_run)
     if plan.other_run:
         log.info("started from %s (another run's checkpoint, iteration %s there) at iteration 0",
                  path, ckpt.get("iter"))  # fmt: skip
-        return 0
-    log.info("resumed from %s at iteration %d", path.name, work.runner.current_learning_iteration)
-    return int(work.runner.current_learning_iteration)
+        return 0, "new"
+    start = int(work.runner.current_learning_iteration)
+    if unfit is not None:
+        log.warning("resumed from %s at iteration %d with new environments (--fresh-envs): %s",
+                    path.name, start, unfit[1])  # fmt: skip
+        return start, "fresh"
+    problems = restore_rank_state(work, load_rank_state(path, ctx.rank, ctx.world_size), device)
+    for problem in problems:  # a buffer the fresh environment does not have
+        log.warning("environment state not restored: %s", problem)
+    log.info("resumed from %s at iteration %d, environments restored", path.name, start)
+    return start, "restored"

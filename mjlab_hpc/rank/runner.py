@@ -289,7 +289,9 @@ class ContextRunnerMixin:
         saved["infos"] = infos
         return saved
 
-    def save_published(self, path: Path, publish: Callable[[Path], None]) -> None:
+    def save_published(
+        self, path: Path, publish: Callable[[Path], None], infos: dict | None = None
+    ) -> None:
         """The runner's own `save` (mjlab's: the environment's step counter, ONNX export)
         into a temporary file beside `path`, then `publish(tmp)` (which renames it to `path`);
         its W&B upload waits for the real name (W&B runs are searched for model_<n>.pt)."""
@@ -297,7 +299,7 @@ class ContextRunnerMixin:
         upload, uploads = self.logger.save_model, []
         self.logger.save_model = lambda _path, it: uploads.append(it)
         try:
-            self.save(str(tmp))  # type: ignore[attr-defined]
+            self.save(str(tmp), infos)  # type: ignore[attr-defined]
         finally:
             vars(self.logger).pop("save_model", None)
         publish(tmp)

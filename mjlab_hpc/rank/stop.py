@@ -33,7 +33,7 @@ from mjlab_hpc.procs import alive
 from mjlab_hpc.rank.context import ALLOCATION_ENV, SUPERVISOR_ENV, DistContext, chain_link
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog
 from mjlab_hpc.rank.workload import Workload, rank_state
-from mjlab_hpc.rundir.checkpoint import Checkpoints
+from mjlab_hpc.rundir.checkpoint import Checkpoints, publish_rank_states, write_rank_state
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import IterationStats
 from mjlab_hpc.rundir.state import on_recovered, on_stop, read_record
@@ -394,25 +394,37 @@ class IterationBoundary:
 
     def _checkpoint(self, iteration: int, stop: Stop | None) -> None:
         t0 = time.time()
-        states = (
-            _gather_to_main(rank_state(self.work.env, self.device), self.ctx)
-            if self.work.exact_resume
-            else None
-        )
+        path = self.run.checkpoint(iteration)
+        # Every rank writes its own state (in parallel, nothing gathered); the writer
+        # publishes them, then the model file, which makes the checkpoint count.
+        try:
+            mine: Any = write_rank_state(path, self.ctx.rank, self.ctx.world_size,
+                                         rank_state(self.work, self.device))  # fmt: skip
+        except Exception as exc:  # said by the writer, which then fails the checkpoint
+            mine = f"rank {self.ctx.rank}: {type(exc).__name__}: {exc}"
+        written = _gather_to_main(mine, self.ctx)
         if self.writer is not None and self.checkpoints is not None:
-            path = self.writer.run.checkpoint(iteration)
+            assert written is not None
+            failed = [w for w in written if isinstance(w, str)]
+            if failed:
+                raise RuntimeError(f"checkpoint {path.name}: a rank state was not written: "
+                                   + "; ".join(failed))  # fmt: skip
             t1 = time.time()
-            self.work.save(path, self.writer, states)
+            publish_rank_states(path, written, self.writer.check)
+            infos = {"environments": {**self.work.fits, "world_size": self.ctx.world_size}}
+            self.work.save(path, self.writer, infos)
             written_s = time.time() - t1
             size = path.stat().st_size if path.is_file() else -1
             log.info(
-                "checkpoint %s: %d bytes, ranks' states gathered in %.3f s, written in %.3f s",
+                "checkpoint %s: %d bytes, ranks' states written in %.3f s, published in %.3f s",
                 path.name, size, t1 - t0, written_s,
             )  # fmt: skip
             self.checkpoints.written(path)
             self.checkpoints.prune(self.keep_checkpoints)
             if stop is not None:
                 self._record_stop(stop, iteration, t0)
+        elif isinstance(mine, str):
+            raise RuntimeError(mine)
         if self.ctx.is_distributed:
             # The others wait here, not in the next iteration's first collective, so that
             # their watchdogs (paused now) never count a long write as a hang.

@@ -169,6 +169,7 @@ def _begin(
     device: str,
     plan: ResumePlan,
     start: int,
+    environments: str,
 ) -> None:
     """The writer's records of a (re)start, written only once the resume is known to work:
     damaged checkpoints set aside, progress.jsonl cut back to the resumed iteration (so tools
@@ -206,6 +207,7 @@ def _begin(
         device=device,
         resumed_from=start,
         checkpoint=Path(plan.checkpoint).name if plan.checkpoint else None,
+        environments=environments,
         skipped=[d.as_dict() for d in plan.damaged],
         code_dir=Path.cwd(),
     )
@@ -317,9 +319,9 @@ def _train(
         work = build_workload(resolved, ctx, device, seed, run, rank_log)
         runner = work.runner
         first_obs = work.first_obs_digest()
-        start = load_plan(plan, work, device)
+        start, environments = load_plan(plan, work, device, ctx, spec.fresh_envs)
         if writer is not None and checkpoints is not None:
-            _begin(writer, checkpoints, work, resolved, ctx, device, plan, start)
+            _begin(writer, checkpoints, work, resolved, ctx, device, plan, start, environments)
         started = True
         total = resolved.max_iterations
         display = ProgressDisplay(total, start, enabled=ctx.is_main)

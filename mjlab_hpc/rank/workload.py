@@ -1,8 +1,10 @@
-"""What one rank trains, and how the run saves and restores it: a built-in task (rsl-rl's runner;
-checkpoints also hold every rank's worlds and random generators, so a resume is bit-exact) or
-an mjlab task (mjlab's own runner for it, with its save, load and params; its --video,
---enable-nan-guard and tracking motions). A run started from another run's checkpoint
-(--agent.resume True) takes its models, optimizer and normalizers, not its iteration count.
+"""What one rank trains, and how the run saves and restores it: a built-in task (rsl-rl's runner)
+or an mjlab task (mjlab's own runner for it, with its save, load and params; its --video,
+--enable-nan-guard and tracking motions). Every checkpoint also holds each rank's whole
+environment state and random generators (`rank_state`, written beside the model file), so a
+continuation is exact where the physics is deterministic. A run started from another run's
+checkpoint (--agent.resume True) takes its models, optimizer and normalizers, not its
+iteration count or environments.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from mjlab_hpc.rank.normalization import NormalizerSync
 from mjlab_hpc.rank.runner import DistributedRunner, runner_class
 from mjlab_hpc.rundir.checkpoint import publish_file
 from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.state import versions
 from mjlab_hpc.rundir.writer import RunWriter
-from mjlab_hpc.spec import ResolvedSpec, TrainSpec
+from mjlab_hpc.spec import SIMULATOR_PACKAGES, ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks import mjlab as mjlab_tasks
 from mjlab_hpc.tasks.agent import agent_config, apply_agent_overrides
 from mjlab_hpc.tasks.builtin import get_task
@@ -58,16 +61,24 @@ class Workload:
 
     env: Any
     runner: Any
-    exact_resume: bool
-    """Checkpoints hold every rank's worlds and RNGs (a resume is bit-exact)."""
     random_ep_len: bool
     """Spread the first episodes' lengths on a fresh start (mjlab's convention)."""
     dump_params: Callable[[RunWriter], None]
-    save: Callable[[Path, RunWriter, list[Any] | None], None]
-    """(path, writer, every rank's state gathered to the writer) -> checkpoint on disk."""
+    save: Callable[[Path, RunWriter, dict[str, Any]], None]
+    """(path, writer, infos) -> the model checkpoint on disk (`infos`: what its rank states
+    fit, saved with it)."""
     load: Callable[[Path, dict[str, Any], bool], None]
     """(path, verified checkpoint, another run's) -> models, optimizer and iteration restored
-    (another run's checkpoint: iteration 0, environments fresh)."""
+    (another run's checkpoint: iteration 0)."""
+    env_state: Callable[[], Any]
+    """This rank's environments' whole state, copied to the CPU."""
+    restore_env: Callable[[Any], list[str]]
+    """Put an `env_state` back into this rank's freshly built environments; what could not
+    be put back (empty: everything)."""
+    fits: dict[str, Any]
+    """What saved environment states must match to be restored here: environments per
+    rank, seed, device type, the simulator's versions (checkpoints keep theirs in
+    infos["environments"])."""
 
     def first_obs_digest(self) -> str:
         """sha256 of this rank's first observations (to check that ranks differ)."""
@@ -90,30 +101,41 @@ def build_staged(build: Callable[[], Any], ctx: DistContext) -> Any:
     return made if made is not None else build()
 
 
-def rank_state(env: Any, device: str) -> dict[str, Any]:
-    """Everything of one rank that an exact continuation needs besides the shared models:
-    its worlds' simulator state and episode counters, and its random number generators."""
+def rank_state(work: Workload, device: str) -> dict[str, Any]:
+    """Everything of one rank that an exact continuation needs besides the shared models: its
+    environments' whole state and its random number generators (torch on the CPU and on the
+    rank's GPU, numpy, Python; Warp has no global generator: its seeds are in the state)."""
     state: dict[str, Any] = {
+        "env": work.env_state(),
         "torch_rng": torch.get_rng_state(),
         "numpy_rng": np.random.get_state(),
         "python_rng": random.getstate(),
     }
-    if hasattr(env, "state_dict"):
-        state["env"] = {k: v.cpu() for k, v in env.state_dict().items()}
     if device.startswith("cuda"):
         state["cuda_rng"] = torch.cuda.get_rng_state(torch.device(device))
     return state
 
 
-def restore_rank_state(env: Any, state: dict[str, Any], device: str) -> None:
-    """Put back what `rank_state` saved."""
-    if "env" in state and hasattr(env, "load_state_dict"):
-        env.load_state_dict(state["env"])
+def restore_rank_state(work: Workload, state: dict[str, Any], device: str) -> list[str]:
+    """Put back what `rank_state` saved; what of the environments could not be put back."""
+    problems = work.restore_env(state["env"])
     torch.set_rng_state(state["torch_rng"])
     np.random.set_state(state["numpy_rng"])
     random.setstate(state["python_rng"])
     if device.startswith("cuda") and "cuda_rng" in state:
         torch.cuda.set_rng_state(state["cuda_rng"], torch.device(device))
+    return problems
+
+
+def _fits(resolved: ResolvedSpec, device: str) -> dict[str, Any]:
+    installed = versions()
+    packages = SIMULATOR_PACKAGES[resolved.source]
+    return {
+        "num_envs": resolved.num_envs,
+        "seed": resolved.train.seed,
+        "device": device.partition(":")[0],
+        "versions": {name: installed.get(name) for name in packages},
+    }
 
 
 def build_workload(
@@ -172,26 +194,22 @@ def _builtin_workload(
         }
         _write_params(writer, spec, {"agent": cfg, "env": env_cfg})
 
-    def save(path: Path, writer: RunWriter, states: list[Any] | None) -> None:
-        state = runner.training_state({"world_size": ctx.world_size})
-        state["rank_states"] = states
-        writer.save_checkpoint(path, state)
+    def save(path: Path, writer: RunWriter, infos: dict[str, Any]) -> None:
+        writer.save_checkpoint(path, runner.training_state(infos))
 
     def load(path: Path, ckpt: dict[str, Any], other_run: bool) -> None:
         runner.alg.load(ckpt, None, strict=True)
         runner.current_learning_iteration = 0 if other_run else int(ckpt["iter"])
-        states = None if other_run else ckpt.get("rank_states")
-        if states and len(states) == ctx.world_size:
-            restore_rank_state(env, states[ctx.rank], device)
-        elif not other_run:
-            log.warning(
-                "%s has no per-rank state for %d ranks: models and optimizer restored, "
-                "environments start fresh (the continuation is not bit-exact)",
-                path.name,
-                ctx.world_size,
-            )
 
-    return Workload(env, runner, True, False, dump_params, save, load)
+    def restore_env(state: Any) -> list[str]:
+        env.load_state_dict(state)
+        return []
+
+    return Workload(
+        env, runner, False, dump_params, save, load,
+        lambda: {k: v.cpu() for k, v in env.state_dict().items()}, restore_env,
+        _fits(resolved, device),
+    )  # fmt: skip
 
 
 def _mjlab_workload(
@@ -243,10 +261,10 @@ def _mjlab_workload(
         mjlab_tasks.dump_params(writer.run.path, runtime)  # params/env.yaml, agent.yaml
         _write_params(writer, spec, {})
 
-    def save(path: Path, writer: RunWriter, states: list[Any] | None) -> None:
+    def save(path: Path, writer: RunWriter, infos: dict[str, Any]) -> None:
         # mjlab's own save (step counter, ONNX export), then the same fenced, checksummed
         # publication as ours.
-        runner.save_published(path, lambda tmp: publish_file(tmp, path, writer.check))
+        runner.save_published(path, lambda tmp: publish_file(tmp, path, writer.check), infos)
 
     def load(path: Path, ckpt: dict[str, Any], other_run: bool) -> None:
         runner.load(str(path), map_location=device)
@@ -255,7 +273,12 @@ def _mjlab_workload(
             steps = runner.current_learning_iteration * runtime.agent_cfg.num_steps_per_env
             runtime.recorder.step_count = steps
 
-    return Workload(runtime.env, runner, False, True, dump_params, save, load)
+    return Workload(
+        runtime.env, runner, True, dump_params, save, load,
+        lambda: mjlab_tasks.capture_env(runtime.env),
+        lambda state: mjlab_tasks.restore_env(runtime.env, state, device),
+        _fits(resolved, device),
+    )  # fmt: skip
 
 
 def _close_quietly(env: Any) -> None:

@@ -2,9 +2,11 @@
 
 Written to a temporary file, fsynced, renamed and the directory fsynced, with a `<name>.sha256`
 sidecar; a checkpoint verifies when its bytes match its sidecar (or, written by other code,
-when it loads). Resuming takes the newest that verifies, retention keeps the newest N that do,
-and a damaged one is set aside (`.damaged`), never preferred. The files stay plain `torch.save`
-archives that rsl-rl's and mjlab's `load()` read; torch loads only to write or read one.
+when it loads) and so do its ranks' state files (`rank_states/model_<n>/`: each rank writes
+its own, the writer publishes them, then the model file). Resuming takes the newest that
+verifies, retention keeps the newest N that do, and a damaged one is set aside (`.damaged`),
+never preferred. The files stay plain `torch.save` archives that rsl-rl's and mjlab's `load()`
+read; torch loads only to write or read one.
 """
 
 from __future__ import annotations
@@ -13,14 +15,21 @@ import hashlib
 import io
 import logging
 import os
+import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.rundir.durable import fsync_dir, publish, write_atomic
-from mjlab_hpc.rundir.layout import CHECKSUM_SUFFIX, list_checkpoints
+from mjlab_hpc.rundir.durable import fsync_dir, publish, temp_path, write_atomic, write_new
+from mjlab_hpc.rundir.layout import (
+    CHECKSUM_SUFFIX,
+    list_checkpoints,
+    rank_state_dir,
+    rank_state_file,
+)
 from mjlab_hpc.rundir.state import read_record
 
 __all__ = [
@@ -28,9 +37,13 @@ __all__ = [
     "Checkpoints",
     "Damaged",
     "cannot_continue",
+    "load_rank_state",
     "load_verified",
     "publish_file",
+    "publish_rank_states",
+    "rank_state_world_size",
     "save_checkpoint",
+    "write_rank_state",
 ]
 
 log = logging.getLogger("mjlab_hpc")
@@ -39,19 +52,26 @@ log = logging.getLogger("mjlab_hpc")
 DAMAGED_SUFFIX = ".damaged"
 
 
+_RANK_FILE = re.compile(r"rank(\d+)-of-(\d+)\.pt")
+
+
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def _serialize(state: Any) -> bytes:
+    import torch  # heavy: only where a checkpoint is written
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
 
 
 def save_checkpoint(
     path: Path, state: dict[str, Any], before_rename: Callable[[], None] | None = None
 ) -> str:
     """Save `state` atomically with its checksum sidecar; the checksum."""
-    import torch  # heavy: only where a checkpoint is written
-
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    data = buf.getvalue()
+    data = _serialize(state)
     digest = hashlib.sha256(data).hexdigest()
     write_atomic(_sidecar(path), f"{digest}\n".encode())
     try:
@@ -63,11 +83,14 @@ def save_checkpoint(
     return digest
 
 
-def publish_file(tmp: Path, path: Path, before_rename: Callable[[], None] | None = None) -> str:
+def publish_file(
+    tmp: Path, path: Path, before_rename: Callable[[], None] | None = None,
+    digest: str | None = None,
+) -> str:  # fmt: skip
     """Publish a checkpoint some other code wrote to `tmp` (mjlab's runners write their own):
     its checksum sidecar first, then `before_rename`, then the durable rename to `path`; the
-    checksum."""
-    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    checksum (`digest`: known already)."""
+    digest = digest or hashlib.sha256(tmp.read_bytes()).hexdigest()
     write_atomic(_sidecar(path), f"{digest}\n".encode())
     try:
         publish(tmp, path, before_rename)
@@ -76,6 +99,70 @@ def publish_file(tmp: Path, path: Path, before_rename: Callable[[], None] | None
             _sidecar(path).unlink(missing_ok=True)
         raise
     return digest
+
+
+def write_rank_state(checkpoint: Path, rank: int, world_size: int, state: Any) -> tuple[str, str]:
+    """One rank's state of `checkpoint`, written by that rank to a temporary file beside its
+    place and fsynced, not published: (temporary path, sha256) for the writer."""
+    path = rank_state_file(checkpoint, rank, world_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = _serialize(state)
+    tmp = temp_path(path)
+    try:
+        write_new(tmp, data)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return str(tmp), hashlib.sha256(data).hexdigest()
+
+
+def publish_rank_states(
+    checkpoint: Path, written: list[tuple[str, str]], before_rename: Callable[[], None]
+) -> None:
+    """The writer: publish every rank's `write_rank_state` (fenced, with checksums), before
+    the checkpoint itself."""
+    for rank, (tmp, digest) in enumerate(written):
+        publish_file(Path(tmp), rank_state_file(checkpoint, rank, len(written)), before_rename,
+                     digest)  # fmt: skip
+
+
+def load_rank_state(checkpoint: Path, rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's state of `checkpoint`, verified (ValueError when it does not verify)."""
+    import torch
+
+    path = rank_state_file(checkpoint, rank, world_size)
+    data = path.read_bytes()
+    if not _check_bytes(path, data):
+        raise ValueError(f"{path.name} has no checksum")
+    return dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=False))
+
+
+def _rank_states_problem(checkpoint: Path) -> str | None:
+    """Why a checkpoint's rank states do not verify (None: they do, or it has none)."""
+    folder = rank_state_dir(checkpoint)
+    if not folder.is_dir():
+        return None
+    found = [m for p in folder.iterdir() if (m := _RANK_FILE.fullmatch(p.name))]
+    sizes = {int(m[2]) for m in found}
+    ranks = {int(m[1]) for m in found}
+    if len(sizes) != 1 or ranks != set(range(next(iter(sizes)))):
+        return f"{checkpoint.name}'s rank states in {folder.name}/ are incomplete"
+    for m in found:
+        path = folder / m[0]
+        try:
+            if not _check_bytes(path, path.read_bytes()):
+                return f"{path.name} of {checkpoint.name} has no checksum"
+        except ValueError as exc:
+            return f"{exc} ({checkpoint.name}'s rank state)"
+    return None
+
+
+def rank_state_world_size(checkpoint: Path) -> int | None:
+    """How many ranks wrote `checkpoint`'s rank states (None: it has none)."""
+    folder = rank_state_dir(checkpoint)
+    found = {int(m[2]) for p in (folder.iterdir() if folder.is_dir() else ())
+             if (m := _RANK_FILE.fullmatch(p.name))}  # fmt: skip
+    return found.pop() if len(found) == 1 else None
 
 
 def _check_bytes(path: Path, data: bytes) -> bool:
@@ -148,7 +235,7 @@ class Checkpoints:
                 data = path.read_bytes()
                 if not _check_bytes(path, data):
                     _parse(path, data, "cpu")  # no sidecar: written by other code
-                verdict = None
+                verdict = _rank_states_problem(path)
             except ValueError as exc:
                 verdict = str(exc)
             except OSError as exc:  # unreadable now (a flaky filesystem): not remembered
@@ -184,7 +271,7 @@ class Checkpoints:
             before()
         for item in damaged:
             path = self.run_dir / item.name
-            for src in (path, _sidecar(path)):
+            for src in (path, _sidecar(path), rank_state_dir(path)):
                 if src.exists():
                     os.replace(src, src.with_name(src.name + DAMAGED_SUFFIX))
         if damaged:
@@ -199,6 +286,7 @@ class Checkpoints:
         for path in old:
             path.unlink(missing_ok=True)
             _sidecar(path).unlink(missing_ok=True)
+            shutil.rmtree(rank_state_dir(path), ignore_errors=True)
         return old
 
 

@@ -31,6 +31,8 @@ __all__ = [
     "latest_run",
     "list_checkpoints",
     "progress_summary",
+    "rank_state_dir",
+    "rank_state_file",
     "read_element",
     "read_hangs",
     "read_heartbeats",
@@ -58,6 +60,7 @@ WRITER_RESERVE = ".writer.reserve"
 ONCE_DIR = ".once"
 HEARTBEAT_DIR = "heartbeat"
 CHECKSUM_SUFFIX = ".sha256"
+RANK_STATES_DIR = "rank_states"
 # Files of an experiment folder.
 KEYS_DIR = ".keys"
 LATEST_RUN = ".latest_run"
@@ -84,6 +87,16 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     """`model_<n>.pt` files, oldest first (by iteration count)."""
     found = [(checkpoint_iteration(p), p) for p in run_dir.glob("model_*.pt")]
     return [p for n, p in sorted((n, p) for n, p in found if n is not None)]
+
+
+def rank_state_dir(checkpoint: Path) -> Path:
+    """The folder of a checkpoint's per-rank states: `rank_states/model_<n>/`."""
+    return checkpoint.parent / RANK_STATES_DIR / checkpoint.name.removesuffix(".pt")
+
+
+def rank_state_file(checkpoint: Path, rank: int, world_size: int) -> Path:
+    """Rank `rank`'s state of a checkpoint written by `world_size` ranks."""
+    return rank_state_dir(checkpoint) / f"rank{rank}-of-{world_size}.pt"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ from mjlab_hpc.rundir.layout import (
     progress_summary,
 )
 from mjlab_hpc.rundir.lock import LeaseLock, LockError
+from mjlab_hpc.spec import NOT_RUN_SETTINGS
 
 __all__ = [
     "IN_ALLOCATION",
@@ -40,6 +41,7 @@ __all__ = [
     "RankEnd",
     "RunOutcome",
     "cancel_marker",
+    "changed_settings",
     "failure_kind",
     "first_failure",
     "git_commit",
@@ -121,12 +123,18 @@ def on_start(
     resumed_from: int,
     code_dir: Path,
     checkpoint: str | None = None,
+    environments: str = "new",
     skipped: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """The record after a (re)start of the run."""
+    """The record after a (re)start of the run: `spec` is the run's settings from now on,
+    and the start says what changed (`changed`: {field: [before, now]}) and whether its
+    environments were `restored`, `fresh` (--fresh-envs) or `new`."""
     record = dict(record)
     record.setdefault("started_at", now_iso())
-    record.setdefault("spec", spec)
+    changed = changed_settings(record.get("spec") or {}, spec)
+    if record.get("world_size") not in (None, world_size):
+        changed["world_size"] = [record["world_size"], world_size]
+    record["spec"] = spec
     # What the task resolved to (envs per rank, total iterations, experiment): tools read these
     # instead of looking the task up again.
     record["effective"] = effective
@@ -146,6 +154,8 @@ def on_start(
             "at": now_iso(),
             "resumed_from_iteration": resumed_from,
             "checkpoint": checkpoint,
+            "environments": environments,
+            "changed": changed,
             "skipped_checkpoints": list(skipped or []),
         }
     )
@@ -155,6 +165,12 @@ def on_start(
     record["starts"] = starts
     record["job_ids"] = sorted({s["job_id"] for s in starts if s["job_id"]})
     return record
+
+
+def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> dict[str, list[Any]]:
+    """The run's settings (TrainSpec fields, as dicts) that differ: {field: [before, now]}."""
+    return {key: [before[key], value] for key, value in now.items()
+            if key in before and key not in NOT_RUN_SETTINGS and before[key] != value}  # fmt: skip
 
 
 def on_stop(record: dict[str, Any], stop: dict[str, Any]) -> dict[str, Any]:

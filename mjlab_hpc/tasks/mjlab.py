@@ -29,6 +29,7 @@ __all__ = [
     "MjlabDefaults",
     "MjlabRuntime",
     "apply_overrides",
+    "capture_env",
     "configured_cfgs",
     "dump_params",
     "enable_cpu_graph",
@@ -37,6 +38,8 @@ __all__ = [
     "load_mjlab_cfgs",
     "make_mjlab_runtime",
     "mjlab_available",
+    "restore_env",
+    "state_rules",
     "task_defaults",
 ]
 
@@ -354,6 +357,82 @@ def enable_cpu_graph(env: Any) -> bool:
     with wp.ScopedDevice(sim.wp_device):
         sim.create_graph()
     return True
+
+
+# The environment's whole state (docs/mjlab.md, "Resume and preemption") -------------------
+
+# Not the environment's state: the video renderer, mjlab's NaN guard (recent states kept for a
+# dump), the step's log output, whether physics replays graphs (--use-graph).
+_NOT_STATE = frozenset({"_offline_renderer", "nan_guard", "extras", "use_cuda_graph"})
+# mjtState names whose mujoco_warp Data field is named otherwise.
+_DATA_FIELDS = {"warmstart": "qacc_warmstart", "plugin": "plugin_state"}
+
+
+def _integration_state() -> frozenset[str]:
+    """The mujoco_warp Data fields of MuJoCo's integration state (mjSTATE_INTEGRATION: what
+    `mj_getState` keeps for an exact continuation); the rest of Data is what `forward`
+    computes from them."""
+    import mujoco
+
+    every = int(mujoco.mjtState.mjSTATE_INTEGRATION)
+    names = set()
+    for member in mujoco.mjtState.__members__.values():
+        bit = int(member)
+        if bit and not bit & (bit - 1) and bit & every:
+            name = member.name.removeprefix("mjSTATE_").lower()
+            names.add(_DATA_FIELDS.get(name, name))
+    return frozenset(names)
+
+
+def state_rules() -> Any:
+    """What of an mjlab env (a ManagerBasedRlEnv) is its state: everything reachable from it
+    but the renderer, the NaN guard and the step's log; of the simulator's Data, the
+    integration state (`forward` recomputes the rest); not the raycast sensors' render context
+    (its acceleration structures are refit before every use)."""
+    import mujoco_warp
+
+    from mjlab_hpc.tasks.envstate import Rules  # torch and warp: only where envs are made
+
+    state = _integration_state()
+
+    def derived(env: Any) -> list[Any]:
+        data = env.sim.wp_data
+        out = [v for k, v in vars(data).items() if k not in state and not _is_plain(v)]
+        context = env.scene.sensor_context
+        return out if context is None else [*out, context.render_context]
+
+    return Rules(_NOT_STATE, lambda obj: state if isinstance(obj, mujoco_warp.Data) else None,
+                 derived)  # fmt: skip
+
+
+def _is_plain(value: object) -> bool:
+    return isinstance(value, int | float | bool | str | type(None))
+
+
+def capture_env(env: Any) -> dict[str, Any]:
+    """The whole state of an mjlab env (the rsl-rl wrapper or the env), copied to the CPU."""
+    from mjlab_hpc.tasks.envstate import capture
+
+    return capture(env.unwrapped, state_rules())
+
+
+def restore_env(env: Any, state: dict[str, Any], device: str) -> list[str]:
+    """Put `capture_env`'s state into a freshly built env of the same task, in place; what
+    could not be put back (empty: everything)."""
+    import torch
+    import warp as wp
+
+    from mjlab_hpc.tasks.envstate import restore
+
+    unwrapped = env.unwrapped
+    with wp.ScopedDevice(device):
+        # One step first, so that what mjlab creates lazily (the step's buffers, sensor
+        # caches) exists to be written into; everything it changed is overwritten below.
+        actions = torch.zeros(unwrapped.num_envs, env.num_actions, device=device)
+        unwrapped.step(actions)
+        problems = restore(unwrapped, state, state_rules(), device)
+        unwrapped.sim.forward()  # Data's derived quantities, from the restored state
+    return problems
 
 
 def dump_params(run_dir: str | os.PathLike[str], runtime: MjlabRuntime) -> tuple[Path, Path]:

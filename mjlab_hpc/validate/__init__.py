@@ -37,6 +37,22 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+def _note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+def _train_world(spec: TrainSpec, launched_by: str) -> tuple[int | None, str]:
+    """How many ranks `mjlab-train` will start (None: unknown here), and the flag that says."""
+    if launched_by != "single":
+        size = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
+        return (int(size) if size and size.isdigit() else None), "--num-procs"
+    if spec.num_procs > 1:
+        return spec.num_procs, "--num-procs"
+    if isinstance(spec.gpu_ids, tuple):
+        return len(spec.gpu_ids), "--gpu-ids"
+    return (None if spec.gpu_ids == "all" else 1), "--num-procs"
+
+
 def _check_faults() -> None:
     """A fire drill's MJLAB_HPC_FAULT that the ranks could not read is bad input here."""
     try:
@@ -56,7 +72,7 @@ def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec
         world.check_local_cpus("--num-procs", spec.num_procs, spec.oversubscribe)
     if spec.device == "cuda" and spec.gpu_ids == "auto":
         world.check_local_gpus("--device", 1)
-    return world.continue_target(resolved)
+    return world.continue_target(resolved, _train_world(spec, launched_by), _note)
 
 
 def executor_for(spec: SubmitSpec) -> str:
@@ -138,7 +154,8 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     _check_faults()
     resolved = resolve(spec.train)
     if not spec.sweep:
-        resolved = world.continue_target(resolved)
+        flag = "--nodes" if spec.nodes > 1 else "--tasks-per-node"
+        resolved = world.continue_target(resolved, (spec.world_size, flag), _note)
     elements = sweep_elements(spec.train, spec.sweep) if spec.sweep else []
     if spec.container is not None and not Path(spec.container).is_file():
         raise SpecError("--container", f"image {spec.container!r} does not exist")

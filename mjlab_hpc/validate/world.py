@@ -5,17 +5,27 @@ and the jobs it waits for exist."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.rank.context import Allocation, cuda_device_count
 from mjlab_hpc.rundir.checkpoint import Checkpoints, cannot_continue
-from mjlab_hpc.rundir.layout import is_run_dir, latest_run
+from mjlab_hpc.rundir.layout import is_run_dir, latest_run, list_checkpoints
+from mjlab_hpc.rundir.state import changed_settings, read_record, versions
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
-from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
+from mjlab_hpc.spec import (
+    KEPT_ON_CONTINUATION,
+    SIMULATOR_PACKAGES,
+    ResolvedSpec,
+    SubmitSpec,
+    TrainSpec,
+)
+from mjlab_hpc.tasks.mjlab import configured_cfgs
 
 __all__ = [
     "check_after_exists",
@@ -202,9 +212,16 @@ def check_places(train: TrainSpec, existing_only: bool = False) -> None:
         check_log_root("--log-root", train.log_root, existing_only)
 
 
-def continue_target(resolved: ResolvedSpec) -> ResolvedSpec:
+def continue_target(
+    resolved: ResolvedSpec,
+    world: tuple[int | None, str] = (None, "--num-procs"),
+    say: Callable[[str], None] = lambda line: None,
+) -> ResolvedSpec:
     """`resolved` with the run directory --resume continues filled in, after checking that an
-    existing run directory (--run-dir or --resume) holds a run of the same task."""
+    existing run directory (--run-dir or --resume) holds a run of the same task and, when it
+    has a checkpoint, that this start keeps what its saved environments fit (`world`: the
+    number of ranks, when the launcher knows it, and the flag that sets it). The settings it
+    changes are said through `say`."""
     train = resolved.train
     run_dir = Path(train.run_dir) if train.run_dir else None
     if run_dir is None and train.resume:
@@ -224,7 +241,81 @@ def continue_target(resolved: ResolvedSpec) -> ResolvedSpec:
     )  # fmt: skip
     if refusal is not None:
         raise refusal
+    if list_checkpoints(run_dir):
+        _check_continuation(run_dir, resolved, world, say)
     return resolved.replace_train(run_dir=str(run_dir))
+
+
+def _check_continuation(
+    run_dir: Path, resolved: ResolvedSpec, world: tuple[int | None, str], say: Callable[[str], None]
+) -> None:  # fmt: skip
+    """Refuse a change of what the run's saved environments fit (unless --fresh-envs); say
+    every change of the run's settings (docs/preemption.md, "What a continuation may
+    change")."""
+    record = read_record(run_dir)
+    before = record.get("spec") or {}
+    if not before:
+        return
+    train = resolved.train
+    kept = []  # (flag, the run's, this start's)
+    num_envs = (record.get("effective") or {}).get("num_envs")
+    if num_envs not in (None, resolved.num_envs):
+        kept.append(("--num-envs", num_envs, resolved.num_envs))
+    for key in KEPT_ON_CONTINUATION:
+        if key != "num_envs" and before.get(key, getattr(train, key)) != getattr(train, key):
+            kept.append((f"--{key.replace('_', '-')}", before[key], getattr(train, key)))
+    size, flag = world
+    if size is not None and record.get("world_size") not in (None, size):
+        kept.append((flag, f"{record['world_size']} rank(s)", f"{size} rank(s)"))
+    installed = versions()
+    for name in SIMULATOR_PACKAGES[resolved.source]:
+        theirs = (record.get("versions") or {}).get(name)
+        if theirs is not None and theirs != installed.get(name):
+            kept.append(("--fresh-envs", f"{name} {theirs}", f"{name} {installed.get(name)}"))
+    motion = (record.get("effective") or {}).get("motion_file")
+    if motion != resolved.motion_file:
+        kept.append(("--registry-name", f"motion {motion}", f"motion {resolved.motion_file}"))
+    if resolved.source == "mjlab":
+        change = _env_config_change(resolved.task, before.get("overrides", ()), train.overrides)
+        if change is not None:
+            kept.append(change)
+    if kept and not train.fresh_envs:
+        flag, theirs, ours = kept[0]
+        raise SpecError(
+            flag,
+            f"{run_dir} was trained with {theirs}; this command asks for {ours}. A "
+            "continuation restores the run's saved environments, which fit only the run's "
+            "value: give it, or pass --fresh-envs to continue with new environments (models, "
+            "optimizer and iteration kept; not exact). Nothing was changed or started",
+        )
+    changes = {flag: f"{flag} {a} -> {b}" for flag, a, b in kept}
+    for key, (a, b) in changed_settings(before, train.to_dict()).items():
+        flag = f"--{key.replace('_', '-')}"
+        changes.setdefault(flag, f"{flag} {a} -> {b}")
+    if changes:
+        fresh = " with new environments (--fresh-envs)" if kept else ""
+        say(f"continuing {run_dir}{fresh}: {'; '.join(changes.values())}")
+
+
+def _env_config_change(
+    task: str, before: Sequence[str], now: Sequence[str]
+) -> tuple[str, str, str] | None:
+    """The first env config field that two lists of overrides set differently (the number of
+    environments aside): (--env flag, value with `before`, value with `now`); None: none."""
+    cfgs = [configured_cfgs(task, 1, None, overrides)[0] for overrides in (before, now)]
+    for cfg in cfgs:
+        cfg.scene.num_envs = 1
+    return _first_difference(*(dataclasses.asdict(c) for c in cfgs), "--env")
+
+
+def _first_difference(a: Any, b: Any, path: str) -> tuple[str, str, str] | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in [*a, *(k for k in b if k not in a)]:
+            found = _first_difference(a.get(key), b.get(key), f"{path}.{key}".replace("_", "-"))
+            if found:
+                return found
+        return None
+    return None if a == b else (path, repr(a), repr(b))
 
 
 def check_after_exists(spec: SubmitSpec) -> None:

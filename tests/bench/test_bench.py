@@ -25,6 +25,10 @@ from benchmarks.stats import Figure, parse_rsl_rl_log, spread, throughput
 from benchmarks.watch import bench_env
 
 FIGURES = {
+    "envstate_bytes",
+    "envstate_write_s",
+    "envstate_capture_s",
+    "envstate_restore_s",
     "scaling_efficiency",
     "machine_limit",
     "scaling_of_limit",
@@ -43,11 +47,13 @@ FIGURES = {
     "lock_handover_ms",
 }
 COUNTS = {"recovery_iterations_lost"}
+ENVSTATE = {"envstate_bytes", "envstate_write_s", "envstate_capture_s", "envstate_restore_s"}
 UNTARGETED = {
     "scaling_efficiency",
     "machine_limit",
     "scaling_of_limit",
     "collective_share",
+    *ENVSTATE,
 }  # may be 0; every other figure is a positive ratio
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -91,6 +97,11 @@ def test_quick_bench_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureF
     figs = doc["figures"]
     of_limit = figs["scaling_efficiency"]["samples"][0] / figs["machine_limit"]["samples"][0]
     assert figs["scaling_of_limit"]["samples"][0] == pytest.approx(of_limit, rel=1e-3)
+    # A rank's whole environment state, measured at two sizes and restored completely.
+    envstate = doc["details"]["envstate"]
+    assert [m["num_envs"] for m in envstate["measured"]] == [4, 16]
+    assert all(m["problems"] == [] for m in envstate["measured"])
+    assert envstate["bytes"]["per_env"] > 0
     # mjlab's train and ours ran the same configuration and seeds: the same rewards.
     assert doc["details"]["mjlab"]["pairs"][0]["same_rewards"] is True
 

@@ -13,7 +13,8 @@ Through the real commands, as users run them, and the package's public functions
 - every Warp array (and captured graph) of a rank's workload on the rank's device;
 - graph capture on CUDA, replay against plain stepping; mjlab's own CUDA graphs;
 - resume on the GPU: bit-exact where the physics and PPO are deterministic on this GPU (two
-  uninterrupted runs agree), else the drift is measured and printed;
+  uninterrupted runs agree), else the drift is measured and printed; an mjlab env's whole
+  state restored bit for bit, and the drift of its continuation measured;
 - two ranks on the one GPU with gloo (the multi-rank code on CUDA tensors); NCCL refuses two
   ranks on one GPU ("Duplicate GPU detected"), which is checked too.
 """
@@ -168,8 +169,8 @@ def test_builtin_task_trains_on_gpu(task: str, tmp_path: Path) -> None:
     if task == "cartpole":  # poles fall within the first iteration: episodes have ended
         assert all(r["mean_reward"] is not None for r in run.read_progress())
     # The final checkpoint holds what an exact resume on the GPU needs: the CUDA generator.
-    ckpt = torch.load(run.checkpoint(3), map_location="cpu", weights_only=False)
-    (state,) = ckpt["rank_states"]
+    state = torch.load(run.path / "rank_states" / "model_3" / "rank0-of-1.pt",
+                       map_location="cpu", weights_only=False)  # fmt: skip
     assert state["cuda_rng"].numel() > 0 and state["env"]["qpos"].shape[0] == 1024
 
 
@@ -352,13 +353,13 @@ def test_every_warp_array_of_a_rank_lives_on_its_device(task: str, tmp_path: Pat
 # --- graph capture on CUDA ------------------------------------------------------------------
 
 
-def rollout(env: Any, steps: int, seed: int) -> list[torch.Tensor]:
+def rollout(env: Any, steps: int, seed: int, key: str = "policy") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
         actions = torch.randn(env.num_envs, env.num_actions, generator=g).to(env.device)
         obs, rew, done, _ = env.step(actions)
-        out += [obs["policy"].clone(), rew.clone(), done.clone()]
+        out += [obs[key].clone(), rew.clone(), done.clone()]
     torch.cuda.synchronize()
     return out
 
@@ -450,20 +451,63 @@ def test_resume_on_gpu(task: str, tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_mjlab_resume_on_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """mjlab tasks resume their models, optimizer and step counter (their environments start
-    afresh, by design): the resume works on the GPU, and its drift is measured."""
+    """mjlab tasks resume their models, optimizer and whole environments on the GPU; where
+    mujoco_warp is not bitwise deterministic, the continuation's drift from an uninterrupted
+    run is measured beside two uninterrupted runs' drift from each other."""
     need_gpu()
     need_mjlab()
     args = [G1, "--gpu-ids", "0", "--num-envs", "512", "--seed", "5", *TB]
     a = train([*args, "--max-iterations", "4"], tmp_path / "a")
+    a2 = train([*args, "--max-iterations", "4"], tmp_path / "a2")
     train([*args, "--max-iterations", "2"], tmp_path / "b")
     b = train([*args, "--max-iterations", "4", "--resume"], tmp_path / "b")
     assert check_gpu_run(b, 4)["resumed_from"] == 2
-    ckpt = torch.load(b.checkpoint(4), map_location="cpu", weights_only=False)
-    assert ckpt["infos"]["env_state"]["common_step_counter"] > 0
-    drift = max_difference(checkpoint_params(a.checkpoint(4)), checkpoint_params(b.checkpoint(4)))
+    assert json.loads(b.record.read_text())["starts"][-1]["environments"] == "restored"
+    pa, pa2, pb = (checkpoint_params(r.checkpoint(4)) for r in (a, a2, b))
+    run_to_run, drift = max_difference(pa, pa2), max_difference(pa, pb)
     report(capsys, f"{G1} resume on the GPU: max |param diff| resumed vs uninterrupted "
-                   f"{drift:.3g} (environments restart on resume)")  # fmt: skip
+                   f"{drift:.3g}, uninterrupted vs uninterrupted {run_to_run:.3g}")  # fmt: skip
+    if run_to_run == 0.0:
+        assert drift == 0.0
+
+
+def test_mjlab_state_restores_bit_for_bit_on_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole state of a G1 env stepped on the GPU (mjlab's CUDA graphs where it uses
+    them), restored into a fresh env, is the saved state bit for bit; both then step on, and
+    their drift is measured beside two fresh envs' drift from each other."""
+    need_gpu()
+    need_mjlab()
+    import warp as wp
+
+    from mjlab_hpc.tasks import envstate
+    from mjlab_hpc.tasks import mjlab as mt
+
+    init_warp()
+
+    def env() -> Any:
+        runtime = mt.make_mjlab_runtime(G1, num_envs=256, max_iterations=1, seed=0,
+                                        device="cuda:0")  # fmt: skip
+        return runtime.env
+
+    first, second, third = env(), env(), env()
+    with wp.ScopedDevice("cuda:0"):
+        rollout(first, 20, seed=1, key="actor")
+    saved = mt.capture_env(first)
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state()
+    assert mt.restore_env(second, saved, "cuda:0") == []
+    assert envstate.differences(saved, mt.capture_env(second)) == []
+    assert mt.restore_env(third, saved, "cuda:0") == []
+    outputs = []
+    for e in (first, second, third):  # each from the same generators' state
+        torch.set_rng_state(rng[0])
+        torch.cuda.set_rng_state(rng[1])
+        with wp.ScopedDevice("cuda:0"):
+            outputs.append(rollout(e, 50, seed=2, key="actor"))
+    a, b, c = outputs
+    drift, run_to_run = outputs_difference(a, b), outputs_difference(b, c)
+    report(capsys, f"{G1} state restored on the GPU: bit for bit; 50 steps on, max |diff| "
+                   f"original vs restored {drift:.3g}, restored vs restored "
+                   f"{run_to_run:.3g}")  # fmt: skip
 
 
 # --- two ranks on one GPU -------------------------------------------------------------------
@@ -535,8 +579,8 @@ def test_two_ranks_on_one_gpu_with_gloo(tmp_path: Path) -> None:
     assert len(set(done["param_digest_per_rank"])) == 1  # gradients averaged on CUDA tensors
     assert len(set(done["first_obs_digest_per_rank"])) == 2  # each rank its own worlds
     assert all(r["collectives"] > 0 for r in run.read_progress())
-    ckpt = torch.load(run.checkpoint(3), map_location="cpu", weights_only=False)
-    assert len(ckpt["rank_states"]) == 2  # gathered from both ranks through gloo
+    saved = sorted(p.name for p in (run.path / "rank_states" / "model_3").glob("*.pt"))
+    assert saved == ["rank0-of-2.pt", "rank1-of-2.pt"]  # each rank wrote its own
 
 
 def test_nccl_refuses_two_ranks_on_one_gpu(tmp_path: Path) -> None:

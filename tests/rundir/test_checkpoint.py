@@ -1,5 +1,5 @@
 """Checkpoints: a SIGKILL during writes never leaves a broken newest checkpoint, damaged
-checkpoints are skipped, retention keeps the newest."""
+checkpoints (or their ranks' states) are skipped, retention keeps the newest."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from mjlab_hpc.rundir.checkpoint import Checkpoints, load_verified, save_checkpoint
+from mjlab_hpc.rundir.checkpoint import (
+    Checkpoints,
+    load_rank_state,
+    load_verified,
+    publish_rank_states,
+    save_checkpoint,
+    write_rank_state,
+)
 from mjlab_hpc.rundir.layout import list_checkpoints
 
 
@@ -90,3 +97,39 @@ def test_keep_last_n_counts_only_checkpoints_that_verify(tmp_path: Path) -> None
     checkpoints.set_aside(damaged)
     assert (tmp_path / "model_5.pt.damaged").exists()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["model_3.pt", "model_4.pt"]
+
+
+def _with_rank_states(run_dir: Path, n: int, world_size: int = 2) -> Path:
+    path = run_dir / f"model_{n}.pt"
+    written = [write_rank_state(path, r, world_size, {"env": torch.full((100,), n + r)})
+               for r in range(world_size)]  # fmt: skip
+    publish_rank_states(path, written, lambda: None)
+    save_checkpoint(path, {"iter": n})
+    return path
+
+
+def test_a_checkpoint_counts_only_with_every_rank_state_verifying(tmp_path: Path) -> None:
+    """Each rank's state beside the model file: a damaged or missing one makes the whole
+    checkpoint damaged (set aside with its states); pruning removes the states too."""
+    for n in (1, 2, 3):
+        _with_rank_states(tmp_path, n)
+    assert load_rank_state(tmp_path / "model_3.pt", 1, 2)["env"][0] == 4
+    states = tmp_path / "rank_states"
+    damaged = states / "model_3" / "rank1-of-2.pt"
+    data = bytearray(damaged.read_bytes())
+    data[-10] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    (states / "model_2" / "rank0-of-2.pt").unlink()
+    checkpoints = Checkpoints(tmp_path)
+    path, bad = checkpoints.newest_valid()
+    assert path == tmp_path / "model_1.pt"
+    assert [d.name for d in bad] == ["model_3.pt", "model_2.pt"]
+    assert "rank1-of-2.pt does not match its checksum" in bad[0].why
+    assert "incomplete" in bad[1].why
+    checkpoints.set_aside(bad)
+    assert sorted(p.name for p in states.iterdir()) == ["model_1", "model_2.damaged",
+                                                        "model_3.damaged"]  # fmt: skip
+    for n in (4, 5):
+        _with_rank_states(tmp_path, n)
+    assert [p.name for p in Checkpoints(tmp_path).prune(keep=2)] == ["model_1.pt"]
+    assert not (states / "model_1").exists() and (states / "model_4").is_dir()

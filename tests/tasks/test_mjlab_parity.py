@@ -160,7 +160,8 @@ def wandb_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int
     for name in ("model_6.pt", "model_6.pt.sha256"):
         (run.path / name).unlink()
     again = subprocess.run(
-        [BIN / "mjlab-train", *common, "--max-iterations", "8", "--run-dir", str(run.path)],
+        [BIN / "mjlab-train", *common, "--max-iterations", "8", "--num-procs", "2",
+         "--run-dir", str(run.path)],
         env=env, cwd=tmp, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]

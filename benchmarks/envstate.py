@@ -1,0 +1,138 @@
+"""Checkpoints with every rank's environments: one rank's whole state of an mjlab task (Rough G1,
+the largest: terrain, raycast sensors) at several sizes, each size in a process of its own: the
+bytes of its state file, and the seconds to capture it, write it (serialise, write, fsync: what
+each rank does at every checkpoint, in parallel with the others), and to read and restore it
+into a freshly built env (what each rank does on a continuation). The bytes are fitted as
+a + b * envs and the times scaled by the bytes, so a size this machine cannot build is
+extrapolated (the figures name the sizes measured)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.config import BenchConfig
+from benchmarks.stats import Figure
+
+__all__ = ["envstate_figures", "fit", "run_envstate"]
+
+TASK = "Mjlab-Velocity-Rough-Unitree-G1"
+#: The size the figures are given at (mjlab's default for its velocity tasks).
+AT = 4096
+
+
+def _measure(task: str, num_envs: int, folder: Path) -> dict[str, Any]:
+    """In a process of its own: build, step, save, load, restore one env of `num_envs`."""
+    import torch
+    import warp as wp
+
+    from mjlab_hpc.rank.workload import init_warp
+    from mjlab_hpc.rundir.checkpoint import write_rank_state
+    from mjlab_hpc.tasks import mjlab as mt
+
+    init_warp()
+
+    def build() -> Any:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return mt.make_mjlab_runtime(task, num_envs=num_envs, max_iterations=1, seed=0,
+                                         device="cpu", cpu_graph=True).env  # fmt: skip
+
+    env = build()
+    actions = torch.zeros(num_envs, env.num_actions)
+    with wp.ScopedDevice("cpu"):
+        env.step(actions)
+        t0 = time.perf_counter()
+        env.step(actions)
+        step_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    mt.capture_env(env)
+    first_s = time.perf_counter() - t0  # the first in a process: once per start
+    t0 = time.perf_counter()
+    state = {"env": mt.capture_env(env), "torch_rng": torch.get_rng_state()}
+    capture_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tmp, _ = write_rank_state(folder / "model_1.pt", 0, 1, state)
+    write_s = time.perf_counter() - t0
+    size = os.path.getsize(tmp)
+    del env, state
+    fresh = build()
+    t0 = time.perf_counter()
+    loaded = torch.load(tmp, map_location="cpu", weights_only=False)
+    problems = mt.restore_env(fresh, loaded["env"], "cpu")
+    restore_s = time.perf_counter() - t0
+    Path(tmp).unlink()
+    return {"num_envs": num_envs, "bytes": size, "capture_s": capture_s, "write_s": write_s,
+            "restore_s": restore_s, "env_step_s": step_s, "first_capture_s": first_s,
+            "problems": problems}  # fmt: skip
+
+
+def fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares a + b * x through (x, y) points: (a, b)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+    return my - b * mx, b
+
+
+def run_envstate(cfg: BenchConfig, say: Callable[[str], None], runs: Path
+                 ) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+    """Measure every size in its own process; the details (with the fits) and failures."""
+    # A quick run measures its two small sizes in one process (mjlab imports once).
+    # AT itself is fitted, not built: G1 rough at 4096 envs steps for minutes on a 2-core CPU.
+    groups = [(4, 16)] if cfg.quick else [(64,), (256,), (1024,)]
+    folder = runs / "envstate"
+    folder.mkdir(parents=True, exist_ok=True)
+    measured, failures = [], []
+    for sizes in groups:
+        say(f"rank state of {TASK} with {', '.join(map(str, sizes))} envs")
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.envstate", TASK, str(folder), *map(str, sizes)],
+            capture_output=True, text=True, timeout=cfg.run_timeout_s * 4,
+        )  # fmt: skip
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+        if proc.returncode != 0 or len(lines) != len(sizes):
+            failures.append(f"rank state with {sizes} envs: {proc.stderr[-500:]}")
+            continue
+        measured.extend(json.loads(x) for x in lines)
+    details: dict[str, Any] = {"task": TASK, "measured": measured, "at": AT}
+    if len(measured) >= 2:
+        a, b = fit([(m["num_envs"], m["bytes"]) for m in measured])
+        details["bytes"] = {"fixed": a, "per_env": b, "at": a + b * AT}
+        # Times scale with the bytes moved; a line through a few noisy times can slope down.
+        total = sum(m["bytes"] for m in measured)
+        for key in ("capture_s", "write_s", "restore_s"):
+            per_byte = sum(m[key] for m in measured) / total
+            details[key] = {"per_byte": per_byte, "at": per_byte * details["bytes"]["at"]}
+    return details, failures
+
+
+def envstate_figures(details: dict[str, Any]) -> list[Figure]:
+    """A rank's state at `AT` envs: megabytes, and seconds to save and to restore it."""
+    sizes = ", ".join(str(m["num_envs"]) for m in details.get("measured", []))
+    how = f"{TASK}, one rank, from {sizes} envs (bytes: a + b*envs; times: per byte)"
+    figs = []
+    for key, label, scale in (
+        ("bytes", f"rank state, {AT} envs (MB)", 1e-6),
+        ("write_s", f"rank state write, {AT} envs (s)", 1.0),
+        ("capture_s", f"rank state capture, {AT} envs (s)", 1.0),
+        ("restore_s", f"rank state load+restore, {AT} envs (s)", 1.0),
+    ):
+        got = details.get(key)
+        figs.append(Figure(f"envstate_{key}", label, (got["at"] * scale,) if got else (), None,
+                           "<=", how, "checkpoints"))  # fmt: skip
+    return figs
+
+
+if __name__ == "__main__":
+    for size in sys.argv[3:]:
+        print(json.dumps(_measure(sys.argv[1], int(size), Path(sys.argv[2]))), flush=True)

@@ -1,0 +1,125 @@
+"""mjlab runs continue where they stopped, on one rank (issue 29): Rough G1 (terrain curriculum)
+stopped by Ctrl-C and continued with `--resume`, and a tracking task (adaptive sampling, a motion
+file the test makes) requeued at its time limit by submitit's local executor, each end with the
+parameters of a run that never stopped; a continuation that changes the env config is refused
+before anything starts.
+
+Which combinations, and why they cover the class: each task family (terrain curriculum, flat,
+tracking) and each interruption (Ctrl-C + --resume, time-limit requeue, a crash healed) is run
+once, and 1 and 2 ranks each at least twice (two ranks: test_mjlab_resume_two_ranks.py, a
+requeue then a healed crash); every interruption ends in the same restore of each rank's saved
+state (`rank/resume.load_plan`), and each interruption's own path is checked exact on 1 and 2
+ranks with the built-in tasks (tests/rank/test_preemption.py, tests/launch/test_healing.py).
+Every registered task's state on its own: test_mjlab_state.py. Few envs and iterations."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import (
+    BIN,
+    cli_env,
+    make_motion,
+    only_run,
+    rank_pids,
+    reference_digests,
+    wait_for_iteration,
+)
+
+from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_STOPPED
+from mjlab_hpc.rundir.state import read_record
+
+if os.environ.get("CI") == "true":
+    import mjlab  # noqa: F401  (make install brings the extra: on CI a missing mjlab fails)
+else:
+    pytest.importorskip("mjlab", reason="mjlab is not installed (pip install 'mjlab-hpc[mjlab]')")
+
+# Several G1 starts per test (runs, restarts, a reference run): minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.mjlab, pytest.mark.training, pytest.mark.timeout(1200)]
+
+SMALL = ["--num-envs", "2", "--agent.num-steps-per-env", "4", "--agent.logger", "tensorboard",
+         "--torch-threads", "1", "--seed", "3", "--save-interval", "2",
+         "--max-iterations", "5"]  # fmt: skip
+ROUGH = ["Mjlab-Velocity-Rough-Unitree-G1", *SMALL]
+
+
+def starts(run_dir: Path) -> list[dict]:
+    return list(read_record(run_dir)["starts"])
+
+
+def test_rough_g1_ctrl_c_then_resume_is_exact(tmp_path: Path, shared_tmp: Path) -> None:
+    """Ctrl-C after iteration 2: a checkpoint with the env's whole state (terrain levels,
+    commands, episode counters, the simulator, the generators), exit 3; `--resume` restores it
+    and ends bit-identical to the uninterrupted run."""
+    root = tmp_path / "logs"
+    proc = subprocess.Popen([BIN / "mjlab-train", *ROUGH, "--log-root", str(root)],
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    wait_for_iteration(root, 2, timeout=400)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_STOPPED, err[-3000:]
+    run = only_run(root)
+    stopped_at = int(json.loads(run.restarts.read_text())["iteration"])
+    assert stopped_at < 5
+    levels = run.path / "rank_states" / f"model_{stopped_at}" / "rank0-of-1.pt"
+    assert levels.is_file() and levels.with_name(levels.name + ".sha256").is_file()
+
+    again = subprocess.run([BIN / "mjlab-train", *ROUGH, "--log-root", str(root), "--resume"],
+                           env=cli_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads(run.summary.read_text())
+    assert summary["resumed_from"] == stopped_at and summary["iterations"] == 5
+    last = starts(run.path)[-1]
+    assert (last["environments"], last["changed"]) == ("restored", {}), last
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, ROUGH)
+
+    # The env config is what the saved environments were made with: another is refused.
+    other = subprocess.run(
+        [BIN / "mjlab-train", *ROUGH, "--max-iterations", "6", "--run-dir", str(run.path),
+         "--env.episode-length-s", "7"], env=cli_env(), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert other.returncode == EXIT_BAD_INPUT, other.stderr[-2000:]
+    said = " ".join(other.stderr.split())
+    assert "--env.episode-length-s:" in said and "20.0" in said and "--fresh-envs" in said, said
+    assert len(starts(run.path)) == 2  # nothing started
+
+
+def test_tracking_time_limit_requeue_is_exact(tmp_path: Path, shared_tmp: Path) -> None:
+    """A tracking task through `mjlab-submit --executor local`: USR2 (the time-limit signal)
+    after iteration 2 checkpoints, the executor requeues, the start restores the env's state
+    (motion phases, adaptive sampling's failure counts) and ends exact."""
+    motion = shared_tmp / "motion-one-rank.npz"
+    if not motion.exists():
+        made = make_motion(tmp_path / "motion.npz")
+        os.replace(made, motion)
+    args = ["Mjlab-Tracking-Flat-Unitree-G1", *SMALL, "--env.commands.motion.motion-file",
+            str(motion)]  # fmt: skip
+    root = tmp_path / "job"
+    proc = subprocess.Popen(
+        [BIN / "mjlab-submit", *args, "--executor", "local", "--gpus-per-node", "0",
+         "--tasks-per-node", "1", "--log-root", str(root), "--follow"],
+        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    run = wait_for_iteration(root, 2, timeout=400)
+    for pid in rank_pids(run):
+        os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + 120
+    while not run.restarts.exists():
+        assert time.monotonic() < deadline, "the time-limit stop was not recorded"
+        time.sleep(0.1)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    (stop,) = [json.loads(x) for x in run.restarts.read_text().splitlines()]
+    assert stop["reason"] == "time-limit"
+    summary = json.loads(run.summary.read_text())
+    assert summary["resumed_from"] == stop["iteration"] and summary["iterations"] == 5
+    assert starts(run.path)[-1]["environments"] == "restored"
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, args)
