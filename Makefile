@@ -37,13 +37,20 @@ $(STAMP): pyproject.toml constraints.txt
 		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 update -qq \
 		&& DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
 			--no-install-recommends libegl1 libegl-mesa0 libgl1-mesa-dri >/dev/null; fi
+	@# rsl-rl stores a git diff of the code it runs: git, where apt can install it (as root).
+	@if ! command -v git >/dev/null && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing git (rsl-rl records the code's git state)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+			--no-install-recommends git >/dev/null || echo "note: git not installed"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,mjlab]'
 	$(BIN)/pip check
+	@# Where no CPU build of the pinned torch is reachable (PyPI has only the CUDA build for
+	@# most Pythons), the CUDA build runs on CPU too: say what it cost instead of failing.
 	@if [ "$(GPU)" = 0 ] && $(BIN)/pip list 2>/dev/null | grep -qi '^nvidia-'; then \
-		echo "a CUDA build of torch was pulled in on a CPU install"; exit 1; fi
+		echo "note: no CPU build of $(TORCH_SPEC) was reachable for $$($(BIN)/python -V): installed its CUDA build ($$(du -sm $(VENV) | cut -f1) MB in $(VENV)); it runs on CPU. For a smaller venv: pip install the CPU wheel first (e.g. PIP_FIND_LINKS or PyTorch's CPU index), then make install."; fi
 	touch $(STAMP)
 
 test: install

@@ -12,6 +12,7 @@ again; after a stop signal to it (Ctrl-C of our launcher, `mjlab-hpc cancel`) no
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shlex
 import signal
@@ -90,6 +91,11 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
             f"--elapsed-s $SECONDS --max-restarts {self.max_restarts}"
         )
         return text.rstrip("\n") + "\n\n" + _HEAL_COMMENT + heal + "\n"
+
+    def _submit_command(self, command: str) -> Any:
+        # submitit prints sbatch's refusal on stderr and raises it too: said once, by us.
+        with contextlib.redirect_stderr(io.StringIO()):
+            return super()._submit_command(command)
 
     def script(self) -> str:
         """The exact batch script this executor submits (what a dry run prints)."""

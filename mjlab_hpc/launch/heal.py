@@ -208,7 +208,7 @@ def record_healing(
     try:
         writer = RunWriter.acquire(RunDir(run_dir), rank=0, timeout_s=lease_wait_s)
         try:
-            before = read_record(run_dir)
+            before = read_record(run_dir, set_aside=True)
             if replace_last and before.get("faults"):
                 before["faults"] = before["faults"][:-1]
             after = on_fault(before, heal.entry, heal.requeue)
@@ -237,25 +237,55 @@ def _excluded(client: SlurmClient, job_id: str) -> list[str]:
     return [] if value in ("(null)", "") else client.hostnames(value) or []
 
 
+def _hosts(client: SlurmClient, value: str | None) -> list[str]:
+    return [] if value in (None, "", "(null)") else client.hostnames(value) or []
+
+
+def _satisfies(constraint: str, features: set[str]) -> bool | None:
+    """Whether a node with `features` satisfies a --constraint of names joined by `&` or `,`
+    (all) or by `|` (any); None for Slurm's other forms (counts, brackets)."""
+    if not re.fullmatch(r"[\w.+@:-]+([&,|][\w.+@:-]+)*", constraint):
+        return None
+    if "|" in constraint:
+        return (
+            None if re.search("[&,]", constraint) else bool(set(constraint.split("|")) & features)
+        )
+    return set(re.split("[&,]", constraint)) <= features
+
+
 def usable_without(client: SlurmClient, job_id: str, exclude: Sequence[str]) -> tuple[bool, str]:
-    """Whether the job's partition still has enough usable nodes once `exclude` (and the
-    nodes excluded before) are left out; and why not."""
+    """Whether the job can still run once `exclude` (and the nodes excluded before) are left
+    out: no node the job requires (--sbatch-arg nodelist) is excluded, and enough usable nodes
+    of its partition with its --constraint's features remain; and why not."""
     fields = _job_fields(client, job_id)
     partition = fields.get("Partition", "")
     needed = int(fields.get("NumNodes", "1").split("-")[0] or 1)
     before = _excluded(client, job_id)
-    proc = client.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%T"])
+    required = set(_hosts(client, fields.get("ReqNodeList")))
+    if required & set(exclude):
+        clash = ", ".join(sorted(required & set(exclude)))
+        return False, f"the job requires {clash} (--sbatch-arg nodelist): it cannot run without"
+    proc = client.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%T|%f"])
     if proc is None or proc.returncode != 0:
         return False, "sinfo did not answer: the partition's size is unknown"
-    usable = {
-        line.split("|")[0]
-        for line in proc.stdout.splitlines()
-        if "|" in line and not any(s in line.split("|")[1].upper() for s in _UNUSABLE)
-    }
+    constraint = fields.get("Features", "(null)")
+    usable = set()
+    for line in proc.stdout.splitlines():
+        node, _, rest = line.partition("|")
+        state, _, features = rest.partition("|")
+        if not rest or any(s in state.upper() for s in _UNUSABLE):
+            continue
+        fits = True if constraint in ("", "(null)") else _satisfies(
+            constraint, set(features.split(",")))  # fmt: skip
+        if fits is None:
+            return False, f"which nodes satisfy --constraint {constraint} is not known here"
+        if fits:
+            usable.add(node)
     left = usable - set(exclude) - set(before)
     if len(left) < needed:
         return False, (
             f"partition {partition} would have {len(left)} usable node(s) for a {needed}-node job"
+            + (f" with --constraint {constraint}" if constraint not in ("", "(null)") else "")
         )
     return True, ""
 

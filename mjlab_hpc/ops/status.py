@@ -22,6 +22,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.runs import JobKind, RunJobs, run_jobs
 from mjlab_hpc.rundir.layout import ElementRecord, RunDir, progress_summary, read_sweep
@@ -37,6 +38,7 @@ from mjlab_hpc.rundir.state import (
 from mjlab_hpc.slurm.client import SlurmAnswer, SlurmClient, SlurmRow
 
 __all__ = [
+    "FAILED_STATES",
     "RunStatus",
     "StatusReport",
     "collect",
@@ -58,6 +60,7 @@ STATE_STYLES = {
     "INTERRUPTED": "yellow",
     "CANCELLED": "magenta",
     "FAILED": "bold red",
+    "DAMAGED": "bold red",
     "LOST": "bold red",
     "TIMEOUT": "red",
     "OUT_OF_MEMORY": "bold red",
@@ -91,6 +94,9 @@ class RunStatus:
     """For a failed run: the rank that failed first and why (not the ranks that died of it)."""
     interruptions: tuple[dict[str, Any], ...] = ()
     """Every stop and fault of the run (run.json `restarts` and `faults`), oldest first."""
+    reason: str | None = None
+    """Slurm's reason: why the job pends (BadConstraints, JobHeldAdmin, Priority), or why it
+    ended without running (JobLaunchFailure)."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values, for `status --json`."""
@@ -109,7 +115,12 @@ def _total_iterations(record: dict[str, Any]) -> int | None:
 
 def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
     run_dir = jobs.run_dir
-    record = read_record(run_dir)
+    try:
+        record, damaged = read_record(run_dir, strict=True), None
+    except DamagedRecord as exc:  # named on its row; the other runs are listed as ever
+        record, damaged = {}, str(exc)
+        if state.source in ("record", "none"):
+            state = JobState("DAMAGED", "record", False)
     progress = progress_summary(RunDir(run_dir), RATE_WINDOW)
     world = record.get("world_size")
     nodes = state.nodes or record.get("num_nodes")
@@ -117,9 +128,10 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
     if gpus is None and str(record.get("device", "")).startswith("cuda") and world and nodes:
         gpus = world // nodes
     starts = record.get("starts", [])
-    restarts = max(0, len(starts) - 1)
     events = interruptions(record)
     requeues = [e for e in events if e.get("kind", "requeue") == "requeue"]
+    # A requeued start that failed before its writer recorded it still restarted the run.
+    restarts = max(0, len(starts) - 1, len(requeues))
     reasons = tuple(str(r.get("reason")) for r in requeues[:restarts])
     return RunStatus(
         run_dir=run_dir,
@@ -139,17 +151,22 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         restart_reasons=reasons,
         interruptions=tuple(events),
         sweep=jobs.element,
-        cause=_cause(run_dir) if state.state in _FAILED else None,
+        cause=damaged or (_cause(run_dir, state) if state.state in FAILED_STATES else None),
+        reason=state.reason,
     )
 
 
 # States whose run ended by a failure: status names the rank that caused it.
-_FAILED = frozenset({"FAILED", "LOST", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
+FAILED_STATES = frozenset({"FAILED", "LOST", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
 
 
-def _cause(run_dir: Path) -> str | None:
+def _cause(run_dir: Path, state: JobState) -> str | None:
     cause = first_failure(rank_ends(run_dir))
-    return cause.describe() if cause is not None else None
+    if cause is not None:
+        return cause.describe()
+    if state.reason and not rank_ends(run_dir):
+        return f"the job failed before any rank started (Slurm: {state.reason})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -205,7 +222,9 @@ def job_states(
         row = _current_row(run, rows) if run.kind == "slurm" else None
         if row is not None:
             active = not row.final
-            out[run.run_dir] = JobState(row.state, row.source, active, row.nodes, row.gpus_per_node)
+            out[run.run_dir] = JobState(
+                row.state, row.source, active, row.nodes, row.gpus_per_node, row.reason
+            )
         elif run.kind == "local" and local_processes(run.run_dir):
             out[run.run_dir] = JobState("RUNNING", "process", True, 1)
         else:
@@ -285,7 +304,10 @@ def _row(s: RunStatus) -> list[str | Text]:
         job += " (local)"
     return [
         job,
-        Text(s.state + (f"\n{s.cause}" if s.cause else ""), style=STATE_STYLES.get(s.state, "")),
+        Text(
+            s.state + (f" ({s.reason})" if s.reason else "") + (f"\n{s.cause}" if s.cause else ""),
+            style=STATE_STYLES.get(s.state, ""),
+        ),
         _size(s),
         f"{iteration}/{total}",
         _number(s.env_steps_per_s, ",.0f"),

@@ -414,7 +414,7 @@ class IterationBoundary:
         writer = self.writer
 
         def write() -> None:
-            before = read_record(writer.run.path)
+            before = read_record(writer.run.path, set_aside=True)
             after = on_recovered(before, self.start)
             if after != before:
                 writer.write_json(writer.run.record, after)
@@ -455,6 +455,6 @@ class IterationBoundary:
 
         def write() -> None:
             writer.append_line(run.restarts, json.dumps(entry))
-            writer.write_json(run.record, on_stop(read_record(run.path), entry))
+            writer.write_json(run.record, on_stop(read_record(run.path, set_aside=True), entry))
 
         writer.last_records(write)

@@ -63,7 +63,7 @@ from mjlab_hpc.rundir.state import (
     read_record,
     requeues_so_far,
 )
-from mjlab_hpc.rundir.writer import RunWriter
+from mjlab_hpc.rundir.writer import RunWriter, live_writer
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 
@@ -185,7 +185,7 @@ def _begin(
     torn = bool(raw) and not raw.endswith(b"\n")
     if len(kept) != len(written) or torn:  # iterations after the checkpoint, a torn last line
         writer.write_text(run.progress, "".join(json.dumps(r) + "\n" for r in kept))
-    before = read_record(run.path)
+    before = read_record(run.path, set_aside=True)
     if ctx.mode == "slurm" and ctx.job_id and ctx.restart_count >= 1:
         # The previous run of a requeued job ended because a node failed (sacct: NODE_FAIL).
         runs = SlurmClient().attempts(ctx.job_id) or []
@@ -306,6 +306,12 @@ def _train(
             print(f"warning: {msg}", file=sys.stderr, flush=True)
         checkpoints = None
         if ctx.is_main:
+            busy = live_writer(run)
+            if busy is not None:  # its run, not ours to wait for and then call done
+                raise ResumeRefused(
+                    "--run-dir", f"another training is writing {run.path} ({busy}): wait "
+                    "for it to end (mjlab-hpc status), stop it, or start a new run",
+                )  # fmt: skip
             writer = RunWriter.acquire(run, ctx.rank)
             checkpoints = Checkpoints(run.path)
         plan = plan_resume(run, resolved, ctx, checkpoints)
@@ -395,7 +401,7 @@ def _train(
 
 def _record_end(writer: RunWriter, state: str, failure: dict[str, Any] | None) -> None:
     def write() -> None:
-        before = read_record(writer.run.path)
+        before = read_record(writer.run.path, set_aside=True)
         tail = writer.run.progress_tail(1)
         after = on_end(before, int(tail[-1]["iteration"]) if tail else 0, state)
         if failure is not None:
@@ -433,7 +439,7 @@ def _finish(
     )
     if len(set(digests)) != 1:
         log.error("ranks diverged: parameter digests %s", digests)
-    ended = on_end(read_record(run.path), runner.current_learning_iteration)
+    ended = on_end(read_record(run.path, set_aside=True), runner.current_learning_iteration)
     writer.write_json(run.record, ended)
 
 

@@ -16,12 +16,15 @@ import copy
 import datetime as dt
 import importlib.metadata
 import json
+import logging
+import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.procs import run_command
 from mjlab_hpc.rundir.layout import (
     CANCEL_RECORD,
@@ -58,6 +61,8 @@ __all__ = [
     "writer_alive",
 ]
 
+log = logging.getLogger("mjlab_hpc")
+
 # --- the run record -----------------------------------------------------------------------
 
 _PACKAGES = ("torch", "warp-lang", "mujoco", "mujoco-warp", "rsl-rl-lib", "mjlab", "mjlab-hpc")
@@ -89,15 +94,56 @@ def git_commit(path: Path) -> str | None:
     return proc.stdout.strip() or None
 
 
-def read_record(run_dir: Path) -> dict[str, Any]:
-    """The run record, or an empty dict when there is none yet."""
+# run.json's fields and the JSON type every reader relies on; entries of the lists are objects.
+_SHAPE: dict[str, type] = {
+    "state": str, "spec": dict, "effective": dict, "failure": dict, "code": dict,
+    "starts": list, "restarts": list, "faults": list, "job_ids": list,
+    "skipped_checkpoints": list,
+}  # fmt: skip
+_ENTRIES = ("starts", "restarts", "faults", "skipped_checkpoints")
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
+               float: "number", type(None): "null"}  # fmt: skip
+
+
+def _shape_problem(value: object) -> str | None:
+    if not isinstance(value, dict):
+        return f"it holds a JSON {_JSON_TYPES.get(type(value), 'value')}, not an object"
+    for key, kind in _SHAPE.items():
+        if value.get(key) is not None and not isinstance(value[key], kind):
+            return f"its {key!r} is a JSON {_JSON_TYPES.get(type(value[key]), 'value')}"
+    for key in _ENTRIES:
+        if any(not isinstance(entry, dict) for entry in value.get(key) or []):
+            return f"an entry of its {key!r} is not an object"
+    return None
+
+
+def read_record(run_dir: Path, strict: bool = False, set_aside: bool = False) -> dict[str, Any]:
+    """The run record ({} when there is none yet): the one reader of run.json, which checks the
+    record's shape as well as its syntax. A damaged record reads as {} (no command ends in a
+    traceback over it); `strict`: DamagedRecord naming it instead; `set_aside` (a writer about
+    to write a new record): the damaged file is kept as `run.json.damaged-<time>`, and the
+    record returned names it (`damaged_records`)."""
     path = run_dir / RUN_RECORD
-    if not path.exists():
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
         return {}
     try:
-        return dict(json.loads(path.read_text()))
-    except json.JSONDecodeError:
+        value = json.loads(raw)
+        problem = _shape_problem(value)
+    except (ValueError, UnicodeDecodeError):
+        problem = "it is not JSON"
+    if problem is None:
+        return dict(value)
+    if strict:
+        raise DamagedRecord(path, problem, "move it aside (the writer keeps it as "
+                            f"{RUN_RECORD}.damaged-<time> when the run continues)")  # fmt: skip
+    if not set_aside:
         return {}
+    kept = path.with_name(f"{RUN_RECORD}.damaged-{dt.datetime.now():%Y%m%d-%H%M%S}")
+    os.replace(path, kept)
+    log.warning("%s was damaged (%s): kept as %s, a new record begins", path, problem, kept.name)
+    return {"damaged_records": [kept.name]}
 
 
 def on_start(
@@ -466,6 +512,8 @@ class JobState:
     active: bool
     nodes: int | None = None
     gpus_per_node: int | None = None
+    reason: str | None = None
+    """Slurm's reason: why the job pends, or why it ended without running."""
 
 
 def writer_alive(run_dir: Path) -> bool:

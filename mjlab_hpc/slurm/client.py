@@ -8,6 +8,7 @@ hostlist parser).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import subprocess
@@ -71,6 +72,9 @@ class SlurmRow:
     gpus_per_node: int | None
     node_list: str | None
     source: Literal["squeue", "sacct"]
+    reason: str | None = None
+    """Why it pends, or why it ended without running (JobLaunchFailure, BadConstraints,
+    JobHeldAdmin); None: none given."""
 
     @property
     def final(self) -> bool:
@@ -182,7 +186,7 @@ class SlurmClient:
         """The jobs slurmctld still knows (running, pending, and recently ended ones), one row
         per array element (`-r`: else a pending array is one row `4711_[0-199]`). Asked in
         chunks of QUERY_CHUNK ids; None when squeue is missing, fails or does not answer."""
-        fmt = "%i|%F|%K|%A|%T|%D|%N|%b"
+        fmt = "%i|%F|%K|%A|%T|%D|%N|%b|%r"
         rows: list[SlurmRow] = []
         for chunk in _chunks(ids):
             proc = self.run(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(chunk), "-o", fmt])
@@ -192,9 +196,9 @@ class SlurmClient:
                 return None  # slurmctld down or too slow ("Unable to contact slurm controller")
             for line in proc.stdout.splitlines():
                 parts = line.strip().split("|")
-                if len(parts) != 8:
+                if len(parts) != 9:
                     continue
-                job, array, task, raw, state, nodes, node_list, tres = parts
+                job, array, task, raw, state, nodes, node_list, tres, reason = parts
                 job_id = f"{array}_{task}" if task.isdigit() else job
                 gpus = _GPUS.search(tres)
                 rows.append(
@@ -206,6 +210,7 @@ class SlurmClient:
                         gpus_per_node=int(gpus.group(1)) if gpus else None,
                         node_list=node_list or None,
                         source="squeue",
+                        reason=None if reason in ("", "None") else reason,
                     )
                 )
         return rows
@@ -214,7 +219,7 @@ class SlurmClient:
         """The jobs in accounting, in chunks of QUERY_CHUNK ids; None when sacct fails (e.g.
         accounting is disabled). Array elements that never started, which sacct folds into
         one row (`4711_[3-199]`), come back one row each."""
-        fields = "JobID,JobIDRaw,State,NNodes,AllocTRES,NodeList"
+        fields = "JobID,JobIDRaw,State,NNodes,AllocTRES,NodeList,Reason"
         rows: list[SlurmRow] = []
         for chunk in _chunks(ids):
             proc = self.run(["sacct", "-n", "-P", "-X", "-j", ",".join(chunk), "-o", fields])
@@ -222,9 +227,9 @@ class SlurmClient:
                 return None
             for line in proc.stdout.splitlines():
                 parts = line.strip().split("|")
-                if len(parts) != 6 or not parts[2]:
+                if len(parts) != 7 or not parts[2]:
                     continue
-                job, raw, state, nodes, tres, node_list = parts
+                job, raw, state, nodes, tres, node_list, reason = parts
                 n = _int(nodes)
                 gpus = re.search(r"gres/gpu=(\d+)", tres)
                 per_node = int(gpus.group(1)) // n if gpus and n else None
@@ -237,6 +242,7 @@ class SlurmClient:
                         gpus_per_node=per_node,
                         node_list=None if node_list in ("", "None assigned") else node_list,
                         source="sacct",
+                        reason=None if reason in ("", "None") else reason,
                     )
                     for element in _array_elements(job)
                 ]
@@ -274,7 +280,10 @@ class SlurmClient:
             if q is not None and not (q.final or q.state == "COMPLETING"):
                 out[job] = q  # sacct may still say PENDING for a job that just started
             elif a is not None and a.final:
-                out[job] = a
+                # sacct's Reason of an ended job is its last reason to wait; why it ended
+                # without running (JobLaunchFailure) only slurmctld says, while it knows it.
+                reason = q.reason if q is not None and q.final else None
+                out[job] = dataclasses.replace(a, reason=reason)
             elif q is not None or a is not None:
                 out[job] = q or a  # type: ignore[assignment]
         return SlurmAnswer(out, accounting is not None, queue is not None)
@@ -299,9 +308,13 @@ class SlurmClient:
                 return word.removeprefix("JobState=")
         return None
 
-    def job_stdout_paths(self, job_id: str) -> list[Path]:
-        """The StdOut files of a job slurmctld knows (one per array element)."""
-        return [Path(m.group(1)) for m in re.finditer(r"StdOut=(\S+)", self.show_job(job_id) or "")]
+    def job_stdout_paths(self, job_id: str) -> list[Path] | None:
+        """The StdOut files of a job slurmctld knows (one per array element; none for a job it
+        does not know); None when slurmctld did not answer."""
+        proc = self.run(["scontrol", "show", "job", job_id])
+        if proc is None or (proc.returncode != 0 and "Invalid job id" not in proc.stderr):
+            return None
+        return [Path(m.group(1)) for m in re.finditer(r"StdOut=(\S+)", proc.stdout)]
 
     # --- actions ---------------------------------------------------------------------------
 

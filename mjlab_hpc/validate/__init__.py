@@ -21,7 +21,7 @@ from mjlab_hpc.rank.context import current_allocation
 from mjlab_hpc.rank.watchdog import FAULT_ENV, parse_faults
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
 from mjlab_hpc.validate import world
-from mjlab_hpc.validate.rules import check_submit, resolve
+from mjlab_hpc.validate.rules import check_job_paths, check_submit, resolve
 from mjlab_hpc.validate.sweep import sweep_elements
 
 __all__ = [
@@ -135,6 +135,7 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
         raise SpecError("--container", f"image {spec.container!r} does not exist")
     executor = executor_for(spec)
     _check_executor(spec, executor)
+    check_job_paths(resolved)  # every executor writes through Slurm's or submitit's patterns
     world.check_places(resolved.train, existing_only=spec.dry_run)
     if not spec.dry_run and executor == "slurm":
         world.check_partition(spec, warn)

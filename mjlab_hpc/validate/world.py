@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from mjlab_hpc.errors import SpecError
+from mjlab_hpc.errors import DamagedRecord, SpecError
 from mjlab_hpc.rank.context import Allocation, cuda_device_count
 from mjlab_hpc.rundir.checkpoint import Checkpoints, cannot_continue
 from mjlab_hpc.rundir.layout import is_run_dir, latest_run
@@ -151,8 +151,9 @@ def check_partition(
     if part.cpus_per_node is not None:
         cpus = spec.ranks_per_node * (spec.cpus_per_task or 1)
         if cpus > part.cpus_per_node:
+            alone = spec.cpus_per_task is not None and spec.ranks_per_node <= part.cpus_per_node
             raise SpecError(
-                "--tasks-per-node",
+                "--cpus-per-task" if alone else "--tasks-per-node",
                 f"{spec.ranks_per_node} ranks x {spec.cpus_per_task or 1} CPUs per node asked "
                 f"for; the nodes of partition {part.name} have {part.cpus_per_node} CPUs",
             )
@@ -208,7 +209,10 @@ def continue_target(resolved: ResolvedSpec) -> ResolvedSpec:
     train = resolved.train
     run_dir = Path(train.run_dir) if train.run_dir else None
     if run_dir is None and train.resume:
-        run_dir = latest_run(train.log_root, resolved.experiment_name)
+        try:
+            run_dir = latest_run(train.log_root, resolved.experiment_name)
+        except DamagedRecord as exc:
+            raise SpecError("--resume", str(exc)) from None
         if run_dir is None:
             raise SpecError(
                 "--resume",
