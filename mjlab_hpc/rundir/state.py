@@ -37,29 +37,11 @@ from mjlab_hpc.rundir.layout import (
 from mjlab_hpc.rundir.lock import LeaseLock, LockError
 
 __all__ = [
-    "JobState",
-    "RankEnd",
-    "RunOutcome",
-    "cancel_marker",
-    "failure_kind",
-    "first_failure",
-    "git_commit",
-    "interruptions",
-    "now_iso",
-    "on_end",
-    "on_fault",
-    "on_node_failed",
-    "on_recovered",
-    "on_start",
-    "on_stop",
-    "rank_ends",
-    "read_record",
-    "record_state",
-    "requeues_so_far",
-    "run_outcome",
-    "versions",
-    "writer_alive",
-]
+    "JobState", "RankEnd", "RunOutcome", "cancel_marker", "failure_kind", "first_failure",
+    "git_commit", "interruptions", "now_iso", "on_end", "on_fault", "on_node_failed",
+    "on_recovered", "on_start", "on_stop", "rank_ends", "read_record", "record_state",
+    "requeues_so_far", "run_outcome", "versions", "writer_alive",
+]  # fmt: skip
 
 log = logging.getLogger("mjlab_hpc")
 
@@ -95,49 +77,39 @@ def git_commit(path: Path) -> str | None:
 
 
 # run.json's fields and the JSON type every reader relies on; entries of the lists are objects.
-_SHAPE: dict[str, type] = {
-    "state": str, "spec": dict, "effective": dict, "failure": dict, "code": dict,
-    "starts": list, "restarts": list, "faults": list, "job_ids": list,
-    "skipped_checkpoints": list,
-}  # fmt: skip
-_ENTRIES = ("starts", "restarts", "faults", "skipped_checkpoints")
-_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
-               float: "number", type(None): "null"}  # fmt: skip
+_SHAPE = {"state": str, "spec": dict, "effective": dict, "failure": dict, "code": dict,
+          "starts": list, "restarts": list, "faults": list, "job_ids": list}  # fmt: skip
 
 
 def _shape_problem(value: object) -> str | None:
     if not isinstance(value, dict):
-        return f"it holds a JSON {_JSON_TYPES.get(type(value), 'value')}, not an object"
-    for key, kind in _SHAPE.items():
-        if value.get(key) is not None and not isinstance(value[key], kind):
-            return f"its {key!r} is a JSON {_JSON_TYPES.get(type(value[key]), 'value')}"
-    for key in _ENTRIES:
-        if any(not isinstance(entry, dict) for entry in value.get(key) or []):
-            return f"an entry of its {key!r} is not an object"
-    return None
+        return f"it holds {json.dumps(value)[:40]}, not a JSON object"
+    wrong = [k for k, kind in _SHAPE.items() if value.get(k) is not None
+             and not isinstance(value[k], kind)]  # fmt: skip
+    lists = ("starts", "restarts", "faults")
+    if not wrong and any(not isinstance(e, dict) for k in lists for e in value.get(k) or []):
+        return "an entry of its starts, restarts or faults is not a JSON object"
+    return f"its {wrong[0]!r} is {json.dumps(value[wrong[0]])[:40]}" if wrong else None
 
 
 def read_record(run_dir: Path, strict: bool = False, set_aside: bool = False) -> dict[str, Any]:
-    """The run record ({} when there is none yet): the one reader of run.json, which checks the
-    record's shape as well as its syntax. A damaged record reads as {} (no command ends in a
-    traceback over it); `strict`: DamagedRecord naming it instead; `set_aside` (a writer about
-    to write a new record): the damaged file is kept as `run.json.damaged-<time>`, and the
-    record returned names it (`damaged_records`)."""
+    """The run record ({} when there is none yet): the one reader of run.json, which checks
+    its shape as well as its syntax. A damaged record reads as {} (no command ends in a
+    traceback), or with `strict` raises DamagedRecord naming it; with `set_aside` (a writer
+    about to write anew) it is kept as `run.json.damaged-<time>`, named in `damaged_records`."""
     path = run_dir / RUN_RECORD
     try:
-        raw = path.read_bytes()
+        value = json.loads(path.read_bytes())
+        problem = _shape_problem(value)
     except FileNotFoundError:
         return {}
-    try:
-        value = json.loads(raw)
-        problem = _shape_problem(value)
     except (ValueError, UnicodeDecodeError):
         problem = "it is not JSON"
     if problem is None:
         return dict(value)
     if strict:
-        raise DamagedRecord(path, problem, "move it aside (the writer keeps it as "
-                            f"{RUN_RECORD}.damaged-<time> when the run continues)")  # fmt: skip
+        raise DamagedRecord(path, problem, f"move it aside (a resume keeps it as {RUN_RECORD}"
+                            ".damaged-<time> and begins a new record)")  # fmt: skip
     if not set_aside:
         return {}
     kept = path.with_name(f"{RUN_RECORD}.damaged-{dt.datetime.now():%Y%m%d-%H%M%S}")
@@ -538,13 +510,8 @@ def record_state(run_dir: Path) -> JobState:
         return JobState("RUNNING", "lock", True, record.get("num_nodes"))
     if cancel_marker(run_dir) is not None:
         return JobState("CANCELLED", "record", False, record.get("num_nodes"))
-    mapped = {
-        "completed": "COMPLETED",
-        "failed": "FAILED",
-        "stopped": "STOPPED",
-        "interrupted": "INTERRUPTED",
-        "running": "LOST",
-    }.get(state)
+    mapped = {"completed": "COMPLETED", "failed": "FAILED", "stopped": "STOPPED",
+              "interrupted": "INTERRUPTED", "running": "LOST"}.get(state)  # fmt: skip
     if mapped is None:
         return JobState("UNKNOWN", "none", False)
     return JobState(mapped, "record", False, record.get("num_nodes"))
