@@ -111,6 +111,9 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
     a second signal stops at once, or for a Slurm job stops following), then one closing
     line; the exit code."""
     resume = resume_command(PROG, argv, s.run_dir)
+    # Once a stop is asked, Slurm's state is asked for now (at most every second): submitit's
+    # cached one is refreshed every 30 s into a long job, long after the ranks are done.
+    forced: list[float] = []
     if s.executor == "local":
         controls = LocalControls(int(s.job_id), s.run_dir)
         stop, kill = controls.stop, controls.kill
@@ -121,12 +124,16 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
             # The ranks save a checkpoint on SIGTERM; with requeue forbidden, none follows.
             client.forbid_requeue(s.job_ids)  # a --chain's queued jobs too
             client.scancel(list(s.job_ids))
+            forced.append(0.0)
 
         def kill() -> None:
             pass  # stop following; the cancel goes on
 
     def done() -> bool:
-        if not all(j.done() for j in (s.job, *s.chain)):
+        force = bool(forced) and time.monotonic() - forced[-1] >= 1.0
+        if force:
+            forced.append(time.monotonic())
+        if not all(j.done(force_check=force) for j in (s.job, *s.chain)):
             return False
         # A local controller may be gone (killed) while its ranks still save their checkpoint.
         return s.executor != "local" or not local_processes(s.run_dir)

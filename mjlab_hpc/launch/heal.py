@@ -4,14 +4,16 @@ and start the job again from its newest valid checkpoint, without a person.
 Runs in what outlives the ranks: the Slurm batch script after srun (`mjlab-hpc heal`) and our
 local controller (`mjlab_hpc.launch.executors`). From what the ranks left (`exit:` lines, the
 hang watchdog's files) it decides: nothing to heal (completed, stopped, refused, cancelled);
-not again (the same failure at the same iteration as before: a crash loop; or --max-restarts
-reached); else requeue, on Slurm excluding a node the fault points at while the partition
-still fits the job. The decision goes into run.json (`faults`), as the writer, before acting.
+not again (out of memory: the same settings run out again; the same failure at the same
+iteration as before: a crash loop; or --max-restarts reached); else requeue, on Slurm excluding
+a node the fault points at while the partition still fits the job. The decision goes into
+run.json (`faults`), as the writer, before acting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
+from mjlab_hpc.rundir.ends import first_failure, memory_advice, rank_ends
 from mjlab_hpc.rundir.layout import (
     RunDir,
     progress_summary,
@@ -35,10 +38,8 @@ from mjlab_hpc.rundir.layout import (
 )
 from mjlab_hpc.rundir.state import (
     cancel_marker,
-    first_failure,
     now_iso,
     on_fault,
-    rank_ends,
     read_record,
 )
 from mjlab_hpc.rundir.writer import RunWriter
@@ -71,7 +72,7 @@ class Fault:
     """What ended a start: a crash or a hang, where, and at which iteration."""
 
     reason: str
-    """crash or hang."""
+    """crash, hang or out-of-memory."""
     error: str
     """What happened, for people (the failing rank's exception, or the hang's findings)."""
     ranks: tuple[int, ...]
@@ -105,11 +106,12 @@ class Healing:
     """The run.json `faults` entry."""
 
 
-def find_fault(run_dir: Path, since: float | None = None) -> Fault | None:
-    """The crash or hang that ended the latest start (None: it ended otherwise). `since`: when
-    that start began (epoch s): a rank whose log has no start line after it failed before it
-    could log (a broken node, the process group never formed), and its older lines are not
-    this start's."""
+def find_fault(run_dir: Path, since: float | None = None, slurm_oom: bool = False) -> Fault | None:
+    """The crash, hang or out-of-memory that ended the latest start (None: it ended
+    otherwise). `since`: when that start began (epoch s): a rank whose log has no start line
+    after it failed before it could log (a broken node, the process group never formed), and
+    its older lines are not this start's. `slurm_oom`: Slurm says a step ran out of memory
+    (its cgroup's OOM killer): a rank ended without a word by it was killed for memory."""
     run = RunDir(run_dir)
     iteration = progress_summary(run).iteration or 0
     hangs = read_hangs(run)
@@ -141,20 +143,25 @@ def find_fault(run_dir: Path, since: float | None = None) -> Fault | None:
     assert cause is not None
     host = cause.host or "?"
     killed = cause.how == "no-exit"
+    if killed and slurm_oom and not cause.oom:
+        cause = dataclasses.replace(cause, oom=True)
     failure = read_record(run_dir).get("failure") or {}
     error = cause.describe()
-    if failure.get("kind") == "environment" and failure.get("error"):
+    if failure.get("kind") in ("environment", "out-of-memory") and failure.get("error"):
         error = str(failure["error"]).splitlines()[0]
     at = cause.at.timestamp() if cause.at is not None else None  # rank logs: local time
+    if cause.oom or failure.get("kind") == "out-of-memory":  # the settings, not the node
+        return Fault("out-of-memory", error, (cause.rank,), (host,), iteration, (), at)
     return Fault("crash", error, (cause.rank,), (host,), iteration,
                  (host,) if killed and cause.host else (), at)  # fmt: skip
 
 
 def decide(
-    run_dir: Path, max_restarts: int, job_id: str | None = None, since: float | None = None
-) -> Healing:
+    run_dir: Path, max_restarts: int, job_id: str | None = None, since: float | None = None,
+    slurm_oom: bool = False,
+) -> Healing:  # fmt: skip
     """Whether to requeue after the latest start of the run in `run_dir` ended."""
-    fault = find_fault(run_dir, since)
+    fault = find_fault(run_dir, since, slurm_oom)
     if fault is None:
         return Healing(None, why="nothing to heal")
     rec = read_record(run_dir)
@@ -177,6 +184,8 @@ def decide(
     last = (rec.get("faults") or [None])[-1]
     if cancel_marker(run_dir, rec) is not None:
         heal.why = "the run was cancelled (mjlab-hpc cancel)"
+    elif fault.reason == "out-of-memory":
+        heal.why = f"not restarted (the same settings run out again): {memory_advice(rec)}"
     elif (
         last
         and last.get("signature") == entry["signature"]
@@ -346,7 +355,9 @@ def heal_slurm(
     if exit_code == EXIT_OK:
         return EXIT_OK
     job_id = os.environ.get("SLURM_JOB_ID")
-    heal = decide(run_dir, max_restarts, job_id, since)
+    heal = decide(
+        run_dir, max_restarts, job_id, since, bool(job_id and client.out_of_memory(job_id))
+    )
     if heal.fault is None:
         return exit_code
     if heal.requeue and heal.exclude and job_id:

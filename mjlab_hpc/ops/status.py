@@ -25,13 +25,12 @@ from rich.text import Text
 from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.runs import JobKind, RunJobs, run_jobs
+from mjlab_hpc.rundir.ends import rank_ends, recorded_cause
 from mjlab_hpc.rundir.layout import ElementRecord, RunDir, progress_summary, read_sweep
 from mjlab_hpc.rundir.state import (
     JobState,
-    first_failure,
     interruptions,
     now_iso,
-    rank_ends,
     read_record,
     record_state,
 )
@@ -97,6 +96,9 @@ class RunStatus:
     reason: str | None = None
     """Slurm's reason: why the job pends (BadConstraints, JobHeldAdmin, Priority), or why it
     ended without running (JobLaunchFailure)."""
+    disagrees: str | None = None
+    """What Slurm says where the run's own record says otherwise and wins (sacct's last word
+    on a job while slurmctld is down: `sacct says RUNNING`)."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values, for `status --json`."""
@@ -151,8 +153,9 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         restart_reasons=reasons,
         interruptions=tuple(events),
         sweep=jobs.element,
-        cause=damaged or (_cause(run_dir, state) if state.state in FAILED_STATES else None),
+        cause=damaged or (_cause(run_dir, record, state) if state.state in FAILED_STATES else None),
         reason=state.reason,
+        disagrees=state.disagrees,
     )
 
 
@@ -160,11 +163,12 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
 FAILED_STATES = frozenset({"FAILED", "LOST", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
 
 
-def _cause(run_dir: Path, state: JobState) -> str | None:
-    cause = first_failure(rank_ends(run_dir))
+def _cause(run_dir: Path, record: dict[str, Any], state: JobState) -> str | None:
+    ends = rank_ends(run_dir)
+    cause = recorded_cause(record, ends)
     if cause is not None:
         return cause.describe()
-    if state.reason and not rank_ends(run_dir):
+    if state.reason and not ends:
         return f"the job failed before any rank started (Slurm: {state.reason})"
     return None
 
@@ -207,6 +211,25 @@ def _current_row(run: RunJobs, rows: dict[str, SlurmRow]) -> SlurmRow | None:
     return next((r for r in known if not r.final), rows.get(run.current or ""))
 
 
+# The states in which a run's own record says its start ended for good.
+_ENDED = frozenset({"COMPLETED", "FAILED", "INTERRUPTED", "CANCELLED"})
+
+
+def _record_first(run_dir: Path, row: SlurmRow) -> JobState:
+    """The job's state from Slurm, unless only accounting says it is active (squeue did not
+    list it: slurmctld down or forgetful) and the run's own record says this job's start
+    ended: the record wins, and says what Slurm says."""
+    slurm = JobState(row.state, row.source, not row.final, row.nodes, row.gpus_per_node,
+                     row.reason)  # fmt: skip
+    if row.final or row.source == "squeue":
+        return slurm
+    own = record_state(run_dir)
+    last = (read_record(run_dir).get("starts") or [{}])[-1].get("job_id")
+    if own.source != "record" or own.state not in _ENDED or last not in (row.job_id, row.raw_id):
+        return slurm
+    return dataclasses.replace(own, disagrees=f"{row.source} says {row.state}")
+
+
 def job_states(
     runs: Sequence[RunJobs], slurm: SlurmClient | None = None
 ) -> tuple[dict[Path, JobState], SlurmAnswer | None]:
@@ -221,10 +244,7 @@ def job_states(
     for run in runs:
         row = _current_row(run, rows) if run.kind == "slurm" else None
         if row is not None:
-            active = not row.final
-            out[run.run_dir] = JobState(
-                row.state, row.source, active, row.nodes, row.gpus_per_node, row.reason
-            )
+            out[run.run_dir] = _record_first(run.run_dir, row)
         elif run.kind == "local" and local_processes(run.run_dir):
             out[run.run_dir] = JobState("RUNNING", "process", True, 1)
         else:
@@ -274,7 +294,7 @@ def interruption_line(e: dict[str, Any]) -> str:
     line = (
         f"{when[:19].replace('T', ' ')} {e.get('reason')}{where} at iteration {e.get('iteration')}"
     )
-    if e.get("error") and e.get("reason") in ("crash", "hang"):
+    if e.get("error") and e.get("reason") in ("crash", "hang", "out-of-memory"):
         line += f" ({e['error']})"
     line += f": {e.get('action') or ('requeued' if e.get('kind') == 'requeue' else 'stopped')}"
     if e.get("excluded_nodes"):
@@ -305,7 +325,10 @@ def _row(s: RunStatus) -> list[str | Text]:
     return [
         job,
         Text(
-            s.state + (f" ({s.reason})" if s.reason else "") + (f"\n{s.cause}" if s.cause else ""),
+            s.state
+            + (f" ({s.reason})" if s.reason else "")
+            + (f" (run record; {s.disagrees})" if s.disagrees else "")
+            + (f"\n{s.cause}" if s.cause else ""),
             style=STATE_STYLES.get(s.state, ""),
         ),
         _size(s),

@@ -140,6 +140,13 @@ class StopRequest:
                 # Once: a third Ctrl-C must not interrupt the "interrupted" record.
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 raise KeyboardInterrupt
+        if self.mode == "single" and not self.code:
+            # In the foreground, nobody else says it while the iteration ends (it can take a
+            # minute); os.write: a handler must not re-enter a buffered stream.
+            again = " (again to stop at once)" if signum == signal.SIGINT else ""
+            with contextlib.suppress(OSError):
+                os.write(2, f"\n{signal.Signals(signum).name}: stopping at the next iteration "
+                            f"boundary, with a checkpoint{again}\n".encode())  # fmt: skip
         self.record(signum)
 
     def early(self, signum: int) -> None:

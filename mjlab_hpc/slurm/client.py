@@ -13,7 +13,7 @@ import logging
 import re
 import subprocess
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -153,6 +153,8 @@ class Partition:
     """The most GPUs (gres gpu) a node of it has."""
     max_minutes: int | None
     """The partition's time limit (None: infinite or unknown)."""
+    mem_mb_per_node: int | None = None
+    """The most memory a node of it has, in MB (its RealMemory; None: unknown)."""
 
 
 def _minutes(limit: str) -> int | None:
@@ -164,6 +166,10 @@ def _minutes(limit: str) -> int | None:
     return days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
 
 
+# Commands that ask slurmctld (sacct and sacctmgr ask slurmdbd).
+_CONTROLLER_COMMANDS = frozenset({"squeue", "scontrol", "scancel", "sbatch", "sinfo", "srun"})
+
+
 @dataclass(frozen=True)
 class SlurmClient:
     """Runs Slurm's commands with a given environment and one timeout for all of them."""
@@ -172,12 +178,23 @@ class SlurmClient:
     """Environment of the commands (default: this process's; tests add SLURM_CONF)."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Seconds a command may take; past that it is killed and counts as not answering."""
+    unreachable: list[subprocess.CompletedProcess[str]] = field(
+        default_factory=list, compare=False, repr=False
+    )
+    """How a command found slurmctld unreachable: later commands that need it give the same
+    answer at once instead of retrying for seconds each (sacct asks slurmdbd: it still runs)."""
 
     def run(self, args: Sequence[str]) -> subprocess.CompletedProcess[str] | None:
         """Run a Slurm command; None when it is not installed or does not answer in time."""
+        if self.unreachable and args[0] in _CONTROLLER_COMMANDS:
+            return subprocess.CompletedProcess(list(args), 1, "", self.unreachable[0].stderr)
         proc = run_command(args, timeout_s=self.timeout_s, env=self.env)
         if proc is None:
             log.debug("%s: not found or no answer within %gs", args[0], self.timeout_s)
+        elif (
+            args[0] in _CONTROLLER_COMMANDS and "Unable to contact slurm controller" in proc.stderr
+        ):
+            self.unreachable.append(proc)
         return proc
 
     # --- job states ----------------------------------------------------------------------
@@ -257,6 +274,12 @@ class SlurmClient:
             return None
         rows = [line.split("|") for line in proc.stdout.splitlines()]
         return [(r[0].split()[0], r[1], r[2]) for r in rows if len(r) == 3 and r[0]]
+
+    def out_of_memory(self, job_id: str) -> bool:
+        """Whether a step of the job's latest run ended OUT_OF_MEMORY (Slurm's cgroup plugin
+        saw its OOM killer end a task); False when sacct does not say so or cannot answer."""
+        proc = self.run(["sacct", "-n", "-P", "-j", job_id, "-o", "State"])
+        return proc is not None and "OUT_OF_MEMORY" in proc.stdout
 
     def answer(self, ids: Sequence[str]) -> SlurmAnswer:
         """The freshest row for every id that Slurm knows, from one squeue and one sacct call
@@ -380,14 +403,14 @@ class SlurmClient:
         """Every partition by name (the default one also under ""), or None when sinfo does
         not answer."""
         # -a: hidden partitions too (a user may have access to one).
-        proc = self.run(["sinfo", "-a", "-h", "-o", "%P|%D|%c|%G|%l"])
+        proc = self.run(["sinfo", "-a", "-h", "-o", "%P|%D|%c|%G|%l|%m"])
         if proc is None or proc.returncode != 0:
             return None
         rows: dict[str, list[list[str]]] = {}
         default = None
         for line in proc.stdout.splitlines():
             parts = line.split("|")
-            if len(parts) != 5:
+            if len(parts) != 6:
                 continue
             name = parts[0].rstrip("*")
             if parts[0].endswith("*"):
@@ -397,12 +420,14 @@ class SlurmClient:
         for name, group in rows.items():
             gpus = [int(g) for r in group for g in re.findall(r"gpu(?::[\w.-]+)?:(\d+)", r[3])]
             cpus = [int(r[2]) for r in group if r[2].strip().isdigit()]
+            mems = [int(r[5].rstrip("+")) for r in group if r[5].rstrip("+").isdigit()]
             out[name] = Partition(
                 name=name,
                 nodes=sum(_int(r[1]) or 0 for r in group),
                 cpus_per_node=max(cpus) if cpus else None,
                 gpus_per_node=max(gpus) if gpus else 0,
                 max_minutes=_minutes(group[0][4]),
+                mem_mb_per_node=max(mems) if mems else None,
             )
         if default is not None:
             out[""] = out[default]

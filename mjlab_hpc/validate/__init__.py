@@ -56,7 +56,10 @@ def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec
         world.check_local_cpus("--num-procs", spec.num_procs, spec.oversubscribe)
     if spec.device == "cuda" and spec.gpu_ids == "auto":
         world.check_local_gpus("--device", 1)
-    return world.continue_target(resolved)
+    resolved = world.continue_target(resolved)
+    if launched_by == "single":  # a rank of torchrun or srun: its launcher checked
+        world.check_train_memory(resolved)
+    return resolved
 
 
 def executor_for(spec: SubmitSpec) -> str:
@@ -137,8 +140,9 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     _check_executor(spec, executor)
     check_job_paths(resolved)  # every executor writes through Slurm's or submitit's patterns
     world.check_places(resolved.train, existing_only=spec.dry_run)
+    world.check_submit_memory(spec, resolved, executor)
     if not spec.dry_run and executor == "slurm":
-        world.check_partition(spec, warn)
+        world.check_partition(spec, warn, resolved=resolved)
         world.check_after_exists(spec)
         world.check_array_size(len(elements))
     return resolved

@@ -5,6 +5,8 @@
 #                       slurmctld and N slurmd (node1..nodeN) from an empty state dir
 #   cluster.sh down     stop everything `up` started, by PID; idempotent
 #   cluster.sh status   say whether it is up (sinfo)
+#   cluster.sh ctld-stop / ctld-start
+#                       stop slurmctld alone (a controller gone while jobs run), start it again
 #
 # N: ${MJLAB_HPC_CLUSTER_NODES:-2} (1-64), read by `up` (saved in <state>/node-count); `down`
 # stops whatever nodes were started, whatever their count.
@@ -563,6 +565,26 @@ do_up() {
     "$(since "$t0")" "$t_pkg" "$STATE"
 }
 
+# slurmctld alone: gone (the jobs, slurmds and accounting stay), and back from its saved state.
+do_ctld_stop() {
+  CLUSTER_ID=$(cat "$STATE/cluster-id" 2>/dev/null || true)
+  local p
+  mapfile -t p < <(pids_of slurmctld)
+  ((${#p[@]})) || fail "slurmctld of $STATE does not run"
+  stop_pids 10 "${p[@]}"
+  echo "slurmctld stopped ($STATE)"
+}
+
+do_ctld_start() {
+  CLUSTER_ID=$(cat "$STATE/cluster-id" 2>/dev/null || true)
+  [[ -n $CLUSTER_ID && -f $STATE/env.sh ]] || fail "no cluster at $STATE"
+  [[ -z $(pids_of slurmctld) ]] || fail "slurmctld of $STATE runs already"
+  export MJLAB_HPC_CLUSTER_ID=$CLUSTER_ID SLURM_CONF=$STATE/etc/slurm.conf
+  spawn slurmctld slurmctld -D
+  wait_for 30 "slurmctld (sinfo)" slurmctld sinfo -h
+  echo "slurmctld started ($STATE)"
+}
+
 with_lock() {
   mkdir -p "$(dirname "$STATE")"
   # One up/down at a time per state dir.
@@ -579,8 +601,10 @@ case "${1:-}" in
   up) with_lock do_up ;;
   down) with_lock do_down ;;
   status) do_status ;;
+  ctld-stop) with_lock do_ctld_stop ;;
+  ctld-start) with_lock do_ctld_start ;;
   *)
-    echo "usage: $0 up|down|status" >&2
+    echo "usage: $0 up|down|status|ctld-stop|ctld-start" >&2
     exit 2
     ;;
 esac

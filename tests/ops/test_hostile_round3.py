@@ -1,16 +1,16 @@
 """Hostile use, round 3 (issue 35), on the real two-node Slurm test cluster and the real CLIs:
 user strings in Slurm's filename patterns, a job that fails at launch, pending reasons, a
-healer that must not strand a job that requires its node, truthful cancel and restart counts,
-and the small ones (a closed pipe, sbatch's one-letter keys, bytes vs characters).
-
-Where slurmctld must look down to a command, a stand-in on PATH answers as Slurm's own client
-does then ("Unable to contact slurm controller"), as tests/ops/test_slurm_ops.py does.
+healer that must not strand a job that requires its node, truthful states, cancel and restart
+counts with slurmctld stopped for real, a stop signal to `--follow`, and the small ones (a
+closed pipe, sbatch's one-letter keys, bytes vs characters).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -18,23 +18,17 @@ from helpers import BIN, cli_env, wait_for
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.ops.runs import list_runs
-from mjlab_hpc.rundir.layout import CANCEL_RECORD
+from mjlab_hpc.rundir.layout import CANCEL_RECORD, RunDir
 from mjlab_hpc.rundir.state import read_record
 
 pytestmark = pytest.mark.slurm
 
 SMALL = ["--num-envs", "4", "--torch-threads", "1", "--gpus-per-node", "0", "--time", "10"]
-DOWN = (
-    '#!/bin/sh\necho "{0}: error: Unable to contact slurm controller (connect failure)" >&2\n'
-    "exit 1\n"
-)
 
 
-def cli(cluster: SlurmCluster, cwd: Path, *args: str, path_first: Path | None = None,
+def cli(cluster: SlurmCluster, cwd: Path, *args: str,
         timeout: float = 180) -> subprocess.CompletedProcess[str]:  # fmt: skip
     env = cli_env(base=cluster.environ())
-    if path_first is not None:
-        env["PATH"] = f"{path_first}:{env['PATH']}"
     return subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
 
@@ -45,23 +39,12 @@ def submit(cluster: SlurmCluster, cwd: Path, *args: str) -> str:
     return next(w for w in proc.stdout.split() if w.isdigit() and len(w) > 3)
 
 
-def status(cluster: SlurmCluster, cwd: Path, *args: str, path_first: Path | None = None) -> dict:
-    proc = cli(cluster, cwd, str(BIN / "mjlab-hpc"), "status", "--json", *args,
-               path_first=path_first)  # fmt: skip
+def status(cluster: SlurmCluster, cwd: Path, *args: str) -> dict:
+    proc = cli(cluster, cwd, str(BIN / "mjlab-hpc"), "status", "--json", *args)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert len(rows) == 1, rows
     return rows[0]
-
-
-def down(tmp: Path, *names: str) -> Path:
-    """Stand-ins for Slurm's clients as they answer while slurmctld is down."""
-    folder = tmp / "down"
-    folder.mkdir(exist_ok=True)
-    for name in names:
-        (folder / name).write_text(DOWN.format(name))
-        (folder / name).chmod(0o755)
-    return folder
 
 
 @pytest.mark.parametrize(
@@ -119,25 +102,66 @@ def test_pending_reasons_are_shown(slurm_cluster: SlurmCluster, tmp_path: Path) 
         slurm_cluster.run(["scancel", job])
 
 
-def test_cancel_while_slurmctld_is_down_marks_nothing(
+def test_with_slurmctld_gone_the_records_come_first_and_cancel_marks_nothing(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
-    job = submit(slurm_cluster, tmp_path, "--sbatch-arg", "begin=now+300")
+    """slurmctld stopped for real while one job runs and one waits. The running job's run
+    completes (its record says so; accounting still says RUNNING): status says COMPLETED,
+    from the record, and what Slurm says. A cancel of the waiting job fails and marks nothing;
+    a job id no run names is not called unknown to Slurm. Back up, Slurm agrees."""
+    running = submit(slurm_cluster, tmp_path, "--max-iterations", "4", "--run-name", "running")
+    waiting = submit(slurm_cluster, tmp_path, "--sbatch-arg", "begin=now+300", "--run-name",
+                     "waiting")  # fmt: skip
+    runs = {p.name.rsplit("_", 1)[1]: p for p in list_runs(tmp_path / "logs")}
     try:
-        (run,) = list_runs(tmp_path / "logs")
-        stand_ins = down(tmp_path, "scancel", "scontrol")
-        proc = cli(slurm_cluster, tmp_path, str(BIN / "mjlab-hpc"), "cancel", job,
-                   path_first=stand_ins)  # fmt: skip
-        assert proc.returncode == 1, proc.stdout + proc.stderr
-        assert "nothing was cancelled" in proc.stdout and "Unable to contact" in proc.stdout
-        assert not (run / CANCEL_RECORD).exists()
-        assert status(slurm_cluster, tmp_path, job)["state"] == "PENDING"
-        # A job id no run names, while slurmctld cannot be asked: not "Slurm does not know it".
-        unknown = cli(slurm_cluster, tmp_path, str(BIN / "mjlab-hpc"), "logs", "999999",
-                      path_first=down(tmp_path, "scontrol", "squeue"))  # fmt: skip
-        assert unknown.returncode == 2 and "Slurm could not be asked" in unknown.stderr
+        wait_for(lambda: RunDir(runs["running"]).read_progress(), 150, "the first iteration")
+        with slurm_cluster.controller_down():
+            wait_for(lambda: read_record(runs["running"]).get("state") == "completed", 150,
+                     "the run's end")  # fmt: skip
+            table = cli(slurm_cluster, tmp_path, str(BIN / "mjlab-hpc"), "status",
+                        str(runs["running"]))  # fmt: skip
+            assert "COMPLETED (run record; sacct says RUNNING)" in " ".join(table.stdout.split())
+            proc = cli(slurm_cluster, tmp_path, str(BIN / "mjlab-hpc"), "cancel", waiting)
+            assert proc.returncode == 1, proc.stdout + proc.stderr
+            assert "nothing was cancelled" in proc.stdout and "Unable to contact" in proc.stdout
+            assert not (runs["waiting"] / CANCEL_RECORD).exists()
+            unknown = cli(slurm_cluster, tmp_path, str(BIN / "mjlab-hpc"), "logs", "999999")
+            assert unknown.returncode == 2 and "Slurm could not be asked" in unknown.stderr
+        assert status(slurm_cluster, tmp_path, waiting)["state"] == "PENDING"
+        slurm_cluster.wait_job(running, timeout=120)
+        assert status(slurm_cluster, tmp_path, running)["state"] == "COMPLETED"
     finally:
-        slurm_cluster.run(["scancel", job])
+        slurm_cluster.run(["scancel", waiting], check=False)
+
+
+def test_a_stop_signal_to_follow_ends_once_the_ranks_are_done(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """SIGTERM to `mjlab-submit --follow` a while into the job: it is cancelled with a
+    checkpoint, the launcher says so while the job ends, and exits seconds after the
+    checkpoint (submitit refreshes its cached state only every half of the job's age, up to a
+    minute: the launcher asks Slurm itself once a stop was asked)."""
+    follow = subprocess.Popen(
+        [str(BIN / "mjlab-submit"), "cartpole", *SMALL, "--max-iterations", "100000",
+         "--log-root", "logs", "--follow"], cwd=tmp_path, env=cli_env(base=slurm_cluster.environ()),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        run = wait_for(lambda: list_runs(tmp_path / "logs"), 60, "the run")[0]
+        wait_for(lambda: RunDir(run).read_progress(), 150, "the first iteration")
+        time.sleep(20)  # submitit's cached state is now refreshed every ~15 s
+        follow.send_signal(signal.SIGTERM)
+        wait_for(lambda: read_record(run).get("state") == "stopped", 60, "the checkpoint")
+        stopped = time.monotonic()
+        _, err = follow.communicate(timeout=120)
+        took = time.monotonic() - stopped
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+    said = " ".join(err.split())
+    assert follow.returncode == 3, said[-2000:]
+    assert "checkpoint saved at iteration" in said and "waiting for the job to end" in said
+    assert took < 12, (took, said[-2000:])
 
 
 def test_the_healer_keeps_a_node_the_job_requires(
