@@ -4,11 +4,10 @@ cluster itself before the first real submission.
 The request is mjlab-submit's flags. Checks that need the compute nodes run two short probe
 jobs through submitit, as real jobs are: `_shape_probe` on every task of a job of the job's
 shape (nodes, tasks, GPUs, partition, account, qos, setup lines), whose tasks leave notes for
-each other in the log root and return their Python, imports, GPUs and (--video) a test
-render's outcome; and `_RequeueProbe`, one task that waits for the time-limit signal, is
-checkpointed and requeued by submitit, and says so when it runs again. `shape_checks` turns
-the tasks' results into checks. Probe jobs are cancelled and their folder removed when the
-doctor ends, however it ends.
+each other in the log root and return their Python, imports, GPUs and (--video) a test render;
+and `_RequeueProbe`, one task that waits for the time-limit signal, is checkpointed and
+requeued by submitit, and says so when it runs again. `shape_checks` turns the tasks' results
+into checks. Probe jobs are cancelled and their folder removed when the doctor ends.
 """
 
 from __future__ import annotations
@@ -127,9 +126,8 @@ def _try_import(name: str) -> dict[str, Any]:
 
 
 def _shape_probe(folder: str, ranks: int, mjlab: bool, video: bool = False) -> dict[str, Any]:
-    """What one task of the shape probe finds: its node, Python, imports (the rank code's and,
-    for an mjlab task, mjlab's), GPUs, why a test render fails (`video`; "": it works), the
-    token this host wrote into `folder`, and how many tasks' notes it saw. Never raises."""
+    """What one task of the shape probe finds: node, Python, imports, GPUs, why a test render
+    fails (`video`; "": it works), this host's token in `folder`, the notes seen. Never raises."""
     here = Path(folder)
     rank = int(os.environ.get("SLURM_PROCID", "0") or 0)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -290,10 +288,9 @@ def _gpus_check(gpus_per_node: int, ran: Sequence[dict[str, Any]]) -> Check:
 def shape_checks(
     folder: Path, token: str, outcomes: Sequence[Outcome], gpus: int, mjlab: bool, nodes: str = "?"
 ) -> list[Check]:
-    """What the shape probe's tasks left (`outcomes`, by rank) says: the shared log root
-    (`folder`: the probe folder, where this host wrote `token`), the nodes' Python and
-    imports, their GPUs (`gpus` per node asked for) and, where probed, offscreen rendering.
-    `nodes`: the job's node list, named when nothing came back."""
+    """What the shape probe's tasks left (`outcomes`, by rank) says: the shared log root (`folder`,
+    where this host wrote `token`), the nodes' Python and imports, GPUs (`gpus` per node asked
+    for), offscreen rendering where probed. `nodes`: the job's nodes, named when none came back."""
     shared = _shared(folder, token, outcomes, nodes)
     if all(t is None for t in outcomes):
         return [shared]
