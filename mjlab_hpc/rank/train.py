@@ -65,7 +65,7 @@ from mjlab_hpc.rundir.state import (
     read_record,
     requeues_so_far,
 )
-from mjlab_hpc.rundir.writer import RunWriter, live_writer
+from mjlab_hpc.rundir.writer import RunWriter, busy_problem
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks.memory import init_warp
@@ -317,12 +317,8 @@ def _train(
             print(f"warning: {msg}", file=sys.stderr, flush=True)
         checkpoints = None
         if ctx.is_main:
-            busy = live_writer(run)
-            if busy is not None:  # its run, not ours to wait for and then call done
-                raise ResumeRefused(
-                    "--run-dir", f"another training is writing {run.path} ({busy}): wait "
-                    "for it to end (mjlab-hpc status), stop it, or start a new run",
-                )  # fmt: skip
+            if (busy := busy_problem(run)) is not None:  # not ours to wait for and call done
+                raise ResumeRefused("--run-dir", busy)
             writer = RunWriter.acquire(run, ctx.rank)
             checkpoints = Checkpoints(run.path)
         plan = plan_resume(run, resolved, ctx, checkpoints)

@@ -19,7 +19,7 @@ from mjlab_hpc.rundir.checkpoint import save_checkpoint
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.lock import LeaseLock, LockError, OwnerInfo, write_fenced
 
-__all__ = ["RESERVE_BYTES", "RunWriter", "live_writer", "once"]
+__all__ = ["RESERVE_BYTES", "RunWriter", "busy_problem", "once"]
 
 # durable.temp_path's names: `.<name>.<tag><pid>.<8 hex>.tmp`.
 _TEMP = re.compile(r"(\d+)\.[0-9a-f]{8}\.tmp$")
@@ -27,7 +27,18 @@ _TEMP = re.compile(r"(\d+)\.[0-9a-f]{8}\.tmp$")
 RESERVE_BYTES = 1 << 20
 
 
-def live_writer(run: RunDir) -> str | None:
+def busy_problem(run: RunDir) -> str | None:
+    """Why no training may start writing `run` now: another live one does (None: none does).
+    Asked before any rank starts, and again by rank 0 before it takes the lock."""
+    if (busy := _live_writer(run)) is None:
+        return None
+    return (
+        f"another training is writing {run.path} ({busy}): wait for it to end (mjlab-hpc "
+        "status), stop it, or start a new run"
+    )
+
+
+def _live_writer(run: RunDir) -> str | None:
     """Who writes `run` now, when that is a live process (None: nobody, or a writer whose
     lease runs out: a crashed one, which a new writer waits out). Alive: a process of this
     host that exists, or a heartbeat seen renewed within a heartbeat interval."""

@@ -56,7 +56,7 @@ def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec
         world.check_local_cpus("--num-procs", spec.num_procs, spec.oversubscribe)
     if spec.device == "cuda" and spec.gpu_ids == "auto":
         world.check_local_gpus("--device", 1)
-    resolved = world.continue_target(resolved)
+    resolved = world.continue_target(resolved, launched_by == "single")
     if launched_by == "single":  # a rank of torchrun or srun: its launcher checked
         world.check_train_memory(resolved)
     return resolved

@@ -13,7 +13,8 @@ from mjlab_hpc.errors import DamagedRecord, SpecError
 from mjlab_hpc.procs import memory_room
 from mjlab_hpc.rank.context import Allocation, cuda_device_count
 from mjlab_hpc.rundir.checkpoint import Checkpoints, cannot_continue
-from mjlab_hpc.rundir.layout import is_run_dir, latest_run
+from mjlab_hpc.rundir.layout import RunDir, is_run_dir, latest_run
+from mjlab_hpc.rundir.writer import busy_problem
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import mem_bytes, slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
@@ -291,9 +292,10 @@ def check_places(train: TrainSpec, existing_only: bool = False) -> None:
         check_log_root("--log-root", train.log_root, existing_only)
 
 
-def continue_target(resolved: ResolvedSpec) -> ResolvedSpec:
+def continue_target(resolved: ResolvedSpec, launcher: bool = True) -> ResolvedSpec:
     """`resolved` with the run directory --resume continues filled in, after checking that an
-    existing run directory (--run-dir or --resume) holds a run of the same task."""
+    existing run directory (--run-dir or --resume) holds a run of the same task and (`launcher`:
+    not a rank, whose rank 0 may hold it already) that no other training writes it now."""
     train = resolved.train
     run_dir = Path(train.run_dir) if train.run_dir else None
     if run_dir is None and train.resume:
@@ -310,10 +312,10 @@ def continue_target(resolved: ResolvedSpec) -> ResolvedSpec:
     if run_dir is None:
         return resolved
     # The ranks check again (and load); refusing here starts no process at all.
-    refusal = cannot_continue(
-        Checkpoints(run_dir), resolved.task, train.restart_from_scratch,
-        "--run-dir" if train.run_dir else "--resume",
-    )  # fmt: skip
+    flag = "--run-dir" if train.run_dir else "--resume"
+    if launcher and (busy := busy_problem(RunDir(run_dir))) is not None:
+        raise SpecError(flag, busy)
+    refusal = cannot_continue(Checkpoints(run_dir), resolved.task, train.restart_from_scratch, flag)
     if refusal is not None:
         raise refusal
     return resolved.replace_train(run_dir=str(run_dir))
