@@ -239,15 +239,22 @@ def follow_to_end(
     the job (a Slurm job). The Foreground tells whether it was killed."""
     said: list[bool] = []
 
-    def ended() -> bool:
+    def checkpointed(waiting: bool) -> None:  # the ranks are done; the job may take a moment
         if fg.signals and not said and read_record(run_dir).get("state") == "stopped":
-            said.append(True)  # the ranks are done; the job may take a moment to end
+            said.append(True)
             at = (read_record(run_dir).get("restarts") or [{}])[-1].get("iteration")
-            fg.say(f"checkpoint saved at iteration {at}; waiting for the job to end\n")
-        return fg.killed or done()
+            fg.say(
+                f"checkpoint saved at iteration {at}{'; waiting for the job to end' * waiting}\n"
+            )
+
+    def ended() -> bool:
+        over = fg.killed or done()
+        checkpointed(not over)
+        return over
 
     with Foreground(stop, kill, sys.stderr) as fg:
         follow_progress(run_dir, total, ended, out)
+        checkpointed(False)  # the job ended as the ranks recorded their stop
     if fg.killed:
         return Closing(EXIT_INTERRUPTED, f"stopped at once; resume with: {resume}"), fg
     ended = closing(run_dir, resume, cancelled=cancels and fg.signals > 0)

@@ -160,7 +160,8 @@ def test_a_stop_signal_to_follow_ends_once_the_ranks_are_done(
             follow.kill()
     said = " ".join(err.split())
     assert follow.returncode == 3, said[-2000:]
-    assert "checkpoint saved at iteration" in said and "waiting for the job to end" in said
+    # "; waiting for the job to end" too, unless the job ended as the checkpoint was recorded
+    assert "checkpoint saved at iteration" in said, said[-2000:]
     assert took < 12, (took, said[-2000:])
 
 
