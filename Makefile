@@ -3,10 +3,12 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# CPU machines (default): the CPU wheel of torch, and a check that no CUDA build crept in.
-# GPU machines: make install GPU=1 (PyPI's CUDA build of the same torch version).
+# CPU machines (default): a CPU build of torch where one is reachable (a wheel pip finds, e.g.
+# through PIP_FIND_LINKS, or PyTorch's CPU index), else PyPI's build, which carries CUDA (GBs)
+# and runs on CPU too. GPU machines: make install GPU=1 (PyPI's CUDA build).
 GPU ?= 0
 TORCH_SPEC ?= torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed
 CLUSTER := tests/cluster/cluster.sh
 
@@ -37,13 +39,28 @@ $(STAMP): pyproject.toml constraints.txt
 		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 update -qq \
 		&& DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
 			--no-install-recommends libegl1 libegl-mesa0 libgl1-mesa-dri >/dev/null; fi
+	@# rsl-rl stores a git diff of the code it runs: git, where apt can install it (as root).
+	@if ! command -v git >/dev/null && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing git (rsl-rl records the code's git state)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+			--no-install-recommends git >/dev/null || echo "note: git not installed"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt "$(TORCH_SPEC)"
+	@# PyTorch's CPU index only where it answers: pip retries an unreachable index for every
+	@# package (over a minute), and a CPU build it serves sorts above PyPI's (2.13.0+cpu).
+	@index=""; if [ "$(GPU)" = 0 ] && $(BIN)/python -c "import urllib.request as u; \
+		u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=15)" 2>/dev/null; then \
+		index="--extra-index-url $(TORCH_CPU_INDEX)"; fi; \
+		echo "$(BIN)/pip install -q -c constraints.txt $$index \"$(TORCH_SPEC)\""; \
+		$(BIN)/pip install -q -c constraints.txt $$index "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,mjlab]'
 	$(BIN)/pip check
-	@if [ "$(GPU)" = 0 ] && $(BIN)/pip list 2>/dev/null | grep -qi '^nvidia-'; then \
-		echo "a CUDA build of torch was pulled in on a CPU install"; exit 1; fi
+	@# What was installed, and what it cost: where no CPU build was reachable (PyPI has only the
+	@# CUDA build), that build runs on CPU too, with GBs of CUDA libraries.
+	@torch=$$($(BIN)/python -c 'import torch; print(torch.__version__, "(CUDA", torch.version.cuda, "build)" if torch.version.cuda else "(CPU build)")'); \
+	echo "installed torch $$torch for $$($(BIN)/python -V); $(VENV) holds $$(du -sm $(VENV) | cut -f1) MB"; \
+	if [ "$(GPU)" = 0 ] && $(BIN)/pip list 2>/dev/null | grep -qi '^nvidia-'; then \
+		echo "note: no CPU build of $(TORCH_SPEC) was reachable for this Python, so PyPI's CUDA build came with $$(du -scm $(VENV)/lib/python*/site-packages/nvidia* 2>/dev/null | tail -1 | cut -f1) MB of CUDA libraries; it runs on CPU. For a smaller venv, put the CPU wheel where pip finds it (PIP_FIND_LINKS, or TORCH_CPU_INDEX reachable) and make install again."; fi
 	touch $(STAMP)
 
 test: install

@@ -10,6 +10,7 @@ The packages and how they depend on each other: docs/architecture.md.
 from __future__ import annotations
 
 import importlib
+import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,11 @@ if TYPE_CHECKING:
     from mjlab_hpc.rundir.lock import LeaseLock, OwnerInfo, write_fenced
     from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
     from mjlab_hpc.validate import resolve
+
+# rsl-rl imports GitPython, which refuses to import where no `git` executable is (a node or
+# image without git: every rank would die at import). rsl-rl only uses git to store a diff,
+# and skips that on any error; the run's code is recorded by rundir/snapshot anyway.
+os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
 try:
     __version__ = version("mjlab-hpc")

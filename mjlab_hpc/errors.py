@@ -14,6 +14,7 @@ __all__ = [
     "EXIT_REQUEUE",
     "EXIT_RESTART",
     "EXIT_STOPPED",
+    "DamagedRecord",
     "LaunchError",
     "SpecError",
     "SubmitError",
@@ -56,6 +57,17 @@ class SpecError(ValueError):
 
 class LaunchError(RuntimeError):
     """The process was launched in a way we cannot make sense of (inconsistent variables)."""
+
+
+class DamagedRecord(RuntimeError):
+    """A record of a run (run.json, `.latest_run`, ...) that exists but is not one: not JSON,
+    or not the record's shape. Names the file, what is wrong and what to do."""
+
+    def __init__(self, path: object, problem: str, fix: str = "") -> None:
+        self.path = path
+        self.problem = problem
+        fix = fix or "move it aside (or delete it) and retry"
+        super().__init__(f"{path} is damaged ({problem}): {fix}")
 
 
 class SubmitError(RuntimeError):

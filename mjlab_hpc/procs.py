@@ -1,5 +1,6 @@
 """This machine's processes: one process table, one way to end a process group, one way to run
-an external command with a time limit.
+an external command with a time limit, and the memory they may use (and whether the kernel's
+OOM killer ended one).
 
 Every caller that asks "is it alive", "what is its command line", "how much CPU has it used"
 or "stop it and everything it started" goes through here, so they all agree (a zombie, or a
@@ -10,19 +11,25 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import resource
 import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
 __all__ = [
+    "OomCount",
     "ProcessEntry",
     "alive",
     "kill_group",
+    "memory_room",
+    "oom_count",
     "processes",
     "run_command",
     "send_signal",
@@ -130,3 +137,127 @@ def run_command(
             kill_group(proc.pid)
             raise
     return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+
+
+# --- memory ----------------------------------------------------------------------------------
+# psutil sees the machine's memory, not a container's or a job's cgroup limit, nor the kernel's
+# OOM-kill counters: those are read from the cgroup files here (v1 and v2).
+
+_CGROUP_ROOTS = ("/sys/fs/cgroup/memory", "/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+
+
+def _cgroup_dir(pid: int | str = "self") -> Path | None:
+    """The memory cgroup folder of a process (v1's memory controller, else v2's)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    paths = [line.split(":", 2)[2] for line in lines if line.count(":") >= 2 and
+             line.split(":")[1] in ("memory", "")]  # fmt: skip
+    for path in paths:
+        for root in _CGROUP_ROOTS:
+            folder = Path(root + path.rstrip("/"))
+            if (folder / "memory.oom_control").exists() or (folder / "memory.events").exists():
+                return folder
+    return None
+
+
+def _fields(path: Path) -> dict[str, int]:
+    try:
+        return {k: int(v) for k, v in re.findall(r"^(\w+) (\d+)$", path.read_text(), re.M)}
+    except (OSError, ValueError):
+        return {}
+
+
+def _number(path: Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        return int(path.read_text().strip())
+    return None
+
+
+def _cgroup_room(folder: Path) -> int | None:
+    """What the cgroup's limit leaves (its ancestors' limits too), page cache counted free."""
+    stat = _fields(folder / "memory.stat")
+    if "hierarchical_memory_limit" in stat:  # v1
+        used = (_number(folder / "memory.usage_in_bytes") or 0) - stat.get("total_inactive_file", 0)
+        limit = stat["hierarchical_memory_limit"]
+        return None if limit >= 1 << 60 else max(0, limit - used)
+    rooms = []
+    while (folder / "memory.max").exists():  # v2: every level's own limit
+        limit = _number(folder / "memory.max")  # "max": no limit
+        if limit is not None:
+            used = (_number(folder / "memory.current") or 0) - _fields(folder / "memory.stat").get(
+                "inactive_file", 0
+            )
+            rooms.append(max(0, limit - used))
+        folder = folder.parent
+    return min(rooms) if rooms else None
+
+
+def memory_room() -> tuple[int, str]:
+    """Bytes that new processes of this one may still use on this machine, and what sets it
+    (for people): the available memory, a memory cgroup's limit (a container, a Slurm job),
+    or the address-space limit of a process."""
+    room, why = int(psutil.virtual_memory().available), "available"
+    folder = _cgroup_dir()
+    limited = _cgroup_room(folder) if folder is not None else None
+    if limited is not None and limited < room:
+        room, why = limited, f"left under the memory limit of cgroup {folder}"
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY and soft < room:
+        room, why = soft, "as the address-space limit of each process (ulimit -v)"
+    return room, why
+
+
+@dataclass(frozen=True)
+class OomCount:
+    """How many processes the kernel's OOM killer ended in a memory cgroup, when read."""
+
+    kernel: str
+    """The boot id of the kernel that counts (the counter means nothing under another)."""
+    counter: str
+    """The cgroup file that holds the count (memory.oom_control, memory.events)."""
+    kills: int
+
+    def describe(self) -> str:
+        """As written into a rank's log (`parse` reads it back)."""
+        return f"oom-kills {self.kills} in {self.counter} (kernel {self.kernel})"
+
+    @classmethod
+    def parse(cls, text: str) -> OomCount | None:
+        """The count a rank's log line holds, if any."""
+        m = re.search(r"oom-kills (\d+) in (\S+) \(kernel ([\w-]+)\)", text)
+        return cls(m.group(3), m.group(2), int(m.group(1))) if m else None
+
+    def rose(self) -> bool | None:
+        """Whether the OOM killer ended a process of that cgroup since (None: not knowable
+        here: another kernel, or the cgroup is gone)."""
+        now = _read_oom(Path(self.counter))
+        if now is None or _boot_id() != self.kernel:
+            return None
+        return now > self.kills
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _read_oom(counter: Path) -> int | None:
+    return _fields(counter).get("oom_kill")
+
+
+def oom_count(pid: int | str = "self") -> OomCount | None:
+    """The OOM kills counted so far in the memory cgroup of a process (None where there is no
+    such counter). The kernel counts a kill in the victim's own cgroup, whatever limit or
+    shortage caused it."""
+    folder = _cgroup_dir(pid)
+    if folder is None:
+        return None
+    for name in ("memory.oom_control", "memory.events"):
+        kills = _read_oom(folder / name)
+        if kills is not None:
+            return OomCount(_boot_id(), str(folder / name), kills)
+    return None

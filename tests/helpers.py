@@ -3,11 +3,12 @@ progress, finding rank processes, fault injection, and two real ranks in a gloo 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -284,3 +285,37 @@ def make_motion(path: Path, frames: int = 40, bodies: int = 40) -> Path:
              body_pos_w=pos, body_quat_w=quat, body_lin_vel_w=np.zeros_like(pos),
              body_ang_vel_w=np.zeros_like(pos))  # fmt: skip
     return path
+
+
+@contextlib.contextmanager
+def memory_cgroup(name: str, limit_bytes: int) -> Iterator[Path]:
+    """A memory cgroup (v1) of its own below this process's, limited to `limit_bytes`: what
+    the kernel's OOM killer acts in, as in a container or a Slurm job with --mem. Processes
+    moved in (`echo PID > <cgroup>/cgroup.procs`; children follow) go back to this process's
+    cgroup at the end. Fails under CI=true where it cannot be made, else skips."""
+    import pytest
+
+    here = next((line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text()
+                 .splitlines() if line.split(":")[1:2] == ["memory"]), None)  # fmt: skip
+    parent = Path("/sys/fs/cgroup/memory" + (here or "/").rstrip("/"))
+    group = parent / f"{name}-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
+    except OSError as exc:
+        reason = f"no memory cgroup of our own at {group} (cgroup v1, root): {exc}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    try:
+        yield group
+    finally:
+        for _ in range(50):  # a process may be forking while we move the others
+            pids = (group / "cgroup.procs").read_text().split()
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    (parent / "cgroup.procs").write_text(pid)
+            with contextlib.suppress(OSError):
+                group.rmdir()
+                break
+            time.sleep(0.1)

@@ -9,6 +9,7 @@ when CI=true, so a CI machine that should run them cannot silently skip them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
@@ -142,6 +143,19 @@ class SlurmCluster:
         with open(self.state_dir / "log" / f"slurmd-{node}.out", "a") as log:
             subprocess.Popen(argv, env=self.environ(), stdin=subprocess.DEVNULL, stdout=log,
                              stderr=log, start_new_session=True)  # fmt: skip
+
+    @contextlib.contextmanager
+    def controller_down(self) -> Iterator[None]:
+        """slurmctld stopped for real (the slurmds, jobs and accounting go on), started again
+        from its saved state at the end."""
+        env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(self.state_dir)}
+        subprocess.run(["bash", str(SCRIPT), "ctld-stop"], env=env, check=True, timeout=60,
+                       capture_output=True)  # fmt: skip
+        try:
+            yield
+        finally:
+            subprocess.run(["bash", str(SCRIPT), "ctld-start"], env=env, check=True, timeout=60,
+                           capture_output=True)  # fmt: skip
 
     def wait_job(self, job_id: int | str, timeout: float = 60.0) -> str:
         """Poll sacct until the job reaches a final state and return it."""

@@ -30,6 +30,7 @@ def test_submitit_parts() -> None:
         (submitit.SlurmExecutor, "_make_submission_file_text"),
         (submitit.SlurmExecutor, "_submitit_command_str"),
         (submitit.SlurmExecutor, "affinity"),
+        (submitit.SlurmExecutor, "_submit_command"),
         (submitit.LocalExecutor, "_submit_command"),
         (local.Controller, "start_tasks"),
         (local.Controller, "kill_tasks"),

@@ -4,6 +4,7 @@ and turning errors into one clear line and an exit code."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import sys
 import typing
@@ -15,7 +16,15 @@ import tyro
 from rich.console import Console
 from rich.markup import escape
 
-from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED, LaunchError, SpecError, SubmitError
+from mjlab_hpc.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    LaunchError,
+    SpecError,
+    SubmitError,
+)
 from mjlab_hpc.spec import split_overrides
 
 __all__ = ["error_line", "guarded", "mjlab_booleans", "parse_with_overrides", "resume_command"]
@@ -34,7 +43,8 @@ def error_line(label: str, message: object) -> None:
 
 def guarded(body: Callable[[], int]) -> int:
     """Run a command body; bad input (SpecError, LaunchError) becomes one line and exit 2, a
-    refused submission one line and exit 1."""
+    refused submission one line and exit 1, a Ctrl-C that reached no handler of ours one line
+    and exit 130."""
     try:
         return body()
     except (SpecError, LaunchError) as exc:
@@ -43,6 +53,14 @@ def guarded(body: Callable[[], int]) -> int:
     except SubmitError as exc:
         error_line("not submitted", exc)
         return EXIT_FAILED
+    except KeyboardInterrupt:  # Ctrl-C before the work began (or after it ended)
+        error_line("interrupted", "stopped at once (Ctrl-C); nothing was started")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`mjlab-hpc status --json | head`): nothing more to say, and
+        # the interpreter's own flush at exit must not fail either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 def parse_with_overrides(

@@ -17,14 +17,21 @@ from rich.markup import escape
 from rich.table import Table
 
 from mjlab_hpc.cli.common import guarded
-from mjlab_hpc.errors import EXIT_INTERRUPTED, SpecError
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_INTERRUPTED, SpecError
 from mjlab_hpc.launch.heal import heal_job
 from mjlab_hpc.launch.slurm import render
 from mjlab_hpc.ops.cancel import cancel as cancel_runs
 from mjlab_hpc.ops.doctor import diagnose
 from mjlab_hpc.ops.logs import find_tracebacks, follow, rank_files, rank_host, tail
 from mjlab_hpc.ops.runs import list_runs, resolve_target, run_jobs
-from mjlab_hpc.ops.status import StatusReport, collect, console, interruption_line, watch
+from mjlab_hpc.ops.status import (
+    FAILED_STATES,
+    StatusReport,
+    collect,
+    console,
+    interruption_line,
+    watch,
+)
 from mjlab_hpc.ops.status import render as render_status
 from mjlab_hpc.rundir.layout import run_dir_for_key
 from mjlab_hpc.spec import SubmitSpec
@@ -253,6 +260,7 @@ def logs(cmd: Logs) -> int:
     run = single_run(cmd.target, cmd.log_root)
     ranks = rank_files(run)
     out = Console(highlight=False, soft_wrap=True)
+    failed = False
     if cmd.rank is not None:
         chosen = [f for f in ranks if f.rank == cmd.rank]
         if not chosen:
@@ -268,8 +276,11 @@ def logs(cmd: Logs) -> int:
         row = collect([run]).rows[0]
         cause = row.cause
         tracebacks = find_tracebacks(ranks)
+        if row.reason and row.active:
+            out.print(f"[yellow]{row.state}: {escape(row.reason)} (Slurm's reason)[/]")
         if cause is not None:
             out.print(f"[bold red]cause: {escape(cause)}[/]")
+        if cause is not None and cause.startswith("rank "):
             culprit = int(cause.split()[1])  # "rank <k> on ..."
             # The cause's own traceback first; the others' are consequences.
             tracebacks.sort(key=lambda tb: tb.rank != culprit)
@@ -285,6 +296,11 @@ def logs(cmd: Logs) -> int:
                     f"[yellow]later traceback: {escape(tb.where())}: "
                     f"{escape(tb.last_line)}[/] ({escape(str(tb.source))})"
                 )
+        elif row.state in FAILED_STATES:
+            out.print(
+                f"[bold red]{row.state}, and no traceback in any rank's log or task output[/]"
+            )
+            failed = True
         else:
             out.print("[green]no traceback in any rank's log or task output[/]")
         for event in row.interruptions:  # every stop and fault, and how the run came back
@@ -313,7 +329,7 @@ def logs(cmd: Logs) -> int:
 
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends following, not the job
             follow(files, active, sys.stdout)
-    return 0
+    return EXIT_FAILED if failed else 0
 
 
 def cancel(cmd: Cancel) -> int:

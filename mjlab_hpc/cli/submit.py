@@ -112,6 +112,9 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
     line; the exit code."""
     resume = resume_command(PROG, argv, s.run_dir)
     client = SlurmClient()
+    # Once a stop is asked, Slurm's state is asked for now (at most every second): submitit's
+    # cached one is refreshed every 30 s into a long job, long after the ranks are done.
+    forced: list[float] = []
     if s.executor == "local":
         controls = LocalControls(int(s.job_id), s.run_dir)
         stop, kill = controls.stop, controls.kill
@@ -121,13 +124,17 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
             # The ranks save a checkpoint on SIGTERM; with requeue forbidden, none follows.
             client.forbid_requeue(s.job_ids)  # a --chain's queued jobs too
             client.scancel(list(s.job_ids))
+            forced.append(0.0)
 
         def kill() -> None:
             pass  # stop following; the cancel goes on
 
     def done() -> bool:
+        force = bool(forced) and time.monotonic() - forced[-1] >= 1.0
+        if force:
+            forced.append(time.monotonic())
         jobs = (s.job, *s.chain)
-        if not all(j.done() for j in jobs):
+        if not all(j.done(force_check=force) for j in jobs):
             return False
         if s.executor == "slurm":  # results of ranks that the batch script starts again (healed)
             return all(client.job_state(j.job_id) != "RUNNING" for j in jobs)

@@ -3,10 +3,13 @@ or as one rank of a job started by torchrun, srun or submitit."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from mjlab_hpc.cli.common import guarded, parse_with_overrides, resume_command
 from mjlab_hpc.errors import (
@@ -24,12 +27,13 @@ from mjlab_hpc.rank.context import (
     current_allocation,
     detect_mode,
 )
+from mjlab_hpc.rundir.ends import failure_kind
 from mjlab_hpc.rundir.layout import create_run_dir
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks.video import rendering_problem
 from mjlab_hpc.validate import validate_train
 
-__all__ = ["main", "run"]
+__all__ = ["cli", "main", "run"]
 
 PROG = "mjlab-train"
 
@@ -69,6 +73,15 @@ def _run(spec: TrainSpec, argv: Sequence[str]) -> int:
         # (ranks of torchrun or srun agree on it among themselves).
         run_dir = create_run_dir(spec.log_root, resolved.experiment_name, resolved.train.run_name)
         resolved = resolved.replace_train(run_dir=str(run_dir))
+        try:
+            return _run_planned(resolved, plan, argv)
+        finally:  # stopped before any rank wrote to it (a Ctrl-C while torch loads)
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+    return _run_planned(resolved, plan, argv)
+
+
+def _run_planned(resolved: ResolvedSpec, plan: LaunchPlan, argv: Sequence[str]) -> int:
     if plan.in_process:
         return _run_in_process(resolved, plan, argv)
     resume = resume_command(PROG, argv, str(resolved.train.run_dir))
@@ -94,13 +107,15 @@ def _run_in_process(resolved: ResolvedSpec, plan: LaunchPlan, argv: Sequence[str
             if ended is not None and code == EXIT_STOPPED:
                 ended.say()
         return code
-    except OSError as exc:
+    except Exception as exc:
+        # The machine, not the code (a full disk, no memory left): the closing line says so
+        # and what to change; the traceback of anything else is the code's.
         run_dir = resolved.train.run_dir or "the run directory"
         problem = environment_problem(exc, run_dir)
-        if problem is None:
+        if problem is None and failure_kind(exc) != "out-of-memory":
             raise
         ended = closing(Path(run_dir), resume_command(PROG, argv, run_dir))
-        line = ended.line if ended is not None else f"failed: {problem}"
+        line = ended.line if ended is not None else f"failed: {problem or exc}"
         Closing(EXIT_FAILED, line).say()
         return EXIT_FAILED
     except Interrupted as interrupted:
@@ -125,5 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return spec if isinstance(spec, int) else run(spec, args)
 
 
+def cli() -> NoReturn:
+    """The `mjlab-train` command: `main`, then out at once. A process that trained spends
+    seconds in its interpreter's teardown (torch's and Warp's native objects) after its closing
+    line, where a second Ctrl-C would not stop it; every record is written by then."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

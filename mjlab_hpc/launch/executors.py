@@ -12,6 +12,7 @@ again; after a stop signal to it (Ctrl-C of our launcher, `mjlab-hpc cancel`) no
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shlex
 import signal
@@ -152,6 +153,11 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
             srun=srun, heal=heal, folder=shlex.quote(str(self.folder)), run_dir=run_dir,
             stuck=_STUCK_S, restart=EXIT_RESTART, requeue=EXIT_REQUEUE,
         )  # fmt: skip
+
+    def _submit_command(self, command: str) -> Any:
+        # submitit prints sbatch's refusal on stderr and raises it too: said once, by us.
+        with contextlib.redirect_stderr(io.StringIO()):
+            return super()._submit_command(command)
 
     def script(self) -> str:
         """The exact batch script this executor submits (what a dry run prints)."""

@@ -27,9 +27,10 @@ from mjlab_hpc.errors import (
     EXIT_OK,
     EXIT_STOPPED,
 )
+from mjlab_hpc.rundir.ends import memory_advice, run_outcome
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
-from mjlab_hpc.rundir.state import read_record, run_outcome
+from mjlab_hpc.rundir.state import read_record
 
 __all__ = [
     "Closing",
@@ -55,7 +56,8 @@ class Foreground:
         self.killed = False
         self._saved: dict[int, Any] = {}
 
-    def _say(self, text: str) -> None:
+    def say(self, text: str) -> None:
+        """Write `text` to the error stream, if it is still there."""
         # The terminal or a `| tee` may be gone (SIGHUP, Ctrl-C to a pipeline): the stop
         # matters more than the message.
         try:
@@ -69,13 +71,13 @@ class Foreground:
         name = signal.Signals(signum).name
         if self.signals == 1:
             self.stop()
-            self._say(
+            self.say(
                 f"\n{name}: stopping every rank at the next iteration boundary, with a "
                 "checkpoint (again to stop at once)\n"
             )
         elif not self.killed:
             self.killed = True
-            self._say(f"\n{name} again: stopping at once\n")
+            self.say(f"\n{name} again: stopping at once\n")
             self.kill()
 
     def __enter__(self) -> Foreground:
@@ -210,10 +212,12 @@ def closing(run_dir: Path, resume: str, cancelled: bool = False) -> Closing | No
         )
     if o.state == "failed":
         cause = o.cause.describe() if o.cause is not None else "see the rank logs"
+        if o.cause is not None and o.cause.oom:
+            cause += f"; {memory_advice(read_record(run_dir))}"
+        at = "before the first iteration" if o.iteration is None else f"at iteration {it}"
         return Closing(
             EXIT_FAILED,
-            f"failed at iteration {it}: {cause}; details: mjlab-hpc logs {run_dir}; "
-            f"resume with: {resume}",
+            f"failed {at}: {cause}; details: mjlab-hpc logs {run_dir}; resume with: {resume}",
         )
     return None
 
@@ -233,8 +237,24 @@ def follow_to_end(
     and say how it ended: the run's closing line, or, when the ranks left no record of this
     start, `failures()` (what the launcher knows of them). `cancels`: a stop signal cancels
     the job (a Slurm job). The Foreground tells whether it was killed."""
+    said: list[bool] = []
+
+    def checkpointed(waiting: bool) -> None:  # the ranks are done; the job may take a moment
+        if fg.signals and not said and read_record(run_dir).get("state") == "stopped":
+            said.append(True)
+            at = (read_record(run_dir).get("restarts") or [{}])[-1].get("iteration")
+            fg.say(
+                f"checkpoint saved at iteration {at}{'; waiting for the job to end' * waiting}\n"
+            )
+
+    def ended() -> bool:
+        over = fg.killed or done()
+        checkpointed(not over)
+        return over
+
     with Foreground(stop, kill, sys.stderr) as fg:
-        follow_progress(run_dir, total, lambda: fg.killed or done(), out)
+        follow_progress(run_dir, total, ended, out)
+        checkpointed(False)  # the job ended as the ranks recorded their stop
     if fg.killed:
         return Closing(EXIT_INTERRUPTED, f"stopped at once; resume with: {resume}"), fg
     ended = closing(run_dir, resume, cancelled=cancels and fg.signals > 0)

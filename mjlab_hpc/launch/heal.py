@@ -4,18 +4,19 @@ and start the job again from its newest valid checkpoint, without a person.
 Runs in what outlives the ranks: the Slurm batch script after srun (`mjlab-hpc heal`) and our
 local controller (`mjlab_hpc.launch.executors`). From what the ranks left (`exit:` lines, the
 hang watchdog's files) it decides: nothing to heal (completed, stopped, refused, cancelled);
-not again (the same failure at the same iteration as before: a crash loop; or --max-restarts
-reached, counting restarts of both kinds); else start again: in the same allocation (a new srun
-step, leaving out the nodes the fault points at while spare nodes of the allocation take their
-place), or by a requeue when the allocation cannot run it (a suspect node and no spare, or a
-restart in it that made no progress), on Slurm excluding a node the fault points at while the
-partition still fits the job. The decision goes into run.json (`faults`), as the writer,
-before acting.
+not again (out of memory: the same settings run out again; the same failure at the same
+iteration as before: a crash loop; or --max-restarts reached, counting restarts of both kinds);
+else start again: in the same allocation (a new srun step, leaving out the nodes the fault
+points at while spare nodes of the allocation take their place), or by a requeue when the
+allocation cannot run it (a suspect node and no spare, or a restart in it that made no
+progress), on Slurm excluding a node the fault points at while the partition still fits the
+job. The decision goes into run.json (`faults`), as the writer, before acting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import os
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE, EXIT_RESTART
+from mjlab_hpc.rundir.ends import first_failure, memory_advice, rank_ends
 from mjlab_hpc.rundir.layout import (
     SUBMITIT_DIR,
     RunDir,
@@ -42,10 +44,8 @@ from mjlab_hpc.rundir.state import (
     IN_ALLOCATION,
     RESTARTED,
     cancel_marker,
-    first_failure,
     now_iso,
     on_fault,
-    rank_ends,
     read_record,
 )
 from mjlab_hpc.rundir.writer import RunWriter
@@ -78,7 +78,7 @@ class Fault:
     """What ended a start: a crash or a hang, where, and at which iteration."""
 
     reason: str
-    """crash or hang."""
+    """crash, hang or out-of-memory."""
     error: str
     """What happened, for people (the failing rank's exception, or the hang's findings)."""
     ranks: tuple[int, ...]
@@ -112,11 +112,12 @@ class Healing:
     """The run.json `faults` entry."""
 
 
-def find_fault(run_dir: Path, since: float | None = None) -> Fault | None:
-    """The crash or hang that ended the latest start (None: it ended otherwise). `since`: when
-    that start began (epoch s): a rank whose log has no start line after it failed before it
-    could log (a broken node, the process group never formed), and its older lines are not
-    this start's."""
+def find_fault(run_dir: Path, since: float | None = None, slurm_oom: bool = False) -> Fault | None:
+    """The crash, hang or out-of-memory that ended the latest start (None: it ended
+    otherwise). `since`: when that start began (epoch s): a rank whose log has no start line
+    after it failed before it could log (a broken node, the process group never formed), and
+    its older lines are not this start's. `slurm_oom`: Slurm says a step ran out of memory
+    (its cgroup's OOM killer): a rank ended without a word by it was killed for memory."""
     run = RunDir(run_dir)
     iteration = progress_summary(run).iteration or 0
     hangs = read_hangs(run)
@@ -148,20 +149,25 @@ def find_fault(run_dir: Path, since: float | None = None) -> Fault | None:
     assert cause is not None
     host = cause.host or "?"
     killed = cause.how == "no-exit"
+    if killed and slurm_oom and not cause.oom:
+        cause = dataclasses.replace(cause, oom=True)
     failure = read_record(run_dir).get("failure") or {}
     error = cause.describe()
-    if failure.get("kind") == "environment" and failure.get("error"):
+    if failure.get("kind") in ("environment", "out-of-memory") and failure.get("error"):
         error = str(failure["error"]).splitlines()[0]
     at = cause.at.timestamp() if cause.at is not None else None  # rank logs: local time
+    if cause.oom or failure.get("kind") == "out-of-memory":  # the settings, not the node
+        return Fault("out-of-memory", error, (cause.rank,), (host,), iteration, (), at)
     return Fault("crash", error, (cause.rank,), (host,), iteration,
                  (host,) if killed and cause.host else (), at)  # fmt: skip
 
 
 def decide(
-    run_dir: Path, max_restarts: int, job_id: str | None = None, since: float | None = None
-) -> Healing:
+    run_dir: Path, max_restarts: int, job_id: str | None = None, since: float | None = None,
+    slurm_oom: bool = False,
+) -> Healing:  # fmt: skip
     """Whether to requeue after the latest start of the run in `run_dir` ended."""
-    fault = find_fault(run_dir, since)
+    fault = find_fault(run_dir, since, slurm_oom)
     if fault is None:
         return Healing(None, why="nothing to heal")
     rec = read_record(run_dir)
@@ -184,6 +190,8 @@ def decide(
     last = (rec.get("faults") or [None])[-1]
     if cancel_marker(run_dir, rec) is not None:
         heal.why = "the run was cancelled (mjlab-hpc cancel)"
+    elif fault.reason == "out-of-memory":
+        heal.why = f"not restarted (the same settings run out again): {memory_advice(rec)}"
     elif (
         last
         and last.get("signature") == entry["signature"]
@@ -215,7 +223,7 @@ def record_healing(
     try:
         writer = RunWriter.acquire(RunDir(run_dir), rank=0, timeout_s=lease_wait_s)
         try:
-            before = read_record(run_dir)
+            before = read_record(run_dir, set_aside=True)
             if replace_last and before.get("faults"):
                 before["faults"] = before["faults"][:-1]
             after = on_fault(before, heal.entry, heal.requeue)
@@ -244,25 +252,55 @@ def _excluded(client: SlurmClient, job_id: str) -> list[str]:
     return [] if value in ("(null)", "") else client.hostnames(value) or []
 
 
+def _hosts(client: SlurmClient, value: str | None) -> list[str]:
+    return [] if value in (None, "", "(null)") else client.hostnames(value) or []
+
+
+def _satisfies(constraint: str, features: set[str]) -> bool | None:
+    """Whether a node with `features` satisfies a --constraint of names joined by `&` or `,`
+    (all) or by `|` (any); None for Slurm's other forms (counts, brackets)."""
+    if not re.fullmatch(r"[\w.+@:-]+([&,|][\w.+@:-]+)*", constraint):
+        return None
+    if "|" in constraint:
+        return (
+            None if re.search("[&,]", constraint) else bool(set(constraint.split("|")) & features)
+        )
+    return set(re.split("[&,]", constraint)) <= features
+
+
 def usable_without(client: SlurmClient, job_id: str, exclude: Sequence[str]) -> tuple[bool, str]:
-    """Whether the job's partition still has enough usable nodes once `exclude` (and the
-    nodes excluded before) are left out; and why not."""
+    """Whether the job can still run once `exclude` (and the nodes excluded before) are left
+    out: no node the job requires (--sbatch-arg nodelist) is excluded, and enough usable nodes
+    of its partition with its --constraint's features remain; and why not."""
     fields = _job_fields(client, job_id)
     partition = fields.get("Partition", "")
     needed = int(fields.get("NumNodes", "1").split("-")[0] or 1)
     before = _excluded(client, job_id)
-    proc = client.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%T"])
+    required = set(_hosts(client, fields.get("ReqNodeList")))
+    if required & set(exclude):
+        clash = ", ".join(sorted(required & set(exclude)))
+        return False, f"the job requires {clash} (--sbatch-arg nodelist): it cannot run without"
+    proc = client.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%T|%f"])
     if proc is None or proc.returncode != 0:
         return False, "sinfo did not answer: the partition's size is unknown"
-    usable = {
-        line.split("|")[0]
-        for line in proc.stdout.splitlines()
-        if "|" in line and not any(s in line.split("|")[1].upper() for s in _UNUSABLE)
-    }
+    constraint = fields.get("Features", "(null)")
+    usable = set()
+    for line in proc.stdout.splitlines():
+        node, _, rest = line.partition("|")
+        state, _, features = rest.partition("|")
+        if not rest or any(s in state.upper() for s in _UNUSABLE):
+            continue
+        fits = True if constraint in ("", "(null)") else _satisfies(
+            constraint, set(features.split(",")))  # fmt: skip
+        if fits is None:
+            return False, f"which nodes satisfy --constraint {constraint} is not known here"
+        if fits:
+            usable.add(node)
     left = usable - set(exclude) - set(before)
     if len(left) < needed:
         return False, (
             f"partition {partition} would have {len(left)} usable node(s) for a {needed}-node job"
+            + (f" with --constraint {constraint}" if constraint not in ("", "(null)") else "")
         )
     return True, ""
 
@@ -335,7 +373,9 @@ def heal_slurm(
         return exit_code
     exit_code = EXIT_FAILED if exit_code == EXIT_RESTART else exit_code  # not ours: no loop
     job_id = os.environ.get("SLURM_JOB_ID")
-    heal = decide(run_dir, max_restarts, job_id, since)
+    heal = decide(
+        run_dir, max_restarts, job_id, since, bool(job_id and client.out_of_memory(job_id))
+    )
     if heal.fault is None:
         return exit_code
     here = step_excludes(client, run_dir, heal, step_nodes) if heal.requeue and job_id else None

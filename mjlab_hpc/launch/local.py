@@ -289,6 +289,13 @@ def rank_outcomes(job: submitit.Job, ranks: int) -> tuple[list[object], list[str
         task = job.task(k)
         try:
             results.append(task.result())
+        except submitit.core.utils.FailedJobError as exc:
+            # The rank raised (a subclass of UncompletedJobError: not a kill); the exception's
+            # own line, from the traceback submitit read back from the rank's result.
+            named = re.findall(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*$",
+                               str(exc), re.MULTILINE)  # fmt: skip
+            failures.append(f"rank {k} failed: {named[-1] if named else 'see its output'}; "
+                            f"its output: {task.paths.stderr}")  # fmt: skip
         except submitit.core.utils.UncompletedJobError:
             failures.append(
                 f"rank {k} died without a result (killed, e.g. SIGKILL or out of memory); "

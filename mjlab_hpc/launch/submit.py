@@ -8,6 +8,7 @@ naming the flag.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import shutil
@@ -159,13 +160,18 @@ def submit(spec: SubmitSpec) -> Submitted:
     kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
     made_here = not resolved.train.run_dir  # --run-dir, or the run --resume continues
     code = plan_snapshot(Path.cwd(), not spec.snapshot)  # too large: refused, nothing made
+    root = Path(spec.train.log_root)
+    new = [p for p in (root / resolved.experiment_name, root) if not p.exists()]
     run_dir = make_run_dir(spec, resolved)
     try:
         record_code(code, run_dir)
         jobs = submit_run(spec, resolved, kind, run_dir)
     except Exception as exc:
-        if made_here:  # nothing ran: leave no empty run behind
+        if made_here:  # nothing ran: leave no empty run (nor folders made for it) behind
             shutil.rmtree(run_dir, ignore_errors=True)
+            for folder in new:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
         raise SubmitError(f"{kind} refused the job: {str(exc).strip()}") from exc
     return Submitted(jobs[0], kind, run_dir, spec, resolved, chain=tuple(jobs[1:]))
 

@@ -66,8 +66,11 @@ def cancel_slurm(
     slurm.forbid_requeue(active)  # one scontrol call for all of them
     proc = slurm.scancel(active)
     if proc is None or proc.returncode != 0:
-        why = "scancel not found" if proc is None else (proc.stderr.strip() or proc.stdout)
-        return CancelOutcome("slurm", tuple(active), tuple(runs), False, f"scancel failed: {why}")
+        why = "no answer" if proc is None else (proc.stderr.strip() or proc.stdout.strip())
+        for run in runs:  # nothing was cancelled: the record must not say it was
+            (run / CANCEL_RECORD).unlink(missing_ok=True)
+        return CancelOutcome("slurm", tuple(active), tuple(runs), False,
+                             f"scancel failed ({why}): nothing was cancelled")  # fmt: skip
     deadline = time.monotonic() + grace_s
     while True:
         rows, _ = slurm.query(active)

@@ -4,10 +4,10 @@ cluster itself before the first real submission.
 The request is mjlab-submit's flags. Checks that need the compute nodes run two short probe
 jobs through submitit, as real jobs are: `_shape_probe` on every task of a job of the job's
 shape (nodes, tasks, GPUs, partition, account, qos, setup lines), whose tasks leave notes for
-each other in the log root and return their Python, imports and GPUs; and `_RequeueProbe`, one
-task that waits for the time-limit signal, is checkpointed and requeued by submitit, and says
-so when it runs again. `shape_checks` turns the tasks' results into checks. Probe jobs are
-cancelled and their folder removed when the doctor ends, however it ends.
+each other in the log root and return their Python, imports, GPUs and (--video) a test render;
+and `_RequeueProbe`, one task that waits for the time-limit signal, is checkpointed and
+requeued by submitit, and says so when it runs again. `shape_checks` turns the tasks' results
+into checks. Probe jobs are cancelled and their folder removed when the doctor ends.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from mjlab_hpc.ops.limits import limit_checks, partition_grace_s
 from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
+from mjlab_hpc.tasks.video import rendering_problem
 from mjlab_hpc.validate.sweep import sweep_elements
 from mjlab_hpc.validate.world import check_log_root, check_partition
 
@@ -77,6 +78,7 @@ _FIXES = {
     "--chain N (one job after another)",
     "accounting": "status then reads states from squeue and run records; ended jobs show their "
     "recorded state",
+    "render": "install EGL on the nodes (libegl1 libegl-mesa0 libgl1-mesa-dri), or drop --video",
 }
 
 
@@ -123,10 +125,9 @@ def _try_import(name: str) -> dict[str, Any]:
     return {"ok": True, "version": getattr(sys.modules[name.split(".")[0]], "__version__", "")}
 
 
-def _shape_probe(folder: str, ranks: int, mjlab: bool) -> dict[str, Any]:
-    """What one task of the shape probe finds: its node, Python, imports (the rank code's and,
-    for an mjlab task, mjlab's tasks), GPUs, the token this host wrote into `folder`, and how
-    many of the `ranks` tasks' notes it saw there. Never raises: a failure is reported."""
+def _shape_probe(folder: str, ranks: int, mjlab: bool, video: bool = False) -> dict[str, Any]:
+    """What one task of the shape probe finds: node, Python, imports, GPUs, why a test render
+    fails (`video`; "": it works), this host's token in `folder`, the notes seen. Never raises."""
     here = Path(folder)
     rank = int(os.environ.get("SLURM_PROCID", "0") or 0)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -148,6 +149,8 @@ def _shape_probe(folder: str, ranks: int, mjlab: bool) -> dict[str, Any]:
         gpus["torch_error"] = str(exc)[:300]
     if mjlab:
         info["mjlab"] = _try_import("mjlab.tasks")
+    if video and os.environ.get("SLURM_LOCALID", "0") == "0":
+        info["render"] = rendering_problem() or ""
     # After the imports the others' notes are there, where this node can see them.
     deadline = time.monotonic() + _NOTES_WAIT_S
     while len(notes := list(here.glob("note-*"))) < ranks and time.monotonic() < deadline:
@@ -285,15 +288,19 @@ def _gpus_check(gpus_per_node: int, ran: Sequence[dict[str, Any]]) -> Check:
 def shape_checks(
     folder: Path, token: str, outcomes: Sequence[Outcome], gpus: int, mjlab: bool, nodes: str = "?"
 ) -> list[Check]:
-    """What the shape probe's tasks left (`outcomes`, by rank) says: the shared log root
-    (`folder`: the probe folder, where this host wrote `token`), the nodes' Python and
-    imports, and their GPUs (`gpus` per node asked for). `nodes`: the job's node list, named
-    when nothing came back."""
+    """What the shape probe's tasks left (`outcomes`, by rank) says: the shared log root (`folder`,
+    where this host wrote `token`), the nodes' Python and imports, GPUs (`gpus` per node asked
+    for), offscreen rendering where probed. `nodes`: the job's nodes, named when none came back."""
     shared = _shared(folder, token, outcomes, nodes)
     if all(t is None for t in outcomes):
         return [shared]
     ran = [t for t in outcomes if isinstance(t, dict)]
-    return [shared, *_python(outcomes, mjlab), *([_gpus_check(gpus, ran)] if ran else [])]
+    checks = [shared, *_python(outcomes, mjlab), *([_gpus_check(gpus, ran)] if ran else [])]
+    if done := {t["node"]: t["render"] for t in ran if "render" in t}:  # rank 0 records videos
+        bad = [f"{node}: {why}" for node, why in done.items() if why]
+        ok = Check("offscreen rendering", "ok", f"a test render worked on {', '.join(done)}")
+        checks.append(Check(ok.name, "fail", bad[0], _FIXES["render"]) if bad else ok)
+    return checks
 
 
 # --- the checks that ask Slurm ---------------------------------------------------------------
@@ -482,11 +489,11 @@ def diagnose(
     block = f"signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIG{spec.preempt_signal}])"
     requeue_ex.python += f" -c 'import os, signal, sys; {block}; os.execv(sys.executable, "
     requeue_ex.python += "[sys.executable, *sys.argv[1:]])'"
-    mjlab = resolved.source == "mjlab"
+    mjlab, video = resolved.source == "mjlab", spec.train.video
     jobs: list[str] = []
     try:
         progress("submitting two probe jobs (job shape; time-limit signal and requeue)")
-        shape = _submit(shape_ex, _shape_probe, str(folder), spec.world_size, mjlab)
+        shape = _submit(shape_ex, _shape_probe, str(folder), spec.world_size, mjlab, video)
         requeue = _submit(requeue_ex, _RequeueProbe())
         jobs = [j.job_id for j in (shape, requeue) if not isinstance(j, str)]
         progress(f"waiting for probe jobs {', '.join(jobs)} (up to {wait_s:g} s)")

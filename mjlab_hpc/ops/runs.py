@@ -201,21 +201,24 @@ def resolve_target(target: str, log_root: Path, slurm: SlurmClient | None = None
             matches.append(run)
     if matches:
         return Target(tuple(matches))
-    found = run_dirs_of_job(target, slurm or SlurmClient())
+    slurm = slurm or SlurmClient()
+    found = run_dirs_of_job(target, slurm)
     if found:
         return found
+    known = slurm.job_stdout_paths(target) is not None
     raise SpecError(
         "RUN|JOB",
-        f"no run directory for job {target} under --log-root {log_root} "
-        "(and Slurm does not know it); pass the run directory instead",
-    )
+        f"no run directory for job {target} under --log-root {log_root} ("
+        + ("and Slurm does not know it" if known else "and Slurm could not be asked: "
+           "scontrol did not answer") + "); pass the run directory instead",
+    )  # fmt: skip
 
 
 def run_dirs_of_job(job_id: str, slurm: SlurmClient) -> Target | None:
     """Run directories of a job slurmctld knows, from its StdOut paths (submitit writes
     them into the run's submitit folder, or a sweep's shared one)."""
     runs: list[Path] = []
-    for stdout in slurm.job_stdout_paths(job_id):
+    for stdout in slurm.job_stdout_paths(job_id) or []:
         owner = stdout.parent.parent  # <run>/submitit/<job>_0_log.out
         if not (owner / SWEEP_RECORD).is_file():
             if is_run_dir(owner):

@@ -22,22 +22,23 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.runs import JobKind, RunJobs, run_jobs
+from mjlab_hpc.rundir.ends import rank_ends, recorded_cause
 from mjlab_hpc.rundir.layout import ElementRecord, RunDir, progress_summary, read_sweep
 from mjlab_hpc.rundir.state import (
     RESTARTED,
     JobState,
-    first_failure,
     interruptions,
     now_iso,
-    rank_ends,
     read_record,
     record_state,
 )
 from mjlab_hpc.slurm.client import SlurmAnswer, SlurmClient, SlurmRow
 
 __all__ = [
+    "FAILED_STATES",
     "RunStatus",
     "StatusReport",
     "collect",
@@ -59,6 +60,7 @@ STATE_STYLES = {
     "INTERRUPTED": "yellow",
     "CANCELLED": "magenta",
     "FAILED": "bold red",
+    "DAMAGED": "bold red",
     "LOST": "bold red",
     "TIMEOUT": "red",
     "OUT_OF_MEMORY": "bold red",
@@ -92,6 +94,12 @@ class RunStatus:
     """For a failed run: the rank that failed first and why (not the ranks that died of it)."""
     interruptions: tuple[dict[str, Any], ...] = ()
     """Every stop and fault of the run (run.json `restarts` and `faults`), oldest first."""
+    reason: str | None = None
+    """Slurm's reason: why the job pends (BadConstraints, JobHeldAdmin, Priority), or why it
+    ended without running (JobLaunchFailure)."""
+    disagrees: str | None = None
+    """What Slurm says where the run's own record says otherwise and wins (sacct's last word
+    on a job while slurmctld is down: `sacct says RUNNING`)."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values, for `status --json`."""
@@ -110,7 +118,12 @@ def _total_iterations(record: dict[str, Any]) -> int | None:
 
 def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
     run_dir = jobs.run_dir
-    record = read_record(run_dir)
+    try:
+        record, damaged = read_record(run_dir, strict=True), None
+    except DamagedRecord as exc:  # named on its row; the other runs are listed as ever
+        record, damaged = {}, str(exc)
+        if state.source in ("record", "none"):
+            state = JobState("DAMAGED", "record", False)
     progress = progress_summary(RunDir(run_dir), RATE_WINDOW)
     world = record.get("world_size")
     nodes = state.nodes or record.get("num_nodes")
@@ -118,9 +131,10 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
     if gpus is None and str(record.get("device", "")).startswith("cuda") and world and nodes:
         gpus = world // nodes
     starts = record.get("starts", [])
-    restarts = max(0, len(starts) - 1)
     events = interruptions(record)
     requeues = [e for e in events if e.get("kind", "requeue") in RESTARTED]
+    # A restarted start that failed before its writer recorded it still restarted the run.
+    restarts = max(0, len(starts) - 1, len(requeues))
     reasons = tuple(str(r.get("reason")) for r in requeues[:restarts])
     return RunStatus(
         run_dir=run_dir,
@@ -140,17 +154,24 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         restart_reasons=reasons,
         interruptions=tuple(events),
         sweep=jobs.element,
-        cause=_cause(run_dir) if state.state in _FAILED else None,
+        cause=damaged or (_cause(run_dir, record, state) if state.state in FAILED_STATES else None),
+        reason=state.reason,
+        disagrees=state.disagrees,
     )
 
 
 # States whose run ended by a failure: status names the rank that caused it.
-_FAILED = frozenset({"FAILED", "LOST", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
+FAILED_STATES = frozenset({"FAILED", "LOST", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
 
 
-def _cause(run_dir: Path) -> str | None:
-    cause = first_failure(rank_ends(run_dir))
-    return cause.describe() if cause is not None else None
+def _cause(run_dir: Path, record: dict[str, Any], state: JobState) -> str | None:
+    ends = rank_ends(run_dir)
+    cause = recorded_cause(record, ends)
+    if cause is not None:
+        return cause.describe()
+    if state.reason and not ends:
+        return f"the job failed before any rank started (Slurm: {state.reason})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -191,6 +212,25 @@ def _current_row(run: RunJobs, rows: dict[str, SlurmRow]) -> SlurmRow | None:
     return next((r for r in known if not r.final), rows.get(run.current or ""))
 
 
+# The states in which a run's own record says its start ended for good.
+_ENDED = frozenset({"COMPLETED", "FAILED", "INTERRUPTED", "CANCELLED"})
+
+
+def _record_first(run_dir: Path, row: SlurmRow) -> JobState:
+    """The job's state from Slurm, unless only accounting says it is active (squeue did not
+    list it: slurmctld down or forgetful) and the run's own record says this job's start
+    ended: the record wins, and says what Slurm says."""
+    slurm = JobState(row.state, row.source, not row.final, row.nodes, row.gpus_per_node,
+                     row.reason)  # fmt: skip
+    if row.final or row.source == "squeue":
+        return slurm
+    own = record_state(run_dir)
+    last = (read_record(run_dir).get("starts") or [{}])[-1].get("job_id")
+    if own.source != "record" or own.state not in _ENDED or last not in (row.job_id, row.raw_id):
+        return slurm
+    return dataclasses.replace(own, disagrees=f"{row.source} says {row.state}")
+
+
 def job_states(
     runs: Sequence[RunJobs], slurm: SlurmClient | None = None
 ) -> tuple[dict[Path, JobState], SlurmAnswer | None]:
@@ -205,8 +245,7 @@ def job_states(
     for run in runs:
         row = _current_row(run, rows) if run.kind == "slurm" else None
         if row is not None:
-            active = not row.final
-            out[run.run_dir] = JobState(row.state, row.source, active, row.nodes, row.gpus_per_node)
+            out[run.run_dir] = _record_first(run.run_dir, row)
         elif run.kind == "local" and local_processes(run.run_dir):
             out[run.run_dir] = JobState("RUNNING", "process", True, 1)
         else:
@@ -256,7 +295,7 @@ def interruption_line(e: dict[str, Any]) -> str:
     line = (
         f"{when[:19].replace('T', ' ')} {e.get('reason')}{where} at iteration {e.get('iteration')}"
     )
-    if e.get("error") and e.get("reason") in ("crash", "hang"):
+    if e.get("error") and e.get("reason") in ("crash", "hang", "out-of-memory"):
         line += f" ({e['error']})"
     line += f": {e.get('action') or ('requeued' if e.get('kind') == 'requeue' else 'stopped')}"
     if e.get("excluded_nodes"):
@@ -286,7 +325,13 @@ def _row(s: RunStatus) -> list[str | Text]:
         job += " (local)"
     return [
         job,
-        Text(s.state + (f"\n{s.cause}" if s.cause else ""), style=STATE_STYLES.get(s.state, "")),
+        Text(
+            s.state
+            + (f" ({s.reason})" if s.reason else "")
+            + (f" (run record; {s.disagrees})" if s.disagrees else "")
+            + (f"\n{s.cause}" if s.cause else ""),
+            style=STATE_STYLES.get(s.state, ""),
+        ),
         _size(s),
         f"{iteration}/{total}",
         _number(s.env_steps_per_s, ",.0f"),

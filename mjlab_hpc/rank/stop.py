@@ -140,6 +140,13 @@ class StopRequest:
                 # Once: a third Ctrl-C must not interrupt the "interrupted" record.
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 raise KeyboardInterrupt
+        if self.mode == "single" and not self.code:
+            # In the foreground, nobody else says it while the iteration ends (it can take a
+            # minute); os.write: a handler must not re-enter a buffered stream.
+            again = " (again to stop at once)" if signum == signal.SIGINT else ""
+            with contextlib.suppress(OSError):
+                os.write(2, f"\n{signal.Signals(signum).name}: stopping at the next iteration "
+                            f"boundary, with a checkpoint{again}\n".encode())  # fmt: skip
         self.record(signum)
 
     def early(self, signum: int) -> None:
@@ -436,7 +443,7 @@ class IterationBoundary:
         writer = self.writer
 
         def write() -> None:
-            before = read_record(writer.run.path)
+            before = read_record(writer.run.path, set_aside=True)
             after = on_recovered(before, self.start)
             if after != before:
                 writer.write_json(writer.run.record, after)
@@ -477,6 +484,6 @@ class IterationBoundary:
 
         def write() -> None:
             writer.append_line(run.restarts, json.dumps(entry))
-            writer.write_json(run.record, on_stop(read_record(run.path), entry))
+            writer.write_json(run.record, on_stop(read_record(run.path, set_aside=True), entry))
 
         writer.last_records(write)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import warp as wp
 
 from mjlab_hpc.errors import EXIT_INTERRUPTED, environment_problem
+from mjlab_hpc.procs import oom_count
 from mjlab_hpc.rank.context import (
     DETACHED_ENV,
     DistContext,
@@ -50,13 +51,13 @@ from mjlab_hpc.rank.stop import (
     watch_signals,
 )
 from mjlab_hpc.rank.watchdog import Watchdog, parse_faults
-from mjlab_hpc.rank.workload import Workload, build_workload, init_warp
+from mjlab_hpc.rank.workload import Workload, build_workload
 from mjlab_hpc.rundir.checkpoint import Checkpoints
+from mjlab_hpc.rundir.ends import failure_kind
 from mjlab_hpc.rundir.layout import RunDir, create_run_dir, latest_run, record_latest_run
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
 from mjlab_hpc.rundir.snapshot import code_record, imported_from
 from mjlab_hpc.rundir.state import (
-    failure_kind,
     now_iso,
     on_end,
     on_node_failed,
@@ -64,9 +65,10 @@ from mjlab_hpc.rundir.state import (
     read_record,
     requeues_so_far,
 )
-from mjlab_hpc.rundir.writer import RunWriter
+from mjlab_hpc.rundir.writer import RunWriter, busy_problem
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
+from mjlab_hpc.tasks.memory import init_warp
 
 __all__ = [
     "RankResult",
@@ -187,7 +189,7 @@ def _begin(
     torn = bool(raw) and not raw.endswith(b"\n")
     if len(kept) != len(written) or torn:  # iterations after the checkpoint, a torn last line
         writer.write_text(run.progress, "".join(json.dumps(r) + "\n" for r in kept))
-    before = read_record(run.path)
+    before = read_record(run.path, set_aside=True)
     if ctx.mode == "slurm" and ctx.job_id and ctx.restart_count >= 1:
         # The previous run of a requeued job ended because a node failed (sacct: NODE_FAIL).
         runs = SlurmClient().attempts(ctx.job_id) or []
@@ -288,8 +290,11 @@ def _train(
     try:
         injections = parse_faults()
         node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        # The OOM kills counted so far where this rank runs: a reader under the same kernel
+        # tells an OOM kill from another SIGKILL (rundir.ends).
+        oom = oom_count()
         log.info(
-            "%s on %s, host %s, pid %d, CPUs %s, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s",
+            "%s on %s, host %s, pid %d, CPUs %s, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s%s",
             ctx.describe(),
             device,
             node,
@@ -298,6 +303,7 @@ def _train(
             seed,
             resolved.num_envs,
             os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+            f", {oom.describe()}" if oom is not None else "",
         )
         if ctx.is_distributed:
             # Wall-clock times: from the last rank's call to everyone joined is the rendezvous.
@@ -313,6 +319,8 @@ def _train(
             print(f"warning: {msg}", file=sys.stderr, flush=True)
         checkpoints = None
         if ctx.is_main:
+            if (busy := busy_problem(run)) is not None:  # not ours to wait for and call done
+                raise ResumeRefused("--run-dir", busy)
             writer = RunWriter.acquire(run, ctx.rank)
             checkpoints = Checkpoints(run.path)
         plan = plan_resume(run, resolved, ctx, checkpoints)
@@ -380,32 +388,42 @@ def _train(
         raise Interrupted(str(run.path)) from None
     except BaseException as exc:
         problem = environment_problem(exc, run.path)
-        if writer is not None and started:
+        kind = "environment" if problem is not None else failure_kind(exc)
+        error = problem or f"{type(exc).__name__}: {exc}".strip()
+        if kind == "out-of-memory":
+            error = f"{resolved.num_envs} envs per rank on {device}: {error.splitlines()[0]}"
+        if writer is not None:  # before the first iteration too: the run has a record
             failure = {
                 "rank": ctx.rank,
                 "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-                "kind": "environment" if problem is not None else failure_kind(exc),
-                "error": (problem or f"{type(exc).__name__}: {exc}".strip())[:2000],
+                "kind": kind,
+                "error": error[:2000],
                 "at": now_iso(),
             }
             # First: on a full disk this gives up the writer's reserve, and the log line
             # below then has room too.
-            _record_end(writer, "failed", failure)
+            _record_end(writer, "failed", failure, resolved)
         if problem is not None:  # the disk, not the code: one line, no traceback
             log.error("exit: failed (environment)\n%s", problem)
         else:
-            log.exception("exit: failed (%s)", failure_kind(exc))
+            log.exception("exit: failed (%s)", kind)
         raise
     finally:
         if writer is not None:
             writer.release()
 
 
-def _record_end(writer: RunWriter, state: str, failure: dict[str, Any] | None) -> None:
+def _record_end(
+    writer: RunWriter, state: str, failure: dict[str, Any] | None,
+    resolved: ResolvedSpec | None = None,
+) -> None:  # fmt: skip
     def write() -> None:
-        before = read_record(writer.run.path)
+        before = read_record(writer.run.path, set_aside=True)
         tail = writer.run.progress_tail(1)
         after = on_end(before, int(tail[-1]["iteration"]) if tail else 0, state)
+        if resolved is not None:  # what it was to run, when it failed before its start record
+            after.setdefault("spec", resolved.train.to_dict())
+            after.setdefault("effective", resolved.effective())
         if failure is not None:
             after["failure"] = failure
         writer.write_json(writer.run.record, after)
@@ -441,7 +459,7 @@ def _finish(
     )
     if len(set(digests)) != 1:
         log.error("ranks diverged: parameter digests %s", digests)
-    ended = on_end(read_record(run.path), runner.current_learning_iteration)
+    ended = on_end(read_record(run.path, set_aside=True), runner.current_learning_iteration)
     writer.write_json(run.record, ended)
 
 

@@ -14,10 +14,7 @@ import contextlib
 import hashlib
 import io
 import logging
-import os
 import random
-import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +43,6 @@ __all__ = [
     "Workload",
     "build_staged",
     "build_workload",
-    "init_warp",
     "make_mjlab_runner",
     "rank_state",
     "restore_rank_state",
@@ -313,24 +309,3 @@ def make_mjlab_runner(
         normalizer_sync=normalizer_sync,
         **runtime.runner_kwargs,
     )
-
-
-def init_warp() -> None:
-    """Initialise Warp without its "Could not find or load the NVIDIA CUDA driver" warning on
-    machines without a GPU (the native library prints it to stderr; everything else it prints
-    is passed on)."""
-    wp.config.quiet = True
-    wp.config.log_level = wp.LOG_WARNING  # kernel-load lines go nowhere useful on N ranks
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as caught:
-        os.dup2(caught.fileno(), 2)
-        try:
-            wp.init()
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        caught.seek(0)
-        for line in caught.read().decode(errors="replace").splitlines(keepends=True):
-            if "Could not find or load the NVIDIA CUDA driver" not in line:
-                sys.stderr.write(line)

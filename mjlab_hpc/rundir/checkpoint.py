@@ -48,6 +48,7 @@ __all__ = [
 
 log = logging.getLogger("mjlab_hpc")
 
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 #: A damaged checkpoint set aside keeps its name with this suffix (listings ignore it).
 DAMAGED_SUFFIX = ".damaged"
 
@@ -166,12 +167,17 @@ def rank_state_world_size(checkpoint: Path) -> int | None:
 
 
 def _check_bytes(path: Path, data: bytes) -> bool:
-    """Whether `data` matches the sidecar (True: it does; False: no sidecar); ValueError when
-    it does not match."""
+    """Whether `data` matches the sidecar (True: it does; False: no sidecar, or one that holds
+    no checksum); ValueError when it does not match."""
     sidecar = _sidecar(path)
     try:
-        expected = sidecar.read_text().strip()
+        expected = sidecar.read_bytes().decode(errors="replace").strip()
     except FileNotFoundError:
+        return False
+    if not _DIGEST.fullmatch(expected):
+        # The sidecar itself is damaged (torn, overwritten): it condemns nothing, and the
+        # checkpoint is judged by loading it, as one written without a sidecar.
+        log.warning("%s holds no checksum: %s is checked by loading it", sidecar.name, path.name)
         return False
     if hashlib.sha256(data).hexdigest() != expected:
         raise ValueError(f"{path.name} does not match its checksum (damaged or truncated)")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.rundir.durable import create_exclusive, write_atomic
 
 __all__ = [
@@ -308,7 +309,18 @@ def _recorded_run(record: Path) -> Path:
     Records hold the run's name, so a copied or moved log root resolves in the copy; records
     written with an absolute path are read by their last component for the same reason.
     """
-    name = Path(record.read_text().strip()).name
+    try:
+        text = record.read_bytes().decode().strip()
+    except UnicodeDecodeError:
+        text = "\n"  # binary: damaged like any other non-name
+    name = Path(text).name
+    # One line naming a folder beside the record: anything else would resume (or train) in
+    # the experiment folder itself, or elsewhere.
+    if not name or name in (".", "..") or "\n" in text or not name.isprintable():
+        raise DamagedRecord(
+            record, f"it holds {text[:40]!r}, not the name of a run",
+            "name the run with --run-dir, or delete the file (the newest run is then used)",
+        )  # fmt: skip
     return (record.parent.parent / name) if record.parent.name == KEYS_DIR else record.parent / name
 
 

@@ -355,7 +355,9 @@ def claim_ticket(tickets: Path, hint: int) -> int:
     n = lo + 1
     while True:
         try:
-            fd = os.open(tickets / str(n), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+            fd = os.open(
+                tickets / str(n), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666
+            )
         except FileExistsError:
             n += 1
             continue
@@ -399,7 +401,7 @@ def take_over(path: Path, stale: Snapshot, temp: Path, fd: int, lease_s: float) 
     own_breaker = False
     try:
         try:
-            os.close(os.open(breaker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC))
+            os.close(os.open(breaker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
             own_breaker = True
         except FileExistsError:
             # Someone else is breaking this lock, unless they crashed doing it.

@@ -1,13 +1,7 @@
-"""What a run is doing and how it ended, from its own files: the run record `run.json`
-(what ran, where, with which code, every start, stop and fault: kept by the writer of the run
-directory), how each rank's latest start ended (the `exit:` line every rank writes last into its
-log, `mjlab_hpc.rank.entry`), and the state these files tell without Slurm (with the writer's
-lease lock and `cancelled.json`).
-
-A rank log whose latest start has no exit line ended abruptly (SIGKILL, out of memory, a
-segfault, a lost node). Errors that say a peer went away (connection closed or reset, a
-collective timed out) are consequences: the cause is the first rank that failed otherwise, or
-else the rank that ended without a word.
+"""What a run is doing, from its own files: the run record `run.json` (what ran, where, with
+which code, every start, stop and fault: kept by the writer of the run directory, read by one
+reader that checks its shape), and the state these files tell without Slurm (with the
+writer's lease lock and `cancelled.json`). How each rank's latest start ended: `ends`.
 """
 
 from __future__ import annotations
@@ -16,20 +10,19 @@ import copy
 import datetime as dt
 import importlib.metadata
 import json
-import re
+import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.procs import run_command
 from mjlab_hpc.rundir.layout import (
     CANCEL_RECORD,
-    LOGS_DIR,
     RUN_RECORD,
     WRITER_LOCK,
-    RunDir,
-    progress_summary,
 )
 from mjlab_hpc.rundir.lock import LeaseLock, LockError
 from mjlab_hpc.spec import NOT_RUN_SETTINGS
@@ -38,12 +31,8 @@ __all__ = [
     "IN_ALLOCATION",
     "RESTARTED",
     "JobState",
-    "RankEnd",
-    "RunOutcome",
     "cancel_marker",
     "changed_settings",
-    "failure_kind",
-    "first_failure",
     "git_commit",
     "interruptions",
     "now_iso",
@@ -53,14 +42,14 @@ __all__ = [
     "on_recovered",
     "on_start",
     "on_stop",
-    "rank_ends",
     "read_record",
     "record_state",
     "requeues_so_far",
-    "run_outcome",
     "versions",
     "writer_alive",
 ]
+
+log = logging.getLogger("mjlab_hpc")
 
 # --- the run record -----------------------------------------------------------------------
 
@@ -98,15 +87,46 @@ def git_commit(path: Path) -> str | None:
     return proc.stdout.strip() or None
 
 
-def read_record(run_dir: Path) -> dict[str, Any]:
-    """The run record, or an empty dict when there is none yet."""
+# run.json's fields and the JSON type every reader relies on; entries of the lists are objects.
+_SHAPE = {"state": str, "spec": dict, "effective": dict, "failure": dict, "code": dict,
+          "starts": list, "restarts": list, "faults": list, "job_ids": list}  # fmt: skip
+
+
+def _shape_problem(value: object) -> str | None:
+    if not isinstance(value, dict):
+        return f"it holds {json.dumps(value)[:40]}, not a JSON object"
+    wrong = [k for k, kind in _SHAPE.items() if value.get(k) is not None
+             and not isinstance(value[k], kind)]  # fmt: skip
+    lists = ("starts", "restarts", "faults")
+    if not wrong and any(not isinstance(e, dict) for k in lists for e in value.get(k) or []):
+        return "an entry of its starts, restarts or faults is not a JSON object"
+    return f"its {wrong[0]!r} is {json.dumps(value[wrong[0]])[:40]}" if wrong else None
+
+
+def read_record(run_dir: Path, strict: bool = False, set_aside: bool = False) -> dict[str, Any]:
+    """The run record ({} when there is none yet): the one reader of run.json, which checks
+    its shape as well as its syntax. A damaged record reads as {} (no command ends in a
+    traceback), or with `strict` raises DamagedRecord naming it; with `set_aside` (a writer
+    about to write anew) it is kept as `run.json.damaged-<time>`, named in `damaged_records`."""
     path = run_dir / RUN_RECORD
-    if not path.exists():
-        return {}
     try:
-        return dict(json.loads(path.read_text()))
-    except json.JSONDecodeError:
+        value = json.loads(path.read_bytes())
+        problem = _shape_problem(value)
+    except FileNotFoundError:
         return {}
+    except (ValueError, UnicodeDecodeError):
+        problem = "it is not JSON"
+    if problem is None:
+        return dict(value)
+    if strict:
+        raise DamagedRecord(path, problem, f"move it aside (a resume keeps it as {RUN_RECORD}"
+                            ".damaged-<time> and begins a new record)")  # fmt: skip
+    if not set_aside:
+        return {}
+    kept = path.with_name(f"{RUN_RECORD}.damaged-{dt.datetime.now():%Y%m%d-%H%M%S}")
+    os.replace(path, kept)
+    log.warning("%s was damaged (%s): kept as %s, a new record begins", path, problem, kept.name)
+    return {"damaged_records": [kept.name]}
 
 
 def on_start(
@@ -280,200 +300,6 @@ def on_node_failed(
     return record
 
 
-# --- how the latest start ended ---------------------------------------------------------
-
-# Errors of a rank whose peer died or hung: consequences, not causes.
-_PEER_LOST_ERROR = re.compile(
-    r"closed by peer|reset by peer|peer lost|remote worker|broken pipe|connection refused|"
-    r"timed out|timeout|DistBackendError|NCCL communicator",
-    re.IGNORECASE,
-)
-
-
-def failure_kind(exc: BaseException) -> str:
-    """`peer-lost` for an error that says another rank died or hung (a consequence), else
-    `exception`."""
-    text = f"{type(exc).__name__}: {exc}"
-    return "peer-lost" if _PEER_LOST_ERROR.search(text) else "exception"
-
-
-How = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung", "no-exit"]
-
-_STAMP = re.compile(r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(\d{3}) rank(\d+) (.*)$")
-_START = re.compile(r"^rank \d+/\d+ \(local ")
-_HOST = re.compile(r"\bhost (\S+?),")
-_RANK_LOG = re.compile(r"^rank(\d+)\.log$")
-_PEER_LOST = re.compile(r"\(peer-lost\)")
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Refused)\b.*:")
-
-
-@dataclass(frozen=True)
-class RankEnd:
-    """How one rank's latest start ended."""
-
-    rank: int
-    host: str | None
-    how: How
-    at: dt.datetime | None
-    """The exit line's time (no-exit: the last line's)."""
-    detail: str
-    """The exit line, or for a failure the exception's last line."""
-    peer_lost: bool = False
-    """A failure that says another rank went away (a consequence)."""
-    started: dt.datetime | None = None
-    """When this start of the rank logged its first line."""
-
-    def describe(self) -> str:
-        """One line for people."""
-        where = f"rank {self.rank} on {self.host or 'an unknown host'}"
-        if self.how == "no-exit":
-            return (
-                f"{where} ended without an exit record (killed by a signal: SIGKILL, out of "
-                "memory, a segfault or a lost node)"
-            )
-        if self.how == "failed":
-            return f"{where} failed: {self.detail}"
-        if self.how == "hung":
-            return f"{where} {self.detail} (its stacks are in its log)"
-        return f"{where}: {self.detail}"
-
-
-def _stamp(match: re.Match[str]) -> dt.datetime:
-    when = dt.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S")
-    return when.replace(microsecond=int(match.group(2)) * 1000)
-
-
-def _rank_end(rank: int, path: Path) -> RankEnd | None:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    start = None
-    for i, line in enumerate(lines):
-        m = _STAMP.match(line)
-        if m and _START.match(m.group(4)):
-            start = i
-    if start is None:
-        return None
-    head = _STAMP.match(lines[start])
-    host_match = _HOST.search(lines[start])
-    host = host_match.group(1) if host_match else None
-    last_at = _stamp(head) if head else None
-    for i in range(start + 1, len(lines)):
-        m = _STAMP.match(lines[i])
-        if not m:
-            continue
-        last_at = _stamp(m)
-        message = m.group(4)
-        if not message.startswith("exit: "):
-            continue
-        body = message.removeprefix("exit: ")
-        how: How = "failed"
-        for word in ("completed", "stopped", "refused", "interrupted", "hung"):
-            if body.startswith(word):
-                how = word  # type: ignore[assignment]
-        detail = body
-        if how == "failed":
-            block = []
-            for line in lines[i + 1 :]:
-                if _STAMP.match(line):
-                    break
-                block.append(line)
-            error = [line.strip() for line in block if line.strip()]
-            # The exception's own line (`ValueError: ...`), not what some libraries print
-            # after it (pydantic's "For further information visit ...").
-            named = [line for line in error if _EXCEPTION_LINE.match(line)]
-            detail = named[-1] if named else error[-1] if error else body
-        started = _stamp(head) if head else None
-        return RankEnd(rank, host, how, last_at, detail, bool(_PEER_LOST.search(message)), started)
-    return RankEnd(rank, host, "no-exit", last_at, "no exit record",
-                   started=_stamp(head) if head else None)  # fmt: skip
-
-
-def rank_ends(run_dir: Path) -> list[RankEnd]:
-    """How each rank's latest start ended, by rank (ranks that never started are left out)."""
-    logs = run_dir / LOGS_DIR
-    found = []
-    if logs.is_dir():
-        for entry in sorted(logs.iterdir()):
-            m = _RANK_LOG.match(entry.name)
-            if m:
-                end = _rank_end(int(m.group(1)), entry)
-                if end is not None:
-                    found.append(end)
-    return sorted(found, key=lambda e: e.rank)
-
-
-def first_failure(ends: list[RankEnd]) -> RankEnd | None:
-    """The cause of a failed start: the earliest failure that is not a consequence, else the
-    earliest rank that ended without a word, else the earliest consequence."""
-    never = dt.datetime.max
-
-    def earliest(candidates: list[RankEnd]) -> RankEnd | None:
-        return min(candidates, key=lambda e: (e.at or never, e.rank)) if candidates else None
-
-    return (
-        earliest([e for e in ends if e.how == "failed" and not e.peer_lost])
-        or earliest([e for e in ends if e.how == "no-exit"])
-        or earliest([e for e in ends if e.how in ("failed", "hung")])
-    )
-
-
-@dataclass(frozen=True)
-class RunOutcome:
-    """How a run's latest start ended, for the closing line of a command."""
-
-    state: str
-    """run.json's state (completed, stopped, failed, interrupted, running, unknown), or what
-    the ranks' logs say of a start that ended before run.json knew (failed, refused)."""
-    launch_mode: str | None
-    """How the latest start was launched (slurm, submitit-local, single, torchrun)."""
-    refusal: str | None
-    """Why the ranks refused to start (a refused resume), when refused."""
-    iteration: int | None
-    """The last iteration in progress.jsonl."""
-    stop: dict[str, object] | None
-    """The last stop (reason, kind, signal, iteration), when stopped."""
-    cause: RankEnd | None
-    """The rank that failed first, when failed."""
-    env_steps_per_s: float | None
-    mean_reward: float | None
-
-
-def run_outcome(run_dir: Path) -> RunOutcome:
-    """How the run's latest start ended (call it once the job has ended)."""
-    record = read_record(run_dir)
-    state = str(record.get("state") or "unknown")
-    summary = progress_summary(RunDir(run_dir))
-    stops = record.get("restarts") or []
-    ends = rank_ends(run_dir)
-    # The ranks' logs are newer than run.json when a start ended before its writer recorded
-    # it (a refused resume, a failure while building): they say how this start ended.
-    if ends and all(e.how == "refused" for e in ends):
-        state = "refused"
-    elif any(e.how in ("failed", "hung", "no-exit") for e in ends):
-        state = "failed"
-    cause = first_failure(ends) if state == "failed" else None
-    failure = record.get("failure") or {}
-    if state == "failed" and failure.get("kind") == "environment":
-        # The writer recorded it; the rank log may have had no room for its exit line.
-        cause = RankEnd(
-            int(failure.get("rank", 0)), failure.get("host"), "failed", None,
-            str(failure.get("error")),
-        )  # fmt: skip
-    starts = record.get("starts") or [{}]
-    return RunOutcome(
-        state=state,
-        launch_mode=starts[-1].get("launch_mode"),
-        refusal=ends[0].detail.removeprefix("refused: ") if state == "refused" else None,
-        iteration=summary.iteration,
-        stop=stops[-1] if state == "stopped" and stops else None,
-        cause=cause,
-        env_steps_per_s=summary.env_steps_per_s,
-        mean_reward=summary.mean_reward,
-    )
-
-
 # --- the state the run's files tell -------------------------------------------------------
 
 
@@ -489,6 +315,10 @@ class JobState:
     active: bool
     nodes: int | None = None
     gpus_per_node: int | None = None
+    reason: str | None = None
+    """Slurm's reason: why the job pends, or why it ended without running."""
+    disagrees: str | None = None
+    """What Slurm says, where the run's own record says otherwise and wins."""
 
 
 def writer_alive(run_dir: Path) -> bool:

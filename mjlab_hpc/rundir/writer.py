@@ -7,19 +7,62 @@ import contextlib
 import errno
 import json
 import os
+import re
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mjlab_hpc.procs import alive
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.lock import LeaseLock, LockError, OwnerInfo, write_fenced
 
-__all__ = ["RESERVE_BYTES", "RunWriter", "once"]
+__all__ = ["RESERVE_BYTES", "RunWriter", "busy_problem", "once"]
 
+# durable.temp_path's names: `.<name>.<tag><pid>.<8 hex>.tmp`.
+_TEMP = re.compile(r"(\d+)\.[0-9a-f]{8}\.tmp$")
 #: Disk space the writer keeps for a run's last records (run.json and friends).
 RESERVE_BYTES = 1 << 20
+
+
+def busy_problem(run: RunDir) -> str | None:
+    """Why no training may start writing `run` now: another live one does (None: none does).
+    Asked before any rank starts, and again by rank 0 before it takes the lock."""
+    if (busy := _live_writer(run)) is None:
+        return None
+    return (
+        f"another training is writing {run.path} ({busy}): wait for it to end (mjlab-hpc "
+        "status), stop it, or start a new run"
+    )
+
+
+def _live_writer(run: RunDir) -> str | None:
+    """Who writes `run` now, when that is a live process (None: nobody, or a writer whose
+    lease runs out: a crashed one, which a new writer waits out). Alive: a process of this
+    host that exists, or a heartbeat seen renewed within a heartbeat interval."""
+    lock = LeaseLock(run.writer_lock)
+    try:
+        seen = lock.holder()
+    except LockError:
+        return None
+    if seen is None or seen.owner is None or seen.lease_s is None:
+        return None
+    if seen.age_s() >= seen.lease_s:
+        return None
+    if seen.owner.host == socket.gethostname():
+        return seen.describe() if seen.owner.pid != os.getpid() and alive(seen.owner.pid) else None
+    deadline = time.monotonic() + seen.lease_s / 4 + 1.0  # the holder's heartbeat interval
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        with contextlib.suppress(LockError):
+            now = lock.holder()
+            if now is None or now.nonce != seen.nonce:
+                return None
+            if now.heartbeat_at != seen.heartbeat_at:
+                return now.describe()
+    return None
 
 
 class RunWriter:
@@ -44,7 +87,17 @@ class RunWriter:
         lock.acquire(timeout_s=lease_s * 1.5 + 5.0 if timeout_s is None else timeout_s)
         writer = cls(run, lock)
         writer._reserve()
+        writer._remove_stale_temps()
         return writer
+
+    def _remove_stale_temps(self) -> None:
+        # Temporary files of a process killed mid-write (a checkpoint or its sidecar): only
+        # the writer publishes here, and the one that made them is gone.
+        for path in self.run.path.glob(".*.tmp"):
+            m = _TEMP.search(path.name)
+            if m and not alive(int(m.group(1))):
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
     def _reserve(self) -> None:
         # Space set aside while the disk has it, so that the run's last records (failed,

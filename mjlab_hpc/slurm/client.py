@@ -7,11 +7,12 @@ missing answer means (status falls back to the run record).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import subprocess
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -70,6 +71,9 @@ class SlurmRow:
     gpus_per_node: int | None
     node_list: str | None
     source: Literal["squeue", "sacct"]
+    reason: str | None = None
+    """Why it pends, or why it ended without running (JobLaunchFailure, BadConstraints,
+    JobHeldAdmin); None: none given."""
 
     @property
     def final(self) -> bool:
@@ -148,6 +152,8 @@ class Partition:
     """The most GPUs (gres gpu) a node of it has."""
     max_minutes: int | None
     """The partition's time limit (None: infinite or unknown)."""
+    mem_mb_per_node: int | None = None
+    """The most memory a node of it has, in MB (its RealMemory; None: unknown)."""
 
 
 def _minutes(limit: str) -> int | None:
@@ -159,6 +165,10 @@ def _minutes(limit: str) -> int | None:
     return days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
 
 
+# Commands that ask slurmctld (sacct and sacctmgr ask slurmdbd).
+_CONTROLLER_COMMANDS = frozenset({"squeue", "scontrol", "scancel", "sbatch", "sinfo", "srun"})
+
+
 @dataclass(frozen=True)
 class SlurmClient:
     """Runs Slurm's commands with a given environment and one timeout for all of them."""
@@ -167,12 +177,23 @@ class SlurmClient:
     """Environment of the commands (default: this process's; tests add SLURM_CONF)."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Seconds a command may take; past that it is killed and counts as not answering."""
+    unreachable: list[subprocess.CompletedProcess[str]] = field(
+        default_factory=list, compare=False, repr=False
+    )
+    """How a command found slurmctld unreachable: later commands that need it give the same
+    answer at once instead of retrying for seconds each (sacct asks slurmdbd: it still runs)."""
 
     def run(self, args: Sequence[str]) -> subprocess.CompletedProcess[str] | None:
         """Run a Slurm command; None when it is not installed or does not answer in time."""
+        if self.unreachable and args[0] in _CONTROLLER_COMMANDS:
+            return subprocess.CompletedProcess(list(args), 1, "", self.unreachable[0].stderr)
         proc = run_command(args, timeout_s=self.timeout_s, env=self.env)
         if proc is None:
             log.debug("%s: not found or no answer within %gs", args[0], self.timeout_s)
+        elif (
+            args[0] in _CONTROLLER_COMMANDS and "Unable to contact slurm controller" in proc.stderr
+        ):
+            self.unreachable.append(proc)
         return proc
 
     # --- job states ----------------------------------------------------------------------
@@ -181,7 +202,7 @@ class SlurmClient:
         """The jobs slurmctld still knows (running, pending, and recently ended ones), one row
         per array element (`-r`: else a pending array is one row `4711_[0-199]`). Asked in
         chunks of QUERY_CHUNK ids; None when squeue is missing, fails or does not answer."""
-        fmt = "%i|%F|%K|%A|%T|%D|%N|%b"
+        fmt = "%i|%F|%K|%A|%T|%D|%N|%b|%r"
         rows: list[SlurmRow] = []
         for chunk in _chunks(ids):
             proc = self.run(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(chunk), "-o", fmt])
@@ -191,9 +212,9 @@ class SlurmClient:
                 return None  # slurmctld down or too slow ("Unable to contact slurm controller")
             for line in proc.stdout.splitlines():
                 parts = line.strip().split("|")
-                if len(parts) != 8:
+                if len(parts) != 9:
                     continue
-                job, array, task, raw, state, nodes, node_list, tres = parts
+                job, array, task, raw, state, nodes, node_list, tres, reason = parts
                 job_id = f"{array}_{task}" if task.isdigit() else job
                 gpus = _GPUS.search(tres)
                 rows.append(
@@ -205,6 +226,7 @@ class SlurmClient:
                         gpus_per_node=int(gpus.group(1)) if gpus else None,
                         node_list=node_list or None,
                         source="squeue",
+                        reason=None if reason in ("", "None") else reason,
                     )
                 )
         return rows
@@ -213,7 +235,7 @@ class SlurmClient:
         """The jobs in accounting, in chunks of QUERY_CHUNK ids; None when sacct fails (e.g.
         accounting is disabled). Array elements that never started, which sacct folds into
         one row (`4711_[3-199]`), come back one row each."""
-        fields = "JobID,JobIDRaw,State,NNodes,AllocTRES,NodeList"
+        fields = "JobID,JobIDRaw,State,NNodes,AllocTRES,NodeList,Reason"
         rows: list[SlurmRow] = []
         for chunk in _chunks(ids):
             proc = self.run(["sacct", "-n", "-P", "-X", "-j", ",".join(chunk), "-o", fields])
@@ -221,9 +243,9 @@ class SlurmClient:
                 return None
             for line in proc.stdout.splitlines():
                 parts = line.strip().split("|")
-                if len(parts) != 6 or not parts[2]:
+                if len(parts) != 7 or not parts[2]:
                     continue
-                job, raw, state, nodes, tres, node_list = parts
+                job, raw, state, nodes, tres, node_list, reason = parts
                 n = _int(nodes)
                 gpus = re.search(r"gres/gpu=(\d+)", tres)
                 per_node = int(gpus.group(1)) // n if gpus and n else None
@@ -236,6 +258,7 @@ class SlurmClient:
                         gpus_per_node=per_node,
                         node_list=None if node_list in ("", "None assigned") else node_list,
                         source="sacct",
+                        reason=None if reason in ("", "None") else reason,
                     )
                     for element in _array_elements(job)
                 ]
@@ -250,6 +273,12 @@ class SlurmClient:
             return None
         rows = [line.split("|") for line in proc.stdout.splitlines()]
         return [(r[0].split()[0], r[1], r[2]) for r in rows if len(r) == 3 and r[0]]
+
+    def out_of_memory(self, job_id: str) -> bool:
+        """Whether a step of the job's latest run ended OUT_OF_MEMORY (Slurm's cgroup plugin
+        saw its OOM killer end a task); False when sacct does not say so or cannot answer."""
+        proc = self.run(["sacct", "-n", "-P", "-j", job_id, "-o", "State"])
+        return proc is not None and "OUT_OF_MEMORY" in proc.stdout
 
     def answer(self, ids: Sequence[str]) -> SlurmAnswer:
         """The freshest row for every id that Slurm knows, from one squeue and one sacct call
@@ -273,7 +302,10 @@ class SlurmClient:
             if q is not None and not (q.final or q.state == "COMPLETING"):
                 out[job] = q  # sacct may still say PENDING for a job that just started
             elif a is not None and a.final:
-                out[job] = a
+                # sacct's Reason of an ended job is its last reason to wait; why it ended
+                # without running (JobLaunchFailure) only slurmctld says, while it knows it.
+                reason = q.reason if q is not None and q.final else None
+                out[job] = dataclasses.replace(a, reason=reason)
             elif q is not None or a is not None:
                 out[job] = q or a  # type: ignore[assignment]
         return SlurmAnswer(out, accounting is not None, queue is not None)
@@ -298,9 +330,13 @@ class SlurmClient:
                 return word.removeprefix("JobState=")
         return None
 
-    def job_stdout_paths(self, job_id: str) -> list[Path]:
-        """The StdOut files of a job slurmctld knows (one per array element)."""
-        return [Path(m.group(1)) for m in re.finditer(r"StdOut=(\S+)", self.show_job(job_id) or "")]
+    def job_stdout_paths(self, job_id: str) -> list[Path] | None:
+        """The StdOut files of a job slurmctld knows (one per array element; none for a job it
+        does not know); None when slurmctld did not answer."""
+        proc = self.run(["scontrol", "show", "job", job_id])
+        if proc is None or (proc.returncode != 0 and "Invalid job id" not in proc.stderr):
+            return None
+        return [Path(m.group(1)) for m in re.finditer(r"StdOut=(\S+)", proc.stdout)]
 
     # --- actions ---------------------------------------------------------------------------
 
@@ -366,14 +402,14 @@ class SlurmClient:
         """Every partition by name (the default one also under ""), or None when sinfo does
         not answer."""
         # -a: hidden partitions too (a user may have access to one).
-        proc = self.run(["sinfo", "-a", "-h", "-o", "%P|%D|%c|%G|%l"])
+        proc = self.run(["sinfo", "-a", "-h", "-o", "%P|%D|%c|%G|%l|%m"])
         if proc is None or proc.returncode != 0:
             return None
         rows: dict[str, list[list[str]]] = {}
         default = None
         for line in proc.stdout.splitlines():
             parts = line.split("|")
-            if len(parts) != 5:
+            if len(parts) != 6:
                 continue
             name = parts[0].rstrip("*")
             if parts[0].endswith("*"):
@@ -383,12 +419,14 @@ class SlurmClient:
         for name, group in rows.items():
             gpus = [int(g) for r in group for g in re.findall(r"gpu(?::[\w.-]+)?:(\d+)", r[3])]
             cpus = [int(r[2]) for r in group if r[2].strip().isdigit()]
+            mems = [int(r[5].rstrip("+")) for r in group if r[5].rstrip("+").isdigit()]
             out[name] = Partition(
                 name=name,
                 nodes=sum(_int(r[1]) or 0 for r in group),
                 cpus_per_node=max(cpus) if cpus else None,
                 gpus_per_node=max(gpus) if gpus else 0,
                 max_minutes=_minutes(group[0][4]),
+                mem_mb_per_node=max(mems) if mems else None,
             )
         if default is not None:
             out[""] = out[default]

@@ -7,7 +7,7 @@ import re
 
 from mjlab_hpc.errors import SpecError
 
-__all__ = ["MAX_DAYS", "check_mem", "slurm_time_minutes"]
+__all__ = ["MAX_DAYS", "check_mem", "mem_bytes", "slurm_time_minutes"]
 
 # Whole-string matches of ASCII digits only: the value is written into an #SBATCH line as
 # given, so a trailing newline or another script's digits must not pass.
@@ -27,7 +27,7 @@ _SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 _FIELD_MAX = {"h": 23, "m": 59, "s": 59}
 #: Longer limits are surely typos (Slurm itself caps MaxTime per partition).
 MAX_DAYS = 365
-_MEM = re.compile(r"\d+[KMGT]?B?", re.IGNORECASE | re.ASCII)
+_MEM = re.compile(r"(\d+)([KMGT]?)B?", re.IGNORECASE | re.ASCII)
 
 
 def slurm_time_minutes(value: str, flag: str = "--time") -> int:
@@ -65,3 +65,10 @@ def check_mem(value: str, flag: str = "--mem") -> str:
     if not _MEM.fullmatch(value):
         raise SpecError(flag, f"{value!r} is not a Slurm memory size (e.g. 64G, 500M)")
     return value
+
+
+def mem_bytes(value: str) -> int:
+    """Bytes of a Slurm memory size (checked by `check_mem`): megabytes without a unit."""
+    m = _MEM.fullmatch(check_mem(value))
+    assert m is not None
+    return int(m.group(1)) * 1024 ** "KMGT".index((m.group(2) or "M").upper()) * 1024

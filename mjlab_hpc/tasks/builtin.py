@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 __all__ = ["BUILTIN_TASKS", "TaskInfo", "get_task"]
 
 if TYPE_CHECKING:  # the environments import torch and warp: only when one is made
-    from mjlab_hpc.tasks.base import WarpVecEnv
+    from mjlab_hpc.tasks.base import EnvConfig, WarpVecEnv
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,12 @@ class TaskInfo:
     """Experiment folder name (default: the task's name)."""
     source: Literal["built-in", "mjlab"] = "built-in"
     """Where the task comes from."""
+    physics: Callable[[], EnvConfig] | None = None
+    """Its environment's physics (the MJCF, contacts and constraints per world); None for
+    mjlab tasks."""
+    max_world_bytes: int = 1 << 16
+    """A bound on the bytes one world of its model takes in MuJoCo Warp (tests check it
+    against `tasks.memory.world_bytes`): a request that fits with it needs no measuring."""
 
     @property
     def experiment_name(self) -> str:
@@ -52,11 +58,24 @@ def _ant(num_envs: int, device: str, seed: int, use_graph: bool) -> WarpVecEnv:
     return AntEnv(num_envs, device, seed, use_graph)
 
 
+def _cartpole_physics() -> EnvConfig:
+    from mjlab_hpc.tasks.cartpole import CARTPOLE_CFG
+
+    return CARTPOLE_CFG
+
+
+def _ant_physics() -> EnvConfig:
+    from mjlab_hpc.tasks.ant import ANT_CFG
+
+    return ANT_CFG
+
+
 BUILTIN_TASKS: dict[str, TaskInfo] = {
     "cartpole": TaskInfo(
         name="cartpole",
         description="Cartpole balance (1 action, no contacts); the default task.",
         make_env=_cartpole,
+        physics=_cartpole_physics,
         num_envs=1024,
         max_iterations=100,
         agent={"actor_hidden": (32, 32), "critic_hidden": (32, 32), "learning_rate": 1e-3},
@@ -65,6 +84,7 @@ BUILTIN_TASKS: dict[str, TaskInfo] = {
         name="ant",
         description="Ant quadruped running on flat ground (8 actions, contact-rich).",
         make_env=_ant,
+        physics=_ant_physics,
         num_envs=1024,
         max_iterations=1000,
         agent={"actor_hidden": (256, 128, 64), "critic_hidden": (256, 128, 64)},

@@ -41,6 +41,7 @@ __all__ = [
     "restore_env",
     "state_rules",
     "task_defaults",
+    "world_model",
 ]
 
 # Our per-rank seed must reach every rank distinctly; an override would give all ranks one seed.
@@ -240,6 +241,19 @@ def configured_cfgs(
     if env_cfg.scene.num_envs < 1:
         raise ValueError(f"env.scene.num_envs must be >= 1, got {env_cfg.scene.num_envs}")
     return env_cfg, agent_cfg, runner_cls, tracking
+
+
+def world_model(
+    task: str, num_envs: int | None, overrides: Sequence[str]
+) -> tuple[Any, int | None, int | None]:
+    """The MjModel of one world of the task's scene, as mjlab's Simulation compiles it, and
+    the contacts and constraints per world it allocates (nconmax, njmax)."""
+    from mjlab.scene import Scene
+
+    env_cfg, _, _, _ = configured_cfgs(task, num_envs, None, overrides)
+    model = Scene(env_cfg.scene, "cpu").compile()
+    env_cfg.sim.mujoco.apply(model)
+    return model, env_cfg.sim.nconmax, env_cfg.sim.njmax
 
 
 def make_mjlab_runtime(

@@ -21,7 +21,7 @@ from mjlab_hpc.rank.context import current_allocation
 from mjlab_hpc.rank.watchdog import FAULT_ENV, parse_faults
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
 from mjlab_hpc.validate import world
-from mjlab_hpc.validate.rules import check_submit, resolve
+from mjlab_hpc.validate.rules import check_job_paths, check_submit, resolve
 from mjlab_hpc.validate.sweep import sweep_elements
 
 __all__ = [
@@ -72,7 +72,11 @@ def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec
         world.check_local_cpus("--num-procs", spec.num_procs, spec.oversubscribe)
     if spec.device == "cuda" and spec.gpu_ids == "auto":
         world.check_local_gpus("--device", 1)
-    return world.continue_target(resolved, _train_world(spec, launched_by), _note)
+    single = launched_by == "single"
+    resolved = world.continue_target(resolved, _train_world(spec, launched_by), _note, single)
+    if single:  # a rank of torchrun or srun: its launcher checked
+        world.check_train_memory(resolved)
+    return resolved
 
 
 def executor_for(spec: SubmitSpec) -> str:
@@ -161,9 +165,11 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
         raise SpecError("--container", f"image {spec.container!r} does not exist")
     executor = executor_for(spec)
     _check_executor(spec, executor)
+    check_job_paths(resolved)  # every executor writes through Slurm's or submitit's patterns
     world.check_places(resolved.train, existing_only=spec.dry_run)
+    world.check_submit_memory(spec, resolved, executor)
     if not spec.dry_run and executor == "slurm":
-        world.check_partition(spec, warn)
+        world.check_partition(spec, warn, resolved=resolved)
         world.check_after_exists(spec)
         world.check_array_size(len(elements))
     return resolved

@@ -16,6 +16,7 @@ import re
 import shlex
 import shutil
 import subprocess
+from pathlib import Path
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.slurm.units import check_mem, slurm_time_minutes
@@ -27,6 +28,7 @@ __all__ = [
     "NAME_MAX",
     "RUN_NAME_PREFIX",
     "SBATCH_OPTIONS",
+    "check_job_paths",
     "check_submit",
     "check_train",
     "job_name",
@@ -95,14 +97,38 @@ def path_component(flag: str, value: str, reserved: int = 0) -> str:
         raise SpecError(
             flag, f"{_shown(value)} must not start with '.' (hidden folders are the toolkit's)"
         )
-    size = len(os.fsencode(value)) + reserved
-    if size > NAME_MAX:
+    size = len(os.fsencode(value))
+    if size + reserved > NAME_MAX:
+        chars = f" ({len(value)} characters)" if len(value) != size else ""
         raise SpecError(
             flag,
-            f"{len(value)} characters is too long: a folder name holds at most {NAME_MAX} bytes "
-            f"({reserved} of them are taken by the timestamp); use at most {NAME_MAX - reserved}",
+            f"{size} bytes{chars} is too long: a folder name holds at most {NAME_MAX} bytes "
+            f"({reserved} of them are taken by the timestamp); use at most "
+            f"{NAME_MAX - reserved} bytes (a non-ASCII character takes 2-4)",
         )
     return value
+
+
+def check_job_paths(resolved: ResolvedSpec) -> None:
+    """The user's pieces of a job's file paths hold no `%`. Slurm expands %-patterns in the
+    --output/--error paths of sbatch and srun (`%j` the job id, `%x` the job name, `%20x`),
+    and submitit replaces `%j`, `%t`, `%A`, `%a` in its folder by plain text substitution, so
+    no escape keeps such a path exact in both: a run would split over two directories, or
+    its job fail at launch with no log anywhere."""
+    train = resolved.train
+    for flag, value in (
+        ("--log-root", str(Path(train.log_root).absolute())),
+        ("--run-dir", str(Path(train.run_dir).absolute()) if train.run_dir else ""),
+        ("--experiment-name", resolved.experiment_name),
+        ("--run-name", train.run_name),
+    ):
+        if "%" in value:
+            raise SpecError(
+                flag,
+                f"{_shown(value)} holds '%', which Slurm and submitit expand in the job's "
+                "file names (%j: the job id, %x: the job name), so the run's files would "
+                "not stay in one place: use a name (and folder) without '%'",
+            )
 
 
 def sbatch_value(flag: str, value: str) -> str:
@@ -350,6 +376,15 @@ _RESERVED = {
     "version": "nothing",
     "usage": "nothing",
 }
+# sbatch's one-letter options, by the long option each stands for.
+_SHORT = {
+    "A": "account", "a": "array", "B": "extra-node-info", "b": "begin", "C": "constraint",
+    "c": "cpus-per-task", "D": "chdir", "d": "dependency", "e": "error", "F": "nodefile",
+    "G": "gpus", "H": "hold", "i": "input", "J": "job-name", "k": "no-kill", "L": "licenses",
+    "M": "clusters", "m": "distribution", "N": "nodes", "n": "ntasks", "o": "output",
+    "p": "partition", "Q": "quiet", "q": "qos", "S": "core-spec", "s": "oversubscribe",
+    "t": "time", "V": "version", "v": "verbose", "W": "wait", "w": "nodelist", "x": "exclude",
+}  # fmt: skip
 # Options that take no value (or an optional one): only these may be given as a bare KEY.
 _BARE = frozenset((
     "contiguous", "ignore-pbs", "no-kill", "overcommit", "oversubscribe", "reboot",
@@ -380,6 +415,7 @@ def sbatch_options(spec: SubmitSpec) -> dict[str, str | bool]:
     for item in spec.sbatch_arg:
         key, sep, value = item.partition("=")
         key = key.strip().lstrip("-")
+        key = _SHORT.get(key, key)  # `o=...` is `output=...`: judged as sbatch reads it
         if not _KEY.match(key):
             raise SpecError(
                 "--sbatch-arg", f"{item!r} is not KEY=VALUE with an sbatch option as KEY"

@@ -1,7 +1,7 @@
 """Checks against what exists, before anything is created, submitted or started: the log root
 can be written, a run directory is a run (or new) and can be continued, this machine has the
-cores and GPUs local ranks ask for, a Slurm partition, allocation or job array can take the job,
-and the jobs it waits for exist."""
+cores, GPUs and memory local ranks ask for, a Slurm partition, allocation or job array can take
+the job (its nodes' memory too), and the jobs it waits for exist."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mjlab_hpc.errors import SpecError
+from mjlab_hpc.errors import DamagedRecord, SpecError
+from mjlab_hpc.procs import memory_room
 from mjlab_hpc.rank.context import Allocation, cuda_device_count
 from mjlab_hpc.rundir.checkpoint import Checkpoints, cannot_continue
-from mjlab_hpc.rundir.layout import is_run_dir, latest_run, list_checkpoints
+from mjlab_hpc.rundir.layout import RunDir, is_run_dir, latest_run, list_checkpoints
 from mjlab_hpc.rundir.state import changed_settings, read_record, versions
+from mjlab_hpc.rundir.writer import busy_problem
 from mjlab_hpc.slurm.client import SlurmClient
-from mjlab_hpc.slurm.units import slurm_time_minutes
+from mjlab_hpc.slurm.units import mem_bytes, slurm_time_minutes
 from mjlab_hpc.spec import (
     KEPT_ON_CONTINUATION,
     SIMULATOR_PACKAGES,
@@ -25,6 +27,8 @@ from mjlab_hpc.spec import (
     SubmitSpec,
     TrainSpec,
 )
+from mjlab_hpc.tasks.builtin import BUILTIN_TASKS
+from mjlab_hpc.tasks.memory import device_memory, world_bytes
 from mjlab_hpc.tasks.mjlab import configured_cfgs
 
 __all__ = [
@@ -34,9 +38,12 @@ __all__ = [
     "check_local_cpus",
     "check_local_gpus",
     "check_log_root",
+    "check_memory",
     "check_partition",
     "check_places",
     "check_run_dir",
+    "check_submit_memory",
+    "check_train_memory",
     "continue_target",
     "usable_cores",
 ]
@@ -125,11 +132,84 @@ def check_local_gpus(flag: str, wanted: int, count: Callable[[], int] = cuda_dev
     )
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def check_memory(
+    resolved: ResolvedSpec, ranks: int, room: int, where: str, ranks_flag: str,
+    mem_flag: str | None = None,
+) -> None:  # fmt: skip
+    """SpecError when `ranks` ranks of the request cannot fit in `room` bytes (`where`: what
+    gives them, for people, with `{}` for the size), counting what MuJoCo Warp's worlds alone
+    take. A built-in task's bound on its per-world bytes settles most requests without loading
+    Warp."""
+    envs = resolved.num_envs
+    task = BUILTIN_TASKS.get(resolved.task)
+    if task is not None and envs * ranks * task.max_world_bytes <= room:
+        return
+    per_world = world_bytes(resolved)
+    need = envs * ranks * per_world
+    if need <= room:
+        return
+    most = room // (per_world * ranks)
+    cut = f"--num-envs {most}" if most else "a smaller task"
+    if mem_flag is not None:
+        flag, fix = (
+            mem_flag,
+            f"raise {mem_flag} to at least {-(-need // 2**20)}M, or use at most {cut}",
+        )
+    elif ranks > 1 and envs * per_world <= room:
+        fits = room // (envs * per_world)
+        flag, fix = ranks_flag, f"use at most {fits} rank{'s' * (fits != 1)}, or at most {cut}"
+    else:
+        flag, fix = "--num-envs", f"use at most {cut}"
+    times = f" x {ranks} ranks" if ranks > 1 else ""
+    raise SpecError(
+        flag,
+        f"{envs} environments per rank{times} need at least {_size(need)} ({per_world} bytes "
+        f"per world of {resolved.task}'s model in MuJoCo Warp, before any torch buffer), and "
+        f"{where.format(_size(room))}: {fix}",
+    )
+
+
+def check_train_memory(resolved: ResolvedSpec) -> None:
+    """The local ranks of `mjlab-train` fit this machine: in its memory (CPU ranks), or each in
+    its GPU's."""
+    spec = resolved.train
+    gpus = spec.gpu_ids
+    if spec.num_procs == 1 and (gpus not in ("auto", None) or spec.device == "cuda"):
+        ids = range(cuda_device_count()) if gpus == "all" else (0,) if gpus == "auto" else gpus
+        for i in ids or ():
+            check_memory(resolved, 1, device_memory(i), f"GPU {i} has {{}}", "--gpu-ids")
+        return
+    room, why = memory_room()
+    check_memory(resolved, spec.num_procs, room, f"this machine has {{}} {why}", "--num-procs")
+
+
+def check_submit_memory(spec: SubmitSpec, resolved: ResolvedSpec, executor: str) -> None:
+    """CPU ranks of a job fit a node: in --mem, or in this machine for the local executor (a
+    partition's RealMemory: `check_partition`). GPU ranks keep their worlds on the GPUs, whose
+    memory is known only on the nodes."""
+    if spec.gpus_per_node > 0 or spec.sweep:
+        return
+    if spec.mem is not None:
+        where = f"--mem {spec.mem} gives a node {{}}"
+        check_memory(resolved, spec.ranks_per_node, mem_bytes(spec.mem), where,
+                     "--tasks-per-node", "--mem")  # fmt: skip
+    elif executor == "local":
+        room, why = memory_room()
+        check_memory(resolved, spec.ranks_per_node, room, f"this machine has {{}} {why}",
+                     "--tasks-per-node")  # fmt: skip
+
+
 def check_partition(
-    spec: SubmitSpec, warn: Callable[[str], None], client: SlurmClient | None = None
-) -> None:
+    spec: SubmitSpec, warn: Callable[[str], None], client: SlurmClient | None = None,
+    resolved: ResolvedSpec | None = None,
+) -> None:  # fmt: skip
     """SpecError when the partition cannot give the job what it asks for (nodes, GPUs per
-    node, time), from sinfo; a warning when sinfo cannot tell."""
+    node, time, and for CPU ranks the memory their worlds take), from sinfo; a warning when
+    sinfo cannot tell."""
     partitions = (client or SlurmClient(timeout_s=10)).partitions()
     if partitions is None:
         warn(
@@ -161,11 +241,21 @@ def check_partition(
     if part.cpus_per_node is not None:
         cpus = spec.ranks_per_node * (spec.cpus_per_task or 1)
         if cpus > part.cpus_per_node:
+            alone = spec.cpus_per_task is not None and spec.ranks_per_node <= part.cpus_per_node
             raise SpecError(
-                "--tasks-per-node",
+                "--cpus-per-task" if alone else "--tasks-per-node",
                 f"{spec.ranks_per_node} ranks x {spec.cpus_per_task or 1} CPUs per node asked "
                 f"for; the nodes of partition {part.name} have {part.cpus_per_node} CPUs",
             )
+    if (
+        resolved is not None
+        and spec.gpus_per_node == 0
+        and spec.mem is None
+        and part.mem_mb_per_node
+    ):
+        where = f"a node of partition {part.name} has {{}} (RealMemory)"
+        check_memory(resolved, spec.ranks_per_node, part.mem_mb_per_node * 2**20, where,
+                     "--tasks-per-node")  # fmt: skip
     minutes = slurm_time_minutes(spec.time)
     if part.max_minutes is not None and minutes > part.max_minutes:
         raise SpecError(
@@ -216,16 +306,21 @@ def continue_target(
     resolved: ResolvedSpec,
     world: tuple[int | None, str] = (None, "--num-procs"),
     say: Callable[[str], None] = lambda line: None,
+    launcher: bool = True,
 ) -> ResolvedSpec:
     """`resolved` with the run directory --resume continues filled in, after checking that an
-    existing run directory (--run-dir or --resume) holds a run of the same task and, when it
-    has a checkpoint, that this start keeps what its saved environments fit (`world`: the
-    number of ranks, when the launcher knows it, and the flag that sets it). The settings it
-    changes are said through `say`."""
+    existing run directory (--run-dir or --resume) holds a run of the same task, (`launcher`:
+    not a rank, whose rank 0 may hold it already) that no other training writes it now and,
+    when it has a checkpoint, that this start keeps what its saved environments fit (`world`:
+    the number of ranks, when the launcher knows it, and the flag that sets it). The settings
+    it changes are said through `say`."""
     train = resolved.train
     run_dir = Path(train.run_dir) if train.run_dir else None
     if run_dir is None and train.resume:
-        run_dir = latest_run(train.log_root, resolved.experiment_name)
+        try:
+            run_dir = latest_run(train.log_root, resolved.experiment_name)
+        except DamagedRecord as exc:
+            raise SpecError("--resume", str(exc)) from None
         if run_dir is None:
             raise SpecError(
                 "--resume",
@@ -235,10 +330,10 @@ def continue_target(
     if run_dir is None:
         return resolved
     # The ranks check again (and load); refusing here starts no process at all.
-    refusal = cannot_continue(
-        Checkpoints(run_dir), resolved.task, train.restart_from_scratch,
-        "--run-dir" if train.run_dir else "--resume",
-    )  # fmt: skip
+    flag = "--run-dir" if train.run_dir else "--resume"
+    if launcher and (busy := busy_problem(RunDir(run_dir))) is not None:
+        raise SpecError(flag, busy)
+    refusal = cannot_continue(Checkpoints(run_dir), resolved.task, train.restart_from_scratch, flag)
     if refusal is not None:
         raise refusal
     if list_checkpoints(run_dir):

@@ -8,6 +8,8 @@
 #   cluster.sh status   say whether it is up (sinfo)
 #   cluster.sh exec CMD run CMD inside the Slurm version's root (24.11: where its clients
 #                       and the tests must run; 22.05: here), in the current directory
+#   cluster.sh ctld-stop / ctld-start
+#                       stop slurmctld alone (a controller gone while jobs run), start it again
 #
 # Version: ${MJLAB_HPC_SLURM_VERSION:-22.05}. 24.11 runs in a trixie root made with mmdebstrap
 # and cached under ${MJLAB_HPC_CACHE_DIR:-/var/cache/mjlab-hpc} (keyed by its package list),
@@ -698,6 +700,26 @@ exec chroot "$R" /usr/bin/env MJLAB_HPC_IN_ROOT="$version" bash -c '\''cd -- "$1
     in-root "$root" "$PWD" "$SLURM_VERSION" "${binds[@]}" -- "$@"
 }
 
+# slurmctld alone: gone (the jobs, slurmds and accounting stay), and back from its saved state.
+do_ctld_stop() {
+  CLUSTER_ID=$(cat "$STATE/cluster-id" 2>/dev/null || true)
+  local p
+  mapfile -t p < <(pids_of slurmctld)
+  ((${#p[@]})) || fail "slurmctld of $STATE does not run"
+  stop_pids 10 "${p[@]}"
+  echo "slurmctld stopped ($STATE)"
+}
+
+do_ctld_start() {
+  CLUSTER_ID=$(cat "$STATE/cluster-id" 2>/dev/null || true)
+  [[ -n $CLUSTER_ID && -f $STATE/env.sh ]] || fail "no cluster at $STATE"
+  [[ -z $(pids_of slurmctld) ]] || fail "slurmctld of $STATE runs already"
+  export MJLAB_HPC_CLUSTER_ID=$CLUSTER_ID SLURM_CONF=$STATE/etc/slurm.conf
+  spawn slurmctld slurmctld -D
+  wait_for 30 "slurmctld (sinfo)" slurmctld sinfo -h
+  echo "slurmctld started ($STATE)"
+}
+
 with_lock() {
   mkdir -p "$(dirname "$STATE")"
   # One up/down at a time per state dir.
@@ -718,10 +740,12 @@ fi
 outside_root() { [[ $SLURM_VERSION != 22.05 && -z ${MJLAB_HPC_IN_ROOT:-} ]]; }
 
 case "${1:-}" in
-  up | status) if outside_root; then in_root bash "$SCRIPT" "$1"; fi ;;&
+  up | status | ctld-start) if outside_root; then in_root bash "$SCRIPT" "$1"; fi ;;&
   up) with_lock do_up ;;
   down) with_lock do_down ;;
   status) do_status ;;
+  ctld-stop) with_lock do_ctld_stop ;;
+  ctld-start) with_lock do_ctld_start ;;
   exec)
     shift
     (($#)) || fail "usage: $0 exec COMMAND [ARGS...]"
@@ -729,7 +753,7 @@ case "${1:-}" in
     exec "$@"
     ;;
   *)
-    echo "usage: $0 up|down|status|exec COMMAND..." >&2
+    echo "usage: $0 up|down|status|ctld-stop|ctld-start|exec COMMAND..." >&2
     exit 2
     ;;
 esac

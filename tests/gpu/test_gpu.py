@@ -38,8 +38,9 @@ from helpers import BIN, cli_env, only_run, warp_devices
 import mjlab_hpc
 from mjlab_hpc.launch.local import free_port
 from mjlab_hpc.rank.context import DistContext
-from mjlab_hpc.rank.workload import Workload, build_workload, init_warp
+from mjlab_hpc.rank.workload import Workload, build_workload
 from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.tasks.memory import init_warp
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800)]  # a cold kernel cache: minutes
 
@@ -230,7 +231,7 @@ import json, os, sys
 import torch, warp as wp
 from mjlab_hpc.errors import LaunchError
 from mjlab_hpc.rank.context import cuda_device_count, resolve_device
-from mjlab_hpc.rank.workload import init_warp
+from mjlab_hpc.tasks.memory import init_warp
 
 init_warp()
 local_rank, local_world = int(sys.argv[1]), int(sys.argv[2])

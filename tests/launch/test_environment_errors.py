@@ -6,6 +6,7 @@ nothing half-written left behind (run.json never stuck at "running")."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -91,6 +92,29 @@ def test_a_run_name_too_long_for_the_filesystem(tmp_path: Path) -> None:
     refused([*LOCAL, "--gpus-per-node", "0", "--run-name", name, "--log-root", "logs"],
             "--run-name", "too long", tmp_path)  # fmt: skip
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.training
+def test_a_full_disk_before_the_first_iteration_is_named_with_a_run_record(
+    mount_tmpfs: Callable[[str, str], Path], tmp_path: Path
+) -> None:
+    """The disk holds the writer's 1 MiB reserve and little more: the run fails while it
+    starts, in one line naming the full disk, and its record says so (status: FAILED, with
+    the cause), instead of `failed at iteration -` and no record."""
+    disk = mount_tmpfs("disk", "size=1032k")
+    proc = subprocess.run([str(a) for a in [*TRAIN, "--max-iterations", "5", "--log-root",
+                                            disk / "logs"]],
+                          env=cli_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("failed before the first iteration: ") and "no space left" in line
+    run = only_run(disk / "logs")
+    record = read_record(run.path, strict=True)
+    assert record["state"] == "failed" and record["failure"]["kind"] == "environment"
+    status = subprocess.run([str(BIN / "mjlab-hpc"), "status", "--json", str(run.path)],
+                            env=cli_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    (row,) = json.loads(status.stdout)
+    assert row["state"] == "FAILED" and "no space left on the device" in row["cause"], row
 
 
 @pytest.mark.training

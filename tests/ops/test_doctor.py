@@ -1,8 +1,9 @@
 """`mjlab-hpc doctor` on the real two-node Slurm test cluster: a request that would run passes
 every check; a log root that the nodes see as a different folder (a tmpfs mounted over it in
 the nodes' mount namespace only, as node-local /tmp or /scratch would be) fails the shared
-log root check; GPUs that Slurm gives but torch cannot use fail the GPU check. The three
-doctors run at once (their probe jobs are short and fit the cluster together)."""
+log root check; GPUs that Slurm gives but torch cannot use fail the GPU check; with --video,
+a test render on the nodes passes, or fails with a renderer they lack. The five doctors run
+at once (their probe jobs are short and fit the cluster together)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def _results(proc: subprocess.Popen[str]) -> tuple[int, dict[str, dict[str, str]
     return proc.returncode, {c["name"]: c for c in json.loads(out)["checks"]}
 
 
+@pytest.mark.mjlab
 def test_doctor_passes_and_finds_a_private_log_root_and_unusable_gpus(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
@@ -56,9 +58,17 @@ def test_doctor_passes_and_finds_a_private_log_root_and_unusable_gpus(
         # job as asked would not run, and the doctor must say which part is missing.
         gpu = _doctor(slurm_cluster, "--log-root", str(shared), "--gpus-per-node", "2",
                       "--time", "10")  # fmt: skip
+        # --video: a frame rendered on the nodes, as rank 0 would; then with a renderer the
+        # nodes lack (MUJOCO_GL=osmesa without OSMesa).
+        video = ["Mjlab-Cartpole-Balance", "--video", "--log-root", str(shared),
+                 "--gpus-per-node", "0", "--time", "10"]  # fmt: skip
+        renders = _doctor(slurm_cluster, *video)
+        no_render = _doctor(slurm_cluster, *video, "--setup", "export MUJOCO_GL=osmesa")
         code, checks = _results(good)
         bad_code, bad_checks = _results(bad)
         gpu_code, gpu_checks = _results(gpu)
+        render_code, render_checks = _results(renders)
+        no_render_code, no_render_checks = _results(no_render)
     finally:
         subprocess.run([*mount, "umount", "-l", str(private)], timeout=30)
     assert code == 0, checks
@@ -90,6 +100,16 @@ def test_doctor_passes_and_finds_a_private_log_root_and_unusable_gpus(
     assert gpu_checks["GPUs"]["result"] == "fail"
     assert "torch sees no GPU" in gpu_checks["GPUs"]["detail"]
     assert "Slurm gave 0,1" in gpu_checks["GPUs"]["detail"]
+
+    assert render_code == 0, render_checks
+    rendered = render_checks["offscreen rendering"]
+    assert rendered["result"] == "ok" and "a test render worked on node" in rendered["detail"]
+    assert render_checks["mjlab on nodes"]["result"] == "ok"
+    assert no_render_code == 1, no_render_checks
+    failed = no_render_checks["offscreen rendering"]
+    assert failed["result"] == "fail" and "MUJOCO_GL=osmesa" in failed["detail"], failed
+    assert "libegl1" in failed["fix"]
+    assert "offscreen rendering" not in checks  # not asked for: not probed
 
 
 def test_doctor_without_slurm_and_with_bad_flags(tmp_path: Path) -> None:

@@ -161,6 +161,35 @@ def test_ctrl_c_in_one_process(tmp_path: Path) -> None:
     assert read_record(run.path)["state"] == "stopped" and stop["reason"] == "interrupt"
     assert run.checkpoint(stop["iteration"]).exists()
     assert closing_line(err).endswith(f"--run-dir {run.path}")
+    # Said at once, not only once the iteration under way ends (it can take a minute).
+    said = err.index("SIGINT: stopping at the next iteration boundary, with a checkpoint")
+    assert said < err.index("stopped at iteration")
+
+
+def test_ctrl_c_while_it_starts_and_twice_in_one_process(tmp_path: Path) -> None:
+    """A plain `mjlab-train`: Ctrl-C while torch loads ends it at once (exit 130, one line, no
+    traceback, no empty run directory left); Ctrl-C twice while training stops at once
+    (exit 130), without waiting for the iteration under way."""
+    root = tmp_path / "logs"
+    proc = start(tmp_path, [*COMMON, "--max-iterations", "1000", "--log-root", str(root)])
+    run = wait_for(lambda: list(root.glob("cartpole/2*")), 60, "the run directory", 0.02)[0]
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
+    assert err.strip().splitlines() == [
+        "interrupted: stopped at once (Ctrl-C); nothing was started"
+    ]
+    assert not run.exists()
+    proc = start(tmp_path, [*COMMON, "--num-envs", "512", "--max-iterations", "1000",
+                            "--log-root", str(root)])  # fmt: skip
+    run = wait_for_iteration(root, 1)
+    for _ in range(2):
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.2)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
+    assert "interrupted at once" in closing_line(err) and "Traceback" not in err
+    assert read_record(run.path)["state"] == "interrupted"
 
 
 def _flip(path: Path) -> None:

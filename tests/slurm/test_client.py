@@ -29,10 +29,10 @@ def stand_ins(tmp_path: Path, **scripts: str) -> dict[str, str]:
 def test_query_prefers_squeue_while_running_and_sacct_for_the_end(tmp_path: Path) -> None:
     env = stand_ins(
         tmp_path,
-        squeue='echo "7|7|N/A|7|RUNNING|2|node[1-2]|gres/gpu:4"\n'
-        'echo "8|8|N/A|8|COMPLETING|1|node1|"\n',
-        sacct='echo "7|7|PENDING|2||"\necho "8|8|CANCELLED by 0|1|gres/gpu=4|node1"\n'
-        'echo "9|9|COMPLETED|1||node2"\n',
+        squeue='echo "7|7|N/A|7|RUNNING|2|node[1-2]|gres/gpu:4|None"\n'
+        'echo "8|8|N/A|8|COMPLETING|1|node1||None"\n',
+        sacct='echo "7|7|PENDING|2|||None"\necho "8|8|CANCELLED by 0|1|gres/gpu=4|node1|None"\n'
+        'echo "9|9|COMPLETED|1||node2|None"\n',
     )
     rows, accounting = SlurmClient(env=env).query(["7", "8", "9", "10"])
     assert accounting
@@ -42,7 +42,7 @@ def test_query_prefers_squeue_while_running_and_sacct_for_the_end(tmp_path: Path
 
 
 def test_query_without_accounting(tmp_path: Path) -> None:
-    env = stand_ins(tmp_path, squeue='echo "7|7|N/A|7|RUNNING|1|node1|"\n',
+    env = stand_ins(tmp_path, squeue='echo "7|7|N/A|7|RUNNING|1|node1||None"\n',
                     sacct='echo "accounting storage is disabled" >&2; exit 1\n')  # fmt: skip
     rows, accounting = SlurmClient(env=env).query(["7"])
     assert not accounting and rows["7"].state == "RUNNING"
@@ -78,9 +78,9 @@ def test_arrays_are_asked_by_their_id_in_chunks_and_folded_rows_unfold(
     log = tmp_path / "calls"
     env = stand_ins(
         tmp_path,
-        squeue=f'echo "squeue $@" >> {log}\necho "9_0|9|0|10|RUNNING|1|node1|"\n',
-        sacct=f'echo "sacct $@" >> {log}\necho "9_0|10|RUNNING|1||node1"\n'
-        'echo "9_[3-5%2]|9|PENDING|1||"\n',
+        squeue=f'echo "squeue $@" >> {log}\necho "9_0|9|0|10|RUNNING|1|node1||None"\n',
+        sacct=f'echo "sacct $@" >> {log}\necho "9_0|10|RUNNING|1||node1|None"\n'
+        'echo "9_[3-5%2]|9|PENDING|1|||None"\n',
     )
     monkeypatch.setattr(client, "QUERY_CHUNK", 2)
     ids = [f"9_{i}" for i in range(6)] + ["11", "12", "13"]
@@ -94,7 +94,7 @@ def test_arrays_are_asked_by_their_id_in_chunks_and_folded_rows_unfold(
 
 def test_squeue_failing_is_no_answer_but_unknown_ids_are_an_answer(tmp_path: Path) -> None:
     down = stand_ins(tmp_path, squeue="echo 'Unable to contact slurm controller' >&2; exit 1\n",
-                     sacct='echo "7|7|COMPLETED|1||node1"\n')  # fmt: skip
+                     sacct='echo "7|7|COMPLETED|1||node1|None"\n')  # fmt: skip
     got = SlurmClient(env=down).answer(["7"])
     assert not got.queue and got.accounting and got.rows["7"].source == "sacct"
     forgot = stand_ins(tmp_path, squeue="echo 'Invalid job id specified' >&2; exit 1\n")

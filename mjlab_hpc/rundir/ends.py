@@ -1,0 +1,264 @@
+"""How each rank's latest start of a run ended, and who failed first: the `exit:` line every
+rank writes last into its log (`mjlab_hpc.rank.train`), what the run record says of it, and
+what the kernel says of a rank that ended without one (its memory cgroup's count of OOM
+kills, noted in the rank's first log line, read again under the same kernel).
+
+A rank log whose latest start has no exit line ended abruptly (SIGKILL, out of memory, a
+segfault, a lost node). Errors that say a peer went away (connection closed or reset, a
+collective timed out) are consequences: the cause is the first rank that failed otherwise, or
+else the rank that ended without a word.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from mjlab_hpc.procs import OomCount
+from mjlab_hpc.rundir.layout import LOGS_DIR, RunDir, progress_summary
+from mjlab_hpc.rundir.state import read_record
+
+__all__ = [
+    "RankEnd",
+    "RunOutcome",
+    "failure_kind",
+    "first_failure",
+    "memory_advice",
+    "rank_ends",
+    "recorded_cause",
+    "run_outcome",
+]
+
+# Errors of a rank whose peer died or hung: consequences, not causes.
+_PEER_LOST_ERROR = re.compile(
+    r"closed by peer|reset by peer|peer lost|remote worker|broken pipe|connection refused|"
+    r"timed out|timeout|DistBackendError|NCCL communicator",
+    re.IGNORECASE,
+)
+
+
+# An allocation that failed: Python's, torch's (CPU, CUDA), Warp's, the kernel's ENOMEM.
+_MEMORY_ERROR = re.compile(
+    r"out of memory|failed to allocate|can't allocate memory|cannot allocate memory|"
+    r"OutOfMemoryError",
+    re.IGNORECASE,
+)
+
+
+def failure_kind(exc: BaseException) -> str:
+    """`out-of-memory` for an allocation that failed, `peer-lost` for an error that says
+    another rank died or hung (a consequence), else `exception`."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, MemoryError) or _MEMORY_ERROR.search(text):
+        return "out-of-memory"
+    return "peer-lost" if _PEER_LOST_ERROR.search(text) else "exception"
+
+
+def memory_advice(record: dict[str, Any]) -> str:
+    """What to change after a run ran out of memory (a restart as it is would run out again)."""
+    envs = (record.get("effective") or {}).get("num_envs")
+    now = f" (now {envs} per rank)" if envs else ""
+    return (f"lower --num-envs{now}, or give each rank more memory (--mem, fewer ranks per "
+            "node), and resume")  # fmt: skip
+
+
+How = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung", "no-exit"]
+
+_STAMP = re.compile(r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(\d{3}) rank(\d+) (.*)$")
+_START = re.compile(r"^rank \d+/\d+ \(local ")
+_HOST = re.compile(r"\bhost (\S+?),")
+_RANK_LOG = re.compile(r"^rank(\d+)\.log$")
+_PEER_LOST = re.compile(r"\(peer-lost\)")
+_OUT_OF_MEMORY = re.compile(r"\(out-of-memory\)")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Refused)\b.*:")
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one rank's latest start ended."""
+
+    rank: int
+    host: str | None
+    how: How
+    at: dt.datetime | None
+    """The exit line's time (no-exit: the last line's)."""
+    detail: str
+    """The exit line, or for a failure the exception's last line."""
+    peer_lost: bool = False
+    """A failure that says another rank went away (a consequence)."""
+    started: dt.datetime | None = None
+    """When this start of the rank logged its first line."""
+    oom: bool = False
+    """It ran out of memory: an allocation failed, or the kernel's OOM killer ended it."""
+
+    def describe(self) -> str:
+        """One line for people."""
+        where = f"rank {self.rank} on {self.host or 'an unknown host'}"
+        if self.oom:
+            if self.detail.startswith(where):  # as the healer recorded it
+                return self.detail
+            how = "killed by the kernel's OOM killer" if self.how == "no-exit" else self.detail
+            return f"{where} ran out of memory ({how})"
+        if self.how == "no-exit":
+            return (
+                f"{where} ended without an exit record (killed by a signal: SIGKILL, out of "
+                "memory, a segfault or a lost node)"
+            )
+        if self.how == "failed":
+            return f"{where} failed: {self.detail}"
+        if self.how == "hung":
+            return f"{where} {self.detail} (its stacks are in its log)"
+        return f"{where}: {self.detail}"
+
+
+def _stamp(match: re.Match[str]) -> dt.datetime:
+    when = dt.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S")
+    return when.replace(microsecond=int(match.group(2)) * 1000)
+
+
+def _rank_end(rank: int, path: Path) -> RankEnd | None:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    start = None
+    for i, line in enumerate(lines):
+        m = _STAMP.match(line)
+        if m and _START.match(m.group(4)):
+            start = i
+    if start is None:
+        return None
+    head = _STAMP.match(lines[start])
+    host_match = _HOST.search(lines[start])
+    host = host_match.group(1) if host_match else None
+    last_at = _stamp(head) if head else None
+    for i in range(start + 1, len(lines)):
+        m = _STAMP.match(lines[i])
+        if not m:
+            continue
+        last_at = _stamp(m)
+        message = m.group(4)
+        if not message.startswith("exit: "):
+            continue
+        body = message.removeprefix("exit: ")
+        how: How = "failed"
+        for word in ("completed", "stopped", "refused", "interrupted", "hung"):
+            if body.startswith(word):
+                how = word  # type: ignore[assignment]
+        detail = body
+        if how == "failed":
+            block = []
+            for line in lines[i + 1 :]:
+                if _STAMP.match(line):
+                    break
+                block.append(line)
+            error = [line.strip() for line in block if line.strip()]
+            # The exception's own line (`ValueError: ...`), not what some libraries print
+            # after it (pydantic's "For further information visit ...").
+            named = [line for line in error if _EXCEPTION_LINE.match(line)]
+            detail = named[-1] if named else error[-1] if error else body
+        started = _stamp(head) if head else None
+        return RankEnd(rank, host, how, last_at, detail, bool(_PEER_LOST.search(message)),
+                       started, bool(_OUT_OF_MEMORY.search(message)))  # fmt: skip
+    count = OomCount.parse(lines[start])
+    return RankEnd(rank, host, "no-exit", last_at, "no exit record",
+                   started=_stamp(head) if head else None,
+                   oom=count is not None and bool(count.rose()))  # fmt: skip
+
+
+def rank_ends(run_dir: Path) -> list[RankEnd]:
+    """How each rank's latest start ended, by rank (ranks that never started are left out)."""
+    logs = run_dir / LOGS_DIR
+    found = []
+    if logs.is_dir():
+        for entry in sorted(logs.iterdir()):
+            m = _RANK_LOG.match(entry.name)
+            if m:
+                end = _rank_end(int(m.group(1)), entry)
+                if end is not None:
+                    found.append(end)
+    return sorted(found, key=lambda e: e.rank)
+
+
+def first_failure(ends: list[RankEnd]) -> RankEnd | None:
+    """The cause of a failed start: the earliest failure that is not a consequence, else the
+    earliest rank that ended without a word, else the earliest consequence."""
+    never = dt.datetime.max
+
+    def earliest(candidates: list[RankEnd]) -> RankEnd | None:
+        return min(candidates, key=lambda e: (e.at or never, e.rank)) if candidates else None
+
+    return (
+        earliest([e for e in ends if e.how == "failed" and not e.peer_lost])
+        or earliest([e for e in ends if e.how == "no-exit"])
+        or earliest([e for e in ends if e.how in ("failed", "hung")])
+    )
+
+
+def recorded_cause(record: dict[str, Any], ends: list[RankEnd]) -> RankEnd | None:
+    """Who failed first: what the run record says where it knows better than the rank logs (a
+    full disk: the log may have had no room for its exit line; out of memory: the healer read
+    the kernel's count where the rank ran), else the rank logs."""
+    failure = record.get("failure") or {}
+    if record.get("state") == "failed" and failure.get("kind") in ("environment", "out-of-memory"):
+        oom = failure["kind"] == "out-of-memory"
+        return RankEnd(int(failure.get("rank") or 0), failure.get("host"), "failed", None,
+                       str(failure.get("error")), oom=oom)  # fmt: skip
+    return first_failure(ends)
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """How a run's latest start ended, for the closing line of a command."""
+
+    state: str
+    """run.json's state (completed, stopped, failed, interrupted, running, unknown), or what
+    the ranks' logs say of a start that ended before run.json knew (failed, refused)."""
+    launch_mode: str | None
+    """How the latest start was launched (slurm, submitit-local, single, torchrun)."""
+    refusal: str | None
+    """Why the ranks refused to start (a refused resume), when refused."""
+    iteration: int | None
+    """The last iteration in progress.jsonl."""
+    stop: dict[str, object] | None
+    """The last stop (reason, kind, signal, iteration), when stopped."""
+    cause: RankEnd | None
+    """The rank that failed first, when failed."""
+    env_steps_per_s: float | None
+    mean_reward: float | None
+
+
+def run_outcome(run_dir: Path) -> RunOutcome:
+    """How the run's latest start ended (call it once the job has ended)."""
+    record = read_record(run_dir)
+    state = str(record.get("state") or "unknown")
+    summary = progress_summary(RunDir(run_dir))
+    stops = record.get("restarts") or []
+    ends = rank_ends(run_dir)
+    # The ranks' logs are newer than run.json when a start ended before its writer recorded
+    # it (a refused resume, a failure while building): they say how this start ended. Not
+    # after this start's stop checkpoint: a rank killed then (the scheduler's KillWait) lost
+    # nothing.
+    saved = float((stops[-1] if stops else {}).get("checkpoint_at") or 0)
+    stopped = state == "stopped" and all(
+        e.started is None or e.started.timestamp() < saved for e in ends
+    )
+    if ends and all(e.how == "refused" for e in ends):
+        state = "refused"
+    elif not stopped and any(e.how in ("failed", "hung", "no-exit") for e in ends):
+        state = "failed"
+    cause = recorded_cause(record, ends) if state == "failed" else None
+    starts = record.get("starts") or [{}]
+    return RunOutcome(
+        state=state,
+        launch_mode=starts[-1].get("launch_mode"),
+        refusal=ends[0].detail.removeprefix("refused: ") if state == "refused" else None,
+        iteration=summary.iteration,
+        stop=stops[-1] if state == "stopped" and stops else None,
+        cause=cause,
+        env_steps_per_s=summary.env_steps_per_s,
+        mean_reward=summary.mean_reward,
+    )
