@@ -37,6 +37,7 @@ from mjlab_hpc.launch.submit import (
     submit,
     submit_sweep,
 )
+from mjlab_hpc.ops.cancel import write_cancel_marker
 from mjlab_hpc.ops.status import collect, status_table
 from mjlab_hpc.ops.status import console as wide_console
 from mjlab_hpc.procs import wait_gone
@@ -121,7 +122,9 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
     else:
 
         def stop() -> None:
-            # The ranks save a checkpoint on SIGTERM; with requeue forbidden, none follows.
+            # The ranks save a checkpoint on SIGTERM; with requeue forbidden and the cancel
+            # said in the run directory first, none follows.
+            write_cancel_marker(Path(s.run_dir), s.job_ids)
             client.forbid_requeue(s.job_ids)  # a --chain's queued jobs too
             client.scancel(list(s.job_ids))
             forced.append(0.0)

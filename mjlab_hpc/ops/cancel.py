@@ -19,7 +19,7 @@ from mjlab_hpc.rundir.layout import CANCEL_RECORD
 from mjlab_hpc.rundir.state import now_iso
 from mjlab_hpc.slurm.client import SlurmClient
 
-__all__ = ["CancelOutcome", "cancel", "cancel_local", "cancel_slurm"]
+__all__ = ["CancelOutcome", "cancel", "cancel_local", "cancel_slurm", "write_cancel_marker"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,9 @@ class CancelOutcome:
     remaining_pids: tuple[int, ...] = field(default=())
 
 
-def _write_cancel_marker(run_dir: Path, job_ids: Sequence[str]) -> None:
+def write_cancel_marker(run_dir: Path, job_ids: Sequence[str]) -> None:
+    """Say in the run directory that the user cancelled these jobs: a rank that gets the
+    SIGTERM of the cancel stops for good instead of taking it for a preemption."""
     write_json_atomic(
         run_dir / CANCEL_RECORD,
         {
@@ -62,7 +64,7 @@ def cancel_slurm(
             "slurm", tuple(job_ids), tuple(runs), True, f"nothing to cancel ({seen or 'ended'})"
         )
     for run in runs:
-        _write_cancel_marker(run, active)
+        write_cancel_marker(run, active)
     slurm.forbid_requeue(active)  # one scontrol call for all of them
     proc = slurm.scancel(active)
     if proc is None or proc.returncode != 0:
@@ -100,7 +102,7 @@ def cancel_local(run_dir: Path, grace_s: float = 30.0) -> CancelOutcome:
     procs = local_processes(run_dir)
     if not procs:
         return CancelOutcome("local", jobs.job_ids, (run_dir,), True, "no process left to stop")
-    _write_cancel_marker(run_dir, jobs.job_ids)
+    write_cancel_marker(run_dir, jobs.job_ids)
     controllers = [p.pid for p in procs if p.role != "rank"]
     ranks = [p.pid for p in procs if p.role == "rank"]
     for pid in controllers:

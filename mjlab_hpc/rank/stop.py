@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -36,7 +37,7 @@ from mjlab_hpc.rank.workload import Workload, rank_state
 from mjlab_hpc.rundir.checkpoint import Checkpoints, publish_rank_states, write_rank_state
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import IterationStats
-from mjlab_hpc.rundir.state import on_recovered, on_stop, read_record
+from mjlab_hpc.rundir.state import cancel_marker, on_recovered, on_stop, read_record
 from mjlab_hpc.rundir.writer import RunWriter
 from mjlab_hpc.slurm.client import SlurmClient
 
@@ -309,6 +310,8 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
     ctx = stopped.ctx
     if ctx is None or stopped.stop.kind == StopKind.FOR_GOOD:
         return EXIT_STOPPED
+    if stopped.run_dir and cancel_marker(Path(stopped.run_dir)) is not None:
+        return EXIT_STOPPED  # the SIGTERM of a cancel, not a preemption: no requeue
     link = chain_link(os.environ)
     if ctx.mode == "slurm" and stopped.reason == "time-limit" and link and link[0] < link[1]:
         # The next job of the chain is queued behind this one and continues the run.
