@@ -11,6 +11,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_LOCAL_REQUEUE",
     "EXIT_OK",
+    "EXIT_REQUEUE",
     "EXIT_STOPPED",
     "LaunchError",
     "SpecError",
@@ -31,6 +32,9 @@ EXIT_STOPPED = 3
 #: A rank's hang watchdog ended it: no progress for --hang-timeout-s (its stacks are in its
 #: log); the launcher ends the others and may requeue the job.
 EXIT_HUNG = 4
+#: A rank or the healer wants the Slurm job requeued but has no `scontrol` (a container image
+#: without Slurm's client): the batch script, outside the image, requeues it (EX_TEMPFAIL).
+EXIT_REQUEUE = 75
 #: Stopped at once by a second Ctrl-C, without a checkpoint (128 + SIGINT, as shells do).
 EXIT_INTERRUPTED = 130
 #: A rank asks submitit's local executor to start it again (submitit.local reads 144).

@@ -124,6 +124,12 @@ class TrainSpec:
     overrides: Annotated[tuple[str, ...], tyro.conf.Suppress] = ()
     """mjlab tasks: `--env.*` / `--agent.*` arguments, as mjlab's own train takes them."""
 
+    @property
+    def device_choice(self) -> DeviceChoice:
+        """The device the flags ask for: cpu for `--gpu-ids None` and CPU ranks (--num-procs),
+        else --device."""
+        return "cpu" if self.gpu_ids is None or self.num_procs > 1 else self.device
+
     def replace(self, **changes: object) -> TrainSpec:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -225,6 +231,9 @@ class SubmitSpec:
     """Name in squeue (default: mjlab-<task>)."""
     container: str | None = None
     """Apptainer/Singularity image to run every rank in (--nv on GPUs)."""
+    container_image: str | None = None
+    """An enroot image for pyxis (srun --container-image) to run every rank in, e.g.
+    nvcr.io#nvidia/pytorch:24.05-py3 or a .sqsh file; the log root is mounted at its path."""
     setup: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
     """A shell line to run before the ranks start (repeatable), e.g. 'module load cuda'."""
     sbatch_arg: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()

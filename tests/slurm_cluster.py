@@ -60,6 +60,17 @@ class SlurmCluster:
     # True when this process started the cluster (and so must stop it).
     started_here: bool = False
 
+    @property
+    def version(self) -> str:
+        """Slurm's version, as its daemons say (`22.05.8`, `24.11.5`)."""
+        return (self.state_dir / "slurm-version").read_text().strip()
+
+    @property
+    def cgroup(self) -> bool:
+        """proctrack/cgroup and task/cgroup with ConstrainDevices: each task sees only its
+        GPUs, numbered from 0."""
+        return self.env.get("MJLAB_HPC_CLUSTER_CGROUP") == "1"
+
     def environ(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         """os.environ plus the cluster's variables: jobs inherit it (sbatch --export=ALL)."""
         return {**os.environ, **self.env, **(extra or {})}
@@ -182,8 +193,14 @@ def _unavailable(reason: str) -> NoReturn:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
-    """A running two-node cluster (node1, node2; 8 CPUs and 4 fake GPUs each)."""
+    """A running two-node cluster (node1, node2; 8 CPUs and 4 fake GPUs each) of the Slurm
+    version MJLAB_HPC_SLURM_VERSION names (22.05 by default; 24.11 inside its root)."""
     state_dir = default_state_dir()
+    version = os.environ.get("MJLAB_HPC_SLURM_VERSION", "22.05")
+    if version != "22.05" and os.environ.get("MJLAB_HPC_IN_ROOT") != version:
+        # Its clients and daemons live in their own root; 22.05's cannot talk to them.
+        _unavailable(f"Slurm {version} runs inside its root: bash tests/cluster/cluster.sh "
+                     "exec .venv/bin/pytest ...")  # fmt: skip
     cluster = running_cluster(state_dir)
     if cluster is None:
         if os.geteuid() != 0:

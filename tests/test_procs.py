@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import watch
 from mjlab_hpc import procs
 
 
@@ -34,12 +35,12 @@ def test_processes_match_argv_and_skip_this_process(tmp_path: Path) -> None:
             time.sleep(0.02)
         assert [p.pid for p in found] == [child.pid]
         assert found[0].argv[-1] == marker
-        assert procs.cpu_seconds(child.pid) is not None
-        assert abs((procs.start_time(child.pid) or 0) - time.time()) < 30
+        assert watch.cpu_seconds(child.pid) is not None
+        assert abs((watch.start_time(child.pid) or 0) - time.time()) < 30
     finally:
         child.kill()
         child.wait()
-    assert procs.cpu_seconds(child.pid) is None
+    assert watch.cpu_seconds(child.pid) is None
 
 
 def test_kill_group_ends_a_job_and_what_it_started() -> None:
@@ -48,7 +49,7 @@ def test_kill_group_ends_a_job_and_what_it_started() -> None:
     deadline = time.monotonic() + 10
     members: list[int] = []
     while len(members) < 3 and time.monotonic() < deadline:
-        members = procs.session_pids(job.pid)
+        members = watch.session_pids(job.pid)
         time.sleep(0.02)
     assert len(members) == 3, members  # bash and its two sleeps
     procs.kill_group(job.pid)
@@ -79,8 +80,8 @@ def test_send_signal_reports_a_gone_process() -> None:
 
 
 def test_machine_busy_grows() -> None:
-    before = procs.machine_busy_s()
+    before = watch.machine_busy_s()
     end = time.process_time() + 0.2
     while time.process_time() < end:
         pass
-    assert procs.machine_busy_s() > before
+    assert watch.machine_busy_s() > before

@@ -68,6 +68,11 @@ def test_rsl_rl_parts() -> None:
     logger = _source(Logger)
     for name in ("self.rewbuffer", "self.lenbuffer", "self.writer"):
         assert name in logger, f"rsl-rl: Logger {name} is gone ({RSL_RL})"
+    from rsl_rl.utils.wandb_log_writer import WandbLogWriter
+
+    writer = _source(WandbLogWriter)
+    for name in ("def save_video", "self.logged_videos", "def save_model"):
+        assert name in writer, f"rsl-rl: WandbLogWriter {name} is gone ({RSL_RL}: one W&B run)"
     buffers = set(EmpiricalNormalization(3).state_dict())
     assert {"_mean", "_var", "_std", "count"} <= buffers, (
         f"rsl-rl: EmpiricalNormalization's buffers are now {sorted(buffers)} "

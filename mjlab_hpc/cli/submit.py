@@ -271,7 +271,7 @@ def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
     uncropped: users copy the script from here."""
     out = sys.stdout
     out.write("# ---- resolved spec ----\n" + spec_yaml(spec, resolved))
-    elements = sweep_elements(spec.train, spec.sweep)
+    elements = sweep_elements(spec.train, spec.sweep) if spec.sweep else []
     if elements:
         folder, run_dirs = planned_sweep(spec, resolved)
         out.write(f"# ---- sweep: {len(elements)} elements (dry run: nothing created) ----\n")

@@ -31,6 +31,7 @@ from mjlab_hpc.errors import (
     EXIT_INTERRUPTED,
     EXIT_LOCAL_REQUEUE,
     EXIT_OK,
+    EXIT_REQUEUE,
     EXIT_STOPPED,
 )
 from mjlab_hpc.launch.heal import decide, record_healing
@@ -61,7 +62,18 @@ _ON_PURPOSE = (EXIT_OK, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_LOC
 _HEAL_COMMENT = """\
 # Self-healing (mjlab_hpc): when a rank crashed or hung, record the fault in run.json and
 # requeue the job (excluding a node the fault is attributed to) while restarts remain and the
-# failure is not a repeat; nothing happens after a completed or stopped run.
+# failure is not a repeat; nothing happens after a completed or stopped run. The requeue
+# sends this shell SIGTERM: ignored, so the healer can still exclude the node (the job's
+# processes end with it under proctrack/cgroup).
+ranks=$?
+trap '' TERM
+"""
+# After it: a requeue that the ranks or the healer asked for where Slurm's commands are missing
+# (exit 75: a container image without them) is done here, in the batch shell, which has them.
+_REQUEUE_HERE = f"""\
+status=$?
+if [ "$status" -eq {EXIT_REQUEUE} ]; then scontrol requeue "$SLURM_JOB_ID" && status=0; fi
+exit "$status"
 """
 
 
@@ -70,11 +82,18 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
     run on a laptop)."""
 
     def __init__(
-        self, folder: Path, python: str | None, max_restarts: int, render_only: bool = False
+        self,
+        folder: Path,
+        python: str | None,
+        max_restarts: int,
+        render_only: bool = False,
+        heal_python: str | None = None,
     ) -> None:
         self._render_only = render_only
         self.max_restarts = max_restarts
         super().__init__(folder, python=python)
+        self.heal_python = heal_python or self.python
+        """How the heal step runs Python (pyxis: a step in the image)."""
 
     def affinity(self) -> int:  # type: ignore[override]
         # submitit refuses to build an executor without srun; rendering needs none.
@@ -86,10 +105,10 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
         text = str(super()._make_submission_file_text(command, uid))
         run_dir = shlex.quote(str(Path(self.folder).parent))
         heal = (
-            f"{self.python} -m mjlab_hpc.cli.hpc heal --run-dir {run_dir} --exit-code $? "
+            f"{self.heal_python} -m mjlab_hpc.cli.hpc heal --run-dir {run_dir} --exit-code $ranks "
             f"--elapsed-s $SECONDS --max-restarts {self.max_restarts}"
         )
-        return text.rstrip("\n") + "\n\n" + _HEAL_COMMENT + heal + "\n"
+        return text.rstrip("\n") + "\n\n" + _HEAL_COMMENT + heal + "\n" + _REQUEUE_HERE
 
     def script(self) -> str:
         """The exact batch script this executor submits (what a dry run prints)."""
@@ -174,15 +193,15 @@ class HealingController(Controller):  # type: ignore[misc]
 class LocalJobExecutor(submitit.LocalExecutor):  # type: ignore[misc]
     """submitit's LocalExecutor whose jobs run under `HealingController`."""
 
-    def __init__(self, folder: Path, max_restarts: int) -> None:
+    def __init__(self, folder: Path, max_restarts: int, gpus: Sequence[str] = ()) -> None:
         super().__init__(folder=folder)
         self.max_restarts = max_restarts
+        # CUDA_VISIBLE_DEVICES entries of the ranks: submitit's visible_gpus takes only
+        # indices, not the UUIDs (GPU-..., MIG-...) some sites give.
+        self.gpus = tuple(gpus)
 
     def _submit_command(self, command: str) -> LocalJob[Any]:
         ntasks = self.parameters.get("tasks_per_node", 1)
-        n_gpus = self.parameters.get("gpus_per_node", 0)
-        visible = self.parameters.get("visible_gpus", ())
-        gpus = range(n_gpus) if visible == () else visible[:n_gpus]
         env = dict(os.environ)
         # What submitit's start_controller sets, for its Controller and the tasks.
         env.update(
@@ -194,7 +213,7 @@ class LocalJobExecutor(submitit.LocalExecutor):  # type: ignore[misc]
             SUBMITIT_LOCAL_JOB_NUM_NODES="1",
             SUBMITIT_STDERR_TO_STDOUT="1" if self.parameters.get("stderr_to_stdout") else "",
             SUBMITIT_EXECUTOR="local",
-            CUDA_VISIBLE_DEVICES=",".join(str(k) for k in gpus),
+            CUDA_VISIBLE_DEVICES=",".join(self.gpus),
             SUBMITIT_LOCAL_WITH_SHELL="",
         )
         argv = [sys.executable, "-m", CONTROLLER_MODULE, str(self.folder), str(self.max_restarts)]

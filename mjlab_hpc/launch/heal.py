@@ -16,9 +16,9 @@ import datetime as dt
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE
 from mjlab_hpc.rundir.layout import (
+    SUBMITIT_DIR,
     RunDir,
     progress_summary,
     read_hangs,
@@ -49,13 +50,11 @@ __all__ = [
     "Healing",
     "apply_slurm",
     "decide",
-    "exclude_and_release",
     "find_fault",
     "heal_job",
     "heal_slurm",
     "job_run_dir",
     "record_healing",
-    "release_later",
     "usable_without",
 ]
 
@@ -261,60 +260,33 @@ def usable_without(client: SlurmClient, job_id: str, exclude: Sequence[str]) -> 
 
 
 def apply_slurm(client: SlurmClient, job_id: str, heal: Healing) -> bool:
-    """Exclude the suspect nodes and requeue the job (from inside it). True when done."""
+    """Requeue the job (from inside it), excluding the suspect nodes. True when done."""
     if not heal.exclude:
         return client.requeue(job_id)
     nodes = ",".join(dict.fromkeys([*_excluded(client, job_id), *heal.exclude]))
-    # A running job's ExcNodeList cannot change, and a requeue ends this script: hold the
-    # requeued job, change it while pending, release it, within Slurm's KillWait. A detached
-    # process does the same in case this one is killed first (where proctrack lets it live):
-    # a job left held would never run again.
+    # A running job's ExcNodeList cannot change; a requeued one's can, in the seconds before
+    # Slurm may start it again (its begin time, ~10 s). The requeue ends this script (SIGTERM,
+    # SIGKILL after KillWait): the change follows at once. No requeuehold and later release:
+    # a release before the requeue completes is lost, and a helper meant to release it later
+    # dies with the job under proctrack/cgroup: the job stayed held for good (seen on 22.05
+    # and 24.11 with task/cgroup).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    env = {**os.environ, **(client.env or {})}
-    with contextlib.suppress(OSError):
-        subprocess.Popen(
-            [sys.executable, "-m", "mjlab_hpc.launch.heal", job_id, nodes],
-            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, env=env,
-        )  # fmt: skip
-    hold = client.run(["scontrol", "requeuehold", job_id])
-    if hold is None or hold.returncode != 0:
-        log.error("scontrol requeuehold %s failed: %s", job_id, hold and hold.stderr.strip())
-        return client.requeue(job_id)
-    return exclude_and_release(client, job_id, nodes)
-
-
-def exclude_and_release(client: SlurmClient, job_id: str, nodes: str) -> bool:
-    """Set a pending job's excluded nodes and release it (harmless when not held)."""
+    if not client.requeue(job_id):
+        return False
     update = client.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={nodes}"])
-    if update is None or update.returncode != 0:
+    if update is None or update.returncode != 0:  # it runs again, maybe on the same node
         log.error("excluding %s failed: %s", nodes, update and update.stderr.strip())
-    release = client.run(["scontrol", "release", job_id])
-    return release is not None and release.returncode == 0
-
-
-def release_later(client: SlurmClient, job_id: str, nodes: str, wait_s: float = 60.0) -> int:
-    """The detached helper of `apply_slurm`: once the job is pending, exclude and release."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        state = client.job_state(job_id)
-        if state == "PENDING":
-            exclude_and_release(client, job_id, nodes)
-            return EXIT_OK
-        if state not in (None, "RUNNING", "REQUEUED", "REQUEUE_HOLD", "COMPLETING"):
-            return EXIT_OK  # running elsewhere already, or ended
-        time.sleep(0.2)
-    return EXIT_FAILED
+    return True
 
 
 def heal_slurm(
     run_dir: Path, exit_code: int, max_restarts: int, client: SlurmClient,
-    since: float | None = None,
+    since: float | None = None, submitit_dir: Path | None = None,
 ) -> int:  # fmt: skip
     """The batch script's step after srun: decide, record, act; the script's exit code.
-    `since`: when this run of the job began."""
-    if exit_code == EXIT_OK:
-        return EXIT_OK
+    `since`: when this run of the job began; `submitit_dir`: the job's submitit folder."""
+    if exit_code in (EXIT_OK, EXIT_REQUEUE):  # done; or a stop the ranks want requeued
+        return exit_code
     job_id = os.environ.get("SLURM_JOB_ID")
     heal = decide(run_dir, max_restarts, job_id, since)
     if heal.fault is None:
@@ -330,6 +302,19 @@ def heal_slurm(
         record_healing(run_dir, heal)
     except Exception as exc:  # the run matters more than its record: heal anyway
         log.error("could not record the fault in run.json: %s", exc)
+    if heal.requeue and submitit_dir is not None:
+        # The failed start's results (a rank's exception): `mjlab-submit --follow` would take
+        # one that the next start has not rewritten yet for its own (seen on 24.11).
+        key = os.environ.get("SLURM_ARRAY_TASK_ID")
+        key = f"{os.environ.get('SLURM_ARRAY_JOB_ID')}_{key}" if key else job_id
+        for stale in submitit_dir.glob(f"{key}_*_result.pkl"):
+            stale.unlink(missing_ok=True)
+    if (
+        heal.requeue
+        and job_id
+        and shutil.which("scontrol", path=(client.env or os.environ).get("PATH")) is None
+    ):
+        return EXIT_REQUEUE  # inside an image without Slurm's client: the batch shell requeues
     if heal.requeue and job_id and apply_slurm(client, job_id, heal):
         return EXIT_OK
     if heal.requeue:  # run.json must not say requeued
@@ -371,12 +356,8 @@ def heal_job(
     since = time.time() - elapsed_s if elapsed_s is not None else None
     try:
         return heal_slurm(job_run_dir(run_dir, os.environ), exit_code, max_restarts,
-                          SlurmClient(), since)  # fmt: skip
+                          SlurmClient(), since, run_dir / SUBMITIT_DIR)  # fmt: skip
     except Exception as exc:  # the job's own exit code matters more than ours
         print(f"mjlab-hpc heal: could not heal on {socket.gethostname()}: {exc}",
               file=sys.stderr)  # fmt: skip
         return exit_code or EXIT_FAILED
-
-
-if __name__ == "__main__":  # apply_slurm's detached helper: JOB_ID NODES
-    sys.exit(release_later(SlurmClient(), sys.argv[1], sys.argv[2]))

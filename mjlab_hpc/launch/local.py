@@ -55,6 +55,9 @@ __all__ = [
 
 # Local jobs run until they finish; submitit's default (2 minutes) would stop them.
 LOCAL_TIMEOUT_MIN = 60 * 24 * 30
+# What CUDA takes in CUDA_VISIBLE_DEVICES: an index, a GPU's UUID, a MIG instance's (also in
+# its older GPU-uuid/gi/ci form).
+_GPU_ENTRY = re.compile(r"\d+|(GPU|MIG)-[\w/.-]+")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -64,10 +67,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def physical_gpu_ids(gpu_ids: Sequence[int], cuda_visible_devices: str | None) -> list[int]:
-    """Map ids relative to CUDA_VISIBLE_DEVICES (as mjlab's --gpu-ids are) to physical ids."""
+def physical_gpu_ids(gpu_ids: Sequence[int], cuda_visible_devices: str | None) -> list[str]:
+    """Map ids relative to CUDA_VISIBLE_DEVICES (as mjlab's --gpu-ids are) to the entries CUDA
+    takes: indices, or the UUIDs some sites and MIG set there (`GPU-...`, `MIG-...`)."""
     if cuda_visible_devices is None:
-        return list(gpu_ids)
+        return [str(i) for i in gpu_ids]
     visible = [v.strip() for v in cuda_visible_devices.split(",") if v.strip()]
     out = []
     for i in gpu_ids:
@@ -77,13 +81,13 @@ def physical_gpu_ids(gpu_ids: Sequence[int], cuda_visible_devices: str | None) -
                 f"GPU {i} is not visible: CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} "
                 f"shows {len(visible)} GPU(s); ids count from 0 within that list",
             )
-        if not visible[i].isdigit():
+        if not _GPU_ENTRY.fullmatch(visible[i]):
             raise SpecError(
                 "--gpu-ids",
-                f"CUDA_VISIBLE_DEVICES entry {visible[i]!r} is not an index; set "
-                "CUDA_VISIBLE_DEVICES to indices to launch several GPU ranks",
+                f"CUDA_VISIBLE_DEVICES entry {visible[i]!r} names no GPU (an index, GPU-<uuid> "
+                "or MIG-<uuid>); set CUDA_VISIBLE_DEVICES to the GPUs to use",
             )
-        out.append(int(visible[i]))
+        out.append(visible[i])
     return out
 
 
@@ -92,10 +96,10 @@ class LaunchPlan:
     """How `mjlab-train` runs a spec: in this process, or as several local ranks."""
 
     ranks: int = 1
-    gpus: tuple[int, ...] = ()
-    """Physical GPU ids given to the local ranks (empty: CPU)."""
-    single_gpu: int | None = None
-    """Physical id of the one GPU an in-process run uses."""
+    gpus: tuple[str, ...] = ()
+    """GPUs given to the local ranks, as CUDA_VISIBLE_DEVICES entries (empty: CPU)."""
+    single_gpu: str | None = None
+    """The one GPU an in-process run uses, as a CUDA_VISIBLE_DEVICES entry."""
 
     @property
     def in_process(self) -> bool:
@@ -191,7 +195,7 @@ def _controller_environment(foreground: bool, pythonpath: str | None = None) -> 
 def submit_local(
     spec: ResolvedSpec,
     ranks: int,
-    gpus: Sequence[int] = (),
+    gpus: Sequence[str] = (),
     timeout_min: float = LOCAL_TIMEOUT_MIN,
     signal_delay_s: int = 90,
     foreground: bool = True,
@@ -210,13 +214,9 @@ def submit_local(
         if train.run_dir
         else create_run_dir(train.log_root, spec.experiment_name, train.run_name)
     )
-    executor = LocalJobExecutor(run_dir / SUBMITIT_DIR, train.max_restarts)
+    executor = LocalJobExecutor(run_dir / SUBMITIT_DIR, train.max_restarts, tuple(gpus))
     executor.update_parameters(
-        tasks_per_node=ranks,
-        timeout_min=timeout_min,
-        signal_delay_s=signal_delay_s,
-        gpus_per_node=len(gpus),
-        visible_gpus=tuple(gpus),
+        tasks_per_node=ranks, timeout_min=timeout_min, signal_delay_s=signal_delay_s
     )
     code = snapshot_for(run_dir)
     with _controller_environment(foreground, import_path(code) if code else None):
@@ -303,7 +303,7 @@ def rank_outcomes(job: submitit.Job, ranks: int) -> tuple[list[object], list[str
 def run_local(
     spec: ResolvedSpec,
     ranks: int,
-    gpus: Sequence[int] = (),
+    gpus: Sequence[str] = (),
     resume: str = "the same command with --resume",
     out: TextIO | None = None,
 ) -> Closing:

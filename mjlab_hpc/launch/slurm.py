@@ -43,7 +43,9 @@ __all__ = [
     "allocation_srun",
     "array_executor",
     "container_python",
+    "heal_python",
     "make_slurm_executor",
+    "pyxis_args",
     "read_template",
     "render",
     "render_array_sbatch",
@@ -75,7 +77,7 @@ def slurm_parameters(
         "time": slurm_time_minutes(spec.time),
         "signal_delay_s": spec.signal_delay_s,
         # A dead rank ends the whole step instead of leaving the others in a collective.
-        "srun_args": ["--kill-on-bad-exit=1"],
+        "srun_args": ["--kill-on-bad-exit=1", *pyxis_args(spec)],
         # submitit writes --signal=USR2@delay; this also honours --preempt-signal.
         "additional_parameters": {
             "requeue": True,
@@ -103,8 +105,27 @@ def slurm_parameters(
     return params
 
 
+def pyxis_args(spec: SubmitSpec) -> list[str]:
+    """srun's options that start a step in the pyxis image (none without --container-image);
+    the log root is mounted at its own path."""
+    if spec.container_image is None:
+        return []
+    root = Path(spec.train.log_root).resolve()
+    return [f"--container-image={spec.container_image}", f"--container-mounts={root}:{root}"]
+
+
+def heal_python(spec: SubmitSpec) -> str | None:
+    """The command that runs Python for the batch script's heal step, where it differs from the
+    ranks' (None): with pyxis a one-task step in the image (the batch shell is outside it)."""
+    if spec.container_image is None:
+        return None
+    return shlex.join(["srun", "--nodes=1", "--ntasks=1", *pyxis_args(spec)]) + " python3"
+
+
 def container_python(spec: SubmitSpec, run_dir: Path) -> str | None:
     """The command that runs Python inside the image on every rank (None: no container)."""
+    if spec.container_image is not None:
+        return "python3"  # srun starts the image (pyxis): its own Python
     if spec.container is None:
         return None
     image = str(Path(spec.container).resolve())
@@ -134,6 +155,7 @@ def make_slurm_executor(
         python=container_python(spec, folder_parent),
         max_restarts=spec.train.max_restarts,
         render_only=dry_run,
+        heal_python=heal_python(spec),
     )
     snapshot = snapshot if snapshot is not None else snapshot_for(folder_parent)
     after = spec.after if after is None else after
@@ -284,6 +306,7 @@ def allocation_srun(
         argv.append(f"--gpus-per-node={spec.gpus_per_node}")
     if spec.cpus_per_task is not None:
         argv.append(f"--cpus-per-task={spec.cpus_per_task}")
+    argv += pyxis_args(spec)
     run = [*shlex.split(python), "-u"] if python else [sys.executable, "-u"]
     train = train_cli_args(resolved.train)
     return [*argv, *run, "-m", "mjlab_hpc.cli.train", *train, "--run-dir", str(run_dir)]

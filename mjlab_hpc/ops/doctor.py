@@ -33,6 +33,7 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.slurm import container_python, render_sbatch, slurm_parameters
+from mjlab_hpc.ops.limits import limit_checks, partition_grace_s
 from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
@@ -455,7 +456,9 @@ def diagnose(
     except SpecError as exc:
         report.add("log root here", "fail", exc.problem, "give --log-root a folder you can write")
         return report
-    _check_arrays(report, spec, slurm.config())
+    config = slurm.config()
+    _check_arrays(report, spec, config)
+    limit_checks(report.add, spec, config, partition_grace_s(slurm, spec.partition))
     if not request_ok:
         return report
     made = [p for p in (log_root / PROBE_DIR, *(log_root / PROBE_DIR).parents) if not p.exists()]

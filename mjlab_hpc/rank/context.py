@@ -20,7 +20,6 @@ from typing import Literal
 
 from mjlab_hpc.errors import LaunchError
 from mjlab_hpc.slurm.hostlist import HostlistError, first_host
-from mjlab_hpc.spec import TrainSpec
 
 __all__ = [
     "ALLOCATION_ENV",
@@ -39,6 +38,7 @@ __all__ = [
     "derive_master_port",
     "detect_mode",
     "interactive_step",
+    "own_mig",
     "process_group",
     "rank_device",
     "resolve_device",
@@ -425,9 +425,18 @@ def resolve_device(
     )
 
 
-def rank_device(spec: TrainSpec, ctx: DistContext) -> str:
-    """The device this rank trains on."""
-    choice = "cpu" if spec.gpu_ids is None or spec.num_procs > 1 else spec.device
+def own_mig(cuda_visible_devices: str | None, local_rank: int, local_world_size: int) -> str | None:
+    """This rank's own entry when CUDA_VISIBLE_DEVICES lists one MIG instance per local rank
+    (CUDA shows a process one MIG instance at most: local rank 1 would find no cuda:1); else
+    None. The caller narrows the variable to it before CUDA starts."""
+    entries = [e.strip() for e in (cuda_visible_devices or "").split(",") if e.strip()]
+    if 1 < len(entries) == local_world_size and any(e.startswith("MIG-") for e in entries):
+        return entries[local_rank]
+    return None
+
+
+def rank_device(choice: str, ctx: DistContext) -> str:
+    """The device this rank trains on, for the device the flags ask for (`device_choice`)."""
     return resolve_device(
         choice,
         ctx.local_rank,

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -27,7 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_STOPPED
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_REQUEUE, EXIT_STOPPED
 from mjlab_hpc.procs import alive
 from mjlab_hpc.rank.context import ALLOCATION_ENV, SUPERVISOR_ENV, DistContext, chain_link
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog
@@ -38,7 +39,6 @@ from mjlab_hpc.rundir.progress import IterationStats
 from mjlab_hpc.rundir.state import on_recovered, on_stop, read_record
 from mjlab_hpc.rundir.writer import RunWriter
 from mjlab_hpc.slurm.client import SlurmClient
-from mjlab_hpc.spec import TrainSpec
 
 __all__ = [
     "Interrupted",
@@ -319,6 +319,11 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
         )
         return EXIT_FAILED
     if ctx.mode == "slurm" and ctx.job_id and ALLOCATION_ENV not in os.environ:
+        if ctx.is_main and shutil.which("scontrol") is None:
+            # A container image without Slurm's client: the batch script requeues, outside it.
+            print(f"{stopped}; no scontrol here: the batch script requeues the job",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return EXIT_REQUEUE
         if ctx.is_main and not SlurmClient().requeue(ctx.job_id):
             return EXIT_FAILED
         return EXIT_OK
@@ -343,7 +348,12 @@ class IterationBoundary:
     run: RunDir
     ctx: DistContext
     device: str
-    spec: TrainSpec
+    save_interval: int
+    """--save-interval: a checkpoint every N iterations (and at the last)."""
+    save_every_min: float | None
+    """--save-every-min: also one when this many minutes passed since the last."""
+    keep_checkpoints: int
+    """--keep-checkpoints: the newest N are kept (0: all)."""
     total: int
     start: int
     """The iteration this start resumed from."""
@@ -365,14 +375,14 @@ class IterationBoundary:
             self._record_recovery()
         for injection in self.injections:
             injection.fire_if_due(self.run, self.ctx.rank, s.iteration)
-        every = self.spec.save_every_min
+        every = self.save_every_min
         due = every is not None and time.monotonic() - self._last_save >= every * 60
         stop, save = agree_boundary(self.request, self.ctx.is_distributed, self.device, due)
         if stop is not None and s.iteration >= self.total:
             stop = None  # the run is done: it completes (every rank agreed on the same value)
         if self.watchdog is not None and (stop is not None or s.iteration >= self.total):
             self.watchdog.disarm()  # what follows (W&B's upload, the last records) is no hang
-        periodic = save or s.iteration % self.spec.save_interval == 0 or s.iteration == self.total
+        periodic = save or s.iteration % self.save_interval == 0 or s.iteration == self.total
         if stop is not None or periodic:
             if self.watchdog is not None:
                 with self.watchdog.paused():
@@ -400,7 +410,7 @@ class IterationBoundary:
                 path.name, size, t1 - t0, written_s,
             )  # fmt: skip
             self.checkpoints.written(path)
-            self.checkpoints.prune(self.spec.keep_checkpoints)
+            self.checkpoints.prune(self.keep_checkpoints)
             if stop is not None:
                 self._record_stop(stop, iteration, t0)
         if self.ctx.is_distributed:

@@ -32,6 +32,7 @@ from mjlab_hpc.errors import EXIT_INTERRUPTED, environment_problem
 from mjlab_hpc.rank.context import (
     DETACHED_ENV,
     DistContext,
+    own_mig,
     process_group,
     rank_device,
     seed_for_rank,
@@ -234,14 +235,18 @@ def train_rank(
     `ResumeRefused` when the run directory cannot be continued (nothing of it changed), and
     KeyboardInterrupt on a second Ctrl-C.
     """
-    init_warp()
     spec = resolved.train
     ctx = DistContext.from_env(master_port=master_port)
-    device = rank_device(spec, ctx)
+    mig = own_mig(os.environ.get("CUDA_VISIBLE_DEVICES"), ctx.local_rank, ctx.local_world_size)
+    if mig is not None:  # before CUDA starts (Warp's init starts it)
+        os.environ["CUDA_VISIBLE_DEVICES"] = mig
+    init_warp()
+    device = rank_device(spec.device_choice, ctx)
     torch.set_num_threads(torch_threads(spec.torch_threads, ctx, os.environ))
     if device.startswith("cuda"):
-        # Offscreen rendering (videos) on this rank's GPU, as mjlab does.
-        os.environ["MUJOCO_EGL_DEVICE_ID"] = str(ctx.local_rank)
+        # Offscreen rendering (videos) on this rank's GPU (its CUDA ordinal, not its local
+        # rank: a task may see only its own GPU); mjlab's recorder asks EGL (tasks/mjlab).
+        os.environ["MUJOCO_EGL_DEVICE_ID"] = device.partition(":")[2] or "0"
     seed = seed_for_rank(spec.seed, ctx)
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
@@ -332,7 +337,8 @@ def _train(
         )  # fmt: skip
         hooks.append(
             IterationBoundary(
-                work, run, ctx, device, spec, total, start, request, writer, checkpoints,
+                work, run, ctx, device, spec.save_interval, spec.save_every_min,
+                spec.keep_checkpoints, total, start, request, writer, checkpoints,
                 requeues_so_far(read_record(run.path)), watchdog, injections,
             )
         )  # fmt: skip

@@ -1,29 +1,6 @@
-"""The run directory's layout: every file name the toolkit reads or writes, in one place.
-
-Decided once per run and shared by every rank and every restart:
-
-    <log-root>/<experiment>/                  the experiment folder
-      .keys/<key>                             run directory of a job key (templates)
-      .latest_run                             the newest run's name (for --resume)
-      .sweeps/<stamp>/sweep.json              a sweep's record (+ submitit/ of its job array)
-      <YYYY-mm-dd_HH-MM-SS>[_<run-name>]/     one run
-        params/train.yaml, agent.yaml, env.yaml   the resolved spec and configs (writer)
-        model_<n>.pt, model_<n>.pt.sha256         checkpoints after n iterations (writer)
-        events.out.tfevents.*                     tensorboard (writer)
-        progress.jsonl                            one JSON line per iteration (writer)
-        restarts.jsonl                            one JSON line per stop for a requeue (writer)
-        run.json                                  the run record (writer)
-        summary.json                              the end of the run (writer)
-        sweep_element.json                        its place in a sweep (submitter)
-        cancelled.json                            written by `mjlab-hpc cancel`
-        logs/rank<k>.log                          every rank's own log
-        logs/heartbeat/rank<k>.json               every rank's heartbeat (liveness, iteration)
-        logs/heartbeat/hang-rank<k>.json          what a rank's hang watchdog found
-        submitit/                                 launcher files, per-task stdout/stderr
-        .writer.lock, .writer.lock.tokens/        the single writer's lease lock
-        .writer.reserve                           space kept for the last records (full disk)
-        .once/<name>.json                         results of once-per-run side effects
-"""
+"""The run directory's layout: every file name the toolkit reads or writes, in one place
+(docs/launching.md, "The run directory", shows the tree). Decided once per run and shared by
+every rank and every restart."""
 
 from __future__ import annotations
 

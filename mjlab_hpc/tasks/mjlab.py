@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.tasks.video import Recording, egl_device_for_cuda, gl_backend, record_videos
+from mjlab_hpc.tasks.video import Recording, egl_device_id, gl_backend, record_videos
 
 __all__ = [
     "MjlabDefaults",
@@ -296,9 +296,7 @@ def make_mjlab_runtime(
         configure_torch_backends()
     if recording is not None and device.startswith("cuda"):
         # EGL's device order is its own: render on the EGL device of this rank's GPU.
-        egl = egl_device_for_cuda(int(device.partition(":")[2] or 0))
-        if egl is not None:
-            os.environ["MUJOCO_EGL_DEVICE_ID"] = str(egl)
+        os.environ["MUJOCO_EGL_DEVICE_ID"] = egl_device_id(device)
     with wp.ScopedDevice(device):
         env = _make_env(env_cfg, device, recording)
         recorder = record_videos(env, recording) if recording is not None else None

@@ -11,6 +11,7 @@ import ctypes
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from mjlab_hpc.procs import run_command
 __all__ = [
     "Recording",
     "egl_device_for_cuda",
+    "egl_device_id",
     "gl_backend",
     "record_videos",
     "rendering_problem",
@@ -97,6 +99,15 @@ def egl_device_for_cuda(ordinal: int) -> int | None:
     except Exception:
         return None
     return None
+
+
+def egl_device_id(device: str, egl_of: Callable[[int], int | None] = egl_device_for_cuda) -> str:
+    """MUJOCO_EGL_DEVICE_ID for a rank on `device` (`cuda:k`): the EGL device of CUDA device k
+    of this process, whatever CUDA_VISIBLE_DEVICES holds (indices, UUIDs, one renumbered GPU);
+    k itself where EGL cannot say (the orders agree on most single-GPU tasks)."""
+    ordinal = int(device.partition(":")[2] or 0)
+    egl = egl_of(ordinal)
+    return str(ordinal if egl is None else egl)
 
 
 def use_ffmpeg() -> None:

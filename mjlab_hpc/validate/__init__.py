@@ -79,6 +79,7 @@ def slurm_only(spec: SubmitSpec) -> str | None:
     for flag, given in (("--nodes", spec.nodes > 1), ("--partition", spec.partition),
                         ("--account", spec.account), ("--qos", spec.qos),
                         ("--constraint", spec.constraint), ("--container", spec.container),
+                        ("--container-image", spec.container_image),
                         ("--chain", spec.chain > 1), ("--after", spec.after),
                         ("--sbatch-arg", spec.sbatch_arg)):  # fmt: skip
         if given:
@@ -97,8 +98,10 @@ def _check_executor(spec: SubmitSpec, executor: str) -> None:
     if executor == "local":
         if spec.nodes > 1:
             raise SpecError("--nodes", "the local executor runs on this one machine: use --nodes 1")
-        if spec.container is not None:
-            raise SpecError("--container", "containers run through Slurm: use --executor slurm")
+        for flag, image in (("--container", spec.container),
+                            ("--container-image", spec.container_image)):  # fmt: skip
+            if image is not None:
+                raise SpecError(flag, "containers run through Slurm: use --executor slurm")
         if spec.after or spec.chain > 1:
             raise SpecError(
                 "--chain" if spec.chain > 1 else "--after",
@@ -130,7 +133,7 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     resolved = resolve(spec.train)
     if not spec.sweep:
         resolved = world.continue_target(resolved)
-    elements = sweep_elements(spec.train, spec.sweep)
+    elements = sweep_elements(spec.train, spec.sweep) if spec.sweep else []
     if spec.container is not None and not Path(spec.container).is_file():
         raise SpecError("--container", f"image {spec.container!r} does not exist")
     executor = executor_for(spec)

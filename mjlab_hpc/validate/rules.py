@@ -451,6 +451,11 @@ def check_submit(spec: SubmitSpec) -> SubmitSpec:
         shell_line("--setup", line)
     if spec.container is not None:
         no_control("--container", spec.container)
+    if spec.container_image is not None:
+        no_control("--container-image", spec.container_image)
+        if spec.container is not None:
+            raise SpecError("--container-image", "one image: drop --container (Apptainer) or "
+                            "--container-image (pyxis)")  # fmt: skip
     if spec.train.num_procs != 1:
         raise SpecError("--num-procs", "mjlab-submit starts ranks itself: use --tasks-per-node")
     if spec.train.gpu_ids != "auto":

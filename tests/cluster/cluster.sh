@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# A real Slurm cluster (Debian's Slurm 22.05) of N nodes on one machine, for tests.
+# A real Slurm cluster of N nodes on one machine, for tests: Debian 12's Slurm 22.05, or
+# Debian 13 (trixie)'s Slurm 24.11 in a root directory of its own.
 #
 #   cluster.sh up       install missing packages, start munged, MariaDB, slurmdbd,
 #                       slurmctld and N slurmd (node1..nodeN) from an empty state dir
-#   cluster.sh down     stop everything `up` started, by PID; idempotent
+#   cluster.sh down     stop everything `up` started, by PID; idempotent (any version)
 #   cluster.sh status   say whether it is up (sinfo)
+#   cluster.sh exec CMD run CMD inside the Slurm version's root (24.11: where its clients
+#                       and the tests must run; 22.05: here), in the current directory
 #
+# Version: ${MJLAB_HPC_SLURM_VERSION:-22.05}. 24.11 runs in a trixie root made with mmdebstrap
+# and cached under ${MJLAB_HPC_CACHE_DIR:-/var/cache/mjlab-hpc} (keyed by its package list),
+# entered through a private mount namespace that binds /tmp, $HOME, this repository and the
+# Python of its .venv at the same paths, so the project's own environment runs inside it
+# (22.05 clients cannot talk to 24.11 daemons). MJLAB_HPC_ROOT_BINDS: more folders, ':'-separated.
 # N: ${MJLAB_HPC_CLUSTER_NODES:-2} (1-64), read by `up` (saved in <state>/node-count); `down`
 # stops whatever nodes were started, whatever their count.
 # State: ${MJLAB_HPC_CLUSTER_DIR:-${TMPDIR:-/tmp}/mjlab-hpc-cluster}. Clients need
@@ -32,8 +40,30 @@ readonly BINARIES=(slurmctld slurmd sinfo srun sbatch scontrol sacct sacctmgr mu
   slurmdbd mariadbd mariadb-install-db mariadb tini)
 readonly IDLE_TIMEOUT_S=60
 readonly DB_TIMEOUT_S=60
+readonly SLURM_VERSION=${MJLAB_HPC_SLURM_VERSION:-22.05}
+# 1: proctrack/cgroup and task/cgroup with ConstrainDevices (cgroup v1), else pgid and none.
+readonly CGROUP=${MJLAB_HPC_CLUSTER_CGROUP:-0}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+readonly REPO
+readonly SCRIPT=$REPO/tests/cluster/cluster.sh
+# 24.11: Debian trixie's packages in a root of their own. The project's Python comes from the
+# host (bound in at the same path): a second Python there would need torch again (trixie's
+# Python 3.13 gets PyPI's CUDA build, 5.7 GB). git: rsl-rl imports GitPython; libEGL and
+# libGL: mujoco loads them when it is imported.
+readonly ROOT_SUITE=trixie
+readonly ROOT_PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server-core
+  mariadb-client-core tini git procps libegl1 libgl1)
 
 log() { printf 'cluster.sh: %s\n' "$*" >&2; }
+
+case $SLURM_VERSION in
+  22.05 | 24.11) ;;
+  *)
+    printf 'cluster.sh: MJLAB_HPC_SLURM_VERSION=%s: 22.05 (Debian 12) or 24.11 (trixie root)\n' \
+      "$SLURM_VERSION" >&2
+    exit 2
+    ;;
+esac
 
 # N of node1..nodeN for `up`: MJLAB_HPC_CLUSTER_NODES (default 2).
 node_count() {
@@ -211,6 +241,7 @@ is_up() {
   [[ -f $STATE/env.sh ]] && command -v sinfo >/dev/null || return 1
   CLUSTER_ID=$(cat "$STATE/cluster-id" 2>/dev/null || true)
   [[ -n $(pids_of slurmctld) ]] || return 1
+  [[ $(cat "$STATE/slurm-version" 2>/dev/null) == "$SLURM_VERSION".* ]] || return 1
   (
     # shellcheck disable=SC1091
     source "$STATE/env.sh"
@@ -324,6 +355,18 @@ write_configs() {
   # Job ids restart at FirstJobId on every fresh state dir; derive it from the clock (10 ids
   # per second, wrapping every ~76 days) so ids never repeat between bring-ups.
   first_job_id=$((1000 + ($(date +%s) * 10) % 66000000))
+  local proctrack=proctrack/pgid task=task/none
+  if ((CGROUP)); then
+    proctrack=proctrack/cgroup task=task/cgroup
+    # ConstrainDevices: each task may open only its own GPUs' device files, and Slurm numbers
+    # them from 0 in CUDA_VISIBLE_DEVICES (SLURM_STEP_GPUS keeps the node's numbers).
+    cat >"$etc/cgroup.conf" <<EOF
+CgroupPlugin=cgroup/v1
+ConstrainDevices=yes
+ConstrainCores=no
+ConstrainRAMSpace=no
+EOF
+  fi
 
   cat >"$etc/slurm.conf" <<EOF
 ClusterName=$CLUSTER_NAME
@@ -345,8 +388,8 @@ SlurmctldDebug=info
 SlurmdDebug=info
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-ProctrackType=proctrack/pgid
-TaskPlugin=task/none
+ProctrackType=$proctrack
+TaskPlugin=$task
 MpiDefault=none
 MailProg=/bin/true
 JobRequeue=1
@@ -518,6 +561,11 @@ do_up() {
 
   ensure_packages
   t_pkg=$(since "$t0")
+  local have
+  have=$(slurmctld -V 2>/dev/null | awk '{print $2}')
+  [[ $have == "$SLURM_VERSION".* ]] ||
+    fail "Slurm ${have:-?} is installed here, not $SLURM_VERSION (MJLAB_HPC_SLURM_VERSION)"
+  echo "$have" >"$STATE/slurm-version"
 
   CLUSTER_ID=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
   echo "$CLUSTER_ID" >"$STATE/cluster-id"
@@ -529,7 +577,13 @@ do_up() {
   write_configs "$host" "$base" "$dbpass"
   # Fake GPUs: gres needs character devices; copies of /dev/null will do.
   for ((i = 0; i < GPUS_PER_NODE; i++)); do
-    mknod "$STATE/gpu/nvidia$i" c 1 3
+    if ((CGROUP)); then
+      # Distinct device numbers, so a constraint on one GPU is not one on all (or on
+      # /dev/null); no driver behind them: an allowed open fails ENXIO, a denied one EPERM.
+      mknod "$STATE/gpu/nvidia$i" c 195 "$i"
+    else
+      mknod "$STATE/gpu/nvidia$i" c 1 3
+    fi
   done
 
   start_munge
@@ -556,11 +610,92 @@ do_up() {
     sleep 0.05
   done
 
-  printf 'export SLURM_CONF=%q\nexport MJLAB_HPC_CLUSTER_DIR=%q\n' \
-    "$SLURM_CONF" "$STATE" >"$STATE/env.sh"
+  {
+    printf 'export SLURM_CONF=%q\nexport MJLAB_HPC_CLUSTER_DIR=%q\n' "$SLURM_CONF" "$STATE"
+    printf 'export MJLAB_HPC_SLURM_VERSION=%q\nexport MJLAB_HPC_CLUSTER_CGROUP=%q\n' \
+      "$SLURM_VERSION" "$CGROUP"
+  } >"$STATE/env.sh"
   trap - EXIT
-  printf 'cluster up: nodes idle %s s after start (packages %s s); source %s/env.sh\n' \
-    "$(since "$t0")" "$t_pkg" "$STATE"
+  printf 'cluster up: Slurm %s, nodes idle %s s after start (packages %s s); source %s/env.sh\n' \
+    "$have" "$(since "$t0")" "$t_pkg" "$STATE"
+}
+
+# The cached root of a Slurm version other than this machine's: made once per package list
+# (mmdebstrap, ~1-2 min), reused after. Prints its path.
+ensure_root() {
+  local cache=${MJLAB_HPC_CACHE_DIR:-/var/cache/mjlab-hpc} key root t0
+  key=$(printf '%s\n' "$ROOT_SUITE" "${ROOT_PACKAGES[@]}" | sha256sum | cut -c1-12)
+  root=$cache/slurm-$SLURM_VERSION-$ROOT_SUITE-$key
+  if [[ ! -f $root/.complete ]]; then
+    mkdir -p "$cache"
+    exec 8>"$root.lock"
+    flock -w 900 8 || fail "could not lock $root.lock"
+    if [[ ! -f $root/.complete ]]; then
+      t0=$(now_us)
+      if ! command -v mmdebstrap >/dev/null; then
+        log "installing mmdebstrap"
+        export DEBIAN_FRONTEND=noninteractive
+        { apt-get -o DPkg::Lock::Timeout=300 update &&
+          apt-get -o DPkg::Lock::Timeout=300 install -y --no-install-recommends mmdebstrap; } \
+          >"$root.log" 2>&1 || fail "installing mmdebstrap failed (see $root.log)"
+      fi
+      log "making the Slurm $SLURM_VERSION root ($ROOT_SUITE: ${ROOT_PACKAGES[*]}) in $root"
+      rm -rf -- "$root.tmp" # an interrupted build
+      mmdebstrap --variant=apt --include="$(IFS=,; echo "${ROOT_PACKAGES[*]}")" "$ROOT_SUITE" \
+        "$root.tmp" >>"$root.log" 2>&1 || fail "mmdebstrap failed (see $root.log)"
+      rm -rf -- "$root"
+      mv "$root.tmp" "$root"
+      touch "$root/.complete"
+      log "root made in $(since "$t0") s"
+    fi
+    exec 8>&-
+  fi
+  echo "$root"
+}
+
+# Run a command inside the root, in the current directory: a private mount namespace with the
+# root bound on itself (unshare inside needs a mount point), /proc, /sys (slurmd needs its
+# cgroup mounts), /dev, the host's /etc/hosts, and the folders where the tests, the state and
+# the project's Python live, at the same paths.
+in_root() {
+  local root py d b skip binds=() extra=()
+  root=$(ensure_root) || exit 1
+  py=$(sed -n 's/^home = //p' "$REPO/.venv/pyvenv.cfg" 2>/dev/null || true)
+  py=${py%/bin}
+  if [[ $py == /usr || $py == /usr/local ]]; then
+    # The system's Python: its interpreter and standard library only, not the host's /usr.
+    local v
+    v=$(sed -n 's/^version = \([0-9]*\.[0-9]*\).*/\1/p' "$REPO/.venv/pyvenv.cfg")
+    py="$py/bin/python$v:$py/lib/python$v"
+  fi
+  IFS=: read -r -a extra <<<"$py:${MJLAB_HPC_ROOT_BINDS:-}"
+  for d in /tmp "${TMPDIR:-/tmp}" "$HOME" "$REPO" "$(dirname "$STATE")" "${extra[@]}"; do
+    [[ $d == /?* && -e $d ]] || continue
+    d=$(realpath "$d")
+    skip=0
+    for b in "${binds[@]}"; do
+      if [[ $d == "$b" || $d == "$b"/* ]]; then skip=1; fi
+    done
+    ((skip)) || binds+=("$d")
+  done
+  # shellcheck disable=SC2016 # expanded by the inner shell
+  exec unshare --mount --propagation private -- bash -c 'set -eu
+R=$1 wd=$2 version=$3
+shift 3
+mount --rbind "$R" "$R"
+mount -t proc proc "$R/proc"
+mount --rbind /sys "$R/sys"
+mount --rbind /dev "$R/dev"
+touch "$R/etc/hosts"
+mount --bind /etc/hosts "$R/etc/hosts"
+while [ "$1" != -- ]; do
+  if [ -d "$1" ]; then mkdir -p "$R$1"; else mkdir -p "$R${1%/*}" && touch "$R$1"; fi
+  mount --rbind "$1" "$R$1"
+  shift
+done
+shift
+exec chroot "$R" /usr/bin/env MJLAB_HPC_IN_ROOT="$version" bash -c '\''cd -- "$1" && shift && exec "$@"'\'' in-root "$wd" "$@"' \
+    in-root "$root" "$PWD" "$SLURM_VERSION" "${binds[@]}" -- "$@"
 }
 
 with_lock() {
@@ -575,12 +710,26 @@ NODE_COUNT=$(node_count)
 mapfile -t NODES < <(seq -f 'node%g' "$NODE_COUNT")
 readonly NODES
 
+# Inside a root, only its own version.
+if [[ -n ${MJLAB_HPC_IN_ROOT:-} && $MJLAB_HPC_IN_ROOT != "$SLURM_VERSION" ]]; then
+  fail "inside the Slurm $MJLAB_HPC_IN_ROOT root, MJLAB_HPC_SLURM_VERSION=$SLURM_VERSION"
+fi
+# What needs Slurm's binaries runs inside the version's root (down stops processes by PID).
+outside_root() { [[ $SLURM_VERSION != 22.05 && -z ${MJLAB_HPC_IN_ROOT:-} ]]; }
+
 case "${1:-}" in
+  up | status) if outside_root; then in_root bash "$SCRIPT" "$1"; fi ;;&
   up) with_lock do_up ;;
   down) with_lock do_down ;;
   status) do_status ;;
+  exec)
+    shift
+    (($#)) || fail "usage: $0 exec COMMAND [ARGS...]"
+    if outside_root; then in_root "$@"; fi
+    exec "$@"
+    ;;
   *)
-    echo "usage: $0 up|down|status" >&2
+    echo "usage: $0 up|down|status|exec COMMAND..." >&2
     exit 2
     ;;
 esac

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -175,6 +176,43 @@ def test_preempt_requeue_resume_exact(slurm_cluster: SlurmCluster, tmp_path: Pat
     # Every rank exited promptly on the requeue: no node was drained for a stuck process.
     states = slurm_cluster.run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout.split("\n")
     assert all("drain" not in line for line in states), states
+
+
+def test_ranks_without_slurm_commands(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """Ranks in an image without Slurm's client (their PATH has no scontrol, squeue, sinfo or
+    sacct, as in a container image; the batch shell reaches srun and scontrol through shell
+    functions, as it would outside the image): the rendezvous across both nodes, heartbeats,
+    the stop agreement and the exit records work from the environment alone; after the
+    time-limit signal rank 0 leaves the requeue to the batch script (exit 75), which has
+    Slurm's commands: the job runs again and completes the run."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "git").symlink_to(shutil.which("git") or "/usr/bin/git")  # rsl-rl imports GitPython
+    outside = [f'{name}() {{ {shutil.which(name)} "$@"; }}' for name in ("srun", "scontrol")]
+    code, out = submit(slurm_cluster, [
+        "cartpole", "--num-envs", "16", "--max-iterations", "8", "--torch-threads", "1",
+        "--save-interval", "100", "--nodes", "2", "--gpus-per-node", "0", "--time", "10",
+        "--log-root", str(tmp_path / "job"), "--setup", f"export PATH={bare}",
+        "--setup", outside[0], "--setup", outside[1],
+    ])  # fmt: skip
+    assert code == 0, out
+    job = job_id_of(out)
+    root = tmp_path / "job" / "cartpole"
+    deadline = time.monotonic() + 120
+    while not any(len(p.read_text().splitlines()) >= 3 for p in root.glob("*/progress.jsonl")):
+        assert time.monotonic() < deadline, "the job did not reach iteration 3"
+        time.sleep(0.1)
+    slurm_cluster.run(["scancel", "--signal=USR2", job], check=True)
+    assert slurm_cluster.wait_job(job, timeout=240) == "COMPLETED"
+    run = only_run(tmp_path / "job")
+    summary = json.loads(run.summary.read_text())
+    assert summary["restart_count"] == 1 and summary["iterations"] == 8, summary
+    restarts = [json.loads(x) for x in (run.path / "restarts.jsonl").read_text().splitlines()]
+    assert [r["reason"] for r in restarts] == ["time-limit"], restarts
+    said = (run.path / "submitit" / f"{job}_0_log.err").read_text()
+    assert "no scontrol here: the batch script requeues the job" in said, said[-2000:]
+    assert "master node1:" in run.rank_log(0).read_text()  # the hostlist parser's answer
+    assert sorted({r["iteration"] for r in run.read_progress()}) == list(range(1, 9))
 
 
 LOCK_WORKER = """

@@ -14,10 +14,11 @@ import pytest
 from helpers import BIN, cli_env, recording_tools
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.launch.slurm import render, render_sbatch
+from mjlab_hpc.launch.slurm import allocation_srun, render, render_sbatch
 from mjlab_hpc.rundir.layout import RunDir, run_dir_for_key
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import SubmitSpec, TrainSpec, train_cli_args
+from mjlab_hpc.validate import resolve, validate_submit
 
 GOLDEN = Path(__file__).parent / "golden"
 HOSTILE = "my run; $(touch pwned) `touch pwned2` \"q\" 'x'"
@@ -141,6 +142,25 @@ def test_golden_apptainer(tmp_path: Path) -> None:
     spec = golden_spec(nodes=2, gpus_per_node=4, container=str(image))
     text = render("train_apptainer", spec).replace(str(image), "/images/mjlab.sif")
     check_golden("train_apptainer_gpu_2x4.sbatch", text)
+
+
+def test_golden_pyxis() -> None:
+    """pyxis/enroot: srun starts every rank and the heal step in the image (the batch shell
+    stays outside it and requeues when the image has no Slurm commands)."""
+    image = "nvcr.io#nvidia/pytorch:24.05-py3"
+    spec = golden_spec(nodes=2, gpus_per_node=4, time="12:00:00", container_image=image)
+    text = render_sbatch(spec, Path("/shared/logs/cartpole/2026-01-01_00-00-00"))
+    check_golden("submitit_pyxis_gpu_2x4.sbatch", text)
+    srun = shlex.split(next(line for line in text.splitlines() if line.startswith("srun ")))
+    assert f"--container-image={image}" in srun
+    assert srun[-5:-3] == ["python3", "-u"]
+    heal = shlex.split(next(line for line in text.splitlines() if " heal " in line))
+    assert heal[:4] == ["srun", "--nodes=1", "--ntasks=1", f"--container-image={image}"]
+    # Inside a salloc allocation too: srun starts the ranks in the image.
+    argv = allocation_srun(spec, resolve(spec.train), Path("/shared/logs/cartpole/run"))
+    assert f"--container-image={image}" in argv and argv[argv.index("python3") + 1] == "-u"
+    with pytest.raises(SpecError, match="--container-image: one image"):
+        validate_submit(spec.replace(container="/images/mjlab.sif", dry_run=True))
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_SPECS))

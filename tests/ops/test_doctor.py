@@ -43,7 +43,8 @@ def test_doctor_passes_and_finds_a_private_log_root_and_unusable_gpus(
     private.mkdir()
     # A tmpfs over `private` in the nodes' mount namespace: the nodes see another folder.
     ns_pid = (slurm_cluster.state_dir / "run" / "tini-node1.pid").read_text().strip()
-    mount = ["nsenter", "-t", ns_pid, "-m"]
+    # -r: its root too (the 24.11 cluster's nodes run in a root of their own).
+    mount = ["nsenter", "-t", ns_pid, "-m", "-r"]
     subprocess.run([*mount, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(private)],
                    check=True, timeout=30)  # fmt: skip
     try:
@@ -66,6 +67,13 @@ def test_doctor_passes_and_finds_a_private_log_root_and_unusable_gpus(
                  "accounting", "job arrays"):  # fmt: skip
         assert checks[name]["result"] == "ok", checks[name]
     assert "4 task(s) on 2 node(s)" in checks["log root shared"]["detail"]
+    # Slurm's own limits, as this version shows them (MaxBatchRequeue is a setting since
+    # 23.02); the default --max-restarts 10 is above it.
+    limits = checks["Slurm limits"]
+    shown = "MaxBatchRequeue 5," if slurm_cluster.version >= "23.02" else "5 (built in"
+    assert limits["result"] == "ok" and shown in limits["detail"], limits
+    assert "KillWait 2 s, SlurmdTimeout 300 s" in limits["detail"], limits
+    assert checks["--max-restarts"]["result"] == "warn", checks
     assert checks["GPUs"]["result"] == "skip"
     # No probe job and no probe folder is left behind.
     assert not (shared / PROBE_DIR).exists() or not any((shared / PROBE_DIR).iterdir())

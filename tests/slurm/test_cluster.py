@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,12 +43,16 @@ def test_srun_two_nodes_two_tasks_each(slurm_cluster: SlurmCluster, tmp_path: Pa
 
 
 def test_fake_gpus(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """One GPU per task: its real index, or with ConstrainDevices index 0, the only GPU device
+    file the task may open (an allowed open of a fake GPU fails ENXIO, a denied one EPERM)."""
     script = tmp_path / "gpus.sh"
     script.write_text(
         "#!/bin/bash\n"
         'echo "batch $CUDA_VISIBLE_DEVICES"\n'
-        "srun --gpus-per-task=1 --ntasks=2 "
-        "bash -c 'echo \"task $SLURM_PROCID $CUDA_VISIBLE_DEVICES\"'\n"
+        "srun --gpus-per-task=1 --ntasks=2 bash -c 'out=\"task $SLURM_PROCID "
+        '$CUDA_VISIBLE_DEVICES "; for f in "$1"/nvidia*; do (exec 3<"$f") 2>&1 | grep -q '
+        '"not permitted" || out+="${f##*/nvidia}"; done; echo "$out"\' gpus '
+        f"{slurm_cluster.state_dir / 'gpu'}\n"
     )
     out_file = tmp_path / "gpus.out"
     job = slurm_cluster.sbatch(
@@ -56,11 +62,66 @@ def test_fake_gpus(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     assert slurm_cluster.wait_job(job) == "COMPLETED"
     lines = _read(out_file).split("\n")
     assert "batch 0,1,2,3" in lines, lines
-    tasks = dict(line.split()[1:] for line in lines if line.startswith("task "))
+    tasks = {w[1]: w[2:] for line in lines if (w := line.split()) and w[0] == "task"}
     assert sorted(tasks) == ["0", "1"], lines
-    # One GPU per task, not the same one twice (the index is the real one, not always 0).
-    assert all(devices in {"0", "1", "2", "3"} for devices in tasks.values()), lines
-    assert len(set(tasks.values())) == 2, lines
+    visible = {task: words[0] for task, words in tasks.items()}
+    if slurm_cluster.cgroup:
+        assert set(visible.values()) == {"0"}, lines  # renumbered in every task
+        opens = [words[1] for words in tasks.values()]
+        assert len(set(opens)) == 2 and all(len(o) == 1 for o in opens), lines
+    else:
+        # Not the same one twice (the index is the real one, not always 0); every file opens.
+        assert all(devices in {"0", "1", "2", "3"} for devices in visible.values()), lines
+        assert len(set(visible.values())) == 2, lines
+        assert all(words[1] == "0123" for words in tasks.values()), lines
+
+
+# One task: its place (our context), the GPUs Slurm shows it, the GPU device files it may open
+# (a fake GPU without a driver: ENXIO when allowed, EPERM when the cgroup denies it), and the
+# device our code picks for it.
+_DEVICE_PROBE = """
+import errno, json, os, sys
+from mjlab_hpc.rank.context import DistContext, resolve_device
+ctx = DistContext.from_env(scontrol=None)
+visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+opens = []
+for i in range(4):
+    try:
+        open(os.path.join(sys.argv[1], f"nvidia{i}")).close()
+    except OSError as exc:
+        if exc.errno == errno.EPERM:
+            continue
+    opens.append(i)
+device = resolve_device("auto", ctx.local_rank, ctx.local_world_size,
+                        cuda_count=len(visible.split(",")), cuda_visible_devices=visible)
+print(json.dumps({"node": os.environ["SLURMD_NODENAME"], "visible": visible.split(","),
+                  "opens": opens, "ordinal": int(device.split(":")[1])}))
+"""
+
+
+@pytest.mark.parametrize("shape", [["--gpus-per-task=1"], ["--gpus-per-node=2"]])
+def test_each_task_trains_on_a_gpu_it_may_open(
+    slurm_cluster: SlurmCluster, shape: list[str]
+) -> None:
+    """The device mapping and the local rank on real tasks, as Slurm numbers their GPUs: its
+    node's real indices (proctrack/pgid, task/none) or, with task/cgroup and ConstrainDevices,
+    only the task's own GPUs, renumbered from 0; CUDA numbers the GPUs a process can use in
+    order. Every task must pick a GPU it may use, and no two tasks of a node the same one."""
+    gpus = str(slurm_cluster.state_dir / "gpu")
+    srun = ["srun", "-N2", "--ntasks-per-node=2", *shape]
+    out = slurm_cluster.run([*srun, sys.executable, "-c", _DEVICE_PROBE, gpus]).stdout
+    tasks = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(tasks) == 4, out
+    picked: dict[str, set[int]] = {}
+    for task in tasks:
+        entry = int(task["visible"][task["ordinal"]])
+        # cgroup: the entry counts within the GPUs the task may open; else it is the GPU.
+        gpu = task["opens"][entry] if slurm_cluster.cgroup else entry
+        assert gpu in task["opens"], task
+        picked.setdefault(task["node"], set()).add(gpu)
+        if slurm_cluster.cgroup:
+            assert len(task["opens"]) == len(task["visible"]), task  # only its own GPUs
+    assert all(len(gpus) == 2 for gpus in picked.values()), tasks
 
 
 def test_sacct_final_states_and_inherited_env(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
@@ -151,10 +212,14 @@ def _escaped_sleep(job_id: int) -> bool:
     return False
 
 
-def test_down_leaves_no_process(slurm_cluster: SlurmCluster) -> None:
+def test_down_leaves_no_process(
+    slurm_cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A second, private cluster: the session's may be shared (make cluster-up). Its parent
     # is the session cluster's, known to suit munged (no 0700 directory above it). Three
     # nodes: the node count is a setting (make scale uses 8), and down stops any count.
+    # proctrack/pgid, where a job process can escape (cgroups would end it with the job).
+    monkeypatch.setenv("MJLAB_HPC_CLUSTER_CGROUP", "0")
     state = Path(tempfile.mkdtemp(prefix="mjlab-hpc-own-", dir=slurm_cluster.state_dir.parent))
     env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(state), "MJLAB_HPC_CLUSTER_NODES": "3"}
     try:
