@@ -20,17 +20,24 @@ with its spread (quartiles, min-max). The real CLIs run as subprocesses with `--
    iteration / first start to first iteration, and iterations lost;
 6. mjlab: env-steps/s of an mjlab task through `mjlab-train` / mjlab's own `train`, on
    mjlab's physics path (no Warp graph on CPU), and with our graph replay;
-7. GPU, only where CUDA is available (else skipped, and said so): env-steps/s and time to
+7. time to a target reward (`target`; alone: `python -m benchmarks.target`): cartpole, ant
+   and Mjlab-Cartpole-Balance, 3 seeds each, as 1 rank x E envs, 1 rank x 2E envs with 2
+   torch threads, and 2 ranks x E: wall-clock and env-steps to the target, and the ratios of
+   2 ranks to 1 per seed; `<out>/time_to_target.png` (reward against wall-clock and
+   env-steps, every run) and a table of its own after the figures;
+8. GPU, only where CUDA is available (else skipped, and said so): env-steps/s and time to
    the first iteration of Mjlab-Velocity-Flat-Unitree-G1 through `mjlab-train` / mjlab's own
    `train` on the same GPU, and env.step / raw physics on `cuda:0`. The CPU figures run with
    no GPU visible, so they stay CPU figures on a GPU machine.
 
-Writes `<out>/bench.json` and `<out>/bench.png` and prints a table last. `--quick` is a short
+Writes `<out>/bench.json`, `<out>/bench.png` and `<out>/time_to_target.png` and prints the
+tables last. `--quick` is a short
 smoke run that checks the machinery (its figures mean nothing).
 
 Modules: `config` (the flags), `stats` (spreads, figures, parsing progress), `watch` (one
 training job run and watched), `compile` (counting Warp compilations), `rollout` (env.step
 against raw physics), `session` (the experiments and their figures), `gpu` (the GPU section),
-`report` (JSON, PNG, table, entry point); `scale` is `make scale` (one job per world size on
-a Slurm cluster, docs/performance.md, Scaling). Nothing here is imported by the other commands.
+`target` (time to a target reward), `report` (JSON, PNG, tables, entry point); `scale` is
+`make scale` (one job per world size on a Slurm cluster, docs/performance.md, Scaling). Nothing
+here is imported by the other commands.
 """

@@ -52,6 +52,14 @@ class BenchConfig:
     """Repeats of the GPU comparison (default: 3; 1 with --quick)."""
     healing: bool = True
     """Measure self-healing: a 2-rank local job with a crash and one with a hang (~1 min)."""
+    target: bool = True
+    """Measure the time to a target reward of every task in `target_tasks`, 1 rank against 2
+    (~20 min; with --quick cartpole to a low target, ~30 s)."""
+    target_tasks: tuple[str, ...] = ("cartpole", "ant", "Mjlab-Cartpole-Balance")
+    """Tasks of the time-to-target section (benchmarks/target.py has their targets)."""
+    target_seeds: int | None = None
+    """Seeds per task and configuration of the time-to-target section (default: 3; 1 with
+    --quick)."""
     run_timeout_s: float = 300.0
     """Give up on one subprocess after this long (GPU runs: twice this, for CUDA kernels
     compiled on a cold cache)."""

@@ -25,6 +25,7 @@ from benchmarks.envstate import envstate_figures, run_envstate
 from benchmarks.gpu import gpu_figures, run_gpu
 from benchmarks.healing import healing_figures, lock_figures, run_healing, run_lock
 from benchmarks.session import Bench
+from benchmarks.target import print_target_table, run_target, target_figures, write_target_png
 
 __all__ = ["main", "run", "run_bench"]
 
@@ -142,6 +143,12 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None]) -> dict[str, Any]:
     bench.rollout()
     bench.training_pairs()
     bench.mjlab_pairs()
+    target: dict[str, Any] = {}
+    if cfg.target:
+        target, target_failures = run_target(cfg, bench.env, bench.runs, say)
+        bench.failures.extend(target_failures)
+        write_target_png(cfg.out / "time_to_target.png", target)
+    bench.details["time_to_target"] = target
     gpu = run_gpu(bench)  # where CUDA is available; else the reason it was skipped
     if cfg.cold_compile and not cfg.quick:
         bench.compilations()
@@ -162,6 +169,7 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None]) -> dict[str, Any]:
         f.key: f.summary()
         for f in [
             *bench.figures(),
+            *target_figures(target),
             *gpu_figures(cfg, gpu),
             *(healing_figures(healing) if cfg.healing else []),
             *lock_figures(lock),
@@ -233,6 +241,9 @@ def run(cfg: BenchConfig) -> int:
         say(f"FAILED: {failure}")
     say(f"wrote {cfg.out / 'bench.json'} and {cfg.out / 'bench.png'} in {doc['duration_s']} s")
     print_table(list(doc["figures"].values()), cfg.out)
+    if doc["details"]["time_to_target"]:
+        print_target_table(doc["details"]["time_to_target"])
+        say(f"time-to-target curves: {cfg.out / 'time_to_target.png'}")
     if doc["gpu"]["skipped"]:
         say(f"GPU figures: skipped: {doc['gpu']['skipped']}")
     return 1 if doc["failures"] else 0

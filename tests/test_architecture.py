@@ -195,6 +195,6 @@ def test_public_api() -> None:
     for name in mjlab_hpc.__all__:
         assert getattr(mjlab_hpc, name) is not None, name
     assert mjlab_hpc.TrainSpec().task == "cartpole"
-    assert mjlab_hpc.resolve(mjlab_hpc.TrainSpec()).num_envs == 1024
+    assert mjlab_hpc.resolve(mjlab_hpc.TrainSpec()).num_envs == 64
     with pytest.raises(AttributeError):
         _ = mjlab_hpc.no_such_name

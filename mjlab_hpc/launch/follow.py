@@ -179,10 +179,17 @@ def closing(run_dir: Path, resume: str, cancelled: bool = False) -> Closing | No
     reward = "-" if o.mean_reward is None else f"{o.mean_reward:.2f}"
     where = f"run directory {run_dir}"
     if o.state == "completed":
+        recent = o.recent_rewards
+        # What was reached, and whether it held: a last value alone can be a lucky one.
+        held = (
+            f" ({min(recent):.2f}-{max(recent):.2f} over the last {len(recent)} iterations)"
+            if len(recent) > 1
+            else ""
+        )
         return Closing(
             EXIT_OK,
-            f"done: {it} iterations, {_rate(o.env_steps_per_s)} env-steps/s, reward {reward}; "
-            f"{where}",
+            f"done: {it} iterations, {_rate(o.env_steps_per_s)} env-steps/s, reward "
+            f"{reward}{held}; {where}",
         )
     if o.state == "stopped":
         stop = o.stop or {}

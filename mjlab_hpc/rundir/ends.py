@@ -229,6 +229,8 @@ class RunOutcome:
     """The rank that failed first, when failed."""
     env_steps_per_s: float | None
     mean_reward: float | None
+    recent_rewards: tuple[float, ...] = ()
+    """The mean rewards of the last (up to 10) iterations."""
 
 
 def run_outcome(run_dir: Path) -> RunOutcome:
@@ -261,4 +263,5 @@ def run_outcome(run_dir: Path) -> RunOutcome:
         cause=cause,
         env_steps_per_s=summary.env_steps_per_s,
         mean_reward=summary.mean_reward,
+        recent_rewards=summary.recent_rewards,
     )

@@ -240,19 +240,24 @@ class ProgressSummary:
     """Mean over the last few iterations (one is noisy)."""
     mean_reward: float | None
     """The last mean episode reward."""
+    recent_rewards: tuple[float, ...] = ()
+    """The mean episode rewards of the last few iterations (whether the reward stayed where
+    it ended)."""
 
 
 def progress_summary(run: RunDir, window: int = 10) -> ProgressSummary:
-    """The last iteration, throughput over the last `window` iterations, the last reward."""
+    """The last iteration, throughput and rewards over the last `window` iterations, the last
+    reward."""
     tail = run.progress_tail(window)
     last = tail[-1] if tail else {}
     rates = [float(r["env_steps_per_s"]) for r in tail if r.get("env_steps_per_s")]
-    rewards = [r["mean_reward"] for r in tail if r.get("mean_reward") is not None]
+    rewards = [float(r["mean_reward"]) for r in tail if r.get("mean_reward") is not None]
     return ProgressSummary(
         iteration=last.get("iteration"),
         total=last.get("total"),
         env_steps_per_s=round(sum(rates) / len(rates), 1) if rates else None,
-        mean_reward=float(rewards[-1]) if rewards else None,
+        mean_reward=rewards[-1] if rewards else None,
+        recent_rewards=tuple(rewards),
     )
 
 

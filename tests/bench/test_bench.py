@@ -22,6 +22,7 @@ from benchmarks.healing import HANG_TIMEOUT_S, healing_figures
 from benchmarks.report import main as bench_main
 from benchmarks.session import Bench
 from benchmarks.stats import Figure, parse_rsl_rl_log, spread, throughput
+from benchmarks.target import CONFIGS
 from benchmarks.watch import bench_env
 
 FIGURES = {
@@ -45,6 +46,9 @@ FIGURES = {
     "recovery_iterations_lost",
     "lock_takeover_s",
     "lock_handover_ms",
+    "time_to_target_cartpole",
+    "time_to_target_cartpole_2e",
+    "time_to_target_cartpole_steps_2e",
 }
 COUNTS = {"recovery_iterations_lost"}
 ENVSTATE = {"envstate_bytes", "envstate_write_s", "envstate_capture_s", "envstate_restore_s"}
@@ -54,7 +58,10 @@ UNTARGETED = {
     "scaling_of_limit",
     "collective_share",
     *ENVSTATE,
-}  # may be 0; every other figure is a positive ratio
+    "time_to_target_cartpole",
+    "time_to_target_cartpole_2e",
+    "time_to_target_cartpole_steps_2e",
+}  # may be 0, or reported without a target; every other figure is a positive ratio
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -105,15 +112,27 @@ def test_quick_bench_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureF
     # mjlab's train and ours ran the same configuration and seeds: the same rewards.
     assert doc["details"]["mjlab"]["pairs"][0]["same_rewards"] is True
 
-    png = out / "bench.png"
-    assert png.read_bytes()[:8] == PNG_MAGIC
+    # Time to target: every configuration trained until its reward reached the target, and
+    # stopped there (a run that went on would have written its last iterations too).
+    target = doc["details"]["time_to_target"]["cartpole"]
+    assert [r["config"] for r in target["runs"]] == [c[0] for c in CONFIGS]
+    for run in target["runs"]:
+        hit = run["reached"]
+        assert hit is not None and hit["reward"] >= target["target"], run
+        assert hit["wall_s"] > 0 and hit["env_steps"] == run["curve"][hit["iteration"] - 1][1]
+        assert len(run["curve"]) < target["max_iterations"], run
+    assert "time to target (median" in printed  # its table
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.image
 
-    image = matplotlib.image.imread(png)
-    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    for name in ("bench.png", "time_to_target.png"):
+        png = out / name
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        image = matplotlib.image.imread(png)
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
 def test_spread_and_targets() -> None:

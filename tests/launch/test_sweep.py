@@ -46,7 +46,7 @@ def test_agent_keys_become_agent_overrides() -> None:
         ("--agent.num-steps-per-env", "8", "--agent.learning_rate=3e-4"),
     ]
     assert elements[1].train.run_name == "learning_rate=3e-4_seed=2"
-    assert [e.resolved.num_envs for e in elements] == [1024, 1024]
+    assert [e.resolved.num_envs for e in elements] == [64, 64]
 
 
 @pytest.mark.parametrize(

@@ -56,9 +56,11 @@ def load_params(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_single_process_learns(tmp_path: Path) -> None:
-    """Mean episode reward at the end >= 3x the first iteration's, within 60 s of training."""
+    """With cartpole's defaults (64 envs, 60 iterations) one process ends balancing the pole
+    for nearly whole episodes (500 at most), and stays there, within 60 s of training."""
+    args = ["--log-root", str(tmp_path), "--torch-threads", "1", "--save-interval", "2"]
     proc = subprocess.run(
-        [BIN / "mjlab-train", "cartpole", *train_args(tmp_path, iters=40, envs=512), "--seed", "1"],
+        [BIN / "mjlab-train", "cartpole", *args, "--seed", "1"],
         env=cli_env(),
         capture_output=True,
         text=True,
@@ -67,16 +69,20 @@ def test_single_process_learns(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = only_run(tmp_path)
     progress = run.read_progress()
-    first, last = progress[0], progress[-1]
-    assert last["iteration"] == 40
-    assert last["mean_reward"] >= 3 * first["mean_reward"], (first, last)
+    last = progress[-1]
+    assert last["iteration"] == 60
+    assert min(r["mean_reward"] for r in progress[-5:]) >= 450, progress[-5:]
     assert last["elapsed_s"] <= 60, last
     # Layout: params, checkpoints every save-interval and at the end, tensorboard events.
     assert {p.name for p in run.params.iterdir()} == {"train.yaml", "agent.yaml", "env.yaml"}
-    assert [p.name for p in run.checkpoints()][-2:] == ["model_38.pt", "model_40.pt"]
+    assert [p.name for p in run.checkpoints()][-2:] == ["model_58.pt", "model_60.pt"]
     assert list(run.path.glob("events.out.tfevents.*"))
-    # Plain progress lines (stdout is not a terminal) from the main rank.
-    assert "[train] it 40/40" in proc.stdout
+    # Plain progress lines (stdout is not a terminal) from the main rank; the closing line
+    # says what was reached and where the reward stayed.
+    assert "[train] it 60/60" in proc.stdout
+    low = min(r["mean_reward"] for r in progress[-10:])
+    assert f"reward {last['mean_reward']:.2f} ({low:.2f}-" in proc.stdout
+    assert "over the last 10 iterations); run directory" in proc.stdout
 
 
 def test_two_ranks_builtin_launcher(tmp_path: Path) -> None:
