@@ -23,9 +23,9 @@ else:
 import torch
 import warp as wp
 
-from mjlab_hpc.rank.workload import init_warp
 from mjlab_hpc.tasks import envstate
 from mjlab_hpc.tasks import mjlab as mt
+from mjlab_hpc.tasks.memory import init_warp
 
 pytestmark = pytest.mark.mjlab
 
