@@ -73,17 +73,27 @@ test-fast: install
 # /var/cache/mjlab-hpc; the tests run inside it with this .venv), with cgroup-constrained tasks
 # (task/cgroup, ConstrainDevices). make test runs them on Debian 12's 22.05. docs/testing.md.
 SLURM_2411_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-cluster-24.11
-# The Slurm tests of these files (the issue-30 subset: submit, requeue at the time limit,
-# preemption, crash/hang healing with node exclusion, node loss, chains, allocations, sweeps,
-# status/cancel at scale, doctor, the cluster, the rendezvous host), less two whose Slurm part
-# others cover (a GPU request falling back to CPU; the exact resume after USR2), to keep CI short.
-# Hostile-input Slurm tests and the hard node loss on a third node run on 22.05 only.
+# A named subset of the Slurm tests, to keep CI short: submit on 2 nodes, ranks without Slurm's
+# commands, crash and hang healing with node exclusion, restart inside the allocation, node
+# loss, a chain across time limits (requeue), salloc allocations, a sweep, status/cancel of 250
+# runs, doctor, fake GPUs under ConstrainDevices, a requeue from inside a job, the rendezvous
+# host. The rest (hostile input, the 3-node node loss, ...) run on 22.05 only.
+T := tests/launch/test_slurm_jobs.py::test_
+H := tests/launch/test_healing.py::test_slurm_
+C := tests/launch/test_chain_and_allocation.py::test_
 SLURM_2411_ARGS ?= -m slurm -p no:xdist --durations=15 \
-	tests/launch/test_slurm_jobs.py tests/launch/test_healing.py \
-	tests/launch/test_chain_and_allocation.py tests/ops/test_slurm_ops.py \
-	tests/ops/test_status_scale.py tests/ops/test_doctor.py tests/slurm \
-	-k "not test_gpu_allocation_falls_back_to_cpu and not test_preempt_requeue_resume_exact \
-		and not test_slurm_hard_node_loss_with_a_spare"
+	$(T)submit_2x2_cpu $(T)ranks_without_slurm_commands \
+	$(H)crash_excludes_the_node_and_heals $(H)hang_then_node_down_on_two_nodes \
+	$(H)crash_restarts_in_the_allocation \
+	$(C)chain_continues_the_run_after_the_time_limit_and_cancel_stops_it_all \
+	$(C)inside_salloc_the_ranks_run_in_the_allocation_and_ctrl_c_saves_them \
+	tests/ops/test_slurm_ops.py::test_sweep_is_one_throttled_job_array \
+	tests/ops/test_status_scale.py \
+	tests/ops/test_doctor.py::test_doctor_passes_and_finds_a_private_log_root_and_unusable_gpus \
+	tests/slurm/test_cluster.py::test_fake_gpus \
+	tests/slurm/test_cluster.py::test_each_task_trains_on_a_gpu_it_may_open \
+	tests/slurm/test_cluster.py::test_requeue_from_inside_job \
+	tests/slurm/test_hostlist.py::test_first_host_agrees_with_scontrol
 test-slurm-24.11: install
 	MJLAB_HPC_SLURM_VERSION=24.11 MJLAB_HPC_CLUSTER_CGROUP=1 \
 		MJLAB_HPC_CLUSTER_DIR="$${MJLAB_HPC_CLUSTER_DIR:-$(SLURM_2411_DIR)}" \

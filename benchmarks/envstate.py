@@ -34,9 +34,9 @@ def _measure(task: str, num_envs: int, folder: Path) -> dict[str, Any]:
     import torch
     import warp as wp
 
-    from mjlab_hpc.rank.workload import init_warp
     from mjlab_hpc.rundir.checkpoint import write_rank_state
     from mjlab_hpc.tasks import mjlab as mt
+    from mjlab_hpc.tasks.memory import init_warp
 
     init_warp()
 

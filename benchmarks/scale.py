@@ -10,8 +10,8 @@ nodes), CPU ranks spread over at most `--max-nodes` nodes, and reads, per world 
   joined in S s`);
 - collectives per iteration and their time (rank 0's progress.jsonl: `collectives`,
   `collective_s`, waiting for the slowest rank included);
-- checkpoint size and its gather and write times (the writer logs `checkpoint model_<n>.pt:
-  B bytes, ranks' states gathered in G s, written in W s`);
+- checkpoint size, the ranks' state writes and the publication (the writer logs
+  `checkpoint model_<n>.pt: B bytes, ranks' states written in G s, published in W s`);
 - peak RSS of every rank (`VmHWM` of the rank processes, polled while they run);
 - that the ranks ended bit-identical (summary.json's parameter digests of every rank).
 
@@ -44,8 +44,8 @@ __all__ = ["layout", "main", "measure_size", "peak_rss_mib", "print_table", "ran
 SIZES = (1, 2, 4, 8, 16, 32)
 _JOINED = re.compile(r"process group of (\d+) ranks: called at ([\d.]+), joined in ([\d.]+) s")
 _CHECKPOINT = re.compile(
-    r"checkpoint (model_\d+\.pt): (-?\d+) bytes, ranks' states gathered in ([\d.]+) s, "
-    r"written in ([\d.]+) s"
+    r"checkpoint (model_\d+\.pt): (-?\d+) bytes, ranks' states written in ([\d.]+) s, "
+    r"published in ([\d.]+) s"
 )
 # A rank of this job is taken to need this much private memory until one was measured.
 _RSS_GUESS_MIB = 450.0

@@ -279,7 +279,10 @@ class Checkpoints:
             path = self.run_dir / item.name
             for src in (path, _sidecar(path), rank_state_dir(path)):
                 if src.exists():
-                    os.replace(src, src.with_name(src.name + DAMAGED_SUFFIX))
+                    dst, n = src.with_name(src.name + DAMAGED_SUFFIX), 1
+                    while dst.exists():  # set aside before (a folder is not replaced)
+                        dst, n = src.with_name(f"{src.name}{DAMAGED_SUFFIX}.{n}"), n + 1
+                    os.replace(src, dst)
         if damaged:
             fsync_dir(self.run_dir)
 

@@ -180,7 +180,8 @@ def check_train_memory(resolved: ResolvedSpec) -> None:
     gpus = spec.gpu_ids
     if spec.num_procs == 1 and (gpus not in ("auto", None) or spec.device == "cuda"):
         ids = range(cuda_device_count()) if gpus == "all" else (0,) if gpus == "auto" else gpus
-        for i in ids or ():
+        # An id beyond the GPUs there are is refused later, by name (--gpu-ids).
+        for i in [i for i in ids or () if i < cuda_device_count()]:
             check_memory(resolved, 1, device_memory(i), f"GPU {i} has {{}}", "--gpu-ids")
         return
     room, why = memory_room()
