@@ -147,6 +147,7 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
     ended, fg = follow_to_end(
         s.run_dir, s.resolved.max_iterations, stop, kill, done, resume,
         lambda: rank_outcomes(s.job, s.ranks)[1], cancels=s.executor == "slurm",
+        num_envs=s.resolved.num_envs,
     )  # fmt: skip
     if fg.killed and s.executor == "local":
         wait_gone([p.pid for p in local_processes(s.run_dir)], 10)

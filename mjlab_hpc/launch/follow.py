@@ -171,7 +171,9 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
-def closing(run_dir: Path, resume: str, cancelled: bool = False) -> Closing | None:
+def closing(
+    run_dir: Path, resume: str, cancelled: bool = False, num_envs: int | None = None
+) -> Closing | None:
     """The closing line of a run whose job has ended (None: the run record says nothing, e.g.
     the ranks failed before training started). `resume`: the command that continues it."""
     o = run_outcome(run_dir)
@@ -220,7 +222,7 @@ def closing(run_dir: Path, resume: str, cancelled: bool = False) -> Closing | No
     if o.state == "failed":
         cause = o.cause.describe() if o.cause is not None else "see the rank logs"
         if o.cause is not None and o.cause.oom:
-            cause += f"; {memory_advice(read_record(run_dir))}"
+            cause += f"; {memory_advice(read_record(run_dir), num_envs)}"
         at = "before the first iteration" if o.iteration is None else f"at iteration {it}"
         return Closing(
             EXIT_FAILED,
@@ -239,6 +241,7 @@ def follow_to_end(
     failures: Callable[[], list[str]],
     out: TextIO | None = None,
     cancels: bool = False,
+    num_envs: int | None = None,
 ) -> tuple[Closing, Foreground]:
     """Follow a job to its end in the foreground (stop signals forwarded: `stop`, then `kill`)
     and say how it ended: the run's closing line, or, when the ranks left no record of this
@@ -264,7 +267,7 @@ def follow_to_end(
         checkpointed(False)  # the job ended as the ranks recorded their stop
     if fg.killed:
         return Closing(EXIT_INTERRUPTED, f"stopped at once; resume with: {resume}"), fg
-    ended = closing(run_dir, resume, cancelled=cancels and fg.signals > 0)
+    ended = closing(run_dir, resume, cancels and fg.signals > 0, num_envs)
     failed = failures() if ended is None or ended.code == EXIT_OK else []
     if ended is None or failed:
         # No record of this start (or only an earlier start's "done"): the ranks failed early.

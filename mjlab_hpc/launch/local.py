@@ -326,7 +326,7 @@ def run_local(
 
     ended, fg = follow_to_end(
         local.run_dir, spec.max_iterations, controls.stop, controls.kill, done, resume,
-        lambda: rank_outcomes(local.job, ranks)[1], out,
+        lambda: rank_outcomes(local.job, ranks)[1], out, num_envs=spec.num_envs,
     )  # fmt: skip
     if fg.killed:
         left = wait_gone([p.pid for p in local_processes(local.run_dir)], 10)

@@ -356,7 +356,7 @@ def run_in_allocation(
 
     ended, _ = follow_to_end(
         run_dir, resolved.max_iterations, lambda: to_ranks("TERM"), lambda: to_ranks("KILL"),
-        lambda: proc.poll() is not None, resume, failures,
+        lambda: proc.poll() is not None, resume, failures, num_envs=resolved.num_envs,
     )  # fmt: skip
     proc.wait()
     return ended

@@ -57,9 +57,10 @@ def failure_kind(exc: BaseException) -> str:
     return "peer-lost" if _PEER_LOST_ERROR.search(text) else "exception"
 
 
-def memory_advice(record: dict[str, Any]) -> str:
-    """What to change after a run ran out of memory (a restart as it is would run out again)."""
-    envs = (record.get("effective") or {}).get("num_envs")
+def memory_advice(record: dict[str, Any], num_envs: int | None = None) -> str:
+    """What to change after a run ran out of memory (a restart as it is would run out again);
+    `num_envs`: the request's, for a start that ran out before the writer recorded its own."""
+    envs = (record.get("effective") or {}).get("num_envs") or num_envs
     now = f" (now {envs} per rank)" if envs else ""
     return (f"lower --num-envs{now}, or give each rank more memory (--mem, fewer ranks per "
             "node), and resume")  # fmt: skip
