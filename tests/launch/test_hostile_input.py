@@ -116,7 +116,21 @@ def run_script(script: str, work: Path, commands_allowed: bool = False) -> None:
         assert not list(work.rglob(f"*{MARKER}*")), script
 
 
-@pytest.mark.parametrize("flag", sorted(FLAGS))
+# The flags whose text is accepted run their rendered scripts: two groups of them, so that
+# `make test-fast`'s two workers share them (the file's other tests stay in its group).
+_SPREAD = {"--sbatch-arg": "a", "--setup": "a", "--run-name": "a",
+           "--job-name": "b", "--log-root": "b", "--experiment-name": "b"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        pytest.param(f, marks=[pytest.mark.xdist_group(f"hostile-input-{_SPREAD[f]}")])
+        if f in _SPREAD
+        else f
+        for f in sorted(FLAGS)
+    ],
+)
 def test_arbitrary_text_is_refused_or_stays_in_its_place(flag: str, tmp_path: Path) -> None:
     log_root = tmp_path / "logs"
 
