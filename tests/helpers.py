@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -86,6 +87,17 @@ def rank_pids(run: RunDir) -> list[int]:
         return "submitit.core._submit" in argv and folder in argv
 
     return sorted(p.pid for p in processes(is_rank))
+
+
+def time_limit_stop(run: RunDir, timeout_s: float = 120) -> None:
+    """Send every rank of a local-executor job Slurm's time-limit signal (SIGUSR2) and wait
+    until the stop is recorded (`restarts.jsonl`)."""
+    for pid in rank_pids(run):
+        os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + timeout_s
+    while not run.restarts.exists():
+        assert time.monotonic() < deadline, "the time-limit stop was not recorded"
+        time.sleep(0.1)
 
 
 # Fault injection for the tests: on the rank named by MJLAB_FAULT_RANK (SLURM_PROCID or the

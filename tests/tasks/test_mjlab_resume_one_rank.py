@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,8 @@ from helpers import (
     cli_env,
     make_motion,
     only_run,
-    rank_pids,
     reference_digests,
+    time_limit_stop,
     wait_for_iteration,
 )
 
@@ -109,12 +108,7 @@ def test_tracking_time_limit_requeue_is_exact(tmp_path: Path, shared_tmp: Path) 
         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     run = wait_for_iteration(root, 2, timeout=400)
-    for pid in rank_pids(run):
-        os.kill(pid, signal.SIGUSR2)
-    deadline = time.monotonic() + 120
-    while not run.restarts.exists():
-        assert time.monotonic() < deadline, "the time-limit stop was not recorded"
-        time.sleep(0.1)
+    time_limit_stop(run)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     (stop,) = [json.loads(x) for x in run.restarts.read_text().splitlines()]

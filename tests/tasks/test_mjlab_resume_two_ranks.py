@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, rank_pids, reference_digests, wait_for_iteration
+from helpers import (
+    BIN,
+    cli_env,
+    rank_pids,
+    reference_digests,
+    time_limit_stop,
+    wait_for_iteration,
+)
 
 from mjlab_hpc.rundir.state import read_record
 
@@ -43,12 +48,7 @@ def test_flat_g1_time_limit_then_crash_is_exact(tmp_path: Path, shared_tmp: Path
         stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     run = wait_for_iteration(root, 2, timeout=500)
-    for pid in rank_pids(run):
-        os.kill(pid, signal.SIGUSR2)
-    deadline = time.monotonic() + 120
-    while not run.restarts.exists():
-        assert time.monotonic() < deadline, "the time-limit stop was not recorded"
-        time.sleep(0.1)
+    time_limit_stop(run)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-3000:]
     record = read_record(run.path)
