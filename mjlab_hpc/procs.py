@@ -29,6 +29,7 @@ __all__ = [
     "alive",
     "kill_group",
     "memory_room",
+    "offer_to_oom_killer",
     "oom_count",
     "processes",
     "run_command",
@@ -247,6 +248,16 @@ def _boot_id() -> str:
 
 def _read_oom(counter: Path) -> int | None:
     return _fields(counter).get("oom_kill")
+
+
+def offer_to_oom_killer(score_adj: int = 500) -> None:
+    """Make the kernel's OOM killer take this process (a rank, whose worlds grow) before the
+    launcher and healer in the same memory cgroup, which must live to record why the rank
+    ended. Raising one's own oom_score_adj needs no privilege; without Linux's /proc, nothing."""
+    adj = Path("/proc/self/oom_score_adj")
+    with contextlib.suppress(OSError, ValueError):
+        if int(adj.read_text()) < score_adj:
+            adj.write_text(str(score_adj))
 
 
 def oom_count(pid: int | str = "self") -> OomCount | None:

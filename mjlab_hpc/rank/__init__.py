@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mjlab_hpc.procs import offer_to_oom_killer
 from mjlab_hpc.rank.context import DETACHED_ENV, chain_link
 from mjlab_hpc.rundir.state import cancel_marker, read_record
 from mjlab_hpc.spec import ResolvedSpec
@@ -36,6 +37,7 @@ class RankJob:
     """The launcher's port for local jobs; Slurm jobs derive theirs from the job id."""
 
     def __call__(self) -> RankResult | None:
+        offer_to_oom_killer()  # before the worlds take memory
         done = _chain_done(self.spec.train.run_dir)
         if done is not None:
             print(done, file=sys.stderr, flush=True)

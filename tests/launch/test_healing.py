@@ -13,6 +13,7 @@ itself at the end of a fixed iteration, so the tests do not race the training.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -227,7 +228,10 @@ def test_slurm_crash_restarts_in_the_allocation(
     assert fault["job_id"] == job and restarts_of(slurm_cluster, job) == 0
     assert slurm_cluster.wait_job(job, timeout=60) == "COMPLETED"
     steps = slurm_cluster.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,State"]).stdout
-    assert f"{job}.0|FAILED" in steps and f"{job}.1|COMPLETED" in steps, steps
+    # Step 0 ended with the crash: FAILED, or CANCELLED when srun's --kill-on-bad-exit ended
+    # the other rank before Slurm recorded the failed one (it varies from run to run).
+    assert re.search(rf"^{job}\.0\|(FAILED|CANCELLED( by \d+)?)$", steps, re.M), steps
+    assert f"{job}.1|COMPLETED" in steps, steps
     print(f"crash to the first resumed iteration: {fault['recovery_s']} s")
 
 
