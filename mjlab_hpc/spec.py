@@ -235,6 +235,11 @@ class SubmitSpec:
     """Nodes the job asks for beyond --nodes: the ranks run on --nodes of them, and after a
     crash, hang or lost node the next srun step, in the same allocation, leaves out the node
     that failed and runs on a spare (the same world size: the run continues exactly)."""
+    min_nodes: int | None = None
+    """Go on with fewer nodes, down to this many, when a node fails and no spare is left:
+    the next srun step, in the same allocation, leaves it out and runs fewer ranks. Each
+    remaining rank keeps its environments, those of the ranks that are gone are dropped (not
+    exact: fewer environments per iteration). Default: never fewer than --nodes."""
     gpus_per_node: int = 1
     """GPUs per node; one rank (srun task) per GPU. 0 for CPU-only partitions."""
     tasks_per_node: int | None = None

@@ -131,9 +131,9 @@ class Cancel:
 class Heal:
     """For job scripts, after srun: when a rank crashed or hung, record the fault in run.json
     and start the ranks again while restarts remain and the failure is not a repeat: exits 76
-    when the script should start a new srun step in its allocation (printing the nodes that
-    step leaves out), 0 when it requeued the job (excluding a suspect node), else
-    --exit-code."""
+    when the script should start a new srun step in its allocation (printing that step's srun
+    options: the nodes it leaves out, fewer nodes with --min-nodes), 0 when it requeued the
+    job (excluding a suspect node), else --exit-code."""
 
     run_dir: str
     """The job's run directory (a sweep's directory: this array element's run)."""
@@ -146,6 +146,11 @@ class Heal:
     nodes: int | None = None
     """Nodes of one srun step (default: the allocation's; fewer: the others are spares that
     take a failed node's place in the next step)."""
+    min_nodes: int | None = None
+    """The fewest nodes the next step may go on with when no spare is left (mjlab-submit's
+    --min-nodes; default: --nodes)."""
+    tasks_per_node: int = 1
+    """Ranks per node (for a step on fewer nodes)."""
 
 
 @dataclass(frozen=True)
@@ -278,6 +283,10 @@ def logs(cmd: Logs) -> int:
         tracebacks = find_tracebacks(ranks)
         if row.reason and row.active:
             out.print(f"[yellow]{row.state}: {escape(row.reason)} (Slurm's reason)[/]")
+        if row.waiting:
+            out.print(f"[yellow]{escape(row.waiting)}[/]")
+        for text in row.stragglers:
+            out.print(f"[yellow]straggler: {escape(text)}[/]")
         if cause is not None:
             out.print(f"[bold red]cause: {escape(cause)}[/]")
         if cause is not None and cause.startswith("rank "):
@@ -457,7 +466,13 @@ _COMMANDS = {
     Plot: plot,
     Doctor: doctor,
     Heal: lambda cmd: heal_job(
-        Path(cmd.run_dir), cmd.exit_code, cmd.max_restarts, cmd.elapsed_s, cmd.nodes
+        Path(cmd.run_dir),
+        cmd.exit_code,
+        cmd.max_restarts,
+        cmd.elapsed_s,
+        cmd.nodes,
+        cmd.min_nodes,
+        cmd.tasks_per_node,
     ),
 }
 

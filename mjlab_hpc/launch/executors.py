@@ -72,11 +72,12 @@ _ON_PURPOSE = (EXIT_OK, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_LOC
 _LOOP = """\
 # Self-healing (mjlab_hpc): when a rank crashed or hung, record the fault in run.json and
 # start the ranks again from the newest valid checkpoint while restarts remain and the failure
-# is not a repeat: a new srun step in this allocation (exit {restart}; the healer prints the
-# nodes it leaves out, spare nodes take their place), else a requeue (excluding a node the
-# fault is attributed to); nothing happens after a completed or stopped run. The requeue sends
-# this shell SIGTERM: ignored, so the healer can still exclude the node (the job's processes
-# end with it under proctrack/cgroup).
+# is not a repeat: a new srun step in this allocation (exit {restart}; the healer prints its
+# srun options: the nodes it leaves out, whose place spare nodes take, or with --min-nodes a
+# step on fewer nodes), else a requeue (excluding a node the fault is attributed to); nothing
+# happens after a completed or stopped run. The requeue sends this shell SIGTERM: ignored, so
+# the healer can still exclude the node (the job's processes end with it under
+# proctrack/cgroup).
 key=${{SLURM_ARRAY_JOB_ID:+${{SLURM_ARRAY_JOB_ID}}_$SLURM_ARRAY_TASK_ID}}
 watch_step() {{
   local ended=
@@ -93,14 +94,14 @@ while :; do
   began=$SECONDS
   trap - TERM
   watch_step &
-  srun $again {srun}
+  srun {srun_options} $again {command}
   ranks=$?
   kill $! 2>/dev/null
   trap '' TERM
-  excluded=$({heal})
+  options=$({heal})
   status=$?
   [ "$status" -eq {restart} ] || break
-  again="--overlap${{excluded:+ --exclude=$excluded}}"
+  again="--overlap $options"
 done
 # A requeue that the ranks or the healer asked for where Slurm's commands are missing (exit
 # {requeue}: a container image without them) is done here, in the batch shell, which has them.
@@ -124,11 +125,16 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
         render_only: bool = False,
         heal_python: str | None = None,
         step_nodes: int | None = None,
+        min_nodes: int | None = None,
+        tasks_per_node: int = 1,
     ) -> None:
         self._render_only = render_only
         self.max_restarts = max_restarts
         self.step_nodes = step_nodes
         """Nodes each srun step runs on (None: all of the allocation's; fewer: spares)."""
+        self.min_nodes = min_nodes
+        """--min-nodes: the fewest nodes a step may go on with after a node fails."""
+        self.tasks_per_node = tasks_per_node
         super().__init__(folder, python=python)
         self.heal_python = heal_python or self.python
         """How the heal step runs Python (pyxis: a step in the image)."""
@@ -143,15 +149,21 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
         # Each healed fault loops: a new step, without the nodes the healer printed.
         text = str(super()._make_submission_file_text(command, uid))
         head, srun = text.rstrip("\n").rsplit("\nsrun ", 1)
+        # The healer's options go after submitit's: srun takes an option's last value (a step
+        # on fewer nodes than a spare job's --nodes).
+        assert srun.endswith(command), srun
         run_dir = shlex.quote(str(Path(self.folder).parent))
         nodes = f" --nodes {self.step_nodes}" if self.step_nodes else ""
+        if self.min_nodes is not None:
+            nodes += f" --min-nodes {self.min_nodes} --tasks-per-node {self.tasks_per_node}"
         heal = (
             f"{self.heal_python} -m mjlab_hpc.cli.hpc heal --run-dir {run_dir} --exit-code $ranks "
             f"--elapsed-s $((SECONDS - began)) --max-restarts {self.max_restarts}{nodes}"
         )
         return head + "\n" + _LOOP.format(
-            srun=srun, heal=heal, folder=shlex.quote(str(self.folder)), run_dir=run_dir,
-            stuck=_STUCK_S, restart=EXIT_RESTART, requeue=EXIT_REQUEUE,
+            srun_options=srun.removesuffix(command).rstrip(), command=command, heal=heal,
+            folder=shlex.quote(str(self.folder)), run_dir=run_dir, stuck=_STUCK_S,
+            restart=EXIT_RESTART, requeue=EXIT_REQUEUE,
         )  # fmt: skip
 
     def _submit_command(self, command: str) -> Any:

@@ -305,6 +305,23 @@ def usable_without(client: SlurmClient, job_id: str, exclude: Sequence[str]) -> 
     return True, ""
 
 
+def _fewer_nodes(
+    heal: Healing, run_dir: Path, nodes: int, tasks_per_node: int, min_nodes: int | None
+) -> None:  # fmt: skip
+    """Record that the next step runs on `nodes` nodes: fewer ranks, whose environments are
+    those of the ranks with the same numbers (the ranks read `world_size` to accept it)."""
+    before = int(read_record(run_dir).get("world_size") or 0)
+    after = nodes * tasks_per_node
+    if before <= after:  # fewer already (an earlier restart in this allocation)
+        return
+    heal.entry["world_size"] = [before, after]
+    gone = ", ".join(map(str, range(after, before)))
+    heal.why = heal.entry["action"] = (
+        f"{heal.why} on {nodes} node(s), {after} rank(s) (--min-nodes {min_nodes}; no spare "
+        f"left): the environments of rank(s) {gone} dropped"
+    )
+
+
 def restart_here(heal: Healing, excluded: Sequence[str] = ()) -> None:
     """Make a restart decision one without the queue: a new srun step in the same allocation
     leaving out `excluded` (locally: new ranks under the same controller)."""
@@ -315,13 +332,25 @@ def restart_here(heal: Healing, excluded: Sequence[str] = ()) -> None:
     heal.exclude = []
 
 
+@dataclass(frozen=True)
+class Step:
+    """The next srun step in the job's allocation."""
+
+    excluded: list[str]
+    """The nodes it leaves out (those left out before, and the ones the fault points at)."""
+    nodes: int | None = None
+    """The nodes it runs on when fewer than the job's (--min-nodes), else None."""
+
+
 def step_excludes(
-    client: SlurmClient, run_dir: Path, heal: Healing, step_nodes: int | None
-) -> list[str] | None:
-    """The nodes the next srun step in this job's allocation leaves out (those left out
-    before and the ones the fault points at) while `step_nodes` others remain (None: all of
-    the allocation's); None: requeue instead (the last restart in this allocation made no
-    progress, or a suspect node has no spare to take its place but the partition has)."""
+    client: SlurmClient, run_dir: Path, heal: Healing, step_nodes: int | None,
+    min_nodes: int | None = None,
+) -> Step | None:  # fmt: skip
+    """The next srun step in this job's allocation: it leaves out the suspect nodes while
+    `step_nodes` others remain (None: all of the allocation's), or, with `min_nodes`, at
+    least that many (a step on fewer nodes); None: requeue instead (the last restart in this
+    allocation made no progress, or a suspect node has no spare to take its place but the
+    partition has)."""
     assert heal.fault is not None
     alloc = client.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or []
     job, count = heal.entry["job_id"], heal.entry["restart_count"]
@@ -331,14 +360,17 @@ def step_excludes(
         return None
     before = list(here[-1].get("excluded_nodes", [])) if here else []
     wanted = list(dict.fromkeys([*before, *heal.exclude]))
-    if len(set(alloc) - set(wanted)) >= (step_nodes or len(alloc)):
-        return wanted
+    need = step_nodes or len(alloc)
+    left = len(set(alloc) - set(wanted))
+    if left >= (min_nodes or need):  # spares first: the same world size while they last
+        return Step(wanted, left if left < need else None)
     if heal.exclude and job:
         ok, why = usable_without(client, job, heal.exclude)
         if ok:
             return None  # a fresh allocation without the suspect node
         heal.entry["not_excluded"] = f"{', '.join(heal.exclude)} not excluded: no spare; {why}"
-    return before
+    left = len(set(alloc) - set(before))
+    return Step(before, left if left < need else None)
 
 
 def apply_slurm(client: SlurmClient, job_id: str, heal: Healing) -> bool:
@@ -364,11 +396,13 @@ def apply_slurm(client: SlurmClient, job_id: str, heal: Healing) -> bool:
 def heal_slurm(
     run_dir: Path, exit_code: int, max_restarts: int, client: SlurmClient,
     since: float | None = None, submitit_dir: Path | None = None, step_nodes: int | None = None,
+    min_nodes: int | None = None, tasks_per_node: int = 1,
 ) -> int:  # fmt: skip
     """The batch script's step after srun: decide, record, act; the script's exit code
-    (EXIT_RESTART: another srun step, leaving out the nodes printed on stdout). `since`: when
+    (EXIT_RESTART: another srun step, with the srun options printed on stdout). `since`: when
     this srun step began; `submitit_dir`: the job's submitit folder; `step_nodes`: the
-    nodes of a step (the allocation's others are spares)."""
+    nodes of a step (the allocation's others are spares); `min_nodes`: the fewest nodes a step
+    may go on with (`tasks_per_node` ranks each)."""
     if exit_code in (EXIT_OK, EXIT_REQUEUE):  # done; or a stop the ranks want requeued
         return exit_code
     exit_code = EXIT_FAILED if exit_code == EXIT_RESTART else exit_code  # not ours: no loop
@@ -378,9 +412,15 @@ def heal_slurm(
     )
     if heal.fault is None:
         return exit_code
-    here = step_excludes(client, run_dir, heal, step_nodes) if heal.requeue and job_id else None
+    here = (
+        step_excludes(client, run_dir, heal, step_nodes, min_nodes)
+        if heal.requeue and job_id
+        else None
+    )
     if here is not None:
-        restart_here(heal, here)
+        restart_here(heal, here.excluded)
+        if here.nodes is not None:
+            _fewer_nodes(heal, run_dir, here.nodes, tasks_per_node, min_nodes)
     elif heal.requeue and heal.exclude and job_id:
         ok, why = usable_without(client, job_id, heal.exclude)
         heal.entry["excluded_nodes"] = heal.exclude if ok else []
@@ -400,8 +440,11 @@ def heal_slurm(
         key = f"{os.environ.get('SLURM_ARRAY_JOB_ID')}_{key}" if key else job_id
         for stale in submitit_dir.glob(f"{key}_*_result.pkl"):
             stale.unlink(missing_ok=True)
-    if here is not None:
-        print(",".join(here), flush=True)  # the batch script's next `srun --exclude`
+    if here is not None:  # the batch script's options for its next srun step
+        options = [f"--exclude={','.join(here.excluded)}"] if here.excluded else []
+        if here.nodes is not None:
+            options += [f"--nodes={here.nodes}", f"--ntasks={here.nodes * tasks_per_node}"]
+        print(" ".join(options), flush=True)
         return EXIT_RESTART
     if (
         heal.requeue
@@ -443,7 +486,7 @@ def job_run_dir(path: Path, env: Mapping[str, str]) -> Path:
 
 def heal_job(
     run_dir: Path, exit_code: int, max_restarts: int, elapsed_s: float | None = None,
-    step_nodes: int | None = None,
+    step_nodes: int | None = None, min_nodes: int | None = None, tasks_per_node: int = 1,
 ) -> int:  # fmt: skip
     """What a Slurm job script runs after srun: heal (see `heal_slurm`), never raising; the
     script's exit code. `elapsed_s`: how long the srun step ran."""
@@ -451,7 +494,8 @@ def heal_job(
     since = time.time() - elapsed_s if elapsed_s is not None else None
     try:
         return heal_slurm(job_run_dir(run_dir, os.environ), exit_code, max_restarts,
-                          SlurmClient(), since, run_dir / SUBMITIT_DIR, step_nodes)  # fmt: skip
+                          SlurmClient(), since, run_dir / SUBMITIT_DIR, step_nodes, min_nodes,
+                          tasks_per_node)  # fmt: skip
     except Exception as exc:  # the job's own exit code matters more than ours
         print(f"mjlab-hpc heal: could not heal on {socket.gethostname()}: {exc}",
               file=sys.stderr)  # fmt: skip

@@ -166,6 +166,8 @@ def make_slurm_executor(
         render_only=dry_run,
         heal_python=heal_python(spec),
         step_nodes=spec.nodes if spec.spare_nodes else None,
+        min_nodes=spec.min_nodes,
+        tasks_per_node=spec.ranks_per_node,
     )
     snapshot = snapshot if snapshot is not None else snapshot_for(folder_parent)
     after = spec.after if after is None else after
@@ -284,9 +286,10 @@ def render(template: str, spec: SubmitSpec) -> str:
     here: rendering works on a machine without Slurm)."""
     spec = dataclasses.replace(spec, executor="slurm", dry_run=True)
     resolved = validate_submit(spec)
-    if spec.spare_nodes:
-        raise SpecError("--spare-nodes", "the templates run one srun step on every node: "
-                        "submit with mjlab-submit --spare-nodes instead")  # fmt: skip
+    for flag, given in (("--spare-nodes", spec.spare_nodes), ("--min-nodes", spec.min_nodes)):
+        if given:
+            raise SpecError(flag, "the templates run one srun step on every node: submit "
+                            f"with mjlab-submit {flag} instead")  # fmt: skip
     text = read_template(template)
     if "{{IMAGE}}" in text and spec.container is None:
         raise SpecError("--container", f"template {template!r} needs an image: --container IMAGE")

@@ -97,6 +97,13 @@ class RunStatus:
     reason: str | None = None
     """Slurm's reason: why the job pends (BadConstraints, JobHeldAdmin, Priority), or why it
     ended without running (JobLaunchFailure)."""
+    stragglers: tuple[str, ...] = ()
+    """While the run is active: its ranks that are consistently slower than the others
+    (`rank 1 on node2 is 1.80x slower ...`), as the ranks last recorded them."""
+    waiting: str | None = None
+    """For a Slurm job that waits again after a stop or fault: that event, and the state of
+    the nodes it named now (`node2 is drained (Not responding)`), which Slurm's reason
+    (`Resources`, `ReqNodeNotAvail`) does not say."""
     disagrees: str | None = None
     """What Slurm says where the run's own record says otherwise and wins (sacct's last word
     on a job while slurmctld is down: `sacct says RUNNING`)."""
@@ -156,6 +163,9 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         sweep=jobs.element,
         cause=damaged or (_cause(run_dir, record, state) if state.state in FAILED_STATES else None),
         reason=state.reason,
+        stragglers=tuple(str(s.get("text")) for s in record.get("stragglers") or [])
+        if state.active
+        else (),
         disagrees=state.disagrees,
     )
 
@@ -253,11 +263,35 @@ def job_states(
     return out, answer
 
 
+def _named_nodes(event: dict[str, Any]) -> list[str]:
+    """The nodes a stop or fault named: where it happened and what the healer left out."""
+    names = [*(event.get("nodes") or []), *(event.get("hosts") or []),
+             *(event.get("excluded_nodes") or [])]  # fmt: skip
+    return list(dict.fromkeys(str(n) for n in names if n))
+
+
+def _explain_waits(rows: list[RunStatus], slurm: SlurmClient) -> list[RunStatus]:
+    """Rows of Slurm jobs that wait after a stop or fault, with why (one sinfo call for all
+    of them, none when no such row)."""
+    waits = [i for i, r in enumerate(rows)
+             if r.kind == "slurm" and r.state == "PENDING" and r.interruptions]  # fmt: skip
+    nodes = list(dict.fromkeys(n for i in waits for n in _named_nodes(rows[i].interruptions[-1])))
+    states = (slurm.node_states(nodes) or {}) if nodes else {}
+    for i in waits:
+        last = rows[i].interruptions[-1]
+        said = [f"{n} is {states[n]}" for n in _named_nodes(last) if n in states]
+        why = f"waits after: {interruption_line(last)}" + "".join(f"; {s}" for s in said)
+        rows[i] = dataclasses.replace(rows[i], waiting=why)
+    return rows
+
+
 def collect(run_dirs: Sequence[Path], slurm: SlurmClient | None = None) -> StatusReport:
-    """The status of every run (one squeue and one sacct call for all of them)."""
+    """The status of every run (one squeue and one sacct call for all of them, and one sinfo
+    where some wait again after a stop or fault)."""
+    slurm = slurm or SlurmClient()
     jobs = [run_jobs(Path(r).absolute()) for r in run_dirs]
     states, answer = job_states(jobs, slurm)
-    rows = [_status_of(j, states[j.run_dir]) for j in jobs]
+    rows = _explain_waits([_status_of(j, states[j.run_dir]) for j in jobs], slurm)
     accounting = answer.accounting if answer else None
     queue = answer.queue if answer else True
     return StatusReport(tuple(rows), accounting, shutil.which("squeue") is not None, queue)
@@ -329,7 +363,9 @@ def _row(s: RunStatus) -> list[str | Text]:
             s.state
             + (f" ({s.reason})" if s.reason else "")
             + (f" (run record; {s.disagrees})" if s.disagrees else "")
-            + (f"\n{s.cause}" if s.cause else ""),
+            + (f"\n{s.cause}" if s.cause else "")
+            + (f"\n{s.waiting}" if s.waiting else "")
+            + "".join(f"\nstraggler: {t}" for t in s.stragglers),
             style=STATE_STYLES.get(s.state, ""),
         ),
         _size(s),

@@ -116,13 +116,14 @@ def check_shapes(path: Path, ckpt: dict[str, Any], runner: Any, flag: str = "--r
                 )
 
 
-def _unfit(path: Path, ckpt: dict[str, Any], work: Workload, world_size: int
+def _unfit(path: Path, ckpt: dict[str, Any], work: Workload, world_size: int, resized: bool
            ) -> tuple[str, str] | None:  # fmt: skip
-    """(flag, why) when the checkpoint's saved environments cannot be restored here."""
+    """(flag, why) when the checkpoint's saved environments cannot be restored here
+    (`resized`: the healer changed the world size, which is then no reason)."""
     saved = (ckpt.get("infos") or {}).get("environments")
     if not isinstance(saved, dict) or rank_state_world_size(path) is None:
         return "--fresh-envs", f"{path.name} holds no environment state (older mjlab_hpc)"
-    if saved["world_size"] != world_size:
+    if saved["world_size"] != world_size and not resized:
         return "--num-procs", (
             f"{path.name} holds the environments of {saved['world_size']} rank(s); this start "
             f"has {world_size} (--num-procs, --gpu-ids, or the job's --nodes x --tasks-per-node)"
@@ -141,10 +142,14 @@ def _unfit(path: Path, ckpt: dict[str, Any], work: Workload, world_size: int
 
 
 def load_plan(
-    plan: ResumePlan, work: Workload, device: str, ctx: DistContext, fresh_envs: bool = False
-) -> tuple[int, str]:
+    plan: ResumePlan, work: Workload, device: str, ctx: DistContext, fresh_envs: bool = False,
+    resized: bool = False,
+) -> tuple[int, str]:  # fmt: skip
     """Restore the plan's checkpoint into this rank's workload: (the iterations it had done,
-    0 on a fresh start; the environments: `restored`, `fresh` (--fresh-envs) or `new`)."""
+    0 on a fresh start; the environments: `restored`, `fresh` (--fresh-envs), `new`, or
+    `partly restored`: the healer changed the world size (`resized`), and each rank takes the
+    saved environments of the rank with its number; those of ranks that are gone are
+    dropped, a rank without saved ones starts new ones)."""
     if plan.checkpoint is None:
         return 0, "new"
     path = Path(plan.checkpoint)
@@ -152,7 +157,7 @@ def load_plan(
     check_shapes(
         path, ckpt, work.runner, "--agent.load-checkpoint" if plan.other_run else "--run-dir"
     )
-    unfit = None if plan.other_run else _unfit(path, ckpt, work, ctx.world_size)
+    unfit = None if plan.other_run else _unfit(path, ckpt, work, ctx.world_size, resized)
     if unfit is not None and not fresh_envs:
         raise ResumeRefused(
             unfit[0],
@@ -170,8 +175,22 @@ def load_plan(
         log.warning("resumed from %s at iteration %d with new environments (--fresh-envs): %s",
                     path.name, start, unfit[1])  # fmt: skip
         return start, "fresh"
-    problems = restore_rank_state(work, load_rank_state(path, ctx.rank, ctx.world_size), device)
+    saved = rank_state_world_size(path) or ctx.world_size
+    if ctx.rank >= saved:
+        log.warning("resumed from %s at iteration %d on %d ranks instead of %d: no saved "
+                    "environments for rank %d, new ones", path.name, start, ctx.world_size,
+                    saved, ctx.rank)  # fmt: skip
+        return start, "partly restored"
+    problems = restore_rank_state(work, load_rank_state(path, ctx.rank, saved), device)
     for problem in problems:  # a buffer the fresh environment does not have
         log.warning("environment state not restored: %s", problem)
+    if saved != ctx.world_size:
+        gone = range(ctx.world_size, saved)
+        log.warning("resumed from %s at iteration %d on %d ranks instead of %d (the healer's "
+                    "--min-nodes): the environments of rank %d restored%s", path.name, start,
+                    ctx.world_size, saved, ctx.rank,
+                    f", those of rank(s) {', '.join(map(str, gone))} dropped" if gone else "",
+                    )  # fmt: skip
+        return start, "partly restored"
     log.info("resumed from %s at iteration %d, environments restored", path.name, start)
     return start, "restored"

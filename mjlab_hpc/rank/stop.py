@@ -32,6 +32,7 @@ import torch.distributed as dist
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_REQUEUE, EXIT_STOPPED
 from mjlab_hpc.procs import alive
 from mjlab_hpc.rank.context import ALLOCATION_ENV, SUPERVISOR_ENV, DistContext, chain_link
+from mjlab_hpc.rank.stragglers import StragglerWatch
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog
 from mjlab_hpc.rank.workload import Workload, rank_state
 from mjlab_hpc.rundir.checkpoint import Checkpoints, publish_rank_states, write_rank_state
@@ -198,20 +199,25 @@ def agree(request: StopRequest, distributed: bool, device: str) -> Stop | None:
 
 
 def agree_boundary(
-    request: StopRequest, distributed: bool, device: str, save_due: bool = False
-) -> tuple[Stop | None, bool]:
-    """At an iteration boundary, in one all-reduce: the strongest stop any rank recorded, and
-    whether any rank wants a checkpoint now (--save-every-min); the same on every rank."""
-    code, save = request.code, int(save_due)
+    request: StopRequest, distributed: bool, device: str, save_due: bool = False,
+    busy_s: float = 0.0,
+) -> tuple[Stop | None, bool, list[float]]:  # fmt: skip
+    """At an iteration boundary, in one all-gather: the strongest stop any rank recorded,
+    whether any rank wants a checkpoint now (--save-every-min), and every rank's `busy_s`
+    (its work in the iteration, for the stragglers); the same on every rank."""
+    code, save, busy = request.code, int(save_due), [busy_s]
     if distributed:
-        flag = torch.tensor([code, save], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        code, save = int(flag[0].item()), int(flag[1].item())
+        mine = torch.tensor([code, save, round(busy_s * 1e6)], dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        table = torch.stack(every).cpu()
+        code, save = int(table[:, 0].max()), int(table[:, 1].max())
+        busy = [us / 1e6 for us in table[:, 2].tolist()]
     if code == 0:
-        return None, bool(save)
+        return None, bool(save), busy
     signum = code & 0xFF
     kind, reason = classify(signum, request.mode, request.time_limit_signal)
-    return Stop(kind, reason, 0 if signum == _NO_SIGNAL else signum), bool(save)
+    return Stop(kind, reason, 0 if signum == _NO_SIGNAL else signum), bool(save), busy
 
 
 class Supervision:
@@ -374,6 +380,8 @@ class IterationBoundary:
     """Requeues so far by reason (the same on every rank: read before training)."""
     watchdog: Watchdog | None = None
     injections: tuple[FaultInjection, ...] = ()
+    stragglers: StragglerWatch | None = None
+    """Ranks slower than the others (None: one rank)."""
     _last_save: float = field(default_factory=time.monotonic)
     _recovered: bool = False
 
@@ -387,7 +395,12 @@ class IterationBoundary:
             injection.fire_if_due(self.run, self.ctx.rank, s.iteration)
         every = self.save_every_min
         due = every is not None and time.monotonic() - self._last_save >= every * 60
-        stop, save = agree_boundary(self.request, self.ctx.is_distributed, self.device, due)
+        work_s = max(0.0, s.iteration_s - s.collective_s)  # the others wait in collectives
+        stop, save, busy = agree_boundary(
+            self.request, self.ctx.is_distributed, self.device, due, work_s
+        )
+        if self.stragglers is not None and self.stragglers.add(s.iteration, busy):
+            self._record_stragglers()
         if stop is not None and s.iteration >= self.total:
             stop = None  # the run is done: it completes (every rank agreed on the same value)
         if self.watchdog is not None and (stop is not None or s.iteration >= self.total):
@@ -440,6 +453,17 @@ class IterationBoundary:
             # their watchdogs (paused now) never count a long write as a hang.
             dist.barrier()
         self._last_save = time.monotonic()
+
+    def _record_stragglers(self) -> None:
+        """The stragglers now, in run.json (`mjlab-hpc status`, the healer), by the writer."""
+        if self.writer is None or self.stragglers is None:
+            return
+        now = [s.as_dict() for s in self.stragglers.current]
+        try:
+            record = read_record(self.run.path, set_aside=True)
+            self.writer.write_json(self.run.record, {**record, "stragglers": now})
+        except Exception as exc:  # a record, not the training
+            log.warning("could not record the stragglers in run.json: %s", exc)
 
     def _record_recovery(self) -> None:
         assert self.writer is not None

@@ -50,6 +50,7 @@ from mjlab_hpc.rank.stop import (
     after_stop,
     watch_signals,
 )
+from mjlab_hpc.rank.stragglers import StragglerWatch
 from mjlab_hpc.rank.watchdog import Watchdog, parse_faults
 from mjlab_hpc.rank.workload import Workload, build_workload
 from mjlab_hpc.rundir.checkpoint import Checkpoints
@@ -64,6 +65,7 @@ from mjlab_hpc.rundir.state import (
     on_start,
     read_record,
     requeues_so_far,
+    resized_by_healer,
 )
 from mjlab_hpc.rundir.writer import RunWriter, busy_problem
 from mjlab_hpc.slurm.client import SlurmClient
@@ -327,7 +329,8 @@ def _train(
         work = build_workload(resolved, ctx, device, seed, run, rank_log)
         runner = work.runner
         first_obs = work.first_obs_digest()
-        start, environments = load_plan(plan, work, device, ctx, spec.fresh_envs)
+        resized = resized_by_healer(read_record(run.path), ctx.world_size)
+        start, environments = load_plan(plan, work, device, ctx, spec.fresh_envs, resized)
         if writer is not None and checkpoints is not None:
             _begin(writer, checkpoints, work, resolved, ctx, device, plan, start, environments)
         started = True
@@ -350,6 +353,7 @@ def _train(
                 work, run, ctx, device, spec.save_interval, spec.save_every_min,
                 spec.keep_checkpoints, total, start, request, writer, checkpoints,
                 requeues_so_far(read_record(run.path)), watchdog, injections,
+                StragglerWatch(_gather(node, ctx)) if ctx.is_distributed else None,
             )
         )  # fmt: skip
         try:

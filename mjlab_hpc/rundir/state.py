@@ -45,6 +45,7 @@ __all__ = [
     "read_record",
     "record_state",
     "requeues_so_far",
+    "resized_by_healer",
     "versions",
     "writer_alive",
 ]
@@ -89,7 +90,8 @@ def git_commit(path: Path) -> str | None:
 
 # run.json's fields and the JSON type every reader relies on; entries of the lists are objects.
 _SHAPE = {"state": str, "spec": dict, "effective": dict, "failure": dict, "code": dict,
-          "starts": list, "restarts": list, "faults": list, "job_ids": list}  # fmt: skip
+          "starts": list, "restarts": list, "faults": list, "job_ids": list,
+          "stragglers": list}  # fmt: skip
 
 
 def _shape_problem(value: object) -> str | None:
@@ -97,9 +99,9 @@ def _shape_problem(value: object) -> str | None:
         return f"it holds {json.dumps(value)[:40]}, not a JSON object"
     wrong = [k for k, kind in _SHAPE.items() if value.get(k) is not None
              and not isinstance(value[k], kind)]  # fmt: skip
-    lists = ("starts", "restarts", "faults")
+    lists = ("starts", "restarts", "faults", "stragglers")
     if not wrong and any(not isinstance(e, dict) for k in lists for e in value.get(k) or []):
-        return "an entry of its starts, restarts or faults is not a JSON object"
+        return "an entry of its starts, restarts, faults or stragglers is not a JSON object"
     return f"its {wrong[0]!r} is {json.dumps(value[wrong[0]])[:40]}" if wrong else None
 
 
@@ -182,6 +184,7 @@ def on_start(
     if skipped:
         record["skipped_checkpoints"] = [*record.get("skipped_checkpoints", []), *skipped]
     record.pop("failure", None)
+    record.pop("stragglers", None)  # measured afresh in every start
     record["starts"] = starts
     record["job_ids"] = sorted({s["job_id"] for s in starts if s["job_id"]})
     return record
@@ -298,6 +301,14 @@ def on_node_failed(
         "at_s": at_s, "action": "requeued by Slurm (NODE_FAIL)",
     }]  # fmt: skip
     return record
+
+
+def resized_by_healer(record: dict[str, Any], world_size: int) -> bool:
+    """Whether the healer changed the run's world size to or from `world_size` (a restart on
+    fewer nodes, --min-nodes; a later start of the job back on all of them): the ranks then
+    take what the checkpoint holds of theirs."""
+    sizes = [f.get("world_size") for f in record.get("faults") or []]
+    return any(isinstance(s, list) and world_size in s for s in sizes)
 
 
 # --- the state the run's files tell -------------------------------------------------------

@@ -447,6 +447,20 @@ class SlurmClient:
             if "|" in line and any(w in line.split("|")[1].upper() for w in _LOST)
         })  # fmt: skip
 
+    def node_states(self, nodes: Sequence[str]) -> dict[str, str] | None:
+        """Each node's state and Slurm's reason for it (`down* (Not responding)`, `idle`),
+        from one sinfo call (names or hostlist expressions); None when Slurm does not answer."""
+        proc = self.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N|%T|%E"])
+        if proc is None or proc.returncode != 0:
+            return None
+        out = {}
+        for line in proc.stdout.splitlines():
+            name, _, rest = line.partition("|")
+            state, _, reason = rest.partition("|")
+            if name and state:
+                out[name] = f"{state} ({reason})" if reason and reason != "none" else state
+        return out
+
     def hostnames(self, expr: str) -> list[str] | None:
         """`scontrol show hostnames EXPR` (None when scontrol is missing, fails, hangs or
         prints no host, as it does for an invalid hostlist while exiting 0)."""

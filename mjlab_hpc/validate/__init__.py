@@ -109,12 +109,13 @@ def slurm_only(spec: SubmitSpec) -> str | None:
 
 def _check_executor(spec: SubmitSpec, executor: str) -> None:
     """What the chosen executor can run."""
-    if executor != "slurm" and spec.spare_nodes:
-        raise SpecError(
-            "--spare-nodes",
-            f"spare nodes come with a new Slurm job, not --executor {executor}: use "
-            "--executor slurm, or drop the flag",
-        )
+    for flag, given in (("--spare-nodes", spec.spare_nodes), ("--min-nodes", spec.min_nodes)):
+        if executor != "slurm" and given:
+            raise SpecError(
+                flag,
+                f"the healer of a new Slurm job acts on it, not --executor {executor}: use "
+                "--executor slurm, or drop the flag",
+            )
     if executor == "slurm" and not spec.dry_run and shutil.which("sbatch") is None:
         raise SpecError(
             "--executor",

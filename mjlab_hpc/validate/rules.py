@@ -459,6 +459,12 @@ def check_submit(spec: SubmitSpec) -> SubmitSpec:
         ("--signal-delay-s", spec.signal_delay_s, 1, 10**7),
     ):
         _within(flag, value, low, high)
+    if spec.min_nodes is not None and not 1 <= spec.min_nodes <= spec.nodes:
+        raise SpecError(
+            "--min-nodes",
+            f"must be between 1 and --nodes ({spec.nodes}), got {spec.min_nodes}: the fewest "
+            "nodes the run may go on with after a node fails",
+        )
     if not 1 <= spec.chain <= 1000:
         raise SpecError("--chain", f"must be between 1 and 1000 jobs, got {spec.chain}")
     if spec.gpus_per_node > 0 and spec.ranks_per_node != spec.gpus_per_node:

@@ -16,7 +16,7 @@ from mjlab_hpc.procs import memory_room
 from mjlab_hpc.rank.context import Allocation, cuda_device_count
 from mjlab_hpc.rundir.checkpoint import Checkpoints, cannot_continue
 from mjlab_hpc.rundir.layout import RunDir, is_run_dir, latest_run, list_checkpoints
-from mjlab_hpc.rundir.state import changed_settings, read_record, versions
+from mjlab_hpc.rundir.state import changed_settings, read_record, resized_by_healer, versions
 from mjlab_hpc.rundir.writer import busy_problem
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import mem_bytes, slurm_time_minutes
@@ -361,7 +361,9 @@ def _check_continuation(
         if key != "num_envs" and before.get(key, getattr(train, key)) != getattr(train, key):
             kept.append((f"--{key.replace('_', '-')}", before[key], getattr(train, key)))
     size, flag = world
-    if size is not None and record.get("world_size") not in (None, size):
+    # A size the healer changed to or from (--min-nodes) goes on with what the ranks saved.
+    resized = size is not None and resized_by_healer(record, size)
+    if size is not None and record.get("world_size") not in (None, size) and not resized:
         kept.append((flag, f"{record['world_size']} rank(s)", f"{size} rank(s)"))
     installed = versions()
     for name in SIMULATOR_PACKAGES[resolved.source]:

@@ -166,7 +166,9 @@ def test_slurm_hang_then_node_down_on_two_nodes(
     start after --hang-timeout-s, node2 is not excluded (no spare, and the partition would be
     too small: the record says so), and the ranks start again in the allocation. Then node2
     is set DOWN under the running job: Slurm requeues it, the ranks checkpoint on the way out,
-    run.json calls it node-lost, and the job completes in the same run directory."""
+    run.json calls it node-lost. While node2 is held out (drained), the requeued job waits, and
+    status and logs say after what and node2's state and reason, not a bare PENDING. Back in
+    service, the job completes in the same run directory."""
     args = [*COMMON[:-2], "--max-iterations", "40", "--nodes", "2", "--tasks-per-node", "1",
             "--hang-timeout-s", "5"]  # fmt: skip
     proc = submit(slurm_cluster, args, tmp_path, "stop@8:rank1:once", follow=False)
@@ -184,6 +186,19 @@ def test_slurm_hang_then_node_down_on_two_nodes(
                               "reason=mjlab-hpc-test"])  # fmt: skip
     assert down.returncode == 0, down.stderr
     try:
+        # A drain outlives node2's slurmd registering again (ReturnToService=2).
+        slurm_cluster.run(["scontrol", "update", "nodename=node2", "state=drain",
+                           "reason=mjlab-hpc-test"])  # fmt: skip
+        env = cli_env(base=slurm_cluster.environ())
+        row = wait_for(lambda: (r := hpc_json(run, env))["waiting"] and r, 120, "the wait")
+        assert row["state"] == "PENDING" and row["active"], row
+        # After the node-lost stop (or the hang, where the ranks had no time to record it).
+        assert re.search(r"^waits after: .* (of node node2|on node2) at iteration", row["waiting"])
+        assert "node2 is " in row["waiting"] and "(mjlab-hpc-test)" in row["waiting"], row
+        logs = subprocess.run([BIN / "mjlab-hpc", "logs", str(run.path)], env=env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert row["waiting"] in " ".join(logs.stdout.split()), logs.stdout
+        slurm_cluster.run(["scontrol", "update", "nodename=node2", "state=resume"])
         summary = wait_for(lambda: run.summary.exists() and json.loads(run.summary.read_text()),
                            300, "the requeued job to finish")  # fmt: skip
     finally:
@@ -274,3 +289,49 @@ def test_slurm_hard_node_loss_with_a_spare(
     # The lost node's step ends once its slurmd is back (else after SlurmdTimeout).
     assert cluster.wait_job(job, timeout=120) == "COMPLETED"
     print(f"node lost to the first resumed iteration: {fault['recovery_s']} s")
+
+
+@pytest.mark.slurm
+def test_slurm_hard_node_loss_goes_on_with_fewer_nodes(
+    slurm_cluster3: SlurmCluster, tmp_path: Path
+) -> None:
+    """A 2-node job with --min-nodes 1 and no spare. Rank 1's node is lost after iteration 6
+    (its slurmd and rank killed at once): the next srun step, in the same allocation, runs on
+    the other node with one rank, which keeps its environments (rank 1's are dropped: the
+    record, the rank log and status say so), to the end. No requeue, nothing left running."""
+    cluster = slurm_cluster3
+    args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--min-nodes", "1"]
+    proc = submit(cluster, args, tmp_path, "stop@6:rank1:once", follow=False)
+    assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
+    run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
+    wait_for(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6, 240,
+             "iteration 6 (rank 1 stops itself there)")  # fmt: skip
+    (lost,) = hosts_of_starts(run, rank=1)
+    (kept,) = hosts_of_starts(run, rank=0)
+    killed = cluster.lose_node(lost)
+    assert "slurmd" in killed and "slurmstepd" in killed, killed
+    try:
+        summary = wait_for(lambda: run.summary.exists() and json.loads(run.summary.read_text()),
+                           240, "the run to finish on one node")  # fmt: skip
+    finally:
+        cluster.start_node(lost)
+    (fault,) = faults_of(run)
+    assert (fault["reason"], fault["kind"], fault["hosts"]) == ("crash", "in-allocation",
+                                                                [lost]), fault  # fmt: skip
+    assert fault["excluded_nodes"] == [lost] and fault["world_size"] == [2, 1], fault
+    assert fault["action"].endswith("on 1 node(s), 1 rank(s) (--min-nodes 1; no spare left): "
+                                    "the environments of rank(s) 1 dropped"), fault  # fmt: skip
+    assert fault["resumed_from"] + fault["recomputed"] == 6 and 0 < fault["recovery_s"] < 120
+    record = read_record(run.path)
+    start = record["starts"][-1]
+    assert start["changed"]["world_size"] == [2, 1] and start["environments"] == "partly restored"
+    assert start["resumed_from_iteration"] == fault["resumed_from"], start
+    assert hosts_of_starts(run, rank=0) == [kept, kept]
+    assert "those of rank(s) 1 dropped" in run.rank_log(0).read_text()
+    assert summary["iterations"] == 12 and summary["world_size"] == 1, summary
+    row = hpc_json(run, cli_env(base=cluster.environ()))
+    assert row["ranks"] == 1 and row["interruptions"][-1]["world_size"] == [2, 1], row
+    job = summary["job_id"]
+    assert fault["job_id"] == job and restarts_of(cluster, job) == 0
+    assert cluster.wait_job(job, timeout=120) == "COMPLETED"
+    print(f"node lost to the first resumed iteration on fewer nodes: {fault['recovery_s']} s")

@@ -59,6 +59,9 @@ def test_slurm_time_errors(text: str) -> None:
         (["--spare-nodes", "-1"], "--spare-nodes"),
         (["--spare-nodes", "1.5"], "--spare-nodes"),
         (["--executor", "local", "--spare-nodes", "1"], "--spare-nodes"),
+        (["--nodes", "2", "--min-nodes", "3"], "--min-nodes"),
+        (["--nodes", "2", "--min-nodes", "0"], "--min-nodes"),
+        (["--executor", "local", "--min-nodes", "1"], "--min-nodes"),
     ],
 )
 def test_bad_spec_exits_2_and_submits_nothing(tmp_path: Path, args: list[str], flag: str) -> None:
@@ -126,7 +129,9 @@ GOLDEN_SPECS = {
 }  # fmt: skip
 # The submitit script only: a job with a spare node (sbatch asks for 3, each step runs on 2).
 SPARE = {"cpu_2x2_spare1": dict(nodes=2, gpus_per_node=0, tasks_per_node=2, time="30",
-                                spare_nodes=1)}  # fmt: skip
+                                spare_nodes=1),
+         "cpu_3x2_spare1_min1": dict(nodes=3, gpus_per_node=0, tasks_per_node=2, time="30",
+                                     spare_nodes=1, min_nodes=1)}  # fmt: skip
 
 
 def check_golden(name: str, text: str) -> None:
@@ -161,7 +166,7 @@ def test_golden_pyxis() -> None:
     srun = shlex.split(next(line for line in lines if line.startswith("srun ")))
     assert f"--container-image={image}" in srun
     assert srun[-5:-3] == ["python3", "-u"]
-    heal = shlex.split(next(line for line in lines if " heal " in line).removeprefix("excluded=$("))
+    heal = shlex.split(next(line for line in lines if " heal " in line).removeprefix("options=$("))
     assert heal[:4] == ["srun", "--nodes=1", "--ntasks=1", f"--container-image={image}"]
     # Inside a salloc allocation too: srun starts the ranks in the image.
     argv = allocation_srun(spec, resolve(spec.train), Path("/shared/logs/cartpole/run"))

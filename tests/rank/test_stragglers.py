@@ -1,0 +1,111 @@
+"""Stragglers named (issue 31): a rank whose iterations are consistently slower than the
+others' is reported in `mjlab-hpc status`, `logs` and the rank logs, with its host and how
+much slower; one slow iteration is not a straggler, and one that keeps up again is no longer
+named. The end-to-end test slows rank 1 of a real two-rank job as a busy node would (it runs
+30 ms of every 100: SIGSTOP and SIGCONT from the test)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import BIN, cli_env, wait_for, wait_for_iteration
+
+from mjlab_hpc.rank.stragglers import RATIO, WINDOW, StragglerWatch
+from mjlab_hpc.rundir.layout import RunDir
+
+
+def feed(watch: StragglerWatch, rows: list[list[float]], start: int = 1) -> list[bool]:
+    return [watch.add(start + i, row) for i, row in enumerate(rows)]
+
+
+def test_a_rank_consistently_slower_is_named_once_and_dropped_when_it_keeps_up() -> None:
+    watch = StragglerWatch(["n1", "n2", "n3"])
+    changes = feed(watch, [[0.10, 0.21, 0.11]] * WINDOW)
+    assert changes == [False] * (WINDOW - 1) + [True]
+    (slow,) = watch.current
+    assert (slow.rank, slow.host, slow.since) == (1, "n2", WINDOW)
+    assert slow.describe().startswith(
+        "rank 1 on n2 is 2.00x slower than the other ranks (0.210 s vs 0.105 s"
+    )
+    assert slow.as_dict()["ratio"] == 2.0  # against the median of 0.10 and 0.11
+    assert feed(watch, [[0.10, 0.30, 0.11]] * 3, WINDOW + 1) == [False] * 3  # still the same
+    assert watch.current[0].since == WINDOW
+    changes = feed(watch, [[0.10, 0.10, 0.11]] * WINDOW, WINDOW + 4)
+    assert True in changes and watch.current == []
+
+
+def test_one_slow_iteration_small_differences_and_one_rank_are_no_stragglers() -> None:
+    watch = StragglerWatch(["a", "b"])
+    assert not any(feed(watch, [[0.1, 0.1]] * (WINDOW - 1) + [[0.1, 5.0]]))
+    watch = StragglerWatch(["a", "b"])  # slower by more than RATIO, but by 10 ms
+    assert not any(feed(watch, [[0.01, 0.02]] * WINDOW))
+    watch = StragglerWatch(["a", "b"])
+    assert not any(feed(watch, [[0.1, 0.1 * RATIO * 0.98]] * WINDOW))
+    assert not any(feed(StragglerWatch(["a"]), [[1.0]] * WINDOW))
+
+
+def status_json(run: RunDir) -> dict:
+    proc = subprocess.run([BIN / "mjlab-hpc", "status", "--json", str(run.path)],
+                          env=cli_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return dict(json.loads(proc.stdout)[0])
+
+
+@pytest.mark.training
+def test_a_throttled_rank_is_named_in_status_logs_and_rank_logs(tmp_path: Path) -> None:
+    root = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [BIN / "mjlab-train", "cartpole", "--num-envs", "32", "--torch-threads", "1",
+         "--num-procs", "2", "--max-iterations", "1000", "--log-root", str(root)],
+        env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    stop = threading.Event()
+    pid = None
+
+    def throttle() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.07)
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(0.03)
+
+    try:
+        run = wait_for_iteration(root, 2)
+        start_line = re.search(r" host (\S+), pid (\d+)", run.rank_log(1).read_text())
+        assert start_line, run.rank_log(1).read_text()
+        host, pid = start_line.group(1), int(start_line.group(2))
+        thread = threading.Thread(target=throttle, daemon=True)
+        thread.start()
+        row = wait_for(lambda: (r := status_json(run))["stragglers"] and r, 120, "a straggler")
+        (text,) = row["stragglers"]
+        assert text.startswith(f"rank 1 on {host} is "), text
+        assert float(text.split(" is ")[1].split("x ")[0]) >= RATIO, text
+        for rank in (0, 1):
+            assert f"straggler: rank 1 on {host} is " in run.rank_log(rank).read_text()
+        cmd = [BIN / "mjlab-hpc", "logs", str(run.path), "--lines", "1"]
+        logs = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=60)
+        assert f"straggler: rank 1 on {host} is " in logs.stdout, logs.stdout
+        stop.set()
+        thread.join()
+        os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: status_json(run)["stragglers"] == [], 120, "rank 1 to keep up")
+        assert "keeps up again" in run.rank_log(0).read_text()
+    finally:
+        stop.set()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the ranks checkpoint and stop
+        proc.wait(timeout=120)
