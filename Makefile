@@ -15,9 +15,10 @@ CLUSTER := tests/cluster/cluster.sh
 # The fast tier: unit tests that need no Slurm, no training, no mjlab and no GPU (under 2
 # minutes). The GPU tests are left out of `make test` too (pyproject's addopts: -m "not gpu").
 FAST := not slurm and not training and not mjlab and not gpu
-# Two workers: half of a test's time is waiting on subprocesses. Each file stays on one worker,
-# the Slurm tests on one (tests/conftest.py).
-PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=25
+# Three workers on CI's two cores: a test spends much of its time waiting on subprocesses and
+# Slurm (two workers kept the cores ~50% busy). Each file stays on one worker, the Slurm tests
+# on one (tests/conftest.py).
+PYTEST_ARGS ?= -n 3 --dist loadgroup --durations=25
 
 # make gpu-check: the GPU tests (tests/gpu, marker `gpu`) in a venv of their own with torch's
 # CUDA build (GPU=1), so the CPU venv stays as it is; one test at a time (they share the GPU).

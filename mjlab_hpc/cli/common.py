@@ -41,7 +41,7 @@ def error_line(label: str, message: object) -> None:
     )
 
 
-def guarded(body: Callable[[], int]) -> int:
+def guarded(body: Callable[[], T]) -> T | int:
     """Run a command body; bad input (SpecError, LaunchError) becomes one line and exit 2, a
     refused submission one line and exit 1, a Ctrl-C that reached no handler of ours one line
     and exit 130."""
@@ -74,12 +74,15 @@ def parse_with_overrides(
     argument is neither."""
     given = list(argv) if argv is not None else sys.argv[1:]
     args = mjlab_booleans(cls, _none_values(given))
+    return guarded(lambda: _parsed(cls, args, description, attach))  # a Ctrl-C while it loads
+
+
+def _parsed(
+    cls: type[T], args: list[str] | None, description: str | None,
+    attach: Callable[[T, tuple[str, ...]], T],
+) -> T:  # fmt: skip
     spec, unknown = tyro.cli(cls, args=args, description=description, return_unknown_args=True)
-    try:
-        return attach(spec, split_overrides(unknown))
-    except SpecError as exc:
-        error_line("error", exc)
-        return EXIT_BAD_INPUT
+    return attach(spec, split_overrides(unknown))
 
 
 def _bool_flags(cls: type, hints: dict[str, object] | None = None) -> set[str]:

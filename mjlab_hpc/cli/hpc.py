@@ -483,8 +483,13 @@ def run(cmd: object) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `mjlab-hpc`."""
-    return run(tyro.cli(Command, args=argv, description=__doc__))  # type: ignore[call-overload]
+    """Entry point of `mjlab-hpc` (a Ctrl-C while the command loads is one line too)."""
+
+    def body() -> int:
+        cmd = tyro.cli(Command, args=argv, description=__doc__)  # type: ignore[call-overload]
+        return _COMMANDS[type(cmd)](cmd)
+
+    return guarded(body)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ two-element sweep to plot.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -235,16 +236,33 @@ def test_sweep_runs_status_and_plot(local_jobs: LocalJobs, tmp_path: Path) -> No
 
 @pytest.mark.training
 def test_status_watch_redraws_until_interrupted(local_jobs: LocalJobs) -> None:
+    """In a terminal (a pseudo-terminal here) `status --watch` draws the table, redraws it
+    every --interval-s, and ends with exit 0 at Ctrl-C."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
     proc = subprocess.Popen(
         [BIN / "mjlab-hpc", "status", "--watch", "--interval-s", "0.3", "--log-root",
          str(local_jobs.sweep)],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**cli_env(), "TERM": "xterm", "COLUMNS": "250"}, stdin=follower, stdout=follower,
+        stderr=follower,
     )  # fmt: skip
-    time.sleep(2.0)
+    os.close(follower)
+    screen = b""
+    deadline = time.monotonic() + 60
+    while screen.count(b"run directory") < 3:  # the first frame, then two redraws
+        assert time.monotonic() < deadline, screen.decode(errors="replace")[-3000:]
+        if select.select([leader], [], [], 1.0)[0]:
+            screen += os.read(leader, 65536)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
-    assert "run directory" in out and "_seed=1" in out
+    with contextlib.suppress(OSError):  # the terminal closes when it exits
+        while chunk := os.read(leader, 65536):
+            screen += chunk
+    os.close(leader)
+    text = screen.decode(errors="replace")
+    assert proc.wait(timeout=30) == 0, text[-3000:]
+    assert "_seed=1" in text and "Traceback" not in text
 
 
 def test_unknown_target_exits_2(tmp_path: Path) -> None:
