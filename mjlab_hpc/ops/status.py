@@ -270,18 +270,23 @@ def _named_nodes(event: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(str(n) for n in names if n))
 
 
+def _suspects(events: Sequence[dict[str, Any]]) -> list[str]:
+    """The nodes the last stop or fault named, else the last one that named any (a stop the
+    ranks took for a preemption names none: the node may have been the one before)."""
+    return next((n for e in reversed(events) if (n := _named_nodes(e))), [])
+
+
 def _explain_waits(rows: list[RunStatus], slurm: SlurmClient) -> list[RunStatus]:
     """Rows of Slurm jobs that wait after a stop or fault, with why (one sinfo call for all
     of them, none when no such row)."""
     waits = [i for i, r in enumerate(rows)
              if r.kind == "slurm" and r.state == "PENDING" and r.interruptions]  # fmt: skip
-    nodes = list(dict.fromkeys(n for i in waits for n in _named_nodes(rows[i].interruptions[-1])))
+    nodes = list(dict.fromkeys(n for i in waits for n in _suspects(rows[i].interruptions)))
     states = (slurm.node_states(nodes) or {}) if nodes else {}
     for i in waits:
-        last = rows[i].interruptions[-1]
-        said = [f"{n} is {states[n]}" for n in _named_nodes(last) if n in states]
-        why = f"waits after: {interruption_line(last)}" + "".join(f"; {s}" for s in said)
-        rows[i] = dataclasses.replace(rows[i], waiting=why)
+        said = [f"{n} is {states[n]}" for n in _suspects(rows[i].interruptions) if n in states]
+        why = f"waits after: {interruption_line(rows[i].interruptions[-1])}"
+        rows[i] = dataclasses.replace(rows[i], waiting=why + "".join(f"; {s}" for s in said))
     return rows
 
 
