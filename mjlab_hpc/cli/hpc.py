@@ -39,7 +39,7 @@ from mjlab_hpc.tasks.registry import list_tasks as all_tasks
 from mjlab_hpc.validate import validate_submit
 from mjlab_hpc.validate.rules import RUN_NAME_PREFIX, no_control, path_component, positive_seconds
 
-__all__ = ["main", "run"]
+__all__ = ["main"]
 
 
 @dataclass(frozen=True)
@@ -475,11 +475,6 @@ _COMMANDS = {
         cmd.tasks_per_node,
     ),
 }
-
-
-def run(cmd: object) -> int:
-    """Run one subcommand; the exit code."""
-    return guarded(lambda: _COMMANDS[type(cmd)](cmd))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -135,6 +135,7 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
         self.min_nodes = min_nodes
         """--min-nodes: the fewest nodes a step may go on with after a node fails."""
         self.tasks_per_node = tasks_per_node
+        """Ranks per node, for a step on fewer nodes."""
         super().__init__(folder, python=python)
         self.heal_python = heal_python or self.python
         """How the heal step runs Python (pyxis: a step in the image)."""

@@ -54,15 +54,16 @@ from mjlab_hpc.slurm.client import SlurmClient
 __all__ = [
     "Fault",
     "Healing",
+    "Step",
     "apply_slurm",
     "decide",
     "find_fault",
     "heal_job",
     "heal_slurm",
     "job_run_dir",
+    "next_step",
     "record_healing",
     "restart_here",
-    "step_excludes",
     "usable_without",
 ]
 
@@ -336,13 +337,13 @@ def restart_here(heal: Healing, excluded: Sequence[str] = ()) -> None:
 class Step:
     """The next srun step in the job's allocation."""
 
-    excluded: list[str]
+    excluded: tuple[str, ...]
     """The nodes it leaves out (those left out before, and the ones the fault points at)."""
     nodes: int | None = None
     """The nodes it runs on when fewer than the job's (--min-nodes), else None."""
 
 
-def step_excludes(
+def next_step(
     client: SlurmClient, run_dir: Path, heal: Healing, step_nodes: int | None,
     min_nodes: int | None = None,
 ) -> Step | None:  # fmt: skip
@@ -363,14 +364,14 @@ def step_excludes(
     need = step_nodes or len(alloc)
     left = len(set(alloc) - set(wanted))
     if left >= (min_nodes or need):  # spares first: the same world size while they last
-        return Step(wanted, left if left < need else None)
+        return Step(tuple(wanted), left if left < need else None)
     if heal.exclude and job:
         ok, why = usable_without(client, job, heal.exclude)
         if ok:
             return None  # a fresh allocation without the suspect node
         heal.entry["not_excluded"] = f"{', '.join(heal.exclude)} not excluded: no spare; {why}"
     left = len(set(alloc) - set(before))
-    return Step(before, left if left < need else None)
+    return Step(tuple(before), left if left < need else None)
 
 
 def apply_slurm(client: SlurmClient, job_id: str, heal: Healing) -> bool:
@@ -413,9 +414,7 @@ def heal_slurm(
     if heal.fault is None:
         return exit_code
     here = (
-        step_excludes(client, run_dir, heal, step_nodes, min_nodes)
-        if heal.requeue and job_id
-        else None
+        next_step(client, run_dir, heal, step_nodes, min_nodes) if heal.requeue and job_id else None
     )
     if here is not None:
         restart_here(heal, here.excluded)

@@ -87,6 +87,10 @@ def slurm_parameters(
         },
         "setup": setup,
     }
+    if spec.spare_nodes or spec.min_nodes is not None:
+        # A node failure must not end the allocation (Slurm's default, at SlurmdTimeout): the
+        # healer goes on without the node, on a spare or on fewer nodes.
+        params["additional_parameters"]["no_kill"] = True
     if after:
         params["additional_parameters"]["dependency"] = "afterany:" + ":".join(after)
     if spec.gpus_per_node > 0:

@@ -271,9 +271,11 @@ def _named_nodes(event: dict[str, Any]) -> list[str]:
 
 
 def _suspects(events: Sequence[dict[str, Any]]) -> list[str]:
-    """The nodes the last stop or fault named, else the last one that named any (a stop the
-    ranks took for a preemption names none: the node may have been the one before)."""
-    return next((n for e in reversed(events) if (n := _named_nodes(e))), [])
+    """The nodes the last stop or fault named; after a preemption that named none (the ranks
+    take a node's loss for one when Slurm no longer calls it down), the last that named any."""
+    if events and not _named_nodes(events[-1]) and events[-1].get("reason") == "preemption":
+        return next((n for e in reversed(events) if (n := _named_nodes(e))), [])
+    return _named_nodes(events[-1]) if events else []
 
 
 def _explain_waits(rows: list[RunStatus], slurm: SlurmClient) -> list[RunStatus]:
@@ -281,10 +283,15 @@ def _explain_waits(rows: list[RunStatus], slurm: SlurmClient) -> list[RunStatus]
     of them, none when no such row)."""
     waits = [i for i, r in enumerate(rows)
              if r.kind == "slurm" and r.state == "PENDING" and r.interruptions]  # fmt: skip
-    nodes = list(dict.fromkeys(n for i in waits for n in _suspects(rows[i].interruptions)))
+    named = {i: _suspects(rows[i].interruptions) for i in waits}
+    # Slurm's NODE_FAIL names the allocation (`node[1-2]`): sinfo -N answers node by node.
+    names = {n: [n] if "[" not in n else (slurm.hostnames(n) or []) for v in named.values()
+             for n in v}  # fmt: skip
+    nodes = list(dict.fromkeys(h for hosts in names.values() for h in hosts))
     states = (slurm.node_states(nodes) or {}) if nodes else {}
     for i in waits:
-        said = [f"{n} is {states[n]}" for n in _suspects(rows[i].interruptions) if n in states]
+        hosts = dict.fromkeys(h for n in named[i] for h in names[n])
+        said = [f"{h} is {states[h]}" for h in hosts if h in states]
         why = f"waits after: {interruption_line(rows[i].interruptions[-1])}"
         rows[i] = dataclasses.replace(rows[i], waiting=why + "".join(f"; {s}" for s in said))
     return rows

@@ -455,7 +455,7 @@ class IterationBoundary:
         self._last_save = time.monotonic()
 
     def _record_stragglers(self) -> None:
-        """The stragglers now, in run.json (`mjlab-hpc status`, the healer), by the writer."""
+        """The stragglers now, in run.json (for `mjlab-hpc status` and `logs`), by the writer."""
         if self.writer is None or self.stragglers is None:
             return
         now = [s.as_dict() for s in self.stragglers.current]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RATIO", "WINDOW", "Straggler", "StragglerWatch"]
+__all__ = ["FLOOR_S", "RATIO", "WINDOW", "Straggler", "StragglerWatch"]
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,9 @@ class Straggler:
     """A rank that works longer per iteration than the others."""
 
     rank: int
+    """Its rank."""
     host: str
+    """Its node (SLURMD_NODENAME, else the host name)."""
     busy_s: float
     """Its median seconds per iteration outside collectives, over the window."""
     others_s: float
@@ -43,9 +45,11 @@ class Straggler:
 
     @property
     def ratio(self) -> float:
+        """How many times the others' work per iteration it takes."""
         return self.busy_s / self.others_s if self.others_s > 0 else float("inf")
 
     def describe(self) -> str:
+        """One line for the logs and status."""
         return (
             f"rank {self.rank} on {self.host} is {self.ratio:.2f}x slower than the other ranks "
             f"({self.busy_s:.3f} s vs {self.others_s:.3f} s of work per iteration, median of "
@@ -53,6 +57,7 @@ class Straggler:
         )
 
     def as_dict(self) -> dict[str, Any]:
+        """For run.json (`stragglers`)."""
         return {
             "rank": self.rank, "host": self.host, "busy_s": round(self.busy_s, 4),
             "others_s": round(self.others_s, 4), "ratio": round(self.ratio, 2),
@@ -76,9 +81,11 @@ class StragglerWatch:
         if len(self.hosts) < 2 or len(self.times[0]) < WINDOW:
             return False
         medians = [statistics.median(t) for t in self.times]
+        order = sorted(range(len(medians)), key=medians.__getitem__)
+        ranked = [medians[r] for r in order]
         found = []
-        for rank, mine in enumerate(medians):
-            others = statistics.median(medians[:rank] + medians[rank + 1 :])
+        for place, rank in enumerate(order):
+            mine, others = medians[rank], _median_without(ranked, place)
             if mine >= RATIO * others and mine - others >= FLOOR_S:
                 kept = next((s for s in self.current if s.rank == rank), None)
                 since = kept.since if kept is not None else iteration
@@ -94,3 +101,14 @@ class StragglerWatch:
             log.info("straggler: rank %d on %s keeps up again (iteration %d)", rank,
                      self.hosts[rank], iteration)  # fmt: skip
         return True
+
+
+def _median_without(ranked: Sequence[float], place: int) -> float:
+    """The median of sorted values without the one at `place` (every rank's comparison in
+    O(1), not a sort per rank: a job may have thousands)."""
+    n = len(ranked) - 1
+
+    def at(i: int) -> float:
+        return ranked[i] if i < place else ranked[i + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2

@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
+import statistics
 import subprocess
 import threading
 import time
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 from helpers import BIN, cli_env, wait_for, wait_for_iteration
 
-from mjlab_hpc.rank.stragglers import RATIO, WINDOW, StragglerWatch
+from mjlab_hpc.rank.stragglers import RATIO, WINDOW, StragglerWatch, _median_without
 from mjlab_hpc.rundir.layout import RunDir
 
 
@@ -51,6 +53,15 @@ def test_one_slow_iteration_small_differences_and_one_rank_are_no_stragglers() -
     watch = StragglerWatch(["a", "b"])
     assert not any(feed(watch, [[0.1, 0.1 * RATIO * 0.98]] * WINDOW))
     assert not any(feed(StragglerWatch(["a"]), [[1.0]] * WINDOW))
+
+
+def test_the_median_of_the_others_is_the_median_without_each_value() -> None:
+    rng = random.Random(0)
+    for _ in range(500):
+        ranked = sorted(rng.choice([0.1, 0.2, rng.random()]) for _ in range(rng.randint(2, 9)))
+        for place in range(len(ranked)):
+            rest = ranked[:place] + ranked[place + 1 :]
+            assert _median_without(ranked, place) == pytest.approx(statistics.median(rest))
 
 
 def status_json(run: RunDir) -> dict:
