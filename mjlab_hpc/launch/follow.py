@@ -32,6 +32,11 @@ from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
 from mjlab_hpc.rundir.state import read_record
 
+# After a stop we asked for, how long the ranks may take to record their end once the job
+# counts as ended: Slurm calls a cancelled job CANCELLED at once, while its ranks still write
+# their checkpoint (within KillWait, 30 s by default).
+STOP_RECORD_WAIT_S = 30.0
+
 __all__ = [
     "Closing",
     "Foreground",
@@ -264,6 +269,10 @@ def follow_to_end(
 
     with Foreground(stop, kill, sys.stderr) as fg:
         follow_progress(run_dir, total, ended, out)
+        deadline = time.monotonic() + STOP_RECORD_WAIT_S
+        while (fg.signals and not fg.killed and time.monotonic() < deadline
+               and read_record(run_dir).get("state") == "running"):  # fmt: skip
+            time.sleep(0.2)
         checkpointed(False)  # the job ended as the ranks recorded their stop
     if fg.killed:
         return Closing(EXIT_INTERRUPTED, f"stopped at once; resume with: {resume}"), fg
