@@ -291,7 +291,8 @@ def _explain_waits(rows: list[RunStatus], slurm: SlurmClient) -> list[RunStatus]
     states = (slurm.node_states(nodes) or {}) if nodes else {}
     for i in waits:
         hosts = dict.fromkeys(h for n in named[i] for h in names[n])
-        said = [f"{h} is {states[h]}" for h in hosts if h in states]
+        said = [f"{h} is {states[h][0]}" + (f" ({states[h][1]})" if states[h][1] else "")
+                for h in hosts if h in states]  # fmt: skip
         why = f"waits after: {interruption_line(rows[i].interruptions[-1])}"
         rows[i] = dataclasses.replace(rows[i], waiting=why + "".join(f"; {s}" for s in said))
     return rows

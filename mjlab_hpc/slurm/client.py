@@ -437,19 +437,16 @@ class SlurmClient:
         node failed, not a preemption; a drain lets jobs finish); None when Slurm does not
         answer."""
         hosts = self.hostnames(nodelist)
-        proc = (
-            self.run(["sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N|%T"]) if hosts else None
-        )
-        if proc is None or proc.returncode != 0:
+        states = self.node_states(hosts) if hosts else None
+        if states is None:
             return None
-        return sorted({
-            line.split("|")[0] for line in proc.stdout.splitlines()
-            if "|" in line and any(w in line.split("|")[1].upper() for w in _LOST)
-        })  # fmt: skip
+        return sorted(n for n, (state, _) in states.items()
+                      if any(w in state.upper() for w in _LOST))  # fmt: skip
 
-    def node_states(self, nodes: Sequence[str]) -> dict[str, str] | None:
-        """Each node's state and Slurm's reason for it (`down* (Not responding)`, `idle`),
-        from one sinfo call (names or hostlist expressions); None when Slurm does not answer."""
+    def node_states(self, nodes: Sequence[str]) -> dict[str, tuple[str, str]] | None:
+        """Each node's state and Slurm's reason for it (`("down*", "Not responding")`,
+        `("idle", "")`), from one sinfo call (names or hostlist expressions); None when Slurm
+        does not answer."""
         proc = self.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N|%T|%E"])
         if proc is None or proc.returncode != 0:
             return None
@@ -458,7 +455,7 @@ class SlurmClient:
             name, _, rest = line.partition("|")
             state, _, reason = rest.partition("|")
             if name and state:
-                out[name] = f"{state} ({reason})" if reason and reason != "none" else state
+                out[name] = (state, "" if reason == "none" else reason)
         return out
 
     def hostnames(self, expr: str) -> list[str] | None:

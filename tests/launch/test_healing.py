@@ -252,6 +252,31 @@ def test_slurm_crash_restarts_in_the_allocation(
     print(f"crash to the first resumed iteration: {fault['recovery_s']} s")
 
 
+def lose_rank1_node(cluster: SlurmCluster, args: list[str], root: Path, after: str
+                    ) -> tuple[RunDir, str, dict, dict]:  # fmt: skip
+    """Submit a job whose rank 1 stops itself after iteration 6, then lose its node for
+    real (slurmd and rank killed at once, as in a power cut; Slurm would call it dead only
+    after SlurmdTimeout, 300 s), back once the run has finished `after` it: the run, the
+    lost node, the summary and the one fault, a crash healed in the allocation."""
+    proc = submit(cluster, args, root, "stop@6:rank1:once", follow=False)
+    assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
+    run = wait_for(lambda: runs_under(root) and RunDir(runs_under(root)[0]), 60, "run")
+    wait_for(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6, 240,
+             "iteration 6 (rank 1 stops itself there)")  # fmt: skip
+    (lost,) = hosts_of_starts(run, rank=1)
+    killed = cluster.lose_node(lost)
+    assert "slurmd" in killed and "slurmstepd" in killed, killed
+    try:
+        summary = wait_for(lambda: run.summary.exists() and json.loads(run.summary.read_text()),
+                           240, f"the run to finish {after}")  # fmt: skip
+    finally:
+        cluster.start_node(lost)
+    (fault,) = faults_of(run)
+    assert (fault["reason"], fault["kind"], fault["hosts"]) == ("crash", "in-allocation",
+                                                                [lost]), fault  # fmt: skip
+    return run, lost, summary, fault
+
+
 @pytest.mark.slurm
 def test_slurm_hard_node_loss_with_a_spare(
     slurm_cluster3: SlurmCluster, tmp_path: Path, shared_tmp: Path
@@ -263,22 +288,7 @@ def test_slurm_hard_node_loss_with_a_spare(
     parameters of a run that never failed. No requeue, nothing left once the node is back."""
     cluster = slurm_cluster3
     args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--spare-nodes", "1"]
-    proc = submit(cluster, args, tmp_path, "stop@6:rank1:once", follow=False)
-    assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
-    run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
-    wait_for(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6, 240,
-             "iteration 6 (rank 1 stops itself there)")  # fmt: skip
-    (lost,) = hosts_of_starts(run, rank=1)
-    killed = cluster.lose_node(lost)
-    assert "slurmd" in killed and "slurmstepd" in killed, killed
-    try:
-        summary = wait_for(lambda: run.summary.exists() and json.loads(run.summary.read_text()),
-                           240, "the run to finish on the spare")  # fmt: skip
-    finally:
-        cluster.start_node(lost)
-    (fault,) = faults_of(run)
-    assert (fault["reason"], fault["kind"], fault["hosts"]) == ("crash", "in-allocation",
-                                                                [lost]), fault  # fmt: skip
+    run, lost, summary, fault = lose_rank1_node(cluster, args, tmp_path, "on the spare")
     # Resumed from model_5.pt, or from model_6.pt when the ranks saw a stop on the way out.
     assert fault["excluded_nodes"] == [lost] and fault["resumed_from"] + fault["recomputed"] == 6
     assert 0 < fault["recovery_s"] < 120, fault
@@ -303,23 +313,8 @@ def test_slurm_hard_node_loss_goes_on_with_fewer_nodes(
     record, the rank log and status say so), to the end. No requeue, nothing left running."""
     cluster = slurm_cluster3
     args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--min-nodes", "1"]
-    proc = submit(cluster, args, tmp_path, "stop@6:rank1:once", follow=False)
-    assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
-    run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
-    wait_for(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6, 240,
-             "iteration 6 (rank 1 stops itself there)")  # fmt: skip
-    (lost,) = hosts_of_starts(run, rank=1)
-    (kept,) = hosts_of_starts(run, rank=0)
-    killed = cluster.lose_node(lost)
-    assert "slurmd" in killed and "slurmstepd" in killed, killed
-    try:
-        summary = wait_for(lambda: run.summary.exists() and json.loads(run.summary.read_text()),
-                           240, "the run to finish on one node")  # fmt: skip
-    finally:
-        cluster.start_node(lost)
-    (fault,) = faults_of(run)
-    assert (fault["reason"], fault["kind"], fault["hosts"]) == ("crash", "in-allocation",
-                                                                [lost]), fault  # fmt: skip
+    run, lost, summary, fault = lose_rank1_node(cluster, args, tmp_path, "on one node")
+    kept = hosts_of_starts(run, rank=0)[0]
     assert fault["excluded_nodes"] == [lost] and fault["world_size"] == [2, 1], fault
     assert fault["action"].endswith("on 1 node(s), 1 rank(s) (--min-nodes 1; no spare left): "
                                     "the environments of rank(s) 1 dropped"), fault  # fmt: skip
