@@ -43,6 +43,7 @@ from mjlab_hpc.ops.status import console as wide_console
 from mjlab_hpc.procs import wait_gone
 from mjlab_hpc.rank.context import CHAIN_ENV, current_allocation, interactive_step
 from mjlab_hpc.rundir.snapshot import plan_snapshot, planned_record, record_code
+from mjlab_hpc.rundir.state import read_record
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
@@ -144,10 +145,13 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
         # A local controller may be gone (killed) while its ranks still save their checkpoint.
         return not local_processes(s.run_dir)
 
+    def failures() -> list[str]:  # of the latest start's ranks (fewer after --min-nodes)
+        size = read_record(s.run_dir).get("world_size")
+        return rank_outcomes(s.job, min(size, s.ranks) if isinstance(size, int) else s.ranks)[1]
+
     ended, fg = follow_to_end(
-        s.run_dir, s.resolved.max_iterations, stop, kill, done, resume,
-        lambda: rank_outcomes(s.job, s.ranks)[1], cancels=s.executor == "slurm",
-        num_envs=s.resolved.num_envs,
+        s.run_dir, s.resolved.max_iterations, stop, kill, done, resume, failures,
+        cancels=s.executor == "slurm", num_envs=s.resolved.num_envs,
     )  # fmt: skip
     if fg.killed and s.executor == "local":
         wait_gone([p.pid for p in local_processes(s.run_dir)], 10)

@@ -349,7 +349,8 @@ def next_step(
 ) -> Step | None:  # fmt: skip
     """The next srun step in this job's allocation: it leaves out the suspect nodes while
     `step_nodes` others remain (None: all of the allocation's), or, with `min_nodes`, at
-    least that many (a step on fewer nodes); None: requeue instead (the last restart in this
+    least that many (a step on fewer nodes), and the stragglers' nodes (run.json) while
+    spares remain; None: requeue instead (the last restart in this
     allocation made no progress, or a suspect node has no spare to take its place but the
     partition has)."""
     assert heal.fault is not None
@@ -364,7 +365,16 @@ def next_step(
     need = step_nodes or len(alloc)
     left = len(set(alloc) - set(wanted))
     if left >= (min_nodes or need):  # spares first: the same world size while they last
-        return Step(tuple(wanted), left if left < need else None)
+        # A straggler's node too, while a spare is left to take its place (never fewer nodes
+        # or a requeue for one: it is slow, not broken).
+        hosts = dict.fromkeys(
+            str(s.get("host")) for s in read_record(run_dir).get("stragglers") or []
+        )
+        slow = [h for h in hosts if h in alloc and h not in wanted][: max(0, left - need)]
+        if slow:
+            heal.entry["straggler_nodes"] = slow
+            heal.why += f"; straggler node(s) {', '.join(slow)} left out for a spare"
+        return Step((*wanted, *slow), left if left < need else None)
     if heal.exclude and job:
         ok, why = usable_without(client, job, heal.exclude)
         if ok:

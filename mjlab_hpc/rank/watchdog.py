@@ -9,7 +9,9 @@ log naming the ranks that stopped heartbeating or lag behind, records the hang
 EXIT_HUNG; the launcher ends the others and the healer decides (docs/preemption.md).
 
 `MJLAB_HPC_FAULT=KIND@ITERATION[:rankK][:once],...` injects faults for fire drills and tests:
-`raise` (an exception), `kill` (SIGKILL of the rank itself) or `stop` (SIGSTOP: a hang).
+`raise` (an exception), `kill` (SIGKILL of the rank itself), `stop` (SIGSTOP: a hang) or
+`slow` (from that iteration on, the rank works twice as long per iteration: a straggler; with
+`once`, only in the first start that reaches it).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ __all__ = ["FAULT_ENV", "FaultInjection", "Hang", "Watchdog", "hang_limit_s", "p
 log = logging.getLogger("mjlab_hpc")
 
 FAULT_ENV = "MJLAB_HPC_FAULT"
-_FAULT = re.compile(r"^(raise|kill|stop)@(\d+)((?::rank\d+)?)((?::once)?)$")
+_FAULT = re.compile(r"^(raise|kill|stop|slow)@(\d+)((?::rank\d+)?)((?::once)?)$")
 # A heartbeat older than this many beats is a process that no longer runs.
 _STALE_BEATS = 3
 
@@ -297,17 +299,34 @@ class FaultInjection:
         if not m:
             raise ValueError(
                 f"{FAULT_ENV}: {text!r} is not KIND@ITERATION[:rankK][:once] with KIND one of "
-                "raise, kill, stop (e.g. kill@12:rank1:once; several: comma-separated)"
+                "raise, kill, stop, slow (e.g. kill@12:rank1:once; several: comma-separated)"
             )
         rank = int(m.group(3).removeprefix(":rank")) if m.group(3) else 0
         return cls(m.group(1), int(m.group(2)), rank, bool(m.group(4)))
 
-    def fire_if_due(self, run: RunDir, rank: int, iteration: int) -> None:
-        """Inject the fault when this is its rank and iteration (once: only the first time)."""
-        if rank != self.rank or iteration != self.iteration:
+    def fire_if_due(self, run: RunDir, rank: int, iteration: int, iteration_s: float = 0.0) -> None:
+        """Inject the fault when this is its rank and iteration (once: only the first time;
+        `slow`: at every iteration from then on, sleeping as long as `iteration_s`)."""
+        if rank != self.rank or iteration < self.iteration:
             return
         marker = run.heartbeats / f"injected-{self.kind}@{self.iteration}-rank{rank}"
-        if self.once and marker.exists():
+        if self.kind == "slow":
+            # once: the start that wrote the marker (its pid) stays slow, later ones do not
+            with contextlib.suppress(OSError):
+                if not marker.exists():
+                    marker.write_text(str(os.getpid()))
+                    log.warning(
+                        "injecting a fault (%s=slow@%d): every iteration from %d on "
+                        "takes twice as long",
+                        FAULT_ENV,
+                        self.iteration,
+                        iteration,
+                    )
+                elif self.once and marker.read_text() != str(os.getpid()):
+                    return
+            time.sleep(max(iteration_s, 0.05))
+            return
+        if iteration != self.iteration or (self.once and marker.exists()):
             return
         with contextlib.suppress(OSError):
             marker.touch()

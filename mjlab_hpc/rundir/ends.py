@@ -171,13 +171,16 @@ def _rank_end(rank: int, path: Path) -> RankEnd | None:
 
 
 def rank_ends(run_dir: Path) -> list[RankEnd]:
-    """How each rank's latest start ended, by rank (ranks that never started are left out)."""
+    """How each rank's latest start ended, by rank (ranks that never started are left out, and
+    so are ranks past the run's latest world size: those of a start before it went on with
+    fewer ranks, --min-nodes)."""
     logs = run_dir / LOGS_DIR
+    size = read_record(run_dir).get("world_size")
     found = []
     if logs.is_dir():
         for entry in sorted(logs.iterdir()):
             m = _RANK_LOG.match(entry.name)
-            if m:
+            if m and not (isinstance(size, int) and int(m.group(1)) >= size):
                 end = _rank_end(int(m.group(1)), entry)
                 if end is not None:
                     found.append(end)

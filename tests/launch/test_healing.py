@@ -332,3 +332,63 @@ def test_slurm_hard_node_loss_goes_on_with_fewer_nodes(
     assert fault["job_id"] == job and restarts_of(cluster, job) == 0
     assert cluster.wait_job(job, timeout=120) == "COMPLETED"
     print(f"node lost to the first resumed iteration on fewer nodes: {fault['recovery_s']} s")
+
+
+@pytest.mark.slurm
+def test_slurm_crash_with_a_spare_leaves_the_straggler_out(
+    slurm_cluster3: SlurmCluster, tmp_path: Path, shared_tmp: Path
+) -> None:
+    """A 2-node job with --spare-nodes 1 whose rank 1 works twice as long per iteration (a
+    throttled node: MJLAB_HPC_FAULT's slow) and whose rank 0 raises after iteration 11. The
+    straggler is named by iteration 10; the crash points at no node, but the next srun step,
+    in the same allocation, leaves the straggler's node out for the spare, with the same
+    world size, to the parameters of a run that never failed. No requeue, nothing left."""
+    cluster = slurm_cluster3
+    args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--spare-nodes", "1"]
+    proc = submit(cluster, args, tmp_path, "slow@1:rank1:once,raise@11:rank0:once")
+    assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run = only_run(tmp_path)
+    (fault,) = faults_of(run)
+    slow, spare = hosts_of_starts(run, rank=1)
+    kept = hosts_of_starts(run, rank=0)
+    assert (fault["reason"], fault["kind"], fault["iteration"]) == ("crash", "in-allocation", 11)
+    assert fault["straggler_nodes"] == [slow] and fault["excluded_nodes"] == [slow], fault
+    assert f"straggler node(s) {slow} left out for a spare" in fault["action"], fault
+    assert spare not in (slow, kept[0]) and kept == [kept[0], kept[0]], (slow, spare, kept)
+    assert f"straggler: rank 1 on {slow} is " in run.rank_log(0).read_text()
+    assert fault["resumed_from"] == 10 and fault["recomputed"] == 1, fault
+    summary = json.loads(run.summary.read_text())
+    assert summary["iterations"] == 12 and summary["param_digest_per_rank"] == reference_digests(
+        shared_tmp, REFERENCE, ranks=2)  # fmt: skip
+    job = summary["job_id"]
+    assert fault["job_id"] == job and restarts_of(cluster, job) == 0
+    assert cluster.wait_job(job, timeout=120) == "COMPLETED"
+    print(f"crash to the first resumed iteration, on the spare: {fault['recovery_s']} s")
+
+
+@pytest.mark.slurm
+def test_slurm_hang_goes_on_with_fewer_nodes(slurm_cluster3: SlurmCluster, tmp_path: Path) -> None:
+    """A 2-node job with --min-nodes 1 and no spare; SIGSTOP of rank 1 after iteration 6
+    with --hang-timeout-s 5: the watchdog ends the start and points at rank 1's node (its
+    process stopped heartbeating), and the next srun step, in the same allocation, runs on
+    the other node with one rank, to the end. No requeue, nothing left running."""
+    cluster = slurm_cluster3
+    args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--min-nodes", "1",
+            "--hang-timeout-s", "5"]  # fmt: skip
+    proc = submit(cluster, args, tmp_path, "stop@6:rank1:once")
+    assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run = only_run(tmp_path)
+    (fault,) = faults_of(run)
+    (frozen,) = hosts_of_starts(run, rank=1)
+    kept = hosts_of_starts(run, rank=0)
+    assert (fault["reason"], fault["kind"], fault["hosts"]) == ("hang", "in-allocation",
+                                                                [frozen]), fault  # fmt: skip
+    assert fault["excluded_nodes"] == [frozen] and fault["world_size"] == [2, 1], fault
+    assert kept == [kept[0], kept[0]] and kept[0] != frozen, kept
+    assert fault["resumed_from"] + fault["recomputed"] == 6 and 0 < fault["recovery_s"] < 120
+    summary = json.loads(run.summary.read_text())
+    assert summary["iterations"] == 12 and summary["world_size"] == 1, summary
+    job = summary["job_id"]
+    assert fault["job_id"] == job and restarts_of(cluster, job) == 0
+    assert cluster.wait_job(job, timeout=120) == "COMPLETED"
+    print(f"hang to the first resumed iteration on fewer nodes: {fault['recovery_s']} s")
