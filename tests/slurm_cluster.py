@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-import psutil
 import pytest
 
 from mjlab_hpc.slurm.client import FINAL_STATES
@@ -112,37 +111,20 @@ class SlurmCluster:
         """How many nodes it has."""
         return int((self.state_dir / "node-count").read_text())
 
-    def _in_cluster(self, proc: psutil.Process) -> bool:
-        # The slurmds run in the cluster's private mount namespace (other clusters run their
-        # own node1..nodeN on this machine).
-        try:
-            ns = os.readlink(f"/proc/{proc.pid}/ns/mnt")
-        except OSError:
-            return False
-        return ns == (self.state_dir / "run" / "mntns").read_text().strip()
-
     def lose_node(self, node: str) -> list[str]:
-        """A hard node loss, as a power cut: SIGKILL at once to the node's slurmd (under its
-        tini) and every process it started (step daemons, ranks). What was killed."""
-        tinis = [p for p in psutil.process_iter(["name", "cmdline"])
-                 if p.info["name"] == "tini" and self._in_cluster(p)
-                 and (p.info["cmdline"] or [])[-3:] == ["-D", "-N", node]]  # fmt: skip
-        assert len(tinis) == 1, f"slurmd of {node}: {tinis}"
-        procs = [tinis[0], *tinis[0].children(recursive=True)]
-        names = [p.name() for p in procs]
-        for p in procs:
-            p.kill()
-        return names
+        """A hard node loss, as a power cut (`cluster.sh lose`): SIGKILL at once to the node's
+        slurmd and every process it started (step daemons, ranks). What was killed."""
+        env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(self.state_dir)}
+        proc = subprocess.run(["bash", str(SCRIPT), "lose", node], env=env, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split()
 
     def start_node(self, node: str) -> None:
-        """Start a lost node's slurmd again (as cluster.sh does, in the cluster's namespace;
-        `cluster.sh down` stops it with the rest)."""
-        ns_pid = (self.state_dir / "run" / "tini-node1.pid").read_text().strip()
-        argv = ["nsenter", "-t", ns_pid, "-m", "-r", "--", "tini", "-s", "--", "slurmd", "-D",
-                "-N", node]  # fmt: skip
-        with open(self.state_dir / "log" / f"slurmd-{node}.out", "a") as log:
-            subprocess.Popen(argv, env=self.environ(), stdin=subprocess.DEVNULL, stdout=log,
-                             stderr=log, start_new_session=True)  # fmt: skip
+        """Start a lost node's slurmd again (`cluster.sh node-up`)."""
+        env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(self.state_dir)}
+        subprocess.run(["bash", str(SCRIPT), "node-up", node], env=env, check=True, timeout=60,
+                       capture_output=True)  # fmt: skip
 
     @contextlib.contextmanager
     def controller_down(self) -> Iterator[None]:

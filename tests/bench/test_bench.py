@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu
+from benchmarks import gpu, recovery
 from benchmarks.compile import CompileWatch
 from benchmarks.config import BenchConfig
 from benchmarks.healing import HANG_TIMEOUT_S, healing_figures
@@ -323,3 +323,32 @@ def test_healing_figures() -> None:
     assert figs["heal_hang_s"]["target"] == 60.0 + HANG_TIMEOUT_S
     assert "3 iteration(s) recomputed" in figs["heal_hang_s"]["definition"]
     assert [f.samples for f in healing_figures({})] == [(), ()]
+
+
+def test_recovery_cases_and_outcomes(capsys: pytest.CaptureFixture) -> None:
+    """`make bench-recovery`: every fault with a spare and with --min-nodes, and each case's
+    figures from what its run recorded: bit-identical only where the world size was kept, a
+    requeue or a second fault is not a case that healed in its allocation."""
+    faults, hows = ("crash", "hang", "node-loss"), ("spare", "min-nodes")
+    assert {c.name for c in recovery.CASES} == {f"{f}-{h}" for f in faults for h in hows}
+    case = next(c for c in recovery.CASES if c.name == "node-loss-spare")
+    assert case.lose_node and "--spare-nodes" in case.args
+    fault = {"kind": "in-allocation", "reason": "crash", "recovery_s": 12.7, "recomputed": 1,
+             "resumed_from": 5, "job_id": "7", "excluded_nodes": ["node2"]}  # fmt: skip
+    summary = {"iterations": 12, "world_size": 2, "job_id": 7, "param_digest_per_rank": ["a", "b"]}
+    got = {"summary": summary, "faults": [fault], "restarts": 0}
+    row = recovery.outcome(case, got, ["a", "b"])
+    assert row["bit_identical"] is True and row["job_kept"] and row["world_size"] == [2, 2]
+    assert recovery.outcome(case, got, ["a", "c"])["bit_identical"] is False
+    assert recovery.outcome(case, {**got, "restarts": 1}, ["a", "b"])["job_kept"] is False
+    fewer = {**got, "summary": {**summary, "world_size": 1},
+             "faults": [{**fault, "world_size": [2, 1]}]}  # fmt: skip
+    assert recovery.outcome(case, fewer, ["a", "b"])["bit_identical"] is None
+    with pytest.raises(ValueError, match="one fault healed in the allocation"):
+        recovery.outcome(case, {**got, "faults": [{**fault, "kind": "requeue"}]}, None)
+    with pytest.raises(ValueError, match="ended at iteration 9"):
+        recovery.outcome(case, {**got, "summary": {**summary, "iterations": 9}}, None)
+    recovery.print_table([row, {"case": "hang-spare", "error": "timed out"}])
+    printed = capsys.readouterr().out
+    assert "node-loss-spare" in printed and "12.7" in printed and "hang-spare" in printed
+    assert recovery.main(["--cases", "crash-nowhere"]) == 2

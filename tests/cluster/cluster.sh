@@ -10,6 +10,9 @@
 #                       and the tests must run; 22.05: here), in the current directory
 #   cluster.sh ctld-stop / ctld-start
 #                       stop slurmctld alone (a controller gone while jobs run), start it again
+#   cluster.sh lose NODE / node-up NODE
+#                       a hard loss of NODE (its slurmd and all under it killed at once, as in
+#                       a power cut), and its slurmd started again
 #
 # Version: ${MJLAB_HPC_SLURM_VERSION:-22.05}. 24.11 runs in a trixie root made with mmdebstrap
 # and cached under ${MJLAB_HPC_CACHE_DIR:-/var/cache/mjlab-hpc} (keyed by its package list),
@@ -516,6 +519,41 @@ wait'
   spawn nodes unshare --mount --propagation private -- bash -c "$inner" nodes "$STATE" "${NODES[@]}"
 }
 
+descendants() {
+  local c
+  for c in $(pgrep -P "$1"); do
+    echo "$c"
+    descendants "$c"
+  done
+}
+
+# A hard node loss, as in a power cut: SIGKILL at once to the node's slurmd (its tini) and
+# every process under it (step daemons, ranks); Slurm calls the node dead only after
+# SlurmdTimeout. Prints the names of what it killed.
+do_lose() {
+  local node=$1 ns pid tini="" all
+  ns=$(cat "$STATE/run/mntns" 2>/dev/null) || fail "no cluster in $STATE"
+  for pid in $(pgrep -x tini); do
+    [[ $(readlink "/proc/$pid/ns/mnt" 2>/dev/null) == "$ns" ]] || continue
+    if [[ $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) == *" -D -N $node " ]]; then
+      tini=$pid
+    fi
+  done
+  [[ -n $tini ]] || fail "no slurmd of $node runs in $STATE"
+  mapfile -t all < <(echo "$tini"; descendants "$tini")
+  ps -o comm= -p "$(IFS=,; echo "${all[*]}")" || true
+  kill -KILL "${all[@]}" 2>/dev/null || true
+}
+
+# A lost node's slurmd started again, in the nodes' namespace (`down` stops it as the others).
+do_node_up() {
+  local node=$1 holder
+  holder=$(cat "$STATE/run/nodes.pid" 2>/dev/null) || fail "no cluster in $STATE"
+  setsid nsenter -t "$holder" -m -r -- tini -s -- slurmd -D -N "$node" </dev/null \
+    >>"$STATE/log/slurmd-$node.out" 2>&1 9>&- &
+  echo $! >"$STATE/run/tini-$node.pid"
+}
+
 nodes_idle() {
   local out
   out=$(sinfo -h -N -o '%N %T' 2>/dev/null) || return 1
@@ -746,6 +784,10 @@ case "${1:-}" in
   status) do_status ;;
   ctld-stop) with_lock do_ctld_stop ;;
   ctld-start) with_lock do_ctld_start ;;
+  lose | node-up)
+    (($# == 2)) || fail "usage: $0 $1 NODE"
+    if [[ $1 == lose ]]; then do_lose "$2"; else do_node_up "$2"; fi
+    ;;
   exec)
     shift
     (($#)) || fail "usage: $0 exec COMMAND [ARGS...]"
@@ -753,7 +795,7 @@ case "${1:-}" in
     exec "$@"
     ;;
   *)
-    echo "usage: $0 up|down|status|ctld-stop|ctld-start|exec COMMAND..." >&2
+    echo "usage: $0 up|down|status|ctld-stop|ctld-start|lose NODE|node-up NODE|exec COMMAND..." >&2
     exit 2
     ;;
 esac
