@@ -399,8 +399,7 @@ class IterationBoundary:
         due = every is not None and time.monotonic() - self._last_save >= every * 60
         # A rank's work: all it did since it left the last boundary (checkpoints and hooks
         # included) but the iteration's collectives, where it waited for the others.
-        since = self._left_boundary if self._left_boundary is not None else (
-            entered - s.iteration_s)  # fmt: skip
+        since = self._left_boundary or entered - s.iteration_s
         work_s = max(0.0, time.perf_counter() - since - s.collective_s)
         stop, save, busy = agree_boundary(
             self.request, self.ctx.is_distributed, self.device, due, work_s
@@ -414,10 +413,8 @@ class IterationBoundary:
             self.watchdog.disarm()  # what follows (W&B's upload, the last records) is no hang
         periodic = save or s.iteration % self.save_interval == 0 or s.iteration == self.total
         if stop is not None or periodic:
-            if self.watchdog is not None:
-                with self.watchdog.paused():
-                    self._checkpoint(s.iteration, stop)
-            else:
+            dog = self.watchdog
+            with dog.paused() if dog is not None else contextlib.nullcontext():
                 self._checkpoint(s.iteration, stop)
         if stop is not None:
             raise Stopped(s.iteration, stop, self.ctx, self.restarts.get(stop.reason, 0))
