@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -28,9 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.watch import bench_env, cli, find_run_dir
+from benchmarks.watch import bench_env, cli, find_run_dir, kill_job
+from mjlab_hpc.rundir.ends import start_hosts
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.slurm.client import SlurmClient
 
 __all__ = ["CASES", "Case", "main", "outcome", "print_table", "run_case"]
 
@@ -79,14 +80,6 @@ def _cluster(command: str, node: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60, check=False)  # fmt: skip
 
 
-def _rank_hosts(run: RunDir, rank: int) -> list[str]:
-    """The rank's host at every start (its log's start lines)."""
-    path = run.rank_log(rank)
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [line.split(" host ")[1].split(",")[0] for line in lines
-            if f" rank {rank}/" in line and " host " in line]  # fmt: skip
-
-
 def _wait(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -96,47 +89,52 @@ def _wait(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
     raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-def _job_ended(job: str) -> bool:
-    proc = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, check=False)
-    return proc.returncode == 0 and not proc.stdout.strip()
+def _job_ended(client: SlurmClient, job: str) -> bool:
+    state = client.job_state(job)
+    return state is None or state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
 
 
-def _restarts(job: str) -> int | None:
-    proc = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
-                          check=False)  # fmt: skip
-    if "Restarts=" not in proc.stdout:
-        return None
-    return int(proc.stdout.split("Restarts=")[1].split()[0])
+def _restarts(client: SlurmClient, job: str) -> int | None:
+    text = client.show_job(job) or ""
+    return int(text.split("Restarts=")[1].split()[0]) if "Restarts=" in text else None
 
 
 def run_case(case: Case, root: Path, env: dict[str, str]) -> dict[str, Any]:
     """Submit the case's job, lose the node where it asks to, wait for the run to end and
-    for its job to leave the queue; what `outcome` reads (RuntimeError when it did not)."""
+    for its job to leave the queue; what `outcome` reads (RuntimeError when it did not). The
+    job is cancelled and the node brought back whatever happens."""
+    client = SlurmClient(env=env)
     cmd = [cli("mjlab-submit"), *TRAIN, *JOB, *case.args, "--log-root", str(root)]
     proc = subprocess.run(cmd, env={**env, "MJLAB_HPC_FAULT": case.fault}, capture_output=True,
                           text=True, timeout=120, check=False)  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"mjlab-submit exited {proc.returncode}: {proc.stderr[-1500:]}")
     path = _wait(lambda: find_run_dir(root), 60, "the run directory")
-    run = RunDir(path)
-    lost = None
-    if case.lose_node:
-        _wait(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= LOSE_AT, 240,
-              f"iteration {LOSE_AT}")  # fmt: skip
-        (lost,) = _rank_hosts(run, 1)
-        killed = _cluster("lose", lost)
-        if killed.returncode != 0:
-            raise RuntimeError(f"cluster.sh lose {lost}: {killed.stderr.strip()}")
+    run, lost, job = RunDir(path), None, None
     try:
+        job = str(_wait(lambda: (read_record(path).get("job_ids") or [None])[0], 120,
+                        "the job to start"))  # fmt: skip
+        if case.lose_node:
+            _wait(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= LOSE_AT, 240,
+                  f"iteration {LOSE_AT}")  # fmt: skip
+            (lost,) = start_hosts(path, 1)
+            killed = _cluster("lose", lost)
+            if killed.returncode != 0:
+                lost = None
+                raise RuntimeError(f"cluster.sh lose: {killed.stderr.strip()}")
         summary = _wait(lambda: run.summary.exists() and json.loads(run.summary.read_text()),
                         RUN_TIMEOUT_S, "the run to finish")  # fmt: skip
+        if lost is not None:
+            _cluster("node-up", lost)
+            lost = None
+        _wait(lambda: _job_ended(client, job), 120, f"job {job} to leave the queue")
     finally:
         if lost is not None:
             _cluster("node-up", lost)
-    job = str(summary["job_id"])
-    _wait(lambda: _job_ended(job), 120, f"job {job} to leave the queue")
+        if job is not None and not _job_ended(client, job):
+            client.scancel([job])
     faults = read_record(path).get("faults", [])
-    return {"summary": summary, "faults": faults, "restarts": _restarts(job), "lost": lost}
+    return {"summary": summary, "faults": faults, "restarts": _restarts(client, job)}
 
 
 def outcome(case: Case, got: dict[str, Any], reference: Sequence[str] | None) -> dict[str, Any]:
@@ -167,6 +165,10 @@ def outcome(case: Case, got: dict[str, Any], reference: Sequence[str] | None) ->
     }
 
 
+def _fmt(value: Any, spec: str) -> str:
+    return format("-", f">{spec.split('.')[0]}") if value is None else format(value, spec)
+
+
 def print_table(rows: Sequence[dict[str, Any]]) -> None:
     """One line per case."""
     print(f"{'case':<22} {'fault->resumed s':>16} {'recomputed':>10} {'ranks':>6} "
@@ -177,17 +179,22 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
             continue
         ident = {True: "yes", False: "NO", None: "n/a (fewer ranks)"}[r["bit_identical"]]
         ranks = f"{r['world_size'][0]}->{r['world_size'][1]}"
-        print(f"{r['case']:<22} {r['recovery_s']:>16.1f} {r['recomputed']:>10} {ranks:>6} "
-              f"{'yes' if r['job_kept'] else 'NO':>10}  {ident}")  # fmt: skip
+        print(f"{r['case']:<22} {_fmt(r['recovery_s'], '16.1f')} {_fmt(r['recomputed'], '10')} "
+              f"{ranks:>6} {'yes' if r['job_kept'] else 'NO':>10}  {ident}")  # fmt: skip
 
 
 def _reference(root: Path, env: dict[str, str]) -> list[str]:
     """Per-rank digests of the uninterrupted run (2 local ranks: the same training)."""
     cmd = [cli("mjlab-train"), *TRAIN, "--num-procs", "2", "--log-root", str(root)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        kill_job(proc)  # its ranks too, whatever happened
     path = find_run_dir(root)
     if proc.returncode != 0 or path is None:
-        raise RuntimeError(f"the reference run exited {proc.returncode}: {proc.stderr[-1500:]}")
+        raise RuntimeError(f"the reference run exited {proc.returncode}: {err[-1500:]}")
     return list(json.loads(RunDir(path).summary.read_text())["param_digest_per_rank"])
 
 
@@ -211,8 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"--cases: unknown {', '.join(unknown) or '(none given)'}; known: "
               f"{', '.join(c.name for c in CASES)}", file=sys.stderr)  # fmt: skip
         return 2
-    probe = subprocess.run(["sinfo", "-h", "-o", "%D"], capture_output=True, text=True,
-                           check=False) if shutil.which("sinfo") else None  # fmt: skip
+    probe = SlurmClient().run(["sinfo", "-h", "-o", "%D"])
     nodes = sum(int(n) for n in probe.stdout.split()) if probe and probe.returncode == 0 else 0
     if nodes < 3:
         print(f"self-healing on Slurm needs a cluster of 3 nodes here ({nodes} answer): run "
@@ -235,9 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 reference))  # fmt: skip
         except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
             rows.append({"case": case.name, "error": str(exc)[-800:]})
-    print_table(rows)
     out.mkdir(parents=True, exist_ok=True)
     (out / "recovery.json").write_text(json.dumps({"at": stamp, "cases": rows}, indent=1))
+    print_table(rows)
     print(f"[recovery] {out / 'recovery.json'}")
     failed = [r for r in rows if "error" in r or not r["job_kept"] or r["bit_identical"] is False]
     return 1 if failed else 0

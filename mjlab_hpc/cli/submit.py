@@ -42,8 +42,8 @@ from mjlab_hpc.ops.status import collect, status_table
 from mjlab_hpc.ops.status import console as wide_console
 from mjlab_hpc.procs import wait_gone
 from mjlab_hpc.rank.context import CHAIN_ENV, current_allocation, interactive_step
+from mjlab_hpc.rundir.ends import latest_world_size, rank_ends
 from mjlab_hpc.rundir.snapshot import plan_snapshot, planned_record, record_code
-from mjlab_hpc.rundir.state import read_record
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
@@ -146,8 +146,8 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
         return not local_processes(s.run_dir)
 
     def failures() -> list[str]:  # of the latest start's ranks (fewer after --min-nodes)
-        size = read_record(s.run_dir).get("world_size")
-        return rank_outcomes(s.job, min(size, s.ranks) if isinstance(size, int) else s.ranks)[1]
+        size = latest_world_size(rank_ends(Path(s.run_dir))) or s.ranks
+        return rank_outcomes(s.job, min(size, s.ranks))[1]
 
     ended, fg = follow_to_end(
         s.run_dir, s.resolved.max_iterations, stop, kill, done, resume, failures,

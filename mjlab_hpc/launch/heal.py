@@ -338,7 +338,8 @@ class Step:
     """The next srun step in the job's allocation."""
 
     excluded: tuple[str, ...]
-    """The nodes it leaves out (those left out before, and the ones the fault points at)."""
+    """The nodes it leaves out: those the faults so far point at, and stragglers' nodes while
+    spares take their place."""
     nodes: int | None = None
     """The nodes it runs on when fewer than the job's (--min-nodes), else None."""
 
@@ -349,31 +350,34 @@ def next_step(
 ) -> Step | None:  # fmt: skip
     """The next srun step in this job's allocation: it leaves out the suspect nodes while
     `step_nodes` others remain (None: all of the allocation's), or, with `min_nodes`, at
-    least that many (a step on fewer nodes), and the stragglers' nodes (run.json) while
-    spares remain; None: requeue instead (the last restart in this
-    allocation made no progress, or a suspect node has no spare to take its place but the
-    partition has)."""
+    least that many (a step on fewer nodes), and stragglers' nodes while spares remain; None:
+    requeue instead (the last restart in this allocation made no progress, or a suspect node
+    has no spare to take its place but the partition has)."""
     assert heal.fault is not None
     alloc = client.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or []
+    record = read_record(run_dir)
     job, count = heal.entry["job_id"], heal.entry["restart_count"]
-    here = [f for f in read_record(run_dir).get("faults", []) if f.get("kind") == IN_ALLOCATION
+    here = [f for f in record.get("faults", []) if f.get("kind") == IN_ALLOCATION
             and f.get("job_id") == job and f.get("restart_count") == count]  # fmt: skip
     if not alloc or (here and int(here[-1].get("iteration", -1)) >= heal.fault.iteration):
         return None
-    before = list(here[-1].get("excluded_nodes", [])) if here else []
+    # Stragglers' nodes left out before are slow, not broken: they count as spares again.
+    slow_before = [n for f in here for n in f.get("straggler_nodes", [])]
+    before = [n for n in (here[-1].get("excluded_nodes", []) if here else [])
+              if n not in slow_before]  # fmt: skip
     wanted = list(dict.fromkeys([*before, *heal.exclude]))
     need = step_nodes or len(alloc)
     left = len(set(alloc) - set(wanted))
     if left >= (min_nodes or need):  # spares first: the same world size while they last
-        # A straggler's node too, while a spare is left to take its place (never fewer nodes
-        # or a requeue for one: it is slow, not broken).
-        hosts = dict.fromkeys(
-            str(s.get("host")) for s in read_record(run_dir).get("stragglers") or []
-        )
-        slow = [h for h in hosts if h in alloc and h not in wanted][: max(0, left - need)]
+        # Stragglers' nodes too (those left out before first), while spares take their place:
+        # never fewer nodes or a requeue for one.
+        now = [str(s.get("host")) for s in record.get("stragglers") or []]
+        slow = [h for h in dict.fromkeys([*slow_before, *now]) if h in alloc and h not in wanted]
+        slow = slow[: max(0, left - need)]
         if slow:
             heal.entry["straggler_nodes"] = slow
             heal.why += f"; straggler node(s) {', '.join(slow)} left out for a spare"
+        left -= len(slow)
         return Step((*wanted, *slow), left if left < need else None)
     if heal.exclude and job:
         ok, why = usable_without(client, job, heal.exclude)

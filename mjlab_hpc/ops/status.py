@@ -264,10 +264,12 @@ def job_states(
 
 
 def _named_nodes(event: dict[str, Any]) -> list[str]:
-    """The nodes a stop or fault named: where it happened and what the healer left out."""
+    """The nodes a stop or fault named: where it happened and what the healer left out (not
+    stragglers' nodes: slow, not why a job waits)."""
+    slow = set(event.get("straggler_nodes") or [])
     names = [*(event.get("nodes") or []), *(event.get("hosts") or []),
              *(event.get("excluded_nodes") or [])]  # fmt: skip
-    return list(dict.fromkeys(str(n) for n in names if n))
+    return list(dict.fromkeys(str(n) for n in names if n and n not in slow))
 
 
 def _suspects(events: Sequence[dict[str, Any]]) -> list[str]:

@@ -384,7 +384,6 @@ class IterationBoundary:
     """Ranks slower than the others (None: one rank)."""
     _last_save: float = field(default_factory=time.monotonic)
     _recovered: bool = False
-    _left_boundary: float | None = None
 
     def __call__(self, runner: Any, s: IterationStats) -> None:
         entered = time.perf_counter()
@@ -397,14 +396,12 @@ class IterationBoundary:
             injection.fire_if_due(self.run, self.ctx.rank, s.iteration, s.iteration_s)
         every = self.save_every_min
         due = every is not None and time.monotonic() - self._last_save >= every * 60
-        # A rank's work: all it did since it left the last boundary (checkpoints and hooks
-        # included) but the iteration's collectives, where it waited for the others.
-        since = self._left_boundary or entered - s.iteration_s
-        work_s = max(0.0, time.perf_counter() - since - s.collective_s)
+        # A rank's work: its iteration but the collectives (where it waited for the others),
+        # and this hook so far; not the writer's own bookkeeping, which the others do not do.
+        work_s = max(0.0, s.iteration_s - s.collective_s) + time.perf_counter() - entered
         stop, save, busy = agree_boundary(
             self.request, self.ctx.is_distributed, self.device, due, work_s
         )
-        self._left_boundary = time.perf_counter()
         if self.stragglers is not None and self.stragglers.add(s.iteration, busy):
             self._record_stragglers()
         if stop is not None and s.iteration >= self.total:

@@ -311,20 +311,18 @@ class FaultInjection:
             return
         marker = run.heartbeats / f"injected-{self.kind}@{self.iteration}-rank{rank}"
         if self.kind == "slow":
-            # once: the start that wrote the marker (its pid) stays slow, later ones do not
-            with contextlib.suppress(OSError):
-                if not marker.exists():
-                    marker.write_text(str(os.getpid()))
-                    log.warning(
-                        "injecting a fault (%s=slow@%d): every iteration from %d on "
-                        "takes twice as long",
-                        FAULT_ENV,
-                        self.iteration,
-                        iteration,
-                    )
-                elif self.once and marker.read_text() != str(os.getpid()):
-                    return
-            time.sleep(max(iteration_s, 0.05))
+            # once: the start that wrote the marker stays slow, later ones do not
+            me = f"{socket.gethostname()} {os.getpid()} {os.environ.get('SLURM_STEP_ID', '')}"
+            try:
+                first = marker.read_text()
+            except OSError:
+                first = me
+                with contextlib.suppress(OSError):
+                    marker.write_text(me)
+                log.warning("injecting a fault (%s=slow@%d): every iteration from %d on takes "
+                            "twice as long", FAULT_ENV, self.iteration, iteration)  # fmt: skip
+            if not self.once or first == me:
+                time.sleep(max(iteration_s, 0.05))
             return
         if iteration != self.iteration or (self.once and marker.exists()):
             return

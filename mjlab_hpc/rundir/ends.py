@@ -26,10 +26,12 @@ __all__ = [
     "RunOutcome",
     "failure_kind",
     "first_failure",
+    "latest_world_size",
     "memory_advice",
     "rank_ends",
     "recorded_cause",
     "run_outcome",
+    "start_hosts",
 ]
 
 # Errors of a rank whose peer died or hung: consequences, not causes.
@@ -69,7 +71,7 @@ def memory_advice(record: dict[str, Any], num_envs: int | None = None) -> str:
 How = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung", "no-exit"]
 
 _STAMP = re.compile(r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(\d{3}) rank(\d+) (.*)$")
-_START = re.compile(r"^rank \d+/\d+ \(local ")
+_START = re.compile(r"^rank \d+/(\d+) \(local ")
 _HOST = re.compile(r"\bhost (\S+?),")
 _RANK_LOG = re.compile(r"^rank(\d+)\.log$")
 _PEER_LOST = re.compile(r"\(peer-lost\)")
@@ -94,6 +96,8 @@ class RankEnd:
     """When this start of the rank logged its first line."""
     oom: bool = False
     """It ran out of memory: an allocation failed, or the kernel's OOM killer ended it."""
+    world_size: int | None = None
+    """The world size of this start (its first line)."""
 
     def describe(self) -> str:
         """One line for people."""
@@ -125,11 +129,11 @@ def _rank_end(rank: int, path: Path) -> RankEnd | None:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return None
-    start = None
+    start, size = None, None
     for i, line in enumerate(lines):
         m = _STAMP.match(line)
-        if m and _START.match(m.group(4)):
-            start = i
+        if m and (begun := _START.match(m.group(4))):
+            start, size = i, int(begun.group(1))
     if start is None:
         return None
     head = _STAMP.match(lines[start])
@@ -163,28 +167,44 @@ def _rank_end(rank: int, path: Path) -> RankEnd | None:
             detail = named[-1] if named else error[-1] if error else body
         started = _stamp(head) if head else None
         return RankEnd(rank, host, how, last_at, detail, bool(_PEER_LOST.search(message)),
-                       started, bool(_OUT_OF_MEMORY.search(message)))  # fmt: skip
+                       started, bool(_OUT_OF_MEMORY.search(message)), size)  # fmt: skip
     count = OomCount.parse(lines[start])
     return RankEnd(rank, host, "no-exit", last_at, "no exit record",
                    started=_stamp(head) if head else None,
-                   oom=count is not None and bool(count.rose()))  # fmt: skip
+                   oom=count is not None and bool(count.rose()), world_size=size)  # fmt: skip
 
 
 def rank_ends(run_dir: Path) -> list[RankEnd]:
     """How each rank's latest start ended, by rank (ranks that never started are left out, and
-    so are ranks past the run's latest world size: those of a start before it went on with
-    fewer ranks, --min-nodes)."""
+    so are ranks past the world size of the newest start: those of a start before the run
+    went on with fewer ranks, --min-nodes)."""
     logs = run_dir / LOGS_DIR
-    size = read_record(run_dir).get("world_size")
     found = []
     if logs.is_dir():
         for entry in sorted(logs.iterdir()):
             m = _RANK_LOG.match(entry.name)
-            if m and not (isinstance(size, int) and int(m.group(1)) >= size):
-                end = _rank_end(int(m.group(1)), entry)
-                if end is not None:
-                    found.append(end)
-    return sorted(found, key=lambda e: e.rank)
+            if m and (end := _rank_end(int(m.group(1)), entry)) is not None:
+                found.append(end)
+    size = latest_world_size(found)
+    return sorted((e for e in found if size is None or e.rank < size), key=lambda e: e.rank)
+
+
+def start_hosts(run_dir: Path, rank: int) -> list[str]:
+    """The host of each start of `rank`, in order (its log's first lines)."""
+    try:
+        lines = (run_dir / LOGS_DIR / f"rank{rank}.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    starts = [
+        m.group(4) for line in lines if (m := _STAMP.match(line)) and _START.match(m.group(4))
+    ]
+    return [h.group(1) if (h := _HOST.search(line)) else "?" for line in starts]
+
+
+def latest_world_size(ends: list[RankEnd]) -> int | None:
+    """The world size of the newest start among `ends` (None: none says)."""
+    started = [(e.started, e.world_size) for e in ends if e.started is not None]
+    return max(started, key=lambda pair: pair[0])[1] if started else None
 
 
 def first_failure(ends: list[RankEnd]) -> RankEnd | None:

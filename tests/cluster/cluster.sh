@@ -20,7 +20,8 @@
 # Python of its .venv at the same paths, so the project's own environment runs inside it
 # (22.05 clients cannot talk to 24.11 daemons). MJLAB_HPC_ROOT_BINDS: more folders, ':'-separated.
 # N: ${MJLAB_HPC_CLUSTER_NODES:-2} (1-64), read by `up` (saved in <state>/node-count); `down`
-# stops whatever nodes were started, whatever their count.
+# stops whatever nodes were started, whatever their count. SlurmdTimeout (how long a silent
+# node lives on before Slurm calls it DOWN): ${MJLAB_HPC_CLUSTER_SLURMD_TIMEOUT:-300} s.
 # State: ${MJLAB_HPC_CLUSTER_DIR:-${TMPDIR:-/tmp}/mjlab-hpc-cluster}. Clients need
 # `source <state>/env.sh` (SLURM_CONF). Needs root: it starts daemons, mknods fake GPUs
 # and bind-mounts a hosts file in a private mount namespace.
@@ -48,6 +49,7 @@ readonly DB_TIMEOUT_S=60
 readonly SLURM_VERSION=${MJLAB_HPC_SLURM_VERSION:-22.05}
 # 1: proctrack/cgroup and task/cgroup with ConstrainDevices (cgroup v1), else pgid and none.
 readonly CGROUP=${MJLAB_HPC_CLUSTER_CGROUP:-0}
+readonly SLURMD_TIMEOUT=${MJLAB_HPC_CLUSTER_SLURMD_TIMEOUT:-300}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 readonly REPO
 readonly SCRIPT=$REPO/tests/cluster/cluster.sh
@@ -401,6 +403,8 @@ JobRequeue=1
 ReturnToService=2
 KillOnBadExit=1
 KillWait=2
+# How long a silent node lives on before Slurm calls it DOWN (Slurm's default: 300 s).
+SlurmdTimeout=$SLURMD_TIMEOUT
 InactiveLimit=0
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1,sched_interval=1
@@ -530,28 +534,44 @@ descendants() {
 # A hard node loss, as in a power cut: SIGKILL at once to the node's slurmd (its tini) and
 # every process under it (step daemons, ranks); Slurm calls the node dead only after
 # SlurmdTimeout. Prints the names of what it killed.
-do_lose() {
-  local node=$1 ns pid tini="" all
+node_tini() {
+  local node=$1 ns pid
   ns=$(cat "$STATE/run/mntns" 2>/dev/null) || fail "no cluster in $STATE"
   for pid in $(pgrep -x tini); do
     [[ $(readlink "/proc/$pid/ns/mnt" 2>/dev/null) == "$ns" ]] || continue
-    if [[ $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) == *" -D -N $node " ]]; then
-      tini=$pid
+    if [[ $(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline") == *" -D -N $node " ]]; then
+      echo "$pid"
     fi
   done
-  [[ -n $tini ]] || fail "no slurmd of $node runs in $STATE"
+}
+
+do_lose() {
+  local tini all
+  tini=$(node_tini "$1")
+  [[ -n $tini ]] || fail "no slurmd of $1 runs in $STATE"
   mapfile -t all < <(echo "$tini"; descendants "$tini")
   ps -o comm= -p "$(IFS=,; echo "${all[*]}")" || true
   kill -KILL "${all[@]}" 2>/dev/null || true
 }
 
-# A lost node's slurmd started again, in the nodes' namespace (`down` stops it as the others).
+# A lost node's slurmd started again in the nodes' namespace, with the cluster's settings
+# (`down` stops it as the others); back once Slurm calls it responding.
 do_node_up() {
-  local node=$1 holder
-  holder=$(cat "$STATE/run/nodes.pid" 2>/dev/null) || fail "no cluster in $STATE"
+  local node=$1 holder deadline
+  CLUSTER_ID=$(cat "$STATE/cluster-id" 2>/dev/null || true)
+  holder=$(cat "$STATE/run/nodes.pid" 2>/dev/null || true)
+  [[ -n $CLUSTER_ID && -n $holder && -f $STATE/env.sh ]] || fail "no cluster at $STATE"
+  [[ -z $(node_tini "$node") ]] || fail "the slurmd of $node runs already"
+  export MJLAB_HPC_CLUSTER_ID=$CLUSTER_ID SLURM_CONF=$STATE/etc/slurm.conf
   setsid nsenter -t "$holder" -m -r -- tini -s -- slurmd -D -N "$node" </dev/null \
     >>"$STATE/log/slurmd-$node.out" 2>&1 9>&- &
   echo $! >"$STATE/run/tini-$node.pid"
+  deadline=$(($(now_us) + 30 * 1000000))
+  until [[ -n $(node_tini "$node") ]] && ! sinfo -h -N -n "$node" -o '%T' | grep -q '\*$'; do
+    (($(now_us) < deadline)) || fail "$node did not answer Slurm within 30 s"
+    sleep 0.2
+  done
+  echo "$node up"
 }
 
 nodes_idle() {
@@ -778,7 +798,7 @@ fi
 outside_root() { [[ $SLURM_VERSION != 22.05 && -z ${MJLAB_HPC_IN_ROOT:-} ]]; }
 
 case "${1:-}" in
-  up | status | ctld-start) if outside_root; then in_root bash "$SCRIPT" "$1"; fi ;;&
+  up | status | ctld-start | node-up) if outside_root; then in_root bash "$SCRIPT" "$@"; fi ;;&
   up) with_lock do_up ;;
   down) with_lock do_down ;;
   status) do_status ;;

@@ -23,9 +23,12 @@ from helpers import BIN, cli_env, only_run, reference_digests, runs_under, wait_
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
+from mjlab_hpc.launch.heal import Fault, Healing, Step, next_step
 from mjlab_hpc.launch.local import local_processes
+from mjlab_hpc.rundir.ends import start_hosts
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.slurm.client import SlurmClient
 
 COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
           "--save-interval", "5", "--max-iterations", "12"]  # fmt: skip
@@ -118,6 +121,44 @@ def test_a_repeated_failure_is_not_retried(tmp_path: Path) -> None:
 # --- Slurm --------------------------------------------------------------------------------
 
 
+@pytest.mark.slurm
+def test_stragglers_are_left_out_only_for_spares(
+    slurm_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next srun step's nodes in a 4-node allocation whose steps run on 2 (Slurm expands
+    the node list): stragglers' nodes go while spares are left, after the suspect nodes; a
+    straggler left out before comes back when a later fault leaves no other spare; none is
+    left out for fewer nodes."""
+    client = SlurmClient(env=slurm_cluster.environ())
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-4]")
+    run = RunDir(tmp_path)
+
+    def step(
+        exclude: list[str], stragglers: list[str], faults: list[dict], iteration: int,
+        nodes: int = 2, min_nodes: int | None = None,
+    ) -> tuple[Step | None, Healing]:  # fmt: skip
+        run.record.write_text(json.dumps(
+            {"faults": faults, "stragglers": [{"host": h} for h in stragglers]}))  # fmt: skip
+        fault = Fault("crash", "x", (1,), ("node1",), iteration, tuple(exclude))
+        heal = Healing(fault, True, "requeued after a crash (1 of 3)", list(exclude),
+                       {"job_id": "9", "restart_count": 0})  # fmt: skip
+        return next_step(client, run.path, heal, nodes, min_nodes), heal
+
+    got, heal = step([], ["node2", "node3", "node9"], [], 5)
+    assert got == Step(("node2", "node3")) and heal.entry["straggler_nodes"] == ["node2", "node3"]
+    assert heal.why.endswith("; straggler node(s) node2, node3 left out for a spare")
+    got, heal = step(["node1"], ["node2", "node3"], [], 5)
+    assert got == Step(("node1", "node2")), got  # the suspect first, one spare left
+    earlier = {"kind": "in-allocation", "job_id": "9", "restart_count": 0, "iteration": 5,
+               "excluded_nodes": ["node1", "node2"], "straggler_nodes": ["node2"]}  # fmt: skip
+    got, heal = step(["node3"], [], [earlier], 8)
+    assert got == Step(("node1", "node3")) and "straggler_nodes" not in heal.entry, got
+    got, _ = step([], ["node2"], [earlier], 8, nodes=4)  # no spare: node2 is back
+    assert got == Step(("node1",), 3), got
+    got, _ = step(["node4"], ["node2"], [earlier], 8, nodes=3, min_nodes=1)
+    assert got == Step(("node1", "node4"), 2), got  # fewer nodes, but not for a straggler
+
+
 def submit(cluster: SlurmCluster, args: list[str], root: Path, fault: str | None = None,
            follow: bool = True):  # fmt: skip
     extra = {"MJLAB_HPC_FAULT": fault} if fault else {}
@@ -125,13 +166,6 @@ def submit(cluster: SlurmCluster, args: list[str], root: Path, fault: str | None
            "--log-root", str(root)] + (["--follow"] if follow else [])  # fmt: skip
     return subprocess.run(cmd, env=cli_env(extra, base=cluster.environ()), capture_output=True,
                           text=True, timeout=400)  # fmt: skip
-
-
-def hosts_of_starts(run: RunDir, rank: int = 0) -> list[str]:
-    """The rank's host at every start (its log's start lines)."""
-    return [line.split(" host ")[1].split(",")[0]
-            for line in run.rank_log(rank).read_text().splitlines()
-            if f" rank {rank}/" in line and " host " in line]  # fmt: skip
 
 
 @pytest.mark.slurm
@@ -146,7 +180,7 @@ def test_slurm_crash_excludes_the_node_and_heals(
     assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
     run = only_run(tmp_path)
     (fault,) = faults_of(run)
-    first, second = hosts_of_starts(run)
+    first, second = start_hosts(run.path, 0)
     assert fault["reason"] == "crash" and fault["excluded_nodes"] == [first], fault
     assert second != first and fault["recomputed"] == 3
     summary = json.loads(run.summary.read_text())
@@ -263,7 +297,7 @@ def lose_rank1_node(cluster: SlurmCluster, args: list[str], root: Path, after: s
     run = wait_for(lambda: runs_under(root) and RunDir(runs_under(root)[0]), 60, "run")
     wait_for(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6, 240,
              "iteration 6 (rank 1 stops itself there)")  # fmt: skip
-    (lost,) = hosts_of_starts(run, rank=1)
+    (lost,) = start_hosts(run.path, 1)
     killed = cluster.lose_node(lost)
     assert "slurmd" in killed and "slurmstepd" in killed, killed
     try:
@@ -292,8 +326,8 @@ def test_slurm_hard_node_loss_with_a_spare(
     # Resumed from model_5.pt, or from model_6.pt when the ranks saw a stop on the way out.
     assert fault["excluded_nodes"] == [lost] and fault["resumed_from"] + fault["recomputed"] == 6
     assert 0 < fault["recovery_s"] < 120, fault
-    first, second = hosts_of_starts(run, rank=1)
-    assert first == lost and second not in (lost, hosts_of_starts(run)[1]), (first, second)
+    first, second = start_hosts(run.path, 1)
+    assert first == lost and second not in (lost, start_hosts(run.path, 0)[1]), (first, second)
     assert summary["iterations"] == 12 and summary["param_digest_per_rank"] == reference_digests(
         shared_tmp, REFERENCE, ranks=2)  # fmt: skip
     job = summary["job_id"]
@@ -314,7 +348,7 @@ def test_slurm_hard_node_loss_goes_on_with_fewer_nodes(
     cluster = slurm_cluster3
     args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--min-nodes", "1"]
     run, lost, summary, fault = lose_rank1_node(cluster, args, tmp_path, "on one node")
-    kept = hosts_of_starts(run, rank=0)[0]
+    kept = start_hosts(run.path, 0)[0]
     assert fault["excluded_nodes"] == [lost] and fault["world_size"] == [2, 1], fault
     assert fault["action"].endswith("on 1 node(s), 1 rank(s) (--min-nodes 1; no spare left): "
                                     "the environments of rank(s) 1 dropped"), fault  # fmt: skip
@@ -323,7 +357,7 @@ def test_slurm_hard_node_loss_goes_on_with_fewer_nodes(
     start = record["starts"][-1]
     assert start["changed"]["world_size"] == [2, 1] and start["environments"] == "partly restored"
     assert start["resumed_from_iteration"] == fault["resumed_from"], start
-    assert hosts_of_starts(run, rank=0) == [kept, kept]
+    assert start_hosts(run.path, 0) == [kept, kept]
     assert "those of rank(s) 1 dropped" in run.rank_log(0).read_text()
     assert summary["iterations"] == 12 and summary["world_size"] == 1, summary
     row = hpc_json(run, cli_env(base=cluster.environ()))
@@ -349,8 +383,8 @@ def test_slurm_crash_with_a_spare_leaves_the_straggler_out(
     assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
     run = only_run(tmp_path)
     (fault,) = faults_of(run)
-    slow, spare = hosts_of_starts(run, rank=1)
-    kept = hosts_of_starts(run, rank=0)
+    slow, spare = start_hosts(run.path, 1)
+    kept = start_hosts(run.path, 0)
     assert (fault["reason"], fault["kind"], fault["iteration"]) == ("crash", "in-allocation", 11)
     assert fault["straggler_nodes"] == [slow] and fault["excluded_nodes"] == [slow], fault
     assert f"straggler node(s) {slow} left out for a spare" in fault["action"], fault
@@ -379,8 +413,8 @@ def test_slurm_hang_goes_on_with_fewer_nodes(slurm_cluster3: SlurmCluster, tmp_p
     assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
     run = only_run(tmp_path)
     (fault,) = faults_of(run)
-    (frozen,) = hosts_of_starts(run, rank=1)
-    kept = hosts_of_starts(run, rank=0)
+    (frozen,) = start_hosts(run.path, 1)
+    kept = start_hosts(run.path, 0)
     assert (fault["reason"], fault["kind"], fault["hosts"]) == ("hang", "in-allocation",
                                                                 [frozen]), fault  # fmt: skip
     assert fault["excluded_nodes"] == [frozen] and fault["world_size"] == [2, 1], fault

@@ -13,6 +13,7 @@ import pytest
 
 from mjlab_hpc.launch.heal import decide, find_fault, restart_here
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog, hang_limit_s, parse_faults
+from mjlab_hpc.rundir.ends import latest_world_size, rank_ends, run_outcome
 from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
 
 
@@ -29,6 +30,7 @@ def test_hang_limit_never_below_five_slowest_iterations() -> None:
         ("raise@3", (FaultInjection("raise", 3, 0, False),)),
         ("kill@5:rank1:once, stop@10:rank1:once",
          (FaultInjection("kill", 5, 1, True), FaultInjection("stop", 10, 1, True))),
+        ("slow@1:rank1:once", (FaultInjection("slow", 1, 1, True),)),
         ("", ()),
     ],
 )  # fmt: skip
@@ -145,3 +147,42 @@ def test_a_cancel_before_a_resume_does_not_stop_healing(tmp_path: Path) -> None:
     assert decide(run.path, max_restarts=3).requeue  # cancelled, then resumed: heals
     (run.path / "cancelled.json").write_text(json.dumps({"at": "2026-11-23T10:30:00+00:00"}))
     assert not decide(run.path, max_restarts=3).requeue  # cancelled during this start
+
+
+def test_a_slow_rank_sleeps_its_iteration_from_then_on_and_once_only_in_its_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = RunDir(tmp_path)
+    run.heartbeats.mkdir(parents=True)
+    slept: list[float] = []
+    monkeypatch.setattr("mjlab_hpc.rank.watchdog.time.sleep", slept.append)
+    once = FaultInjection("slow", 3, 1, True)
+    for iteration in (2, 3, 4):
+        once.fire_if_due(run, 1, iteration, 0.3)
+        once.fire_if_due(run, 0, iteration, 0.3)  # another rank: never
+    assert slept == [0.3, 0.3]  # from iteration 3 on, as long as the iteration took
+    monkeypatch.setenv("SLURM_STEP_ID", "1")  # a later start (a new srun step)
+    once.fire_if_due(run, 1, 5, 0.3)
+    FaultInjection("slow", 3, 1, False).fire_if_due(run, 1, 5, 0.01)
+    assert slept == [0.3, 0.3, 0.05]  # not once: every start, at least 50 ms
+
+
+def test_the_ranks_of_a_start_before_fewer_ranks_are_not_this_starts(tmp_path: Path) -> None:
+    """A run that went on with fewer ranks (--min-nodes) keeps the logs of the ranks that are
+    gone: rank 1 hung in the 2-rank start, rank 0 completed the 1-rank start after it."""
+    run = RunDir(tmp_path)
+    _rank_log(run, 1, "2026-11-23 10:00:05,000 rank1 exit: hung after iteration 6\n")
+    run.rank_log(0).write_text(
+        "2026-11-23 10:00:20,000 rank0 rank 0/1 (local 0/1, node 0/1) via submitit-local, "
+        "master x:1 on cpu, host h0, pid 2, seed 1, 8 envs\n"
+        "2026-11-23 10:00:40,000 rank0 exit: completed 12 iterations\n"
+    )  # fmt: skip
+    ends = rank_ends(run.path)
+    assert [(e.rank, e.how, e.world_size) for e in ends] == [(0, "completed", 1)]
+    assert latest_world_size(ends) == 1 and run_outcome(run.path).state != "failed"
+    run.rank_log(1).write_text(  # the job's next start on 2 ranks: rank 1 fails first
+        "2026-11-23 10:01:00,000 rank1 rank 1/2 (local 0/1, node 1/2) via submitit-local, "
+        "master x:1 on cpu, host h1, pid 3, seed 1, 8 envs\n"
+        "2026-11-23 10:01:05,000 rank1 exit: failed (exception)\n"
+    )  # fmt: skip
+    assert [(e.rank, e.how) for e in rank_ends(run.path)] == [(0, "completed"), (1, "failed")]
