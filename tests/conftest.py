@@ -1,6 +1,6 @@
 """Shared test set-up.
 
-`make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): each test file
+`make test` runs the suite on three pytest-xdist workers (`--dist loadgroup`): each test file
 stays on one worker (module fixtures start their jobs once), and every test that needs the
 Slurm test cluster runs on the same worker, which starts the cluster once and stops it.
 """
@@ -8,6 +8,7 @@ Slurm test cluster runs on the same worker, which starts the cluster once and st
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,12 @@ import pytest
 from slurm_cluster import slurm_cluster, slurm_cluster3  # noqa: F401
 
 _ROOT = Path(__file__).resolve().parent
+
+# A suite started in the background of a script inherits SIGINT ignored (POSIX), and so would
+# every command the tests start: Ctrl-C tests would wait forever. Python's own handler instead
+# (a process starts with SIGINT at its default again).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(wrapper=True)  # around xdist's own hook, which reads the groups
