@@ -2,8 +2,8 @@
 
 `slurm_cluster` (session scope) reuses a cluster that is already up (e.g. from
 `make cluster-up`: its env.sh exists and sinfo answers), else starts one and stops it at
-the end of the session. `slurm_cluster3`: three nodes (that one when it has them, else a
-second cluster beside it). If one cannot be started the tests using it are skipped, or fail
+the end of the session. `slurm_cluster3`: three nodes, a second cluster beside it,
+with a short SlurmdTimeout. If one cannot be started the tests using it are skipped, or fail
 when CI=true, so a CI machine that should run them cannot silently skip them.
 """
 
@@ -177,12 +177,16 @@ def _tail(text: str, lines: int = 60) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def start_cluster(state_dir: Path, nodes: int | None = None) -> SlurmCluster:
-    """Run `cluster.sh up` for state_dir (with `nodes` nodes, else cluster.sh's default, 2);
-    raises RuntimeError with its output on failure."""
+def start_cluster(
+    state_dir: Path, nodes: int | None = None, slurmd_timeout_s: int | None = None
+) -> SlurmCluster:
+    """Run `cluster.sh up` for state_dir (with `nodes` nodes, else cluster.sh's default, 2;
+    Slurm's SlurmdTimeout, else 300 s); raises RuntimeError with its output on failure."""
     env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(state_dir)}
     if nodes is not None:
         env["MJLAB_HPC_CLUSTER_NODES"] = str(nodes)
+    if slurmd_timeout_s is not None:
+        env["MJLAB_HPC_CLUSTER_SLURMD_TIMEOUT"] = str(slurmd_timeout_s)
     try:
         proc = subprocess.run(
             ["bash", str(SCRIPT), "up"],
@@ -255,18 +259,20 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
             stop_cluster(state_dir)
 
 
+#: slurm_cluster3's SlurmdTimeout: a node lost for good is called dead within a test.
+SLURMD_TIMEOUT_S = 30
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster3(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
-    """A running cluster of three nodes: the session's when it has them, else a second one
-    (a state directory beside it), stopped at the end of the session."""
-    if slurm_cluster.nodes >= 3:
-        yield slurm_cluster
-        return
+    """A running cluster of three nodes beside the session's (its state directory with `-3`),
+    whose SlurmdTimeout is SLURMD_TIMEOUT_S (Slurm's default: 300 s), stopped at the end of
+    the session."""
     state_dir = default_state_dir().with_name(default_state_dir().name + "-3")
     cluster = running_cluster(state_dir)
     if cluster is None or cluster.nodes < 3:
         try:
-            cluster = start_cluster(state_dir, nodes=3)
+            cluster = start_cluster(state_dir, nodes=3, slurmd_timeout_s=SLURMD_TIMEOUT_S)
         except (OSError, RuntimeError) as exc:
             _unavailable(str(exc))
     try:

@@ -129,6 +129,11 @@ def _index(rows: Sequence[SlurmRow]) -> dict[str, list[SlurmRow]]:
     return out
 
 
+# sacct's row for a job's allocation before Slurm shrank it (a node lost under --no-kill):
+# the job goes on in the next row, under the same id.
+_RESIZED = "RESIZING"
+
+
 def _pick(rows: Sequence[SlurmRow]) -> SlurmRow | None:
     """The row that answers for an id: the job itself, or for a whole array an element that
     is still queued or running."""
@@ -246,6 +251,8 @@ class SlurmClient:
                 if len(parts) != 7 or not parts[2]:
                     continue
                 job, raw, state, nodes, tres, node_list, reason = parts
+                if state == _RESIZED:
+                    continue
                 n = _int(nodes)
                 gpus = re.search(r"gres/gpu=(\d+)", tres)
                 per_node = int(gpus.group(1)) // n if gpus and n else None
@@ -272,7 +279,8 @@ class SlurmClient:
         if proc is None or proc.returncode != 0:
             return None
         rows = [line.split("|") for line in proc.stdout.splitlines()]
-        return [(r[0].split()[0], r[1], r[2]) for r in rows if len(r) == 3 and r[0]]
+        return [(r[0].split()[0], r[1], r[2]) for r in rows
+                if len(r) == 3 and r[0] and r[0] != _RESIZED]  # fmt: skip
 
     def out_of_memory(self, job_id: str) -> bool:
         """Whether a step of the job's latest run ended OUT_OF_MEMORY (Slurm's cgroup plugin

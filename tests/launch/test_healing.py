@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from helpers import BIN, cli_env, only_run, reference_digests, runs_under, wait_for
-from slurm_cluster import SlurmCluster
+from slurm_cluster import SLURMD_TIMEOUT_S, SlurmCluster
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
 from mjlab_hpc.launch.heal import Fault, Healing, Step, next_step
@@ -426,3 +426,51 @@ def test_slurm_hang_goes_on_with_fewer_nodes(slurm_cluster3: SlurmCluster, tmp_p
     assert fault["job_id"] == job and restarts_of(cluster, job) == 0
     assert cluster.wait_job(job, timeout=120) == "COMPLETED"
     print(f"hang to the first resumed iteration on fewer nodes: {fault['recovery_s']} s")
+
+
+@pytest.mark.slurm
+def test_slurm_node_lost_for_good_past_slurmd_timeout(
+    slurm_cluster3: SlurmCluster, tmp_path: Path
+) -> None:
+    """A 2-node job with --spare-nodes 1 whose rank 1's node is lost after iteration 6 and
+    stays lost. The ranks go on on the spare at once; when Slurm calls the node dead
+    (SlurmdTimeout, short on this cluster) it shrinks the job (--no-kill) instead of ending it
+    with the node, and the ranks train on. A cancel then stops the run with a checkpoint, and
+    Slurm's answer for the job is its end, not the row of its allocation before the shrink
+    (sacct: RESIZING). Nothing is left."""
+    cluster = slurm_cluster3
+    config = cluster.run(["scontrol", "show", "config"]).stdout
+    timeout = int(re.search(r"^SlurmdTimeout\s*=\s*(\d+)", config, re.M).group(1))  # type: ignore[union-attr]
+    assert timeout == SLURMD_TIMEOUT_S, f"{cluster.state_dir} runs SlurmdTimeout={timeout}"
+    args = [*COMMON[:-2], "--max-iterations", "100000", "--nodes", "2", "--tasks-per-node", "1",
+            "--spare-nodes", "1"]  # fmt: skip
+    proc = submit(cluster, args, tmp_path, "stop@6:rank1:once", follow=False)
+    assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
+    run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
+    iteration = lambda: (run.read_progress() or [{}])[-1].get("iteration", 0)  # noqa: E731
+    wait_for(lambda: iteration() >= 6, 240, "iteration 6 (rank 1 stops itself there)")
+    (lost,) = start_hosts(run.path, 1)
+    env = cli_env(base=cluster.environ())
+    cluster.lose_node(lost)
+    try:
+        wait_for(lambda: any(f.get("recovered_at") for f in faults_of(run)), 120, "the heal")
+        state = lambda: cluster.run(["sinfo", "-h", "-n", lost, "-o", "%T"]).stdout  # noqa: E731
+        wait_for(lambda: "down" in state(), timeout + 60, f"Slurm to call {lost} dead")
+        job = read_record(run.path)["job_ids"][0]
+        shown = cluster.run(["scontrol", "show", "job", job]).stdout
+        assert "JobState=RUNNING" in shown and f"NodeList={lost}" not in shown, shown
+        at = iteration()
+        wait_for(lambda: iteration() >= at + 5, 120, "training to go on after the shrink")
+        assert hpc_json(run, env)["state"] == "RUNNING"
+        cancel = subprocess.run([BIN / "mjlab-hpc", "cancel", str(run.path)], env=env,
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert cancel.returncode == 0, cancel.stderr
+        assert cluster.wait_job(job, timeout=120) == "CANCELLED"
+    finally:
+        cluster.start_node(lost)
+    answer = SlurmClient(env=cluster.environ()).answer([job])
+    assert answer.rows[job].state == "CANCELLED", answer  # not RESIZING
+    record = read_record(run.path)
+    assert record["state"] == "stopped" and restarts_of(cluster, job) == 0, record
+    (fault,) = faults_of(run)
+    assert fault["kind"] == "in-allocation" and fault["excluded_nodes"] == [lost], fault
