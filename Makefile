@@ -77,7 +77,7 @@ test-fast: install
 SLURM_2411_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-cluster-24.11
 # A named subset of the Slurm tests, to keep CI short: submit on 2 nodes, ranks without Slurm's
 # commands, crash and hang healing with node exclusion, restart inside the allocation, node
-# loss, a chain across time limits (requeue), salloc allocations, a sweep, status/cancel of 250
+# loss, a node lost for good past SlurmdTimeout with a spare (3 nodes), a chain across time limits (requeue), salloc allocations, a sweep, status/cancel of 250
 # runs, doctor, fake GPUs under ConstrainDevices, a requeue from inside a job, the rendezvous
 # host. The rest (hostile input, the 3-node node loss, ...) run on 22.05 only.
 T := tests/launch/test_slurm_jobs.py::test_
@@ -86,7 +86,7 @@ C := tests/launch/test_chain_and_allocation.py::test_
 SLURM_2411_ARGS ?= -m slurm -p no:xdist --durations=15 \
 	$(T)submit_2x2_cpu $(T)ranks_without_slurm_commands \
 	$(H)crash_excludes_the_node_and_heals $(H)hang_then_node_down_on_two_nodes \
-	$(H)crash_restarts_in_the_allocation \
+	$(H)crash_restarts_in_the_allocation $(H)node_lost_for_good_past_slurmd_timeout \
 	$(C)chain_continues_the_run_after_the_time_limit_and_cancel_stops_it_all \
 	$(C)inside_salloc_the_ranks_run_in_the_allocation_and_ctrl_c_saves_them \
 	tests/ops/test_slurm_ops.py::test_sweep_is_one_throttled_job_array \
