@@ -150,15 +150,16 @@ bench: install
 		echo "self-healing on Slurm not measured: make bench-recovery starts a test cluster, as root"; \
 	else $(MAKE) --no-print-directory bench-recovery; fi
 
-# Self-healing on Slurm (~3 min on 2 cores): its own 3-node Slurm 22.05 test cluster (as root,
-# in RECOVERY_DIR, stopped at the end), a crash, a hang and a hard node loss of a 2-node job,
-# each with a spare node and with --min-nodes 1: seconds from the fault to the first resumed
-# iteration, iterations recomputed, no requeue, bit-identical; bench-results/recovery.json.
+# Self-healing on Slurm (~4 min on 2 cores): its own 3-node Slurm 22.05 test cluster (as root,
+# in RECOVERY_DIR, SlurmdTimeout 20 s, stopped at the end), a crash, a hang and a hard node
+# loss of a 2-node job, each with a spare node and with --min-nodes 1, and the node loss with
+# neither: seconds from the fault to the first resumed iteration, iterations recomputed,
+# requeues, bit-identical; bench-results/recovery.json.
 RECOVERY_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-recovery
 RECOVERY_ARGS ?=
 bench-recovery: install
 	@export MJLAB_HPC_CLUSTER_DIR="$(RECOVERY_DIR)/cluster" MJLAB_HPC_CLUSTER_NODES=3 \
-		MJLAB_HPC_SLURM_VERSION=22.05; \
+		MJLAB_HPC_SLURM_VERSION=22.05 MJLAB_HPC_CLUSTER_SLURMD_TIMEOUT=20; \
 	trap 'bash $(CLUSTER) down' EXIT; \
 	bash $(CLUSTER) up || exit 1; \
 	source "$$MJLAB_HPC_CLUSTER_DIR/env.sh"; \

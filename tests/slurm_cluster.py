@@ -260,7 +260,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
 
 
 #: slurm_cluster3's SlurmdTimeout: a node lost for good is called dead within a test.
-SLURMD_TIMEOUT_S = 30
+SLURMD_TIMEOUT_S = 20
 
 
 @pytest.fixture(scope="session")

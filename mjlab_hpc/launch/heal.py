@@ -7,10 +7,10 @@ hang watchdog's files) it decides: nothing to heal (completed, stopped, refused,
 not again (out of memory: the same settings run out again; the same failure at the same
 iteration as before: a crash loop; or --max-restarts reached, counting restarts of both kinds);
 else start again: in the same allocation (a new srun step, leaving out the nodes the fault
-points at while spare nodes of the allocation take their place), or by a requeue when the
-allocation cannot run it (a suspect node and no spare, or a restart in it that made no
-progress), on Slurm excluding a node the fault points at while the partition still fits the
-job. The decision goes into run.json (`faults`), as the writer, before acting.
+points at, and stragglers' nodes, while spare nodes of the allocation take their place), or
+by a requeue when the allocation cannot run it (a suspect node and no spare, or a restart in
+it that made no progress), on Slurm excluding a node the fault points at while the partition
+still fits the job. The decision goes into run.json (`faults`), as the writer, before acting.
 """
 
 from __future__ import annotations

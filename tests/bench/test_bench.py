@@ -330,7 +330,9 @@ def test_recovery_cases_and_outcomes(capsys: pytest.CaptureFixture) -> None:
     figures from what its run recorded: bit-identical only where the world size was kept, a
     requeue or a second fault is not a case that healed in its allocation."""
     faults, hows = ("crash", "hang", "node-loss"), ("spare", "min-nodes")
-    assert {c.name for c in recovery.CASES} == {f"{f}-{h}" for f in faults for h in hows}
+    assert {c.name for c in recovery.CASES} == {
+        *(f"{f}-{h}" for f in faults for h in hows), "node-loss-no-spare"}  # fmt: skip
+    assert [c.requeues for c in recovery.CASES if c.requeues] == [1]
     case = next(c for c in recovery.CASES if c.name == "node-loss-spare")
     assert case.lose_node and "--spare-nodes" in case.args
     fault = {"kind": "in-allocation", "reason": "crash", "recovery_s": 12.7, "recomputed": 1,
@@ -338,13 +340,16 @@ def test_recovery_cases_and_outcomes(capsys: pytest.CaptureFixture) -> None:
     summary = {"iterations": 12, "world_size": 2, "job_id": 7, "param_digest_per_rank": ["a", "b"]}
     got = {"summary": summary, "faults": [fault], "restarts": 0}
     row = recovery.outcome(case, got, ["a", "b"])
-    assert row["bit_identical"] is True and row["job_kept"] and row["world_size"] == [2, 2]
+    assert row["bit_identical"] is True and row["as_expected"] and row["world_size"] == [2, 2]
     assert recovery.outcome(case, got, ["a", "c"])["bit_identical"] is False
-    assert recovery.outcome(case, {**got, "restarts": 1}, ["a", "b"])["job_kept"] is False
+    assert recovery.outcome(case, {**got, "restarts": 1}, ["a", "b"])["as_expected"] is False
     fewer = {**got, "summary": {**summary, "world_size": 1},
              "faults": [{**fault, "world_size": [2, 1]}]}  # fmt: skip
     assert recovery.outcome(case, fewer, ["a", "b"])["bit_identical"] is None
-    with pytest.raises(ValueError, match="one fault healed in the allocation"):
+    no_spare = next(c for c in recovery.CASES if c.requeues)
+    requeued = {**got, "faults": [{**fault, "kind": "requeue"}], "restarts": 1}
+    assert recovery.outcome(no_spare, requeued, ["a", "b"])["as_expected"] is True
+    with pytest.raises(ValueError, match="one fault healed by kind in-allocation"):
         recovery.outcome(case, {**got, "faults": [{**fault, "kind": "requeue"}]}, None)
     with pytest.raises(ValueError, match="ended at iteration 9"):
         recovery.outcome(case, {**got, "summary": {**summary, "iterations": 9}}, None)

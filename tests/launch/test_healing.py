@@ -288,23 +288,31 @@ def test_slurm_crash_restarts_in_the_allocation(
 
 def lose_rank1_node(cluster: SlurmCluster, args: list[str], root: Path, after: str
                     ) -> tuple[RunDir, str, dict, dict]:  # fmt: skip
-    """Submit a job whose rank 1 stops itself after iteration 6, then lose its node for
-    real (slurmd and rank killed at once, as in a power cut; Slurm would call it dead only
-    after SlurmdTimeout, 300 s), back once the run has finished `after` it: the run, the
+    """Submit a job with --follow whose rank 1 stops itself after iteration 6, then lose its
+    node for real (slurmd and rank killed at once, as in a power cut), back once the run has
+    finished `after` it; --follow must end with the run's `done` line (exit 0). The run, the
     lost node, the summary and the one fault, a crash healed in the allocation."""
-    proc = submit(cluster, args, root, "stop@6:rank1:once", follow=False)
-    assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
-    run = wait_for(lambda: runs_under(root) and RunDir(runs_under(root)[0]), 60, "run")
-    wait_for(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6, 240,
-             "iteration 6 (rank 1 stops itself there)")  # fmt: skip
-    (lost,) = start_hosts(run.path, 1)
-    killed = cluster.lose_node(lost)
-    assert "slurmd" in killed and "slurmstepd" in killed, killed
+    cmd = [BIN / "mjlab-submit", *args, "--gpus-per-node", "0", "--time", "10", "--log-root",
+           str(root), "--follow"]  # fmt: skip
+    env = cli_env({"MJLAB_HPC_FAULT": "stop@6:rank1:once"}, base=cluster.environ())
+    follow = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)  # fmt: skip
     try:
-        summary = wait_for(lambda: run.summary.exists() and json.loads(run.summary.read_text()),
-                           240, f"the run to finish {after}")  # fmt: skip
+        run = wait_for(lambda: runs_under(root) and RunDir(runs_under(root)[0]), 60, "run")
+        wait_for(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6, 240,
+                 "iteration 6 (rank 1 stops itself there)")  # fmt: skip
+        (lost,) = start_hosts(run.path, 1)
+        killed = cluster.lose_node(lost)
+        assert "slurmd" in killed and "slurmstepd" in killed, killed
+        try:
+            out, err = follow.communicate(timeout=300)
+        finally:
+            cluster.start_node(lost)
     finally:
-        cluster.start_node(lost)
+        if follow.poll() is None:
+            follow.kill()
+    assert follow.returncode == EXIT_OK and "done: 12 iterations" in out, (after, out, err)
+    summary = json.loads(run.summary.read_text())
     (fault,) = faults_of(run)
     assert (fault["reason"], fault["kind"], fault["hosts"]) == ("crash", "in-allocation",
                                                                 [lost]), fault  # fmt: skip
@@ -401,34 +409,6 @@ def test_slurm_crash_with_a_spare_leaves_the_straggler_out(
 
 
 @pytest.mark.slurm
-def test_slurm_hang_goes_on_with_fewer_nodes(slurm_cluster3: SlurmCluster, tmp_path: Path) -> None:
-    """A 2-node job with --min-nodes 1 and no spare; SIGSTOP of rank 1 after iteration 6
-    with --hang-timeout-s 5: the watchdog ends the start and points at rank 1's node (its
-    process stopped heartbeating), and the next srun step, in the same allocation, runs on
-    the other node with one rank, to the end. No requeue, nothing left running."""
-    cluster = slurm_cluster3
-    args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--min-nodes", "1",
-            "--hang-timeout-s", "5"]  # fmt: skip
-    proc = submit(cluster, args, tmp_path, "stop@6:rank1:once")
-    assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
-    run = only_run(tmp_path)
-    (fault,) = faults_of(run)
-    (frozen,) = start_hosts(run.path, 1)
-    kept = start_hosts(run.path, 0)
-    assert (fault["reason"], fault["kind"], fault["hosts"]) == ("hang", "in-allocation",
-                                                                [frozen]), fault  # fmt: skip
-    assert fault["excluded_nodes"] == [frozen] and fault["world_size"] == [2, 1], fault
-    assert kept == [kept[0], kept[0]] and kept[0] != frozen, kept
-    assert fault["resumed_from"] + fault["recomputed"] == 6 and 0 < fault["recovery_s"] < 120
-    summary = json.loads(run.summary.read_text())
-    assert summary["iterations"] == 12 and summary["world_size"] == 1, summary
-    job = summary["job_id"]
-    assert fault["job_id"] == job and restarts_of(cluster, job) == 0
-    assert cluster.wait_job(job, timeout=120) == "COMPLETED"
-    print(f"hang to the first resumed iteration on fewer nodes: {fault['recovery_s']} s")
-
-
-@pytest.mark.slurm
 def test_slurm_node_lost_for_good_past_slurmd_timeout(
     slurm_cluster3: SlurmCluster, tmp_path: Path
 ) -> None:
@@ -470,7 +450,8 @@ def test_slurm_node_lost_for_good_past_slurmd_timeout(
         cluster.start_node(lost)
     answer = SlurmClient(env=cluster.environ()).answer([job])
     assert answer.rows[job].state == "CANCELLED", answer  # not RESIZING
-    record = read_record(run.path)
-    assert record["state"] == "stopped" and restarts_of(cluster, job) == 0, record
+    # sacct calls the job CANCELLED at once; the ranks record their stop a moment later.
+    wait_for(lambda: read_record(run.path)["state"] == "stopped", 30, "the ranks' stop record")
+    assert restarts_of(cluster, job) == 0
     (fault,) = faults_of(run)
     assert fault["kind"] == "in-allocation" and fault["excluded_nodes"] == [lost], fault
