@@ -77,9 +77,10 @@ test-fast: install
 SLURM_2411_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-cluster-24.11
 # A named subset of the Slurm tests, to keep CI short: submit on 2 nodes, ranks without Slurm's
 # commands, crash and hang healing with node exclusion, restart inside the allocation, node
-# loss, a node lost for good past SlurmdTimeout with a spare (3 nodes), a chain across time limits (requeue), salloc allocations, a sweep, status/cancel of 250
-# runs, doctor, fake GPUs under ConstrainDevices, a requeue from inside a job, the rendezvous
-# host. The rest (hostile input, the 3-node node loss, ...) run on 22.05 only.
+# loss, a node lost for good past SlurmdTimeout with a spare (3 nodes), a chain across time
+# limits (requeue), salloc allocations, a sweep, status/cancel of 250 runs, doctor, fake GPUs
+# under ConstrainDevices, a requeue from inside a job, the rendezvous host. The rest (hostile
+# input, the other 3-node tests, ...) run on 22.05 only.
 T := tests/launch/test_slurm_jobs.py::test_
 H := tests/launch/test_healing.py::test_slurm_
 C := tests/launch/test_chain_and_allocation.py::test_

@@ -531,9 +531,7 @@ descendants() {
   done
 }
 
-# A hard node loss, as in a power cut: SIGKILL at once to the node's slurmd (its tini) and
-# every process under it (step daemons, ranks); Slurm calls the node dead only after
-# SlurmdTimeout. Prints the names of what it killed.
+# The pid of NODE's tini (its slurmd's parent) in this cluster's namespace.
 node_tini() {
   local node=$1 ns pid
   ns=$(cat "$STATE/run/mntns" 2>/dev/null) || fail "no cluster in $STATE"
@@ -545,6 +543,9 @@ node_tini() {
   done
 }
 
+# A hard node loss, as in a power cut: SIGKILL at once to the node's slurmd (its tini) and
+# every process under it (step daemons, ranks); Slurm calls the node dead only after
+# SlurmdTimeout. Prints the names of what it killed.
 do_lose() {
   local tini all
   tini=$(node_tini "$1")
