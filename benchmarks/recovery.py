@@ -33,7 +33,7 @@ from benchmarks.watch import bench_env, cli, find_run_dir, kill_job
 from mjlab_hpc.rundir.ends import start_hosts
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.state import read_record
-from mjlab_hpc.slurm.client import SlurmClient
+from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient
 
 __all__ = ["CASES", "Case", "main", "outcome", "print_table", "run_case"]
 
@@ -96,7 +96,7 @@ def _wait(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
 
 def _job_ended(client: SlurmClient, job: str) -> bool:
     state = client.job_state(job)
-    return state is None or state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+    return state is None or state in FINAL_STATES
 
 
 def _restarts(client: SlurmClient, job: str) -> int | None:

@@ -255,6 +255,27 @@ def restarts_of(cluster: SlurmCluster, job: str) -> int:
     return int(shown.split("Restarts=")[1].split()[0])
 
 
+def ended_in_the_allocation(cluster: SlurmCluster, fault: dict, summary: dict, what: str,
+                            timeout: float = 120) -> None:  # fmt: skip
+    """The healed run's one job: the fault's, never requeued, COMPLETED (nothing left
+    running); prints the fault's seconds to the first resumed iteration."""
+    job = summary["job_id"]
+    assert fault["job_id"] == job and restarts_of(cluster, job) == 0
+    assert cluster.wait_job(job, timeout=timeout) == "COMPLETED"
+    print(f"{what} to the first resumed iteration: {fault['recovery_s']} s")
+
+
+def lose_rank1_node_after_6(cluster: SlurmCluster, run: RunDir) -> str:
+    """Once rank 1 has stopped itself after iteration 6, lose its node for real (slurmd and
+    rank killed at once, as in a power cut): that node."""
+    wait_for(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6, 240,
+             "iteration 6 (rank 1 stops itself there)")  # fmt: skip
+    (lost,) = start_hosts(run.path, 1)
+    killed = cluster.lose_node(lost)
+    assert "slurmd" in killed and "slurmstepd" in killed, killed
+    return lost
+
+
 @pytest.mark.slurm
 def test_slurm_crash_restarts_in_the_allocation(
     slurm_cluster: SlurmCluster, tmp_path: Path, shared_tmp: Path
@@ -275,15 +296,13 @@ def test_slurm_crash_restarts_in_the_allocation(
     summary = json.loads(run.summary.read_text())
     assert summary["iterations"] == 12 and summary["param_digest_per_rank"] == reference_digests(
         shared_tmp, REFERENCE, ranks=2)  # fmt: skip
+    ended_in_the_allocation(slurm_cluster, fault, summary, "crash", timeout=60)
     job = summary["job_id"]
-    assert fault["job_id"] == job and restarts_of(slurm_cluster, job) == 0
-    assert slurm_cluster.wait_job(job, timeout=60) == "COMPLETED"
     steps = slurm_cluster.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,State"]).stdout
     # Step 0 ended with the crash: FAILED, or CANCELLED when srun's --kill-on-bad-exit ended
     # the other rank before Slurm recorded the failed one (it varies from run to run).
     assert re.search(rf"^{job}\.0\|(FAILED|CANCELLED( by \d+)?)$", steps, re.M), steps
     assert f"{job}.1|COMPLETED" in steps, steps
-    print(f"crash to the first resumed iteration: {fault['recovery_s']} s")
 
 
 def lose_rank1_node(cluster: SlurmCluster, args: list[str], root: Path, after: str
@@ -299,11 +318,7 @@ def lose_rank1_node(cluster: SlurmCluster, args: list[str], root: Path, after: s
                               text=True)  # fmt: skip
     try:
         run = wait_for(lambda: runs_under(root) and RunDir(runs_under(root)[0]), 60, "run")
-        wait_for(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6, 240,
-                 "iteration 6 (rank 1 stops itself there)")  # fmt: skip
-        (lost,) = start_hosts(run.path, 1)
-        killed = cluster.lose_node(lost)
-        assert "slurmd" in killed and "slurmstepd" in killed, killed
+        lost = lose_rank1_node_after_6(cluster, run)
         try:
             out, err = follow.communicate(timeout=300)
         finally:
@@ -338,11 +353,8 @@ def test_slurm_hard_node_loss_with_a_spare(
     assert first == lost and second not in (lost, start_hosts(run.path, 0)[1]), (first, second)
     assert summary["iterations"] == 12 and summary["param_digest_per_rank"] == reference_digests(
         shared_tmp, REFERENCE, ranks=2)  # fmt: skip
-    job = summary["job_id"]
-    assert fault["job_id"] == job and restarts_of(cluster, job) == 0
     # The lost node's step ends once its slurmd is back (else after SlurmdTimeout).
-    assert cluster.wait_job(job, timeout=120) == "COMPLETED"
-    print(f"node lost to the first resumed iteration: {fault['recovery_s']} s")
+    ended_in_the_allocation(cluster, fault, summary, "node lost")
 
 
 @pytest.mark.slurm
@@ -370,10 +382,7 @@ def test_slurm_hard_node_loss_goes_on_with_fewer_nodes(
     assert summary["iterations"] == 12 and summary["world_size"] == 1, summary
     row = hpc_json(run, cli_env(base=cluster.environ()))
     assert row["ranks"] == 1 and row["interruptions"][-1]["world_size"] == [2, 1], row
-    job = summary["job_id"]
-    assert fault["job_id"] == job and restarts_of(cluster, job) == 0
-    assert cluster.wait_job(job, timeout=120) == "COMPLETED"
-    print(f"node lost to the first resumed iteration on fewer nodes: {fault['recovery_s']} s")
+    ended_in_the_allocation(cluster, fault, summary, "node lost, on fewer nodes,")
 
 
 @pytest.mark.slurm
@@ -402,10 +411,7 @@ def test_slurm_crash_with_a_spare_leaves_the_straggler_out(
     summary = json.loads(run.summary.read_text())
     assert summary["iterations"] == 12 and summary["param_digest_per_rank"] == reference_digests(
         shared_tmp, REFERENCE, ranks=2)  # fmt: skip
-    job = summary["job_id"]
-    assert fault["job_id"] == job and restarts_of(cluster, job) == 0
-    assert cluster.wait_job(job, timeout=120) == "COMPLETED"
-    print(f"crash to the first resumed iteration, on the spare: {fault['recovery_s']} s")
+    ended_in_the_allocation(cluster, fault, summary, "crash, on the spare,")
 
 
 @pytest.mark.slurm
@@ -428,10 +434,8 @@ def test_slurm_node_lost_for_good_past_slurmd_timeout(
     assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
     run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
     iteration = lambda: (run.read_progress() or [{}])[-1].get("iteration", 0)  # noqa: E731
-    wait_for(lambda: iteration() >= 6, 240, "iteration 6 (rank 1 stops itself there)")
-    (lost,) = start_hosts(run.path, 1)
     env = cli_env(base=cluster.environ())
-    cluster.lose_node(lost)
+    lost = lose_rank1_node_after_6(cluster, run)
     try:
         wait_for(lambda: any(f.get("recovered_at") for f in faults_of(run)), 120, "the heal")
         state = lambda: cluster.run(["sinfo", "-h", "-n", lost, "-o", "%T"]).stdout  # noqa: E731
