@@ -23,12 +23,11 @@ PYTEST_ARGS ?= -n 3 --dist loadgroup --durations=25
 # make gpu-check: the GPU tests (tests/gpu, marker `gpu`) in a venv of their own with torch's
 # CUDA build (GPU=1), so the CPU venv stays as it is; one test at a time (they share the GPU).
 GPU_VENV ?= .venv-gpu
-GPU_PYTEST_ARGS ?= -rs
 
-.PHONY: install test test-fast test-slurm-24.11 gpu-check lint format demo bench bench-recovery scale cluster-up cluster-down clean help
+.PHONY: install install-offline wheelhouse test test-fast test-slurm-24.11 gpu-check lint format demo bench bench-recovery scale cluster-up cluster-down clean help
 
 help:
-	@echo "make install | test | test-fast | test-slurm-24.11 | gpu-check | lint | format | demo | bench | bench-recovery | scale | cluster-up | cluster-down | clean"
+	@echo "make install | install-offline | wheelhouse | test | test-fast | test-slurm-24.11 | gpu-check | lint | format | demo | bench | bench-recovery | scale | cluster-up | cluster-down | clean"
 
 install: $(STAMP)
 
@@ -102,26 +101,38 @@ test-slurm-24.11: install
 		MJLAB_HPC_CLUSTER_DIR="$${MJLAB_HPC_CLUSTER_DIR:-$(SLURM_2411_DIR)}" \
 		bash $(CLUSTER) exec $(BIN)/pytest $(SLURM_2411_ARGS)
 
+wheelhouse:
+	@[ -n "$(WHEELHOUSE)" ] || { echo "usage: make wheelhouse WHEELHOUSE=DIR [WHEEL_PYTHON=3.12]"; exit 2; }
+	$(PYTHON) tools/wheelhouse.py make "$(WHEELHOUSE)" $(if $(WHEEL_PYTHON),--python-version $(WHEEL_PYTHON),)
+
+install-offline:
+	@[ -n "$(WHEELHOUSE)" ] || { echo "usage: make install-offline WHEELHOUSE=DIR [SITE_PYTHON=python3] [VENV=.venv]"; exit 2; }
+	$(PYTHON) tools/wheelhouse.py install "$(WHEELHOUSE)" --venv $(VENV) --python $(SITE_PYTHON) \
+		$(if $(filter 1,$(KEEP_INSTALLED)),--keep-installed,)
+	touch $(STAMP)
+
 # Without a GPU (nvidia-smi missing, or it lists none) this prints why it did nothing and
 # exits 0. With one, a missing GPU is an error: MJLAB_HPC_REQUIRE_GPU=1 makes a GPU test fail
-# where it would otherwise skip (torch without CUDA, a driver that does not answer).
+# where it would otherwise skip (torch without CUDA, a driver that does not answer). Within 8
+# minutes on one GPU from a cold kernel cache (docs/performance.md).
 gpu-check:
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then why="nvidia-smi is not installed: no NVIDIA driver"; \
 	elif ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then why="nvidia-smi lists no GPU"; \
 	else why=""; fi; \
 	if [ -n "$$why" ]; then \
-		torch=$$($(BIN)/python -c 'import torch; c = torch.version.cuda; print("torch", torch.__version__, "in $(VENV)", f"(CUDA {c}) sees {torch.cuda.device_count()} GPU(s)" if c else "is a CPU build, without CUDA")' 2>/dev/null || echo "no torch in $(VENV)"); \
-		echo "make gpu-check did nothing: this machine has no GPU ($$why; $$torch)."; \
-		echo "The GPU checks (tests/gpu, pytest marker gpu: training cartpole, ant and an mjlab"; \
-		echo "velocity task on CUDA, the device mapping with and without CUDA_VISIBLE_DEVICES,"; \
-		echo "Warp arrays on the rank's device, graph capture, resume, two ranks on one GPU) need"; \
-		echo "an NVIDIA GPU; run make gpu-check on a GPU machine. Nothing was installed or run."; \
+		echo "make gpu-check did nothing: this machine has no GPU ($$why)."; \
+		echo "The GPU checks (tests/gpu: cartpole, ant and an mjlab velocity task training on"; \
+		echo "CUDA, the device mapping, Warp arrays and graphs on the rank's device, resume, two"; \
+		echo "ranks on one GPU) and the GPU figures need an NVIDIA GPU; run make gpu-check on a"; \
+		echo "GPU machine. Nothing was installed or run."; \
 		exit 0; \
 	fi; \
 	nvidia-smi -L; \
-	$(MAKE) --no-print-directory install VENV=$(GPU_VENV) GPU=1 || exit 1; \
+	if [ -n "$(WHEELHOUSE)" ]; then \
+		$(MAKE) --no-print-directory install-offline VENV=$(GPU_VENV) || exit 1; \
+	else $(MAKE) --no-print-directory install VENV=$(GPU_VENV) GPU=1 || exit 1; fi; \
 	$(GPU_VENV)/bin/python -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "available:", torch.cuda.is_available())'; \
-	MJLAB_HPC_REQUIRE_GPU=1 $(GPU_VENV)/bin/pytest -m gpu $(GPU_PYTEST_ARGS)
+	$(GPU_VENV)/bin/python -m benchmarks.gpucheck $(GPU_CHECK_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
@@ -186,4 +197,4 @@ cluster-down:
 	bash $(CLUSTER) down
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .ruff_cache *.egg-info build dist
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .ruff_cache *.egg-info build dist gpu-check-results

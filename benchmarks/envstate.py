@@ -22,15 +22,16 @@ from typing import Any
 from benchmarks.config import BenchConfig
 from benchmarks.stats import Figure
 
-__all__ = ["envstate_figures", "fit", "run_envstate"]
+__all__ = ["envstate_figures", "fit", "measure_in_process", "run_envstate"]
 
 TASK = "Mjlab-Velocity-Rough-Unitree-G1"
 #: The size the figures are given at (mjlab's default for its velocity tasks).
 AT = 4096
 
 
-def _measure(task: str, num_envs: int, folder: Path) -> dict[str, Any]:
-    """In a process of its own: build, step, save, load, restore one env of `num_envs`."""
+def _measure(task: str, num_envs: int, folder: Path, device: str = "cpu") -> dict[str, Any]:
+    """In a process of its own: build, step, save, load, restore one env of `num_envs` on
+    `device` (CUDA work is waited for inside each timed part)."""
     import torch
     import warp as wp
 
@@ -43,14 +44,20 @@ def _measure(task: str, num_envs: int, folder: Path) -> dict[str, Any]:
     def build() -> Any:
         with contextlib.redirect_stdout(io.StringIO()):
             return mt.make_mjlab_runtime(task, num_envs=num_envs, max_iterations=1, seed=0,
-                                         device="cpu", cpu_graph=True).env  # fmt: skip
+                                         device=device, cpu_graph=True).env  # fmt: skip
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
 
     env = build()
-    actions = torch.zeros(num_envs, env.num_actions)
-    with wp.ScopedDevice("cpu"):
+    actions = torch.zeros(num_envs, env.num_actions, device=device)
+    with wp.ScopedDevice(device):
         env.step(actions)
+        sync()
         t0 = time.perf_counter()
         env.step(actions)
+        sync()
         step_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     mt.capture_env(env)
@@ -66,12 +73,27 @@ def _measure(task: str, num_envs: int, folder: Path) -> dict[str, Any]:
     fresh = build()
     t0 = time.perf_counter()
     loaded = torch.load(tmp, map_location="cpu", weights_only=False)
-    problems = mt.restore_env(fresh, loaded["env"], "cpu")
+    problems = mt.restore_env(fresh, loaded["env"], device)
+    sync()
     restore_s = time.perf_counter() - t0
     Path(tmp).unlink()
     return {"num_envs": num_envs, "bytes": size, "capture_s": capture_s, "write_s": write_s,
             "restore_s": restore_s, "env_step_s": step_s, "first_capture_s": first_s,
-            "problems": problems}  # fmt: skip
+            "problems": problems, "device": device}  # fmt: skip
+
+
+def measure_in_process(
+    task: str, num_envs: int, folder: Path, device: str, env: dict[str, str], timeout_s: float
+) -> dict[str, Any]:
+    """`_measure` in a fresh interpreter with environment `env`; RuntimeError if it failed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.envstate", task, str(folder), device, str(num_envs)],
+        env=env, capture_output=True, text=True, timeout=timeout_s,
+    )  # fmt: skip
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-1000:]}")
+    return dict(json.loads(lines[-1]))
 
 
 def fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -96,7 +118,8 @@ def run_envstate(cfg: BenchConfig, say: Callable[[str], None], runs: Path
     for sizes in groups:
         say(f"rank state of {TASK} with {', '.join(map(str, sizes))} envs")
         proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.envstate", TASK, str(folder), *map(str, sizes)],
+            [sys.executable, "-m", "benchmarks.envstate", TASK, str(folder), "cpu",
+             *map(str, sizes)],
             capture_output=True, text=True, timeout=cfg.run_timeout_s * 4,
         )  # fmt: skip
         lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
@@ -133,6 +156,7 @@ def envstate_figures(details: dict[str, Any]) -> list[Figure]:
     return figs
 
 
-if __name__ == "__main__":
-    for size in sys.argv[3:]:
-        print(json.dumps(_measure(sys.argv[1], int(size), Path(sys.argv[2]))), flush=True)
+if __name__ == "__main__":  # TASK FOLDER DEVICE SIZE...
+    for size in sys.argv[4:]:
+        print(json.dumps(_measure(sys.argv[1], int(size), Path(sys.argv[2]), sys.argv[3])),
+              flush=True)  # fmt: skip

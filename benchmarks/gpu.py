@@ -2,10 +2,13 @@
 section records (and says) why it was skipped.
 
 - an mjlab task (Mjlab-Velocity-Flat-Unitree-G1, 4096 envs) through our `mjlab-train
-  --gpu-ids 0` against mjlab's own `train --gpu-ids 0` on the same GPU, in alternating order:
-  env-steps/s of iterations 2.., and the time from the process's start to its first finished
-  iteration;
-- env.step / raw mujoco_warp graph replay of the built-in tasks on `cuda:0` (`rollout`).
+  --gpu-ids 0` against mjlab's own `train --gpu-ids "[0]"` on the same GPU: the time from the
+  process's start to its first finished iteration with a cold Warp kernel cache (both at once,
+  each with an empty cache of its own), then, with each side's cache warm, in alternating
+  order: env-steps/s of iterations 2.. and the time to the first iteration again;
+- env.step / raw mujoco_warp graph replay of the built-in tasks on `cuda:0` (`rollout`);
+- the seconds to save and to restore one rank's whole state of that task at 4096 envs on the
+  GPU (`benchmarks.envstate`).
 
 Both trainings run with their default threads and unbuffered output, so that the end of the
 first iteration is seen when it happens (ours: the first line of progress.jsonl; mjlab's:
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -26,11 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.config import BenchConfig
+from benchmarks.envstate import measure_in_process
 from benchmarks.rollout import run_rollout
 from benchmarks.session import Bench
 from benchmarks.stats import Figure, reward_text, throughput
 from benchmarks.watch import bench_env, cli, find_run_dir, kill_job, measured_records
 from mjlab_hpc.rundir.layout import PROGRESS, read_jsonl
+from mjlab_hpc.tasks.video import gl_unloadable
 
 __all__ = ["GPU_FIGURES", "cuda_probe", "gpu_figures", "run_gpu"]
 
@@ -38,9 +44,13 @@ __all__ = ["GPU_FIGURES", "cuda_probe", "gpu_figures", "run_gpu"]
 GPU_FIGURES = (
     "gpu_mjlab_vs_train",
     "gpu_first_iteration",
+    "gpu_first_iteration_cold",
     "gpu_rollout_overhead_cartpole",
     "gpu_rollout_overhead_ant",
+    "gpu_state_save_s",
+    "gpu_state_restore_s",
 )
+_SIDES = ("mjlab_train", "ours")
 
 # Asked in a fresh interpreter: the benchmark process itself never initialises CUDA.
 _PROBE = """
@@ -94,9 +104,12 @@ def cuda_probe(env: dict[str, str], timeout_s: float = 120.0) -> dict[str, Any]:
     return found
 
 
-def run_gpu(bench: Bench) -> dict[str, Any]:
+def run_gpu(
+    bench: Bench, after_cold: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """Measure the GPU figures into `bench.details["gpu"]` where CUDA is available; else record
-    and say why they were skipped. Returns that record."""
+    and say why they were skipped. Returns that record. `after_cold(record)` runs once the
+    cold start-ups have filled the kernel caches (`record["caches"]`), before the rest."""
     cfg = bench.cfg
     if not cfg.gpu:
         record: dict[str, Any] = {"skipped": "not asked for (--no-gpu)"}
@@ -110,45 +123,80 @@ def run_gpu(bench: Bench) -> dict[str, Any]:
     if "skipped" in record:
         bench.say(f"GPU figures: skipped: {record['skipped']}")
         return record
+    mjlab = importlib.util.find_spec("mjlab") is not None
+    if mjlab:
+        _cold_pair(bench, record)
+    else:
+        record["mjlab"] = {"skipped": "the [mjlab] extra is not installed"}
+        bench.say("GPU mjlab comparison and state: skipped (the [mjlab] extra is not installed)")
+    if after_cold is not None:
+        after_cold(record)
     name, n = record["device"]["name"], cfg.gpu_num_envs
     bench.say(f"GPU rollout overhead on {name}: {', '.join(cfg.rollout_tasks)} x {n} worlds")
     try:
         record["rollout"] = run_rollout(
-            cfg, bench_env(gpus=True), "cuda:0", n, timeout_s=2 * cfg.run_timeout_s
+            cfg, _gpu_env(record, "ours"), "cuda:0", n, timeout_s=2 * cfg.run_timeout_s
         )
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         bench.failures.append(f"gpu rollout: {exc}")
         record["rollout"] = {}
-    _mjlab_pairs(bench, record)
+    if mjlab:
+        _warm_pairs(bench, record)
+        _state(bench, record)
     return record
 
 
-def _mjlab_pairs(bench: Bench, record: dict[str, Any]) -> None:
+def _gpu_env(record: dict[str, Any], side: str) -> dict[str, str]:
+    """A GPU run's environment: unbuffered, with the side's own kernel cache where the cold
+    start-ups made one."""
+    extra = {"PYTHONUNBUFFERED": "1"}
+    if "MUJOCO_GL" not in os.environ and gl_unloadable("egl") is not None:
+        # No EGL here: mjlab's own train would fail importing it; both sides render nothing.
+        extra["MUJOCO_GL"] = "disable"
+    if cache := record.get("caches", {}).get(side):
+        extra["WARP_CACHE_PATH"] = cache
+    return bench_env(extra, gpus=True)
+
+
+def _cold_pair(bench: Bench, record: dict[str, Any]) -> None:
+    """Both sides from an empty Warp kernel cache each, started at once (kernels compile on
+    the CPU, one module at a time per process: the two do not wait on each other); their
+    caches then serve every later run of the side."""
     cfg = bench.cfg
-    if importlib.util.find_spec("mjlab") is None:
-        record["mjlab"] = {"skipped": "the [mjlab] extra is not installed"}
-        bench.say("GPU mjlab comparison: skipped (the [mjlab] extra is not installed)")
-        return
+    caches = {side: (bench.runs / f"warp-cache-{side}").resolve() for side in _SIDES}
+    record["caches"] = {side: str(path) for side, path in caches.items()}
+    bench.say(f"GPU cold start: {cfg.gpu_task} x {cfg.gpu_num_envs} envs, both sides at once, "
+              "each with an empty kernel cache")  # fmt: skip
+    started = {}
+    for side in _SIDES:
+        caches[side].mkdir(parents=True, exist_ok=True)
+        started[side] = _start(bench, side, "cold", 2, _gpu_env(record, side))
+    got = {side: _finish(bench, *started[side], iterations=2) for side in _SIDES}
+    record["cold"] = {side: run and run["first_s"] for side, run in got.items()}
+
+
+def _warm_pairs(bench: Bench, record: dict[str, Any]) -> None:
+    cfg = bench.cfg
     last = cfg.measured + 1  # iteration 1 is the warm-up
     pairs: list[dict[str, Any]] = []
     record["mjlab"] = {"task": cfg.gpu_task, "num_envs": cfg.gpu_num_envs, "pairs": pairs}
-    sides = ("mjlab_train", "ours")
     for r in range(1, cfg.gpu_pairs + 1):
-        order = sides if r % 2 else sides[::-1]
+        order = _SIDES if r % 2 else _SIDES[::-1]
         bench.say(f"GPU {r}/{cfg.gpu_pairs}: {cfg.gpu_task} x {cfg.gpu_num_envs} envs: "
                   f"{' | '.join(order)}")  # fmt: skip
         got: dict[str, dict[str, Any]] = {}
         for side in order:
-            run = _gpu_run(bench, side, r, last)
+            run = _finish(bench, *_start(bench, side, str(r), last, _gpu_env(record, side)),
+                          iterations=last)  # fmt: skip
             if run is None:
                 break
             got[side] = run
-        if len(got) < len(sides):
+        if len(got) < len(_SIDES):
             continue
         pairs.append(
             {
-                **{side: throughput(got[side]["records"]) for side in sides},
-                **{f"{side}_first_iteration_s": got[side]["first_s"] for side in sides},
+                **{side: throughput(got[side]["records"]) for side in _SIDES},
+                **{f"{side}_first_iteration_s": got[side]["first_s"] for side in _SIDES},
                 # Informative: GPU physics and PPO need not be bit-reproducible.
                 "same_rewards": _rewards(got["mjlab_train"]["records"], "reward")
                 == _rewards(got["ours"]["records"], "mean_reward"),
@@ -156,26 +204,46 @@ def _mjlab_pairs(bench: Bench, record: dict[str, Any]) -> None:
         )
 
 
+def _state(bench: Bench, record: dict[str, Any]) -> None:
+    """One rank's whole state of the GPU task on the GPU: seconds to save and to restore."""
+    cfg = bench.cfg
+    bench.say(f"GPU rank state: {cfg.gpu_task} x {cfg.gpu_num_envs} envs, save and restore")
+    folder = bench.runs / "gpu-state"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        record["state"] = measure_in_process(
+            cfg.gpu_task, cfg.gpu_num_envs, folder, "cuda:0", _gpu_env(record, "ours"),
+            timeout_s=2 * cfg.run_timeout_s,
+        )  # fmt: skip
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        bench.failures.append(f"gpu rank state: {exc}")
+        record["state"] = {}
+
+
 def _rewards(records: list[dict[str, Any]], key: str) -> list[str | None]:
     return [reward_text(r.get(key)) for r in records]
 
 
-def _gpu_run(bench: Bench, side: str, repeat: int, iterations: int) -> dict[str, Any] | None:
-    """One side of the GPU comparison in `<runs>/gpu-<side>-<repeat>`: its records of
-    iterations 2..`iterations` and seconds to its first iteration; None if it failed."""
+def _start(
+    bench: Bench, side: str, label: str, iterations: int, env: dict[str, str]
+) -> tuple[str, Path, subprocess.Popen[bytes], float]:
+    """Start one side of the GPU comparison in `<runs>/gpu-<side>-<label>`."""
     cfg = bench.cfg
-    name = f"gpu-{side.replace('_', '-')}-{repeat}"
+    name = f"gpu-{side.replace('_', '-')}-{label}"
     cwd = (bench.runs / name).resolve()
     cwd.mkdir(parents=True)
     envs, its = str(cfg.gpu_num_envs), str(iterations)
-    out = cwd / f"{name}.out"
     if side == "mjlab_train":
+        # mjlab's `train` command; where only its package is there (a site module), the
+        # same entry point through Python.
+        train = cli("train")
+        head = [train] if Path(train).is_file() else [sys.executable, "-m", "mjlab.scripts.train"]
         cmd = [
-            cli("train"), cfg.gpu_task,
+            *head, cfg.gpu_task,
             "--env.scene.num-envs", envs,
             "--agent.max-iterations", its,
             "--agent.logger", "tensorboard",
-            "--gpu-ids", "0",
+            "--gpu-ids", "[0]",  # mjlab 1.6 reads lists in Python's syntax
         ]  # fmt: skip
     else:
         cmd = [
@@ -186,76 +254,102 @@ def _gpu_run(bench: Bench, side: str, repeat: int, iterations: int) -> dict[str,
             "--log-root", str(cwd / "logs"),
             "--agent.logger", "tensorboard",
         ]  # fmt: skip
+    out = cwd / f"{name}.out"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
+            start_new_session=True,  # a timeout ends the whole job
+        )  # fmt: skip
+    return side, cwd, proc, time.monotonic()
 
-    def first_done() -> bool:
-        if side == "mjlab_train":
-            return bool(_RSL_ITERATION_DONE.search(out.read_text(errors="replace")))
-        run = find_run_dir(cwd / "logs")
-        return run is not None and bool(read_jsonl(run / PROGRESS))
 
-    code, first_s = _run_timed(cmd, cwd, out, first_done, 2 * cfg.run_timeout_s)
+def _first_done(side: str, cwd: Path) -> bool:
+    """Whether the side's first iteration has ended (ours: its first progress record; mjlab's:
+    rsl-rl's first "Learning iteration" block, printed when that iteration ends)."""
+    if side == "mjlab_train":
+        out = next(cwd.glob("*.out"))
+        return bool(_RSL_ITERATION_DONE.search(out.read_text(errors="replace")))
+    run = find_run_dir(cwd / "logs")
+    return run is not None and bool(read_jsonl(run / PROGRESS))
+
+
+def _finish(
+    bench: Bench, side: str, cwd: Path, proc: subprocess.Popen[bytes], t0: float,
+    iterations: int,
+) -> dict[str, Any] | None:  # fmt: skip
+    """Wait for a started side (killed after twice the run timeout): its records of iterations
+    2..`iterations` and seconds from its start to its first iteration; None if it failed."""
+    first: float | None = None
+    timeout_s = 2 * bench.cfg.run_timeout_s
+    try:
+        while proc.poll() is None and time.monotonic() - t0 < timeout_s:
+            if first is None and _first_done(side, cwd):
+                first = time.monotonic() - t0
+            time.sleep(_POLL_S)
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    if first is None and _first_done(side, cwd):  # ended between two polls
+        first = time.monotonic() - t0
+    out = next(cwd.glob("*.out"))
     text = out.read_text(errors="replace")
     records = measured_records(side, text, cwd, iterations)
-    if code != 0 or len(records) != iterations - 1:
-        bench.failures.append(f"{name}: exit {code}\n{text[-1500:]}")
-        bench.say(f"  {name}: FAILED (exit {code}), output in {out}")
+    if proc.returncode != 0 or len(records) != iterations - 1:
+        bench.failures.append(f"{cwd.name}: exit {proc.returncode}\n{text[-1500:]}")
+        bench.say(f"  {cwd.name}: FAILED (exit {proc.returncode}), output in {out}")
         return None
-    first = f"{first_s:.1f} s" if first_s is not None else "not seen"
-    bench.say(f"  {name}: {throughput(records):,.0f} env-steps/s, first iteration {first}")
-    return {"records": records, "first_s": first_s}
-
-
-def _run_timed(
-    cmd: list[str], cwd: Path, out: Path, first_done: Callable[[], bool], timeout_s: float
-) -> tuple[int | None, float | None]:
-    """Run `cmd` to its end (killed after `timeout_s`); its exit code and the seconds from its
-    start until `first_done()` was first true (None: not seen while it ran)."""
-    first: float | None = None
-    with open(out, "w") as f:
-        t0 = time.monotonic()
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, env=bench_env({"PYTHONUNBUFFERED": "1"}, gpus=True), stdout=f,
-            stderr=subprocess.STDOUT, start_new_session=True,  # a timeout ends the whole job
-        )  # fmt: skip
-        try:
-            while proc.poll() is None and time.monotonic() - t0 < timeout_s:
-                if first is None and first_done():
-                    first = time.monotonic() - t0
-                time.sleep(_POLL_S)
-        finally:
-            if proc.poll() is None:
-                kill_job(proc)
-    return proc.returncode, first
+    seen = f"{first:.1f} s" if first is not None else "not seen"
+    bench.say(f"  {cwd.name}: {throughput(records):,.0f} env-steps/s, first iteration {seen}")
+    return {"records": records, "first_s": first}
 
 
 def gpu_figures(cfg: BenchConfig, record: dict[str, Any]) -> list[Figure]:
     """The figures of the GPU section (none when it was skipped)."""
     if "skipped" in record:
         return []
+    task, n = cfg.gpu_task, cfg.gpu_num_envs
     figs = [
-        Figure(f"gpu_rollout_overhead_{task}", f"GPU env.step / raw physics ({task})",
-               tuple(data["ratios"]), 0.9, ">=",
+        Figure(f"gpu_rollout_overhead_{name}", f"GPU env.step / raw physics ({name})",
+               tuple(data["ratios"]), 0.95, ">=",
                "env.step throughput / raw mujoco_warp graph replay throughput on cuda:0, same "
                "worlds and substeps, each side synchronised", "gpu")
-        for task, data in record.get("rollout", {}).items()
+        for name, data in record.get("rollout", {}).items()
     ]  # fmt: skip
     mj = record.get("mjlab", {})
     if "skipped" in mj:
         return figs
-    pairs, task = mj.get("pairs", []), cfg.gpu_task
+    pairs = mj.get("pairs", [])
     firsts = [
         p["ours_first_iteration_s"] / p["mjlab_train_first_iteration_s"]
         for p in pairs
         if p["ours_first_iteration_s"] and p["mjlab_train_first_iteration_s"]
     ]
+    cold = record.get("cold", {})
+    cold_ratio = (
+        (cold["ours"] / cold["mjlab_train"],)
+        if cold.get("ours") and cold.get("mjlab_train")
+        else ()
+    )
+    state = record.get("state", {})
     figs += [
         Figure("gpu_mjlab_vs_train", f"GPU {task}: ours / mjlab train",
                tuple(p["ours"] / p["mjlab_train"] for p in pairs), 1.0, ">=",
-               "env-steps/s of mjlab-train --gpu-ids 0 / mjlab's own train --gpu-ids 0, same "
+               "env-steps/s of mjlab-train --gpu-ids 0 / mjlab's own train --gpu-ids [0], same "
                "GPU, task and envs, iterations 2..", "gpu"),
         Figure("gpu_first_iteration", f"GPU {task}: first iteration, ours / mjlab train",
                tuple(firsts), 1.2, "<=",
-               "process start to first finished iteration, mjlab-train / mjlab's own train "
-               "(imports, environment, CUDA graphs, one iteration)", "gpu"),
+               "process start to first finished iteration, mjlab-train / mjlab's own train, "
+               "warm kernel cache (imports, environment, CUDA graphs, one iteration)", "gpu"),
+        Figure("gpu_first_iteration_cold", f"GPU {task}: first iteration, cold cache, ours / "
+               "mjlab train", cold_ratio, 1.2, "<=",
+               "process start to first finished iteration from an empty Warp kernel cache "
+               "(kernels compiled), both sides at once, each with its own cache", "gpu"),
+        Figure("gpu_state_save_s", f"GPU {task}: rank state save, {n} envs (s)",
+               (state["capture_s"] + state["write_s"],) if state else (), None, "<=",
+               "capture the env's whole state on the GPU and write the rank's file (fsync)",
+               "gpu"),
+        Figure("gpu_state_restore_s", f"GPU {task}: rank state restore, {n} envs (s)",
+               (state["restore_s"],) if state else (), None, "<=",
+               "read the rank's file and restore it into a fresh env on the GPU", "gpu"),
     ]  # fmt: skip
     return figs

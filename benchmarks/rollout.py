@@ -49,7 +49,7 @@ def _synchronizer(device: str) -> Callable[[], None]:
         return lambda: None
     import torch
 
-    # The env runs Warp on torch's current stream: one synchronisation covers both.
+    # The whole device: torch's stream and Warp's.
     return lambda: torch.cuda.synchronize(torch.device(device))
 
 

@@ -3,6 +3,7 @@ and turning errors into one clear line and an exit code."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import shlex
@@ -27,7 +28,14 @@ from mjlab_hpc.errors import (
 )
 from mjlab_hpc.spec import split_overrides
 
-__all__ = ["error_line", "guarded", "mjlab_booleans", "parse_with_overrides", "resume_command"]
+__all__ = [
+    "error_line",
+    "guarded",
+    "mjlab_booleans",
+    "parse_with_overrides",
+    "python_lists",
+    "resume_command",
+]
 
 T = TypeVar("T")
 # mjlab's CLI spells booleans `--flag True` (tyro's FlagConversionOff, mjlab.TYRO_FLAGS).
@@ -73,8 +81,12 @@ def parse_with_overrides(
     overrides (as mjlab's own train takes them), given to `attach`. An exit code when an
     argument is neither."""
     given = list(argv) if argv is not None else sys.argv[1:]
-    args = mjlab_booleans(cls, _none_values(given))
-    return guarded(lambda: _parsed(cls, args, description, attach))  # a Ctrl-C while it loads
+    # A Ctrl-C while it loads, or a list that names nothing: one line.
+    return guarded(
+        lambda: _parsed(
+            cls, mjlab_booleans(cls, python_lists(_none_values(given))), description, attach
+        )
+    )
 
 
 def _parsed(
@@ -135,6 +147,41 @@ def _none_values(argv: Sequence[str]) -> list[str]:
             out[i] = f"{flag}=None"
         elif arg in _NONE_FLAGS and i + 1 < len(out) and out[i + 1].lower() == "none":
             out[i + 1] = "None"
+    return out
+
+
+# Flags that mjlab's own train reads in Python's syntax for lists (`--gpu-ids "[0, 1]"`,
+# tyro's UsePythonSyntaxForLiteralCollections); ours also take the values one by one.
+_LIST_FLAGS = ("--gpu-ids",)
+
+
+def python_lists(argv: Sequence[str]) -> list[str]:
+    """`--gpu-ids "[0, 1]"` (mjlab's spelling, also `--gpu-ids=[0,1]` or unquoted) as
+    `--gpu-ids 0 1`; SpecError for a list that is empty or not of whole numbers."""
+    out: list[str] = []
+    items = list(argv)
+    while items:
+        arg = items.pop(0)
+        flag, eq, value = arg.partition("=")
+        if not eq and items:
+            value = items[0]
+        if flag not in _LIST_FLAGS or not value.lstrip().startswith(("[", "(")):
+            out.append(arg)
+            continue
+        if not eq:
+            items.pop(0)
+        while not value.rstrip().endswith(("]", ")")) and items:  # unquoted: split by the shell
+            value += " " + items.pop(0)
+        try:
+            ids = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            ids = None
+        if not isinstance(ids, (list, tuple)) or not all(type(i) is int for i in ids):
+            fix = f'write {flag} 0 1 or {flag} "[0, 1]"'
+            raise SpecError(flag, f"{value!r} is not a list of GPU ids: {fix}")
+        if not ids:
+            raise SpecError(flag, f"{value!r} names no GPU: use {flag} None for the CPU")
+        out += [flag, *(str(i) for i in ids)]
     return out
 
 

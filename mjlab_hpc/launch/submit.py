@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mjlab_hpc.errors import SubmitError
-from mjlab_hpc.launch.local import submit_local
+from mjlab_hpc.launch.local import physical_gpu_ids, submit_local
 from mjlab_hpc.launch.slurm import array_executor, make_slurm_executor
 from mjlab_hpc.rank import RankJob
 from mjlab_hpc.rundir.durable import write_json_atomic
@@ -122,10 +122,13 @@ def submit_run(
     of its --chain in order."""
     train = resolved.replace_train(run_dir=str(run_dir))
     if kind == "local":
+        # One GPU per rank, counted within this shell's CUDA_VISIBLE_DEVICES (as mjlab-train's
+        # --gpu-ids): the ranks see these, local rank k trains on the k-th.
+        gpus = physical_gpu_ids(range(spec.gpus_per_node), os.environ.get("CUDA_VISIBLE_DEVICES"))
         local = submit_local(
             train,
             spec.ranks_per_node,
-            tuple(range(spec.gpus_per_node)),
+            tuple(gpus),
             timeout_min=slurm_time_minutes(spec.time),
             signal_delay_s=spec.signal_delay_s,
             foreground=spec.follow,

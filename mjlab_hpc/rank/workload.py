@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import io
 import logging
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -244,6 +245,8 @@ def _mjlab_workload(
             )
 
     runtime = build_staged(build, ctx)
+    if os.environ.get("MUJOCO_GL") == "disable":
+        log.info("MuJoCo's rendering is off here (MUJOCO_GL=disable): nothing is rendered")
     if recording is not None:
         log.info("recording videos of env 0 into %s: %d frames every %d env steps",
                  recording.folder, recording.length, recording.interval)  # fmt: skip

@@ -4,11 +4,19 @@ The physics state lives in mujoco_warp arrays; torch reads and writes it through
 views (`wp.to_torch`), so actions, observations, rewards and resets never copy the state.
 Physics substeps replay a captured Warp graph. Per-step torch work is fixed-shape (masks and
 `torch.where`, no boolean indexing), so it never synchronises on data.
+
+On CUDA, Warp works on its own stream (CUDA cannot capture a graph on torch's legacy default
+stream) and torch on its current one; each physics step waits for torch's writes to the shared
+state and torch waits for the step, through events (as mjlab's `sim/sim.py` orders them).
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
+import gc
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +27,42 @@ import warp as wp
 from rsl_rl.env import VecEnv
 from tensordict import TensorDict
 
-__all__ = ["EnvConfig", "WarpVecEnv"]
+__all__ = ["EnvConfig", "WarpVecEnv", "graph_unusable"]
+
+log = logging.getLogger(__name__)
+
+# mujoco_warp's solver loops are conditional graph nodes, which need a 12.4 driver (mjlab's
+# `_GRAPH_CAPTURE_MIN_DRIVER`).
+_MIN_GRAPH_DRIVER = (12, 4)
+
+
+def graph_unusable(is_cuda: bool, mempool: bool, driver: tuple[int, int] | None) -> str | None:
+    """Why a Warp graph cannot step the worlds on this device (None: it can). CPU graphs
+    always can; CUDA graphs need Warp's memory pool (allocations inside a capture) and a
+    driver that runs conditional nodes."""
+    if not is_cuda:
+        return None
+    if driver is None:
+        return "the CUDA driver's version is unknown"
+    reasons = []
+    if not mempool:
+        reasons.append("Warp's memory pool is off on this device")
+    if tuple(driver) < _MIN_GRAPH_DRIVER:
+        reasons.append(f"CUDA driver {driver[0]}.{driver[1]} < 12.4")
+    return ", ".join(reasons) or None
+
+
+@contextlib.contextmanager
+def _gc_suspended() -> Iterator[None]:
+    # A stale graph that the collector frees during a capture would record its destruction
+    # into the new graph, which then breaks on replay (mjlab pull request 821).
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -74,14 +117,21 @@ class WarpVecEnv(VecEnv, abc.ABC):
 
         self.episode_length_buf = torch.zeros(num_envs, dtype=torch.long, device=device)
         self._all = torch.ones(num_envs, dtype=torch.bool, device=device)
-        self._stream: Any = None
+        # Warp's own stream of the device (None on CPU), as torch sees it, for the events
+        # that order the two.
+        self._warp_stream: torch.cuda.ExternalStream | None = None
         if self.wp_device.is_cuda:
-            # Run Warp on torch's current stream so the two never race on the shared views.
-            self._stream = wp.stream_from_torch(torch.cuda.current_stream(torch.device(device)))
+            self._warp_stream = torch.cuda.ExternalStream(
+                wp.get_stream(self.wp_device).cuda_stream, device=torch.device(device)
+            )
         self._graph: Any = None
+        """The captured substeps (None: plain stepping)."""
+        self.graph_off_reason: str | None = None if use_graph else "not asked for"
+        """Why the worlds step without a graph (None: a graph steps them)."""
         self._warmup()
         if use_graph:
             self._capture()
+        wp.synchronize_device(self.wp_device)  # the state made on Warp's stream, before torch
         self._reset_worlds(self._all)
         self._obs = self._observations()
 
@@ -94,30 +144,48 @@ class WarpVecEnv(VecEnv, abc.ABC):
     def _warmup(self) -> None:
         # Loads (or compiles) every kernel once: a graph can only capture loaded modules.
         with wp.ScopedDevice(self.wp_device):
-            if self._stream is not None:
-                with wp.ScopedStream(self._stream):
-                    mjw.step(self.model, self.data)
-            else:
-                mjw.step(self.model, self.data)
+            mjw.step(self.model, self.data)
 
     def _capture(self) -> None:
+        """Capture the substeps on Warp's stream; where CUDA cannot, plain stepping and why,
+        said once."""
+        why = graph_unusable(
+            self.wp_device.is_cuda,
+            self.wp_device.is_cuda and wp.is_mempool_enabled(self.wp_device),
+            wp.get_cuda_driver_version() if self.wp_device.is_cuda else None,
+        )
+        if why is None:
+            try:
+                with (
+                    _gc_suspended(),
+                    wp.ScopedDevice(self.wp_device),
+                    wp.ScopedCapture() as capture,
+                ):
+                    self._substeps()
+                self._graph = capture.graph
+            except Exception as exc:  # a driver or Warp that refuses: still trainable
+                why = f"capture failed: {exc}"
+        if why is not None:
+            self.graph_off_reason = why
+            log.warning("%s: physics steps without a graph (%s)", self.device, why)
+
+    @contextlib.contextmanager
+    def _on_warp_stream(self) -> Iterator[None]:
+        """Run Warp work after torch's queued writes, and torch's later work after it."""
         with wp.ScopedDevice(self.wp_device):
-            if self._stream is not None:
-                with wp.ScopedStream(self._stream), wp.ScopedCapture() as capture:
-                    self._substeps()
-            else:
-                with wp.ScopedCapture() as capture:
-                    self._substeps()
-        self._graph = capture.graph
+            if self._warp_stream is None:
+                yield
+                return
+            torch_stream = torch.cuda.current_stream(self._warp_stream.device)
+            self._warp_stream.wait_stream(torch_stream)
+            yield
+            torch_stream.wait_stream(self._warp_stream)
 
     def simulate(self) -> None:
         """Advance every world by `decimation` physics steps."""
-        with wp.ScopedDevice(self.wp_device):
+        with self._on_warp_stream():
             if self._graph is not None:
-                wp.capture_launch(self._graph, stream=self._stream)
-            elif self._stream is not None:
-                with wp.ScopedStream(self._stream):
-                    self._substeps()
+                wp.capture_launch(self._graph)
             else:
                 self._substeps()
 

@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.tasks.video import Recording, egl_device_id, gl_backend, record_videos
+from mjlab_hpc.tasks.video import (
+    Recording,
+    egl_device_id,
+    gl_backend,
+    gl_unloadable,
+    prepare_gl,
+    record_videos,
+)
 
 __all__ = [
     "MjlabDefaults",
@@ -59,8 +66,10 @@ def mjlab_available() -> bool:
 
 def _registry() -> Any:
     """mjlab's task registry, filled (importing mjlab.tasks registers the built-in tasks).
-    MuJoCo loads its offscreen GL library when it is imported: a MUJOCO_GL whose library is
-    missing is one SpecError naming it, not an import traceback."""
+    MuJoCo loads its offscreen GL library when it is imported: without MUJOCO_GL and EGL, none
+    (`prepare_gl`); a MUJOCO_GL whose library is missing is one SpecError naming it, not an
+    import traceback."""
+    prepare_gl()
     try:
         import mjlab.tasks  # noqa: F401
     except Exception as exc:
@@ -280,6 +289,8 @@ def make_mjlab_runtime(
     `nan_guard_dir` unless the config names another folder. `cpu_graph`: replay physics through
     captured Warp graphs on CPU, as mjlab does on CUDA (bit-identical, faster; docs/mjlab.md).
     """
+    if recording is not None and (problem := gl_unloadable()) is not None:
+        raise RuntimeError(f"--video: {problem}; install them on this node, or drop --video")
     env_cfg, agent_cfg, runner_cls, tracking = configured_cfgs(
         task, num_envs, max_iterations, overrides
     )

@@ -8,6 +8,7 @@ order); on a CPU machine Mesa's software EGL renders (docs/mjlab.md).
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 import shutil
 import sys
@@ -22,6 +23,8 @@ __all__ = [
     "egl_device_for_cuda",
     "egl_device_id",
     "gl_backend",
+    "gl_unloadable",
+    "prepare_gl",
     "record_videos",
     "rendering_problem",
     "use_ffmpeg",
@@ -59,6 +62,56 @@ def gl_backend() -> str:
     """The offscreen GL MuJoCo uses here (mjlab makes egl the default on Linux)."""
     default = "egl" if sys.platform.startswith("linux") else "glfw"
     return os.environ.get("MUJOCO_GL", default).lower()
+
+
+# The libraries each MUJOCO_GL loads when MuJoCo is imported (PyOpenGL's platforms): any one of
+# each group; install hints for Debian.
+_GL_LIBRARIES = {
+    "egl": ((("EGL",), ("OpenGL", "GL")), "libegl1 libegl-mesa0 libgl1-mesa-dri"),
+    "osmesa": ((("OSMesa",),), "libosmesa6"),
+}
+
+
+def _loads(names: tuple[str, ...]) -> bool:
+    for name in names:
+        path = ctypes.util.find_library(name)
+        if path is None:
+            continue
+        try:
+            ctypes.CDLL(path)
+        except OSError:  # listed, but not loadable (a broken or emptied file)
+            continue
+        return True
+    return False
+
+
+def gl_unloadable(backend: str | None = None) -> str | None:
+    """Why the GL library of `backend` (default: the one MuJoCo will use here) cannot load on
+    this machine, with what to install; None when it loads (or MuJoCo loads none)."""
+    backend = backend or gl_backend()
+    if backend not in _GL_LIBRARIES or not sys.platform.startswith("linux"):
+        return None
+    groups, debian = _GL_LIBRARIES[backend]
+    missing = [
+        names[0] + "".join(f" (or {n})" for n in names[1:]) for names in groups if not _loads(names)
+    ]
+    if not missing:
+        return None
+    libs = " and ".join(f"lib{name}" for name in missing).replace("(or ", "(or lib")
+    return f"MUJOCO_GL={backend} needs {libs}, which this machine cannot load (Debian: {debian})"
+
+
+def prepare_gl() -> str | None:
+    """Before MuJoCo is first imported for mjlab (which makes egl the default, and MuJoCo loads
+    it at import): where MUJOCO_GL is unset and EGL does not load, MUJOCO_GL=disable, so a node
+    without EGL trains (nothing is rendered). What was done, or None."""
+    if "MUJOCO_GL" in os.environ:
+        return None
+    problem = gl_unloadable("egl")
+    if problem is None:
+        return None
+    os.environ["MUJOCO_GL"] = "disable"
+    return f"rendering is off (MUJOCO_GL=disable): {problem}; training renders nothing"
 
 
 def rendering_problem(timeout_s: float = 120.0) -> str | None:

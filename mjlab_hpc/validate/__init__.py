@@ -20,6 +20,8 @@ from mjlab_hpc.errors import SpecError
 from mjlab_hpc.rank.context import current_allocation
 from mjlab_hpc.rank.watchdog import FAULT_ENV, parse_faults
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
+from mjlab_hpc.tasks.builtin import BUILTIN_TASKS
+from mjlab_hpc.tasks.video import gl_unloadable, prepare_gl
 from mjlab_hpc.validate import world
 from mjlab_hpc.validate.rules import check_job_paths, check_submit, resolve
 from mjlab_hpc.validate.sweep import sweep_elements
@@ -66,17 +68,29 @@ def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec
     decided here (the resolved spec names it as its run directory). `launched_by`: the
     launcher that started this process (a torchrun or srun rank starts no other rank)."""
     _check_faults()
+    if single := launched_by == "single":
+        _settle_gl(spec)  # before mjlab is imported
     resolved = resolve(spec)
     world.check_places(spec)
     if launched_by == "single" and spec.num_procs > 1:
         world.check_local_cpus("--num-procs", spec.num_procs, spec.oversubscribe)
     if spec.device == "cuda" and spec.gpu_ids == "auto":
         world.check_local_gpus("--device", 1)
-    single = launched_by == "single"
     resolved = world.continue_target(resolved, _train_world(spec, launched_by), _note, single)
     if single:  # a rank of torchrun or srun: its launcher checked
         world.check_train_memory(resolved)
     return resolved
+
+
+def _settle_gl(spec: TrainSpec) -> None:
+    """The offscreen GL of ranks on this machine: --video needs one that loads (refused before
+    anything starts); without it, a machine where EGL does not load renders nothing."""
+    if not spec.video:
+        if spec.task not in BUILTIN_TASKS and (done := prepare_gl()) is not None:
+            _note(done)
+        return
+    if (problem := gl_unloadable()) is not None:
+        raise SpecError("--video", f"{problem}; install them, or drop --video")
 
 
 def executor_for(spec: SubmitSpec) -> str:
@@ -157,6 +171,8 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     partition sinfo does not describe) is said through `warn`."""
     check_submit(spec)
     _check_faults()
+    if executor_for(spec) == "local":
+        _settle_gl(spec.train)
     resolved = resolve(spec.train)
     if not spec.sweep:
         flag = "--nodes" if spec.nodes > 1 else "--tasks-per-node"

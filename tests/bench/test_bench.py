@@ -244,7 +244,10 @@ def test_gpu_section_without_a_gpu_is_skipped_and_said(
 # Stand-ins for mjlab's `train` (rsl-rl's console blocks) and our `mjlab-train`
 # (progress.jsonl): 1000 env-steps per iteration in 0.3 s and in 0.24 s of collection + update.
 MJLAB_TRAIN = """
-import sys, time
+import os, pathlib, sys, time
+if sys.argv[sys.argv.index("--gpu-ids") + 1] != "[0]":  # mjlab 1.6 parses lists as Python
+    sys.exit("Value 0 (type int) does not match expected type list[int]")
+pathlib.Path("cache.txt").write_text(os.environ.get("WARP_CACHE_PATH", ""))
 n = int(sys.argv[sys.argv.index("--agent.max-iterations") + 1])
 for i in range(n):
     time.sleep(0.1)
@@ -256,7 +259,8 @@ for i in range(n):
     print(f"                 Mean reward: {i:.2f}", flush=True)
 """
 OUR_TRAIN = """
-import json, pathlib, sys, time
+import json, os, pathlib, sys, time
+pathlib.Path("cache.txt").write_text(os.environ.get("WARP_CACHE_PATH", ""))
 n = int(sys.argv[sys.argv.index("--max-iterations") + 1])
 run = pathlib.Path(sys.argv[sys.argv.index("--log-root") + 1]) / "g1" / "run"
 run.mkdir(parents=True)
@@ -286,12 +290,18 @@ def test_gpu_section_runs_both_sides_and_computes_its_figures(
         rollouts.append((device, n))
         return {"cartpole": {"ratios": [0.5, 0.7]}}
 
+    def state(task: str, n: int, folder: Path, device: str, env: dict, timeout_s: float) -> dict:
+        assert (task, n, device) == ("Mjlab-Velocity-Flat-Unitree-G1", 4096, "cuda:0")
+        return {"capture_s": 0.5, "write_s": 1.0, "restore_s": 2.0}
+
     monkeypatch.setattr(gpu, "cli", scripts.__getitem__)
     monkeypatch.setattr(gpu, "run_rollout", rollout)
+    monkeypatch.setattr(gpu, "measure_in_process", state)
     monkeypatch.setattr(gpu, "cuda_probe", lambda env: {"available": True, "name": "Stand-in"})
     said: list[str] = []
     cfg = BenchConfig(out=tmp_path / "out", iterations=2, gpu_repeats=2)
-    record = gpu.run_gpu(Bench(cfg, said.append))
+    between: list[dict] = []
+    record = gpu.run_gpu(Bench(cfg, said.append), after_cold=lambda r: between.append(dict(r)))
 
     assert rollouts == [("cuda:0", 4096)]
     pairs = record["mjlab"]["pairs"]
@@ -302,16 +312,29 @@ def test_gpu_section_runs_both_sides_and_computes_its_figures(
         assert (
             0.05 < p["ours_first_iteration_s"] < 5 and 0.05 < p["mjlab_train_first_iteration_s"] < 5
         )
-    # Alternating order: mjlab's train first, then ours first.
+    # The cold start-ups first, at once, each side with its own empty cache, which its later
+    # runs reuse; then alternating order: mjlab's train first, then ours first.
     started = [line.split(":")[0].strip() for line in said if line.startswith("  gpu-")]
-    assert started == ["gpu-mjlab-train-1", "gpu-ours-1", "gpu-ours-2", "gpu-mjlab-train-2"]
+    assert sorted(started[:2]) == ["gpu-mjlab-train-cold", "gpu-ours-cold"]
+    assert started[2:] == ["gpu-mjlab-train-1", "gpu-ours-1", "gpu-ours-2", "gpu-mjlab-train-2"]
+    runs = cfg.out / "runs"
+    for side in ("mjlab-train", "ours"):
+        caches = {(runs / f"gpu-{side}-{k}" / "cache.txt").read_text() for k in ("cold", 1, 2)}
+        assert caches == {str((runs / f"warp-cache-{side.replace('-', '_')}").resolve())}
+    assert len(between) == 1 and set(between[0]["cold"]) == {"mjlab_train", "ours"}
     figures = {f.key: f.summary() for f in gpu.gpu_figures(cfg, record)}
     assert set(figures) == {"gpu_mjlab_vs_train", "gpu_first_iteration",
-                            "gpu_rollout_overhead_cartpole"}  # fmt: skip
+                            "gpu_first_iteration_cold", "gpu_rollout_overhead_cartpole",
+                            "gpu_state_save_s", "gpu_state_restore_s"}  # fmt: skip
+    assert set(figures) == set(gpu.GPU_FIGURES) - {"gpu_rollout_overhead_ant"}
     assert figures["gpu_mjlab_vs_train"]["median"] == pytest.approx(1.25)
     assert figures["gpu_mjlab_vs_train"]["met"] is True
     assert figures["gpu_first_iteration"]["n"] == 2
+    assert figures["gpu_first_iteration_cold"]["n"] == 1
     assert figures["gpu_rollout_overhead_cartpole"]["median"] == pytest.approx(0.6)
+    assert figures["gpu_rollout_overhead_cartpole"]["target"] == 0.95
+    assert figures["gpu_state_save_s"]["median"] == pytest.approx(1.5)
+    assert figures["gpu_state_restore_s"]["median"] == pytest.approx(2.0)
 
 
 def test_healing_figures() -> None:

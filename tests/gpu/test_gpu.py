@@ -108,6 +108,21 @@ def train(args: list[str], root: Path, env: dict[str, str] | None = None) -> Run
     return only_run(root)
 
 
+def train_at_once(*jobs: tuple[list[str], Path]) -> list[RunDir]:
+    """`train(args, root)` for each job, all started at once (independent runs share the GPU:
+    the check stays within its time)."""
+    procs = [
+        subprocess.Popen([str(BIN / "mjlab-train"), *args, "--log-root", str(root)],
+                         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+        for args, root in jobs
+    ]  # fmt: skip
+    outs = [proc.communicate(timeout=1500)[0] for proc in procs]
+    for proc, out in zip(procs, outs, strict=True):
+        assert proc.returncode == 0, out[-3000:]
+    return [only_run(root) for _, root in jobs]
+
+
 def summary(run: RunDir) -> dict[str, Any]:
     return json.loads(run.summary.read_text())
 
@@ -116,6 +131,13 @@ def rank_head(run: RunDir, rank: int = 0) -> str:
     """A rank's first line about itself: `rank ... on DEVICE, ..., CUDA_VISIBLE_DEVICES=...`."""
     lines = run.rank_log(rank).read_text().splitlines()
     return next(line for line in lines if "CUDA_VISIBLE_DEVICES=" in line)
+
+
+def visible_of(run: RunDir, rank: int = 0) -> str:
+    """CUDA_VISIBLE_DEVICES as the rank's first line gives it (an OOM counter may follow)."""
+    found = re.search(r"CUDA_VISIBLE_DEVICES=([^\s,]+(?:,[^\s,]+)*)", rank_head(run, rank))
+    assert found, rank_head(run, rank)
+    return found.group(1)
 
 
 def check_gpu_run(run: RunDir, iterations: int, world: int = 1) -> dict[str, Any]:
@@ -152,9 +174,13 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 
 def report(capsys: pytest.CaptureFixture[str], line: str) -> None:
-    """A measured figure, printed even though pytest captures output."""
+    """A measured figure, printed even though pytest captures output, and appended to the
+    file MJLAB_HPC_GPU_REPORT names (`make gpu-check`: its workers' output is not shown)."""
     with capsys.disabled():
         print(f"\n[gpu-check] {line}")
+    if path := os.environ.get("MJLAB_HPC_GPU_REPORT"):
+        with open(path, "a") as f:
+            f.write(line + "\n")
 
 
 # --- training on the GPU ------------------------------------------------------------------
@@ -199,7 +225,7 @@ def test_gpu_ids_0_with_cuda_visible_devices(visible: str, tmp_path: Path) -> No
     args = ["cartpole", "--gpu-ids", "0", "--num-envs", "256", "--max-iterations", "1"]
     run = train(args, tmp_path, env)
     check_gpu_run(run, 1)
-    assert rank_head(run).endswith(f"CUDA_VISIBLE_DEVICES={FIRST_GPU}"), rank_head(run)
+    assert visible_of(run) == FIRST_GPU, rank_head(run)
 
 
 def test_gpu_ids_none_trains_on_the_cpu_beside_a_gpu(tmp_path: Path) -> None:
@@ -221,7 +247,7 @@ def test_one_gpu_per_task_through_the_local_executor(tmp_path: Path) -> None:
     run = only_run(tmp_path)
     assert check_gpu_run(run, 2)["launch_mode"] == "submitit-local"
     # One GPU named for the task (submitit names it by its index).
-    assert re.search(r"CUDA_VISIBLE_DEVICES=\d+$", rank_head(run)), rank_head(run)
+    assert re.fullmatch(r"\d+", visible_of(run)), rank_head(run)
 
 
 # Run in a fresh process, where CUDA starts under the CUDA_VISIBLE_DEVICES given: the device
@@ -434,9 +460,9 @@ def test_resume_on_gpu(task: str, tmp_path: Path, capsys: pytest.CaptureFixture[
     else the resumed run may differ no more than they differ from each other."""
     need_gpu()
     args = [task, "--gpu-ids", "0", "--num-envs", "512", "--seed", "5", "--save-interval", "2"]
-    a = train([*args, "--max-iterations", "4"], tmp_path / "a")
-    a2 = train([*args, "--max-iterations", "4"], tmp_path / "a2")
-    train([*args, "--max-iterations", "2"], tmp_path / "b")
+    a, a2, _ = train_at_once(([*args, "--max-iterations", "4"], tmp_path / "a"),
+                             ([*args, "--max-iterations", "4"], tmp_path / "a2"),
+                             ([*args, "--max-iterations", "2"], tmp_path / "b"))  # fmt: skip
     b = train([*args, "--max-iterations", "4", "--resume"], tmp_path / "b")
     resumed = check_gpu_run(b, 4)
     assert resumed["resumed_from"] == 2
@@ -458,9 +484,9 @@ def test_mjlab_resume_on_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     need_gpu()
     need_mjlab()
     args = [G1, "--gpu-ids", "0", "--num-envs", "512", "--seed", "5", *TB]
-    a = train([*args, "--max-iterations", "4"], tmp_path / "a")
-    a2 = train([*args, "--max-iterations", "4"], tmp_path / "a2")
-    train([*args, "--max-iterations", "2"], tmp_path / "b")
+    a, a2, _ = train_at_once(([*args, "--max-iterations", "4"], tmp_path / "a"),
+                             ([*args, "--max-iterations", "4"], tmp_path / "a2"),
+                             ([*args, "--max-iterations", "2"], tmp_path / "b"))  # fmt: skip
     b = train([*args, "--max-iterations", "4", "--resume"], tmp_path / "b")
     assert check_gpu_run(b, 4)["resumed_from"] == 2
     assert json.loads(b.record.read_text())["starts"][-1]["environments"] == "restored"
@@ -545,7 +571,9 @@ sys.meta_path.insert(0, _Gloo())
 def two_ranks_on_one_gpu(root: Path, extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """`torchrun --nproc_per_node=2 mjlab-train cartpole` with both ranks given the one GPU."""
     env = cli_env({"CUDA_VISIBLE_DEVICES": FIRST_GPU, **extra})
-    return run_cli([str(BIN / "torchrun"), "--nproc_per_node=2", f"--master_port={free_port()}",
+    # torchrun as `python -m torch.distributed.run`: a site's torch keeps its script elsewhere.
+    torchrun = [str(BIN / "python"), "-m", "torch.distributed.run"]
+    return run_cli([*torchrun, "--nproc_per_node=2", f"--master_port={free_port()}",
                     "--no_python", "mjlab-train", "cartpole", "--num-envs", "256",
                     "--max-iterations", "3", "--save-interval", "2", "--dist-timeout-s", "120",
                     "--log-root", str(root)], env, 900)  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from helpers import BIN, cli_env, recording_tools
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.slurm import allocation_srun, render, render_sbatch
+from mjlab_hpc.launch.submit import make_run_dir, submit_run
 from mjlab_hpc.rundir.layout import RunDir, run_dir_for_key
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import SubmitSpec, TrainSpec, train_cli_args
@@ -261,3 +263,30 @@ def test_local_executor_job(tmp_path: Path) -> None:
     assert {p.name for p in run.logs.iterdir()} == {"rank0.log", "rank1.log", "heartbeat"}
     assert {p.name for p in run.heartbeats.iterdir()} == {"rank0.json", "rank1.json"}
     assert run.checkpoint(2).exists()
+
+
+@pytest.mark.training
+def test_local_executor_hands_its_ranks_the_gpus_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mjlab-submit --executor local --gpus-per-node 2` past its validation, on a CPU
+    machine: the GPUs are counted within this shell's CUDA_VISIBLE_DEVICES and handed to the
+    ranks (submitit's controller, then each rank) as CUDA_VISIBLE_DEVICES. Only the GPUs are
+    staged here (two names, no device behind them): the ranks find no CUDA, say so, and
+    train on the CPU. tests/gpu trains on a real GPU through the whole command."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    train = TrainSpec(
+        task="cartpole", num_envs=16, max_iterations=1, torch_threads=1, log_root=str(tmp_path)
+    )
+    spec = SubmitSpec(train=train, executor="local", gpus_per_node=2)
+    resolved = resolve(train)
+    run_dir = make_run_dir(spec, resolved)
+    [job] = submit_run(spec, resolved, "local", run_dir)
+    job.results()  # both ranks to their end
+    run = RunDir(run_dir)
+    for rank in (0, 1):
+        log = run.rank_log(rank).read_text()
+        head = log.split("\n")[0]
+        assert " on cpu, " in head and re.search(r"CUDA_VISIBLE_DEVICES=5,7(, |$)", head), head
+        assert "GPUs 5,7 were allocated but CUDA is not usable here" in log
+    assert json.loads(run.summary.read_text())["world_size"] == 2

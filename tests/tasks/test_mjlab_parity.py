@@ -47,8 +47,8 @@ SAMPLES: dict[str, list[str]] = {
     "int": ["7"],
     "str": ["some/where"],
     "str | None": ["ent/proj/abcd1234"],
-    # mjlab 1.6's own parser refuses `--gpu-ids 0 1` with this tyro; ours takes it (below).
-    "list[int] | Literal['all'] | None": ["all"],
+    # mjlab 1.6 reads lists in Python's syntax; ours also takes `--gpu-ids 0 1` (below).
+    "list[int] | Literal['all'] | None": ["[0, 1]"],
 }
 
 
@@ -93,9 +93,18 @@ def test_every_flag_of_mjlabs_train_is_accepted_with_its_value() -> None:
                                 lambda s, o: s.replace(overrides=o))  # fmt: skip
     assert isinstance(ours, TrainSpec) and ours.video
     assert ours.overrides == ("--agent.resume", "True", "--env.scene.num-envs", "4")
-    ours = parse_with_overrides(TrainSpec, [CARTPOLE, "--gpu-ids", "0", "1"], None,
-                                lambda s, o: s.replace(overrides=o))  # fmt: skip
-    assert isinstance(ours, TrainSpec) and ours.gpu_ids == (0, 1)
+    for args in (["--gpu-ids", "0", "1"], ["--gpu-ids=[0,1]"], ["--gpu-ids", "[0,", "1]"]):
+        ours = parse_with_overrides(TrainSpec, [CARTPOLE, *args], None, lambda s, o: s)
+        assert isinstance(ours, TrainSpec) and ours.gpu_ids == (0, 1), args
+    for value in ("[0]", "all", "None"):
+        theirs = tyro.cli(
+            TrainConfig, args=["--gpu-ids", value], default=default, config=mjlab.TYRO_FLAGS
+        )
+        ours = parse_with_overrides(TrainSpec, [CARTPOLE, "--gpu-ids", value], None, lambda s, o: s)
+        assert isinstance(ours, TrainSpec)
+        assert (list(ours.gpu_ids) if isinstance(ours.gpu_ids, tuple) else ours.gpu_ids) == (
+            theirs.gpu_ids
+        ), value
 
 
 def _offline_runs(wandb_dir: Path) -> list[tuple[str, list[int], list[int], list[str]]]:

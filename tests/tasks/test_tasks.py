@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import warp as wp
 
-from mjlab_hpc.tasks.base import WarpVecEnv
+from mjlab_hpc.tasks import base
+from mjlab_hpc.tasks.base import WarpVecEnv, graph_unusable
 from mjlab_hpc.tasks.builtin import BUILTIN_TASKS, get_task
 
 wp.config.quiet = True
@@ -33,6 +36,53 @@ def test_graph_replay_is_bit_identical(task: str) -> None:
     a = rollout(make(task, 16, graph=True), 40, seed=1)
     b = rollout(make(task, 16, graph=False), 40, seed=1)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("cuda", "pool", "driver", "why"),
+    [
+        (False, False, None, None),  # CPU graphs need neither
+        (True, True, (13, 0), None),
+        (True, True, (12, 4), None),
+        (True, False, (13, 0), "Warp's memory pool is off on this device"),
+        (True, True, (12, 2), "CUDA driver 12.2 < 12.4"),
+        (True, False, (11, 8), "memory pool is off on this device, CUDA driver 11.8 < 12.4"),
+        (True, True, None, "the CUDA driver's version is unknown"),
+    ],
+)
+def test_when_a_graph_can_step_the_worlds(
+    cuda: bool, pool: bool, driver: tuple[int, int] | None, why: str | None
+) -> None:
+    got = graph_unusable(cuda, pool, driver)
+    assert got == why if why is None else why in str(got)
+
+
+class _RefusedCapture:
+    """A capture that the device refuses, as torch's legacy default stream made every CUDA
+    capture fail ("unknown stream"): a CPU capture never fails, so this one is staged."""
+
+    def __enter__(self) -> None:
+        raise RuntimeError("Warp error: unknown stream")
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_a_refused_capture_steps_plainly_and_says_why_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(base.wp, "ScopedCapture", _RefusedCapture)
+    with caplog.at_level(logging.WARNING, logger="mjlab_hpc"):
+        env = make("cartpole", 16, graph=True)
+        refused = rollout(env, 30, seed=2)
+    assert env._graph is None
+    assert env.graph_off_reason == "capture failed: Warp error: unknown stream"
+    said = [r.getMessage() for r in caplog.records if "without a graph" in r.getMessage()]
+    reason = "capture failed: Warp error: unknown stream"
+    assert said == [f"cpu: physics steps without a graph ({reason})"]
+    monkeypatch.undo()
+    plain = rollout(make("cartpole", 16, graph=False), 30, seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(refused, plain, strict=True))
 
 
 @pytest.mark.parametrize("task", sorted(BUILTIN_TASKS))
