@@ -170,7 +170,8 @@ def python_lists(argv: Sequence[str]) -> list[str]:
             continue
         if not eq:
             items.pop(0)
-        while not value.rstrip().endswith(("]", ")")) and items:  # unquoted: split by the shell
+        # Unquoted, the shell split it: the words up to the one that closes it (no flag).
+        while not value.rstrip().endswith(("]", ")")) and items and not items[0].startswith("-"):
             value += " " + items.pop(0)
         try:
             ids = ast.literal_eval(value.strip())
