@@ -324,7 +324,7 @@ def _train(
             if (busy := busy_problem(run)) is not None:  # not ours to wait for and call done
                 raise ResumeRefused("--run-dir", busy)
             writer = RunWriter.acquire(run, ctx.rank)
-            checkpoints = Checkpoints(run.path)
+            checkpoints = Checkpoints(run.path, resolved.task)
         plan = plan_resume(run, resolved, ctx, checkpoints)
         work = build_workload(resolved, ctx, device, seed, run, rank_log)
         runner = work.runner

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import DamagedRecord
-from mjlab_hpc.rundir.durable import create_exclusive, write_atomic
+from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_atomic
 
 __all__ = [
     "CANCEL_RECORD",
@@ -103,8 +103,8 @@ def rank_state_file(checkpoint: Path, rank: int, world_size: int) -> Path:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The complete JSON lines of a file (a torn line is skipped)."""
     try:
-        text = path.read_text(errors="replace")
-    except OSError:
+        text = read_regular(path, 1 << 30).decode(errors="replace")
+    except (OSError, ValueError):
         return []
     records = []
     for line in text.splitlines():
@@ -122,7 +122,7 @@ def read_heartbeats(run: RunDir, world_size: int) -> dict[int, dict[str, Any]]:
     beats: dict[int, dict[str, Any]] = {}
     for rank in range(world_size):
         try:
-            value = json.loads(run.heartbeat(rank).read_text())
+            value = json.loads(read_regular(run.heartbeat(rank)))
         except (OSError, ValueError):
             continue
         if isinstance(value, dict):
@@ -135,7 +135,7 @@ def read_hangs(run: RunDir) -> list[dict[str, Any]]:
     found = []
     for path in sorted(run.heartbeats.glob("hang-rank*.json")):
         try:
-            value = json.loads(path.read_text())
+            value = json.loads(read_regular(path))
         except (OSError, ValueError):
             continue
         if isinstance(value, dict):
@@ -315,15 +315,19 @@ def _recorded_run(record: Path) -> Path:
     written with an absolute path are read by their last component for the same reason.
     """
     try:
-        text = record.read_bytes().decode().strip()
+        data = read_regular(record, 4096)
+        text = data.decode().strip()
+        why = f"it holds {text[:40]!r}, not the name of a run"
     except UnicodeDecodeError:
-        text = "\n"  # binary: damaged like any other non-name
+        text, why = "\n", f"it holds {len(data)} bytes that are not text, not the name of a run"
+    except ValueError as exc:  # a directory, a device
+        text, why = "\n", str(exc)
     name = Path(text).name
     # One line naming a folder beside the record: anything else would resume (or train) in
     # the experiment folder itself, or elsewhere.
     if not name or name in (".", "..") or "\n" in text or not name.isprintable():
         raise DamagedRecord(
-            record, f"it holds {text[:40]!r}, not the name of a run",
+            record, why,
             "name the run with --run-dir, or delete the file (the newest run is then used)",
         )  # fmt: skip
     return (record.parent.parent / name) if record.parent.name == KEYS_DIR else record.parent / name
@@ -368,7 +372,7 @@ def read_element(run_dir: Path) -> ElementRecord | None:
     """The run's sweep element record, None if the run is not part of a sweep."""
     path = run_dir / ELEMENT_RECORD
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_regular(path))
         return ElementRecord(
             sweep_dir=Path(data["sweep_dir"]),
             index=int(data["index"]),
@@ -384,6 +388,6 @@ def read_element(run_dir: Path) -> ElementRecord | None:
 def read_sweep(sweep_dir: Path) -> dict[str, Any]:
     """The sweep record (`sweep.json`) of a sweep directory, {} if there is none."""
     try:
-        return dict(json.loads((sweep_dir / SWEEP_RECORD).read_text()))
+        return dict(json.loads(read_regular(sweep_dir / SWEEP_RECORD)))
     except (OSError, ValueError, TypeError):
         return {}

@@ -334,7 +334,9 @@ def continue_target(
     flag = "--run-dir" if train.run_dir else "--resume"
     if launcher and (busy := busy_problem(RunDir(run_dir))) is not None:
         raise SpecError(flag, busy)
-    refusal = cannot_continue(Checkpoints(run_dir), resolved.task, train.restart_from_scratch, flag)
+    refusal = cannot_continue(
+        Checkpoints(run_dir, resolved.task), resolved.task, train.restart_from_scratch, flag
+    )
     if refusal is not None:
         raise refusal
     if list_checkpoints(run_dir):
