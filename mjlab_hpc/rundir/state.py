@@ -198,9 +198,11 @@ def on_start(
 
 
 def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> dict[str, list[Any]]:
-    """The run's settings (TrainSpec fields, as dicts) that differ: {field: [before, now]}."""
+    """The run's settings (TrainSpec fields, as dicts) that differ: {field: [before, now]}.
+    --num-procs is not one: the number of ranks is (`world_size`), whatever flag gave it."""
     return {key: [before[key], value] for key, value in now.items()
-            if key in before and key not in NOT_RUN_SETTINGS and before[key] != value}  # fmt: skip
+            if key in before and key not in NOT_RUN_SETTINGS and key != "num_procs"
+            and before[key] != value}  # fmt: skip
 
 
 def on_stop(record: dict[str, Any], stop: dict[str, Any]) -> dict[str, Any]:
