@@ -27,7 +27,14 @@ from mjlab_hpc.errors import (
 )
 from mjlab_hpc.spec import split_overrides
 
-__all__ = ["error_line", "guarded", "mjlab_booleans", "parse_with_overrides", "resume_command"]
+__all__ = [
+    "drop_internal_variables",
+    "error_line",
+    "guarded",
+    "mjlab_booleans",
+    "parse_with_overrides",
+    "resume_command",
+]
 
 T = TypeVar("T")
 # mjlab's CLI spells booleans `--flag True` (tyro's FlagConversionOff, mjlab.TYRO_FLAGS).
@@ -39,6 +46,19 @@ def error_line(label: str, message: object) -> None:
     Console(stderr=True, highlight=False, soft_wrap=True).print(
         f"[bold red]{label}:[/] {escape(str(message))}"
     )
+
+
+def drop_internal_variables() -> None:
+    """`_MJLAB_HPC_*` variables are what our launchers set for the ranks they start. In a
+    command a person started they were set by nobody of ours (left exported, copied from a
+    job's environment) and would change how it runs (a run that ignores Ctrl-C): dropped,
+    said in one line."""
+    found = sorted(k for k in os.environ if k.startswith("_MJLAB_HPC_"))
+    for key in found:
+        del os.environ[key]
+    if found:
+        print(f"warning: ignored {', '.join(found)}: internal variable(s) of mjlab_hpc's "
+              "own launchers, not settings (unset them)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def guarded(body: Callable[[], T]) -> T | int:

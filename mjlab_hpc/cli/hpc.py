@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mjlab_hpc.cli.common import guarded
+from mjlab_hpc import console as own_console
+from mjlab_hpc.cli.common import drop_internal_variables, guarded
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_INTERRUPTED, SpecError
 from mjlab_hpc.launch.heal import heal_job
 from mjlab_hpc.launch.slurm import render
@@ -479,8 +480,11 @@ _COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `mjlab-hpc` (a Ctrl-C while the command loads is one line too)."""
+    if argv is None:
+        own_console.detach()
 
     def body() -> int:
+        drop_internal_variables()
         cmd = tyro.cli(Command, args=argv, description=__doc__)  # type: ignore[call-overload]
         return _COMMANDS[type(cmd)](cmd)
 

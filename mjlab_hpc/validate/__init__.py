@@ -53,19 +53,24 @@ def _train_world(spec: TrainSpec, launched_by: str) -> tuple[int | None, str]:
     return (None if spec.gpu_ids == "all" else 1), "--num-procs"
 
 
-def _check_faults() -> None:
-    """A fire drill's MJLAB_HPC_FAULT that the ranks could not read is bad input here."""
+def _check_faults(warn: Callable[[str], None]) -> None:
+    """A fire drill's MJLAB_HPC_FAULT that the ranks could not read is bad input here; one
+    they can read is said (a variable left exported from a drill would end a real run)."""
     try:
-        parse_faults(os.environ)
+        faults = parse_faults(os.environ)
     except ValueError as exc:
         raise SpecError(FAULT_ENV, str(exc).removeprefix(f"{FAULT_ENV}: ")) from None
+    if faults:
+        what = ", ".join(f"{f.kind} rank {f.rank} at iteration {f.iteration}" for f in faults)
+        warn(f"{FAULT_ENV}={os.environ[FAULT_ENV]} is set: this run is a fault drill ({what}); "
+             f"unset {FAULT_ENV} to train without it")  # fmt: skip
 
 
 def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec:
     """Check a training spec and resolve its task; with --resume, the run it continues is
     decided here (the resolved spec names it as its run directory). `launched_by`: the
     launcher that started this process (a torchrun or srun rank starts no other rank)."""
-    _check_faults()
+    _check_faults(_warn if launched_by == "single" else lambda _: None)
     resolved = resolve(spec)
     world.check_places(spec)
     if launched_by == "single" and spec.num_procs > 1:
@@ -156,7 +161,7 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     naming the flag for anything that cannot be submitted. What cannot be checked here (a
     partition sinfo does not describe) is said through `warn`."""
     check_submit(spec)
-    _check_faults()
+    _check_faults(warn)
     resolved = resolve(spec.train)
     if not spec.sweep:
         flag = "--nodes" if spec.nodes > 1 else "--tasks-per-node"
