@@ -31,6 +31,7 @@ __all__ = [
     "memory_room",
     "offer_to_oom_killer",
     "oom_count",
+    "owner",
     "processes",
     "run_command",
     "send_signal",
@@ -54,6 +55,14 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() not in _DEAD
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return False
+
+
+def owner(pid: int) -> int | None:
+    """The user id a live process runs as (None: it is gone)."""
+    try:
+        return int(psutil.Process(pid).uids().real)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return None
 
 
 def processes(match: Callable[[tuple[str, ...]], bool] | None = None) -> list[ProcessEntry]:

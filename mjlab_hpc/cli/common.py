@@ -4,8 +4,11 @@ and turning errors into one clear line and an exit code."""
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import os
+import pwd
 import shlex
+import stat
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -61,6 +64,26 @@ def drop_internal_variables() -> None:
               "own launchers, not settings (unset them)", file=sys.stderr, flush=True)  # fmt: skip
 
 
+def _permission_problem(exc: PermissionError) -> str:
+    """What a PermissionError means, in one line: which file or folder, whose, for whom."""
+    if not exc.filename:
+        return f"permission denied: {exc}"
+    where = Path(exc.filename).absolute()
+    # The first folder on the way that this user may not enter, else the file itself.
+    blocked = next((p for p in (where, *where.parents) if os.access(p.parent, os.X_OK)), where)
+    try:
+        st = blocked.stat()
+        try:
+            owner = pwd.getpwuid(st.st_uid).pw_name
+        except KeyError:
+            owner = f"uid {st.st_uid}"
+        whose = f" (it belongs to {owner}, {stat.filemode(st.st_mode)})"
+    except OSError:
+        whose = ""
+    return (f"{blocked} cannot be read or written by {getpass.getuser()}{whose}: ask its owner "
+            "for access (chmod g+rX for the group), or use your own runs")  # fmt: skip
+
+
 def guarded(body: Callable[[], T]) -> T | int:
     """Run a command body; bad input (SpecError, LaunchError) becomes one line and exit 2, a
     refused submission one line and exit 1, a Ctrl-C that reached no handler of ours one line
@@ -76,6 +99,9 @@ def guarded(body: Callable[[], T]) -> T | int:
     except KeyboardInterrupt:  # Ctrl-C before the work began (or after it ended)
         error_line("interrupted", "stopped at once (Ctrl-C); nothing was started")
         return EXIT_INTERRUPTED
+    except PermissionError as exc:  # another user's file or folder (a team's log root)
+        error_line("error", _permission_problem(exc))
+        return EXIT_FAILED
     except BrokenPipeError:
         # The reader went away (`mjlab-hpc status --json | head`): nothing more to say, and
         # the interpreter's own flush at exit must not fail either.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
 import sys
 from collections.abc import Sequence
@@ -217,7 +218,13 @@ def list_tasks() -> int:
 def _runs_of(targets: Sequence[str], log_root: str) -> list[Path]:
     """Run directories named by the arguments; all runs under the log root without any."""
     if not targets:
-        return list_runs(Path(log_root))
+        unreadable: list[Path] = []
+        runs = list_runs(Path(log_root), unreadable)
+        if unreadable:
+            print(f"note: {len(unreadable)} folder(s) under {log_root} not readable by "
+                  f"{getpass.getuser()}, left out: {', '.join(map(str, unreadable[:5]))}"
+                  + (" ..." if len(unreadable) > 5 else ""), file=sys.stderr)  # fmt: skip
+        return runs
     runs: list[Path] = []
     for target in targets:
         runs.extend(resolve_target(target, Path(log_root)).runs)

@@ -4,9 +4,11 @@ every rank and every restart."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ __all__ = [
     "record_latest_run",
     "run_dir_for_key",
     "run_dir_name",
+    "shared_mkdir",
 ]
 
 TIMESTAMP_FORMAT = "%Y-%m-%d_%H-%M-%S"
@@ -266,6 +269,18 @@ def is_run_dir(path: Path) -> bool:
     return path.is_dir() and any((path / name).exists() for name in _RUN_MARKERS)
 
 
+def shared_mkdir(path: Path) -> None:
+    """Make the folder `path` and its missing parents. A folder made in a group-shared one
+    (setgid: a team's log root) is writable by the group too, whatever this user's umask:
+    it is where every member's runs go (an experiment folder, its `.keys` and `.sweeps`)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    for folder in reversed(missing):
+        with contextlib.suppress(OSError):
+            if folder.parent.stat().st_mode & stat.S_ISGID:
+                os.chmod(folder, folder.stat().st_mode | stat.S_IRWXG)
+
+
 def create_run_dir(
     log_root: str | Path, experiment: str, run_name: str = "", now: dt.datetime | None = None
 ) -> Path:
@@ -275,7 +290,7 @@ def create_run_dir(
     the one that loses gets a `-2`, `-3`, ... suffix.
     """
     parent = Path(log_root) / experiment
-    parent.mkdir(parents=True, exist_ok=True)
+    shared_mkdir(parent)
     base = run_dir_name(now or dt.datetime.now(), run_name)
     for n in range(1, 10_000):
         candidate = parent / (base if n == 1 else f"{base}-{n}")
@@ -297,7 +312,7 @@ def run_dir_for_key(log_root: str | Path, experiment: str, run_name: str, key: s
     if not key or "/" in key or key.startswith("."):
         raise ValueError(f"run directory key must be a plain name, got {key!r}")
     keys = Path(log_root) / experiment / KEYS_DIR
-    keys.mkdir(parents=True, exist_ok=True)
+    shared_mkdir(keys)
     record = keys / key
     if record.exists():
         return _recorded_run(record)
@@ -343,8 +358,11 @@ def latest_run(log_root: str | Path, experiment: str) -> Path | None:
     parent = Path(log_root) / experiment
     marker = parent / LATEST_RUN
     if marker.exists():
-        path = _recorded_run(marker)
-        if path.is_dir():
+        try:
+            path: Path | None = _recorded_run(marker)
+        except PermissionError:  # another user's record (a team's log root): the newest run
+            path = None
+        if path is not None and path.is_dir():
             return path.resolve()
     runs = sorted(p for p in parent.glob("*") if p.is_dir() and not p.name.startswith("."))
     return runs[-1].resolve() if runs else None

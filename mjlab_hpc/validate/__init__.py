@@ -72,7 +72,7 @@ def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec
     launcher that started this process (a torchrun or srun rank starts no other rank)."""
     _check_faults(_warn if launched_by == "single" else lambda _: None)
     resolved = resolve(spec)
-    world.check_places(spec)
+    world.check_places(spec, experiment=resolved.experiment_name)
     if launched_by == "single" and spec.num_procs > 1:
         world.check_local_cpus("--num-procs", spec.num_procs, spec.oversubscribe)
     if spec.device == "cuda" and spec.gpu_ids == "auto":
@@ -172,7 +172,7 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     executor = executor_for(spec)
     _check_executor(spec, executor)
     check_job_paths(resolved)  # every executor writes through Slurm's or submitit's patterns
-    world.check_places(resolved.train, existing_only=spec.dry_run)
+    world.check_places(resolved.train, spec.dry_run, resolved.experiment_name)
     world.check_submit_memory(spec, resolved, executor)
     if not spec.dry_run and executor == "slurm":
         world.check_partition(spec, warn, resolved=resolved)

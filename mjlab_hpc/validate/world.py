@@ -6,7 +6,10 @@ the job (its nodes' memory too), and the jobs it waits for exist."""
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import os
+import pwd
+import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -80,8 +83,21 @@ def check_log_root(flag: str, log_root: str, existing_only: bool = False) -> Pat
             flag, f"{existing} is on a read-only filesystem; give a writable folder for the runs"
         )
     if not os.access(existing, os.W_OK | os.X_OK):
+        st = existing.stat()
+        try:
+            owner = pwd.getpwuid(st.st_uid).pw_name
+        except KeyError:
+            owner = f"uid {st.st_uid}"
+        fix = (
+            "continue it as its owner, or give another run directory"
+            if flag in ("--run-dir", "--resume")
+            else f"ask {owner} to make it group-writable (chmod g+w), or give a folder you "
+            "can write to"
+        )
         raise SpecError(
-            flag, f"{existing} is not writable by this user; give a folder you can write to"
+            flag,
+            f"{existing} is not writable by {getpass.getuser()} (it belongs to {owner}, "
+            f"{stat.filemode(st.st_mode)}): {fix}",
         )
     return path
 
@@ -302,13 +318,19 @@ def check_allocation(spec: SubmitSpec, alloc: Allocation) -> None:
             )
 
 
-def check_places(train: TrainSpec, existing_only: bool = False) -> None:
-    """Where the run will be written can be written (nothing is created). `existing_only`
-    (a dry run, a template, maybe for another machine): only what exists here is checked."""
+def check_places(
+    train: TrainSpec, existing_only: bool = False, experiment: str | None = None
+) -> None:
+    """Where the run will be written can be written (nothing is created): the run directory,
+    or the experiment's folder under the log root (`experiment`; a team's log root may hold
+    one that another member made). `existing_only` (a dry run, a template, maybe for another
+    machine): only what exists here is checked."""
     if train.run_dir:
         check_run_dir("--run-dir", train.run_dir, existing_only)
     else:
+        folder = str(Path(train.log_root) / experiment) if experiment else train.log_root
         check_log_root("--log-root", train.log_root, existing_only)
+        check_log_root("--log-root", folder, existing_only)
 
 
 def continue_target(
@@ -347,6 +369,8 @@ def continue_target(
         )
     # The ranks check again (and load); refusing here starts no process at all.
     flag = "--run-dir" if train.run_dir else "--resume"
+    if launcher:
+        check_run_dir(flag, str(run_dir))
     if launcher and (busy := busy_problem(RunDir(run_dir))) is not None:
         raise SpecError(flag, busy)
     checkpoints = Checkpoints(run_dir, resolved.task)
