@@ -93,12 +93,12 @@ def team() -> Iterator[Team]:
         if os.environ.get("CI") == "true":
             pytest.fail(reason)
         pytest.skip(reason)
-    if subprocess.run(["getent", "group", Team.GROUP], capture_output=True).returncode:
-        subprocess.run(["groupadd", Team.GROUP], check=True)
+    # Another xdist worker may make them at the same moment: what counts is that they exist.
+    subprocess.run(["groupadd", "-f", Team.GROUP], capture_output=True)
     for user in Team.USERS:
-        if subprocess.run(["id", user], capture_output=True).returncode:
-            subprocess.run(["useradd", "-M", "-N", "-g", Team.GROUP, "-s", "/bin/bash", user],
-                           check=True)  # fmt: skip
+        subprocess.run(["useradd", "-M", "-N", "-g", Team.GROUP, "-s", "/bin/bash", user],
+                       capture_output=True)  # fmt: skip
+        subprocess.run(["id", user], capture_output=True, check=True)
     opened = []
     for target in (Path(os.path.realpath(sys.executable)), BIN):
         for folder in target.parents:

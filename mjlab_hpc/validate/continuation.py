@@ -167,9 +167,11 @@ def continued(spec: S, named: frozenset[str], rank: bool = False) -> S:
     hints = typing.get_type_hints(TrainSpec, include_extras=True)
     world = _WORLD[type(spec)]
     keep_world = not rank and not named & set(world)
+    # What --resume found the run by stays what the command says.
+    found_by = {"log_root"} if train.run_dir else {"log_root", "experiment_name"}
     changes: dict[str, Any] = {}
     for name, value in before.items():
-        if name not in hints or name in named or name in _THIS_START or name == "overrides":
+        if name not in hints or name in named or name in {*_THIS_START, *found_by, "overrides"}:
             continue
         if name in _WORLD[TrainSpec] and not (keep_world and isinstance(spec, TrainSpec)):
             continue

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import BIN, Team, cli_env, only_run, wait_for_iteration
+from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED
 from mjlab_hpc.launch.local import local_processes
@@ -80,6 +81,33 @@ def test_other_users_on_a_team_log_root(team: Team) -> None:
     finally:
         stop = team.run(alice, [BIN / "mjlab-hpc", "cancel", run])
     assert stop.returncode == 0 and "no process left" in stop.stdout, _text(stop)
+
+
+@pytest.mark.slurm
+def test_another_users_slurm_job_is_not_claimed_cancelled(
+    slurm_cluster: SlurmCluster, team: Team
+) -> None:
+    """bob's cancel of alice's Slurm job: Slurm refuses it, and bob's command says so (exit
+    1) instead of leaving a cancel record by bob on a run that goes on."""
+    alice, bob = Team.USERS
+    cluster = slurm_cluster.env
+    start = team.run(alice, [BIN / "mjlab-submit", "cartpole", *SMALL, "--gpus-per-node", "0",
+                             "--time", "10", "--max-iterations", "100000", "--log-root", "logs"],
+                     umask=0o002, extra=cluster)  # fmt: skip
+    assert start.returncode == 0, _text(start)
+    job = next(w for w in start.stdout.split() if w.isdigit() and len(w) > 3)
+    try:
+        run = wait_for_iteration(team.shared / "logs", 1, timeout=180).path
+        cancel = team.run(bob, [BIN / "mjlab-hpc", "cancel", job, "--log-root", "logs"],
+                          extra=cluster)  # fmt: skip
+        said = _text(cancel)
+        assert cancel.returncode == EXIT_FAILED and "nothing was cancelled" in said, said
+        assert not (run / CANCEL_RECORD).exists()
+        assert slurm_cluster.sacct_state(job) == "RUNNING"
+    finally:
+        stop = team.run(alice, [BIN / "mjlab-hpc", "cancel", job, "--log-root", "logs"],
+                        extra=cluster)  # fmt: skip
+    assert stop.returncode == 0 and "CANCELLED" in stop.stdout, _text(stop)
 
 
 def _completed(root: Path) -> None:
