@@ -2,11 +2,12 @@
 pipe (`| head -1`, a closed terminal, `>&-`, a pipe nobody reads, a terminal stopped with
 Ctrl-S).
 
-`detach()` (a command's entry point, and the local executor's controller) opens closed
-standard descriptors on /dev/null, so no file the command opens takes their number and nothing
-written there fails, and puts stdout and stderr behind one thread that writes for them, in
-order: a write never waits for the reader, a console that does not keep up loses lines (said
-once it takes them again), and one whose reader is gone is written to no more. Python's own
+`detach()` (the training commands' entry points, and the local executor's controller) opens
+closed standard descriptors on /dev/null (`reopen`: every command), so no file the command
+opens takes their number and nothing written there fails, and puts stdout and stderr behind
+one thread that writes for them, in order: a write never waits for the reader, a console that
+does not keep up loses lines (said once it takes them again), and one whose reader is gone is
+written to no more. Python's own
 streams cannot do this (a full pipe blocks the writer, a closed one raises BrokenPipeError in
 the middle of training), hence this module.
 """
@@ -15,12 +16,13 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import io
 import os
 import sys
 import threading
 
-__all__ = ["detach", "settle"]
+__all__ = ["detach", "reopen", "settle"]
 
 # Lines the console may fall behind by before more are dropped.
 _BACKLOG = 10_000
@@ -116,29 +118,33 @@ class _Stream(io.TextIOBase):
 _pump: list[_Pump] = []
 
 
-def detach() -> None:
-    """Detach this process's work from its console (see the module); once per process."""
-    if _pump:
-        return
-    for fd in (0, 1, 2):
+def reopen() -> None:
+    """Open closed standard descriptors (`>&-`) on /dev/null, so that no file this process
+    opens takes their number and nothing written there fails."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
         try:
             os.fstat(fd)
-        except OSError:  # closed (`>&-`): /dev/null takes its number
+        except OSError:
             null = os.open(os.devnull, os.O_RDWR)
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
+        if getattr(sys, name) is None:  # Python found it closed at start
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))  # noqa: SIM115
+
+
+def detach() -> None:
+    """Detach this process's work from its console (see the module); once per process."""
+    if _pump:
+        return
+    reopen()
     pump = _Pump()
     _pump.append(pump)
     for fd, name in ((1, "stdout"), (2, "stderr")):
-        old = getattr(sys, name)  # None where Python found the descriptor closed
-        try:
-            if old is not None:
-                old.flush()
-        except (OSError, ValueError):
-            pass
-        encoding = getattr(old, "encoding", None) or "utf-8"
-        setattr(sys, name, _Stream(fd, encoding, pump))
+        old = getattr(sys, name)
+        with contextlib.suppress(OSError, ValueError):
+            old.flush()
+        setattr(sys, name, _Stream(fd, getattr(old, "encoding", None) or "utf-8", pump))
     atexit.register(settle)
 
 

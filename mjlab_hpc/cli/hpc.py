@@ -487,8 +487,8 @@ _COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `mjlab-hpc` (a Ctrl-C while the command loads is one line too)."""
-    if argv is None:
-        own_console.detach()
+    if argv is None:  # a viewer: it ends when its reader does (`status --watch | head`)
+        own_console.reopen()
 
     def body() -> int:
         drop_internal_variables()

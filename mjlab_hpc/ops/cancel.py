@@ -137,11 +137,9 @@ def cancel_local(run_dir: Path, grace_s: float = 30.0) -> CancelOutcome:
                              "(or root) can stop it; nothing was done")  # fmt: skip
     if (why := _marked(run_dir, jobs.job_ids)) is not None:
         return CancelOutcome("local", jobs.job_ids, (run_dir,), False, why)
-    controllers = [p.pid for p in procs if p.role != "rank"]
-    ranks = [p.pid for p in procs if p.role == "rank"]
-    for pid in controllers:
-        send_signal(pid, signal.SIGKILL)
-    ranks = [pid for pid in ranks if send_signal(pid, signal.SIGTERM)]  # gone: not stopped
+    # Only what a signal reached is counted (a process gone by now was not stopped by us).
+    controllers = [p.pid for p in procs if p.role != "rank" and send_signal(p.pid, signal.SIGKILL)]
+    ranks = [p.pid for p in procs if p.role == "rank" and send_signal(p.pid, signal.SIGTERM)]
     left = wait_gone(ranks + controllers, grace_s)
     killed = list(left)
     for pid in killed:
