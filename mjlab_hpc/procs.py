@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import re
 import resource
 import shutil
@@ -35,6 +36,7 @@ __all__ = [
     "processes",
     "run_command",
     "send_signal",
+    "user_name",
     "wait_gone",
 ]
 
@@ -55,6 +57,14 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() not in _DEAD
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return False
+
+
+def user_name(uid: int) -> str:
+    """The login name of a user id (`uid N` where the system knows none)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def owner(pid: int) -> int | None:

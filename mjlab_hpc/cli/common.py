@@ -6,9 +6,7 @@ from __future__ import annotations
 import dataclasses
 import getpass
 import os
-import pwd
 import shlex
-import stat
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -28,6 +26,7 @@ from mjlab_hpc.errors import (
     SpecError,
     SubmitError,
 )
+from mjlab_hpc.rundir.durable import ownership
 from mjlab_hpc.spec import split_overrides
 
 __all__ = [
@@ -71,15 +70,7 @@ def _permission_problem(exc: PermissionError) -> str:
     where = Path(exc.filename).absolute()
     # The first folder on the way that this user may not enter, else the file itself.
     blocked = next((p for p in (where, *where.parents) if os.access(p.parent, os.X_OK)), where)
-    try:
-        st = blocked.stat()
-        try:
-            owner = pwd.getpwuid(st.st_uid).pw_name
-        except KeyError:
-            owner = f"uid {st.st_uid}"
-        whose = f" (it belongs to {owner}, {stat.filemode(st.st_mode)})"
-    except OSError:
-        whose = ""
+    whose = f" ({ownership(blocked)})" if ownership(blocked) else ""
     return (f"{blocked} cannot be read or written by {getpass.getuser()}{whose}: ask its owner "
             "for access (chmod g+rX for the group), or use your own runs")  # fmt: skip
 

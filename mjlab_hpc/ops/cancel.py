@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import getpass
 import os
-import pwd
 import signal
 import socket
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.runs import JobKind, Target, run_jobs
-from mjlab_hpc.procs import owner, send_signal, wait_gone
+from mjlab_hpc.procs import owner, send_signal, user_name, wait_gone
 from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import CANCEL_RECORD
 from mjlab_hpc.rundir.state import now_iso
@@ -36,13 +35,6 @@ class CancelOutcome:
     ok: bool
     message: str
     remaining_pids: tuple[int, ...] = field(default=())
-
-
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
 
 
 def _marked(run_dir: Path, job_ids: Sequence[str]) -> str | None:
@@ -130,10 +122,10 @@ def cancel_local(run_dir: Path, grace_s: float = 30.0) -> CancelOutcome:
     me = os.geteuid()
     others = {u for p in procs if (u := owner(p.pid)) is not None and u != me}
     if others and me != 0:  # a signal would be refused (EPERM): claim nothing, do nothing
-        who = ", ".join(sorted(map(_user, others)))
+        who = ", ".join(sorted(map(user_name, others)))
         pids = ", ".join(str(p.pid) for p in procs)
         return CancelOutcome("local", jobs.job_ids, (run_dir,), False,
-                             f"run by {who} (pid {pids}), not by {_user(me)}: only its owner "
+                             f"run by {who} (pid {pids}), not by {user_name(me)}: only its owner "
                              "(or root) can stop it; nothing was done")  # fmt: skip
     if (why := _marked(run_dir, jobs.job_ids)) is not None:
         return CancelOutcome("local", jobs.job_ids, (run_dir,), False, why)

@@ -247,9 +247,13 @@ def _read_sidecar(path: Path) -> tuple[str | None, dict[str, Any]]:
         header = json.loads(lines[1]) if len(lines) > 1 else {}
     except ValueError:
         header = None
-    if not isinstance(header, dict):
+    listed = header.get("rank_states", []) if isinstance(header, dict) else None
+    if not isinstance(listed, list) or not all(
+        isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int)
+        for e in listed
+    ):
         raise ValueError(f"{sidecar.name}'s second line is not what {path.name} belongs to")
-    return digest, header
+    return digest, header  # type: ignore[return-value]
 
 
 def _check_digest(path: Path, digest: str) -> bool:

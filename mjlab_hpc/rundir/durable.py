@@ -21,11 +21,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from mjlab_hpc.procs import user_name
+
 __all__ = [
     "RECORD_LIMIT",
     "create_exclusive",
     "fsync_dir",
     "open_regular",
+    "ownership",
     "publish",
     "read_regular",
     "temp_path",
@@ -65,6 +68,16 @@ def open_regular(path: Path, limit: int) -> Iterator[BinaryIO]:
         raise
     with os.fdopen(fd, "rb") as f:
         yield f
+
+
+def ownership(path: Path) -> str:
+    """Whose `path` is and its mode, for a line that says why it cannot be used: `it belongs
+    to alice, drwxr-sr-x` ('' when it cannot be looked at)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return ""
+    return f"it belongs to {user_name(st.st_uid)}, {stat.filemode(st.st_mode)}"
 
 
 def read_regular(path: Path, limit: int = RECORD_LIMIT) -> bytes:

@@ -8,16 +8,15 @@ from __future__ import annotations
 import dataclasses
 import getpass
 import os
-import pwd
-import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import DamagedRecord, SpecError
-from mjlab_hpc.procs import memory_room
+from mjlab_hpc.procs import memory_room, user_name
 from mjlab_hpc.rank.context import Allocation, cuda_device_count
 from mjlab_hpc.rundir.checkpoint import Checkpoints, cannot_continue
+from mjlab_hpc.rundir.durable import ownership
 from mjlab_hpc.rundir.layout import (
     RUN_RECORD,
     RunDir,
@@ -83,21 +82,15 @@ def check_log_root(flag: str, log_root: str, existing_only: bool = False) -> Pat
             flag, f"{existing} is on a read-only filesystem; give a writable folder for the runs"
         )
     if not os.access(existing, os.W_OK | os.X_OK):
-        st = existing.stat()
-        try:
-            owner = pwd.getpwuid(st.st_uid).pw_name
-        except KeyError:
-            owner = f"uid {st.st_uid}"
         fix = (
             "continue it as its owner, or give another run directory"
             if flag in ("--run-dir", "--resume")
-            else f"ask {owner} to make it group-writable (chmod g+w), or give a folder you "
-            "can write to"
+            else f"ask {user_name(existing.stat().st_uid)} to make it group-writable (chmod "
+            "g+w), or give a folder you can write to"
         )
         raise SpecError(
             flag,
-            f"{existing} is not writable by {getpass.getuser()} (it belongs to {owner}, "
-            f"{stat.filemode(st.st_mode)}): {fix}",
+            f"{existing} is not writable by {getpass.getuser()} ({ownership(existing)}): {fix}",
         )
     return path
 
