@@ -13,7 +13,6 @@ import os
 import signal
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from helpers import BIN, Team, cli_env, only_run, wait_for_iteration
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED
-from mjlab_hpc.launch.local import local_processes
+from mjlab_hpc.launch.local import free_port, local_processes
 from mjlab_hpc.ops.cancel import _marked
 from mjlab_hpc.ops.status import RunStatus, _row
 from mjlab_hpc.rundir.layout import CANCEL_RECORD
@@ -175,25 +174,34 @@ def test_the_environment_is_said_not_obeyed(tmp_path: Path) -> None:
 
 @pytest.mark.training
 def test_the_leftovers_each_get_one_line(tmp_path: Path) -> None:
-    """Of two trainings into one run, the first ends with its own `done:` line (the second is
-    refused and writes nothing there); a damaged run.json is said at start; a binary
-    `.latest_run` is named as such."""
+    """Of two trainings into one run, the first ends with its own closing line (the second is
+    refused and writes nothing there, not even in the rank log the first's line is read
+    from); a damaged run.json is said at start; a binary `.latest_run` is named as such."""
     run = tmp_path / "cartpole" / "run"
     train = [BIN / "mjlab-train", "cartpole", *SMALL, "--run-dir", run]
-    first = subprocess.Popen([*train, "--max-iterations", "60"], env=cli_env(),
+    first = subprocess.Popen([*train, "--max-iterations", "100000"], env=cli_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    time.sleep(2.5)  # it starts first; the second passes its launcher's check before the lock
-    second = subprocess.run([*train, "--max-iterations", "60"], env=cli_env(),
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
-    out, err = first.communicate(timeout=300)
-    assert first.returncode == 0 and out.splitlines()[-1].startswith("done: 60 iterations"), err
-    assert second.returncode == EXIT_BAD_INPUT, _text(second)
-    assert "another training is writing" in second.stderr
+    try:
+        wait_for_iteration(tmp_path, 1)  # it writes the run
+        # A rank of torchrun: no launcher checked before it (as with two commands started at
+        # once, both past their launcher's check); it is refused and writes nothing there.
+        second = subprocess.run([BIN / "torchrun", "--nproc_per_node=1",
+                                 f"--master_port={free_port()}", "--no_python", *train,
+                                 "--max-iterations", "100000"], env=cli_env(),
+                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert second.returncode != 0 and "another training is writing" in second.stderr
+        first.send_signal(signal.SIGINT)
+        err = first.communicate(timeout=120)[1]
+    finally:
+        first.kill()
+    assert first.returncode == EXIT_STOPPED, err
+    assert err.splitlines()[-1].startswith("stopped at iteration"), err  # its own line
     log = (run / "logs" / "rank0.log").read_text()
     assert "refused" not in log and log.count("exit:") == 1, log
 
     (run / "run.json").write_text("{torn")
-    damaged = subprocess.run([*train, "--max-iterations", "61"], env=cli_env(),
+    at = int(err.splitlines()[-1].split()[3])  # stopped at iteration N
+    damaged = subprocess.run([*train, "--max-iterations", str(at + 1)], env=cli_env(),
                              capture_output=True, text=True, timeout=300)  # fmt: skip
     assert damaged.returncode == 0, _text(damaged)
     assert f"note: {run}/run.json is damaged (it is not JSON): this start keeps it as " in (
