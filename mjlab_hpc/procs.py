@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import re
 import resource
 import shutil
@@ -31,9 +32,11 @@ __all__ = [
     "memory_room",
     "offer_to_oom_killer",
     "oom_count",
+    "owner",
     "processes",
     "run_command",
     "send_signal",
+    "user_name",
     "wait_gone",
 ]
 
@@ -54,6 +57,22 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() not in _DEAD
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return False
+
+
+def user_name(uid: int) -> str:
+    """The login name of a user id (`uid N` where the system knows none)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def owner(pid: int) -> int | None:
+    """The user id a live process runs as (None: it is gone)."""
+    try:
+        return int(psutil.Process(pid).uids().real)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return None
 
 
 def processes(match: Callable[[tuple[str, ...]], bool] | None = None) -> list[ProcessEntry]:

@@ -8,12 +8,17 @@ Slurm test cluster runs on the same worker, which starts the cluster once and st
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import stat
 import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers import BIN, Team
 
 # Session fixture `slurm_cluster`: the real two-node Slurm test cluster (tests/cluster/).
 from slurm_cluster import slurm_cluster, slurm_cluster3  # noqa: F401
@@ -75,3 +80,47 @@ def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
     for target in reversed(mounted):
         if subprocess.run(["umount", str(target)], capture_output=True).returncode:
             subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def team() -> Iterator[Team]:
+    """Two unprivileged users of one group and a group-shared folder (helpers.Team), made
+    with useradd where missing: as root only (fails under CI=true otherwise). While the
+    session runs, the folders of our interpreter and venv that they could not enter (root's
+    home, 0700) may be entered (o+x, nothing listed or read); restored after."""
+    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("setpriv"):
+        reason = "a second user needs root, useradd and setpriv"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    # Another xdist worker may make them at the same moment: what counts is that they exist.
+    subprocess.run(["groupadd", "-f", Team.GROUP], capture_output=True)
+    for user in Team.USERS:
+        subprocess.run(["useradd", "-M", "-N", "-g", Team.GROUP, "-s", "/bin/bash", user],
+                       capture_output=True)  # fmt: skip
+        subprocess.run(["id", user], capture_output=True, check=True)
+    opened = []
+    for target in (Path(os.path.realpath(sys.executable)), BIN):
+        for folder in target.parents:
+            mode = folder.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                os.chmod(folder, mode | stat.S_IXOTH)
+                opened.append((folder, mode))
+    base = Path(tempfile.mkdtemp(prefix="team-", dir=os.environ.get("TMPDIR")))
+    os.chmod(base, 0o755)
+    team = Team(base)
+    team.shared.mkdir()
+    shutil.chown(team.shared, group=Team.GROUP)
+    os.chmod(team.shared, 0o2775)
+    (base / "warp-cache").mkdir(mode=0o1777)
+    os.chmod(base / "warp-cache", 0o1777)
+    for user in Team.USERS:
+        home = base / "home" / user
+        home.mkdir(parents=True)
+        shutil.chown(home, user=user, group=Team.GROUP)
+    try:
+        yield team
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        for folder, mode in reversed(opened):
+            os.chmod(folder, mode)

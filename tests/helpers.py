@@ -7,7 +7,9 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -331,3 +333,45 @@ def memory_cgroup(name: str, limit_bytes: int) -> Iterator[Path]:
                 group.rmdir()
                 break
             time.sleep(0.1)
+
+
+class Team:
+    """Two unprivileged users of one group, as on a shared login node (mjlab-alice and
+    mjlab-bob in mjlab-team), and `shared`: a group-shared (setgid) folder for their runs."""
+
+    GROUP = "mjlab-team"
+    USERS = ("mjlab-alice", "mjlab-bob")
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.shared = base / "shared"
+
+    def env(self, user: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of a command `user` runs: their own home, one Warp kernel cache
+        for the team (compiled once), our venv's scripts on PATH."""
+        home = self.base / "home" / user
+        env = cli_env({"HOME": str(home), "USER": user, "LOGNAME": user, "TMPDIR": str(home),
+                       "WARP_CACHE_PATH": str(self.base / "warp-cache")})  # fmt: skip
+        env.pop("XDG_CACHE_HOME", None)
+        env.update(extra or {})
+        return env
+
+    def run(
+        self, user: str, argv: list[Any], umask: int = 0o022, timeout: float = 300,
+        extra: Mapping[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        """Run `argv` as `user` (setpriv: their uid, the team's group), in `shared`. Its
+        output goes through files: a job it leaves running keeps no pipe of ours open."""
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.run(self.argv(user, argv, umask), env=self.env(user, extra),
+                                  cwd=self.shared, stdout=out, stderr=err,
+                                  timeout=timeout)  # fmt: skip
+            out.seek(0)
+            err.seek(0)
+            return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+
+    def argv(self, user: str, argv: list[Any], umask: int = 0o022) -> list[str]:
+        """`argv` as `user` would start it (with their umask)."""
+        inner = f'umask {umask:03o} && exec "$@"'
+        return ["setpriv", f"--reuid={user}", f"--regid={self.GROUP}", "--init-groups",
+                "bash", "-c", inner, "bash", *map(str, argv)]  # fmt: skip

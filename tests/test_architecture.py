@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mjlab_hpc"
 LAYERS = {
     "errors": 0,
     "procs": 1,
+    "console": 1,
     "spec": 2,
     "slurm": 3,
     "tasks": 3,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import getpass
 import os
 import shlex
 import sys
@@ -26,9 +27,11 @@ from mjlab_hpc.errors import (
     SpecError,
     SubmitError,
 )
+from mjlab_hpc.rundir.durable import ownership
 from mjlab_hpc.spec import split_overrides
 
 __all__ = [
+    "drop_internal_variables",
     "error_line",
     "guarded",
     "mjlab_booleans",
@@ -49,6 +52,31 @@ def error_line(label: str, message: object) -> None:
     )
 
 
+def drop_internal_variables() -> None:
+    """`_MJLAB_HPC_*` variables are what our launchers set for the ranks they start. In a
+    command a person started they were set by nobody of ours (left exported, copied from a
+    job's environment) and would change how it runs (a run that ignores Ctrl-C): dropped,
+    said in one line."""
+    found = sorted(k for k in os.environ if k.startswith("_MJLAB_HPC_"))
+    for key in found:
+        del os.environ[key]
+    if found:
+        print(f"warning: ignored {', '.join(found)}: internal variable(s) of mjlab_hpc's "
+              "own launchers, not settings (unset them)", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _permission_problem(exc: PermissionError) -> str:
+    """What a PermissionError means, in one line: which file or folder, whose, for whom."""
+    if not exc.filename:
+        return f"permission denied: {exc}"
+    where = Path(exc.filename).absolute()
+    # The first folder on the way that this user may not enter, else the file itself.
+    blocked = next((p for p in (where, *where.parents) if os.access(p.parent, os.X_OK)), where)
+    whose = f" ({ownership(blocked)})" if ownership(blocked) else ""
+    return (f"{blocked} cannot be read or written by {getpass.getuser()}{whose}: ask its owner "
+            "for access (chmod g+rX for the group), or use your own runs")  # fmt: skip
+
+
 def guarded(body: Callable[[], T]) -> T | int:
     """Run a command body; bad input (SpecError, LaunchError) becomes one line and exit 2, a
     refused submission one line and exit 1, a Ctrl-C that reached no handler of ours one line
@@ -64,6 +92,9 @@ def guarded(body: Callable[[], T]) -> T | int:
     except KeyboardInterrupt:  # Ctrl-C before the work began (or after it ended)
         error_line("interrupted", "stopped at once (Ctrl-C); nothing was started")
         return EXIT_INTERRUPTED
+    except PermissionError as exc:  # another user's file or folder (a team's log root)
+        error_line("error", _permission_problem(exc))
+        return EXIT_FAILED
     except BrokenPipeError:
         # The reader went away (`mjlab-hpc status --json | head`): nothing more to say, and
         # the interpreter's own flush at exit must not fail either.

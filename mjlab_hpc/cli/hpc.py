@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
 import sys
 from collections.abc import Sequence
@@ -16,7 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mjlab_hpc.cli.common import guarded
+from mjlab_hpc import console as own_console
+from mjlab_hpc.cli.common import drop_internal_variables, guarded
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_INTERRUPTED, SpecError
 from mjlab_hpc.launch.heal import heal_job
 from mjlab_hpc.launch.slurm import render
@@ -216,7 +218,13 @@ def list_tasks() -> int:
 def _runs_of(targets: Sequence[str], log_root: str) -> list[Path]:
     """Run directories named by the arguments; all runs under the log root without any."""
     if not targets:
-        return list_runs(Path(log_root))
+        unreadable: list[Path] = []
+        runs = list_runs(Path(log_root), unreadable)
+        if unreadable:
+            print(f"note: {len(unreadable)} folder(s) under {log_root} not readable by "
+                  f"{getpass.getuser()}, left out: {', '.join(map(str, unreadable[:5]))}"
+                  + (" ..." if len(unreadable) > 5 else ""), file=sys.stderr)  # fmt: skip
+        return runs
     runs: list[Path] = []
     for target in targets:
         runs.extend(resolve_target(target, Path(log_root)).runs)
@@ -479,8 +487,11 @@ _COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `mjlab-hpc` (a Ctrl-C while the command loads is one line too)."""
+    if argv is None:  # a viewer: it ends when its reader does (`status --watch | head`)
+        own_console.reopen()
 
     def body() -> int:
+        drop_internal_variables()
         cmd = tyro.cli(Command, args=argv, description=__doc__)  # type: ignore[call-overload]
         return _COMMANDS[type(cmd)](cmd)
 

@@ -15,7 +15,13 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from mjlab_hpc.cli.common import guarded, parse_with_overrides, resume_command
+from mjlab_hpc import console as own_console
+from mjlab_hpc.cli.common import (
+    drop_internal_variables,
+    guarded,
+    parse_with_overrides,
+    resume_command,
+)
 from mjlab_hpc.errors import EXIT_INTERRUPTED
 from mjlab_hpc.launch.follow import (
     Closing,
@@ -48,6 +54,7 @@ from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
 from mjlab_hpc.validate import executor_for, slurm_only, validate_submit
+from mjlab_hpc.validate.continuation import continued, named_flags
 from mjlab_hpc.validate.sweep import sweep_elements
 
 __all__ = ["main", "run"]
@@ -218,6 +225,9 @@ def run(spec: SubmitSpec, argv: Sequence[str] = ()) -> int:
 
 
 def _run(spec: SubmitSpec, argv: Sequence[str]) -> int:
+    drop_internal_variables()
+    if not spec.sweep:  # a sweep makes new runs
+        spec = continued(spec, named_flags(spec, argv))
     console = Console()
     if spec.dry_run:
         dry_run(spec, validate_submit(spec))
@@ -321,7 +331,10 @@ def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `mjlab-submit`. Arguments it does not know go to mjlab tasks as
-    `--env.*` / `--agent.*` overrides, passed to every rank."""
+    `--env.*` / `--agent.*` overrides, passed to every rank. As a command (no `argv`), a
+    job it follows does not depend on the console."""
+    if argv is None:
+        own_console.detach()
     args = list(sys.argv[1:] if argv is None else argv)
     spec = parse_with_overrides(
         SubmitSpec,

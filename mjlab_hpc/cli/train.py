@@ -11,7 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from mjlab_hpc.cli.common import guarded, parse_with_overrides, resume_command
+from mjlab_hpc import console
+from mjlab_hpc.cli.common import (
+    drop_internal_variables,
+    guarded,
+    parse_with_overrides,
+    resume_command,
+)
 from mjlab_hpc.errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -32,6 +38,7 @@ from mjlab_hpc.rundir.layout import create_run_dir
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks.video import rendering_problem
 from mjlab_hpc.validate import validate_train
+from mjlab_hpc.validate.continuation import continued, named_flags
 
 __all__ = ["cli", "main", "run"]
 
@@ -46,6 +53,9 @@ def run(spec: TrainSpec, argv: Sequence[str] = ()) -> int:
 
 def _run(spec: TrainSpec, argv: Sequence[str]) -> int:
     launched_by = detect_mode(os.environ)
+    if launched_by == "single":  # a rank keeps what its launcher set
+        drop_internal_variables()
+    spec = continued(spec, named_flags(spec, argv), rank=launched_by != "single")
     resolved = validate_train(spec, launched_by)
     if launched_by != "single":
         DistContext.from_env()  # inconsistent launcher variables: fail before any work
@@ -143,8 +153,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cli() -> NoReturn:
     """The `mjlab-train` command: `main`, then out at once. A process that trained spends
     seconds in its interpreter's teardown (torch's and Warp's native objects) after its closing
-    line, where a second Ctrl-C would not stop it; every record is written by then."""
+    line, where a second Ctrl-C would not stop it; every record is written by then.
+    Training does not depend on the console (`console.detach`)."""
+    console.detach()
     code = main()
+    console.settle()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -26,6 +26,7 @@ from typing import Any
 import submitit
 from submitit.local.local import Controller, LocalJob, LocalJobEnvironment
 
+from mjlab_hpc import console
 from mjlab_hpc.errors import (
     EXIT_BAD_INPUT,
     EXIT_HUNG,
@@ -288,5 +289,6 @@ class LocalJobExecutor(submitit.LocalExecutor):  # type: ignore[misc]
 
 
 if __name__ == "__main__":
+    console.detach()  # it prints on the console of the command that started it
     assert len(sys.argv) == 3, f"usage: python -m {CONTROLLER_MODULE} FOLDER MAX_RESTARTS"
     HealingController(Path(sys.argv[1]), int(sys.argv[2])).run()

@@ -1,9 +1,12 @@
 """`mjlab-hpc cancel`: stop a Slurm job for good (no requeue) or a local-executor run, and
-leave no process behind."""
+leave no process behind. Nothing is claimed that was not done: a run of another user is left
+alone (said, not attempted), a cancel record that cannot be written cancels nothing, and every
+process counted as stopped was signalled."""
 
 from __future__ import annotations
 
 import getpass
+import os
 import signal
 import socket
 import time
@@ -13,7 +16,7 @@ from pathlib import Path
 
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.runs import JobKind, Target, run_jobs
-from mjlab_hpc.procs import send_signal, wait_gone
+from mjlab_hpc.procs import owner, send_signal, user_name, wait_gone
 from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import CANCEL_RECORD
 from mjlab_hpc.rundir.state import now_iso
@@ -32,6 +35,17 @@ class CancelOutcome:
     ok: bool
     message: str
     remaining_pids: tuple[int, ...] = field(default=())
+
+
+def _marked(run_dir: Path, job_ids: Sequence[str]) -> str | None:
+    """Write the cancel record; why it could not be (None: written)."""
+    try:
+        write_cancel_marker(run_dir, job_ids)
+    except OSError as exc:
+        why = exc.strerror or exc
+        return (f"cannot write {CANCEL_RECORD} in {run_dir} as {getpass.getuser()} ({why}): "
+                "nothing was cancelled; ask the run's owner (or root)")  # fmt: skip
+    return None
 
 
 def write_cancel_marker(run_dir: Path, job_ids: Sequence[str]) -> None:
@@ -64,7 +78,10 @@ def cancel_slurm(
             "slurm", tuple(job_ids), tuple(runs), True, f"nothing to cancel ({seen or 'ended'})"
         )
     for run in runs:
-        write_cancel_marker(run, active)
+        if (why := _marked(run, active)) is not None:
+            for done in runs[: runs.index(run)]:
+                (done / CANCEL_RECORD).unlink(missing_ok=True)
+            return CancelOutcome("slurm", tuple(active), tuple(runs), False, why)
     slurm.forbid_requeue(active)  # one scontrol call for all of them
     proc = slurm.scancel(active)
     if proc is None or proc.returncode != 0:
@@ -102,13 +119,19 @@ def cancel_local(run_dir: Path, grace_s: float = 30.0) -> CancelOutcome:
     procs = local_processes(run_dir)
     if not procs:
         return CancelOutcome("local", jobs.job_ids, (run_dir,), True, "no process left to stop")
-    write_cancel_marker(run_dir, jobs.job_ids)
-    controllers = [p.pid for p in procs if p.role != "rank"]
-    ranks = [p.pid for p in procs if p.role == "rank"]
-    for pid in controllers:
-        send_signal(pid, signal.SIGKILL)
-    for pid in ranks:
-        send_signal(pid, signal.SIGTERM)
+    me = os.geteuid()
+    others = {u for p in procs if (u := owner(p.pid)) is not None and u != me}
+    if others and me != 0:  # a signal would be refused (EPERM): claim nothing, do nothing
+        who = ", ".join(sorted(map(user_name, others)))
+        pids = ", ".join(str(p.pid) for p in procs)
+        return CancelOutcome("local", jobs.job_ids, (run_dir,), False,
+                             f"run by {who} (pid {pids}), not by {user_name(me)}: only its owner "
+                             "(or root) can stop it; nothing was done")  # fmt: skip
+    if (why := _marked(run_dir, jobs.job_ids)) is not None:
+        return CancelOutcome("local", jobs.job_ids, (run_dir,), False, why)
+    # Only what a signal reached is counted (a process gone by now was not stopped by us).
+    controllers = [p.pid for p in procs if p.role != "rank" and send_signal(p.pid, signal.SIGKILL)]
+    ranks = [p.pid for p in procs if p.role == "rank" and send_signal(p.pid, signal.SIGTERM)]
     left = wait_gone(ranks + controllers, grace_s)
     killed = list(left)
     for pid in killed:

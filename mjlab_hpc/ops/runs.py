@@ -11,6 +11,7 @@ whose job id is the controller's pid) and `run.json` (`job_ids`, `launch_mode`).
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -62,14 +63,24 @@ def created_at(run_dir: Path) -> float:
             return 0.0
 
 
-def list_runs(root: Path) -> list[Path]:
+def list_runs(root: Path, unreadable: list[Path] | None = None) -> list[Path]:
     """Run directories under a log root (`<root>/<experiment>/<run>`) or an experiment
-    directory (`<root>/<run>`), newest first. Hidden entries (`.sweeps`, `.keys`) are skipped."""
+    directory (`<root>/<run>`), newest first. Hidden entries (`.sweeps`, `.keys`) are skipped,
+    and so are folders this user may not read (another user's, in a team's log root): listed
+    in `unreadable`."""
     if not root.is_dir():
         return []
     found: list[Path] = []
-    for entry in sorted(root.iterdir()):
-        if entry.name.startswith(".") or not entry.is_dir():
+
+    def readable(path: Path) -> bool:
+        if os.access(path, os.R_OK | os.X_OK):
+            return True
+        if unreadable is not None:
+            unreadable.append(path)
+        return False
+
+    for entry in sorted(root.iterdir()) if readable(root) else ():
+        if entry.name.startswith(".") or not entry.is_dir() or not readable(entry):
             continue
         if is_run_dir(entry):
             found.append(entry)
@@ -77,7 +88,7 @@ def list_runs(root: Path) -> list[Path]:
         found.extend(
             run
             for run in sorted(entry.iterdir())
-            if not run.name.startswith(".") and is_run_dir(run)
+            if not run.name.startswith(".") and run.is_dir() and readable(run) and is_run_dir(run)
         )
     return sorted(found, key=lambda p: (created_at(p), p.name), reverse=True)
 

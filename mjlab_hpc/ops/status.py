@@ -367,11 +367,13 @@ def _row(s: RunStatus) -> list[str | Text]:
     iteration = "-" if s.iteration is None else str(s.iteration)
     total = "?" if s.total is None else str(s.total)
     restarts = str(s.restarts)
+    # A start that no stop or fault came before: continued by a person (--resume, --run-dir).
+    reasons = [*s.restart_reasons, *["resumed"] * (s.restarts > len(s.restart_reasons))]
     if s.restarts:
-        restarts += f" ({', '.join(dict.fromkeys(s.restart_reasons))})"
+        restarts += f" ({', '.join(dict.fromkeys(reasons))})"
     job = ",".join(s.job_ids) or "-"
-    if s.kind == "local":
-        job += " (local)"
+    if s.kind == "local":  # the controller's pid of each start: the newest is the job now
+        job = f"{s.job_ids[-1]} (local)" if s.job_ids else "- (local)"
     return [
         job,
         Text(

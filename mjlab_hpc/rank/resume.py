@@ -65,7 +65,7 @@ def _decide(run: RunDir, resolved: ResolvedSpec, checkpoints: Checkpoints) -> Re
     if path is None and source:
         flag = "--wandb-run-path" if resolved.train.wandb_run_path else "--agent.load-checkpoint"
         src = Path(source)
-        why = Checkpoints(src.parent).problem(src) if src.is_file() else f"{src} is gone"
+        why = Checkpoints(src.parent).problem(src)
         if why is not None:
             raise ResumeRefused(flag, f"cannot start from {src}: {why}")
         return ResumePlan(str(src), tuple(damaged), other_run=True)
@@ -171,6 +171,9 @@ def load_plan(
                  path, ckpt.get("iter"))  # fmt: skip
         return 0, "new"
     start = int(work.runner.current_learning_iteration)
+    saved_for = (ckpt.get("infos") or {}).get("environments") or {}
+    # The run the checkpoint belongs to stays the run's name (its folder may have moved).
+    work.fits["run"] = saved_for.get("run") or work.fits["run"]
     if unfit is not None:
         log.warning("resumed from %s at iteration %d with new environments (--fresh-envs): %s",
                     path.name, start, unfit[1])  # fmt: skip
@@ -181,7 +184,8 @@ def load_plan(
                     "environments for rank %d, new ones", path.name, start, ctx.world_size,
                     saved, ctx.rank)  # fmt: skip
         return start, "partly restored"
-    problems = restore_rank_state(work, load_rank_state(path, ctx.rank, saved), device)
+    belongs = {"run": work.fits["run"], "task": work.fits["task"], "iteration": start}
+    problems = restore_rank_state(work, load_rank_state(path, ctx.rank, saved, belongs), device)
     for problem in problems:  # a buffer the fresh environment does not have
         log.warning("environment state not restored: %s", problem)
     if saved != ctx.world_size:

@@ -421,9 +421,11 @@ class IterationBoundary:
         path = self.run.checkpoint(iteration)
         # Every rank writes its own state (in parallel, nothing gathered); the writer
         # publishes them, then the model file, which makes the checkpoint count.
+        fits = self.work.fits
+        belongs = {"run": fits["run"], "task": fits["task"], "iteration": iteration}
         try:
             mine: Any = write_rank_state(path, self.ctx.rank, self.ctx.world_size,
-                                         rank_state(self.work, self.device))  # fmt: skip
+                                         rank_state(self.work, self.device), belongs)  # fmt: skip
         except Exception as exc:  # said by the writer, which then fails the checkpoint
             mine = f"rank {self.ctx.rank}: {type(exc).__name__}: {exc}"
         written = _gather_to_main(mine, self.ctx)
@@ -434,8 +436,9 @@ class IterationBoundary:
                 raise RuntimeError(f"checkpoint {path.name}: a rank state was not written: "
                                    + "; ".join(failed))  # fmt: skip
             t1 = time.time()
-            publish_rank_states(path, written, self.writer.check)
-            infos = {"environments": {**self.work.fits, "world_size": self.ctx.world_size}}
+            listed = publish_rank_states(path, written, self.writer.check)
+            infos = {"environments": {**fits, "world_size": self.ctx.world_size,
+                                      "iteration": iteration, "rank_states": listed}}  # fmt: skip
             self.work.save(path, self.writer, infos)
             written_s = time.time() - t1
             size = path.stat().st_size if path.is_file() else -1

@@ -116,6 +116,17 @@ def agree_run_dir(spec: TrainSpec, ctx: DistContext, experiment: str) -> Path:
     return Path(made[0])
 
 
+def _refuse_if_busy(run: RunDir, ctx: DistContext) -> None:
+    """ResumeRefused on every rank when another live training writes the run: not ours to
+    wait for and call done, and nothing of this start is written there (not even its rank
+    logs, whose refusal would be read as the other training's end)."""
+    busy = [busy_problem(run) if ctx.is_main else None]
+    if ctx.is_distributed:
+        dist.broadcast_object_list(busy, src=0)
+    if busy[0] is not None:
+        raise ResumeRefused("--run-dir", busy[0])
+
+
 def _gather(obj: Any, ctx: DistContext) -> list[Any]:
     if not ctx.is_distributed:
         return [obj]
@@ -272,6 +283,7 @@ def train_rank(
         for signum in list(early_signals):  # our handlers are in place: none is lost now
             request.early(signum)
         run = RunDir(agree_run_dir(spec, ctx, resolved.experiment_name))
+        _refuse_if_busy(run, ctx)
         with _rank_logging(run, ctx.rank) as rank_log:
             return _train(resolved, ctx, device, seed, run, rank_log, request, (joining, joined))
 
@@ -321,10 +333,8 @@ def _train(
             print(f"warning: {msg}", file=sys.stderr, flush=True)
         checkpoints = None
         if ctx.is_main:
-            if (busy := busy_problem(run)) is not None:  # not ours to wait for and call done
-                raise ResumeRefused("--run-dir", busy)
             writer = RunWriter.acquire(run, ctx.rank)
-            checkpoints = Checkpoints(run.path)
+            checkpoints = Checkpoints(run.path, resolved.task)
         plan = plan_resume(run, resolved, ctx, checkpoints)
         work = build_workload(resolved, ctx, device, seed, run, rank_log)
         runner = work.runner

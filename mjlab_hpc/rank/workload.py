@@ -63,7 +63,7 @@ class Workload:
     dump_params: Callable[[RunWriter], None]
     save: Callable[[Path, RunWriter, dict[str, Any]], None]
     """(path, writer, infos) -> the model checkpoint on disk (`infos`: what its rank states
-    fit, saved with it)."""
+    fit, saved with it; its "environments" also head the checksum sidecar)."""
     load: Callable[[Path, dict[str, Any], bool], None]
     """(path, verified checkpoint, another run's) -> models, optimizer and iteration restored
     (another run's checkpoint: iteration 0)."""
@@ -75,7 +75,8 @@ class Workload:
     fits: dict[str, Any]
     """What saved environment states must match to be restored here: environments per
     rank, seed, device type, the simulator's versions (checkpoints keep theirs in
-    infos["environments"])."""
+    infos["environments"]); and what they belong to: the task, and the run (the name of its
+    folder at its first start, kept by every checkpoint after)."""
 
     def first_obs_digest(self) -> str:
         """sha256 of this rank's first observations (to check that ranks differ)."""
@@ -124,10 +125,12 @@ def restore_rank_state(work: Workload, state: dict[str, Any], device: str) -> li
     return problems
 
 
-def _fits(resolved: ResolvedSpec, device: str) -> dict[str, Any]:
+def _fits(resolved: ResolvedSpec, device: str, run: RunDir) -> dict[str, Any]:
     installed = versions()
     packages = SIMULATOR_PACKAGES[resolved.source]
     return {
+        "run": run.path.name,
+        "task": resolved.task,
         "num_envs": resolved.num_envs,
         "seed": resolved.train.seed,
         "device": device.partition(":")[0],
@@ -147,7 +150,7 @@ def build_workload(
     log_dir = str(run.path) if ctx.is_main else None
     if resolved.source == "mjlab":
         return _mjlab_workload(resolved, ctx, device, seed, run, quiet)
-    return _builtin_workload(resolved, ctx, device, seed, log_dir, quiet)
+    return _builtin_workload(resolved, ctx, device, seed, log_dir, quiet, run)
 
 
 def _builtin_workload(
@@ -157,6 +160,7 @@ def _builtin_workload(
     seed: int,
     log_dir: str | None,
     quiet: TextIO,
+    run: RunDir,
 ) -> Workload:
     spec = resolved.train
     task = get_task(resolved.task)
@@ -192,7 +196,7 @@ def _builtin_workload(
         _write_params(writer, spec, {"agent": cfg, "env": env_cfg})
 
     def save(path: Path, writer: RunWriter, infos: dict[str, Any]) -> None:
-        writer.save_checkpoint(path, runner.training_state(infos))
+        writer.save_checkpoint(path, runner.training_state(infos), infos["environments"])
 
     def load(path: Path, ckpt: dict[str, Any], other_run: bool) -> None:
         runner.alg.load(ckpt, None, strict=True)
@@ -205,7 +209,7 @@ def _builtin_workload(
     return Workload(
         env, runner, False, dump_params, save, load,
         lambda: {k: v.cpu() for k, v in env.state_dict().items()}, restore_env,
-        _fits(resolved, device),
+        _fits(resolved, device, run),
     )  # fmt: skip
 
 
@@ -263,7 +267,10 @@ def _mjlab_workload(
     def save(path: Path, writer: RunWriter, infos: dict[str, Any]) -> None:
         # mjlab's own save (step counter, ONNX export), then the same fenced, checksummed
         # publication as ours.
-        runner.save_published(path, lambda tmp: publish_file(tmp, path, writer.check), infos)
+        header = infos["environments"]
+        runner.save_published(
+            path, lambda tmp: publish_file(tmp, path, writer.check, header=header), infos
+        )
 
     def load(path: Path, ckpt: dict[str, Any], other_run: bool) -> None:
         runner.load(str(path), map_location=device)
@@ -276,7 +283,7 @@ def _mjlab_workload(
         runtime.env, runner, True, dump_params, save, load,
         lambda: mjlab_tasks.capture_env(runtime.env),
         lambda state: mjlab_tasks.restore_env(runtime.env, state, device),
-        _fits(resolved, device),
+        _fits(resolved, device, run),
     )  # fmt: skip
 
 

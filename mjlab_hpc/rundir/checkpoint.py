@@ -1,31 +1,44 @@
 """Checkpoints that a SIGKILL at any moment cannot corrupt, and only verified ones counted.
 
 Written to a temporary file, fsynced, renamed and the directory fsynced, with a `<name>.sha256`
-sidecar; a checkpoint verifies when its bytes match its sidecar (or, written by other code,
-when it loads) and so do its ranks' state files (`rank_states/model_<n>/`: each rank writes
-its own, the writer publishes them, then the model file). Resuming takes the newest that
-verifies, retention keeps the newest N that do, and a damaged one is set aside (`.damaged`),
-never preferred. The files stay plain `torch.save` archives that rsl-rl's and mjlab's `load()`
-read; torch loads only to write or read one.
+sidecar (its checksum, then a line saying what it belongs to: run, task, iteration, world size,
+and for a model file each rank state's checksum and size); a checkpoint verifies when its
+bytes match its sidecar (or, written by other code, when it loads) and so do its ranks' state
+files (`rank_states/model_<n>/`: each rank writes its own, the writer publishes them, then the
+model file), each being exactly the file the model file lists for its rank. Nothing but a
+regular file of a plausible size is read. Resuming takes the newest that verifies, retention
+keeps the newest N that do, and a damaged one is set aside (`.damaged`), never preferred. The
+files stay plain `torch.save` archives that rsl-rl's and mjlab's `load()` read; torch loads
+only to write or read one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.rundir.durable import fsync_dir, publish, temp_path, write_atomic, write_new
+from mjlab_hpc.rundir.durable import (
+    fsync_dir,
+    open_regular,
+    publish,
+    read_regular,
+    temp_path,
+    write_atomic,
+    write_new,
+)
 from mjlab_hpc.rundir.layout import (
     CHECKSUM_SUFFIX,
+    checkpoint_iteration,
     list_checkpoints,
     rank_state_dir,
     rank_state_file,
@@ -34,6 +47,7 @@ from mjlab_hpc.rundir.state import read_record
 
 __all__ = [
     "DAMAGED_SUFFIX",
+    "MODEL_LIMIT",
     "Checkpoints",
     "Damaged",
     "cannot_continue",
@@ -54,6 +68,10 @@ DAMAGED_SUFFIX = ".damaged"
 
 
 _RANK_FILE = re.compile(r"rank(\d+)-of-(\d+)\.pt")
+#: The largest model file read (the networks and optimizer of a policy: megabytes).
+MODEL_LIMIT = 4 << 30
+# The largest rank state of a checkpoint that does not list its size (older mjlab_hpc).
+_STATE_LIMIT = 64 << 30
 
 
 def _sidecar(path: Path) -> Path:
@@ -68,13 +86,19 @@ def _serialize(state: Any) -> bytes:
     return buf.getvalue()
 
 
+def _sidecar_text(digest: str, header: Mapping[str, Any] | None) -> bytes:
+    return (f"{digest}\n" + (json.dumps(dict(header)) + "\n" if header else "")).encode()
+
+
 def save_checkpoint(
-    path: Path, state: dict[str, Any], before_rename: Callable[[], None] | None = None
-) -> str:
-    """Save `state` atomically with its checksum sidecar; the checksum."""
+    path: Path, state: dict[str, Any], before_rename: Callable[[], None] | None = None,
+    header: Mapping[str, Any] | None = None,
+) -> str:  # fmt: skip
+    """Save `state` atomically with its checksum sidecar (and `header`: what it belongs to);
+    the checksum."""
     data = _serialize(state)
     digest = hashlib.sha256(data).hexdigest()
-    write_atomic(_sidecar(path), f"{digest}\n".encode())
+    write_atomic(_sidecar(path), _sidecar_text(digest, header))
     try:
         write_atomic(path, data, before_rename)
     except BaseException:
@@ -86,13 +110,13 @@ def save_checkpoint(
 
 def publish_file(
     tmp: Path, path: Path, before_rename: Callable[[], None] | None = None,
-    digest: str | None = None,
+    digest: str | None = None, header: Mapping[str, Any] | None = None,
 ) -> str:  # fmt: skip
     """Publish a checkpoint some other code wrote to `tmp` (mjlab's runners write their own):
-    its checksum sidecar first, then `before_rename`, then the durable rename to `path`; the
-    checksum (`digest`: known already)."""
+    its checksum sidecar first (with `header`), then `before_rename`, then the durable rename
+    to `path`; the checksum (`digest`: known already)."""
     digest = digest or hashlib.sha256(tmp.read_bytes()).hexdigest()
-    write_atomic(_sidecar(path), f"{digest}\n".encode())
+    write_atomic(_sidecar(path), _sidecar_text(digest, header))
     try:
         publish(tmp, path, before_rename)
     except BaseException:
@@ -102,59 +126,96 @@ def publish_file(
     return digest
 
 
-def write_rank_state(checkpoint: Path, rank: int, world_size: int, state: Any) -> tuple[str, str]:
-    """One rank's state of `checkpoint`, written by that rank to a temporary file beside its
-    place and fsynced, not published: (temporary path, sha256) for the writer."""
+def write_rank_state(
+    checkpoint: Path, rank: int, world_size: int, state: dict[str, Any],
+    belongs: Mapping[str, Any],
+) -> tuple[str, str, int]:  # fmt: skip
+    """One rank's state of `checkpoint`, saved with what it belongs to (`belongs`: run, task,
+    iteration; and this rank and world size), written by that rank to a temporary file beside
+    its place and fsynced, not published: (temporary path, sha256, size) for the writer."""
     path = rank_state_file(checkpoint, rank, world_size)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = _serialize(state)
+    data = _serialize({**state, "belongs": {**belongs, "rank": rank, "world_size": world_size}})
     tmp = temp_path(path)
     try:
         write_new(tmp, data)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return str(tmp), hashlib.sha256(data).hexdigest()
+    return str(tmp), hashlib.sha256(data).hexdigest(), len(data)
 
 
 def publish_rank_states(
-    checkpoint: Path, written: list[tuple[str, str]], before_rename: Callable[[], None]
-) -> None:
+    checkpoint: Path, written: list[tuple[str, str, int]], before_rename: Callable[[], None]
+) -> list[list[Any]]:
     """The writer: publish every rank's `write_rank_state` (fenced, with checksums), before
-    the checkpoint itself."""
-    for rank, (tmp, digest) in enumerate(written):
+    the checkpoint itself; what the checkpoint's header lists of them ([sha256, size] by
+    rank)."""
+    for rank, (tmp, digest, _) in enumerate(written):
         publish_file(Path(tmp), rank_state_file(checkpoint, rank, len(written)), before_rename,
                      digest)  # fmt: skip
+    return [[digest, size] for _, digest, size in written]
 
 
-def load_rank_state(checkpoint: Path, rank: int, world_size: int) -> dict[str, Any]:
-    """This rank's state of `checkpoint`, verified (ValueError when it does not verify)."""
+def load_rank_state(
+    checkpoint: Path, rank: int, world_size: int, belongs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """This rank's state of `checkpoint`, verified, and saved for what `belongs` says (run,
+    task, iteration) and this rank and world size; ValueError naming what does not fit."""
     import torch
 
     path = rank_state_file(checkpoint, rank, world_size)
-    data = path.read_bytes()
+    data = read_regular(path, _STATE_LIMIT)
     if not _check_bytes(path, data):
         raise ValueError(f"{path.name} has no checksum")
-    return dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=False))
+    state = dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=False))
+    theirs = state.pop("belongs", None)  # None: written before states carried it
+    mine = {**belongs, "rank": rank, "world_size": world_size}
+    wrong = [k for k in mine if theirs is not None and theirs.get(k) != mine[k]]
+    if wrong:
+        raise ValueError(f"{path.name} of {checkpoint.name} belongs to "
+                         + ", ".join(f"{k} {theirs.get(k)!r}" for k in wrong)
+                         + ", not " + ", ".join(f"{mine[k]!r}" for k in wrong))  # fmt: skip
+    return state
 
 
-def _rank_states_problem(checkpoint: Path) -> str | None:
-    """Why a checkpoint's rank states do not verify (None: they do, or it has none)."""
+def _file_digest(path: Path, limit: int) -> tuple[str, int]:
+    """(sha256, size) of a regular file of at most `limit` bytes, read in pieces."""
+    with open_regular(path, limit) as f:
+        digest = hashlib.file_digest(f, "sha256")
+        return digest.hexdigest(), f.tell()
+
+
+def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | None:
+    """Why a checkpoint's rank states do not verify (None: they do, or it has none): each
+    must be a regular file, match its checksum, and be the very file the model's `header`
+    lists for its rank (not another rank's, iteration's or run's)."""
     folder = rank_state_dir(checkpoint)
+    listed = header.get("rank_states")
     if not folder.is_dir():
-        return None
-    found = [m for p in folder.iterdir() if (m := _RANK_FILE.fullmatch(p.name))]
-    sizes = {int(m[2]) for m in found}
-    ranks = {int(m[1]) for m in found}
-    if len(sizes) != 1 or ranks != set(range(next(iter(sizes)))):
+        return f"{checkpoint.name}'s rank states are missing" if listed else None
+    found = sorted((int(m[1]), int(m[2]), m[0]) for p in folder.iterdir()
+                   if (m := _RANK_FILE.fullmatch(p.name)))  # fmt: skip
+    sizes = {n for _, n, _ in found}
+    if (len(sizes) != 1 or [r for r, _, _ in found] != list(range(next(iter(sizes))))
+            or (listed is not None and len(listed) != len(found))):  # fmt: skip
         return f"{checkpoint.name}'s rank states in {folder.name}/ are incomplete"
-    for m in found:
-        path = folder / m[0]
+    digests = [entry[0] for entry in listed or []]
+    for rank, _, name in found:
+        path = folder / name
+        expected = int(listed[rank][1]) if listed else _STATE_LIMIT
         try:
-            if not _check_bytes(path, path.read_bytes()):
-                return f"{path.name} of {checkpoint.name} has no checksum"
+            digest, size = _file_digest(path, expected)
+            if listed and size != expected:
+                return f"{name} of {checkpoint.name} holds {size:,} bytes; {expected:,} were saved"
+            if not _check_digest(path, digest) and not listed:
+                return f"{name} of {checkpoint.name} has no checksum"
         except ValueError as exc:
             return f"{exc} ({checkpoint.name}'s rank state)"
+        if listed and digest != digests[rank]:
+            whose = (f"rank {digests.index(digest)}'s state of this checkpoint"
+                     if digest in digests else "another checkpoint's or run's")  # fmt: skip
+            return f"{name} of {checkpoint.name} is not the state rank {rank} saved: it is {whose}"
     return None
 
 
@@ -166,22 +227,59 @@ def rank_state_world_size(checkpoint: Path) -> int | None:
     return found.pop() if len(found) == 1 else None
 
 
-def _check_bytes(path: Path, data: bytes) -> bool:
-    """Whether `data` matches the sidecar (True: it does; False: no sidecar, or one that holds
-    no checksum); ValueError when it does not match."""
+def _read_sidecar(path: Path) -> tuple[str | None, dict[str, Any]]:
+    """The checksum `path`'s sidecar holds (None: no sidecar, or none that holds one), and
+    its header ({}: none)."""
     sidecar = _sidecar(path)
     try:
-        expected = sidecar.read_bytes().decode(errors="replace").strip()
+        lines = read_regular(sidecar, 1 << 20).decode(errors="replace").splitlines()
     except FileNotFoundError:
-        return False
-    if not _DIGEST.fullmatch(expected):
+        return None, {}
+    except ValueError as exc:
+        lines = [str(exc)]
+    digest = lines[0].strip() if lines else ""
+    if not _DIGEST.fullmatch(digest):
         # The sidecar itself is damaged (torn, overwritten): it condemns nothing, and the
         # checkpoint is judged by loading it, as one written without a sidecar.
         log.warning("%s holds no checksum: %s is checked by loading it", sidecar.name, path.name)
-        return False
-    if hashlib.sha256(data).hexdigest() != expected:
+        return None, {}
+    try:
+        header = json.loads(lines[1]) if len(lines) > 1 else {}
+    except ValueError:
+        header = None
+    listed = header.get("rank_states", []) if isinstance(header, dict) else None
+    if not isinstance(listed, list) or not all(
+        isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], int)
+        for e in listed
+    ):
+        raise ValueError(f"{sidecar.name}'s second line is not what {path.name} belongs to")
+    return digest, header  # type: ignore[return-value]
+
+
+def _check_digest(path: Path, digest: str) -> bool:
+    """Whether a file of checksum `digest` matches its sidecar (True: it does; False: no
+    sidecar, or one that holds no checksum); ValueError when it does not match."""
+    expected, _ = _read_sidecar(path)
+    if expected is not None and digest != expected:
         raise ValueError(f"{path.name} does not match its checksum (damaged or truncated)")
-    return True
+    return expected is not None
+
+
+def _check_bytes(path: Path, data: bytes) -> bool:
+    """`_check_digest` of `data`."""
+    return _check_digest(path, hashlib.sha256(data).hexdigest())
+
+
+def _belongs_problem(path: Path, header: Mapping[str, Any], task: str | None) -> str | None:
+    """Why a model file's header says it belongs elsewhere: another iteration than its name,
+    another task than the run's (None: it fits, or has no header)."""
+    saved = header.get("iteration")
+    if saved is not None and saved != checkpoint_iteration(path):
+        return f"{path.name} holds iteration {saved} (a file renamed or copied over it)"
+    theirs = header.get("task")
+    if task is not None and theirs is not None and theirs != task:
+        return f"{path.name} belongs to a run of task {theirs!r}, not {task!r}"
+    return None
 
 
 def _parse(path: Path, data: bytes, map_location: str | None) -> dict[str, Any]:
@@ -197,9 +295,9 @@ def _parse(path: Path, data: bytes, map_location: str | None) -> dict[str, Any]:
 
 
 def load_verified(path: Path, map_location: str | None = None) -> dict[str, Any]:
-    """Load one checkpoint, raising ValueError if it is truncated, fails its checksum or is
-    not a training checkpoint."""
-    data = path.read_bytes()
+    """Load one checkpoint, raising ValueError if it is no regular file, truncated, fails its
+    checksum or is not a training checkpoint."""
+    data = read_regular(path, MODEL_LIMIT)
     _check_bytes(path, data)
     return _parse(path, data, map_location)
 
@@ -222,6 +320,8 @@ class Checkpoints:
     modification time), as the run's writer sees them."""
 
     run_dir: Path
+    task: str | None = None
+    """The run's task (None: not checked): a model file saved for another is damaged."""
     _verdicts: dict[tuple[str, int, int], str | None] = field(default_factory=dict)
 
     def _key(self, path: Path) -> tuple[str, int, int] | None:
@@ -238,10 +338,15 @@ class Checkpoints:
             return f"{path.name} cannot be read (it disappeared)"
         if key not in self._verdicts:
             try:
-                data = path.read_bytes()
-                if not _check_bytes(path, data):
+                data = read_regular(path, MODEL_LIMIT)
+                digest, header = _read_sidecar(path)
+                if digest is None:
                     _parse(path, data, "cpu")  # no sidecar: written by other code
-                verdict = _rank_states_problem(path)
+                elif hashlib.sha256(data).hexdigest() != digest:
+                    raise ValueError(f"{path.name} does not match its checksum (damaged or "
+                                     "truncated)")  # fmt: skip
+                verdict = (_belongs_problem(path, header, self.task)
+                           or _rank_states_problem(path, header))  # fmt: skip
             except ValueError as exc:
                 verdict = str(exc)
             except OSError as exc:  # unreadable now (a flaky filesystem): not remembered

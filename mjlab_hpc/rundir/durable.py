@@ -1,4 +1,6 @@
-"""Durable writes: the one way this package publishes a file that must survive a crash.
+"""Durable writes: the one way this package publishes a file that must survive a crash; and
+the one way it reads a file of a run back (`read_regular`: nothing but a regular file of a
+plausible size).
 
 A file is written to a temporary name in the same directory, fsynced, renamed over its final
 name, and the directory is fsynced: after a crash (SIGKILL, a lost node, a power cut) readers
@@ -13,15 +15,22 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+from mjlab_hpc.procs import user_name
 
 __all__ = [
+    "RECORD_LIMIT",
     "create_exclusive",
     "fsync_dir",
+    "open_regular",
+    "ownership",
     "publish",
+    "read_regular",
     "temp_path",
     "write_atomic",
     "write_json_atomic",
@@ -30,6 +39,56 @@ __all__ = [
 
 # Filesystems that cannot fsync a directory say so with one of these; that is not a failure.
 _NO_DIR_FSYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF})
+
+
+#: The most a record of ours (run.json, a marker, a checksum) holds: anything larger is no record.
+RECORD_LIMIT = 64 << 20
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"))  # fmt: skip
+
+
+@contextlib.contextmanager
+def open_regular(path: Path, limit: int) -> Iterator[BinaryIO]:
+    """`path` open for reading, if it is a regular file of at most `limit` bytes (a symlink to
+    one counts); else ValueError naming it, before anything is read: /dev/zero read into
+    memory, or a FIFO that never ends, would take the reader (a login node) down with it.
+    OSError as open(2) gives it (a missing file, no permission)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: no wait to open
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _KINDS if test(st.st_mode)), "no regular file")
+            raise ValueError(f"{path.name} is {kind}, not a file")
+        if st.st_size > limit:
+            raise ValueError(f"{path.name} holds {st.st_size:,} bytes, more than such a file "
+                             f"can ({limit:,})")  # fmt: skip
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        yield f
+
+
+def ownership(path: Path) -> str:
+    """Whose `path` is and its mode, for a line that says why it cannot be used: `it belongs
+    to alice, drwxr-sr-x` ('' when it cannot be looked at)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return ""
+    return f"it belongs to {user_name(st.st_uid)}, {stat.filemode(st.st_mode)}"
+
+
+def read_regular(path: Path, limit: int = RECORD_LIMIT) -> bytes:
+    """The bytes of `path`, a regular file of at most `limit` bytes (`open_regular`)."""
+    with open_regular(path, limit) as f:
+        data = f.read(os.fstat(f.fileno()).st_size)
+        while len(data) <= limit and (more := f.read(1 << 20)):  # it grows as it is read
+            data += more
+    if len(data) > limit:
+        raise ValueError(f"{path.name} holds more than {limit:,} bytes")
+    return data
 
 
 def fsync_dir(path: Path) -> None:

@@ -4,15 +4,17 @@ every rank and every restart."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import DamagedRecord
-from mjlab_hpc.rundir.durable import create_exclusive, write_atomic
+from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_atomic
 
 __all__ = [
     "CANCEL_RECORD",
@@ -42,6 +44,7 @@ __all__ = [
     "record_latest_run",
     "run_dir_for_key",
     "run_dir_name",
+    "shared_mkdir",
 ]
 
 TIMESTAMP_FORMAT = "%Y-%m-%d_%H-%M-%S"
@@ -103,8 +106,8 @@ def rank_state_file(checkpoint: Path, rank: int, world_size: int) -> Path:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The complete JSON lines of a file (a torn line is skipped)."""
     try:
-        text = path.read_text(errors="replace")
-    except OSError:
+        text = read_regular(path, 1 << 30).decode(errors="replace")
+    except (OSError, ValueError):
         return []
     records = []
     for line in text.splitlines():
@@ -122,7 +125,7 @@ def read_heartbeats(run: RunDir, world_size: int) -> dict[int, dict[str, Any]]:
     beats: dict[int, dict[str, Any]] = {}
     for rank in range(world_size):
         try:
-            value = json.loads(run.heartbeat(rank).read_text())
+            value = json.loads(read_regular(run.heartbeat(rank)))
         except (OSError, ValueError):
             continue
         if isinstance(value, dict):
@@ -135,7 +138,7 @@ def read_hangs(run: RunDir) -> list[dict[str, Any]]:
     found = []
     for path in sorted(run.heartbeats.glob("hang-rank*.json")):
         try:
-            value = json.loads(path.read_text())
+            value = json.loads(read_regular(path))
         except (OSError, ValueError):
             continue
         if isinstance(value, dict):
@@ -266,6 +269,18 @@ def is_run_dir(path: Path) -> bool:
     return path.is_dir() and any((path / name).exists() for name in _RUN_MARKERS)
 
 
+def shared_mkdir(path: Path) -> None:
+    """Make the folder `path` and its missing parents. A folder made in a group-shared one
+    (setgid: a team's log root) is writable by the group too, whatever this user's umask:
+    it is where every member's runs go (an experiment folder, its `.keys` and `.sweeps`)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    for folder in reversed(missing):
+        with contextlib.suppress(OSError):
+            if folder.parent.stat().st_mode & stat.S_ISGID:
+                os.chmod(folder, folder.stat().st_mode | stat.S_IRWXG)
+
+
 def create_run_dir(
     log_root: str | Path, experiment: str, run_name: str = "", now: dt.datetime | None = None
 ) -> Path:
@@ -275,7 +290,7 @@ def create_run_dir(
     the one that loses gets a `-2`, `-3`, ... suffix.
     """
     parent = Path(log_root) / experiment
-    parent.mkdir(parents=True, exist_ok=True)
+    shared_mkdir(parent)
     base = run_dir_name(now or dt.datetime.now(), run_name)
     for n in range(1, 10_000):
         candidate = parent / (base if n == 1 else f"{base}-{n}")
@@ -297,7 +312,7 @@ def run_dir_for_key(log_root: str | Path, experiment: str, run_name: str, key: s
     if not key or "/" in key or key.startswith("."):
         raise ValueError(f"run directory key must be a plain name, got {key!r}")
     keys = Path(log_root) / experiment / KEYS_DIR
-    keys.mkdir(parents=True, exist_ok=True)
+    shared_mkdir(keys)
     record = keys / key
     if record.exists():
         return _recorded_run(record)
@@ -315,15 +330,19 @@ def _recorded_run(record: Path) -> Path:
     written with an absolute path are read by their last component for the same reason.
     """
     try:
-        text = record.read_bytes().decode().strip()
+        data = read_regular(record, 4096)
+        text = data.decode().strip()
+        why = f"it holds {text[:40]!r}, not the name of a run"
     except UnicodeDecodeError:
-        text = "\n"  # binary: damaged like any other non-name
+        text, why = "\n", f"it holds {len(data)} bytes that are not text, not the name of a run"
+    except ValueError as exc:  # a directory, a device
+        text, why = "\n", str(exc)
     name = Path(text).name
     # One line naming a folder beside the record: anything else would resume (or train) in
     # the experiment folder itself, or elsewhere.
     if not name or name in (".", "..") or "\n" in text or not name.isprintable():
         raise DamagedRecord(
-            record, f"it holds {text[:40]!r}, not the name of a run",
+            record, why,
             "name the run with --run-dir, or delete the file (the newest run is then used)",
         )  # fmt: skip
     return (record.parent.parent / name) if record.parent.name == KEYS_DIR else record.parent / name
@@ -339,8 +358,11 @@ def latest_run(log_root: str | Path, experiment: str) -> Path | None:
     parent = Path(log_root) / experiment
     marker = parent / LATEST_RUN
     if marker.exists():
-        path = _recorded_run(marker)
-        if path.is_dir():
+        try:
+            path: Path | None = _recorded_run(marker)
+        except PermissionError:  # another user's record (a team's log root): the newest run
+            path = None
+        if path is not None and path.is_dir():
             return path.resolve()
     runs = sorted(p for p in parent.glob("*") if p.is_dir() and not p.name.startswith("."))
     return runs[-1].resolve() if runs else None
@@ -368,7 +390,7 @@ def read_element(run_dir: Path) -> ElementRecord | None:
     """The run's sweep element record, None if the run is not part of a sweep."""
     path = run_dir / ELEMENT_RECORD
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_regular(path))
         return ElementRecord(
             sweep_dir=Path(data["sweep_dir"]),
             index=int(data["index"]),
@@ -384,6 +406,6 @@ def read_element(run_dir: Path) -> ElementRecord | None:
 def read_sweep(sweep_dir: Path) -> dict[str, Any]:
     """The sweep record (`sweep.json`) of a sweep directory, {} if there is none."""
     try:
-        return dict(json.loads((sweep_dir / SWEEP_RECORD).read_text()))
+        return dict(json.loads(read_regular(sweep_dir / SWEEP_RECORD)))
     except (OSError, ValueError, TypeError):
         return {}

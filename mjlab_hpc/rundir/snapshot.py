@@ -24,7 +24,7 @@ from typing import Any
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.procs import run_command
-from mjlab_hpc.rundir.durable import write_json_atomic
+from mjlab_hpc.rundir.durable import read_regular, write_json_atomic
 from mjlab_hpc.rundir.layout import read_element
 from mjlab_hpc.rundir.state import now_iso
 
@@ -198,7 +198,7 @@ def write_code_record(dest: Path, record: dict[str, Any]) -> None:
 def read_snapshot(folder: Path) -> dict[str, Any] | None:
     """The snapshot record of a run (or sweep) directory, None without one."""
     try:
-        return dict(json.loads((folder / CODE_DIR / SNAPSHOT_RECORD).read_text()))
+        return dict(json.loads(read_regular(folder / CODE_DIR / SNAPSHOT_RECORD)))
     except (OSError, ValueError, TypeError):
         return None
 

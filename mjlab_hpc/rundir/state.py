@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.procs import run_command
+from mjlab_hpc.rundir.durable import read_regular
 from mjlab_hpc.rundir.layout import (
     CANCEL_RECORD,
     RUN_RECORD,
@@ -111,13 +112,19 @@ def read_record(run_dir: Path, strict: bool = False, set_aside: bool = False) ->
     traceback), or with `strict` raises DamagedRecord naming it; with `set_aside` (a writer
     about to write anew) it is kept as `run.json.damaged-<time>`, named in `damaged_records`."""
     path = run_dir / RUN_RECORD
+    value: Any = None
     try:
-        value = json.loads(path.read_bytes())
-        problem = _shape_problem(value)
+        data = read_regular(path)
     except FileNotFoundError:
         return {}
-    except (ValueError, UnicodeDecodeError):
-        problem = "it is not JSON"
+    except ValueError as exc:  # a directory, a device, far too large: no record
+        problem = str(exc).removeprefix(f"{RUN_RECORD} ")
+    else:
+        try:
+            value = json.loads(data)
+            problem = _shape_problem(value)
+        except (ValueError, UnicodeDecodeError):
+            problem = "it is not JSON"
     if problem is None:
         return dict(value)
     if strict:
@@ -191,9 +198,11 @@ def on_start(
 
 
 def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> dict[str, list[Any]]:
-    """The run's settings (TrainSpec fields, as dicts) that differ: {field: [before, now]}."""
+    """The run's settings (TrainSpec fields, as dicts) that differ: {field: [before, now]}.
+    --num-procs is not one: the number of ranks is (`world_size`), whatever flag gave it."""
     return {key: [before[key], value] for key, value in now.items()
-            if key in before and key not in NOT_RUN_SETTINGS and before[key] != value}  # fmt: skip
+            if key in before and key not in NOT_RUN_SETTINGS and key != "num_procs"
+            and before[key] != value}  # fmt: skip
 
 
 def on_stop(record: dict[str, Any], stop: dict[str, Any]) -> dict[str, Any]:
@@ -256,7 +265,7 @@ def cancel_marker(run_dir: Path, record: dict[str, Any] | None = None) -> dict[s
     """The record `mjlab-hpc cancel` left (`cancelled.json`), if it came after the run's
     latest start (a cancel before a resume is over); `record`: run.json, if already read."""
     try:
-        marker = dict(json.loads((run_dir / CANCEL_RECORD).read_text()))
+        marker = dict(json.loads(read_regular(run_dir / CANCEL_RECORD)))
     except (OSError, ValueError, TypeError):
         return None
     starts = (read_record(run_dir) if record is None else record).get("starts") or [{}]

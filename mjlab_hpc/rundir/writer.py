@@ -16,6 +16,7 @@ from typing import Any
 
 from mjlab_hpc.procs import alive
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
+from mjlab_hpc.rundir.durable import read_regular
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.lock import LeaseLock, LockError, OwnerInfo, write_fenced
 
@@ -139,9 +140,12 @@ class RunWriter:
         with open(path, "a") as f:
             f.write(line.rstrip("\n") + "\n")
 
-    def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
-        """Save a checkpoint atomically, fenced just before the rename."""
-        save_checkpoint(path, state, before_rename=self.check)
+    def save_checkpoint(
+        self, path: Path, state: dict[str, Any], header: dict[str, Any] | None = None
+    ) -> None:
+        """Save a checkpoint atomically, fenced just before the rename (`header`: what it
+        belongs to, for its sidecar)."""
+        save_checkpoint(path, state, before_rename=self.check, header=header)
 
     def release(self) -> None:
         """Give the run up (the lock is left for a successor to take at once)."""
@@ -187,7 +191,7 @@ def once(
 
 
 def _once_result(marker: Path, name: str) -> Any:
-    data = json.loads(marker.read_text())
+    data = json.loads(read_regular(marker))
     if "error" in data:
         raise RuntimeError(f"the writer's {name!r} failed: {data['error']}")
     return data["result"]

@@ -55,23 +55,28 @@ def _train_world(spec: TrainSpec, launched_by: str) -> tuple[int | None, str]:
     return (None if spec.gpu_ids == "all" else 1), "--num-procs"
 
 
-def _check_faults() -> None:
-    """A fire drill's MJLAB_HPC_FAULT that the ranks could not read is bad input here."""
+def _check_faults(warn: Callable[[str], None]) -> None:
+    """A fire drill's MJLAB_HPC_FAULT that the ranks could not read is bad input here; one
+    they can read is said (a variable left exported from a drill would end a real run)."""
     try:
-        parse_faults(os.environ)
+        faults = parse_faults(os.environ)
     except ValueError as exc:
         raise SpecError(FAULT_ENV, str(exc).removeprefix(f"{FAULT_ENV}: ")) from None
+    if faults:
+        what = ", ".join(f"{f.kind} rank {f.rank} at iteration {f.iteration}" for f in faults)
+        warn(f"{FAULT_ENV}={os.environ[FAULT_ENV]} is set: this run is a fault drill ({what}); "
+             f"unset {FAULT_ENV} to train without it")  # fmt: skip
 
 
 def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec:
     """Check a training spec and resolve its task; with --resume, the run it continues is
     decided here (the resolved spec names it as its run directory). `launched_by`: the
     launcher that started this process (a torchrun or srun rank starts no other rank)."""
-    _check_faults()
+    _check_faults(_warn if launched_by == "single" else lambda _: None)
     if single := launched_by == "single":
         _settle_gl(spec)  # before mjlab is imported
     resolved = resolve(spec)
-    world.check_places(spec)
+    world.check_places(spec, experiment=resolved.experiment_name)
     if launched_by == "single" and spec.num_procs > 1:
         world.check_local_cpus("--num-procs", spec.num_procs, spec.oversubscribe)
     if spec.device == "cuda" and spec.gpu_ids == "auto":
@@ -170,7 +175,7 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     naming the flag for anything that cannot be submitted. What cannot be checked here (a
     partition sinfo does not describe) is said through `warn`."""
     check_submit(spec)
-    _check_faults()
+    _check_faults(warn)
     if executor_for(spec) == "local":
         _settle_gl(spec.train)
     resolved = resolve(spec.train)
@@ -183,7 +188,7 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     executor = executor_for(spec)
     _check_executor(spec, executor)
     check_job_paths(resolved)  # every executor writes through Slurm's or submitit's patterns
-    world.check_places(resolved.train, existing_only=spec.dry_run)
+    world.check_places(resolved.train, spec.dry_run, resolved.experiment_name)
     world.check_submit_memory(spec, resolved, executor)
     if not spec.dry_run and executor == "slurm":
         world.check_partition(spec, warn, resolved=resolved)

@@ -16,6 +16,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import unicodedata
 from pathlib import Path
 
 from mjlab_hpc.errors import SpecError
@@ -57,6 +58,11 @@ NAME_MAX = 255
 # C0 and C1 control characters and Unicode's line and paragraph separators: each ends a line
 # for somebody (bash, Python's splitlines, a terminal).
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# Invisible format characters (bidi overrides and isolates, zero-width spaces, BOM, soft
+# hyphen, tags) and lone surrogates (bytes that are not UTF-8): they reorder or hide what
+# `ls`, status tables and logs show. The joiners ZWJ/ZWNJ stay: words of Persian and Indic
+# scripts need them.
+_JOINERS = frozenset({"\u200c", "\u200d"})
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+@:,-]+$")
 _CONSTRAINT = re.compile(r"^[A-Za-z0-9_.+@:,&|()\[\]*!-]+$")
 
@@ -76,6 +82,17 @@ def no_control(flag: str, value: str, allow_tab: bool = False) -> str:
             f"{_shown(value)} holds the control character {bad.group()!r} (a newline would end "
             "the line it is written into); remove it",
         )
+    for char in value:
+        kind = unicodedata.category(char)
+        if kind == "Cs":
+            raise SpecError(flag, f"{_shown(value)} holds bytes that are not UTF-8; use UTF-8")
+        if kind == "Cf" and char not in _JOINERS:
+            raise SpecError(
+                flag,
+                f"{_shown(value)} holds U+{ord(char):04X} ({unicodedata.name(char, '?')}), an "
+                "invisible character that reorders or hides what ls, status and logs show; "
+                "remove it",
+            )
     return value
 
 

@@ -6,16 +6,25 @@ the job (its nodes' memory too), and the jobs it waits for exist."""
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import DamagedRecord, SpecError
-from mjlab_hpc.procs import memory_room
+from mjlab_hpc.procs import memory_room, user_name
 from mjlab_hpc.rank.context import Allocation, cuda_device_count
 from mjlab_hpc.rundir.checkpoint import Checkpoints, cannot_continue
-from mjlab_hpc.rundir.layout import RunDir, is_run_dir, latest_run, list_checkpoints
+from mjlab_hpc.rundir.durable import ownership
+from mjlab_hpc.rundir.layout import (
+    RUN_RECORD,
+    RunDir,
+    checkpoint_iteration,
+    is_run_dir,
+    latest_run,
+    list_checkpoints,
+)
 from mjlab_hpc.rundir.state import changed_settings, read_record, resized_by_healer, versions
 from mjlab_hpc.rundir.writer import busy_problem
 from mjlab_hpc.slurm.client import SlurmClient
@@ -30,6 +39,7 @@ from mjlab_hpc.spec import (
 from mjlab_hpc.tasks.builtin import BUILTIN_TASKS
 from mjlab_hpc.tasks.memory import device_memory, world_bytes
 from mjlab_hpc.tasks.mjlab import configured_cfgs
+from mjlab_hpc.validate.continuation import override_values
 
 __all__ = [
     "check_after_exists",
@@ -72,8 +82,15 @@ def check_log_root(flag: str, log_root: str, existing_only: bool = False) -> Pat
             flag, f"{existing} is on a read-only filesystem; give a writable folder for the runs"
         )
     if not os.access(existing, os.W_OK | os.X_OK):
+        fix = (
+            "continue it as its owner, or give another run directory"
+            if flag in ("--run-dir", "--resume")
+            else f"ask {user_name(existing.stat().st_uid)} to make it group-writable (chmod "
+            "g+w), or give a folder you can write to"
+        )
         raise SpecError(
-            flag, f"{existing} is not writable by this user; give a folder you can write to"
+            flag,
+            f"{existing} is not writable by {getpass.getuser()} ({ownership(existing)}): {fix}",
         )
     return path
 
@@ -294,13 +311,19 @@ def check_allocation(spec: SubmitSpec, alloc: Allocation) -> None:
             )
 
 
-def check_places(train: TrainSpec, existing_only: bool = False) -> None:
-    """Where the run will be written can be written (nothing is created). `existing_only`
-    (a dry run, a template, maybe for another machine): only what exists here is checked."""
+def check_places(
+    train: TrainSpec, existing_only: bool = False, experiment: str | None = None
+) -> None:
+    """Where the run will be written can be written (nothing is created): the run directory,
+    or the experiment's folder under the log root (`experiment`; a team's log root may hold
+    one that another member made). `existing_only` (a dry run, a template, maybe for another
+    machine): only what exists here is checked."""
     if train.run_dir:
         check_run_dir("--run-dir", train.run_dir, existing_only)
     else:
+        folder = str(Path(train.log_root) / experiment) if experiment else train.log_root
         check_log_root("--log-root", train.log_root, existing_only)
+        check_log_root("--log-root", folder, existing_only)
 
 
 def continue_target(
@@ -330,13 +353,38 @@ def continue_target(
             )
     if run_dir is None:
         return resolved
+    if train.resume and not is_run_dir(run_dir):
+        what = "does not exist" if not run_dir.exists() else "holds no run"
+        raise SpecError(
+            "--resume",
+            f"{run_dir} {what}: nothing to continue. Drop --resume to start a new run there, "
+            "or name the run to continue",
+        )
     # The ranks check again (and load); refusing here starts no process at all.
     flag = "--run-dir" if train.run_dir else "--resume"
+    if launcher:
+        check_run_dir(flag, str(run_dir))
     if launcher and (busy := busy_problem(RunDir(run_dir))) is not None:
         raise SpecError(flag, busy)
-    refusal = cannot_continue(Checkpoints(run_dir), resolved.task, train.restart_from_scratch, flag)
+    checkpoints = Checkpoints(run_dir, resolved.task)
+    refusal = cannot_continue(checkpoints, resolved.task, train.restart_from_scratch, flag)
     if refusal is not None:
         raise refusal
+    if launcher:
+        try:
+            read_record(run_dir, strict=True)
+        except DamagedRecord as exc:
+            say(f"{exc.path} is damaged ({exc.problem}): this start keeps it as "
+                f"{RUN_RECORD}.damaged-<time> and begins a new record")  # fmt: skip
+    valid, _ = checkpoints.newest_valid()  # verified above: no second read
+    if valid is not None and not train.restart_from_scratch:
+        done = checkpoint_iteration(valid) or 0
+        if resolved.max_iterations < done:
+            raise SpecError(
+                "--max-iterations",
+                f"{resolved.max_iterations}, but {run_dir} has done {done} iterations: give "
+                f"at least {done} (or drop it to keep the run's own)",
+            )
     if list_checkpoints(run_dir):
         _check_continuation(run_dir, resolved, world, say)
     return resolved.replace_train(run_dir=str(run_dir))
@@ -388,6 +436,13 @@ def _check_continuation(
         )
     changes = {flag: f"{flag} {a} -> {b}" for flag, a, b in kept}
     for key, (a, b) in changed_settings(before, train.to_dict()).items():
+        if key == "overrides":  # each --env.* / --agent.* setting that changed
+            old, new = override_values(a), override_values(b)
+            for flag in dict.fromkeys([*old, *new]):
+                if old.get(flag) != new.get(flag):
+                    changes.setdefault(flag, f"{flag} {old.get(flag, '(unset)')} -> "
+                                       f"{new.get(flag, '(unset)')}")  # fmt: skip
+            continue
         flag = f"--{key.replace('_', '-')}"
         changes.setdefault(flag, f"{flag} {a} -> {b}")
     if changes:

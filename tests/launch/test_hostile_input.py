@@ -229,6 +229,11 @@ def test_number_of_generated_cases() -> None:
         (["--sbatch-arg", "dependency=afterok:1"], "--sbatch-arg", "use --after"),
         (["--executor", "local", "--chain", "2"], "--chain", "local executor"),
         (["--executor", "allocation"], "--executor", "in no Slurm allocation"),
+        # Issue 41: invisible characters that reorder or hide what ls and status show.
+        (["--run-name", "abc\u202edef"], "--run-name", "U+202E (RIGHT-TO-LEFT OVERRIDE)"),
+        (["--experiment-name", "a\u200bb"], "--experiment-name", "ZERO WIDTH SPACE"),
+        (["--setup", "echo \ufeffx"], "--setup", "ZERO WIDTH NO-BREAK SPACE"),
+        (["--run-name", "a\udcffb"], "--run-name", "not UTF-8"),
     ],
 )
 def test_wrong_values_exit_2_naming_the_flag(
@@ -303,6 +308,7 @@ def test_a_task_typo_is_answered_with_a_guess(tmp_path: Path) -> None:
         ["--setup", "conda activate mjlab"],
         ["--setup", "cat <<< 'here-string'"],
         ["--run-name", "ablation-a", "--job-name", "my job (v2)"],
+        ["--run-name", "\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645"],  # Persian: a ZWNJ
         ["--after", "4711", "--after", "4712_3", "--chain", "3"],
     ],
 )

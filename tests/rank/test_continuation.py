@@ -1,8 +1,9 @@
 """What a continuation may change (issue 35, class 3; the rules: docs/preemption.md, "What a
-continuation may change"), through the real CLIs: a setting the run's saved environments fit
-(--num-envs, --seed, the number of ranks) is refused with exit 2 before anything starts, naming
-the flag and the run's value, unless --fresh-envs; every other change is applied, said on the
-console and recorded in run.json; a damaged rank state makes its checkpoint damaged."""
+continuation may change"), through the real CLIs: what a command does not name is the run's
+(issue 41); a setting the run's saved environments fit (--num-envs, --seed, the number of
+ranks) is refused with exit 2 before anything starts, naming the flag and the run's value,
+unless --fresh-envs; every other change is applied, said on the console and recorded in
+run.json; rank states that do not belong make their checkpoint damaged (issue 41)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ from pathlib import Path
 import pytest
 from helpers import BIN, cli_env, only_run
 
-from mjlab_hpc.errors import EXIT_BAD_INPUT
+from mjlab_hpc.errors import EXIT_BAD_INPUT, SpecError
+from mjlab_hpc.rundir.checkpoint import save_checkpoint
 from mjlab_hpc.rundir.state import read_record
 from mjlab_hpc.spec import SubmitSpec, TrainSpec
+from mjlab_hpc.validate import resolve
+from mjlab_hpc.validate.continuation import continued, named_flags
+from mjlab_hpc.validate.world import continue_target
 
 BASE = ["cartpole", "--num-envs", "16", "--torch-threads", "1", "--save-interval", "1"]
 
@@ -33,15 +38,17 @@ def test_kept_settings_are_refused_and_others_applied(tmp_path: Path) -> None:
     where = ["--run-dir", str(run)]
     before = run.joinpath("run.json").read_text()
     for args, flag, theirs in (
-        (["--num-envs", "32"], "--num-envs", "16"),
-        (["--seed", "7"], "--seed", "42"),
-        (["--num-procs", "2"], "--num-procs", "1 rank(s)"),
+        (["--num-envs", "32"], "--num-envs", "trained with 16;"),
+        (["--seed", "7"], "--seed", "trained with 42;"),
+        (["--num-procs", "2"], "--num-procs", "trained with 1 rank(s);"),
+        (["--max-iterations", "1"], "--max-iterations", "has done 2 iterations"),
+        (["--experiment-name", "other"], "--experiment-name", "experiment 'cartpole', not"),
     ):
-        refused = train(*args, "--max-iterations", "3", *where)
+        refused = train(*args, *where)
         said = " ".join(refused.stderr.split())
         assert refused.returncode == EXIT_BAD_INPUT, refused.stderr[-2000:]
-        assert said.startswith(f"error: {flag}:") and f"trained with {theirs};" in said, said
-        assert "--fresh-envs" in said and "Traceback" not in refused.stderr
+        assert said.startswith(f"error: {flag}:") and theirs in said, said
+        assert "Traceback" not in refused.stderr
         assert run.joinpath("run.json").read_text() == before  # nothing started
 
     # With --fresh-envs: 1 -> 2 ranks, applied, said and recorded.
@@ -54,33 +61,45 @@ def test_kept_settings_are_refused_and_others_applied(tmp_path: Path) -> None:
     assert record["spec"]["num_procs"] == 2 and record["world_size"] == 2
     last = record["starts"][-1]
     assert last["environments"] == "fresh" and last["resumed_from_iteration"] == 2
-    assert last["changed"] == {"max_iterations": [2, 4], "num_procs": [1, 2],
-                               "world_size": [1, 2]}  # fmt: skip
+    assert last["changed"] == {"max_iterations": [2, 4], "world_size": [1, 2]}
 
-    # 2 -> 1 is refused the same way; a free setting alone is applied and said.
-    back = train("--max-iterations", "5", *where)
-    assert back.returncode == EXIT_BAD_INPUT and "trained with 2 rank(s)" in back.stderr
-    more = train("--num-procs", "2", "--max-iterations", "5", "--save-interval", "2", *where)
+    # What the command does not name is the run's (2 ranks, --save-interval 1, 16 envs): the
+    # new --save-interval and --max-iterations are applied and said, nothing else.
+    more = subprocess.run([BIN / "mjlab-train", "cartpole", "--max-iterations", "5",
+                           "--save-interval", "2", *where], env=cli_env(), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
     assert more.returncode == 0, more.stderr[-2000:]
-    assert "note: continuing" in more.stderr and "--save-interval 1 -> 2" in more.stderr
-    assert "--fresh-envs" not in more.stderr
-    last = read_record(run)["starts"][-1]
-    assert last["environments"] == "restored"
+    (note,) = [x for x in more.stderr.splitlines() if x.startswith("note: continuing")]
+    assert note.endswith(": --max-iterations 4 -> 5; --save-interval 1 -> 2"), note
+    record = read_record(run)
+    last = record["starts"][-1]
+    assert last["environments"] == "restored" and record["world_size"] == 2
     assert last["changed"] == {"max_iterations": [4, 5], "save_interval": [1, 2]}
+    assert record["spec"]["num_envs"] == 16 and record["spec"]["torch_threads"] == 1
+    back = train("--num-procs", "1", "--max-iterations", "6", *where)  # named: compared
+    assert back.returncode == EXIT_BAD_INPUT and "trained with 2 rank(s)" in back.stderr
 
-    # A damaged rank state (one byte of rank 1's, of the newest checkpoint): that checkpoint
-    # is damaged as a whole, set aside, and the run continues from the one before.
-    damaged = run / "rank_states" / "model_5" / "rank1-of-2.pt"
-    data = bytearray(damaged.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    damaged.write_bytes(bytes(data))
-    again = train("--num-procs", "2", "--max-iterations", "6", "--save-interval", "2", *where)
+    # Rank states from elsewhere (issue 41): model_5's two swapped with their checksums, and
+    # rank 1's of model_4 a link to /dev/zero. Both checkpoints are damaged, set aside and
+    # named; the run continues from model_3, and the launcher never read /dev/zero.
+    states = run / "rank_states"
+    for name in ("rank0-of-2.pt", "rank0-of-2.pt.sha256"):
+        a, b = states / "model_5" / name, states / "model_5" / name.replace("0-of", "1-of")
+        a.rename(a.with_name("x"))
+        b.rename(a)
+        a.with_name("x").rename(b)
+    zero = states / "model_4" / "rank1-of-2.pt"
+    zero.unlink()
+    zero.symlink_to("/dev/zero")
+    again = train("--max-iterations", "6", *where)
     assert again.returncode == 0, again.stderr[-2000:]
-    (skipped,) = read_record(run)["starts"][-1]["skipped_checkpoints"]
-    assert skipped["name"] == "model_5.pt" and "rank1-of-2.pt does not match" in skipped["why"]
-    assert (run / "rank_states" / "model_5.damaged").is_dir()
+    skipped = {s["name"]: s["why"] for s in read_record(run)["starts"][-1]["skipped_checkpoints"]}
+    assert "is not the state rank 0 saved: it is rank 1's" in skipped["model_5.pt"], skipped
+    assert "rank1-of-2.pt is a character device, not a file" in skipped["model_4.pt"], skipped
+    assert "skipped damaged checkpoint model_5.pt" in again.stderr + again.stdout
+    assert (states / "model_5.damaged").is_dir() and (states / "model_4.damaged").is_dir()
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["resumed_from"] == 4 and summary["iterations"] == 6
+    assert summary["resumed_from"] == 3 and summary["iterations"] == 6
 
 
 def test_every_setting_has_a_rule_in_the_docs() -> None:
@@ -91,3 +110,66 @@ def test_every_setting_has_a_rule_in_the_docs() -> None:
     missing = [f for f in fields if f != "train" and f"`--{f.replace('_', '-')}`" not in table]
     assert not [m for m in missing if m not in ("task", "overrides")], missing
     assert "`TASK`" in table and "`--env.*`" in table and "`--agent.*`" in table
+
+
+def _recorded_run(root: Path, world_size: int, device: str = "cpu") -> Path:
+    """A run directory as a job of `world_size` ranks on one node left it (run.json and a
+    checkpoint at iteration 4), made without training."""
+    run = root / "cartpole" / "2026-01-01_00-00-00"
+    run.mkdir(parents=True)
+    spec = TrainSpec(num_envs=16, max_iterations=6, save_interval=2, torch_threads=1,
+                     overrides=("--agent.learning-rate", "0.001", "--agent.gamma=0.9"))  # fmt: skip
+    effective = {"experiment_name": "cartpole", "num_envs": 16}
+    record = {"spec": spec.to_dict(), "world_size": world_size, "num_nodes": 1,
+              "device": device, "effective": effective}  # fmt: skip
+    (run / "run.json").write_text(json.dumps(record))
+    save_checkpoint(run / "model_4.pt", {"iter": 4})
+    return run
+
+
+def test_a_continuation_keeps_what_it_does_not_name(tmp_path: Path) -> None:
+    """Issue 41: every setting of the run the command does not name is the run's (a job's CPU
+    ranks, its overrides, its log root), what it names is kept as named (then compared), and
+    what it names of where the run is must be where it is."""
+    run = _recorded_run(tmp_path / "logs", 2)
+    argv = ["cartpole", "--max_iterations=8", "--no-video", "--run-dir", str(run),
+            "--agent.gamma", "0.95"]  # fmt: skip
+    spec = TrainSpec(run_dir=str(run), max_iterations=8, overrides=("--agent.gamma", "0.95"))
+    assert named_flags(spec, argv) == {"task", "max_iterations", "video", "run_dir"}
+    got = continued(spec, named_flags(spec, argv))
+    assert (got.max_iterations, got.save_interval, got.num_envs, got.torch_threads) == (8, 2, 16, 1)
+    assert got.num_procs == 2  # the job's two CPU ranks (--tasks-per-node 2): here --num-procs
+    assert got.overrides == ("--agent.learning-rate", "0.001", "--agent.gamma", "0.95")
+    assert got.log_root == str(tmp_path / "logs")
+    named = continued(spec.replace(num_procs=1), frozenset({"num_procs", "run_dir"}))
+    assert named.num_procs == 1 and named.max_iterations == 6  # compared, then refused
+    assert continued(spec, frozenset({"run_dir"}), rank=True).num_procs == 1  # its launcher's
+    job = continued(SubmitSpec(train=TrainSpec(run_dir=str(run))), frozenset({"run_dir"}))
+    assert (job.nodes, job.gpus_per_node, job.ranks_per_node, job.train.max_iterations) == (
+        1, 0, 2, 6)  # fmt: skip
+    for flag, value in (("experiment_name", "other"), ("run_name", "x"),
+                        ("log_root", str(tmp_path / "elsewhere"))):  # fmt: skip
+        with pytest.raises(SpecError) as refused:
+            continued(spec.replace(**{flag: value}), frozenset({flag, "run_dir"}))
+        assert refused.value.flag == f"--{flag.replace('_', '-')}"
+    # --num-procs 2 on a run of two ranks (a job's --tasks-per-node 2) is no change to say.
+    notes: list[str] = []
+    given = frozenset({"num_procs", "run_dir", "max_iterations"})
+    resolved = continue_target(resolve(continued(spec.replace(num_procs=2), given)),
+                               (2, "--num-procs"), notes.append)  # fmt: skip
+    assert notes == [f"continuing {run}: --max-iterations 6 -> 8; --agent.gamma 0.9 -> 0.95"]
+    assert resolved.train.num_procs == 2
+
+
+def test_resume_of_nothing_is_an_error(tmp_path: Path) -> None:
+    """Issue 41: `--resume --run-dir DIR` where DIR is empty or missing trains nothing new."""
+    (tmp_path / "empty").mkdir()
+    for name, what in (("empty", "holds no run"), ("missing", "does not exist")):
+        proc = subprocess.run([BIN / "mjlab-train", "cartpole", "--resume", "--run-dir",
+                               str(tmp_path / name)], env=cli_env(), capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        said = " ".join(proc.stderr.split())
+        assert proc.returncode == EXIT_BAD_INPUT and said.startswith("error: --resume:"), said
+        assert what in said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+    assert list((tmp_path / "empty").iterdir()) == []

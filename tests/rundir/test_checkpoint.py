@@ -99,12 +99,14 @@ def test_keep_last_n_counts_only_checkpoints_that_verify(tmp_path: Path) -> None
     assert [p.name for p in list_checkpoints(tmp_path)] == ["model_3.pt", "model_4.pt"]
 
 
-def _with_rank_states(run_dir: Path, n: int, world_size: int = 2) -> Path:
+def _with_rank_states(run_dir: Path, n: int, world_size: int = 2, run: str = "r") -> Path:
     path = run_dir / f"model_{n}.pt"
-    written = [write_rank_state(path, r, world_size, {"env": torch.full((100,), n + r)})
-               for r in range(world_size)]  # fmt: skip
-    publish_rank_states(path, written, lambda: None)
-    save_checkpoint(path, {"iter": n})
+    belongs = {"run": run, "task": "cartpole", "iteration": n}
+    written = [write_rank_state(path, r, world_size, {"env": torch.full((100 + r,), n + r)},
+                                belongs) for r in range(world_size)]  # fmt: skip
+    listed = publish_rank_states(path, written, lambda: None)
+    header = {**belongs, "world_size": world_size, "rank_states": listed}
+    save_checkpoint(path, {"iter": n}, header=header)
     return path
 
 
@@ -113,7 +115,8 @@ def test_a_checkpoint_counts_only_with_every_rank_state_verifying(tmp_path: Path
     checkpoint damaged (set aside with its states); pruning removes the states too."""
     for n in (1, 2, 3):
         _with_rank_states(tmp_path, n)
-    assert load_rank_state(tmp_path / "model_3.pt", 1, 2)["env"][0] == 4
+    belongs = {"run": "r", "task": "cartpole", "iteration": 3}
+    assert load_rank_state(tmp_path / "model_3.pt", 1, 2, belongs)["env"][0] == 4
     states = tmp_path / "rank_states"
     damaged = states / "model_3" / "rank1-of-2.pt"
     data = bytearray(damaged.read_bytes())
@@ -133,3 +136,78 @@ def test_a_checkpoint_counts_only_with_every_rank_state_verifying(tmp_path: Path
         _with_rank_states(tmp_path, n)
     assert [p.name for p in Checkpoints(tmp_path).prune(keep=2)] == ["model_1.pt"]
     assert not (states / "model_1").exists() and (states / "model_4").is_dir()
+
+
+def _swap(a: Path, b: Path) -> None:
+    tmp = a.with_name("swap")
+    for x, y in ((a, b), (a.with_name(a.name + ".sha256"), b.with_name(b.name + ".sha256"))):
+        x.rename(tmp)
+        y.rename(x)
+        tmp.rename(y)
+
+
+def test_a_rank_state_counts_only_where_it_belongs(tmp_path: Path) -> None:
+    """Issue 41: rank states swapped with their checksums, one from another run, a model file
+    of another task or renamed: each makes its checkpoint damaged, and the one before is
+    used; a rank state's own header is checked again when it is loaded."""
+    other = tmp_path / "other"
+    other.mkdir()
+    _with_rank_states(other, 4, run="other")
+    for n in (2, 4, 6, 8, 10):
+        _with_rank_states(tmp_path, n)
+    folder = tmp_path / "rank_states"
+    _swap(folder / "model_10" / "rank0-of-2.pt", folder / "model_10" / "rank1-of-2.pt")
+    for name in ("rank1-of-2.pt", "rank1-of-2.pt.sha256"):  # another run's, with its checksum
+        (other / "rank_states" / "model_4" / name).replace(folder / "model_8" / name)
+    (tmp_path / "model_4.pt").replace(tmp_path / "model_6.pt")  # renamed over it
+    (tmp_path / "model_4.pt.sha256").replace(tmp_path / "model_6.pt.sha256")
+    checkpoints = Checkpoints(tmp_path, "ant")
+    path, bad = checkpoints.newest_valid()
+    assert path is None  # every model file here says task cartpole
+    checkpoints = Checkpoints(tmp_path, "cartpole")
+    path, bad = checkpoints.newest_valid()
+    assert path == tmp_path / "model_2.pt", bad
+    why = {d.name: d.why for d in bad}
+    assert "rank0-of-2.pt of model_10.pt is not the state rank 0 saved: it is rank 1's" in why[
+        "model_10.pt"]  # fmt: skip
+    assert "rank1-of-2.pt of model_8.pt" in why["model_8.pt"]
+    assert "holds" in why["model_8.pt"] or "another checkpoint's or run's" in why["model_8.pt"]
+    assert why["model_6.pt"] == "model_6.pt holds iteration 4 (a file renamed or copied over it)"
+    assert "task 'cartpole', not 'ant'" in Checkpoints(tmp_path, "ant").problem(
+        tmp_path / "model_2.pt")  # fmt: skip
+    # Loading checks the state's own header (what a sidecar cannot vouch for).
+    with pytest.raises(ValueError, match="belongs to run 'r', not 'other'"):
+        load_rank_state(tmp_path / "model_2.pt", 0, 2, {"run": "other", "task": "cartpole",
+                                                         "iteration": 2})  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "directory", "fifo", "sparse"])
+def test_nothing_but_a_plausible_file_is_read(tmp_path: Path, kind: str) -> None:
+    """A rank state (or a model file) that is a symlink to /dev/zero, a directory, a FIFO or
+    a file far larger than was saved is refused by name, unread: the checkpoint is damaged,
+    the one before is used (the launcher once read /dev/zero until the kernel killed it)."""
+    import os
+    import resource
+
+    for n in (1, 2):
+        _with_rank_states(tmp_path, n)
+    for target in (tmp_path / "rank_states" / "model_2" / "rank1-of-2.pt", tmp_path / "model_2.pt"):
+        target.unlink()
+        if kind == "dev-zero":
+            target.symlink_to("/dev/zero")
+        elif kind == "directory":
+            target.mkdir()
+        elif kind == "fifo":
+            os.mkfifo(target)
+        else:
+            with open(target, "wb") as f:
+                f.truncate(1 << 40)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        started = time.monotonic()
+        path, bad = Checkpoints(tmp_path).newest_valid()
+        assert path == tmp_path / "model_1.pt" and [d.name for d in bad] == ["model_2.pt"]
+        what = {"dev-zero": "is a character device, not a file", "directory": "is a directory",
+                "fifo": "is a FIFO", "sparse": "bytes, more than"}[kind]  # fmt: skip
+        assert target.name in bad[0].why and what in bad[0].why, bad[0].why
+        assert time.monotonic() - started < 5
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB
