@@ -90,21 +90,22 @@ def test_another_users_slurm_job_is_not_claimed_cancelled(
     1) instead of leaving a cancel record by bob on a run that goes on."""
     alice, bob = Team.USERS
     cluster = slurm_cluster.env
+    logs = "slurm-logs"  # its own: the team's other tests leave cancelled runs in logs/
     start = team.run(alice, [BIN / "mjlab-submit", "cartpole", *SMALL, "--gpus-per-node", "0",
-                             "--time", "10", "--max-iterations", "100000", "--log-root", "logs"],
+                             "--time", "10", "--max-iterations", "100000", "--log-root", logs],
                      umask=0o002, extra=cluster)  # fmt: skip
     assert start.returncode == 0, _text(start)
     job = next(w for w in start.stdout.split() if w.isdigit() and len(w) > 3)
     try:
-        run = wait_for_iteration(team.shared / "logs", 1, timeout=180).path
-        cancel = team.run(bob, [BIN / "mjlab-hpc", "cancel", job, "--log-root", "logs"],
+        run = wait_for_iteration(team.shared / logs, 1, timeout=180).path
+        cancel = team.run(bob, [BIN / "mjlab-hpc", "cancel", job, "--log-root", logs],
                           extra=cluster)  # fmt: skip
         said = _text(cancel)
         assert cancel.returncode == EXIT_FAILED and "nothing was cancelled" in said, said
         assert not (run / CANCEL_RECORD).exists()
         assert slurm_cluster.sacct_state(job) == "RUNNING"
     finally:
-        stop = team.run(alice, [BIN / "mjlab-hpc", "cancel", job, "--log-root", "logs"],
+        stop = team.run(alice, [BIN / "mjlab-hpc", "cancel", job, "--log-root", logs],
                         extra=cluster)  # fmt: skip
     assert stop.returncode == 0 and "CANCELLED" in stop.stdout, _text(stop)
 
