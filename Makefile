@@ -45,6 +45,13 @@ $(STAMP): pyproject.toml constraints.txt
 		echo "installing git (rsl-rl records the code's git state)"; \
 		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
 			--no-install-recommends git >/dev/null || echo "note: git not installed"; fi
+	@# The tests run commands with another clock (faketime, Debian's libfaketime), as root.
+	@if ! command -v faketime >/dev/null && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing faketime (tests with a clock an hour ahead)"; \
+		{ apt-cache show faketime >/dev/null 2>&1 \
+			|| apt-get -o DPkg::Lock::Timeout=300 update -qq >/dev/null; } \
+		&& DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+			--no-install-recommends faketime >/dev/null || echo "note: faketime not installed"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	@# PyTorch's CPU index only where it answers: pip retries an unreachable index for every

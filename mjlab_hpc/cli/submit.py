@@ -44,7 +44,7 @@ from mjlab_hpc.procs import wait_gone
 from mjlab_hpc.rank.context import CHAIN_ENV, current_allocation, interactive_step
 from mjlab_hpc.rundir.ends import latest_world_size, rank_ends
 from mjlab_hpc.rundir.snapshot import plan_snapshot, planned_record, record_code
-from mjlab_hpc.slurm.client import SlurmClient
+from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
 from mjlab_hpc.validate import executor_for, slurm_only, validate_submit
@@ -140,8 +140,11 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
         jobs = (s.job, *s.chain)
         if not all(j.done(force_check=force) for j in jobs):
             return False
-        if s.executor == "slurm":  # results of ranks that the batch script starts again (healed)
-            return all(client.job_state(j.job_id) != "RUNNING" for j in jobs)
+        if s.executor == "slurm":
+            # Results of ranks that the batch script starts again (healed); a job suspended
+            # (scontrol suspend, gang scheduling), which submitit counts as done, resumes.
+            states = [client.job_state(j.job_id) for j in jobs]
+            return all(state is None or state in FINAL_STATES for state in states)
         # A local controller may be gone (killed) while its ranks still save their checkpoint.
         return not local_processes(s.run_dir)
 

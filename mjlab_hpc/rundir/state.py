@@ -333,17 +333,14 @@ class JobState:
 
 
 def writer_alive(run_dir: Path) -> bool:
-    """Whether the run's writer heartbeats its lease lock (whatever launched it)."""
+    """Whether the run's writer lives (whatever launched it): `LeaseLock.live_holder`."""
     path = run_dir / WRITER_LOCK
     if not path.exists():
         return False
     try:
-        holder = LeaseLock(path).holder()
+        return LeaseLock(path).live_holder() is not None
     except LockError:
         return False
-    if holder is None or holder.owner is None or holder.lease_s is None:
-        return False
-    return holder.age_s() < holder.lease_s
 
 
 def record_state(run_dir: Path) -> JobState:
