@@ -41,7 +41,7 @@ LAZY_ALLOWED = {
     ("mjlab_hpc.tasks.builtin", "mjlab_hpc.tasks.ant"),
     ("mjlab_hpc.tasks.mjlab", "mjlab_hpc.tasks.envstate"),
 }
-MAX_LINES = 520
+MAX_LINES = 560
 MAX_MODULES_PER_FOLDER = 11
 
 

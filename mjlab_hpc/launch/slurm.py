@@ -29,7 +29,7 @@ from mjlab_hpc.launch.follow import (
     Closing,
     follow_to_end,
 )
-from mjlab_hpc.rank.context import ALLOCATION_ENV, CHAIN_ENV, Allocation
+from mjlab_hpc.rank.context import ALLOCATION_ENV, CHAIN_ENV, SIGNAL_DELAY_ENV, Allocation
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR
 from mjlab_hpc.rundir.snapshot import import_path, snapshot_for, with_snapshot
 from mjlab_hpc.slurm.client import SlurmClient
@@ -64,7 +64,8 @@ def slurm_parameters(
     """submitit SlurmExecutor parameters for a spec (validated): of job `link` of its
     --chain, starting once the jobs `after` ended; `snapshot`: the code snapshot's import
     roots, put first on PYTHONPATH for every rank and requeue."""
-    setup = list(spec.setup)
+    # The time-limit signal's delay: a time limit that leaves no start-up is not requeued.
+    setup = [f"export {SIGNAL_DELAY_ENV}={spec.signal_delay_s}", *spec.setup]
     if spec.chain > 1:  # the ranks leave a time-limit stop to the next job of the chain
         setup.insert(0, f"export {CHAIN_ENV}={link}/{spec.chain}")
     if snapshot:  # before --setup: a `conda activate` there keeps PYTHONPATH
@@ -198,6 +199,7 @@ def array_executor(
     """The executor of a sweep's job array (throttled by --array-parallelism), for array
     `link` of the --chain."""
     executor = make_slurm_executor(spec, sweep_dir, dry_run, link, after, snapshot)
+    executor.sweep = True
     if spec.array_parallelism is not None:
         executor.update_parameters(array_parallelism=spec.array_parallelism)
     return executor
@@ -258,6 +260,7 @@ def template_context(spec: SubmitSpec, resolved: ResolvedSpec) -> dict[str, str 
         "EXCLUSIVE": "--exclusive" if spec.exclusive else None,
         "TIME": q(spec.time),
         "SIGNAL": f"{spec.preempt_signal}@{spec.signal_delay_s}",
+        "SIGNAL_DELAY_S": str(spec.signal_delay_s),
         "BATCH_LOG": "slurm-%x-%j.out",
         "SBATCH_EXTRA": "\n".join(extra) or None,
         "SETUP": "\n".join(spec.setup) or None,  # shell lines by design: not quoted

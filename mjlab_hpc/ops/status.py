@@ -232,6 +232,15 @@ def _record_first(run_dir: Path, row: SlurmRow) -> JobState:
     ended: the record wins, and says what Slurm says."""
     slurm = JobState(row.state, row.source, not row.final, row.nodes, row.gpus_per_node,
                      row.reason)  # fmt: skip
+    if row.final and row.state in ("FAILED", "COMPLETED"):
+        # The ranks stopped for good with a checkpoint (a person's SIGTERM, a time limit too
+        # short to requeue): the job's exit code says failed, the run is stopped.
+        record = read_record(run_dir)
+        stop = (record.get("restarts") or [{}])[-1]
+        if (record.get("state") == "stopped" and stop.get("kind") == "stop"
+                and stop.get("job_id") in (row.job_id, row.raw_id)):  # fmt: skip
+            return JobState("STOPPED", "record", False, row.nodes, row.gpus_per_node,
+                            disagrees=f"{row.source} says {row.state}")  # fmt: skip
     if row.final or row.source == "squeue":
         return slurm
     own = record_state(run_dir)

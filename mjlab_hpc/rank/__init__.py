@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from mjlab_hpc.procs import offer_to_oom_killer
 from mjlab_hpc.rank.context import DETACHED_ENV, chain_link
+from mjlab_hpc.rank.signals import handled
 from mjlab_hpc.rundir.state import cancel_marker, read_record
 from mjlab_hpc.spec import ResolvedSpec
 
@@ -67,12 +68,9 @@ def _chain_done(run_dir: str | None) -> str | None:
 
 
 def _record_early_stops(preempt_signal: str) -> list[int]:
-    """Record stop signals (the time-limit signal, TERM, and INT/HUP unless the job runs in
-    the background) until `train_rank` installs its own handlers; the signals so far."""
+    """Record every signal a rank handles (`rank.signals`; INT and HUP not when the job runs
+    in the background) until `train_rank` installs its own handlers; the signals so far."""
     early: list[int] = []
-    names = ["TERM", preempt_signal.upper().removeprefix("SIG")]
-    if DETACHED_ENV not in os.environ:
-        names += ["INT", "HUP"]
-    for name in names:
-        signal.signal(signal.Signals["SIG" + name], lambda signum, frame: early.append(signum))
+    for num in handled(preempt_signal, DETACHED_ENV in os.environ):
+        signal.signal(num, lambda signum, frame: early.append(signum))
     return early

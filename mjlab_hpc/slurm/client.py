@@ -330,13 +330,16 @@ class SlurmClient:
             return None
         return proc.stdout
 
+    def job_fields(self, job_id: str) -> dict[str, str] | None:
+        """`scontrol show job`'s `Name=value` fields of the job (None: no answer)."""
+        text = self.show_job(job_id)
+        if text is None:
+            return None
+        return {m.group(1): m.group(2) for m in re.finditer(r"(\w+)=(\S*)", text)}
+
     def job_state(self, job_id: str) -> str | None:
         """The job's state as slurmctld sees it now (RUNNING, CANCELLED, ...), None if unknown."""
-        text = self.show_job(job_id) or ""
-        for word in text.split():
-            if word.startswith("JobState="):
-                return word.removeprefix("JobState=")
-        return None
+        return (self.job_fields(job_id) or {}).get("JobState")
 
     def job_stdout_paths(self, job_id: str) -> list[Path] | None:
         """The StdOut files of a job slurmctld knows (one per array element; none for a job it
