@@ -35,7 +35,6 @@ __all__ = [
     "processes",
     "run_command",
     "send_signal",
-    "started_at",
     "wait_gone",
 ]
 
@@ -67,11 +66,6 @@ def alive(pid: int) -> bool:
         return False
     except psutil.AccessDenied:
         return True
-
-
-def started_at(pid: int | None = None) -> float:
-    """When the process (default: this one) started, by this machine's clock."""
-    return float(psutil.Process(pid).create_time())
 
 
 def machine_id() -> str:

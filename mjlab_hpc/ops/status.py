@@ -282,9 +282,11 @@ def _named_nodes(event: dict[str, Any]) -> list[str]:
 
 
 def _suspects(events: Sequence[dict[str, Any]]) -> list[str]:
-    """The nodes the last stop or fault named; after a preemption that named none (the ranks
-    take a node's loss for one when Slurm no longer calls it down), the last that named any."""
-    if events and not _named_nodes(events[-1]) and events[-1].get("reason") == "preemption":
+    """The nodes the last stop or fault named; after a preemption or a requeue by Slurm that
+    named none (the ranks take a node's loss for one when Slurm no longer calls it down), the
+    last that named any."""
+    last = events[-1] if events else {}
+    if last and not _named_nodes(last) and last.get("reason") in ("preemption", "requeue"):
         return next((n for e in reversed(events) if (n := _named_nodes(e))), [])
     return _named_nodes(events[-1]) if events else []
 

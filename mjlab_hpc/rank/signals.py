@@ -229,8 +229,7 @@ def watch_signals(request: StopRequest, detached: bool = False) -> Iterator[Stop
 
 def why_signalled(
     stop: Stop, job: dict[str, str] | None, restart_count: int, lost: Sequence[str] = (),
-    before_first_iteration: bool = False, startup_s: float | None = None,
-    delay_s: float | None = None,
+    before_first_iteration: bool = False, delay_s: float | None = None,
 ) -> Stop:  # fmt: skip
     """What a TERM or time-limit stop of a Slurm job is, from Slurm's view of the job
     (`scontrol show job`'s fields; None: no answer, the stop stays as the signal says):
@@ -240,23 +239,19 @@ def why_signalled(
     while the job simply runs, a person's TERM (scancel --signal=TERM, to the steps or the
     batch shell): a stop for good.
 
-    A time-limit stop is not requeued (a stop for good, `why` says so) when no start could
-    train: the time limit leaves no more than `startup_s` (this start's start-up) after the
-    signal's `delay_s`, or the signal came before this start's first iteration."""
+    A time-limit stop is not requeued when no start could train (a stop for good; `why`
+    says so): the time limit is no longer than the signal's `delay_s`, or the signal came
+    before this start's first iteration (a time limit below the delay plus start-up)."""
     if stop.reason == "time-limit":
         shown = (job or {}).get("TimeLimit", "?")
         limit = slurm_seconds(shown)
-        room = None if limit is None or delay_s is None else limit - delay_s
-        short = room is not None and startup_s is not None and room <= startup_s
-        if not (short or before_first_iteration):
+        no_room = limit is not None and delay_s is not None and limit <= delay_s
+        if not (no_room or before_first_iteration):
             return stop
-        if short:
-            assert room is not None and startup_s is not None
-            what = (f"the job's time limit ({shown}) leaves {max(0, round(room))} s after the "
-                    f"time-limit signal (--signal-delay-s {delay_s:g}), no more than the "
-                    f"{startup_s:.0f} s this start took to its first iteration")  # fmt: skip
-        else:
-            what = f"the time-limit signal came before this start's first iteration ({shown})"
+        delay = f"--signal-delay-s {delay_s:g}" if delay_s is not None else "--signal-delay-s"
+        what = (f"the job's time limit ({shown}) is no longer than {delay}" if no_room else
+                f"the time-limit signal came before this start's first iteration (time limit "
+                f"{shown}, {delay})")  # fmt: skip
         job_id = (job or {}).get("JobId", "<job>")
         why = (f"not requeued: {what}, so every start would be signalled before it trains; "
                f"raise the time limit (scontrol update JobId={job_id} TimeLimit=...) or lower "

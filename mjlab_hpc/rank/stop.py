@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_REQUEUE, EXIT_STOPPED
-from mjlab_hpc.procs import alive, started_at
+from mjlab_hpc.procs import alive
 from mjlab_hpc.rank.context import (
     ALLOCATION_ENV,
     SIGNAL_DELAY_ENV,
+    START_ENV,
     SUPERVISOR_ENV,
     DistContext,
     chain_link,
@@ -257,7 +258,6 @@ class IterationBoundary:
     """Ranks slower than the others (None: one rank)."""
     _last_save: float = field(default_factory=time.monotonic)
     _recovered: bool = False
-    _startup_s: float | None = None
 
     def __call__(self, runner: Any, s: IterationStats) -> None:
         entered = time.perf_counter()
@@ -281,8 +281,6 @@ class IterationBoundary:
             self._record_stragglers()
         if stop is not None and s.iteration >= self.total:
             stop = None  # the run is done: it completes (every rank agreed on the same value)
-        if self._startup_s is None:  # this start's start-up: to its first iteration
-            self._startup_s = time.time() - started_at()
         if stop is not None and stop.reason in ("preemption", "time-limit"):
             stop = self._why(stop, first=s.iteration == self.start + 1)
         if self.watchdog is not None and (stop is not None or s.iteration >= self.total):
@@ -321,7 +319,7 @@ class IterationBoundary:
         elif self.ctx.mode not in ("slurm", "submitit-local"):
             return stop  # nothing requeues it
         delay = os.environ.get(SIGNAL_DELAY_ENV, "")
-        stop = why_signalled(stop, job, self.ctx.restart_count, lost, first, self._startup_s,
+        stop = why_signalled(stop, job, self.ctx.restart_count, lost, first,
                              float(delay) if delay.isdigit() else None)  # fmt: skip
         if self.ctx.mode == "slurm" and self.ctx.is_distributed:
             shared = [stop]
@@ -409,6 +407,8 @@ class IterationBoundary:
         }
         if stop.why:
             entry["why"] = stop.why
+        if os.environ.get(START_ENV):  # the srun step it ended (rundir.ends)
+            entry["start"] = os.environ[START_ENV]
         if stop.reason == "node-lost":
             entry["nodes"] = stop.why.removeprefix("node(s) ").split(", ")
             log.warning("%s lost: the job is requeued from iteration %d", stop.why, iteration)

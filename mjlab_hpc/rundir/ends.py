@@ -275,10 +275,14 @@ def run_outcome(run_dir: Path) -> RunOutcome:
     # it (a refused resume, a failure while building): they say how this start ended. Not
     # after this start's stop checkpoint: a rank killed then (the scheduler's KillWait) lost
     # nothing.
-    saved = float((stops[-1] if stops else {}).get("checkpoint_at") or 0)
-    stopped = state == "stopped" and all(
-        e.started is None or e.started.timestamp() < saved for e in ends
-    )
+    last = stops[-1] if stops else {}
+    if last.get("start"):  # the srun step the stop was in: no clocks compared
+        stopped = state == "stopped" and all(e.start_id == last["start"] for e in ends)
+    else:  # (this machine's processes)
+        saved = float(last.get("checkpoint_at") or 0)
+        stopped = state == "stopped" and all(
+            e.started is None or e.started.timestamp() < saved for e in ends
+        )
     if ends and all(e.how == "refused" for e in ends):
         state = "refused"
     elif not stopped and any(e.how in ("failed", "hung", "no-exit") for e in ends):

@@ -261,7 +261,9 @@ def cancel_marker(run_dir: Path, record: dict[str, Any] | None = None) -> dict[s
     except (OSError, ValueError, TypeError):
         return None
     starts = (read_record(run_dir) if record is None else record).get("starts") or [{}]
-    # ISO 8601 with the same offset sorts as text; a start after the cancel wins.
+    if isinstance(marker.get("starts"), int):  # a start after the cancel (a resume) wins
+        return marker if len(starts) <= marker["starts"] else None
+    # Older records: ISO 8601 with the same offset sorts as text.
     return marker if str(marker.get("at", "")) >= str(starts[-1].get("at", "")) else None
 
 

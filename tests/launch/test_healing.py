@@ -227,7 +227,7 @@ def test_slurm_hang_then_node_down_on_two_nodes(
         env = cli_env(base=slurm_cluster.environ())
         row = wait_for(lambda: (r := hpc_json(run, env))["waiting"] and r, 120, "the wait")
         assert row["state"] == "PENDING" and row["active"], row
-        # After the stop (node-lost, or a preemption where sinfo no longer said node2 was
+        # After the stop (node-lost, or a requeue by Slurm where sinfo no longer said node2 was
         # down), naming node2 (that stop, or the hang before it).
         assert re.search(r"^waits after: .* at iteration \d+: requeued; node2 is drained "
                          r"\(mjlab-hpc-test\)$", row["waiting"]), row  # fmt: skip
