@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,10 @@ class RankJob:
 
     def __call__(self) -> RankResult | None:
         offer_to_oom_killer()  # before the worlds take memory
+        # Where this task runs, in its output before its rank log exists (`mjlab-hpc logs`):
+        # the Slurm node, which the machine's own name need not be.
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        print(f"mjlab-hpc: starting on host {node}, pid {os.getpid()}", flush=True)
         done = _chain_done(self.spec.train.run_dir)
         if done is not None:
             print(done, file=sys.stderr, flush=True)
