@@ -53,7 +53,7 @@ def test_heartbeat_and_diagnosis_name_the_stalled_rank(tmp_path: Path) -> None:
         {"rank": 1, "host": "node2", "pid": 1, "iteration": 7, "t": time.time() - 60}
     ))  # fmt: skip
     log = io.StringIO()
-    with Watchdog(run, 0, 2, timeout_s=None, rank_log=log, host="node1") as dog:
+    with Watchdog(run, 0, 2, timeout_s=None, rank_log=log, host="node1", beat_s=0.2) as dog:
         dog.progress(8)
         beats = read_heartbeats(run, 2)
         assert beats[0]["host"] == "node1" and beats[0]["pid"] == os.getpid()

@@ -294,7 +294,7 @@ def _write_stale_record(path: Path, token: int, valid: bool) -> None:
             "rank": 0,
             "acquired_at": time.time() - 100,
             "heartbeat_at": time.time() - 100,
-            "lease_s": 1.0,
+            "lease_s": 0.3,
         }
         path.write_text(json.dumps(doc))
     else:
@@ -314,7 +314,7 @@ def test_racing_takeovers_of_a_stale_lock(tmp_path: Path, capsys: pytest.Capture
         record = tmp_path / f"record{round_}.log"
         start = CTX.Event()
         procs = [
-            CTX.Process(target=_contender, args=(str(lock_path), str(record), 1, i, 1.0, start))
+            CTX.Process(target=_contender, args=(str(lock_path), str(record), 1, i, 0.3, start))
             for i in range(n_procs)
         ]
         for p in procs:
@@ -636,7 +636,7 @@ def test_a_waiter_an_hour_ahead_never_takes_a_live_lock(tmp_path: Path) -> None:
         if os.environ.get("CI") == "true":
             pytest.fail("faketime is not installed (make install installs it as root)")
         pytest.skip("faketime is not installed (apt-get install faketime)")
-    lease = 2.0
+    lease = 1.0
     lock_path = tmp_path / "writer.lock"
     ready = tmp_path / "ready"
     holder = CTX.Process(
