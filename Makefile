@@ -44,6 +44,13 @@ $(STAMP): pyproject.toml constraints.txt
 		echo "installing git (rsl-rl records the code's git state)"; \
 		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
 			--no-install-recommends git >/dev/null || echo "note: git not installed"; fi
+	@# The tests run commands with another clock (faketime, Debian's libfaketime), as root.
+	@if ! command -v faketime >/dev/null && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing faketime (tests with a clock an hour ahead)"; \
+		{ apt-cache show faketime >/dev/null 2>&1 \
+			|| apt-get -o DPkg::Lock::Timeout=300 update -qq >/dev/null; } \
+		&& DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+			--no-install-recommends faketime >/dev/null || echo "note: faketime not installed"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	@# PyTorch's CPU index only where it answers: pip retries an unreachable index for every
@@ -77,18 +84,24 @@ SLURM_2411_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-cluster-24.11
 # A named subset of the Slurm tests, to keep CI short: submit on 2 nodes, ranks without Slurm's
 # commands, crash and hang healing with node exclusion, restart inside the allocation, node
 # loss, a node lost for good past SlurmdTimeout with a spare (3 nodes), a chain across time
-# limits (requeue), salloc allocations, a sweep, status/cancel of 250 runs, doctor, fake GPUs
-# under ConstrainDevices, a requeue from inside a job, the rendezvous host. The rest (hostile
-# input, the other 3-node tests, ...) run on 22.05 only.
+# limits (requeue), salloc allocations, the dry run against what is submitted, a sweep,
+# status/cancel of 250 runs, doctor, fake GPUs under ConstrainDevices, a requeue from inside a
+# job, the rendezvous host, a job suspended (the cgroup freezer there) and the signals and
+# admin actions (scontrol's fields). The rest (hostile input, the other 3-node tests, ...) run
+# on 22.05 only.
 T := tests/launch/test_slurm_jobs.py::test_
 H := tests/launch/test_healing.py::test_slurm_
 C := tests/launch/test_chain_and_allocation.py::test_
+S := tests/launch/test_slurm_signals.py::test_
 SLURM_2411_ARGS ?= -m slurm -p no:xdist --durations=15 \
 	$(T)submit_2x2_cpu $(T)ranks_without_slurm_commands \
 	$(H)crash_excludes_the_node_and_heals $(H)hang_then_node_down_on_two_nodes \
 	$(H)crash_restarts_in_the_allocation $(H)node_lost_for_good_past_slurmd_timeout \
 	$(C)chain_continues_the_run_after_the_time_limit_and_cancel_stops_it_all \
 	$(C)inside_salloc_the_ranks_run_in_the_allocation_and_ctrl_c_saves_them \
+	$(C)what_is_submitted_is_what_the_dry_run_shows \
+	$(S)a_suspended_job_resumes_as_if_nothing_happened \
+	$(S)signals_and_admin_actions_mean_what_the_docs_say \
 	tests/ops/test_slurm_ops.py::test_sweep_is_one_throttled_job_array \
 	tests/ops/test_status_scale.py \
 	tests/ops/test_doctor.py::test_doctor_passes_and_finds_a_private_log_root_and_unusable_gpus \

@@ -10,6 +10,7 @@ has expired, then every other gets it in turn, one at a time."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import multiprocessing as mp
 import os
@@ -113,7 +114,10 @@ LOCK_LEASE_S = 2.0
 
 
 def _lock_holder(path: str, lease_s: float, ready: str) -> None:
-    lock = LeaseLock(path, owner=OwnerInfo.from_env(rank=0), lease_s=lease_s)
+    # As on another node (a lost one): nobody here can ask for its process, so a takeover
+    # waits for a lease of unchanged heartbeat (on this machine it would follow the kill).
+    owner = dataclasses.replace(OwnerInfo.from_env(rank=0), machine="another node")
+    lock = LeaseLock(path, owner=owner, lease_s=lease_s)
     Path(ready).write_text(str(lock.acquire(timeout_s=60)))
     while True:  # heartbeats until SIGKILL
         time.sleep(1)

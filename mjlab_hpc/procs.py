@@ -29,6 +29,7 @@ __all__ = [
     "ProcessEntry",
     "alive",
     "kill_group",
+    "machine_id",
     "memory_room",
     "offer_to_oom_killer",
     "oom_count",
@@ -52,11 +53,32 @@ class ProcessEntry:
 
 
 def alive(pid: int) -> bool:
-    """Whether the process exists and has not exited (a zombie only waits to be reaped)."""
+    """Whether the process exists and has not exited (a zombie only waits to be reaped). One
+    of another user, or hidden by /proc's hidepid, exists: kill(2) says so."""
+    if pid <= 0:  # kill(2) would signal a process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True
+    except (ProcessLookupError, OverflowError, ValueError):
+        return False
     try:
         return psutil.Process(pid).status() not in _DEAD
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+    except psutil.NoSuchProcess:
         return False
+    except psutil.AccessDenied:
+        return True
+
+
+def machine_id() -> str:
+    """This kernel's boot and this process's pid namespace: two processes with the same one
+    see each other's pids (a host name does not say that: containers, reused names)."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{_boot_id()}:{namespace}" if _boot_id() else ""
 
 
 def user_name(uid: int) -> str:

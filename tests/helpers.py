@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from mjlab_hpc.launch.local import free_port
 from mjlab_hpc.procs import processes
@@ -42,6 +45,17 @@ def cli_env(
     env["PATH"] = path if path is not None else f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env.update(extra or {})
     return env
+
+
+def clock_ahead(offset: str = "+1h") -> list[str]:
+    """The command prefix that runs a command with its clock `offset` ahead (Debian's
+    faketime, which `make install` installs as root); a skip where it is missing, a failure
+    under CI=true."""
+    if shutil.which("faketime") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("faketime is not installed (make install installs it as root)")
+        pytest.skip("faketime is not installed (apt-get install faketime)")
+    return ["faketime", "-f", offset]
 
 
 def runs_under(root: Path) -> list[Path]:

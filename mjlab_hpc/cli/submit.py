@@ -29,6 +29,7 @@ from mjlab_hpc.launch.follow import (
 )
 from mjlab_hpc.launch.local import LocalControls, local_processes, rank_outcomes
 from mjlab_hpc.launch.slurm import (
+    allocation_env,
     allocation_srun,
     render_array_sbatch,
     render_sbatch,
@@ -47,10 +48,10 @@ from mjlab_hpc.ops.cancel import write_cancel_marker
 from mjlab_hpc.ops.status import collect, status_table
 from mjlab_hpc.ops.status import console as wide_console
 from mjlab_hpc.procs import wait_gone
-from mjlab_hpc.rank.context import CHAIN_ENV, current_allocation, interactive_step
+from mjlab_hpc.rank.context import current_allocation, interactive_step
 from mjlab_hpc.rundir.ends import latest_world_size, rank_ends
 from mjlab_hpc.rundir.snapshot import plan_snapshot, planned_record, record_code
-from mjlab_hpc.slurm.client import SlurmClient
+from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
 from mjlab_hpc.validate import executor_for, slurm_only, validate_submit
@@ -147,8 +148,11 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
         jobs = (s.job, *s.chain)
         if not all(j.done(force_check=force) for j in jobs):
             return False
-        if s.executor == "slurm":  # results of ranks that the batch script starts again (healed)
-            return all(client.job_state(j.job_id) != "RUNNING" for j in jobs)
+        if s.executor == "slurm":
+            # Results of ranks that the batch script starts again (healed); a job suspended
+            # (scontrol suspend, gang scheduling), which submitit counts as done, resumes.
+            states = [client.job_state(j.job_id) for j in jobs]
+            return all(state is None or state in FINAL_STATES for state in states)
         # A local controller may be gone (killed) while its ranks still save their checkpoint.
         return not local_processes(s.run_dir)
 
@@ -264,15 +268,6 @@ def _no_slurm_here(spec: SubmitSpec) -> str:
     return f"; Slurm was not found here, {slurm_only(spec)} asks for it"
 
 
-def chain_note(spec: SubmitSpec) -> str:
-    """What a dry run says about the later jobs of a --chain."""
-    return (
-        f"# ---- jobs 2..{spec.chain} of the chain: the same script, with "
-        "--dependency=afterany:<the job before> and "
-        f"{CHAIN_ENV}=<K>/{spec.chain} ----\n"
-    )
-
-
 def in_allocation(spec: SubmitSpec, argv: Sequence[str]) -> int:
     """Run the ranks with srun inside the allocation this shell is in, to their end."""
     resolved = validate_submit(spec)
@@ -295,7 +290,8 @@ def in_allocation(spec: SubmitSpec, argv: Sequence[str]) -> int:
 
 def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
     """Print the resolved spec, a sweep's elements with their planned run directories, and the
-    exact sbatch script (or the srun command, or what would start locally). Plain text,
+    exact sbatch script of every job (a --chain's later ones wait for `JOB<K>`, the id the
+    job before gets), or the srun command, or what would start locally. Plain text,
     uncropped: users copy the script from here."""
     out = sys.stdout
     out.write("# ---- resolved spec ----\n" + spec_yaml(spec, resolved))
@@ -309,17 +305,24 @@ def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
         folder = planned_run_dir(spec, resolved)
     executor = executor_for(spec)
     if executor == "allocation":
+        alloc = current_allocation(os.environ)
+        assert alloc is not None  # validate_submit refuses --executor allocation outside one
+        code = planned_record(plan_snapshot(Path.cwd(), not spec.snapshot), folder)
+        env = [f"{k}={shlex.quote(v)}" for k, v in allocation_env(alloc, code).items()]
         command = allocation_srun(spec, resolved, folder)
         out.write(f"# ---- srun inside the current allocation (dry run: not started) ----\n"
-                  f"{shlex.join(command)}\n")  # fmt: skip
+                  f"{' '.join([*env, shlex.join(command)])}\n")  # fmt: skip
     elif executor == "slurm":
-        what = "sbatch script of the job array" if elements else "sbatch script"
-        out.write(f"# ---- {what} (dry run: not submitted{_no_slurm_here(spec)}) ----\n")
         code = planned_record(plan_snapshot(Path.cwd(), not spec.snapshot), folder)
-        out.write(render_array_sbatch(spec, folder, len(elements), code) if elements
-                  else render_sbatch(spec, folder, code))  # fmt: skip
-        if spec.chain > 1:
-            out.write(chain_note(spec))
+        for link in range(1, spec.chain + 1):  # every job of a --chain: each its own script
+            what = "sbatch script of the job array" if elements else "sbatch script"
+            if spec.chain > 1:
+                what += f" of job {link} of {spec.chain} of the chain"
+                what += f", after JOB{link - 1}: the id job {link - 1} gets" if link > 1 else ""
+            out.write(f"# ---- {what} (dry run: not submitted{_no_slurm_here(spec)}) ----\n")
+            after = None if link == 1 else (f"JOB{link - 1}",)
+            out.write(render_array_sbatch(spec, folder, len(elements), code, link, after)
+                      if elements else render_sbatch(spec, folder, code, link, after))  # fmt: skip
     else:
         what = (
             f"{len(elements)} local jobs of {spec.ranks_per_node} rank(s) each, all at once"

@@ -19,12 +19,15 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import submitit
+from submitit.core import utils as submitit_utils
 from submitit.local.local import Controller, LocalJob, LocalJobEnvironment
+from submitit.slurm.slurm import SlurmJob
 
 from mjlab_hpc import console
 from mjlab_hpc.errors import (
@@ -38,6 +41,9 @@ from mjlab_hpc.errors import (
     EXIT_STOPPED,
 )
 from mjlab_hpc.launch.heal import decide, record_healing, restart_here
+from mjlab_hpc.rank.context import START_ENV
+from mjlab_hpc.rank.signals import FORWARDED
+from mjlab_hpc.rundir.layout import HEARTBEAT_DIR, LOGS_DIR, SWEEP_ELEMENTS
 
 __all__ = [
     "CONTROLLER_MODULE",
@@ -84,20 +90,32 @@ watch_step() {{
   local ended=
   while sleep 1; do
     if [ -z "$ended" ] && {{ grep -qsa Traceback {folder}/"${{key:-$SLURM_JOB_ID}}"_*_result.pkl ||
-      compgen -G {run_dir}/heartbeat/'hang-rank*.json'; }} >/dev/null; then ended=$SECONDS; fi
+      compgen -G {heartbeats}/'hang-rank*.json'; }} >/dev/null; then ended=$SECONDS; fi
     if [ -n "$ended" ] && [ $((SECONDS - ended)) -ge {stuck} ]; then
       for p in $(pgrep -P $$ -x srun); do pkill -KILL -P "$p"; kill -KILL "$p"; done
     fi
   done
 }}
+# A signal to this shell (scancel --batch, or --full) means what it means to the ranks: it
+# goes on to the job's steps (docs/preemption.md, "Signals"); the shell waits on.
+forward() {{
+  for sig in {signals}; do trap "scancel --signal=$sig $SLURM_JOB_ID 2>/dev/null" $sig; done
+}}
 again=
+n=0
 while :; do
   began=$SECONDS
-  trap - TERM
+  forward
+  # This srun step's name, in its ranks' first log line: the healer finds them by it.
+  export {start_env}=$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}.$((n += 1))
   watch_step &
-  srun {srun_options} $again {command}
+  watcher=$!
+  srun {srun_options} $again {command} &
+  step=$!
+  while kill -0 $step 2>/dev/null; do wait $step; done
+  wait $step
   ranks=$?
-  kill $! 2>/dev/null
+  kill $watcher 2>/dev/null
   trap '' TERM
   options=$({heal})
   status=$?
@@ -128,8 +146,12 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
         step_nodes: int | None = None,
         min_nodes: int | None = None,
         tasks_per_node: int = 1,
+        sweep: bool = False,
     ) -> None:
         self._render_only = render_only
+        self.sweep = sweep
+        """A sweep's job array: `folder`'s parent is the sweep's directory, each element's
+        run is linked from its `elements/<index>`."""
         self.max_restarts = max_restarts
         self.step_nodes = step_nodes
         """Nodes each srun step runs on (None: all of the allocation's; fewer: spares)."""
@@ -162,11 +184,41 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
             f"{self.heal_python} -m mjlab_hpc.cli.hpc heal --run-dir {run_dir} --exit-code $ranks "
             f"--elapsed-s $((SECONDS - began)) --max-restarts {self.max_restarts}{nodes}"
         )
+        # A sweep's hang files are in its element's run directory, linked from the sweep's.
+        element = f'/{SWEEP_ELEMENTS}/"$SLURM_ARRAY_TASK_ID"' if self.sweep else ""
+        heartbeats = f"{run_dir}{element}/{LOGS_DIR}/{HEARTBEAT_DIR}"
         return head + "\n" + _LOOP.format(
             srun_options=srun.removesuffix(command).rstrip(), command=command, heal=heal,
-            folder=shlex.quote(str(self.folder)), run_dir=run_dir, stuck=_STUCK_S,
-            restart=EXIT_RESTART, requeue=EXIT_REQUEUE,
+            folder=shlex.quote(str(self.folder)), heartbeats=heartbeats, stuck=_STUCK_S,
+            restart=EXIT_RESTART, requeue=EXIT_REQUEUE, start_env=START_ENV,
+            signals=" ".join(FORWARDED),
         )  # fmt: skip
+
+    def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:
+        # submitit submits a job array through a plain SlurmExecutor of its own, whose script
+        # has neither our heal loop nor the image's Python: ours is submitted instead, the
+        # script the dry run prints. The rest as submitit does it.
+        if len(delayed_submissions) == 1:
+            return list(super()._internal_process_submissions(delayed_submissions))
+        folder = submitit_utils.JobPaths.get_first_id_independent_folder(self.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        pickles = []
+        for delayed in delayed_submissions:
+            pickles.append(folder / f"{uuid.uuid4().hex}.pkl")
+            delayed.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
+            delayed.dump(pickles[-1])
+        self.parameters["map_count"] = len(pickles)
+        try:
+            self._throttle()
+            first = self._submit_command(self._submitit_command_str)
+        finally:
+            del self.parameters["map_count"]
+        tasks = list(range(first.num_tasks))
+        jobs = [SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{i}", tasks=tasks)
+                for i in range(len(pickles))]  # fmt: skip
+        for job, pickle in zip(jobs, pickles, strict=True):
+            job.paths.move_temporary_file(pickle, "submitted_pickle")
+        return jobs
 
     def _submit_command(self, command: str) -> Any:
         # submitit prints sbatch's refusal on stderr and raises it too: said once, by us.

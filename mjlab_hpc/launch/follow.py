@@ -211,6 +211,7 @@ def closing(
                 f"reached); checkpoint saved; {where}; resume with: {resume}",
             )
         by = f", {signal_name}" if signal_name else ""
+        by += f": {stop['why']}" if stop.get("why") else ""
         return Closing(
             EXIT_STOPPED,
             f"stopped at iteration {at} ({why}{by}); checkpoint model_{at}.pt saved; "

@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE, EXIT_RESTART
+from mjlab_hpc.rank.context import START_ENV
 from mjlab_hpc.rundir.ends import first_failure, memory_advice, rank_ends
 from mjlab_hpc.rundir.layout import (
     SUBMITIT_DIR,
+    SWEEP_ELEMENTS,
     RunDir,
     progress_summary,
     read_hangs,
@@ -113,12 +115,21 @@ class Healing:
     """The run.json `faults` entry."""
 
 
-def find_fault(run_dir: Path, since: float | None = None, slurm_oom: bool = False) -> Fault | None:
+def find_fault(
+    run_dir: Path, since: float | None = None, slurm_oom: bool = False, start: str | None = None
+) -> Fault | None:  # fmt: skip
     """The crash, hang or out-of-memory that ended the latest start (None: it ended
-    otherwise). `since`: when that start began (epoch s): a rank whose log has no start line
-    after it failed before it could log (a broken node, the process group never formed), and
-    its older lines are not this start's. `slurm_oom`: Slurm says a step ran out of memory
-    (its cgroup's OOM killer): a rank ended without a word by it was killed for memory."""
+    otherwise). `start`: the batch script's name for that srun step, which its ranks log, or
+    else `since`: when that start began (epoch s, this machine's clock: the local controller's
+    ranks run beside it); a rank without a start line of it failed before it could log (a
+    broken node, the process group never formed), and its older lines are not this start's.
+    `slurm_oom`: Slurm says a step ran out of memory (its cgroup's OOM killer): a rank ended
+    without a word by it was killed for memory.
+
+    Every rank that ended without a word is named, and its node suspected, when some rank
+    lived on to record its end (the others' SIGTERM from srun's --kill-on-bad-exit): ranks
+    dying at once on two nodes are both reported. When no rank of the start recorded its end,
+    the whole start was killed from outside (scancel --signal=KILL): no node is suspected."""
     run = RunDir(run_dir)
     iteration = progress_summary(run).iteration or 0
     hangs = read_hangs(run)
@@ -138,12 +149,14 @@ def find_fault(run_dir: Path, since: float | None = None, slurm_oom: bool = Fals
         began = float(first.get("at", time.time())) - float(first.get("waited_s", 0))
         return Fault("hang", error, stalled, hosts, iteration, frozen_hosts, began)
     ends = rank_ends(run_dir)
-    if since is not None:
+    if start is not None:
+        ends = [e for e in ends if e.start_id == start]
+    elif since is not None:
         limit = dt.datetime.fromtimestamp(since - 2)  # rank logs: local time, whole seconds
-        if not ends or all(e.started is None or e.started < limit for e in ends):
-            return Fault("crash", "no rank started (it failed before training: see the job's "
-                         "output in submitit/)", (), (), iteration, (), time.time())  # fmt: skip
         ends = [e for e in ends if e.started is not None and e.started >= limit]
+    if (start is not None or since is not None) and not ends:
+        return Fault("crash", "no rank started (it failed before training: see the job's "
+                     "output in submitit/)", (), (), iteration, (), time.time())  # fmt: skip
     if not any(e.how in ("failed", "hung", "no-exit") for e in ends):
         return None
     cause = first_failure(ends)
@@ -159,16 +172,31 @@ def find_fault(run_dir: Path, since: float | None = None, slurm_oom: bool = Fals
     at = cause.at.timestamp() if cause.at is not None else None  # rank logs: local time
     if cause.oom or failure.get("kind") == "out-of-memory":  # the settings, not the node
         return Fault("out-of-memory", error, (cause.rank,), (host,), iteration, (), at)
-    return Fault("crash", error, (cause.rank,), (host,), iteration,
-                 (host,) if killed and cause.host else (), at)  # fmt: skip
+    if not killed:
+        return Fault("crash", error, (cause.rank,), (host,), iteration, (), at)
+    dead = [e for e in ends if e.how == "no-exit"]
+    ranks = tuple(e.rank for e in dead)
+    hosts = tuple(dict.fromkeys(e.host or "?" for e in dead))
+    if len(dead) == len(ends):  # nobody lived on to tell: the start was killed as a whole
+        error = (
+            f"every rank ({len(dead)}) ended without an exit record at once: killed "
+            "from outside the ranks (scancel --signal=KILL); no node suspected"
+        )
+        return Fault("crash", error, ranks, hosts, iteration, (), at)
+    if len(dead) > 1:
+        who = ", ".join(f"rank {e.rank} on {e.host or '?'}" for e in dead)
+        error = (f"{who} ended without an exit record (killed by a signal: SIGKILL, out of "
+                 "memory, a segfault or a lost node)")  # fmt: skip
+    return Fault("crash", error, ranks, hosts, iteration, tuple(h for h in hosts if h != "?"), at)
 
 
 def decide(
     run_dir: Path, max_restarts: int, job_id: str | None = None, since: float | None = None,
-    slurm_oom: bool = False,
+    slurm_oom: bool = False, start: str | None = None,
 ) -> Healing:  # fmt: skip
-    """Whether to requeue after the latest start of the run in `run_dir` ended."""
-    fault = find_fault(run_dir, since, slurm_oom)
+    """Whether to requeue after the latest start of the run in `run_dir` ended (`find_fault`
+    for `since`, `slurm_oom` and `start`)."""
+    fault = find_fault(run_dir, since, slurm_oom, start)
     if fault is None:
         return Healing(None, why="nothing to heal")
     rec = read_record(run_dir)
@@ -242,14 +270,9 @@ def record_healing(
             path.unlink(missing_ok=True)
 
 
-def _job_fields(client: SlurmClient, job_id: str) -> dict[str, str]:
-    text = client.show_job(job_id) or ""
-    return {m.group(1): m.group(2) for m in re.finditer(r"(\w+)=(\S*)", text)}
-
-
 def _excluded(client: SlurmClient, job_id: str) -> list[str]:
     """The nodes the job already excludes."""
-    value = _job_fields(client, job_id).get("ExcNodeList", "(null)")
+    value = (client.job_fields(job_id) or {}).get("ExcNodeList", "(null)")
     return [] if value in ("(null)", "") else client.hostnames(value) or []
 
 
@@ -273,7 +296,7 @@ def usable_without(client: SlurmClient, job_id: str, exclude: Sequence[str]) -> 
     """Whether the job can still run once `exclude` (and the nodes excluded before) are left
     out: no node the job requires (--sbatch-arg nodelist) is excluded, and enough usable nodes
     of its partition with its --constraint's features remain; and why not."""
-    fields = _job_fields(client, job_id)
+    fields = client.job_fields(job_id) or {}
     partition = fields.get("Partition", "")
     needed = int(fields.get("NumNodes", "1").split("-")[0] or 1)
     before = _excluded(client, job_id)
@@ -422,9 +445,9 @@ def heal_slurm(
         return exit_code
     exit_code = EXIT_FAILED if exit_code == EXIT_RESTART else exit_code  # not ours: no loop
     job_id = os.environ.get("SLURM_JOB_ID")
-    heal = decide(
-        run_dir, max_restarts, job_id, since, bool(job_id and client.out_of_memory(job_id))
-    )
+    start = os.environ.get(START_ENV) or None
+    heal = decide(run_dir, max_restarts, job_id, None if start else since,
+                  bool(job_id and client.out_of_memory(job_id)), start)  # fmt: skip
     if heal.fault is None:
         return exit_code
     here = (
@@ -489,12 +512,13 @@ def _say(heal: Healing) -> None:
 
 def job_run_dir(path: Path, env: Mapping[str, str]) -> Path:
     """The run directory of this job: `path`, or for a sweep's job array (`path` is the sweep
-    directory) the run directory of this array element."""
+    directory) the run directory of this array element (linked from the sweep's directory)."""
+    index = env.get("SLURM_ARRAY_TASK_ID", "0")
+    link = path / SWEEP_ELEMENTS / index
+    if link.is_dir():
+        return link.resolve()
     elements = read_sweep(path).get("elements")
-    if not elements:
-        return path
-    index = int(env.get("SLURM_ARRAY_TASK_ID", "0"))
-    return Path(elements[index]["run_dir"])
+    return Path(elements[int(index)]["run_dir"]) if elements else path
 
 
 def heal_job(

@@ -12,6 +12,7 @@ whose value is None (an option the user did not set) is left out.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 import shlex
@@ -29,7 +30,7 @@ from mjlab_hpc.launch.follow import (
     Closing,
     follow_to_end,
 )
-from mjlab_hpc.rank.context import ALLOCATION_ENV, CHAIN_ENV, Allocation
+from mjlab_hpc.rank.context import ALLOCATION_ENV, CHAIN_ENV, SIGNAL_DELAY_ENV, Allocation
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR
 from mjlab_hpc.rundir.snapshot import import_path, snapshot_for, with_snapshot
 from mjlab_hpc.slurm.client import SlurmClient
@@ -40,6 +41,7 @@ from mjlab_hpc.validate.rules import sbatch_options
 
 __all__ = [
     "TEMPLATE_NAMES",
+    "allocation_env",
     "allocation_srun",
     "array_executor",
     "container_python",
@@ -64,7 +66,8 @@ def slurm_parameters(
     """submitit SlurmExecutor parameters for a spec (validated): of job `link` of its
     --chain, starting once the jobs `after` ended; `snapshot`: the code snapshot's import
     roots, put first on PYTHONPATH for every rank and requeue."""
-    setup = list(spec.setup)
+    # The time-limit signal's delay: a time limit that leaves no start-up is not requeued.
+    setup = [f"export {SIGNAL_DELAY_ENV}={spec.signal_delay_s}", *spec.setup]
     if spec.chain > 1:  # the ranks leave a time-limit stop to the next job of the chain
         setup.insert(0, f"export {CHAIN_ENV}={link}/{spec.chain}")
     if snapshot:  # before --setup: a `conda activate` there keeps PYTHONPATH
@@ -181,10 +184,14 @@ def make_slurm_executor(
     return executor
 
 
-def render_sbatch(spec: SubmitSpec, run_dir: Path, snapshot: dict[str, Any] | None = None) -> str:
+def render_sbatch(
+    spec: SubmitSpec, run_dir: Path, snapshot: dict[str, Any] | None = None, link: int = 1,
+    after: Sequence[str] | None = None,
+) -> str:  # fmt: skip
     """The exact sbatch script submitit submits for this spec (`snapshot`: the planned code
-    record, whose import roots the script puts first)."""
-    return make_slurm_executor(spec, run_dir, dry_run=True, snapshot=snapshot).script()
+    record, whose import roots the script puts first), as job `link` of its --chain after the
+    jobs `after`."""
+    return make_slurm_executor(spec, run_dir, True, link, after, snapshot).script()
 
 
 def array_executor(
@@ -198,16 +205,19 @@ def array_executor(
     """The executor of a sweep's job array (throttled by --array-parallelism), for array
     `link` of the --chain."""
     executor = make_slurm_executor(spec, sweep_dir, dry_run, link, after, snapshot)
+    executor.sweep = True
     if spec.array_parallelism is not None:
         executor.update_parameters(array_parallelism=spec.array_parallelism)
     return executor
 
 
 def render_array_sbatch(
-    spec: SubmitSpec, sweep_dir: Path, count: int, snapshot: dict[str, Any] | None = None
-) -> str:
-    """The exact sbatch script of a sweep's job array of `count` elements."""
-    executor = array_executor(spec, sweep_dir, dry_run=True, snapshot=snapshot)
+    spec: SubmitSpec, sweep_dir: Path, count: int, snapshot: dict[str, Any] | None = None,
+    link: int = 1, after: Sequence[str] | None = None,
+) -> str:  # fmt: skip
+    """The exact sbatch script of a sweep's job array of `count` elements (array `link` of
+    the --chain, after the arrays `after`)."""
+    executor = array_executor(spec, sweep_dir, True, link, after, snapshot)
     executor.parameters["map_count"] = count  # what submitit sets when it submits an array
     return executor.script()
 
@@ -258,6 +268,7 @@ def template_context(spec: SubmitSpec, resolved: ResolvedSpec) -> dict[str, str 
         "EXCLUSIVE": "--exclusive" if spec.exclusive else None,
         "TIME": q(spec.time),
         "SIGNAL": f"{spec.preempt_signal}@{spec.signal_delay_s}",
+        "SIGNAL_DELAY_S": str(spec.signal_delay_s),
         "BATCH_LOG": "slurm-%x-%j.out",
         "SBATCH_EXTRA": "\n".join(extra) or None,
         "SETUP": "\n".join(spec.setup) or None,  # shell lines by design: not quoted
@@ -303,15 +314,14 @@ def render(template: str, spec: SubmitSpec) -> str:
 # --- inside an existing allocation ------------------------------------------------------------
 
 
-def allocation_srun(
-    spec: SubmitSpec, resolved: ResolvedSpec, run_dir: Path, step_name: str = "mjlab-ranks"
-) -> list[str]:
+def allocation_srun(spec: SubmitSpec, resolved: ResolvedSpec, run_dir: Path) -> list[str]:
     """The srun command that starts every rank inside the current allocation, as a step
-    named `step_name`."""
+    named after the run directory (`mjlab-ranks-<hash>`: the same in a dry run)."""
     python = container_python(spec, run_dir)
+    step = f"mjlab-ranks-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
     argv = [
         "srun",
-        f"--job-name={step_name}",
+        f"--job-name={step}",
         f"--nodes={spec.nodes}",
         f"--ntasks={spec.world_size}",
         f"--ntasks-per-node={spec.ranks_per_node}",
@@ -332,6 +342,13 @@ def allocation_srun(
     return [*argv, *run, "-m", "mjlab_hpc.cli.train", *train, "--run-dir", str(run_dir)]
 
 
+def allocation_env(alloc: Allocation, snapshot: dict[str, Any] | None) -> dict[str, str]:
+    """The variables srun gets beside this process's own (the allocation's ranks are not
+    requeued; the code snapshot first on PYTHONPATH): a dry run prints them."""
+    env = with_snapshot({**os.environ, ALLOCATION_ENV: alloc.job_id}, snapshot)
+    return {k: v for k, v in sorted(env.items()) if os.environ.get(k) != v}
+
+
 def run_in_allocation(
     spec: SubmitSpec, resolved: ResolvedSpec, run_dir: Path, alloc: Allocation, resume: str
 ) -> Closing:
@@ -339,14 +356,14 @@ def run_in_allocation(
     progress, this process's stop signals forwarded (the first: every rank stops at its next
     iteration boundary with a checkpoint; the second: at once); how it ended."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    env = with_snapshot({**os.environ, ALLOCATION_ENV: alloc.job_id}, snapshot_for(run_dir))
-    name = f"mjlab-ranks-{os.getpid()}"
+    argv = allocation_srun(spec, resolved, run_dir)
+    name = argv[1].removeprefix("--job-name=")
     # A session of its own: the terminal's Ctrl-C reaches srun only through us. srun takes a
     # single Ctrl-C as a request for its status, and ends the step on SIGTERM (SIGKILL after
     # KillWait, before the ranks' checkpoint): stops go to the ranks through scancel.
     proc = subprocess.Popen(
-        allocation_srun(spec, resolved, run_dir, name),
-        env=env,
+        argv,
+        env={**os.environ, **allocation_env(alloc, snapshot_for(run_dir))},
         start_new_session=True,
         stdin=subprocess.DEVNULL,
     )

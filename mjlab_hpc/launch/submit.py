@@ -25,6 +25,7 @@ from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import (
     ELEMENT_RECORD,
     SUBMITIT_DIR,
+    SWEEP_ELEMENTS,
     SWEEP_RECORD,
     SWEEPS_DIR,
     create_run_dir,
@@ -257,9 +258,14 @@ def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
     run_dirs: list[Path] = []
     try:
         code_record = record_code(code, sweep_dir)  # one copy for every element
+        (sweep_dir / SWEEP_ELEMENTS).mkdir()
         for element in elements:
             run_dirs.append(create_run_dir(log_root, experiment, element.train.run_name))
             write_code_record(run_dirs[-1], code_record)
+            # Each element's job finds its run by its array index (its batch script: its
+            # hang files; the healer), before the sweep's record is written.
+            link = sweep_dir / SWEEP_ELEMENTS / str(element.index)
+            link.symlink_to(os.path.relpath(run_dirs[-1], link.parent))
         links = _submit_elements(spec, kind, sweep_dir, elements, run_dirs)
     except Exception as exc:
         for path in [*run_dirs, sweep_dir]:  # nothing ran: leave no empty runs behind

@@ -19,7 +19,7 @@ from mjlab_hpc.ops.runs import JobKind, Target, run_jobs
 from mjlab_hpc.procs import owner, send_signal, user_name, wait_gone
 from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import CANCEL_RECORD
-from mjlab_hpc.rundir.state import now_iso
+from mjlab_hpc.rundir.state import now_iso, read_record
 from mjlab_hpc.slurm.client import SlurmClient
 
 __all__ = ["CancelOutcome", "cancel", "cancel_local", "cancel_slurm", "write_cancel_marker"]
@@ -50,13 +50,16 @@ def _marked(run_dir: Path, job_ids: Sequence[str]) -> str | None:
 
 def write_cancel_marker(run_dir: Path, job_ids: Sequence[str]) -> None:
     """Say in the run directory that the user cancelled these jobs: a rank that gets the
-    SIGTERM of the cancel stops for good instead of taking it for a preemption."""
+    SIGTERM of the cancel stops for good instead of taking it for a preemption. `starts`: how
+    many starts the run had (a later one, a resume, is not cancelled: counted, not timed,
+    since this machine's clock need not agree with the nodes')."""
     write_json_atomic(
         run_dir / CANCEL_RECORD,
         {
             "at": now_iso(),
             "by": f"{getpass.getuser()}@{socket.gethostname()}",
             "job_ids": list(job_ids),
+            "starts": len(read_record(run_dir).get("starts") or []),
         },
     )
 

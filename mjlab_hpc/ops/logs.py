@@ -174,7 +174,8 @@ def tracebacks_in(path: Path) -> list[tuple[dt.datetime | None, str]]:
 
 def rank_host(files: RankFiles, at: dt.datetime | None = None) -> str | None:
     """The host the rank ran on at time `at` (a requeued rank may move): from the `host`
-    lines of its log, else submitit's `hostname=` line in its task output."""
+    lines of its log, else of its task output (the Slurm node, before its log begins), else
+    submitit's `hostname=` line there (the machine)."""
     hosts: list[tuple[dt.datetime | None, str]] = []
     for line in _read_lines(files.log) if files.log else []:
         m = _HOST.search(line)
@@ -183,11 +184,12 @@ def rank_host(files: RankFiles, at: dt.datetime | None = None) -> str | None:
     if hosts:
         before = [h for t, h in hosts if at is None or t is None or t <= at]
         return before[-1] if before else hosts[0][1]
-    for path in reversed(files.outs):
-        for line in _read_lines(path):
-            m = _SUBMITIT_HOST.search(line)
-            if m:
-                return m.group(1)
+    for pattern in (_HOST, _SUBMITIT_HOST):  # the Slurm node RankJob names, else the machine
+        for path in reversed(files.outs):
+            for line in _read_lines(path):
+                m = pattern.search(line)
+                if m:
+                    return m.group(1)
     return None
 
 
@@ -230,10 +232,12 @@ def follow(
     out: TextIO,
     poll_s: float = 0.5,
     start_at_end: bool = True,
+    news: Callable[[], list[str]] | None = None,
 ) -> None:
     """Print what is appended to the files `files()` names (prefix -> path; looked up again
     every poll, so files that appear later are followed too) until `active()` is false and
-    every file is drained. Lines get their prefix when there are several files."""
+    every file is drained. Lines get their prefix when there are several files. `news()`:
+    lines to print as they come (the run's faults and stops, healed or not)."""
     positions: dict[Path, int] = {}
     if start_at_end:
         for path in files().values():
@@ -242,6 +246,8 @@ def follow(
     while True:
         running = active()
         current = files()
+        for line in news() if news is not None else []:
+            out.write(f"{line}\n")
         for prefix, path in current.items():
             if not path.exists():
                 continue

@@ -232,6 +232,15 @@ def _record_first(run_dir: Path, row: SlurmRow) -> JobState:
     ended: the record wins, and says what Slurm says."""
     slurm = JobState(row.state, row.source, not row.final, row.nodes, row.gpus_per_node,
                      row.reason)  # fmt: skip
+    if row.final and row.state in ("FAILED", "COMPLETED"):
+        # The ranks stopped for good with a checkpoint (a person's SIGTERM, a time limit too
+        # short to requeue): the job's exit code says failed, the run is stopped.
+        record = read_record(run_dir)
+        stop = (record.get("restarts") or [{}])[-1]
+        if (record.get("state") == "stopped" and stop.get("kind") == "stop"
+                and stop.get("job_id") in (row.job_id, row.raw_id)):  # fmt: skip
+            return JobState("STOPPED", "record", False, row.nodes, row.gpus_per_node,
+                            disagrees=f"{row.source} says {row.state}")  # fmt: skip
     if row.final or row.source == "squeue":
         return slurm
     own = record_state(run_dir)
@@ -273,9 +282,11 @@ def _named_nodes(event: dict[str, Any]) -> list[str]:
 
 
 def _suspects(events: Sequence[dict[str, Any]]) -> list[str]:
-    """The nodes the last stop or fault named; after a preemption that named none (the ranks
-    take a node's loss for one when Slurm no longer calls it down), the last that named any."""
-    if events and not _named_nodes(events[-1]) and events[-1].get("reason") == "preemption":
+    """The nodes the last stop or fault named; after a preemption or a requeue by Slurm that
+    named none (the ranks take a node's loss for one when Slurm no longer calls it down), the
+    last that named any."""
+    last = events[-1] if events else {}
+    if last and not _named_nodes(last) and last.get("reason") in ("preemption", "requeue"):
         return next((n for e in reversed(events) if (n := _named_nodes(e))), [])
     return _named_nodes(events[-1]) if events else []
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from mjlab_hpc.procs import offer_to_oom_killer
 from mjlab_hpc.rank.context import DETACHED_ENV, chain_link
+from mjlab_hpc.rank.signals import handled
 from mjlab_hpc.rundir.state import cancel_marker, read_record
 from mjlab_hpc.spec import ResolvedSpec
 
@@ -38,6 +40,10 @@ class RankJob:
 
     def __call__(self) -> RankResult | None:
         offer_to_oom_killer()  # before the worlds take memory
+        # Where this task runs, in its output before its rank log exists (`mjlab-hpc logs`):
+        # the Slurm node, which the machine's own name need not be.
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        print(f"mjlab-hpc: starting on host {node}, pid {os.getpid()}", flush=True)
         done = _chain_done(self.spec.train.run_dir)
         if done is not None:
             print(done, file=sys.stderr, flush=True)
@@ -67,12 +73,9 @@ def _chain_done(run_dir: str | None) -> str | None:
 
 
 def _record_early_stops(preempt_signal: str) -> list[int]:
-    """Record stop signals (the time-limit signal, TERM, and INT/HUP unless the job runs in
-    the background) until `train_rank` installs its own handlers; the signals so far."""
+    """Record every signal a rank handles (`rank.signals`; INT and HUP not when the job runs
+    in the background) until `train_rank` installs its own handlers; the signals so far."""
     early: list[int] = []
-    names = ["TERM", preempt_signal.upper().removeprefix("SIG")]
-    if DETACHED_ENV not in os.environ:
-        names += ["INT", "HUP"]
-    for name in names:
-        signal.signal(signal.Signals["SIG" + name], lambda signum, frame: early.append(signum))
+    for num in handled(preempt_signal, DETACHED_ENV in os.environ):
+        signal.signal(num, lambda signum, frame: early.append(signum))
     return early

@@ -26,6 +26,8 @@ __all__ = [
     "DETACHED_ENV",
     "PORT_BASE",
     "PORT_SPAN",
+    "SIGNAL_DELAY_ENV",
+    "START_ENV",
     "SUPERVISOR_ENV",
     "Allocation",
     "DistContext",
@@ -63,6 +65,13 @@ CHAIN_ENV = "_MJLAB_HPC_CHAIN"
 #: Set for ranks that `mjlab-submit` started with srun inside an existing allocation (salloc):
 #: nothing requeues them (requeueing the allocation would end the user's session).
 ALLOCATION_ENV = "_MJLAB_HPC_ALLOCATION"
+#: Set by the batch script for each srun step it starts (`<job>.<restart>.<n>`): the ranks
+#: name it in their first log line, and the healer finds that step's ranks by it, not by
+#: comparing the clocks of the nodes.
+START_ENV = "_MJLAB_HPC_START"
+#: Set in a job's script to its --signal-delay-s: how long before the time limit the
+#: time-limit signal comes (a time limit that leaves no start-up is not requeued).
+SIGNAL_DELAY_ENV = "_MJLAB_HPC_SIGNAL_DELAY"
 
 
 def chain_link(env: Mapping[str, str]) -> tuple[int, int] | None:

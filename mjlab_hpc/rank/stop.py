@@ -1,9 +1,7 @@
 """Every way a rank is asked to stop, and the iteration boundary where it acts on it.
 
-Handlers only record a signal (acting inside one could interrupt a collective half way): the
-time-limit warning (--preempt-signal), SIGTERM (a preemption under Slurm, a stop elsewhere),
-SIGINT and SIGHUP; a second Ctrl-C raises KeyboardInterrupt at once. A supervisor watch records
-a stop when the process supervising the rank disappears. At the next iteration boundary
+Signal handlers only record a stop (`rank.signals`: what each signal means); a supervisor
+watch records one when the process supervising the rank disappears. At the next iteration boundary
 (`IterationBoundary`) all ranks agree through one all-reduce, the writer saves a checkpoint,
 and a requeue-type stop requeues where a scheduler can (`after_stop`); a stop for good exits 3.
 The lifecycle: docs/preemption.md.
@@ -20,18 +18,32 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_REQUEUE, EXIT_STOPPED
 from mjlab_hpc.procs import alive
-from mjlab_hpc.rank.context import ALLOCATION_ENV, SUPERVISOR_ENV, DistContext, chain_link
+from mjlab_hpc.rank.context import (
+    ALLOCATION_ENV,
+    SIGNAL_DELAY_ENV,
+    START_ENV,
+    SUPERVISOR_ENV,
+    DistContext,
+    chain_link,
+)
+from mjlab_hpc.rank.signals import (
+    NO_SIGNAL,
+    Stop,
+    StopKind,
+    StopReason,
+    StopRequest,
+    classify,
+    why_signalled,
+)
 from mjlab_hpc.rank.stragglers import StragglerWatch
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog
 from mjlab_hpc.rank.workload import Workload, rank_state
@@ -45,152 +57,14 @@ from mjlab_hpc.slurm.client import SlurmClient
 __all__ = [
     "Interrupted",
     "IterationBoundary",
-    "StopKind",
-    "StopReason",
-    "StopRequest",
     "Stopped",
     "Supervision",
     "after_stop",
     "agree",
     "agree_boundary",
-    "watch_signals",
 ]
 
 log = logging.getLogger("mjlab_hpc")
-
-
-StopReason = Literal[
-    "time-limit", "preemption", "interrupt", "hangup", "terminated", "supervisor-lost"
-]
-# A stop with no signal behind it (the supervisor disappeared).
-_NO_SIGNAL = 255
-_SIGNALS = ("INT", "TERM", "HUP")
-# Within one kind of stop, the reason people recognise wins: Ctrl-C reaches the ranks and,
-# through the launcher and submitit's controller, SIGTERM too; the stop says "interrupt".
-_PRIORITY = {"interrupt": 4, "hangup": 3, "terminated": 2, "supervisor-lost": 1,
-             "time-limit": 2, "preemption": 1}  # fmt: skip
-
-
-class StopKind(IntEnum):
-    """What a stop leads to; when ranks disagree, the larger wins."""
-
-    NONE = 0
-    REQUEUE = 1
-    """Time limit or preemption: the scheduler runs the job again, or the user resumes."""
-    FOR_GOOD = 2
-    """Interrupted, terminated, or the supervisor is gone: checkpoint and exit."""
-
-
-@dataclass(frozen=True)
-class Stop:
-    """A stop all ranks agreed on."""
-
-    kind: StopKind
-    reason: StopReason
-    signum: int
-    """The signal behind it (0: none)."""
-
-    @property
-    def signal_name(self) -> str | None:
-        """SIGUSR2, SIGINT, ... (None for a stop with no signal)."""
-        return signal.Signals(self.signum).name if self.signum else None
-
-
-def classify(signum: int, mode: str, time_limit_signal: str) -> tuple[StopKind, StopReason]:
-    """What a signal means for a rank launched by `mode`."""
-    if signum == _NO_SIGNAL:
-        return StopKind.FOR_GOOD, "supervisor-lost"
-    name = signal.Signals(signum).name.removeprefix("SIG")
-    if name == time_limit_signal.upper().removeprefix("SIG"):
-        return StopKind.REQUEUE, "time-limit"
-    if name == "TERM":
-        # Slurm sends SIGTERM to preempt a job (and for scancel, where no requeue follows).
-        return (
-            (StopKind.REQUEUE, "preemption")
-            if mode == "slurm"
-            else (StopKind.FOR_GOOD, "terminated")
-        )
-    if name == "HUP":
-        return StopKind.FOR_GOOD, "hangup"
-    return StopKind.FOR_GOOD, "interrupt"
-
-
-class StopRequest:
-    """The stop this rank was asked for, if any (written by handlers and the supervisor watch,
-    read at an iteration boundary)."""
-
-    def __init__(self, mode: str = "single", time_limit_signal: str = "USR2") -> None:
-        self.mode = mode
-        self.time_limit_signal = time_limit_signal
-        self.code = 0
-        self.signaled_at: float | None = None
-        self.interrupts = 0
-
-    def record(self, signum: int) -> None:
-        """Record a stop request (the strongest one wins)."""
-        kind, reason = classify(signum, self.mode, self.time_limit_signal)
-        self.code = max(self.code, (int(kind) << 16) | (_PRIORITY[reason] << 8) | signum)
-        if self.signaled_at is None:
-            self.signaled_at = time.time()
-
-    def handler(self, signum: int, frame: object) -> None:
-        # Only record: the training loop acts at the next iteration boundary. A second
-        # Ctrl-C means "now": Python's own KeyboardInterrupt.
-        if signum == signal.SIGINT:
-            self.interrupts += 1
-            if self.interrupts > 1:
-                # Once: a third Ctrl-C must not interrupt the "interrupted" record.
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-                raise KeyboardInterrupt
-        if self.mode == "single" and not self.code:
-            # In the foreground, nobody else says it while the iteration ends (it can take a
-            # minute); os.write: a handler must not re-enter a buffered stream.
-            again = " (again to stop at once)" if signum == signal.SIGINT else ""
-            with contextlib.suppress(OSError):
-                os.write(2, f"\n{signal.Signals(signum).name}: stopping at the next iteration "
-                            f"boundary, with a checkpoint{again}\n".encode())  # fmt: skip
-        self.record(signum)
-
-    def early(self, signum: int) -> None:
-        """A signal that arrived before the handlers were installed (counted as they count
-        it, without acting at once)."""
-        if signum == signal.SIGINT:
-            self.interrupts += 1
-        self.record(signum)
-
-    def supervisor_lost(self) -> None:
-        """The process supervising this rank is gone."""
-        self.record(_NO_SIGNAL)
-
-    @property
-    def signum(self) -> int:
-        """The recorded signal (0: none or no signal behind the stop)."""
-        signum = self.code & 0xFF
-        return 0 if signum == _NO_SIGNAL else signum
-
-
-@contextlib.contextmanager
-def watch_signals(
-    request: StopRequest, extra: Sequence[str] = (), detached: bool = False
-) -> Iterator[StopRequest]:
-    """Record INT, TERM, HUP and `extra` (the time-limit signal) in `request` for the duration
-    of the block, then restore the old handlers; `detached` leaves INT and HUP as they are
-    (ignored by a background job). Outside the main thread (where Python allows no handlers)
-    nothing is installed."""
-    old: dict[int, object] = {}
-    names = ("TERM",) if detached else _SIGNALS
-    try:
-        for name in (*names, *extra):
-            num = signal.Signals["SIG" + name.upper().removeprefix("SIG")]
-            if num not in old:
-                old[num] = signal.signal(num, request.handler)
-    except ValueError:  # not the main thread
-        pass
-    try:
-        yield request
-    finally:
-        for num, handler in old.items():
-            signal.signal(num, handler)  # type: ignore[arg-type]
 
 
 def agree(request: StopRequest, distributed: bool, device: str) -> Stop | None:
@@ -205,7 +79,7 @@ def agree_boundary(
     """At an iteration boundary, in one all-gather: the strongest stop any rank recorded,
     whether any rank wants a checkpoint now (--save-every-min), and every rank's `busy_s`
     (its work in the iteration, for the stragglers); the same on every rank."""
-    code, save, busy = request.code, int(save_due), [busy_s]
+    code, save, busy = request.code, int(save_due or bool(request.save)), [busy_s]
     if distributed:
         mine = torch.tensor([code, save, round(busy_s * 1e6)], dtype=torch.int64, device=device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -217,7 +91,7 @@ def agree_boundary(
         return None, bool(save), busy
     signum = code & 0xFF
     kind, reason = classify(signum, request.mode, request.time_limit_signal)
-    return Stop(kind, reason, 0 if signum == _NO_SIGNAL else signum), bool(save), busy
+    return Stop(kind, reason, 0 if signum == NO_SIGNAL else signum), bool(save), busy
 
 
 class Supervision:
@@ -402,10 +276,13 @@ class IterationBoundary:
         stop, save, busy = agree_boundary(
             self.request, self.ctx.is_distributed, self.device, due, work_s
         )
+        self._say_signals(save)
         if self.stragglers is not None and self.stragglers.add(s.iteration, busy):
             self._record_stragglers()
         if stop is not None and s.iteration >= self.total:
             stop = None  # the run is done: it completes (every rank agreed on the same value)
+        if stop is not None and stop.reason in ("preemption", "time-limit"):
+            stop = self._why(stop, first=s.iteration == self.start + 1)
         if self.watchdog is not None and (stop is not None or s.iteration >= self.total):
             self.watchdog.disarm()  # what follows (W&B's upload, the last records) is no hang
         periodic = save or s.iteration % self.save_interval == 0 or s.iteration == self.total
@@ -415,6 +292,40 @@ class IterationBoundary:
                 self._checkpoint(s.iteration, stop)
         if stop is not None:
             raise Stopped(s.iteration, stop, self.ctx, self.restarts.get(stop.reason, 0))
+
+    def _say_signals(self, save: bool) -> None:
+        """Say the signals that asked for a checkpoint (saved now) or that were ignored."""
+        request = self.request
+        if save and request.save:
+            log.info("checkpoint at this iteration, asked for by %s; training goes on",
+                     signal.Signals(request.save).name)  # fmt: skip
+            request.save = 0
+        for signum in dict.fromkeys(request.ignored):
+            log.warning("%s ignored (it means nothing to a rank: docs/preemption.md)",
+                        signal.Signals(signum).name)  # fmt: skip
+        request.ignored.clear()
+
+    def _why(self, stop: Stop, first: bool) -> Stop:
+        """`why_signalled`, on Slurm from rank 0's look at the job (one `scontrol show job`
+        and one `sinfo`), the same answer on every rank."""
+        job: dict[str, str] | None = None
+        lost: list[str] = []
+        if self.ctx.mode == "slurm" and self.ctx.job_id and self.ctx.is_main:
+            client = SlurmClient()
+            job = client.job_fields(self.ctx.job_id)
+            nodelist = os.environ.get("SLURM_JOB_NODELIST")
+            if stop.reason == "preemption" and nodelist:
+                lost = client.lost_nodes(nodelist) or []
+        elif self.ctx.mode not in ("slurm", "submitit-local"):
+            return stop  # nothing requeues it
+        delay = os.environ.get(SIGNAL_DELAY_ENV, "")
+        stop = why_signalled(stop, job, self.ctx.restart_count, lost, first,
+                             float(delay) if delay.isdigit() else None)  # fmt: skip
+        if self.ctx.mode == "slurm" and self.ctx.is_distributed:
+            shared = [stop]
+            dist.broadcast_object_list(shared, src=0)
+            stop = shared[0]
+        return stop
 
     def _checkpoint(self, iteration: int, stop: Stop | None) -> None:
         t0 = time.time()
@@ -486,17 +397,8 @@ class IterationBoundary:
 
     def _record_stop(self, stop: Stop, iteration: int, t0: float) -> None:
         assert self.writer is not None
-        reason: str = stop.reason
-        nodelist = os.environ.get("SLURM_JOB_NODELIST")
-        lost = (
-            SlurmClient().lost_nodes(nodelist) or []
-            if stop.reason == "preemption" and self.ctx.mode == "slurm" and nodelist
-            else []
-        )
-        if lost:
-            reason = "node-lost"
         entry = {
-            "reason": reason,
+            "reason": stop.reason,
             "kind": "requeue" if stop.kind == StopKind.REQUEUE else "stop",
             "signal": stop.signal_name,
             "iteration": iteration,
@@ -506,10 +408,15 @@ class IterationBoundary:
             "checkpoint_at": time.time(),
             "checkpoint_s": round(time.time() - t0, 3),
         }
-        if lost:
-            entry["nodes"] = lost
-            log.warning("node(s) %s lost: the job is requeued from iteration %d",
-                        ", ".join(lost), iteration)  # fmt: skip
+        if stop.why:
+            entry["why"] = stop.why
+        if os.environ.get(START_ENV):  # the srun step it ended (rundir.ends)
+            entry["start"] = os.environ[START_ENV]
+        if stop.reason == "node-lost":
+            entry["nodes"] = stop.why.removeprefix("node(s) ").split(", ")
+            log.warning("%s lost: the job is requeued from iteration %d", stop.why, iteration)
+        elif stop.why:
+            log.warning("%s at iteration %d: %s", stop.reason, iteration, stop.why)
         run = self.writer.run
         writer = self.writer
 

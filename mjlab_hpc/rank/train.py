@@ -32,6 +32,7 @@ from mjlab_hpc.errors import EXIT_INTERRUPTED, environment_problem
 from mjlab_hpc.procs import oom_count
 from mjlab_hpc.rank.context import (
     DETACHED_ENV,
+    START_ENV,
     DistContext,
     own_mig,
     process_group,
@@ -41,14 +42,13 @@ from mjlab_hpc.rank.context import (
 )
 from mjlab_hpc.rank.resume import ResumePlan, ResumeRefused, load_plan, plan_resume
 from mjlab_hpc.rank.runner import IterationHook
+from mjlab_hpc.rank.signals import StopRequest, watch_signals
 from mjlab_hpc.rank.stop import (
     Interrupted,
     IterationBoundary,
     Stopped,
-    StopRequest,
     Supervision,
     after_stop,
-    watch_signals,
 )
 from mjlab_hpc.rank.stragglers import StragglerWatch
 from mjlab_hpc.rank.watchdog import Watchdog, parse_faults
@@ -62,6 +62,7 @@ from mjlab_hpc.rundir.state import (
     now_iso,
     on_end,
     on_node_failed,
+    on_preempted,
     on_start,
     read_record,
     requeues_so_far,
@@ -210,6 +211,8 @@ def _begin(
             last = int(written[-1].get("iteration", start)) if written else start
             _, nodes, ended = runs[-2]
             before = on_node_failed(before, ctx.job_id, ctx.restart_count, last, nodes, ended)
+        elif len(runs) >= 2 and runs[-2][0] == "PREEMPTED":  # a requeue was a preemption
+            before = on_preempted(before, ctx.job_id, ctx.restart_count)
     started = on_start(
         before,
         spec=resolved.train.to_dict(),
@@ -275,7 +278,7 @@ def train_rank(
     watch_parent = ctx.mode in ("submitit-local", "torchrun")
     joining = time.time()
     with (
-        watch_signals(request, (spec.preempt_signal,), detached=DETACHED_ENV in os.environ),
+        watch_signals(request, detached=DETACHED_ENV in os.environ),
         Supervision(request, watch_parent=watch_parent),
         process_group(ctx, device, spec.dist_timeout_s),
     ):
@@ -308,7 +311,7 @@ def _train(
         # tells an OOM kill from another SIGKILL (rundir.ends).
         oom = oom_count()
         log.info(
-            "%s on %s, host %s, pid %d, CPUs %s, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s%s",
+            "%s on %s, host %s, pid %d, CPUs %s, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s%s%s",
             ctx.describe(),
             device,
             node,
@@ -317,6 +320,7 @@ def _train(
             seed,
             resolved.num_envs,
             os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+            f", start {os.environ[START_ENV]}" if os.environ.get(START_ENV) else "",
             f", {oom.describe()}" if oom is not None else "",
         )
         if ctx.is_distributed:

@@ -4,7 +4,8 @@ Every rank runs a daemon thread that writes its heartbeat (`logs/heartbeat/rank<
 watches its own progress. Once the first iteration of a start has completed, a rank whose
 iteration does not advance for the hang limit (--hang-timeout-s, or five times the slowest
 iteration, whichever is longer; checkpoint writes do not count) writes its Python stacks to its
-log naming the ranks that stopped heartbeating or lag behind, records the hang
+log naming the ranks that stopped heartbeating (their heartbeat files seen unchanged by this
+rank's own clock, never compared with another node's clock) or lag behind, records the hang
 (`hang-rank<k>.json`), waits a moment for the other live ranks to do the same, and exits with
 EXIT_HUNG; the launcher ends the others and the healer decides (docs/preemption.md).
 
@@ -39,7 +40,7 @@ log = logging.getLogger("mjlab_hpc")
 
 FAULT_ENV = "MJLAB_HPC_FAULT"
 _FAULT = re.compile(r"^(raise|kill|stop|slow)@(\d+)((?::rank\d+)?)((?::once)?)$")
-# A heartbeat older than this many beats is a process that no longer runs.
+# A heartbeat seen unchanged for this many beats is a process that no longer runs.
 _STALE_BEATS = 3
 
 
@@ -118,6 +119,9 @@ class Watchdog:
         self._last = time.monotonic()
         self._slowest = 0.0
         self._first = False
+        self._peers: dict[int, tuple[str, float]] = {}
+        """Each other rank's heartbeat file as last read, and since when (monotonic) it
+        reads so: watched once this rank's own progress stalls."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -174,14 +178,15 @@ class Watchdog:
 
     def _loop(self) -> None:
         tick = min(self.beat_s, 0.5)
-        next_beat = time.monotonic() + self.beat_s
+        next_beat = next_look = time.monotonic() + self.beat_s
         before = time.monotonic()
         while not self._stop.wait(tick):
             now = time.monotonic()
             if now - before > 10 * tick + 5:
                 # This process was suspended (scontrol suspend, gang scheduling, Ctrl-Z): the
-                # time it did not run is no hang.
+                # time it did not run is no hang, nor what it saw of the others before.
                 self._last += now - before - tick
+                self._peers.clear()
             before = now
             if now >= next_beat:
                 self._beat()
@@ -189,6 +194,9 @@ class Watchdog:
             if self.timeout_s is None or self._armed_at is None or self._paused:
                 continue
             limit = hang_limit_s(self.timeout_s, self._slowest)
+            if now - self._last > limit / 2 and now >= next_look:
+                self._look()  # stalled: whose heartbeat goes on changing?
+                next_look = now + self.beat_s
             peer = self._peer_fired()
             if now - self._last > limit or peer:
                 self._fire(self._diagnose(now - self._last, limit, peer))
@@ -202,14 +210,35 @@ class Watchdog:
         except OSError:
             return False
 
+    def _look(self) -> None:
+        """Read the other ranks' heartbeat files, noting since when each reads the same."""
+        now = time.monotonic()
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            try:
+                text = self.run.heartbeat(r).read_text()
+            except OSError:
+                text = ""
+            if self._peers.get(r, (None,))[0] != text:
+                self._peers[r] = (text, now)
+
+    def _unchanged_s(self, rank: int) -> float:
+        """How long this rank has seen `rank`'s heartbeat file unchanged."""
+        return time.monotonic() - self._peers.get(rank, ("", time.monotonic()))[1]
+
     def _diagnose(self, waited: float, limit: float, peer: bool = False) -> Hang:
-        beats = read_heartbeats(self.run, self.world_size)
-        wall = time.time()
         stale_s = _STALE_BEATS * self.beat_s
+        self._look()
+        watched = min((seen for _, seen in self._peers.values()), default=time.monotonic())
+        if time.monotonic() - watched < stale_s:  # not watched long enough (a peer fired)
+            time.sleep(stale_s - (time.monotonic() - watched) + 0.1)
+            self._look()
+        beats = read_heartbeats(self.run, self.world_size)
         stalled = [
             r
             for r in range(self.world_size)
-            if r != self.rank and (r not in beats or wall - float(beats[r].get("t", 0)) > stale_s)
+            if r != self.rank and (r not in beats or self._unchanged_s(r) >= stale_s)
         ]
         frozen = tuple(stalled)
         if not stalled and beats:
@@ -222,11 +251,11 @@ class Watchdog:
             if b is None:
                 lines.append(f"rank {r}: no heartbeat")
                 continue
-            age = wall - float(b.get("t", 0))
+            seen = "" if r == self.rank else f", heartbeat unchanged {self._unchanged_s(r):.0f} s"
             mark = " <- stalled" if r in stalled else ""
             lines.append(
                 f"rank {r} on {b.get('host')} (pid {b.get('pid')}): iteration "
-                f"{b.get('iteration')}, last heartbeat {age:.0f} s ago{mark}"
+                f"{b.get('iteration')}{seen}{mark}"
             )
         frozen_hosts = tuple(dict.fromkeys(str(beats.get(r, {}).get("host", "?")) for r in frozen))
         return Hang(self.rank, self.iteration, waited, limit, tuple(stalled), hosts,

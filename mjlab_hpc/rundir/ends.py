@@ -73,6 +73,7 @@ How = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung"
 _STAMP = re.compile(r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(\d{3}) rank(\d+) (.*)$")
 _START = re.compile(r"^rank \d+/(\d+) \(local ")
 _HOST = re.compile(r"\bhost (\S+?),")
+_START_ID = re.compile(r", start (\S+?)(?:,|$)")
 _RANK_LOG = re.compile(r"^rank(\d+)\.log$")
 _PEER_LOST = re.compile(r"\(peer-lost\)")
 _OUT_OF_MEMORY = re.compile(r"\(out-of-memory\)")
@@ -98,6 +99,9 @@ class RankEnd:
     """It ran out of memory: an allocation failed, or the kernel's OOM killer ended it."""
     world_size: int | None = None
     """The world size of this start (its first line)."""
+    start_id: str | None = None
+    """The batch script's name for the srun step of this start (None: not in a batch
+    script's loop)."""
 
     def describe(self) -> str:
         """One line for people."""
@@ -139,6 +143,8 @@ def _rank_end(rank: int, path: Path) -> RankEnd | None:
     head = _STAMP.match(lines[start])
     host_match = _HOST.search(lines[start])
     host = host_match.group(1) if host_match else None
+    start_match = _START_ID.search(lines[start])
+    start_id = start_match.group(1) if start_match else None
     last_at = _stamp(head) if head else None
     for i in range(start + 1, len(lines)):
         m = _STAMP.match(lines[i])
@@ -167,11 +173,12 @@ def _rank_end(rank: int, path: Path) -> RankEnd | None:
             detail = named[-1] if named else error[-1] if error else body
         started = _stamp(head) if head else None
         return RankEnd(rank, host, how, last_at, detail, bool(_PEER_LOST.search(message)),
-                       started, bool(_OUT_OF_MEMORY.search(message)), size)  # fmt: skip
+                       started, bool(_OUT_OF_MEMORY.search(message)), size, start_id)  # fmt: skip
     count = OomCount.parse(lines[start])
     return RankEnd(rank, host, "no-exit", last_at, "no exit record",
                    started=_stamp(head) if head else None,
-                   oom=count is not None and bool(count.rose()), world_size=size)  # fmt: skip
+                   oom=count is not None and bool(count.rose()), world_size=size,
+                   start_id=start_id)  # fmt: skip
 
 
 def rank_ends(run_dir: Path) -> list[RankEnd]:
@@ -268,10 +275,14 @@ def run_outcome(run_dir: Path) -> RunOutcome:
     # it (a refused resume, a failure while building): they say how this start ended. Not
     # after this start's stop checkpoint: a rank killed then (the scheduler's KillWait) lost
     # nothing.
-    saved = float((stops[-1] if stops else {}).get("checkpoint_at") or 0)
-    stopped = state == "stopped" and all(
-        e.started is None or e.started.timestamp() < saved for e in ends
-    )
+    last = stops[-1] if stops else {}
+    if last.get("start"):  # the srun step the stop was in: no clocks compared
+        stopped = state == "stopped" and all(e.start_id == last["start"] for e in ends)
+    else:  # (this machine's processes)
+        saved = float(last.get("checkpoint_at") or 0)
+        stopped = state == "stopped" and all(
+            e.started is None or e.started.timestamp() < saved for e in ends
+        )
     if ends and all(e.how == "refused" for e in ends):
         state = "refused"
     elif not stopped and any(e.how in ("failed", "hung", "no-exit") for e in ends):

@@ -23,6 +23,7 @@ __all__ = [
     "RUN_RECORD",
     "SUBMITIT_DIR",
     "SWEEPS_DIR",
+    "SWEEP_ELEMENTS",
     "SWEEP_RECORD",
     "TIMESTAMP_FORMAT",
     "ElementRecord",
@@ -70,6 +71,8 @@ KEYS_DIR = ".keys"
 LATEST_RUN = ".latest_run"
 SWEEPS_DIR = ".sweeps"
 SWEEP_RECORD = "sweep.json"
+#: In a sweep's directory: `<index>`, a link to each element's run (made before submitting).
+SWEEP_ELEMENTS = "elements"
 
 # Files that only a run directory holds (a directory with none of them is not a run).
 _RUN_MARKERS = (RUN_RECORD, PROGRESS, SUBMITIT_DIR, LOGS_DIR, PARAMS_DIR, ELEMENT_RECORD)

@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mjlab_hpc.procs import alive, machine_id
 from mjlab_hpc.rundir.durable import fsync_dir
 
 __all__ = [
@@ -35,12 +36,14 @@ __all__ = [
     "LockRecord",
     "LockTimeout",
     "LockUsageError",
+    "Observer",
     "OwnerInfo",
     "Snapshot",
     "claim_ticket",
     "decode_record",
     "encode_record",
     "env_error",
+    "holder_gone",
     "link_exclusive",
     "pwrite_all",
     "read_snapshot",
@@ -146,6 +149,9 @@ class OwnerInfo:
     job_id: str | None = None
     restart_count: int = 0
     rank: int = 0
+    machine: str = ""
+    """Its kernel's boot and pid namespace (`procs.machine_id`): a process with the same one
+    can tell whether `pid` lives ("": unknown)."""
 
     @classmethod
     def from_env(cls, rank: int = 0) -> OwnerInfo:
@@ -161,6 +167,7 @@ class OwnerInfo:
             job_id=job_id or None,
             restart_count=parse_restart_count(os.environ.get("SLURM_RESTART_COUNT")),
             rank=rank,
+            machine=machine_id(),
         )
 
     def describe(self) -> str:
@@ -176,7 +183,7 @@ class LockRecord:
     """The parsed content of a lock file.
 
     ``owner`` is ``None`` for an unknown holder (a half-written or unparsable
-    file); its ``heartbeat_at`` is then the file's mtime.
+    file); its ``heartbeat_at`` is then the file's mtime (shown, never compared).
     """
 
     owner: OwnerInfo | None
@@ -186,21 +193,15 @@ class LockRecord:
     lease_s: float | None = None
     nonce: str | None = None
 
-    def age_s(self, now: float | None = None) -> float:
-        """Seconds since the last heartbeat by the wall clock (negative under clock skew)."""
-        return (time.time() if now is None else now) - self.heartbeat_at
-
-    def describe(self, now: float | None = None) -> str:
-        """One-line human description of the holder and its heartbeat age."""
-        age = self.age_s(now)
+    def describe(self) -> str:
+        """One-line human description of the holder (its heartbeat's time by its own clock:
+        no age, which would compare clocks of two machines)."""
         if self.owner is None:
-            return (
-                "an unknown holder (lock file half-written or unparsable), "
-                f"file last modified {age:.1f} s ago"
-            )
+            return "an unknown holder (lock file half-written or unparsable)"
         token = "pending" if self.token is None else str(self.token)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.heartbeat_at))
         return (
-            f"{self.owner.describe()} token={token}, last heartbeat {age:.1f} s ago "
+            f"{self.owner.describe()} token={token}, last heartbeat {stamp} by its clock "
             f"(lease {self.lease_s:g} s)"
         )
 
@@ -225,6 +226,7 @@ def encode_record(
         "job_id": owner.job_id,
         "restart_count": owner.restart_count,
         "rank": owner.rank,
+        "machine": owner.machine,
         "acquired_at": acquired_at,
         "heartbeat_at": heartbeat_at,
         "lease_s": float(lease_s),
@@ -255,6 +257,7 @@ def decode_record(raw: bytes, mtime: float) -> LockRecord:
             job_id=None if job_id is None else str(job_id),
             restart_count=int(doc["restart_count"]),
             rank=int(doc["rank"]),
+            machine=str(doc.get("machine") or ""),
         )
         return LockRecord(
             owner=owner,
@@ -366,6 +369,50 @@ def claim_ticket(tickets: Path, hint: int) -> int:
         return n
 
 
+class Observer:
+    """How long this process has seen something unchanged, by its own clock: how a lease is
+    judged, never by comparing another machine's clock (or a file's mtime) with ours.
+
+    Time this process did not run (stopped, a suspended job, a frozen VM) does not count: a
+    gap of more than `max_gap_s` between two looks starts the watch again, so a waiter stopped
+    together with the holder does not take over when both wake."""
+
+    def __init__(self, max_gap_s: float = 5.0) -> None:
+        self.max_gap_s = max_gap_s
+        self._running = 0.0
+        self._last = time.monotonic()
+        self._seen: dict[str, tuple[bytes, float]] = {}
+
+    def clock(self) -> float:
+        """Seconds this process has run since the observer was made (gaps left out)."""
+        now = time.monotonic()
+        gap, self._last = now - self._last, now
+        if gap > self.max_gap_s:
+            self._seen.clear()  # what was seen before the gap says nothing about now
+        else:
+            self._running += gap
+        return self._running
+
+    def unchanged_for(self, key: str, value: bytes) -> float:
+        """Seconds `key` has been seen with this `value` (0 on a first or changed look)."""
+        now = self.clock()
+        seen = self._seen.get(key)
+        if seen is None or seen[0] != value:
+            self._seen[key] = (value, now)
+            return 0.0
+        return now - seen[1]
+
+
+def holder_gone(record: LockRecord) -> bool | None:
+    """Whether a holder is known to be gone: True (its process is gone), False (it lives; a
+    stopped or suspended one too), None (not knowable here: another machine, a container
+    with other pids, an unknown holder)."""
+    owner = record.owner
+    if owner is None or not owner.machine or owner.machine != machine_id():
+        return None
+    return not alive(owner.pid)
+
+
 @dataclass
 class Held:
     """Per-acquisition state of a LeaseLock (mutable, owned by one LeaseLock object)."""
@@ -382,12 +429,16 @@ class Held:
     thread: threading.Thread | None = None
 
 
-def take_over(path: Path, stale: Snapshot, temp: Path, fd: int, lease_s: float) -> bool:
+def take_over(
+    path: Path, stale: Snapshot, temp: Path, fd: int, lease_s: float, observer: Observer
+) -> bool:
     """Replace a stale lock file atomically; True if we now own the lock name.
 
     1. Racers that judged the same stale content first compete for a breaker
        file named after a hash of that content (O_EXCL): only one of them
-       goes on, so racers do not rename each other's fresh locks.
+       goes on, so racers do not rename each other's fresh locks. A breaker
+       that `observer` has seen for longer than a lease was left by a racer
+       that crashed: it is removed.
     2. The breaker re-reads the lock file and gives up if it changed.
     3. It renames the lock file to a unique tombstone; of several renames of
        one name exactly one succeeds.
@@ -404,10 +455,11 @@ def take_over(path: Path, stale: Snapshot, temp: Path, fd: int, lease_s: float) 
             os.close(os.open(breaker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
             own_breaker = True
         except FileExistsError:
-            # Someone else is breaking this lock, unless they crashed doing it.
-            with contextlib.suppress(FileNotFoundError):
-                if time.time() - os.stat(breaker).st_mtime <= lease_s:
-                    return False
+            # Someone else is breaking this lock, unless they crashed doing it (seen here
+            # for longer than a lease); then the next attempt may create it.
+            if observer.unchanged_for(breaker.name, b"") > lease_s:
+                unlink_quietly(breaker)
+            return False
         current = read_snapshot(path)
         if current is None or current.raw != stale.raw:
             return False

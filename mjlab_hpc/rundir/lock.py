@@ -3,10 +3,13 @@ flock/fcntl locks are not coherent between nodes. Built only from operations ato
 server: exclusive creation of the lock name (`os.link` of a fully written file), `rename`
 within one directory, and `O_EXCL` ticket files whose numbers are fencing tokens never reused.
 
-The owner refreshes a heartbeat inside the lock file's content (wall clock: other hosts read
-it, so leases must be much longer than clock skew); an expired lease may be taken over, with a
-larger token, and `write_fenced` refuses to publish once the token is not current (`LockLost`).
-The design and the failures it covers: docs/single-writer.md.
+The owner refreshes a heartbeat inside the lock file's content. A lease is judged by what the
+judging process sees with its own clock: a holder whose heartbeat it has seen unchanged for a
+lease (or, on the same machine, whose process is gone) may be taken over, with a larger token;
+no clocks of two processes are compared, and a live holder on the same machine is never taken
+over. `write_fenced` refuses to publish once the token is not current (`LockLost`); a holder
+that was stopped longer than its lease renews it if nobody took over meanwhile. The design and
+the failures it covers: docs/single-writer.md.
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ from mjlab_hpc.rundir.lease import (
     LockRecord,
     LockTimeout,
     LockUsageError,
+    Observer,
     OwnerInfo,
+    Snapshot,
     claim_ticket,
     encode_record,
     env_error,
+    holder_gone,
     link_exclusive,
     pwrite_all,
     read_snapshot,
@@ -82,11 +88,11 @@ class LeaseLock:
     def __init__(
         self, path: str | os.PathLike[str], owner: OwnerInfo | None = None, *, lease_s: float = 60.0
     ) -> None:
-        """Create an (unacquired) lock. Another process may take over once the holder's
-        heartbeat is older than `lease_s`: keep it much larger than the clock skew between
-        hosts and than any pause to survive without losing the lock. The holder writes its
-        heartbeat every `lease_s / 4` and treats its own lease as expired `lease_s / 5` early
-        (clock skew, and the check-then-rename window of `write_fenced`)."""
+        """Create an (unacquired) lock. Another process may take over once it has seen the
+        holder's heartbeat unchanged for `lease_s` by its own clock (on the same machine: once
+        the holder's process is gone). The holder writes its heartbeat every `lease_s / 4`
+        and treats its own lease as expired `lease_s / 5` early (the check-then-rename window
+        of `write_fenced`): then it renews it, if the lock is still its own."""
         if not (math.isfinite(lease_s) and lease_s > 0):
             raise ValueError(f"lease_s must be a positive number, got {lease_s}")
         self.path = Path(path).absolute()
@@ -144,6 +150,32 @@ class LeaseLock:
             raise env_error("read the lock file", self.path, exc) from exc
         return None if snap is None else snap.record
 
+    def live_holder(self) -> LockRecord | None:
+        """The holder, when it is alive (None: no holder, or one that is gone or may be).
+        On its own machine its process says; elsewhere its heartbeat seen to change within
+        one heartbeat interval (a holder stopped meanwhile reads as not alive: one that only
+        a lease of waiting may replace)."""
+        try:
+            first = read_snapshot(self.path)
+        except OSError as exc:
+            raise env_error("read the lock file", self.path, exc) from exc
+        if first is None or first.record.owner is None or first.record.lease_s is None:
+            return None
+        gone = holder_gone(first.record)
+        if gone is not None:
+            return None if gone else first.record
+        observer = Observer()
+        observer.unchanged_for("lock", first.raw)
+        while observer.clock() < first.record.lease_s / 4 + 1.0:
+            time.sleep(0.5)
+            with contextlib.suppress(OSError):
+                now = read_snapshot(self.path)
+                if now is None or now.record.nonce != first.record.nonce:
+                    return None
+                if observer.unchanged_for("lock", now.raw) == 0.0:
+                    return now.record
+        return None
+
     def acquire(self, timeout_s: float | None = None) -> int:
         """Acquire the lock and start the heartbeat; return the new fencing token.
 
@@ -163,19 +195,21 @@ class LeaseLock:
                     f"(token {self._held.token}); it is not re-entrant"
                 )
             self._prepare_dir()
-            start = time.monotonic()
-            deadline = None if timeout_s is None else start + timeout_s
+            # Waiting and judging the holder on this process's running time: time it was
+            # stopped counts neither against the holder nor toward the timeout.
+            observer = Observer()
+            deadline = None if timeout_s is None else timeout_s
             attempt = 0
             quick_retries = 0
             while True:
-                held, seen, contended = self._try_once()
+                held, seen, contended = self._try_once(observer)
                 if held is not None:
                     self._start_heartbeat(held)
                     self._held = held
                     return held.token
-                now = time.monotonic()
+                now = observer.clock()
                 if deadline is not None and now >= deadline:
-                    raise self._timeout_error(seen, now - start)
+                    raise self._timeout_error(seen, now)
                 if not contended and quick_retries < MAX_IMMEDIATE_RETRIES:
                     # Lost a race on a vacant/stale lock: retry at once, a bit.
                     quick_retries += 1
@@ -217,8 +251,9 @@ class LeaseLock:
 
         Checks, in order: the heartbeat thread has not seen a takeover; our own
         lease (measured on our monotonic clock since the last heartbeat, minus
-        ``guard_s``) has not expired; the lock file still carries our nonce and
-        token.
+        ``guard_s``) has not expired, or else (this process was stopped or starved)
+        a heartbeat written now renews it; the lock file still carries our nonce
+        and token.
         """
         with self._mutex:
             held = self._require_held("check")
@@ -266,7 +301,7 @@ class LeaseLock:
         except OSError as exc:
             raise env_error(f"create the token directory {self._tickets}", self.path, exc) from exc
 
-    def _try_once(self) -> tuple[Held | None, LockRecord | None, bool]:
+    def _try_once(self, observer: Observer) -> tuple[Held | None, LockRecord | None, bool]:
         """One acquisition attempt.
 
         Returns (held or None, last holder record seen, whether a live holder was seen).
@@ -277,7 +312,7 @@ class LeaseLock:
             snap = read_snapshot(self.path)
         except OSError as exc:
             raise env_error("read the lock file", self.path, exc) from exc
-        if snap is not None and not self._is_stale(snap.record):
+        if snap is not None and not self._is_stale(snap, observer):
             return None, snap.record, True
         nonce = uuid.uuid4().hex
         temp = self.path.with_name(f"{self.path.name}.new.{nonce}")
@@ -301,11 +336,11 @@ class LeaseLock:
                         snap = read_snapshot(self.path)
                         if snap is None:
                             return None, None, False  # vacant again: released just now
-                        if not self._is_stale(snap.record):
+                        if not self._is_stale(snap, observer):
                             return None, snap.record, True
-                        if not take_over(self.path, snap, temp, fd, self.lease_s):
+                        if not take_over(self.path, snap, temp, fd, self.lease_s, observer):
                             return None, snap.record, False
-                elif not take_over(self.path, snap, temp, fd, self.lease_s):
+                elif not take_over(self.path, snap, temp, fd, self.lease_s, observer):
                     return None, snap.record, False
             except OSError as exc:
                 raise env_error("create the lock file", self.path, exc) from exc
@@ -350,21 +385,49 @@ class LeaseLock:
             hb_mono=heartbeat_mono,
         )
 
-    def _is_stale(self, record: LockRecord) -> bool:
-        # Unknown holders use our lease; known ones the lease they announced.
+    def _is_stale(self, snap: Snapshot, observer: Observer) -> bool:
+        """Whether the holder may be replaced: its process is gone (this machine), or we have
+        seen its lock file unchanged for its lease (an unknown holder: for ours)."""
+        gone = holder_gone(snap.record)
+        if gone is not None:
+            return gone
+        record = snap.record
         lease = record.lease_s if record.lease_s is not None else self.lease_s
-        return record.age_s() > lease
+        return observer.unchanged_for("lock", snap.raw) > lease
 
     def _own_lease_problem(self, held: Held) -> str | None:
+        """Why our lease is gone (None: it holds). Past its end on our own clock (we were
+        stopped or starved) it is renewed when the lock file is still ours: the time a
+        process was stopped never counts against it."""
         own_age = time.monotonic() - held.hb_mono
-        limit = self.lease_s - self.guard_s
-        if own_age > limit:
-            return (
-                f"own lease expired: last heartbeat written {own_age:.1f} s ago "
-                f"(lease {self.lease_s:g} s minus guard "
-                f"{self.guard_s:g} s); another process may have taken over"
-            )
-        return None
+        if own_age <= self.lease_s - self.guard_s:
+            return None
+        written, problem = self._beat(held)
+        if problem is None:
+            return None
+        if not written:
+            problem = f"own lease expired ({own_age:.1f} s since the last heartbeat), {problem}"
+        return problem
+
+    def _beat(self, held: Held) -> tuple[bool, str | None]:
+        """Write a heartbeat, then read the lock file back: (whether it was written, why the
+        lock is not ours: None when it is). Writes go to our own inode through the fd we
+        created: a heartbeat after a takeover lands in the tombstone, never in the new
+        holder's file; one in the middle of a takeover makes it give the file back."""
+        mono = time.monotonic()
+        raw = encode_record(
+            self.owner, held.token, held.nonce, held.acquired_at, time.time(), self.lease_s
+        )
+        try:
+            with held.io_lock:
+                pwrite_all(held.fd, raw)
+                os.fsync(held.fd)
+        except OSError as exc:
+            return False, f"a heartbeat cannot be written: {exc}"
+        problem = self._file_problem(held)
+        if problem is None:
+            held.hb_mono = mono
+        return True, problem
 
     def _file_problem(self, held: Held) -> str | None:
         try:
@@ -391,28 +454,12 @@ class LeaseLock:
 
     def _heartbeat_loop(self, held: Held) -> None:
         """Refresh the heartbeat until stopped or until the lock is known lost."""
-        period = self.heartbeat_s
-        while not held.stop.wait(period):
-            # Never refresh an expired lease: another process may already own it.
-            reason = self._own_lease_problem(held) or self._file_problem(held)
-            if reason is not None:
+        while not held.stop.wait(self.heartbeat_s):
+            written, reason = self._beat(held)
+            if written and reason is not None:
                 held.lost = reason
                 return
-            mono = time.monotonic()
-            now = time.time()
-            raw = encode_record(
-                self.owner, held.token, held.nonce, held.acquired_at, now, self.lease_s
-            )
-            try:
-                with held.io_lock:
-                    # Writes go to our own inode via the fd we created, so a late
-                    # heartbeat after a takeover lands in the tombstone, not in
-                    # the new holder's file.
-                    pwrite_all(held.fd, raw)
-                    os.fsync(held.fd)
-            except OSError:
-                continue  # transient; the own-lease check will give up in time
-            held.hb_mono = mono
+            # Not written: transient, retried; check() gives up once the lease is gone.
 
     def _timeout_error(self, seen: LockRecord | None, waited: float) -> LockTimeout:
         try:
@@ -422,8 +469,9 @@ class LeaseLock:
         holder = current.describe() if current is not None else "no holder seen (racing)"
         return LockTimeout(
             f"timed out after {waited:.1f} s waiting for lock {self.path}; "
-            f"held by {holder}. It will be taken over once that heartbeat is older "
-            f"than the lease; if that process is alive, wait for it or stop it."
+            f"held by {holder}. It is taken over once its heartbeat is seen unchanged for "
+            f"its lease (on its own machine: once its process is gone); if that process is "
+            f"alive, wait for it or stop it."
         )
 
 

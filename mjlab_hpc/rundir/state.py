@@ -40,6 +40,7 @@ __all__ = [
     "on_end",
     "on_fault",
     "on_node_failed",
+    "on_preempted",
     "on_recovered",
     "on_start",
     "on_stop",
@@ -269,7 +270,9 @@ def cancel_marker(run_dir: Path, record: dict[str, Any] | None = None) -> dict[s
     except (OSError, ValueError, TypeError):
         return None
     starts = (read_record(run_dir) if record is None else record).get("starts") or [{}]
-    # ISO 8601 with the same offset sorts as text; a start after the cancel wins.
+    if isinstance(marker.get("starts"), int):  # a start after the cancel (a resume) wins
+        return marker if len(starts) <= marker["starts"] else None
+    # Older records: ISO 8601 with the same offset sorts as text.
     return marker if str(marker.get("at", "")) >= str(starts[-1].get("at", "")) else None
 
 
@@ -292,11 +295,9 @@ def on_node_failed(
     preemption) becomes `node-lost`, or, when the node died before they could record
     anything, a `node-lost` fault is added."""
     record = copy.deepcopy(record)
-    mine = [e for e in interruptions(record)
-            if e.get("job_id") == job_id and e.get("restart_count", restart_count - 1)
-            == restart_count - 1]  # fmt: skip
+    mine = _previous_start(record, job_id, restart_count)
     if mine:
-        if mine[-1].get("reason") == "preemption":
+        if mine[-1].get("reason") in ("preemption", "requeue"):
             mine[-1]["reason"] = "node-lost"
             mine[-1].setdefault("nodes", [nodes])
         return record
@@ -309,6 +310,24 @@ def on_node_failed(
         "restart_count": restart_count - 1, "iteration": iteration, "at": ended,
         "at_s": at_s, "action": "requeued by Slurm (NODE_FAIL)",
     }]  # fmt: skip
+    return record
+
+
+def _previous_start(record: dict[str, Any], job_id: str, restart_count: int) -> list[Any]:
+    """The stops and faults of the job's run before this restart."""
+    return [e for e in interruptions(record) if e.get("job_id") == job_id
+            and e.get("restart_count", restart_count - 1) == restart_count - 1]  # fmt: skip
+
+
+def on_preempted(record: dict[str, Any], job_id: str, restart_count: int) -> dict[str, Any]:
+    """The record once a Slurm job whose previous run was preempted (sacct: PREEMPTED)
+    starts again: the stop its ranks took for a requeue by Slurm (PreemptMode=REQUEUE
+    without GraceTime looks like one to them) becomes `preemption`."""
+    record = copy.deepcopy(record)
+    mine = _previous_start(record, job_id, restart_count)
+    if mine and mine[-1].get("reason") == "requeue":
+        mine[-1]["reason"] = "preemption"
+        mine[-1].pop("why", None)
     return record
 
 
@@ -342,17 +361,14 @@ class JobState:
 
 
 def writer_alive(run_dir: Path) -> bool:
-    """Whether the run's writer heartbeats its lease lock (whatever launched it)."""
+    """Whether the run's writer lives (whatever launched it): `LeaseLock.live_holder`."""
     path = run_dir / WRITER_LOCK
     if not path.exists():
         return False
     try:
-        holder = LeaseLock(path).holder()
+        return LeaseLock(path).live_holder() is not None
     except LockError:
         return False
-    if holder is None or holder.owner is None or holder.lease_s is None:
-        return False
-    return holder.age_s() < holder.lease_s
 
 
 def record_state(run_dir: Path) -> JobState:

@@ -8,13 +8,12 @@ import errno
 import json
 import os
 import re
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mjlab_hpc.procs import alive
+from mjlab_hpc.procs import alive, machine_id
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
 from mjlab_hpc.rundir.durable import read_regular
 from mjlab_hpc.rundir.layout import RunDir
@@ -40,30 +39,17 @@ def busy_problem(run: RunDir) -> str | None:
 
 
 def _live_writer(run: RunDir) -> str | None:
-    """Who writes `run` now, when that is a live process (None: nobody, or a writer whose
-    lease runs out: a crashed one, which a new writer waits out). Alive: a process of this
-    host that exists, or a heartbeat seen renewed within a heartbeat interval."""
-    lock = LeaseLock(run.writer_lock)
+    """Who writes `run` now, when that is a live process other than this one (None: nobody,
+    or a writer that is gone or may be: a crashed one, which a new writer waits out).
+    `LeaseLock.live_holder` judges, without comparing clocks."""
     try:
-        seen = lock.holder()
+        holder = LeaseLock(run.writer_lock).live_holder()
     except LockError:
         return None
-    if seen is None or seen.owner is None or seen.lease_s is None:
+    if holder is None or holder.owner is None:
         return None
-    if seen.age_s() >= seen.lease_s:
-        return None
-    if seen.owner.host == socket.gethostname():
-        return seen.describe() if seen.owner.pid != os.getpid() and alive(seen.owner.pid) else None
-    deadline = time.monotonic() + seen.lease_s / 4 + 1.0  # the holder's heartbeat interval
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        with contextlib.suppress(LockError):
-            now = lock.holder()
-            if now is None or now.nonce != seen.nonce:
-                return None
-            if now.heartbeat_at != seen.heartbeat_at:
-                return now.describe()
-    return None
+    me = holder.owner.machine == machine_id()
+    return None if me and holder.owner.pid == os.getpid() else holder.describe()
 
 
 class RunWriter:

@@ -159,6 +159,8 @@ class Partition:
     """The partition's time limit (None: infinite or unknown)."""
     mem_mb_per_node: int | None = None
     """The most memory a node of it has, in MB (its RealMemory; None: unknown)."""
+    max_nodes: int | None = None
+    """Its MaxNodes: the most nodes one job may have (None: unlimited or unknown)."""
 
 
 def _minutes(limit: str) -> int | None:
@@ -330,13 +332,16 @@ class SlurmClient:
             return None
         return proc.stdout
 
+    def job_fields(self, job_id: str) -> dict[str, str] | None:
+        """`scontrol show job`'s `Name=value` fields of the job (None: no answer)."""
+        text = self.show_job(job_id)
+        if text is None:
+            return None
+        return {m.group(1): m.group(2) for m in re.finditer(r"(\w+)=(\S*)", text)}
+
     def job_state(self, job_id: str) -> str | None:
         """The job's state as slurmctld sees it now (RUNNING, CANCELLED, ...), None if unknown."""
-        text = self.show_job(job_id) or ""
-        for word in text.split():
-            if word.startswith("JobState="):
-                return word.removeprefix("JobState=")
-        return None
+        return (self.job_fields(job_id) or {}).get("JobState")
 
     def job_stdout_paths(self, job_id: str) -> list[Path] | None:
         """The StdOut files of a job slurmctld knows (one per array element; none for a job it
@@ -410,14 +415,14 @@ class SlurmClient:
         """Every partition by name (the default one also under ""), or None when sinfo does
         not answer."""
         # -a: hidden partitions too (a user may have access to one).
-        proc = self.run(["sinfo", "-a", "-h", "-o", "%P|%D|%c|%G|%l|%m"])
+        proc = self.run(["sinfo", "-a", "-h", "-o", "%P|%D|%c|%G|%l|%m|%s"])
         if proc is None or proc.returncode != 0:
             return None
         rows: dict[str, list[list[str]]] = {}
         default = None
         for line in proc.stdout.splitlines():
             parts = line.split("|")
-            if len(parts) != 6:
+            if len(parts) != 7:
                 continue
             name = parts[0].rstrip("*")
             if parts[0].endswith("*"):
@@ -435,6 +440,7 @@ class SlurmClient:
                 gpus_per_node=max(gpus) if gpus else 0,
                 max_minutes=_minutes(group[0][4]),
                 mem_mb_per_node=max(mems) if mems else None,
+                max_nodes=_int(group[0][6].rpartition("-")[2]),  # `1-infinite`, `1-4`
             )
         if default is not None:
             out[""] = out[default]

@@ -7,7 +7,7 @@ import re
 
 from mjlab_hpc.errors import SpecError
 
-__all__ = ["MAX_DAYS", "check_mem", "mem_bytes", "slurm_time_minutes"]
+__all__ = ["MAX_DAYS", "check_mem", "mem_bytes", "slurm_seconds", "slurm_time_minutes"]
 
 # Whole-string matches of ASCII digits only: the value is written into an #SBATCH line as
 # given, so a trailing newline or another script's digits must not pass.
@@ -72,3 +72,13 @@ def mem_bytes(value: str) -> int:
     m = _MEM.fullmatch(check_mem(value))
     assert m is not None
     return int(m.group(1)) * 1024 ** "KMGT".index((m.group(2) or "M").upper()) * 1024
+
+
+def slurm_seconds(value: str) -> int | None:
+    """Seconds of a duration as Slurm prints it (`[D-]HH:MM:SS`, `MM:SS`); None for anything
+    else (`UNLIMITED`, `INVALID`, empty)."""
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", value.strip())
+    if m is None:
+        return None
+    days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds

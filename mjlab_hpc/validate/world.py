@@ -246,9 +246,16 @@ def check_partition(
     if part is None:
         warn("the cluster has no default partition: sbatch will ask for --partition")
         return
-    if spec.nodes > part.nodes:
+    # The whole request, spares included: Slurm would keep a job larger than the partition
+    # (or its MaxNodes) pending for good (PartitionNodeLimit).
+    most = min(part.nodes, part.max_nodes or part.nodes)
+    if spec.nodes + spec.spare_nodes > most:
+        limit = f"has {part.nodes}" if most == part.nodes else f"allows {most} per job (MaxNodes)"
+        asked = f"{spec.nodes} nodes" + (f" + {spec.spare_nodes} spare" if spec.spare_nodes
+                                         else "")  # fmt: skip
         raise SpecError(
-            "--nodes", f"{spec.nodes} nodes asked for; partition {part.name} has {part.nodes}"
+            "--spare-nodes" if spec.spare_nodes and spec.nodes <= most else "--nodes",
+            f"{asked} asked for; partition {part.name} {limit}",
         )
     if spec.gpus_per_node > part.gpus_per_node:
         raise SpecError(

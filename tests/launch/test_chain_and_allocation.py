@@ -14,11 +14,14 @@ request larger than the allocation is refused, and Ctrl-C stops every rank with 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import BIN, cli_env, only_run, wait_for
 from slurm_cluster import SlurmCluster
@@ -112,15 +115,27 @@ def test_inside_salloc_the_ranks_run_in_the_allocation_and_ctrl_c_saves_them(
     assert code == 0 and "--nodes=2 --ntasks=2 --ntasks-per-node=1" in out, out
     assert not list(tmp_path.iterdir())
 
+    # In the same allocation: the dry run, then the run, whose srun is the one it printed.
     pid_file = tmp_path.parent / f"{tmp_path.name}.pid"
+    dry = pid_file.with_name(pid_file.name + ".dry")
+    args = [*small, "--nodes", "2", "--max-iterations", "100000", "--run-dir",
+            str(tmp_path / "cartpole" / "run")]  # fmt: skip
     proc = subprocess.Popen(
-        [*SALLOC, "bash", "-c", 'echo $$ > "$0"; exec "$@"', str(pid_file), submit, *small,
-         "--nodes", "2", "--max-iterations", "100000"],
+        [*SALLOC, "bash", "-c", 'echo $$ > "$0"; "$@" --dry-run > "$0.dry"; exec "$@"',
+         str(pid_file), submit, *args],
         env=cli_env(base=slurm_cluster.environ()), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         run = wait_for(lambda: _progressing(tmp_path, 3), 120, "the ranks to train")
+        printed = dry.read_text().split("(dry run: not started) ----\n")[1].strip()
+        srun = next(p for p in psutil.process_iter(["cmdline"])
+                    if (p.info["cmdline"] or [""])[0] == "srun")  # fmt: skip
+        started = [f"{k}={shlex.quote(v)}" for k, v in sorted(srun.environ().items())
+                   if k.startswith("_MJLAB_HPC_") or k.startswith("PYTHONSAFE")
+                   or (k == "PYTHONPATH" and v != os.environ.get(k))]  # fmt: skip
+        assert printed == " ".join([*started, shlex.join(srun.info["cmdline"])]), (
+            printed, started, srun.info["cmdline"])  # fmt: skip
         queued = slurm_cluster.run(["squeue", "-h", "-o", "%i %j"]).stdout.split("\n")
         assert len([q for q in queued if q.strip()]) == 1, queued  # the allocation, no new job
         subprocess.run(["kill", "-INT", pid_file.read_text().strip()], check=True)
@@ -186,3 +201,46 @@ def test_a_chained_sweep_queues_one_array_per_link_and_cancel_stops_them_all(
         )
     finally:
         slurm_cluster.run(["scancel", held], check=False)
+
+
+def _scripts(dry_run_output: str) -> list[str]:
+    """The sbatch scripts a dry run printed, in order."""
+    parts = re.split(r"^# ---- sbatch script.*----\n", dry_run_output, flags=re.M)
+    return [p.split("\n# ---- ")[0] for p in parts[1:]]
+
+
+def test_what_is_submitted_is_what_the_dry_run_shows(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """A job of a --chain of 2 and a sweep's job arrays of a --chain of 2 (everything held
+    behind a held job: nothing trains): every script submitted is the one the dry run printed
+    (its run or sweep directory, and the id of the job before, as Slurm gave them)."""
+    held = slurm_cluster.run(
+        ["sbatch", "--parsable", "--hold", "--output", "/dev/null", "--time", "1", "--wrap", "true"]
+    ).stdout.strip()
+    submit = [str(BIN / "mjlab-submit"), "cartpole", "--gpus-per-node", "0", "--num-envs", "16",
+              "--torch-threads", "1", "--max-iterations", "4", "--time", "5", "--chain", "2",
+              "--after", held, "--nodes", "2"]  # fmt: skip
+    queued = [held]
+    try:
+        one, many = tmp_path / "one", tmp_path / "sweep"
+        single = [*submit, "--log-root", str(one), "--run-dir", str(one / "cartpole" / "run")]
+        sweep = [*submit, "--log-root", str(many), "--sweep", "seed=1,2"]
+        for args, root in ((single, one), (sweep, many)):
+            dry = subprocess.run([*args, "--dry-run"], env=cli_env(base=slurm_cluster.environ()),
+                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+            printed = _scripts(dry.stdout)
+            assert dry.returncode == 0 and len(printed) == 2, dry.stdout + dry.stderr
+            code, out = _run(slurm_cluster, *args)
+            assert code == 0, out
+            (folder,) = {p for p in root.rglob("submitit") if p.is_dir() and not p.is_symlink()}
+            jobs = sorted(folder.glob("*_submission.sh"), key=lambda p: int(p.name.split("_")[0]))
+            ids = [p.name.split("_")[0] for p in jobs]
+            queued += ids
+            assert len(jobs) == 2, jobs
+            planned = re.search(r"--output=(\S+)/submitit/", printed[0]).group(1)  # type: ignore[union-attr]
+            for text, job in zip(printed, jobs, strict=True):
+                text = text.replace(planned, str(folder.parent)).replace("JOB1", ids[0])
+                assert text == job.read_text(), job
+    finally:
+        slurm_cluster.run(["scancel", *queued], check=False)

@@ -65,9 +65,12 @@ def test_allocation_is_found_outside_steps_only() -> None:
 def test_the_srun_inside_an_allocation(tmp_path: Path) -> None:
     spec = SubmitSpec(train=TrainSpec(task="cartpole", num_envs=16), nodes=2, gpus_per_node=0,
                       tasks_per_node=2)  # fmt: skip
-    argv = allocation_srun(spec, resolve(spec.train), tmp_path, "step-1")
-    assert argv[:5] == ["srun", "--job-name=step-1", "--nodes=2", "--ntasks=4",
-                        "--ntasks-per-node=2"]  # fmt: skip
+    argv = allocation_srun(spec, resolve(spec.train), tmp_path)
+    assert argv[0] == "srun" and argv[2:5] == ["--nodes=2", "--ntasks=4", "--ntasks-per-node=2"]
+    # Named after the run (a dry run shows the step that runs), another run another name.
+    assert argv[1].startswith("--job-name=mjlab-ranks-") and argv == allocation_srun(
+        spec, resolve(spec.train), tmp_path)  # fmt: skip
+    assert allocation_srun(spec, resolve(spec.train), tmp_path / "b")[1] != argv[1]
     assert argv[argv.index(sys.executable) :][:4] == [sys.executable, "-u", "-m",
                                                       "mjlab_hpc.cli.train"]  # fmt: skip
     assert argv[-2:] == ["--run-dir", str(tmp_path)]

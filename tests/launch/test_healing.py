@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -227,7 +228,7 @@ def test_slurm_hang_then_node_down_on_two_nodes(
         env = cli_env(base=slurm_cluster.environ())
         row = wait_for(lambda: (r := hpc_json(run, env))["waiting"] and r, 120, "the wait")
         assert row["state"] == "PENDING" and row["active"], row
-        # After the stop (node-lost, or a preemption where sinfo no longer said node2 was
+        # After the stop (node-lost, or a requeue by Slurm where sinfo no longer said node2 was
         # down), naming node2 (that stop, or the hang before it).
         assert re.search(r"^waits after: .* at iteration \d+: requeued; node2 is drained "
                          r"\(mjlab-hpc-test\)$", row["waiting"]), row  # fmt: skip
@@ -284,13 +285,45 @@ def test_slurm_crash_restarts_in_the_allocation(
     starts a new srun step in the same allocation (no requeue, no queue wait: the job id and
     Slurm's restart count unchanged) from the newest checkpoint, and the run ends with the
     parameters of a run that never failed; the record has the seconds from the fault to the
-    first resumed iteration (docs/performance.md)."""
-    proc = submit(slurm_cluster, [*COMMON, "--nodes", "1", "--tasks-per-node", "2"], tmp_path,
-                  "raise@6:rank1:once")  # fmt: skip
-    assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
-    run = only_run(tmp_path)
+    first resumed iteration (docs/performance.md). `mjlab-hpc logs --follow`, started with
+    the job, streams the fault and how it was healed as they happen, naming the Slurm node."""
+    cmd = [
+        BIN / "mjlab-submit",
+        *COMMON,
+        "--nodes",
+        "1",
+        "--tasks-per-node",
+        "2",
+        "--gpus-per-node",
+        "0",
+        "--time",
+        "10",
+        "--log-root",
+        str(tmp_path),
+        "--follow",
+    ]
+    env = cli_env({"MJLAB_HPC_FAULT": "raise@6:rank1:once"}, base=slurm_cluster.environ())
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60,
+                       "the run")  # fmt: skip
+        logs = subprocess.run([BIN / "mjlab-hpc", "logs", str(run.path), "--follow"], env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_OK, out[-2000:] + err[-2000:]
     (fault,) = faults_of(run)
     assert (fault["reason"], fault["kind"], fault["iteration"]) == ("crash", "in-allocation", 6)
+    streamed = [line for line in logs.stdout.splitlines() if line.startswith("[run] ")]
+    assert len(streamed) == 2 and all("crash of rank 1 on node" in s for s in streamed), streamed
+    assert "resumed from 5" in streamed[-1], streamed  # healed: said when it came back
+    heads = re.findall(r"^── rank \d · (\S+) ·", logs.stdout, re.M)
+    # The Slurm node, or "?" before the rank has said where it runs; never the machine.
+    assert heads and all(h == "?" or h.startswith("node") for h in heads), logs.stdout
+    assert f" {socket.gethostname()} " not in logs.stdout, logs.stdout
     assert fault["resumed_from"] == 5 and fault["recomputed"] == 1, fault
     assert 0 < fault["recovery_s"] < 120, fault
     summary = json.loads(run.summary.read_text())

@@ -320,5 +320,7 @@ def test_real_options_are_not_refused(tmp_path: Path, args: list[str]) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    script = proc.stdout[proc.stdout.index("#!/bin/bash") :]
-    sbatch_block_intact(script)
+    scripts = proc.stdout[proc.stdout.index("#!/bin/bash") :].split("\n# ---- sbatch script")
+    assert len(scripts) == (3 if "--chain" in args else 1), proc.stdout  # every job's
+    for script in scripts:
+        sbatch_block_intact(script[script.index("#!/bin/bash") :])

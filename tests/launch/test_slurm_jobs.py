@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, only_run
+from helpers import BIN, cli_env, only_run, wait_for
 from slurm_cluster import SlurmCluster
 
 from benchmarks.scale import rank_log_figures
 from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.state import read_record
 
 pytestmark = pytest.mark.slurm
 
@@ -110,10 +111,15 @@ def test_rendered_template_with_sbatch(slurm_cluster: SlurmCluster, tmp_path: Pa
 
 def test_bad_spec_submits_nothing(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     name = f"bad-{os.getpid()}"
-    for args in (["--nodes", "0"], ["--time", "forever"], ["--container", "/no/such.sif"]):
-        code, out = submit(slurm_cluster, ["cartpole", "--job-name", name,
-                                           "--log-root", str(tmp_path), *args])  # fmt: skip
+    # The whole request against the partition (2 nodes): spares too, else it pends for good.
+    for args in (["--nodes", "0"], ["--time", "forever"], ["--container", "/no/such.sif"],
+                 ["--nodes", "2", "--spare-nodes", "1"], ["--nodes", "3"]):  # fmt: skip
+        code, out = submit(slurm_cluster, ["cartpole", "--job-name", name, "--gpus-per-node",
+                                           "0", "--log-root", str(tmp_path), *args])  # fmt: skip
         assert code == 2, out
+        if "--spare-nodes" in args:
+            said = " ".join(out.split())
+            assert "--spare-nodes: 2 nodes + 1 spare asked for; partition debug has 2" in said
     queued = slurm_cluster.run(["squeue", "-h", "-n", name]).stdout.strip()
     accounted = slurm_cluster.run(["sacct", "-n", "-X", "--name", name, "-S", "now-1hour"])
     assert queued == "" and accounted.stdout.strip() == ""
@@ -273,3 +279,7 @@ def test_bare_scancel_is_not_undone(slurm_cluster: SlurmCluster, tmp_path: Path)
     runs = slurm_cluster.run(["sacct", "-D", "-X", "-n", "-P", "-j", job, "-o", "State"])
     states = [line.split()[0] for line in runs.stdout.splitlines() if line.strip()]
     assert states == ["CANCELLED"], runs.stdout  # one run: never requeued
+    (run,) = (tmp_path / "cartpole").glob("2*")
+    wait_for(lambda: read_record(run).get("state") == "stopped", 30, "the ranks' stop record")
+    stop = read_record(run)["restarts"][-1]
+    assert (stop["reason"], stop["kind"]) == ("cancelled", "stop"), stop  # not a preemption

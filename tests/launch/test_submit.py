@@ -167,7 +167,7 @@ def test_golden_pyxis() -> None:
     lines = [line.strip() for line in text.splitlines()]
     srun = shlex.split(next(line for line in lines if line.startswith("srun ")))
     assert f"--container-image={image}" in srun
-    assert srun[-5:-3] == ["python3", "-u"]
+    assert srun[-6:-4] == ["python3", "-u"] and srun[-1] == "&"  # in the background
     heal = shlex.split(next(line for line in lines if " heal " in line).removeprefix("options=$("))
     assert heal[:4] == ["srun", "--nodes=1", "--ntasks=1", f"--container-image={image}"]
     # Inside a salloc allocation too: srun starts the ranks in the image.

@@ -90,8 +90,10 @@ def cluster_jobs(
         "failing": ([*two_nodes, "--max-iterations", "50", "--max-restarts", "0"],
                     fault_env(root / "fault", rank=1, iteration=3)),
         "long": ([*two_nodes, "--max-iterations", "5000"], {}),
+        # Each element raises once: healed per element (the array's script is ours).
         "sweep": (["cartpole", "--nodes", "1", *SMALL, "--max-iterations", "3", "--sweep",
-                   "seed=0,1,2", "--array-parallelism", "2"], {}),
+                   "seed=0,1,2", "--array-parallelism", "2"],
+                  {"MJLAB_HPC_FAULT": "raise@2:rank0:once"}),
     }  # fmt: skip
     procs = {}
     for name, (args, extra) in commands.items():
@@ -170,6 +172,9 @@ def test_status_then_cancel_on_slurm(
     row = status_json(slurm_cluster, str(run))[0]
     assert row["state"] == "CANCELLED" and not row["active"]
     assert row["state_source"] in ("sacct", "squeue")
+    # A cancel is no restart (it was counted as one when its SIGTERM passed for a preemption).
+    stop = row["interruptions"][-1]
+    assert (stop["reason"], stop["kind"]) == ("cancelled", "stop") and row["restarts"] == 0, row
     forgotten = stand_ins(tmp_path / "forgotten", sacct=NO_ACCOUNTING, squeue=FORGOTTEN)
     row = status_json(slurm_cluster, str(run), path_first=forgotten)[0]
     assert row["state"] == "CANCELLED" and row["state_source"] == "record"
@@ -210,7 +215,8 @@ def test_sweep_is_one_throttled_job_array(
 ) -> None:
     """--sweep seed=0,1,2 --array-parallelism 2: one job array of three elements, each its
     own run directory named after its seed; the third starts only after one of the first two
-    ended; status groups the three under the array's id."""
+    ended; status groups the three under the array's id. Each element's rank raised once
+    after iteration 2: each is healed in its own allocation, one restart each, to the end."""
     array, log_root = cluster_jobs.sweep
     for index in range(3):
         assert slurm_cluster.wait_job(f"{array}_{index}", timeout=240) == "COMPLETED"
@@ -224,6 +230,8 @@ def test_sweep_is_one_throttled_job_array(
         assert summary["iterations"] == 3 and summary["world_size"] == 1
         element = json.loads((run / "sweep_element.json").read_text())
         assert element["job_id"] == f"{array}_{seed}" and element["index"] == seed
+        (fault,) = json.loads((run / "run.json").read_text())["faults"]
+        assert (fault["reason"], fault["kind"], fault["iteration"]) == ("crash", "in-allocation", 2)
     script = (by_seed[0] / "submitit" / f"{array}_submission.sh").read_text()
     assert "#SBATCH --array=0-2%2" in script
     starts = {seed: _started_and_ended(run) for seed, run in by_seed.items()}
@@ -233,6 +241,7 @@ def test_sweep_is_one_throttled_job_array(
     assert [r["sweep"]["index"] for r in rows] == [0, 1, 2]
     assert [r["job_ids"] for r in rows] == [[f"{array}_{i}"] for i in range(3)]
     assert all(r["state"] == "COMPLETED" and r["iteration"] == 3 for r in rows)
+    assert [r["restart_reasons"] for r in rows] == [["crash"]] * 3, rows
     table = hpc(slurm_cluster, "status", "--log-root", str(log_root)).stdout
     assert f"sweep {array}" in table and "3 COMPLETED" in table
     nothing = hpc(slurm_cluster, "cancel", array, "--log-root", str(log_root))

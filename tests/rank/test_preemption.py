@@ -24,17 +24,15 @@ from helpers import (
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_STOPPED
 from mjlab_hpc.rank.context import DistContext
-from mjlab_hpc.rank.stop import (
+from mjlab_hpc.rank.signals import (
     Stop,
     StopKind,
-    Stopped,
     StopRequest,
-    Supervision,
-    after_stop,
-    agree,
     classify,
     watch_signals,
+    why_signalled,
 )
+from mjlab_hpc.rank.stop import Stopped, Supervision, after_stop, agree, agree_boundary
 from mjlab_hpc.rundir.state import read_record
 
 COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
@@ -155,6 +153,8 @@ def test_kill_one_rank_ends_the_job_and_names_it(tmp_path: Path) -> None:
         (signal.SIGTERM, "single", StopKind.FOR_GOOD, "terminated"),
         (signal.SIGINT, "slurm", StopKind.FOR_GOOD, "interrupt"),
         (signal.SIGHUP, "torchrun", StopKind.FOR_GOOD, "hangup"),
+        (signal.SIGQUIT, "slurm", StopKind.FOR_GOOD, "terminated"),
+        (signal.SIGXCPU, "single", StopKind.FOR_GOOD, "terminated"),
     ],
 )
 def test_what_each_signal_means(signum: int, mode: str, kind: StopKind, reason: str) -> None:
@@ -164,7 +164,7 @@ def test_what_each_signal_means(signum: int, mode: str, kind: StopKind, reason: 
 def test_handlers_record_the_strongest_stop_and_are_restored() -> None:
     before = signal.getsignal(signal.SIGUSR2)
     request = StopRequest("submitit-local", "USR2")
-    with watch_signals(request, ("USR2",)):
+    with watch_signals(request):
         os.kill(os.getpid(), signal.SIGUSR2)
         time.sleep(0.01)
         assert agree(request, False, "cpu") == Stop(StopKind.REQUEUE, "time-limit", signal.SIGUSR2)
@@ -177,6 +177,79 @@ def test_handlers_record_the_strongest_stop_and_are_restored() -> None:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)
     assert signal.getsignal(signal.SIGUSR2) is before
+
+
+def test_signals_that_save_or_are_ignored_stop_nothing() -> None:
+    """USR1 (and USR2 or URG when not the time-limit signal) asks for a checkpoint at the next
+    boundary, ALRM and the like are ignored: none of them stops or ends the rank; under Slurm
+    a second INT (to the step and through the batch shell) is not a second Ctrl-C."""
+    request = StopRequest("slurm", "USR2")
+    with watch_signals(request):
+        for sig in (signal.SIGUSR1, signal.SIGALRM, signal.SIGVTALRM, signal.SIGIO):
+            os.kill(os.getpid(), sig)
+        time.sleep(0.01)
+        assert request.save == signal.SIGUSR1
+        assert request.ignored == [signal.SIGALRM, signal.SIGVTALRM, signal.SIGIO]
+        stop, save, _ = agree_boundary(request, False, "cpu")
+        assert stop is None and save
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        assert agree(request, False, "cpu") == Stop(StopKind.FOR_GOOD, "interrupt", signal.SIGINT)
+    limit = StopRequest("slurm", "USR1")  # USR1 as the time-limit signal: a stop then
+    limit.handler(signal.SIGUSR1, None)
+    assert limit.code and not limit.save
+    urgent = StopRequest("slurm", "URG")
+    urgent.handler(signal.SIGUSR2, None)
+    assert urgent.save == signal.SIGUSR2 and urgent.code == 0
+
+
+_TERM = Stop(StopKind.REQUEUE, "preemption", signal.SIGTERM)
+_USR2 = Stop(StopKind.REQUEUE, "time-limit", signal.SIGUSR2)
+
+
+@pytest.mark.parametrize(
+    ("stop", "job", "lost", "first", "kind", "reason"),
+    [
+        (_TERM, None, [], False, StopKind.REQUEUE, "preemption"),  # Slurm did not answer
+        (_TERM, {"JobState": "CANCELLED"}, [], False, StopKind.FOR_GOOD, "cancelled"),
+        (_TERM, {"JobState": "RUNNING", "PreemptTime": "2026-11-27T16:52:26"}, [], False,
+         StopKind.REQUEUE, "preemption"),  # GraceTime: the job still runs
+        (_TERM, {"JobState": "COMPLETING", "Restarts": "3"}, [], False, StopKind.REQUEUE,
+         "requeue"),  # scontrol requeue: the restart count went up
+        (_TERM, {"JobState": "COMPLETING", "Restarts": "3"}, ["node2"], False,
+         StopKind.REQUEUE, "node-lost"),
+        (_TERM, {"JobState": "RUNNING", "Restarts": "2", "PreemptTime": "None"}, [], False,
+         StopKind.FOR_GOOD, "terminated"),  # scancel --signal=TERM: a person's stop
+        (_TERM, {"JobState": "COMPLETING", "Restarts": "2"}, [], False, StopKind.FOR_GOOD,
+         "cancelled"),  # scancel (with --signal=KILL too): ending, not requeued
+        (_TERM, {"JobState": "COMPLETING", "Restarts": "2", "TimeLimit": "00:10:00",
+                 "RunTime": "00:10:01"}, [], False, StopKind.REQUEUE, "time-limit"),
+        (_USR2, {"TimeLimit": "00:01:00"}, [], False, StopKind.REQUEUE, "time-limit"),
+        (_USR2, {"TimeLimit": "00:01:00"}, [], True, StopKind.FOR_GOOD, "time-limit"),
+    ],
+)  # fmt: skip
+def test_why_slurm_signalled(
+    stop: Stop, job: dict | None, lost: list, first: bool, kind: StopKind, reason: str
+) -> None:
+    got = why_signalled(stop, job, 2, lost, first)
+    assert (got.kind, got.reason) == (kind, reason), got
+    if first:
+        assert "came before this start's first iteration (time limit 00:01:00" in got.why
+
+
+def test_a_time_limit_that_leaves_no_room_is_not_requeued() -> None:
+    """A time limit no longer than --signal-delay-s: every start would be signalled before it
+    trains, so the stop is for good and says why (scontrol update JobId=J TimeLimit=...);
+    with room after the signal, the job is requeued."""
+    job = {"JobId": "7", "TimeLimit": "00:01:00"}
+    short = why_signalled(_USR2, job, 0, delay_s=90)
+    assert (short.kind, short.reason) == (StopKind.FOR_GOOD, "time-limit")
+    assert short.why.startswith(
+        "not requeued: the job's time limit (00:01:00) is no longer than --signal-delay-s 90"
+    ), short.why
+    assert "scontrol update JobId=7 TimeLimit=" in short.why
+    assert why_signalled(_USR2, {**job, "TimeLimit": "00:02:00"}, 0, delay_s=90) == _USR2
 
 
 def test_a_lost_supervisor_is_a_stop_for_good() -> None:

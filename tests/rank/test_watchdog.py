@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def test_heartbeat_and_diagnosis_name_the_stalled_rank(tmp_path: Path) -> None:
         {"rank": 1, "host": "node2", "pid": 1, "iteration": 7, "t": time.time() - 60}
     ))  # fmt: skip
     log = io.StringIO()
-    with Watchdog(run, 0, 2, timeout_s=None, rank_log=log, host="node1") as dog:
+    with Watchdog(run, 0, 2, timeout_s=None, rank_log=log, host="node1", beat_s=0.2) as dog:
         dog.progress(8)
         beats = read_heartbeats(run, 2)
         assert beats[0]["host"] == "node1" and beats[0]["pid"] == os.getpid()
@@ -186,3 +187,79 @@ def test_the_ranks_of_a_start_before_fewer_ranks_are_not_this_starts(tmp_path: P
         "2026-11-23 10:01:05,000 rank1 exit: failed (exception)\n"
     )  # fmt: skip
     assert [(e.rank, e.how) for e in rank_ends(run.path)] == [(0, "completed"), (1, "failed")]
+
+
+def test_a_frozen_rank_is_one_whose_heartbeat_stops_changing_whatever_its_clock(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's node clock is an hour behind, but its heartbeat goes on changing: alive. Rank
+    2's clock is an hour ahead (its last heartbeat looks fresh by ours), but its heartbeat no
+    longer changes: frozen, and its node named."""
+    run = RunDir(tmp_path)
+    run.heartbeats.mkdir(parents=True)
+    beat = {"rank": 2, "host": "node3", "pid": 3, "iteration": 7, "t": time.time() + 3600}
+    run.heartbeat(2).write_text(json.dumps(beat))
+    stop = threading.Event()
+
+    def alive_behind() -> None:
+        n = 0
+        while not stop.wait(0.2):
+            n += 1
+            run.heartbeat(1).write_text(json.dumps(
+                {"rank": 1, "host": "node2", "pid": 2, "iteration": 7, "t": time.time() - 3600,
+                 "n": n}))  # fmt: skip
+
+    beating = threading.Thread(target=alive_behind, daemon=True)
+    beating.start()
+    try:
+        with Watchdog(run, 0, 3, timeout_s=None, rank_log=io.StringIO(), host="node1",
+                      beat_s=0.5) as dog:  # fmt: skip
+            dog.progress(8)
+            hang = dog._diagnose(30.0, 20.0)
+    finally:
+        stop.set()
+        beating.join()
+    assert hang.frozen == (2,) and hang.frozen_hosts == ("node3",), hang
+    assert "rank 2 on node3 (pid 3): iteration 7, heartbeat unchanged" in hang.detail
+
+
+def test_two_ranks_dying_at_once_are_both_named_and_a_kill_of_all_suspects_none(
+    tmp_path: Path,
+) -> None:
+    """Ranks 1 and 2 (on h1 and h2) ended without a word while rank 0 lived on to record the
+    lost peer: both are the fault, both nodes suspects. When no rank recorded its end (the
+    whole job killed from outside), no node is suspected."""
+    run = RunDir(tmp_path)
+
+    def rank_log(rank: int, body: str) -> None:  # ranks of 3
+        _rank_log(run, rank, body)
+        run.rank_log(rank).write_text(run.rank_log(rank).read_text().replace("/2 (", "/3 (", 1))
+
+    rank_log(0, "2026-11-23 10:00:09,000 rank0 exit: failed (peer-lost)\n")
+    for rank in (1, 2):
+        rank_log(rank, f"2026-11-23 10:00:05,000 rank{rank} iteration 3/10 1 steps/s\n")
+    fault = find_fault(run.path)
+    assert fault is not None and fault.ranks == (1, 2) and fault.suspect_nodes == ("h1", "h2")
+    assert "rank 1 on h1, rank 2 on h2 ended without an exit record" in fault.error
+    rank_log(0, "2026-11-23 10:00:05,000 rank0 iteration 3/10 1 steps/s\n")
+    fault = find_fault(run.path)
+    assert fault is not None and fault.ranks == (0, 1, 2) and fault.suspect_nodes == ()
+    assert "killed from outside the ranks" in fault.error
+
+
+def test_this_srun_steps_ranks_are_found_by_its_name_not_by_clocks(tmp_path: Path) -> None:
+    """The batch script names each srun step (`_MJLAB_HPC_START`); the ranks write it in
+    their first line. Logs of an earlier step are not this step's, whatever their times."""
+    run = RunDir(tmp_path)
+    for rank in (0, 1):
+        run.logs.mkdir(parents=True, exist_ok=True)
+        run.rank_log(rank).write_text(
+            f"2099-01-01 10:00:00,000 rank{rank} rank {rank}/2 (local {rank}/2, node 0/1) via "
+            f"slurm, master x:1 on cpu, host h{rank}, pid 1, seed 1, 8 envs, "
+            f"CUDA_VISIBLE_DEVICES=unset, start 42.0.1\n"
+            f"2099-01-01 10:00:09,000 rank{rank} exit: stopped at iteration 3\n"
+        )  # fmt: skip
+    assert [e.start_id for e in rank_ends(run.path)] == ["42.0.1", "42.0.1"]
+    assert find_fault(run.path, start="42.0.1") is None
+    fault = find_fault(run.path, start="42.0.2")  # the next step: its ranks never logged
+    assert fault is not None and "no rank started" in fault.error

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, wait_for
+from helpers import BIN, cli_env, clock_ahead, wait_for
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_OK
 from mjlab_hpc.rundir.checkpoint import Checkpoints
@@ -139,20 +139,25 @@ def test_the_writer_locks_token_files_are_not_executable(tmp_path: Path) -> None
 def test_a_second_training_into_a_running_run_is_refused_at_once(
     trained: Path, tmp_path: Path
 ) -> None:
+    """Refused whatever the second one's clock says (an hour ahead, faketime): a live writer
+    on this machine is never displaced, nor its run resumed."""
     healthy, _ = two_runs(trained, tmp_path)
     first = subprocess.Popen([*TRAIN, "--max-iterations", "5000", "--run-dir", str(healthy)],
                              cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         wait_for(lambda: len(RunDir(healthy).read_progress()) > 3, 150, "the first training")
-        began = time.monotonic()
-        second = run([*TRAIN, "--max-iterations", "5000", "--run-dir", str(healthy)], tmp_path)
-        took = time.monotonic() - began
-        said = " ".join(second.stderr.split())
-        assert second.returncode == EXIT_BAD_INPUT, second.stderr[-2000:]
-        assert "another training is writing" in said and "done:" not in second.stdout, said
-        assert took < 30, took  # refused before torch loads, not after the first ends
-        assert first.poll() is None
+        for ahead in ([], clock_ahead("+1h")):
+            began = time.monotonic()
+            second = run([*ahead, *TRAIN, "--max-iterations", "5000", "--run-dir", str(healthy),
+                          "--resume"], tmp_path)  # fmt: skip
+            took = time.monotonic() - began
+            said = " ".join(second.stderr.split())
+            assert second.returncode == EXIT_BAD_INPUT, second.stderr[-2000:]
+            assert "another training is writing" in said and "done:" not in second.stdout, said
+            assert "Traceback" not in second.stderr
+            assert took < 30, took  # refused before torch loads, not after the first ends
+            assert first.poll() is None
     finally:
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=120)

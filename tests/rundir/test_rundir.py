@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import multiprocessing as mp
 import time
 from pathlib import Path
 
 import pytest
 
+from mjlab_hpc.ops.cancel import write_cancel_marker
 from mjlab_hpc.rundir.layout import (
     RunDir,
     create_run_dir,
@@ -17,6 +19,7 @@ from mjlab_hpc.rundir.layout import (
     run_dir_for_key,
 )
 from mjlab_hpc.rundir.lock import LockTimeout, LockUsageError
+from mjlab_hpc.rundir.state import cancel_marker
 from mjlab_hpc.rundir.writer import RunWriter, once
 
 SAME_SECOND = dt.datetime(2026, 11, 22, 4, 12, 58)
@@ -135,3 +138,15 @@ def test_run_records_name_runs_so_a_copied_log_root_resolves_in_the_copy(tmp_pat
     # A record written by 0.1.0 held the absolute path: it resolves in the copy too.
     (tmp_path / "b" / "exp" / ".latest_run").write_text(f"{run}\n")
     assert latest_run(tmp_path / "b", "exp") == copy.resolve()
+
+
+def test_a_cancel_is_judged_by_the_runs_starts_not_by_clocks(tmp_path: Path) -> None:
+    """`mjlab-hpc cancel` on a login node whose clock is an hour behind the nodes' still
+    cancels the run's current start; a later start (a resume) is not cancelled."""
+    record = tmp_path / "run.json"
+    ahead = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1)).isoformat()
+    record.write_text(json.dumps({"starts": [{"at": ahead}]}))
+    write_cancel_marker(tmp_path, ["42"])
+    assert cancel_marker(tmp_path) is not None
+    record.write_text(json.dumps({"starts": [{"at": ahead}, {"at": ahead}]}))
+    assert cancel_marker(tmp_path) is None

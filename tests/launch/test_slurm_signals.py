@@ -1,0 +1,192 @@
+"""What a cluster does on purpose is not a fault, on the real Slurm test cluster with real
+signals: a job suspended and resumed (`scontrol suspend`, as gang scheduling and
+PreemptMode=SUSPEND do) past the writer's lease and the hang timeout goes on as if nothing
+happened; every signal a user or admin can send (`scancel --signal`, to the steps, the batch
+shell or both; `scontrol requeue`; a time limit cut below the signal delay) has its one
+documented meaning (docs/preemption.md, "Signals"), is recorded with its true cause, and
+never excludes a node.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import BIN, cli_env, reference_digests, runs_under, wait_for
+from slurm_cluster import SlurmCluster
+
+from mjlab_hpc.errors import EXIT_OK
+from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.state import read_record
+
+pytestmark = pytest.mark.slurm
+
+COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
+          "--save-interval", "5", "--max-iterations", "12"]  # fmt: skip
+REFERENCE = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
+             "--save-interval", "100", "--max-iterations", "12"]  # fmt: skip
+# Longer than the writer's lease (30 s) and the hang timeout below.
+SUSPEND_S = 32
+
+
+def follow(cluster: SlurmCluster, args: list[str], root: Path,
+           extra: dict[str, str] | None = None) -> subprocess.Popen[str]:  # fmt: skip
+    """`mjlab-submit ... --follow` in the background."""
+    cmd = [BIN / "mjlab-submit", *args, "--gpus-per-node", "0", "--time", "10", "--log-root",
+           str(root), "--follow"]  # fmt: skip
+    return subprocess.Popen(cmd, env=cli_env(extra, base=cluster.environ()),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def the_run(root: Path) -> RunDir:
+    return wait_for(lambda: runs_under(root) and RunDir(runs_under(root)[0]), 60, "the run")
+
+
+def job_of(run: RunDir) -> str:
+    """The Slurm job of a single run (submitit names its files after it)."""
+    found = wait_for(lambda: sorted((run.path / "submitit").glob("*_submission.sh")), 60, "job")
+    return found[0].name.split("_")[0]
+
+
+def iteration(run: RunDir) -> int:
+    return int((run.read_progress() or [{}])[-1].get("iteration", 0))
+
+
+def suspended(cluster: SlurmCluster, job: str, seconds: float) -> None:
+    """`scontrol suspend` the job for `seconds`, then `scontrol resume` it."""
+    cluster.run(["scontrol", "suspend", job])
+    try:
+        state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"]).stdout.strip()
+        assert state == "SUSPENDED", state
+        time.sleep(seconds)
+    finally:
+        cluster.run(["scontrol", "resume", job])
+
+
+def test_a_suspended_job_resumes_as_if_nothing_happened(
+    slurm_cluster: SlurmCluster, tmp_path: Path, shared_tmp: Path
+) -> None:
+    """A 2-node job suspended for longer than the writer's lease and --hang-timeout-s, once
+    while its ranks start and once after iteration 4: no fault, no restart, no iteration
+    computed again, the parameters of a run that never stopped; --follow stays with it
+    through both and ends with its done line."""
+    args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--hang-timeout-s", "20"]
+    proc = follow(slurm_cluster, args, tmp_path)
+    try:
+        run = the_run(tmp_path)
+        wait_for(lambda: run.rank_log(0).exists() and "rank 0/2" in run.rank_log(0).read_text(),
+                 120, "rank 0 to start")  # fmt: skip
+        job = job_of(run)
+        assert iteration(run) == 0
+        suspended(slurm_cluster, job, SUSPEND_S)
+        wait_for(lambda: iteration(run) >= 4, 180, "iteration 4")
+        suspended(slurm_cluster, job, SUSPEND_S)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_OK and "done: 12 iterations" in out, out[-2000:] + err[-2000:]
+    record = read_record(run.path)
+    assert record.get("faults", []) == [] and record.get("restarts", []) == [], record
+    assert len(record["starts"]) == 1 and record["state"] == "completed", record["starts"]
+    assert [p["iteration"] for p in run.read_progress()] == list(range(1, 13))
+    summary = json.loads(run.summary.read_text())
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
+    assert "exit: completed" in run.rank_log(1).read_text()
+    assert slurm_cluster.wait_job(job, timeout=60) == "COMPLETED"
+    shown = slurm_cluster.run(["scontrol", "show", "job", job]).stdout
+    assert "Restarts=0" in shown, shown
+
+
+def status_row(cluster: SlurmCluster, run: RunDir) -> dict:
+    cmd = [BIN / "mjlab-hpc", "status", "--json", str(run.path)]
+    out = subprocess.run(cmd, env=cli_env(base=cluster.environ()), capture_output=True,
+                         text=True, timeout=60).stdout  # fmt: skip
+    return json.loads(out)[0]
+
+
+def in_logs(run: RunDir, text: str, ranks: int = 2) -> bool:
+    return all(text in run.rank_log(r).read_text() for r in range(ranks))
+
+
+def test_signals_and_admin_actions_mean_what_the_docs_say(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """One 2-node job: USR1 to the steps and to the batch shell asks for a checkpoint and
+    training goes on; ALRM to everything (--full) is ignored and said; `scontrol requeue` is
+    recorded as a requeue (not a preemption); a time limit cut below --signal-delay-s plus
+    start-up (scontrol update TimeLimit, here below the delay) stops the run for good with a
+    line that says why,
+    instead of requeueing it again and again. No fault, no node excluded, status STOPPED."""
+    args = [*COMMON[:-2], "--max-iterations", "100000", "--nodes", "2", "--tasks-per-node", "1"]
+    proc = follow(slurm_cluster, args, tmp_path)
+    try:
+        run = the_run(tmp_path)
+        job = job_of(run)
+        wait_for(lambda: iteration(run) >= 3, 120, "iteration 3")
+        slurm_cluster.run(["scancel", "--signal=USR1", job])
+        wait_for(lambda: in_logs(run, "asked for by SIGUSR1"), 60, "a checkpoint for USR1")
+        slurm_cluster.run(["scancel", "--full", "--signal=ALRM", job])
+        wait_for(lambda: in_logs(run, "SIGALRM ignored"), 60, "ALRM said and ignored")
+        before = run.rank_log(0).read_text().count("asked for by SIGUSR1")
+        slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job])  # through the shell
+        wait_for(lambda: run.rank_log(0).read_text().count("asked for by SIGUSR1") > before,
+                 60, "USR1 through the batch shell")  # fmt: skip
+        slurm_cluster.run(["scontrol", "requeue", job])
+        wait_for(lambda: len(read_record(run.path).get("starts", [])) == 2, 120, "the restart")
+        at = iteration(run)
+        wait_for(lambda: iteration(run) > at + 2, 120, "training after the requeue")
+        slurm_cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"])
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    record = read_record(run.path)
+    assert record.get("faults", []) == [], record["faults"]
+    requeue, limit = record["restarts"]
+    assert (requeue["reason"], requeue["kind"], requeue["signal"]) == (
+        "requeue", "requeue", "SIGTERM"), requeue  # fmt: skip
+    assert (limit["reason"], limit["kind"]) == ("time-limit", "stop"), limit
+    assert limit["why"].startswith(
+        "not requeued: the job's time limit (00:01:00) is no longer than --signal-delay-s 90"
+    ), limit
+    assert proc.returncode == 3, out[-1000:] + err[-2000:]
+    assert f"({limit['reason']}, SIGUSR2: {limit['why']})" in " ".join(err.split()), err[-2000:]
+    saved = {p.name for p in run.path.glob("model_*.pt")}
+    assert f"model_{limit['iteration']}.pt" in saved and len(saved) > 2, saved
+    assert slurm_cluster.wait_job(job, timeout=60) == "FAILED"  # the ranks' exit 3
+    shown = slurm_cluster.run(["scontrol", "show", "job", job]).stdout
+    assert "ExcNodeList=(null)" in shown and "Restarts=1" in shown, shown
+    row = status_row(slurm_cluster, run)
+    assert row["state"] == "STOPPED" and row["restart_reasons"] == ["requeue"], row
+
+
+def test_a_term_to_the_batch_shell_stops_the_run_for_good(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """`scancel --batch --signal=TERM`: the batch shell passes it on to the ranks, which stop
+    for good with a checkpoint (a person's TERM, not a preemption: nothing is requeued and
+    nothing says so); --follow ends with the stop's line (exit 3), status says STOPPED."""
+    args = [*COMMON[:-2], "--max-iterations", "100000", "--nodes", "2", "--tasks-per-node", "1"]
+    proc = follow(slurm_cluster, args, tmp_path)
+    try:
+        run = the_run(tmp_path)
+        job = job_of(run)
+        wait_for(lambda: iteration(run) >= 3, 120, "iteration 3")
+        slurm_cluster.run(["scancel", "--batch", "--signal=TERM", job])
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, out[-1000:] + err[-2000:]
+    assert "(terminated, SIGTERM: SIGTERM while the job runs" in " ".join(err.split()), err
+    record = read_record(run.path)
+    (stop,) = record["restarts"]
+    assert (stop["reason"], stop["kind"]) == ("terminated", "stop") and not record.get("faults")
+    logs = "".join(p.read_text() for p in (run.path / "submitit").glob("*_log.*"))
+    assert "requeue" not in logs.lower() and "preemption" not in logs.lower(), logs[-2000:]
+    assert slurm_cluster.wait_job(job, timeout=60) == "FAILED"
+    assert status_row(slurm_cluster, run)["state"] == "STOPPED"
