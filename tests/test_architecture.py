@@ -1,6 +1,7 @@
 """The package's shape, checked from its source: imports flow one way between layers, no
-import cycle (function-level imports included), no module or folder too large, a docstring
-and `__all__` on every module, and `import mjlab_hpc` and the CLIs stay light."""
+import cycle (function-level imports included), a docstring and `__all__` on every module,
+and `import mjlab_hpc` and the CLIs stay light. Sizes are not checked: a file is split where
+its parts have different readers, not to pass a count."""
 
 from __future__ import annotations
 
@@ -42,8 +43,6 @@ LAZY_ALLOWED = {
     ("mjlab_hpc.tasks.builtin", "mjlab_hpc.tasks.ant"),
     ("mjlab_hpc.tasks.mjlab", "mjlab_hpc.tasks.envstate"),
 }
-MAX_LINES = 560
-MAX_MODULES_PER_FOLDER = 11
 
 
 def modules() -> Iterator[tuple[str, Path]]:
@@ -130,22 +129,6 @@ def test_no_import_cycle() -> None:
         if state.get(node) is None and visit(node, [node]):
             break
     assert not cycle, " -> ".join(cycle)
-
-
-def test_modules_and_folders_stay_small() -> None:
-    long = {
-        name: n for name, path in modules() if (n := len(path.read_text().splitlines())) > MAX_LINES
-    }
-    assert not long, long
-    crowded = {}
-    for folder in [
-        PACKAGE,
-        *(p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"),
-    ]:
-        count = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
-        if count > MAX_MODULES_PER_FOLDER:
-            crowded[str(folder.relative_to(PACKAGE.parent))] = count
-    assert not crowded, crowded
 
 
 def test_every_module_has_a_docstring_and_public_modules_an_all() -> None:
