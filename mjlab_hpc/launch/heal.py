@@ -126,10 +126,10 @@ def find_fault(
     `slurm_oom`: Slurm says a step ran out of memory (its cgroup's OOM killer): a rank ended
     without a word by it was killed for memory.
 
-    Every rank that ended without a word is named, and its node suspected, when some rank
-    lived on to record its end (the others' SIGTERM from srun's --kill-on-bad-exit): ranks
-    dying at once on two nodes are both reported. When no rank of the start recorded its end,
-    the whole start was killed from outside (scancel --signal=KILL): no node is suspected."""
+    Every rank that ended without a word is named, and its node suspected: ranks dying at
+    once on two nodes are both reported (the others record their end: srun's
+    --kill-on-bad-exit sends them SIGTERM first). When no rank of a start on several nodes
+    recorded its end, the whole start was killed from outside: no node is suspected."""
     run = RunDir(run_dir)
     iteration = progress_summary(run).iteration or 0
     hangs = read_hangs(run)
@@ -177,11 +177,11 @@ def find_fault(
     dead = [e for e in ends if e.how == "no-exit"]
     ranks = tuple(e.rank for e in dead)
     hosts = tuple(dict.fromkeys(e.host or "?" for e in dead))
-    if len(dead) == len(ends):  # nobody lived on to tell: the start was killed as a whole
-        error = (
-            f"every rank ({len(dead)}) ended without an exit record at once: killed "
-            "from outside the ranks (scancel --signal=KILL); no node suspected"
-        )
+    if len(dead) == len(ends) and len(hosts) > 1:
+        # Nobody lived on to tell, on several nodes: no node ends ranks on another, so the
+        # start was killed from outside the ranks (a signal to the whole job).
+        error = (f"every rank ({len(dead)}) ended without an exit record, on {len(hosts)} "
+                 "nodes: killed from outside the ranks; no node suspected")  # fmt: skip
         return Fault("crash", error, ranks, hosts, iteration, (), at)
     if len(dead) > 1:
         who = ", ".join(f"rank {e.rank} on {e.host or '?'}" for e in dead)
