@@ -66,7 +66,8 @@ def _measure(task: str, num_envs: int, folder: Path, device: str = "cpu") -> dic
     state = {"env": mt.capture_env(env), "torch_rng": torch.get_rng_state()}
     capture_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    tmp, _ = write_rank_state(folder / "model_1.pt", 0, 1, state)
+    belongs = {"run": "bench", "task": task, "iteration": 1}
+    tmp, _, _ = write_rank_state(folder / "model_1.pt", 0, 1, state, belongs)
     write_s = time.perf_counter() - t0
     size = os.path.getsize(tmp)
     del env, state
