@@ -308,6 +308,9 @@ class IterationBoundary:
     def _why(self, stop: Stop, first: bool) -> Stop:
         """`why_signalled`, on Slurm from rank 0's look at the job (one `scontrol show job`
         and one `sinfo`), the same answer on every rank."""
+        link = chain_link(os.environ)
+        if stop.reason == "time-limit" and link and link[0] < link[1]:
+            return stop  # not a requeue: the next job of the chain goes on, queued already
         job: dict[str, str] | None = None
         lost: list[str] = []
         if self.ctx.mode == "slurm" and self.ctx.job_id and self.ctx.is_main:
