@@ -296,9 +296,7 @@ class HealingController(Controller):  # type: ignore[misc]
                 return
             if heal.requeue:
                 restart_here(heal)
-            print(f"mjlab-hpc heal: {heal.fault.reason} after iteration "
-                  f"{heal.fault.iteration}: {heal.fault.error}; {heal.why}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(f"mjlab-hpc heal: {heal.describe()}", file=sys.stderr, flush=True)
             try:
                 record_healing(self.run_dir, heal)
             except Exception as exc:  # the run matters more than its record: heal anyway

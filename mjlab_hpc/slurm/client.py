@@ -339,6 +339,11 @@ class SlurmClient:
             return None
         return {m.group(1): m.group(2) for m in re.finditer(r"(\w+)=(\S*)", text)}
 
+    def excluded_nodes(self, job_id: str) -> list[str]:
+        """Return the nodes the job may not run on (its ExcNodeList; none when unknown)."""
+        value = (self.job_fields(job_id) or {}).get("ExcNodeList", "(null)")
+        return [] if value in ("(null)", "") else self.hostnames(value) or []
+
     def job_state(self, job_id: str) -> str | None:
         """The job's state as slurmctld sees it now (RUNNING, CANCELLED, ...), None if unknown."""
         return (self.job_fields(job_id) or {}).get("JobState")
