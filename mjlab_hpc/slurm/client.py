@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from mjlab_hpc.procs import run_command
+from mjlab_hpc.slurm.units import slurm_seconds
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -167,12 +169,9 @@ class Partition:
 
 
 def _minutes(limit: str) -> int | None:
-    """Minutes of sinfo's `%l` (`infinite`, `1-00:00:00`, `30:00`)."""
-    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", limit.strip())
-    if not m:
-        return None
-    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
-    return days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+    """Return the minutes of sinfo's `%l` (`infinite`, `1-00:00:00`, `30:00`), rounded up."""
+    seconds = slurm_seconds(limit)
+    return None if seconds is None else math.ceil(seconds / 60)
 
 
 # Commands that ask slurmctld (sacct and sacctmgr ask slurmdbd).
