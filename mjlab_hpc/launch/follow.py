@@ -234,10 +234,10 @@ def closing(
         cause = o.cause.describe() if o.cause is not None else "see the rank logs"
         if o.cause is not None and o.cause.oom:
             cause += f"; {memory_advice(read_record(run_dir), num_envs)}"
-        at = "before the first iteration" if o.iteration is None else f"at iteration {it}"
+        when = "before the first iteration" if o.iteration is None else f"at iteration {it}"
         return Closing(
             EXIT_FAILED,
-            f"failed {at}: {cause}; details: mjlab-hpc logs {run_dir}; resume with: {resume}",
+            f"failed {when}: {cause}; details: mjlab-hpc logs {run_dir}; resume with: {resume}",
         )
     return None
 
@@ -277,7 +277,7 @@ def follow_to_end(
         return over
 
     with Foreground(stop, kill, sys.stderr) as fg:
-        follow_progress(run_dir, total, ended, out)
+        follow_progress(run_dir, total, done=ended, out=out)
         deadline = time.monotonic() + STOP_RECORD_WAIT_S
         while (
             fg.signals

@@ -191,12 +191,13 @@ def cancel(
     chained = [j for r in runs if r.element for j in r.element.chain]
     if resolved.array_job_id is not None and all(r.kind == "slurm" for r in runs):
         ids = [resolved.array_job_id, *dict.fromkeys(chained)]
-        return [cancel_slurm(ids, resolved.runs, slurm, grace_s)]
+        return [cancel_slurm(ids, resolved.runs, slurm, grace_s=grace_s)]
     slurm_runs = [r for r in runs if r.kind == "slurm" and r.current]
     if slurm_runs:
         # Every job of each run (those that ended are skipped): a --chain's later ones too.
         ids = list(dict.fromkeys(str(j) for r in slurm_runs for j in r.job_ids))
-        outcomes.append(cancel_slurm(ids, [r.run_dir for r in slurm_runs], slurm, grace_s))
+        run_dirs = [r.run_dir for r in slurm_runs]
+        outcomes.append(cancel_slurm(ids, run_dirs, slurm, grace_s=grace_s))
     for run in runs:
         if run.kind == "local":
             outcomes.append(cancel_local(run.run_dir, grace_s))

@@ -246,15 +246,15 @@ def _python(outcomes: Sequence[Outcome], mjlab: bool) -> list[Check]:
         versions = {t[name].get("version") for t in ran} - {ours}
         found = sorted(versions) if name == "mjlab_hpc" else []  # only ours must match
         if bad:
-            what = "'mjlab-hpc[mjlab]'" if name == "mjlab" else "the same mjlab-hpc"
-            fix = f"pip install {what} in the nodes' environment"
+            package = "'mjlab-hpc[mjlab]'" if name == "mjlab" else "the same mjlab-hpc"
+            fix = f"pip install {package} in the nodes' environment"
             out.append(Check(f"{name} on nodes", "fail", f"task {bad[0][0]}: {bad[0][1]}", fix))
         elif found:
             detail, fix = f"version {found} there, {ours} here", "install the same version on both"
             out.append(Check(f"{name} on nodes", "fail", detail, fix))
         else:
-            what = f"{ours} and the rank code's imports" if name == "mjlab_hpc" else "imports"
-            out.append(Check(f"{name} on nodes", "ok", what))
+            detail = f"{ours} and the rank code's imports" if name == "mjlab_hpc" else "imports"
+            out.append(Check(f"{name} on nodes", "ok", detail))
     return out
 
 

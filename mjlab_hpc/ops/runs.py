@@ -143,7 +143,8 @@ def run_jobs(run_dir: Path) -> RunJobs:
     element = read_element(run_dir)
     if element is not None:
         kind: JobKind = "slurm" if element.executor == "slurm" else "local"
-        return RunJobs(run_dir, kind, (element.job_id, *element.chain), element)
+        job_ids = (element.job_id, *element.chain)
+        return RunJobs(run_dir=run_dir, kind=kind, job_ids=job_ids, element=element)
     record = read_record(run_dir)
     ids, slurm = _folder_jobs(run_dir / SUBMITIT_DIR)
     found: JobKind | None = None
@@ -159,7 +160,7 @@ def run_jobs(run_dir: Path) -> RunJobs:
             job = start.get("job_id")
             if job and str(job) not in ids:
                 ids.append(str(job))
-    return RunJobs(run_dir, found, tuple(ids) if found else (), None)
+    return RunJobs(run_dir=run_dir, kind=found, job_ids=tuple(ids) if found else ())
 
 
 def sweep_runs(sweep_dir: Path) -> list[Path]:

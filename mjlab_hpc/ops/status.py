@@ -355,7 +355,12 @@ def collect(run_dirs: Sequence[Path], slurm: SlurmClient | None = None) -> Statu
     rows = _explain_waits([_status_of(j, states[j.run_dir]) for j in jobs], slurm)
     accounting = answer.accounting if answer else None
     queue = answer.queue if answer else True
-    return StatusReport(tuple(rows), accounting, shutil.which("squeue") is not None, queue)
+    return StatusReport(
+        rows=tuple(rows),
+        accounting=accounting,
+        slurm_here=shutil.which("squeue") is not None,
+        queue=queue,
+    )
 
 
 def _display_path(path: Path) -> str:
