@@ -1,13 +1,9 @@
 """Our submitit executors: every use of submitit beyond its public API, in one place.
 
-That is its script text and its local controller; tests/test_upstream.py names what a submitit
-upgrade removes. `SlurmJobExecutor`'s batch script ends with the heal step, in the batch
-shell, which outlives the ranks; it also renders where there is no srun (a dry run on a
-laptop). `LocalJobExecutor` runs its jobs under `HealingController` (`python -m
-mjlab_hpc.launch.executors FOLDER MAX_RESTARTS`): submitit's local controller plus what srun
-and the batch script do on Slurm. The other ranks end shortly after one fails, a crash or hang
-is healed, a requeue starts again; after a stop signal to the controller (Ctrl-C of our
-launcher, `mjlab-hpc cancel`) nothing is healed.
+That is its script text and its local controller; tests/test_upstream.py names what a
+submitit upgrade removes. `SlurmJobExecutor`'s batch script ends with our heal loop.
+`LocalJobExecutor` runs its jobs under `HealingController`, which does locally what srun and
+the batch script do on Slurm.
 """
 
 from __future__ import annotations
@@ -243,7 +239,12 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
 
 
 class HealingController(Controller):  # type: ignore[misc]
-    """submitit's local controller that ends a failed start at once and heals it."""
+    """submitit's local controller that ends a failed start at once and heals it.
+
+    It runs as `python -m mjlab_hpc.launch.executors FOLDER MAX_RESTARTS`. The other ranks end
+    shortly after one fails, a crash or hang is healed, a requeue starts again; after a stop
+    signal to the controller (Ctrl-C of our launcher, `mjlab-hpc cancel`) nothing is healed.
+    """
 
     def __init__(self, folder: Path, max_restarts: int) -> None:
         super().__init__(folder)

@@ -1,13 +1,7 @@
 """Deciding a heal: what ended a start, whether the ranks start again, and on which nodes.
 
-The batch script's heal step (`launch/heal_slurm`) and the local controller
-(`launch/executors`) ask this module; they act on its answer. Nothing is healed after a start
-that completed, stopped, was refused or cancelled. Nor after running out of memory (the same
-settings run out again), the same failure at the same iteration as before (a crash loop), or
---max-restarts restarts. Otherwise the ranks start again: in the same allocation without the
-suspect nodes while spares take their place, or by a requeue that excludes those nodes while
-the partition still fits the job. The decision goes into run.json (`faults`) before anyone
-acts on it.
+The Slurm batch script's heal step (`launch/heal_slurm`) and the local controller
+(`launch/executors`) act on the decision, after it is written into run.json (`faults`).
 """
 
 from __future__ import annotations
@@ -233,8 +227,11 @@ def decide(
 ) -> Healing:
     """Decide whether the ranks start again after the latest start of the run ended.
 
-    `since`, `slurm_oom` and `start` find the fault (see `find_fault`); `job_id` goes into
-    the record.
+    Nothing is healed after a start that completed, stopped, was refused or cancelled. Nor
+    after running out of memory (the same settings run out again), the same failure at the
+    same iteration as the start before (a crash loop), or `max_restarts` restarts after this
+    kind of fault. `since`, `slurm_oom` and `start` find the fault (see `find_fault`);
+    `job_id` goes into the record.
     """
     fault = find_fault(run_dir, since=since, slurm_oom=slurm_oom, start=start)
     if fault is None:
