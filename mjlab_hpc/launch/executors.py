@@ -124,8 +124,8 @@ done
 if [ "$status" -eq {requeue} ]; then scontrol requeue "$SLURM_JOB_ID" && status=0; fi
 exit "$status"
 """
-# Seconds srun may wait for the other ranks after one failed (they end within ~3 s through
-# --kill-on-bad-exit).
+# Seconds srun may wait for the other ranks after one failed (--kill-on-bad-exit ends them
+# within seconds).
 _STUCK_S = 5
 
 

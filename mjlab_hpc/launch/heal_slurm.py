@@ -48,7 +48,7 @@ def apply_slurm(client: SlurmClient, job_id: str, heal: Healing) -> bool:
         return client.requeue(job_id)
     nodes = ",".join(dict.fromkeys([*client.excluded_nodes(job_id), *heal.exclude]))
     # A running job's ExcNodeList cannot change; a requeued one's can, in the seconds before
-    # Slurm may start it again (its begin time, ~10 s). The requeue ends this script (SIGTERM,
+    # Slurm may start it again (its begin time). The requeue ends this script (SIGTERM,
     # SIGKILL after KillWait): the change follows at once. No requeuehold and later release:
     # a release before the requeue completes is lost, and a helper meant to release it later
     # dies with the job under proctrack/cgroup: the job stayed held for good (seen on 22.05
