@@ -342,7 +342,7 @@ def usable_without(client: SlurmClient, job_id: str, exclude: Sequence[str]) -> 
     fields = client.job_fields(job_id) or {}
     partition = fields.get("Partition", "")
     needed = int(fields.get("NumNodes", "1").split("-")[0] or 1)
-    already = client.excluded_nodes(job_id)
+    already = _hostlist(client, fields.get("ExcNodeList"))
     required = set(_hostlist(client, fields.get("ReqNodeList")))
     if required & set(exclude):
         clash = ", ".join(sorted(required & set(exclude)))

@@ -418,7 +418,7 @@ def _finish(
     deadline = time.monotonic() + wait_s
     while not (ended := _ended(slurm, job)) and time.monotonic() < deadline:
         time.sleep(1.0)
-    info = dict(re.findall(r"(\w+)=(\S*)", slurm.show_job(job.job_id) or ""))
+    info = slurm.job_fields(job.job_id) or {}
     if not ended:
         why = f" ({reason})" if (reason := slurm.pending_reason(job.job_id)) else ""
         detail = f"probe job {job.job_id} still {info.get('JobState', 'unknown')}{why}"
