@@ -146,14 +146,11 @@ def find_fault(
     if failure.get("kind") in ("environment", "out-of-memory") and failure.get("error"):
         error = str(failure["error"]).splitlines()[0]
     at_s = cause.at.timestamp() if cause.at is not None else None  # rank logs: local time
-    if cause.oom or failure.get("kind") == "out-of-memory":  # the settings, not the node
-        reason = "out-of-memory"
-    elif not killed:
-        reason = "crash"
-    else:
+    oom = cause.oom or failure.get("kind") == "out-of-memory"  # the settings, not the node
+    if killed and not oom:
         return _killed(ends, iteration, error, at_s)
     return Fault(
-        reason=reason,
+        reason="out-of-memory" if oom else "crash",
         error=error,
         ranks=(cause.rank,),
         hosts=(host,),
