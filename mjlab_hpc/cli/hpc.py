@@ -20,7 +20,7 @@ from rich.table import Table
 from mjlab_hpc import console as own_console
 from mjlab_hpc.cli.common import drop_internal_variables, guarded
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_INTERRUPTED, SpecError
-from mjlab_hpc.launch.heal import heal_job
+from mjlab_hpc.launch.heal_slurm import heal_job
 from mjlab_hpc.launch.slurm import render
 from mjlab_hpc.ops.cancel import cancel as cancel_runs
 from mjlab_hpc.ops.doctor import diagnose

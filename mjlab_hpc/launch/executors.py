@@ -1,12 +1,9 @@
-"""Our submitit executors, and every use of submitit beyond its public API (its script text,
-its local controller), in one place: tests/test_upstream.py names what an upgrade removes.
+"""Our submitit executors: every use of submitit beyond its public API, in one place.
 
-`SlurmJobExecutor`'s batch script ends with the heal step (in the batch shell, which outlives
-the ranks) and renders where there is no srun (a dry run on a laptop). `LocalJobExecutor` runs
-its jobs under `HealingController` (`python -m mjlab_hpc.launch.executors FOLDER
-MAX_RESTARTS`), submitit's local controller plus what srun and the batch script do on Slurm:
-the other ranks ended shortly after one fails, a crash or hang healed, a requeue started
-again; after a stop signal to it (Ctrl-C of our launcher, `mjlab-hpc cancel`) nothing is healed.
+That is its script text and its local controller; tests/test_upstream.py names what a
+submitit upgrade removes. `SlurmJobExecutor`'s batch script ends with our heal loop.
+`LocalJobExecutor` runs its jobs under `HealingController`, which does locally what srun and
+the batch script do on Slurm.
 """
 
 from __future__ import annotations
@@ -54,7 +51,7 @@ __all__ = [
     "SlurmJobExecutor",
 ]
 
-#: What `python -m` runs: our local controller, submitit's own, and a task of either.
+# What `python -m` runs: our local controller, submitit's own, and a task of either.
 CONTROLLER_MODULE = "mjlab_hpc.launch.executors"
 SUBMITIT_CONTROLLER_MODULE = "submitit.local._local"
 TASK_MODULE = "submitit.core._submit"
@@ -127,14 +124,16 @@ done
 if [ "$status" -eq {requeue} ]; then scontrol requeue "$SLURM_JOB_ID" && status=0; fi
 exit "$status"
 """
-# Seconds srun may wait for the other ranks after one failed (they end within ~3 s through
-# --kill-on-bad-exit).
+# Seconds srun may wait for the other ranks after one failed (--kill-on-bad-exit ends them
+# within seconds).
 _STUCK_S = 5
 
 
 class SlurmJobExecutor(submitit.SlurmExecutor):
-    """submitit's SlurmExecutor that can also render a script where there is no srun (a dry
-    run on a laptop)."""
+    """submitit's SlurmExecutor whose batch script ends with our heal loop.
+
+    It also renders its script where there is no srun (a dry run on a laptop).
+    """
 
     def __init__(
         self,
@@ -187,12 +186,19 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
         # A sweep's hang files are in its element's run directory, linked from the sweep's.
         element = f'/{SWEEP_ELEMENTS}/"$SLURM_ARRAY_TASK_ID"' if self.sweep else ""
         heartbeats = f"{run_dir}{element}/{LOGS_DIR}/{HEARTBEAT_DIR}"
-        return head + "\n" + _LOOP.format(
-            srun_options=srun.removesuffix(command).rstrip(), command=command, heal=heal,
-            folder=shlex.quote(str(self.folder)), heartbeats=heartbeats, stuck=_STUCK_S,
-            restart=EXIT_RESTART, requeue=EXIT_REQUEUE, start_env=START_ENV,
+        loop = _LOOP.format(
+            srun_options=srun.removesuffix(command).rstrip(),
+            command=command,
+            heal=heal,
+            folder=shlex.quote(str(self.folder)),
+            heartbeats=heartbeats,
+            stuck=_STUCK_S,
+            restart=EXIT_RESTART,
+            requeue=EXIT_REQUEUE,
+            start_env=START_ENV,
             signals=" ".join(FORWARDED),
-        )  # fmt: skip
+        )
+        return f"{head}\n{loop}"
 
     def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:
         # submitit submits a job array through a plain SlurmExecutor of its own, whose script
@@ -214,8 +220,10 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
         finally:
             del self.parameters["map_count"]
         tasks = list(range(first.num_tasks))
-        jobs = [SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{i}", tasks=tasks)
-                for i in range(len(pickles))]  # fmt: skip
+        jobs = [
+            SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{i}", tasks=tasks)
+            for i in range(len(pickles))
+        ]
         for job, pickle in zip(jobs, pickles, strict=True):
             job.paths.move_temporary_file(pickle, "submitted_pickle")
         return jobs
@@ -231,7 +239,12 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
 
 
 class HealingController(Controller):  # type: ignore[misc]
-    """submitit's local controller that ends a failed start at once and heals it."""
+    """submitit's local controller that ends a failed start at once and heals it.
+
+    It runs as `python -m mjlab_hpc.launch.executors FOLDER MAX_RESTARTS`. The other ranks end
+    shortly after one fails, a crash or hang is healed, a requeue starts again; after a stop
+    signal to the controller (Ctrl-C of our launcher, `mjlab-hpc cancel`) nothing is healed.
+    """
 
     def __init__(self, folder: Path, max_restarts: int) -> None:
         super().__init__(folder)
@@ -253,8 +266,11 @@ class HealingController(Controller):  # type: ignore[misc]
                         task.send_signal(sig)
 
     def wait(self, freq: int = 24) -> Sequence[int | None]:
-        """Wait for every rank; the time-limit signal as submitit sends it; the others ended
-        shortly after one failed."""
+        """Wait for every rank and return their exit codes.
+
+        The time-limit signal goes out as submitit sends it; the other ranks are ended shortly
+        after one failed.
+        """
         timeout = freq * self.timeout_s
         almost = freq * (self.timeout_s - self.signal_delay_s)
         failed_at: float | None = None
@@ -296,9 +312,7 @@ class HealingController(Controller):  # type: ignore[misc]
                 return
             if heal.requeue:
                 restart_here(heal)
-            print(f"mjlab-hpc heal: {heal.fault.reason} after iteration "
-                  f"{heal.fault.iteration}: {heal.fault.error}; {heal.why}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(f"mjlab-hpc heal: {heal.describe()}", file=sys.stderr, flush=True)
             try:
                 record_healing(self.run_dir, heal)
             except Exception as exc:  # the run matters more than its record: heal anyway

@@ -1,10 +1,10 @@
-"""Following a run in the foreground, the same on every launch path: rank 0's progress (a live
-bar in a terminal, plain `[train] it ...` lines otherwise) read from progress.jsonl, stop
-signals to this launcher forwarded to the job, and one closing line that says how the run
-ended and how to resume it.
+"""Following a run in the foreground, the same way on every launch path.
 
-Stop signals (Ctrl-C, SIGTERM, SIGHUP): the first asks the job to stop at its next iteration
-boundary with a checkpoint; the second stops it at once.
+The follower shows rank 0's progress from progress.jsonl (a live bar in a terminal, plain
+`[train] it ...` lines otherwise), forwards this launcher's stop signals to the job, and ends
+with one line that says how the run ended and how to resume it. Of the stop signals (Ctrl-C,
+SIGTERM, SIGHUP) the first asks the job to stop at its next iteration boundary with a
+checkpoint; the second stops it at once.
 """
 
 from __future__ import annotations
@@ -20,13 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from mjlab_hpc.errors import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_STOPPED,
-)
+from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED
 from mjlab_hpc.rundir.ends import memory_advice, run_outcome
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
@@ -50,8 +44,11 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Foreground:
-    """While active, this process's stop signals go to the job it follows: the first calls
-    `stop` (the job stops at its next iteration boundary), the second `kill` (at once)."""
+    """While active, this forwards the process's stop signals to the job it follows.
+
+    The first calls `stop` (the job stops at its next iteration boundary), the second `kill`
+    (at once).
+    """
 
     def __init__(self, stop: Callable[[], None], kill: Callable[[], None], err: TextIO) -> None:
         self.stop = stop
@@ -98,9 +95,11 @@ class Foreground:
 
 
 def _read_lines(path: Path, pos: int) -> tuple[list[str], int]:
-    """Complete lines appended to `path` after byte `pos`, and the new position. A file that
-    became shorter was rewritten (a restart cuts it back to its checkpoint, before its first
-    iteration): what it holds was shown already, so reading goes on from its end."""
+    """Return the complete lines appended to `path` after byte `pos`, and the new position.
+
+    A file that became shorter was rewritten (a restart cuts it back to its checkpoint, before
+    its first iteration): what it holds was shown already, so reading goes on from its end.
+    """
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -115,9 +114,12 @@ def _read_lines(path: Path, pos: int) -> tuple[list[str], int]:
 
 
 def follow_progress(
-    run_dir: Path, total: int, done: Callable[[], bool], out: TextIO | None = None,
+    run_dir: Path,
+    total: int,
+    done: Callable[[], bool],
+    out: TextIO | None = None,
     poll_s: float = 0.25,
-) -> None:  # fmt: skip
+) -> None:
     """Show the run's progress from its progress.jsonl until `done()` and the file is read."""
     progress = RunDir(run_dir).progress
     tail = RunDir(run_dir).progress_tail(1)
@@ -179,8 +181,11 @@ def _rate(value: float | None) -> str:
 def closing(
     run_dir: Path, resume: str, cancelled: bool = False, num_envs: int | None = None
 ) -> Closing | None:
-    """The closing line of a run whose job has ended (None: the run record says nothing, e.g.
-    the ranks failed before training started). `resume`: the command that continues it."""
+    """Return the closing line of a run whose job has ended.
+
+    None when the run record says nothing (the ranks failed before training started, say).
+    `resume`: the command that continues the run.
+    """
     o = run_outcome(run_dir)
     it = "-" if o.iteration is None else str(o.iteration)
     reward = "-" if o.mean_reward is None else f"{o.mean_reward:.2f}"
@@ -229,10 +234,10 @@ def closing(
         cause = o.cause.describe() if o.cause is not None else "see the rank logs"
         if o.cause is not None and o.cause.oom:
             cause += f"; {memory_advice(read_record(run_dir), num_envs)}"
-        at = "before the first iteration" if o.iteration is None else f"at iteration {it}"
+        when = "before the first iteration" if o.iteration is None else f"at iteration {it}"
         return Closing(
             EXIT_FAILED,
-            f"failed {at}: {cause}; details: mjlab-hpc logs {run_dir}; resume with: {resume}",
+            f"failed {when}: {cause}; details: mjlab-hpc logs {run_dir}; resume with: {resume}",
         )
     return None
 
@@ -249,10 +254,13 @@ def follow_to_end(
     cancels: bool = False,
     num_envs: int | None = None,
 ) -> tuple[Closing, Foreground]:
-    """Follow a job to its end in the foreground (stop signals forwarded: `stop`, then `kill`)
-    and say how it ended: the run's closing line, or, when the ranks left no record of this
-    start, `failures()` (what the launcher knows of them). `cancels`: a stop signal cancels
-    the job (a Slurm job). The Foreground tells whether it was killed."""
+    """Follow a job to its end in the foreground and say how it ended.
+
+    Stop signals go to the job: the first to `stop`, the second to `kill`. The answer is the
+    run's closing line, or, when the ranks left no record of this start, `failures()` (what
+    the launcher knows of them). `cancels`: a stop signal cancels the job (a Slurm job). The
+    Foreground tells whether it was killed.
+    """
     said: list[bool] = []
 
     def checkpointed(waiting: bool) -> None:  # the ranks are done; the job may take a moment
@@ -269,25 +277,31 @@ def follow_to_end(
         return over
 
     with Foreground(stop, kill, sys.stderr) as fg:
-        follow_progress(run_dir, total, ended, out)
+        follow_progress(run_dir, total, done=ended, out=out)
         deadline = time.monotonic() + STOP_RECORD_WAIT_S
-        while (fg.signals and not fg.killed and time.monotonic() < deadline
-               and read_record(run_dir).get("state") == "running"):  # fmt: skip
+        while (
+            fg.signals
+            and not fg.killed
+            and time.monotonic() < deadline
+            and read_record(run_dir).get("state") == "running"
+        ):
             time.sleep(0.2)
         checkpointed(False)  # the job ended as the ranks recorded their stop
     if fg.killed:
         return Closing(EXIT_INTERRUPTED, f"stopped at once; resume with: {resume}"), fg
-    ended = closing(run_dir, resume, cancels and fg.signals > 0, num_envs)
-    failed = failures() if ended is None or ended.code == EXIT_OK else []
-    if ended is None or failed:
+    closed = closing(run_dir, resume, cancelled=cancels and fg.signals > 0, num_envs=num_envs)
+    failed = failures() if closed is None or closed.code == EXIT_OK else []
+    if closed is None or failed:
         # No record of this start (or only an earlier start's "done"): the ranks failed early.
         return failed_before_start(failed or ["the job ended without a run record"]), fg
-    return ended, fg
+    return closed, fg
 
 
 def failed_before_start(failures: list[str]) -> Closing:
-    """The closing line when the ranks failed before training (no run record): a refused
-    resume is bad input (exit 2)."""
+    """Return the closing line when the ranks failed before training, leaving no run record.
+
+    A refused resume is bad input (exit 2).
+    """
     refused = [f for f in failures if "ResumeRefused" in f or "refused" in f]
     code = EXIT_BAD_INPUT if refused and len(refused) == len(failures) else EXIT_FAILED
     return Closing(code, "failed before training started:\n  " + "\n  ".join(failures))

@@ -27,10 +27,7 @@ from mjlab_hpc.launch.executors import (
     TASK_MODULE,
     LocalJobExecutor,
 )
-from mjlab_hpc.launch.follow import (
-    Closing,
-    follow_to_end,
-)
+from mjlab_hpc.launch.follow import Closing, follow_to_end
 from mjlab_hpc.procs import processes, send_signal, wait_gone
 from mjlab_hpc.rank import RankJob
 from mjlab_hpc.rank.context import DETACHED_ENV, SUPERVISOR_ENV
@@ -68,8 +65,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def physical_gpu_ids(gpu_ids: Sequence[int], cuda_visible_devices: str | None) -> list[str]:
-    """Map ids relative to CUDA_VISIBLE_DEVICES (as mjlab's --gpu-ids are) to the entries CUDA
-    takes: indices, or the UUIDs some sites and MIG set there (`GPU-...`, `MIG-...`)."""
+    """Map ids relative to CUDA_VISIBLE_DEVICES to the entries CUDA takes.
+
+    mjlab's --gpu-ids count that way. The entries are indices, or the UUIDs some sites and MIG
+    set there (`GPU-...`, `MIG-...`).
+    """
     if cuda_visible_devices is None:
         return [str(i) for i in gpu_ids]
     visible = [v.strip() for v in cuda_visible_devices.split(",") if v.strip()]
@@ -158,13 +158,15 @@ class LocalJob:
 
 @contextlib.contextmanager
 def _controller_environment(foreground: bool, pythonpath: str | None = None) -> Iterator[None]:
-    """What submitit's local controller, and the ranks it starts, inherit from this process
-    (it copies os.environ and the signal dispositions): Ctrl-C and a hang-up are ignored by
-    the controller (a terminal's Ctrl-C reaches every process of the foreground group; the
-    controller would kill the ranks 1 s later, before their checkpoint), and the ranks learn
+    """Set what submitit's local controller, and the ranks it starts, inherit from here.
+
+    The controller copies os.environ and the signal dispositions. It ignores Ctrl-C and a
+    hang-up: a terminal's Ctrl-C reaches every process of the foreground group, and the
+    controller would kill the ranks 1 s later, before their checkpoint. The ranks learn
     whether a launcher in the foreground supervises them (it forwards stops; its death stops
-    them) or whether they run in the background (terminal signals do not concern them), and
-    import the code snapshot first (`pythonpath`)."""
+    them) or whether they run in the background (terminal signals do not concern them). They
+    import the code snapshot first (`pythonpath`).
+    """
     names = (SUPERVISOR_ENV, DETACHED_ENV, "PYTHONPATH", "PYTHONSAFEPATH")
     saved_env = {k: os.environ.get(k) for k in names}
     if pythonpath is not None:  # ahead of what is there; `python -m` puts the cwd first else
@@ -214,7 +216,9 @@ def submit_local(
         if train.run_dir
         else create_run_dir(train.log_root, spec.experiment_name, train.run_name)
     )
-    executor = LocalJobExecutor(run_dir / SUBMITIT_DIR, train.max_restarts, tuple(gpus))
+    executor = LocalJobExecutor(
+        folder=run_dir / SUBMITIT_DIR, max_restarts=train.max_restarts, gpus=tuple(gpus)
+    )
     executor.update_parameters(
         tasks_per_node=ranks, timeout_min=timeout_min, signal_delay_s=signal_delay_s
     )
@@ -264,13 +268,18 @@ class LocalControls:
     run_dir: Path
 
     def stop(self) -> None:
-        """At the next iteration boundary, with a checkpoint: submitit's controller forwards
-        SIGTERM to the ranks, which stop for good (no requeue)."""
+        """Stop the job at the next iteration boundary, with a checkpoint.
+
+        submitit's controller forwards SIGTERM to the ranks, which stop for good (no requeue).
+        """
         send_signal(self.controller, signal.SIGTERM)
 
     def kill(self, grace_s: float = 3.0) -> None:
-        """At once: the controller first (nothing restarts the ranks then); ranks that were
-        interrupted twice get `grace_s` to record it in run.json, then SIGKILL."""
+        """Stop the job at once.
+
+        The controller goes first (nothing restarts the ranks then); ranks that were
+        interrupted twice get `grace_s` to record it in run.json, then SIGKILL.
+        """
         send_signal(self.controller, signal.SIGKILL)
         ranks = [p.pid for p in local_processes(self.run_dir)]
         for pid in ranks:
@@ -292,10 +301,13 @@ def rank_outcomes(job: submitit.Job, ranks: int) -> tuple[list[object], list[str
         except submitit.core.utils.FailedJobError as exc:
             # The rank raised (a subclass of UncompletedJobError: not a kill); the exception's
             # own line, from the traceback submitit read back from the rank's result.
-            named = re.findall(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*$",
-                               str(exc), re.MULTILINE)  # fmt: skip
-            failures.append(f"rank {k} failed: {named[-1] if named else 'see its output'}; "
-                            f"its output: {task.paths.stderr}")  # fmt: skip
+            named = re.findall(
+                r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*$", str(exc), re.MULTILINE
+            )
+            failures.append(
+                f"rank {k} failed: {named[-1] if named else 'see its output'}; "
+                f"its output: {task.paths.stderr}"
+            )
         except submitit.core.utils.UncompletedJobError:
             failures.append(
                 f"rank {k} died without a result (killed, e.g. SIGKILL or out of memory); "
@@ -314,9 +326,11 @@ def run_local(
     resume: str = "the same command with --resume",
     out: TextIO | None = None,
 ) -> Closing:
-    """Run a local multi-rank job in the foreground to its end: rank 0's progress on `out`,
-    this process's stop signals forwarded (the first: stop with a checkpoint at the next
-    iteration boundary; the second: at once); how it ended, as a closing line."""
+    """Run a local multi-rank job in the foreground to its end; return its closing line.
+
+    Rank 0's progress goes to `out`. This process's stop signals are forwarded: the first
+    stops the job with a checkpoint at the next iteration boundary, the second at once.
+    """
     local = submit_local(spec, ranks, gpus, foreground=True)
     controls = LocalControls(int(local.job.job_id), local.run_dir)
 
@@ -325,9 +339,16 @@ def run_local(
         return local.job.done() and not local_processes(local.run_dir)
 
     ended, fg = follow_to_end(
-        local.run_dir, spec.max_iterations, controls.stop, controls.kill, done, resume,
-        lambda: rank_outcomes(local.job, ranks)[1], out, num_envs=spec.num_envs,
-    )  # fmt: skip
+        local.run_dir,
+        spec.max_iterations,
+        stop=controls.stop,
+        kill=controls.kill,
+        done=done,
+        resume=resume,
+        failures=lambda: rank_outcomes(local.job, ranks)[1],
+        out=out,
+        num_envs=spec.num_envs,
+    )
     if fg.killed:
         left = wait_gone([p.pid for p in local_processes(local.run_dir)], 10)
         note = "" if not left else f" (still alive: {left})"

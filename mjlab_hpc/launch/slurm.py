@@ -1,8 +1,10 @@
-"""The Slurm job script, one home for every form of it: the script submitit submits for a
-SubmitSpec (its sbatch parameters, the code snapshot's PYTHONPATH, the heal step after srun; also
-what `--dry-run` prints), the plain-sbatch templates filled from the same spec (`mjlab-hpc
-render`, from `slurm_templates/`), and the srun command that starts the ranks inside an existing
-allocation (salloc, an interactive job) instead of a new job.
+"""The Slurm job script, one home for every form of it.
+
+The forms: the script submitit submits for a SubmitSpec (its sbatch parameters, the code
+snapshot's PYTHONPATH, the heal step after srun; also what `--dry-run` prints); the
+plain-sbatch templates filled from the same spec (`mjlab-hpc render`, from
+`slurm_templates/`); and the srun command that starts the ranks inside an existing allocation
+(salloc, an interactive job) instead of a new job.
 
 A template is a shell script with `{{NAME}}` placeholders. Values are shell-quoted here, so no
 user string (a run name with `;` or `$(...)`) can run a command. A line holding a placeholder
@@ -26,10 +28,7 @@ from typing import Any
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.executors import SlurmJobExecutor
-from mjlab_hpc.launch.follow import (
-    Closing,
-    follow_to_end,
-)
+from mjlab_hpc.launch.follow import Closing, follow_to_end
 from mjlab_hpc.rank.context import ALLOCATION_ENV, CHAIN_ENV, SIGNAL_DELAY_ENV, Allocation
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR
 from mjlab_hpc.rundir.snapshot import import_path, snapshot_for, with_snapshot
@@ -63,9 +62,12 @@ __all__ = [
 def slurm_parameters(
     spec: SubmitSpec, link: int = 1, after: Sequence[str] = (), snapshot: str | None = None
 ) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters for a spec (validated): of job `link` of its
-    --chain, starting once the jobs `after` ended; `snapshot`: the code snapshot's import
-    roots, put first on PYTHONPATH for every rank and requeue."""
+    """Return submitit's SlurmExecutor parameters for a validated spec.
+
+    They are those of job `link` of its --chain, which starts once the jobs `after` ended.
+    `snapshot`: the code snapshot's import roots, put first on PYTHONPATH for every rank and
+    requeue.
+    """
     # The time-limit signal's delay: a time limit that leaves no start-up is not requeued.
     setup = [f"export {SIGNAL_DELAY_ENV}={spec.signal_delay_s}", *spec.setup]
     if spec.chain > 1:  # the ranks leave a time-limit stop to the next job of the chain
@@ -114,16 +116,20 @@ def slurm_parameters(
 
 
 def step_shape(spec: SubmitSpec) -> list[str]:
-    """srun's options for a step on --nodes of the job's nodes (none without spare nodes: the
-    step takes the whole allocation)."""
+    """Return srun's options for a step on --nodes of the job's nodes.
+
+    There are none without spare nodes: the step takes the whole allocation.
+    """
     if not spec.spare_nodes:
         return []
     return [f"--nodes={spec.nodes}", f"--ntasks={spec.world_size}"]
 
 
 def pyxis_args(spec: SubmitSpec) -> list[str]:
-    """srun's options that start a step in the pyxis image (none without --container-image);
-    the log root is mounted at its own path."""
+    """Return srun's options that start a step in the pyxis image.
+
+    There are none without --container-image. The log root is mounted at its own path.
+    """
     if spec.container_image is None:
         return []
     root = Path(spec.train.log_root).resolve()
@@ -131,8 +137,10 @@ def pyxis_args(spec: SubmitSpec) -> list[str]:
 
 
 def heal_python(spec: SubmitSpec) -> str | None:
-    """The command that runs Python for the batch script's heal step, where it differs from the
-    ranks' (None): with pyxis a one-task step in the image (the batch shell is outside it)."""
+    """Return how the batch script's heal step runs Python, where it differs from the ranks'.
+
+    With pyxis it is a one-task step in the image (the batch shell is outside it); else None.
+    """
     if spec.container_image is None:
         return None
     return shlex.join(["srun", "--nodes=1", "--ntasks=1", *pyxis_args(spec)]) + " python3"
@@ -162,10 +170,12 @@ def make_slurm_executor(
     after: Sequence[str] | None = None,
     snapshot: dict[str, Any] | None = None,
 ) -> Any:
-    """A configured submitit SlurmExecutor writing into `<folder_parent>/submitit`, for job
-    `link` of the spec's --chain that waits for the jobs `after` (default: --after).
-    `snapshot`: the code record to run from (default: the one recorded in `folder_parent`;
-    a dry run passes the planned one)."""
+    """Return a configured submitit SlurmExecutor writing into `<folder_parent>/submitit`.
+
+    It submits job `link` of the spec's --chain, which waits for the jobs `after` (default:
+    --after). `snapshot`: the code record to run from (default: the one recorded in
+    `folder_parent`; a dry run passes the planned one).
+    """
     executor = SlurmJobExecutor(
         folder=folder_parent / SUBMITIT_DIR,
         python=container_python(spec, folder_parent),
@@ -178,20 +188,27 @@ def make_slurm_executor(
     )
     snapshot = snapshot if snapshot is not None else snapshot_for(folder_parent)
     after = spec.after if after is None else after
-    executor.update_parameters(
-        **slurm_parameters(spec, link, after, import_path(snapshot) if snapshot else None)
-    )
+    roots = import_path(snapshot) if snapshot else None
+    executor.update_parameters(**slurm_parameters(spec, link=link, after=after, snapshot=roots))
     return executor
 
 
 def render_sbatch(
-    spec: SubmitSpec, run_dir: Path, snapshot: dict[str, Any] | None = None, link: int = 1,
+    spec: SubmitSpec,
+    run_dir: Path,
+    snapshot: dict[str, Any] | None = None,
+    link: int = 1,
     after: Sequence[str] | None = None,
-) -> str:  # fmt: skip
-    """The exact sbatch script submitit submits for this spec (`snapshot`: the planned code
-    record, whose import roots the script puts first), as job `link` of its --chain after the
-    jobs `after`."""
-    return make_slurm_executor(spec, run_dir, True, link, after, snapshot).script()
+) -> str:
+    """Return the exact sbatch script submitit submits for this spec.
+
+    It is job `link` of its --chain, after the jobs `after`. `snapshot`: the planned code
+    record, whose import roots the script puts first.
+    """
+    executor = make_slurm_executor(
+        spec, run_dir, dry_run=True, link=link, after=after, snapshot=snapshot
+    )
+    return executor.script()
 
 
 def array_executor(
@@ -202,9 +219,13 @@ def array_executor(
     after: Sequence[str] | None = None,
     snapshot: dict[str, Any] | None = None,
 ) -> Any:
-    """The executor of a sweep's job array (throttled by --array-parallelism), for array
-    `link` of the --chain."""
-    executor = make_slurm_executor(spec, sweep_dir, dry_run, link, after, snapshot)
+    """Return the executor of a sweep's job array, throttled by --array-parallelism.
+
+    It submits array `link` of the --chain.
+    """
+    executor = make_slurm_executor(
+        spec, sweep_dir, dry_run=dry_run, link=link, after=after, snapshot=snapshot
+    )
     executor.sweep = True
     if spec.array_parallelism is not None:
         executor.update_parameters(array_parallelism=spec.array_parallelism)
@@ -212,25 +233,36 @@ def array_executor(
 
 
 def render_array_sbatch(
-    spec: SubmitSpec, sweep_dir: Path, count: int, snapshot: dict[str, Any] | None = None,
-    link: int = 1, after: Sequence[str] | None = None,
-) -> str:  # fmt: skip
-    """The exact sbatch script of a sweep's job array of `count` elements (array `link` of
-    the --chain, after the arrays `after`)."""
-    executor = array_executor(spec, sweep_dir, True, link, after, snapshot)
+    spec: SubmitSpec,
+    sweep_dir: Path,
+    count: int,
+    snapshot: dict[str, Any] | None = None,
+    link: int = 1,
+    after: Sequence[str] | None = None,
+) -> str:
+    """Return the exact sbatch script of a sweep's job array of `count` elements.
+
+    It is array `link` of the --chain, after the arrays `after`.
+    """
+    executor = array_executor(
+        spec, sweep_dir, dry_run=True, link=link, after=after, snapshot=snapshot
+    )
     executor.parameters["map_count"] = count  # what submitit sets when it submits an array
     return executor.script()
 
 
-# --- plain-sbatch templates ------------------------------------------------------------------
+# Plain-sbatch templates.
 
 TEMPLATE_NAMES = ("train", "train_apptainer")
 _PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
 
 
 def read_template(name: str) -> str:
-    """A template's text, by name (`train`, `train_apptainer`: shipped inside the package, so
-    an installed wheel has them) or by path."""
+    """Return a template's text, by name or by path.
+
+    The named ones (`train`, `train_apptainer`) ship inside the package, so an installed wheel
+    has them.
+    """
     path = Path(name)
     if path.is_file():
         return path.read_text()
@@ -297,26 +329,34 @@ def render_template(text: str, context: dict[str, str | None]) -> str:
 
 
 def render(template: str, spec: SubmitSpec) -> str:
-    """The filled template for `spec` (validated first, as a Slurm job that is not submitted
-    here: rendering works on a machine without Slurm)."""
+    """Return the filled template for `spec`.
+
+    The spec is validated first, as a Slurm job that is not submitted here: rendering works on
+    a machine without Slurm.
+    """
     spec = dataclasses.replace(spec, executor="slurm", dry_run=True)
     resolved = validate_submit(spec)
     for flag, given in (("--spare-nodes", spec.spare_nodes), ("--min-nodes", spec.min_nodes)):
         if given:
-            raise SpecError(flag, "the templates run one srun step on every node: submit "
-                            f"with mjlab-submit {flag} instead")  # fmt: skip
+            raise SpecError(
+                flag,
+                f"the templates run one srun step on every node: submit with mjlab-submit {flag} "
+                "instead",
+            )
     text = read_template(template)
     if "{{IMAGE}}" in text and spec.container is None:
         raise SpecError("--container", f"template {template!r} needs an image: --container IMAGE")
     return render_template(text, template_context(spec, resolved))
 
 
-# --- inside an existing allocation ------------------------------------------------------------
+# Inside an existing allocation.
 
 
 def allocation_srun(spec: SubmitSpec, resolved: ResolvedSpec, run_dir: Path) -> list[str]:
-    """The srun command that starts every rank inside the current allocation, as a step
-    named after the run directory (`mjlab-ranks-<hash>`: the same in a dry run)."""
+    """Return the srun command that starts every rank inside the current allocation.
+
+    The step is named after the run directory (`mjlab-ranks-<hash>`), the same in a dry run.
+    """
     python = container_python(spec, run_dir)
     step = f"mjlab-ranks-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
     argv = [
@@ -343,8 +383,11 @@ def allocation_srun(spec: SubmitSpec, resolved: ResolvedSpec, run_dir: Path) -> 
 
 
 def allocation_env(alloc: Allocation, snapshot: dict[str, Any] | None) -> dict[str, str]:
-    """The variables srun gets beside this process's own (the allocation's ranks are not
-    requeued; the code snapshot first on PYTHONPATH): a dry run prints them."""
+    """Return the variables srun gets beside this process's own; a dry run prints them.
+
+    They say that the allocation's ranks are not requeued, and put the code snapshot first on
+    PYTHONPATH.
+    """
     env = with_snapshot({**os.environ, ALLOCATION_ENV: alloc.job_id}, snapshot)
     return {k: v for k, v in sorted(env.items()) if os.environ.get(k) != v}
 
@@ -352,9 +395,12 @@ def allocation_env(alloc: Allocation, snapshot: dict[str, Any] | None) -> dict[s
 def run_in_allocation(
     spec: SubmitSpec, resolved: ResolvedSpec, run_dir: Path, alloc: Allocation, resume: str
 ) -> Closing:
-    """Run every rank with srun inside the allocation, in the foreground to the end: rank 0's
-    progress, this process's stop signals forwarded (the first: every rank stops at its next
-    iteration boundary with a checkpoint; the second: at once); how it ended."""
+    """Run every rank with srun inside the allocation, in the foreground to its end.
+
+    Rank 0's progress is shown and this process's stop signals are forwarded: the first stops
+    every rank at its next iteration boundary with a checkpoint, the second at once. Returns
+    how the run ended.
+    """
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     argv = allocation_srun(spec, resolved, run_dir)
     name = argv[1].removeprefix("--job-name=")
@@ -379,8 +425,14 @@ def run_in_allocation(
         return [f"srun exited {code}; task output: {run_dir}/logs/task-*"] if code else []
 
     ended, _ = follow_to_end(
-        run_dir, resolved.max_iterations, lambda: to_ranks("TERM"), lambda: to_ranks("KILL"),
-        lambda: proc.poll() is not None, resume, failures, num_envs=resolved.num_envs,
-    )  # fmt: skip
+        run_dir,
+        resolved.max_iterations,
+        stop=lambda: to_ranks("TERM"),
+        kill=lambda: to_ranks("KILL"),
+        done=lambda: proc.poll() is not None,
+        resume=resume,
+        failures=failures,
+        num_envs=resolved.num_envs,
+    )
     proc.wait()
     return ended

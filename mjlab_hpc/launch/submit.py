@@ -1,9 +1,9 @@
-"""The submitter: a SubmitSpec becomes a submitit job on Slurm (sbatch, one srun task per rank)
-or on this machine (submitit's local executor). Each task runs `train_rank`, the same per-rank
-entry point as `mjlab-train`.
+"""The submitter: a SubmitSpec becomes a submitit job on Slurm or on this machine.
 
-Everything is validated before anything is created or submitted; a bad value raises SpecError
-naming the flag.
+On Slurm that is sbatch with one srun task per rank; here, submitit's local executor. Each
+task runs `train_rank`, the same per-rank entry point as `mjlab-train`. Everything is
+validated before anything is created or submitted; a bad value raises SpecError naming the
+flag.
 """
 
 from __future__ import annotations
@@ -87,8 +87,10 @@ class Submitted:
 
 
 def planned_run_dir(spec: SubmitSpec, resolved: ResolvedSpec) -> Path:
-    """Where a dry run would put the run (nothing is created): --run-dir, the run --resume
-    continues, or a new one."""
+    """Return where a dry run would put the run; nothing is created.
+
+    That is --run-dir, the run --resume continues, or a new one.
+    """
     if resolved.train.run_dir:
         return Path(resolved.train.run_dir)
     # The resolved run name: mjlab's --agent.run-name sets it too.
@@ -99,9 +101,11 @@ def planned_run_dir(spec: SubmitSpec, resolved: ResolvedSpec) -> Path:
 def submit_chain(
     spec: SubmitSpec, submit_link: Callable[[int, tuple[str, ...]], list[Any]]
 ) -> list[list[Any]]:
-    """Submit the --chain's jobs (or job arrays) in order, `submit_link(link, after)` each:
-    the first waits for --after, every later one for the one before it. All or nothing: when
-    one is refused, the ones already queued are cancelled."""
+    """Submit the --chain's jobs (or job arrays) in order, each with `submit_link(link, after)`.
+
+    The first waits for --after, every later one for the one before it. All or nothing: when
+    one is refused, the ones already queued are cancelled.
+    """
     links: list[list[Any]] = []
     after = tuple(spec.after)
     try:
@@ -119,8 +123,10 @@ def submit_chain(
 def submit_run(
     spec: SubmitSpec, resolved: ResolvedSpec, kind: Literal["slurm", "local"], run_dir: Path
 ) -> list[Any]:
-    """Submit the ranks of one run that trains `resolved` in `run_dir`: its job, or the jobs
-    of its --chain in order."""
+    """Submit the ranks of one run that trains `resolved` in `run_dir`.
+
+    That is its job, or the jobs of its --chain in order.
+    """
     train = resolved.replace_train(run_dir=str(run_dir))
     if kind == "local":
         # One GPU per rank, counted within this shell's CUDA_VISIBLE_DEVICES (as mjlab-train's
@@ -128,8 +134,8 @@ def submit_run(
         gpus = physical_gpu_ids(range(spec.gpus_per_node), os.environ.get("CUDA_VISIBLE_DEVICES"))
         local = submit_local(
             train,
-            spec.ranks_per_node,
-            tuple(gpus),
+            ranks=spec.ranks_per_node,
+            gpus=tuple(gpus),
             timeout_min=slurm_time_minutes(spec.time),
             signal_delay_s=spec.signal_delay_s,
             foreground=spec.follow,
@@ -145,8 +151,10 @@ def submit_run(
 
 
 def make_run_dir(spec: SubmitSpec, resolved: ResolvedSpec) -> Path:
-    """The run directory, decided once: --run-dir, the run --resume continues, or a new one
-    (made here)."""
+    """Decide the run directory once: --run-dir, the run --resume continues, or a new one.
+
+    A new one is made here.
+    """
     if resolved.train.run_dir:
         run_dir = Path(str(resolved.train.run_dir)).resolve()
     else:
@@ -177,7 +185,14 @@ def submit(spec: SubmitSpec) -> Submitted:
                 with contextlib.suppress(OSError):
                     folder.rmdir()
         raise SubmitError(f"{kind} refused the job: {str(exc).strip()}") from exc
-    return Submitted(jobs[0], kind, run_dir, spec, resolved, chain=tuple(jobs[1:]))
+    return Submitted(
+        job=jobs[0],
+        executor=kind,
+        run_dir=run_dir,
+        spec=spec,
+        resolved=resolved,
+        chain=tuple(jobs[1:]),
+    )
 
 
 @dataclass(frozen=True)
@@ -215,8 +230,10 @@ def _submit_elements(
     elements: list[SweepElement],
     run_dirs: list[Path],
 ) -> list[list[Any]]:
-    """Submit one job per element (local) or one job array per job of the --chain (Slurm);
-    per link of the chain, the jobs in element order."""
+    """Submit one job per element (local), or one job array per link of the --chain (Slurm).
+
+    Returns the jobs of each link of the chain, in element order.
+    """
     if kind == "local":
         jobs: list[Any] = []
         try:
@@ -247,8 +264,11 @@ def _submit_elements(
 
 
 def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
-    """Validate, make every element's run directory, and submit the sweep as one job array
-    (Slurm) or as one local job per element. Nothing is left behind on error."""
+    """Validate, make every element's run directory, and submit the sweep.
+
+    It goes as one job array (Slurm) or as one local job per element. Nothing is left behind
+    on error.
+    """
     resolved = validate_submit(spec)
     elements = sweep_elements(spec.train, spec.sweep)
     kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
@@ -264,9 +284,11 @@ def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
             write_code_record(run_dirs[-1], code_record)
             # Each element's job finds its run by its array index (its batch script: its
             # hang files; the healer), before the sweep's record is written.
-            link = sweep_dir / SWEEP_ELEMENTS / str(element.index)
-            link.symlink_to(os.path.relpath(run_dirs[-1], link.parent))
-        links = _submit_elements(spec, kind, sweep_dir, elements, run_dirs)
+            element_link = sweep_dir / SWEEP_ELEMENTS / str(element.index)
+            element_link.symlink_to(os.path.relpath(run_dirs[-1], element_link.parent))
+        links = _submit_elements(
+            spec, kind, sweep_dir=sweep_dir, elements=elements, run_dirs=run_dirs
+        )
     except Exception as exc:
         for path in [*run_dirs, sweep_dir]:  # nothing ran: leave no empty runs behind
             shutil.rmtree(path, ignore_errors=True)
@@ -274,7 +296,7 @@ def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
     jobs = links[0]
     job_ids = [str(job.job_id) for job in jobs]
     array_id = job_ids[0].split("_")[0] if kind == "slurm" else None
-    chain_arrays = [str(link[0].job_id).split("_")[0] for link in links[1:]]
+    chain_arrays = [str(later[0].job_id).split("_")[0] for later in links[1:]]
     records = []
     for i, (element, run_dir, job_id) in enumerate(zip(elements, run_dirs, job_ids, strict=True)):
         record = {
@@ -285,7 +307,7 @@ def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
             "overrides": element.as_dict(),
         }
         if chain_arrays:  # this element's job in every later array of the chain
-            record["chain"] = [str(link[i].job_id) for link in links[1:]]
+            record["chain"] = [str(later[i].job_id) for later in links[1:]]
         write_json_atomic(run_dir / ELEMENT_RECORD, record)
         records.append({**record, "run_dir": str(run_dir)})
     write_json_atomic(
@@ -301,10 +323,24 @@ def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
         },
     )
     runs = tuple(
-        Submitted(job, kind, d, element_spec(spec, e), e.resolved, tuple(li[i] for li in links[1:]))
-        for i, (job, d, e) in enumerate(zip(jobs, run_dirs, elements, strict=True))
+        Submitted(
+            job=job,
+            executor=kind,
+            run_dir=run_dir,
+            spec=element_spec(spec, element),
+            resolved=element.resolved,
+            chain=tuple(later[i] for later in links[1:]),
+        )
+        for i, (job, run_dir, element) in enumerate(zip(jobs, run_dirs, elements, strict=True))
     )
-    return SubmittedSweep(kind, sweep_dir, array_id, tuple(elements), runs, spec)
+    return SubmittedSweep(
+        executor=kind,
+        sweep_dir=sweep_dir,
+        array_job_id=array_id,
+        elements=tuple(elements),
+        runs=runs,
+        spec=spec,
+    )
 
 
 def _axes_of(elements: list[SweepElement]) -> dict[str, list[str]]:

@@ -1,7 +1,9 @@
-"""`mjlab-hpc cancel`: stop a Slurm job for good (no requeue) or a local-executor run, and
-leave no process behind. Nothing is claimed that was not done: a run of another user is left
-alone (said, not attempted), a cancel record that cannot be written cancels nothing, and every
-process counted as stopped was signalled."""
+"""`mjlab-hpc cancel`: stop a Slurm job for good (no requeue) or a local-executor run.
+
+No process is left behind, and nothing is claimed that was not done: a run of another user is
+left alone (said, not attempted), a cancel record that cannot be written cancels nothing, and
+every process counted as stopped was signalled.
+"""
 
 from __future__ import annotations
 
@@ -43,16 +45,21 @@ def _marked(run_dir: Path, job_ids: Sequence[str]) -> str | None:
         write_cancel_marker(run_dir, job_ids)
     except OSError as exc:
         why = exc.strerror or exc
-        return (f"cannot write {CANCEL_RECORD} in {run_dir} as {getpass.getuser()} ({why}): "
-                "nothing was cancelled; ask the run's owner (or root)")  # fmt: skip
+        return (
+            f"cannot write {CANCEL_RECORD} in {run_dir} as {getpass.getuser()} ({why}): "
+            "nothing was cancelled; ask the run's owner (or root)"
+        )
     return None
 
 
 def write_cancel_marker(run_dir: Path, job_ids: Sequence[str]) -> None:
-    """Say in the run directory that the user cancelled these jobs: a rank that gets the
-    SIGTERM of the cancel stops for good instead of taking it for a preemption. `starts`: how
-    many starts the run had (a later one, a resume, is not cancelled: counted, not timed,
-    since this machine's clock need not agree with the nodes')."""
+    """Record in the run directory that the user cancelled these jobs.
+
+    A rank that gets the cancel's SIGTERM then stops for good instead of taking it for a
+    preemption. `starts`: how many starts the run had; a later one (a resume) is not
+    cancelled. Starts are counted, not timed: this machine's clock need not agree with the
+    nodes'.
+    """
     write_json_atomic(
         run_dir / CANCEL_RECORD,
         {
@@ -75,24 +82,26 @@ def cancel_slurm(
     """
     states, _ = slurm.query(job_ids)
     active = [j for j in job_ids if j in states and not states[j].final]
+
+    def outcome(ok: bool, message: str) -> CancelOutcome:
+        ids = tuple(active or job_ids)
+        return CancelOutcome(kind="slurm", job_ids=ids, runs=tuple(runs), ok=ok, message=message)
+
     if not active:
         seen = ", ".join(f"{j} {states[j].state}" for j in job_ids if j in states)
-        return CancelOutcome(
-            "slurm", tuple(job_ids), tuple(runs), True, f"nothing to cancel ({seen or 'ended'})"
-        )
+        return outcome(True, f"nothing to cancel ({seen or 'ended'})")
     for run in runs:
         if (why := _marked(run, active)) is not None:
             for done in runs[: runs.index(run)]:
                 (done / CANCEL_RECORD).unlink(missing_ok=True)
-            return CancelOutcome("slurm", tuple(active), tuple(runs), False, why)
+            return outcome(False, why)
     slurm.forbid_requeue(active)  # one scontrol call for all of them
     proc = slurm.scancel(active)
     if proc is None or proc.returncode != 0:
         why = "no answer" if proc is None else (proc.stderr.strip() or proc.stdout.strip())
         for run in runs:  # nothing was cancelled: the record must not say it was
             (run / CANCEL_RECORD).unlink(missing_ok=True)
-        return CancelOutcome("slurm", tuple(active), tuple(runs), False,
-                             f"scancel failed ({why}): nothing was cancelled")  # fmt: skip
+        return outcome(False, f"scancel failed ({why}): nothing was cancelled")
     deadline = time.monotonic() + grace_s
     while True:
         rows, _ = slurm.query(active)
@@ -105,9 +114,9 @@ def cancel_slurm(
             break
         time.sleep(0.5)
     summary = ", ".join(f"{j} {rows[j].state}" if j in rows else f"{j} gone" for j in active)
-    ok = not running
-    message = f"cancelled: {summary}" if ok else f"still running after {grace_s:g} s: {summary}"
-    return CancelOutcome("slurm", tuple(active), tuple(runs), ok, message)
+    if running:
+        return outcome(False, f"still running after {grace_s:g} s: {summary}")
+    return outcome(True, f"cancelled: {summary}")
 
 
 def cancel_local(run_dir: Path, grace_s: float = 30.0) -> CancelOutcome:
@@ -120,23 +129,35 @@ def cancel_local(run_dir: Path, grace_s: float = 30.0) -> CancelOutcome:
     """
     jobs = run_jobs(run_dir)
     procs = local_processes(run_dir)
+
+    def outcome(ok: bool, message: str, remaining: Sequence[int] = ()) -> CancelOutcome:
+        return CancelOutcome(
+            kind="local",
+            job_ids=jobs.job_ids,
+            runs=(run_dir,),
+            ok=ok,
+            message=message,
+            remaining_pids=tuple(remaining),
+        )
+
     if not procs:
-        return CancelOutcome("local", jobs.job_ids, (run_dir,), True, "no process left to stop")
+        return outcome(True, "no process left to stop")
     me = os.geteuid()
     others = {u for p in procs if (u := owner(p.pid)) is not None and u != me}
     if others and me != 0:  # a signal would be refused (EPERM): claim nothing, do nothing
         who = ", ".join(sorted(map(user_name, others)))
         pids = ", ".join(str(p.pid) for p in procs)
-        return CancelOutcome("local", jobs.job_ids, (run_dir,), False,
-                             f"run by {who} (pid {pids}), not by {user_name(me)}: only its owner "
-                             "(or root) can stop it; nothing was done")  # fmt: skip
+        return outcome(
+            False,
+            f"run by {who} (pid {pids}), not by {user_name(me)}: only its owner (or root) can "
+            "stop it; nothing was done",
+        )
     if (why := _marked(run_dir, jobs.job_ids)) is not None:
-        return CancelOutcome("local", jobs.job_ids, (run_dir,), False, why)
+        return outcome(False, why)
     # Only what a signal reached is counted (a process gone by now was not stopped by us).
     controllers = [p.pid for p in procs if p.role != "rank" and send_signal(p.pid, signal.SIGKILL)]
     ranks = [p.pid for p in procs if p.role == "rank" and send_signal(p.pid, signal.SIGTERM)]
-    left = wait_gone(ranks + controllers, grace_s)
-    killed = list(left)
+    killed = wait_gone(ranks + controllers, grace_s)  # still alive after the grace period
     for pid in killed:
         send_signal(pid, signal.SIGKILL)
     left = wait_gone(killed, 10.0)
@@ -152,15 +173,17 @@ def cancel_local(run_dir: Path, grace_s: float = 30.0) -> CancelOutcome:
     if killed:
         parts.append(f"{len(killed)} killed after {grace_s:g} s")
     parts.append("no process left" if not left else f"still alive: {left}")
-    return CancelOutcome("local", jobs.job_ids, (run_dir,), not left, "; ".join(parts), tuple(left))
+    return outcome(not left, "; ".join(parts), left)
 
 
 def cancel(
     resolved: Target, slurm: SlurmClient | None = None, grace_s: float = 30.0
 ) -> list[CancelOutcome]:
-    """Cancel what a RUN|JOB argument named: a whole job array at once, else every run's
-    jobs that are still queued or running (Slurm; a --chain's included) or processes
-    (local)."""
+    """Cancel what a RUN|JOB argument named.
+
+    A whole job array goes at once; else every run's jobs that are still queued or running
+    (Slurm, a --chain's included) or its processes (local).
+    """
     slurm = slurm or SlurmClient()
     runs = [run_jobs(r) for r in resolved.runs]
     outcomes = []
@@ -168,23 +191,24 @@ def cancel(
     chained = [j for r in runs if r.element for j in r.element.chain]
     if resolved.array_job_id is not None and all(r.kind == "slurm" for r in runs):
         ids = [resolved.array_job_id, *dict.fromkeys(chained)]
-        return [cancel_slurm(ids, resolved.runs, slurm, grace_s)]
+        return [cancel_slurm(ids, resolved.runs, slurm, grace_s=grace_s)]
     slurm_runs = [r for r in runs if r.kind == "slurm" and r.current]
     if slurm_runs:
         # Every job of each run (those that ended are skipped): a --chain's later ones too.
         ids = list(dict.fromkeys(str(j) for r in slurm_runs for j in r.job_ids))
-        outcomes.append(cancel_slurm(ids, [r.run_dir for r in slurm_runs], slurm, grace_s))
+        run_dirs = [r.run_dir for r in slurm_runs]
+        outcomes.append(cancel_slurm(ids, run_dirs, slurm, grace_s=grace_s))
     for run in runs:
         if run.kind == "local":
             outcomes.append(cancel_local(run.run_dir, grace_s))
         elif run.kind is None:
             outcomes.append(
                 CancelOutcome(
-                    "local",
-                    (),
-                    (run.run_dir,),
-                    False,
-                    "not a Slurm or local-executor job: stop the process that runs it "
+                    kind="local",
+                    job_ids=(),
+                    runs=(run.run_dir,),
+                    ok=False,
+                    message="not a Slurm or local-executor job: stop the process that runs it "
                     "(Ctrl-C, or kill its mjlab-train / torchrun)",
                 )
             )

@@ -1,13 +1,12 @@
-"""`mjlab-hpc doctor`: whether a job as asked would run on this cluster, checked on the
-cluster itself before the first real submission.
+"""`mjlab-hpc doctor`: check on the cluster itself that a job as asked would run there.
 
 The request is mjlab-submit's flags. Checks that need the compute nodes run two short probe
-jobs through submitit, as real jobs are: `_shape_probe` on every task of a job of the job's
-shape (nodes, tasks, GPUs, partition, account, qos, setup lines), whose tasks leave notes for
-each other in the log root and return their Python, imports, GPUs and (--video) a test render;
-and `_RequeueProbe`, one task that waits for the time-limit signal, is checkpointed and
+jobs through submitit, as real jobs run. `_shape_probe` runs on every task of a job of the
+job's shape (nodes, tasks, GPUs, partition, account, qos, setup lines); the tasks leave notes
+for each other in the log root and return their Python, imports, GPUs and (--video) a test
+render. `_RequeueProbe` is one task that waits for the time-limit signal, is checkpointed and
 requeued by submitit, and says so when it runs again. `shape_checks` turns the tasks' results
-into checks. Probe jobs are cancelled and their folder removed when the doctor ends.
+into checks. The probe jobs are cancelled and their folder removed when the doctor ends.
 """
 
 from __future__ import annotations
@@ -43,11 +42,11 @@ from mjlab_hpc.validate.world import check_log_root, check_partition
 
 __all__ = ["PROBE_DIR", "Check", "DoctorReport", "diagnose", "shape_checks"]
 
-#: The probe jobs' folder under the log root (hidden: run listings skip it).
+# The probe jobs' folder under the log root (hidden: run listings skip it).
 PROBE_DIR = ".doctor"
 
 Result = Literal["ok", "warn", "fail", "skip"]
-#: What a task of a probe job left: its result, the last line of its error, or nothing.
+# What a task of a probe job left: its result, the last line of its error, or nothing.
 Outcome = dict[str, Any] | str | None
 
 _COMMANDS = ("sbatch", "srun", "squeue", "sacct", "scontrol", "sinfo", "scancel")
@@ -113,7 +112,7 @@ class DoctorReport:
         return {"ok": self.ok, "checks": [asdict(c) for c in self.checks]}
 
 
-# --- on the nodes ----------------------------------------------------------------------------
+# What the probe jobs run on the nodes.
 
 
 def _try_import(name: str) -> dict[str, Any]:
@@ -126,17 +125,21 @@ def _try_import(name: str) -> dict[str, Any]:
 
 
 def _shape_probe(folder: str, ranks: int, mjlab: bool, video: bool = False) -> dict[str, Any]:
-    """What one task of the shape probe finds: node, Python, imports, GPUs, why a test render
-    fails (`video`; "": it works), this host's token in `folder`, the notes seen. Never raises."""
-    here = Path(folder)
+    """Report what one task of the shape probe finds; never raises.
+
+    That is its node, Python, imports and GPUs, why a test render fails (`video`; "": it
+    works), this host's token in `folder`, and how many of the `ranks` tasks' notes it saw.
+    """
+    probe_dir = Path(folder)
     rank = int(os.environ.get("SLURM_PROCID", "0") or 0)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     with contextlib.suppress(OSError):  # a note not written counts as one not seen
-        (here / f"note-{rank}").write_text(node)
-    token = (here / _TOKEN).read_text().strip() if (here / _TOKEN).is_file() else None
+        (probe_dir / f"note-{rank}").write_text(node)
+    token_file = probe_dir / _TOKEN
+    token = token_file.read_text().strip() if token_file.is_file() else None
     version = ".".join(map(str, sys.version_info[:3]))
     info: dict[str, Any] = {"rank": rank, "node": node, "python": sys.executable}
-    info |= {"python_version": version, "token": token, "folder": os.path.realpath(here)}
+    info |= {"python_version": version, "token": token, "folder": os.path.realpath(probe_dir)}
     info["mjlab_hpc"] = _try_import("mjlab_hpc.rank.train")  # torch, warp, rsl-rl, our ranks
     names = ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "SLURM_GPUS_ON_NODE")
     gpus = info["gpus"] = {name: os.environ.get(name) for name in names}
@@ -153,14 +156,17 @@ def _shape_probe(folder: str, ranks: int, mjlab: bool, video: bool = False) -> d
         info["render"] = rendering_problem() or ""
     # After the imports the others' notes are there, where this node can see them.
     deadline = time.monotonic() + _NOTES_WAIT_S
-    while len(notes := list(here.glob("note-*"))) < ranks and time.monotonic() < deadline:
+    while len(notes := list(probe_dir.glob("note-*"))) < ranks and time.monotonic() < deadline:
         time.sleep(0.5)
     return {**info, "seen": len(notes)}
 
 
 class _RequeueProbe(Checkpointable):
-    """The requeue probe: its first run waits for the time-limit signal, on which submitit
-    calls `checkpoint` and requeues the job; the next run returns at once."""
+    """The requeue probe: a job that waits for the time-limit signal and then runs again.
+
+    Its first run waits for the signal, on which submitit calls `checkpoint` and requeues the
+    job; the next run returns at once.
+    """
 
     signalled = False  # True in the copy that submitit checkpoints, and so in the next run
 
@@ -180,12 +186,14 @@ class _RequeueProbe(Checkpointable):
         return DelayedSubmission(self)
 
 
-# --- on this host: what the shape probe's tasks left -----------------------------------------
+# On this host: what the shape probe's tasks left.
 
 
 def _said(text: str) -> str:
-    """What a failed task said: the last error line of its traceback or output (srun's and
-    submitit's own lines left out), else its last line."""
+    """Return what a failed task said: the last error line of its traceback or output.
+
+    srun's and submitit's own lines are left out; without an error line, its last line.
+    """
     skip = ("srun:", "submitit ", "-", "You can check", "Job (task=")
     lines = [s for line in text.splitlines() if (s := line.strip()) and not s.startswith(skip)]
     errors = [line for line in lines if re.search(r"error|exception", line, re.IGNORECASE)]
@@ -213,8 +221,8 @@ def _shared(folder: Path, token: str, outcomes: Sequence[Outcome], nodes: str) -
     seen = f"{len(ran)} task(s) on {hosts} node(s) and this host read each other's writes"
     # The writes went through, so the same path works everywhere; a different real path (a
     # symbolic link on one side, an automounter) is worth knowing, not a failure.
-    if other := sorted({t["folder"] for t in ran} - {here := str(folder.resolve())}):
-        detail = f"{seen}; its real path is {other[0]} on a node, {here} here"
+    if other := sorted({t["folder"] for t in ran} - {real := str(folder.resolve())}):
+        detail = f"{seen}; its real path is {other[0]} on a node, {real} here"
         return Check("log root shared", "warn", detail, _FIXES["realpath"])
     return Check("log root shared", "ok", seen)
 
@@ -223,36 +231,38 @@ def _python(outcomes: Sequence[Outcome], mjlab: bool) -> list[Check]:
     """The nodes' Python, mjlab_hpc (and mjlab) against this host's."""
     ran = [t for t in outcomes if isinstance(t, dict)]
     failed = {r: t for r, t in enumerate(outcomes) if isinstance(t, str)}
-    here, ours = ".".join(map(str, sys.version_info[:3])), _try_import("mjlab_hpc")["version"]
+    python, ours = ".".join(map(str, sys.version_info[:3])), _try_import("mjlab_hpc")["version"]
     if failed:
         said = f"could not run {sys.executable}: {next(iter(failed.values()))}"
         said = f"tasks {sorted(failed)[:8]} {said}"
         out = [Check("Python on nodes", "fail", said, _FIXES["env"])]
-    elif others := sorted({t["python_version"] for t in ran} - {here}):
-        detail = f"Python {others} there, {here} here"
+    elif others := sorted({t["python_version"] for t in ran} - {python}):
+        detail = f"Python {others} there, {python} here"
         out = [Check("Python on nodes", "fail", detail, _FIXES["interpreter"])]
     else:
-        out = [Check("Python on nodes", "ok", f"{sys.executable} ({here}) on every task")]
+        out = [Check("Python on nodes", "ok", f"{sys.executable} ({python}) on every task")]
     for name in ("mjlab_hpc", "mjlab")[: 1 + mjlab] if ran else ():
         bad = [(t["rank"], t[name]["error"]) for t in ran if not t[name]["ok"]]
         versions = {t[name].get("version") for t in ran} - {ours}
         found = sorted(versions) if name == "mjlab_hpc" else []  # only ours must match
         if bad:
-            what = "'mjlab-hpc[mjlab]'" if name == "mjlab" else "the same mjlab-hpc"
-            fix = f"pip install {what} in the nodes' environment"
+            package = "'mjlab-hpc[mjlab]'" if name == "mjlab" else "the same mjlab-hpc"
+            fix = f"pip install {package} in the nodes' environment"
             out.append(Check(f"{name} on nodes", "fail", f"task {bad[0][0]}: {bad[0][1]}", fix))
         elif found:
             detail, fix = f"version {found} there, {ours} here", "install the same version on both"
             out.append(Check(f"{name} on nodes", "fail", detail, fix))
         else:
-            what = f"{ours} and the rank code's imports" if name == "mjlab_hpc" else "imports"
-            out.append(Check(f"{name} on nodes", "ok", what))
+            detail = f"{ours} and the rank code's imports" if name == "mjlab_hpc" else "imports"
+            out.append(Check(f"{name} on nodes", "ok", detail))
     return out
 
 
 def _gpus_check(gpus_per_node: int, ran: Sequence[dict[str, Any]]) -> Check:
-    """Every task sees GPUs from Slurm and torch can use them; each node's tasks together see
-    the GPUs asked for."""
+    """Check that every task sees GPUs from Slurm and that torch can use them.
+
+    Each node's tasks together must see the GPUs asked for (`gpus_per_node`).
+    """
     if gpus_per_node == 0:
         return Check("GPUs", "skip", "CPU ranks (--gpus-per-node 0)")
     problems, counts, seen = [], [], {}
@@ -288,9 +298,12 @@ def _gpus_check(gpus_per_node: int, ran: Sequence[dict[str, Any]]) -> Check:
 def shape_checks(
     folder: Path, token: str, outcomes: Sequence[Outcome], gpus: int, mjlab: bool, nodes: str = "?"
 ) -> list[Check]:
-    """What the shape probe's tasks left (`outcomes`, by rank) says: the shared log root (`folder`,
-    where this host wrote `token`), the nodes' Python and imports, GPUs (`gpus` per node asked
-    for), offscreen rendering where probed. `nodes`: the job's nodes, named when none came back."""
+    """Turn what the shape probe's tasks left (`outcomes`, by rank) into checks.
+
+    The checks: the shared log root (`folder`, where this host wrote `token`), the nodes'
+    Python and imports, GPUs (`gpus` per node asked for), and offscreen rendering where
+    probed. `nodes`: the job's nodes, named when none came back.
+    """
     shared = _shared(folder, token, outcomes, nodes)
     if all(t is None for t in outcomes):
         return [shared]
@@ -303,7 +316,7 @@ def shape_checks(
     return checks
 
 
-# --- the checks that ask Slurm ---------------------------------------------------------------
+# The checks that ask Slurm.
 
 
 def _check_slurm(report: DoctorReport, slurm: SlurmClient) -> bool:
@@ -356,12 +369,14 @@ def _check_arrays(report: DoctorReport, spec: SubmitSpec, config: dict[str, str]
         report.add("job arrays", "ok", f"sweeps of up to {size} elements{asked}")
 
 
-# --- the probe jobs --------------------------------------------------------------------------
+# The probe jobs.
 
 
 def _executor(spec: SubmitSpec, folder: Path, signal_delay_s: int, **params: Any) -> Any:
-    """A submitit executor writing into `folder`, for a probe job with `spec`'s resources: the
-    real jobs' parameters (`slurm_parameters`), `params` over them."""
+    """Return a submitit executor writing into `folder` for a probe job of `spec`'s resources.
+
+    Its parameters are the real jobs' (`slurm_parameters`) with `params` over them.
+    """
     python = container_python(spec, folder / "run" / "dir") or shlex.quote(sys.executable)
     executor = submitit.SlurmExecutor(folder, python=python)
     base = slurm_parameters(spec.replace(signal_delay_s=signal_delay_s))
@@ -371,17 +386,20 @@ def _executor(spec: SubmitSpec, folder: Path, signal_delay_s: int, **params: Any
     return executor
 
 
-def _submit(executor: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """The submitted job, or what sbatch said when it refused it."""
+def _submit(executor: Any, fn: Callable[..., Any], **kwargs: Any) -> Any:
+    """Submit `fn(**kwargs)`: the job, or what sbatch said when it refused it."""
     try:
-        return executor.submit(fn, *args)
+        return executor.submit(fn, **kwargs)
     except Exception as exc:  # submitit's FailedJobError carries sbatch's stderr
         return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _ended(slurm: SlurmClient, job: Any) -> bool:
-    """Whether Slurm says the job ended (its tasks exit a while after their results are in;
-    scontrol answers without accounting too), or submitit does once slurmctld forgot it."""
+    """Tell whether the probe job ended.
+
+    Slurm says so (its tasks exit a while after their results are in; scontrol answers
+    without accounting too), or submitit does once slurmctld forgot the job.
+    """
     state = slurm.job_state(job.job_id)
     return state in FINAL_STATES or (state is None and job.done())
 
@@ -389,15 +407,18 @@ def _ended(slurm: SlurmClient, job: Any) -> bool:
 def _finish(
     report: DoctorReport, name: str, job: Any, slurm: SlurmClient, wait_s: float
 ) -> tuple[dict[str, str], list[Outcome]] | None:
-    """Wait up to `wait_s` for a probe job to end: `scontrol show job` as a dict and every
-    task's outcome, or None after a failing check `name` (refused, or not ended in time)."""
+    """Wait up to `wait_s` for a probe job to end; return its fields and its tasks' outcomes.
+
+    The fields are `scontrol show job`'s. None after a failing check `name`: sbatch refused
+    the job, or it did not end in time.
+    """
     if isinstance(job, str):
         report.add(name, "fail", f"sbatch refused the probe: {job}", "see the request check")
         return None
     deadline = time.monotonic() + wait_s
     while not (ended := _ended(slurm, job)) and time.monotonic() < deadline:
         time.sleep(1.0)
-    info = dict(re.findall(r"(\w+)=(\S*)", slurm.show_job(job.job_id) or ""))
+    info = slurm.job_fields(job.job_id) or {}
     if not ended:
         why = f" ({reason})" if (reason := slurm.pending_reason(job.job_id)) else ""
         detail = f"probe job {job.job_id} still {info.get('JobState', 'unknown')}{why}"
@@ -422,7 +443,8 @@ def _finish(
 
 def _check_requeue(report: DoctorReport, job: Any, slurm: SlurmClient, wait_s: float) -> None:
     """A signal before the time limit, then a run after the requeue that followed it."""
-    if (finished := _finish(report, "time-limit signal", job, slurm, wait_s)) is None:
+    finished = _finish(report, "time-limit signal", job, slurm=slurm, wait_s=wait_s)
+    if finished is None:
         return
     state, got = finished[0].get("JobState", "unknown"), finished[1][0]
     signalled = "--signal reached the job before its time limit"
@@ -465,7 +487,7 @@ def diagnose(
         return report
     config = slurm.config()
     _check_arrays(report, spec, config)
-    limit_checks(report.add, spec, config, partition_grace_s(slurm, spec.partition))
+    limit_checks(report.add, spec, config, grace_s=partition_grace_s(slurm, spec.partition))
     if not request_ok:
         return report
     made = [p for p in (log_root / PROBE_DIR, *(log_root / PROBE_DIR).parents) if not p.exists()]
@@ -476,14 +498,21 @@ def diagnose(
     # The shape probe's time-limit signal at the last second: it is long done by then. A task
     # that fails leaves the others running, to report.
     minutes = min(slurm_time_minutes(spec.time), 10)
-    extra = {"job_name": "mjlab-doctor", "time": minutes, "srun_args": ["--kill-on-bad-exit=0"]}
-    shape_ex = _executor(spec, folder, 1, **extra)
+    shape_ex = _executor(
+        spec,
+        folder,
+        signal_delay_s=1,
+        job_name="mjlab-doctor",
+        time=minutes,
+        srun_args=["--kill-on-bad-exit=0"],
+    )
     # One task (one GPU where GPUs are asked for: a GPU partition may refuse a job without one).
     gpus = min(spec.gpus_per_node, 1)
     single = spec.replace(nodes=1, tasks_per_node=1, gpus_per_node=gpus, exclusive=False)
     single = single.replace(mem=None, cpus_per_task=None)
-    extra = {"job_name": "mjlab-doctor-requeue", "time": 1}
-    requeue_ex = _executor(single, folder, _SIGNAL_DELAY_S, **extra)
+    requeue_ex = _executor(
+        single, folder, signal_delay_s=_SIGNAL_DELAY_S, job_name="mjlab-doctor-requeue", time=1
+    )
     # Python starts with the signal blocked (_RequeueProbe unblocks it): Slurm may send it a
     # second after the job starts, before submitit has set its handler.
     block = f"signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIG{spec.preempt_signal}])"
@@ -493,15 +522,30 @@ def diagnose(
     jobs: list[str] = []
     try:
         progress("submitting two probe jobs (job shape; time-limit signal and requeue)")
-        shape = _submit(shape_ex, _shape_probe, str(folder), spec.world_size, mjlab, video)
+        shape = _submit(
+            shape_ex,
+            _shape_probe,
+            folder=str(folder),
+            ranks=spec.world_size,
+            mjlab=mjlab,
+            video=video,
+        )
         requeue = _submit(requeue_ex, _RequeueProbe())
         jobs = [j.job_id for j in (shape, requeue) if not isinstance(j, str)]
         progress(f"waiting for probe jobs {', '.join(jobs)} (up to {wait_s:g} s)")
-        if finished := _finish(report, "probe job", shape, slurm, wait_s):
-            (info, outcomes), nodes = finished, finished[0].get("NodeList", "?")
+        if finished := _finish(report, "probe job", shape, slurm=slurm, wait_s=wait_s):
+            info, outcomes = finished
+            nodes = info.get("NodeList", "?")
             state = info.get("JobState", "?")
             report.add("probe job", "ok", f"job {shape.job_id} ran on {nodes} ({state})")
-            report.checks += shape_checks(folder, token, outcomes, spec.gpus_per_node, mjlab, nodes)
+            report.checks += shape_checks(
+                folder,
+                token,
+                outcomes,
+                gpus=spec.gpus_per_node,
+                mjlab=mjlab,
+                nodes=nodes,
+            )
         _check_requeue(report, requeue, slurm, wait_s)
         if jobs and slurm.sacct(jobs[:1]):
             report.add("accounting", "ok", "sacct knows the probe job")

@@ -1,8 +1,9 @@
-"""Slurm's own limits against the flags of a job, for `mjlab-hpc doctor`: the cluster's
-MaxBatchRequeue, preemption (PreemptMode, PreemptParameters, the partition's GraceTime),
-KillWait, SlurmdTimeout and UnkillableStepTimeout, read from `scontrol show config`, and
-where --max-restarts, --signal-delay-s or --hang-timeout-s cannot work with them
-(docs/submit.md, "Slurm's own limits").
+"""Slurm's own limits against the flags of a job, for `mjlab-hpc doctor`.
+
+The limits come from `scontrol show config`: MaxBatchRequeue, preemption (PreemptMode,
+PreemptParameters, the partition's GraceTime), KillWait, SlurmdTimeout and
+UnkillableStepTimeout. A check warns where --max-restarts, --signal-delay-s or
+--hang-timeout-s cannot work with them (docs/submit.md, "Slurm's own limits").
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from mjlab_hpc.spec import SubmitSpec
 
 __all__ = ["MAX_BATCH_REQUEUE_BEFORE_23_02", "limit_checks", "partition_grace_s"]
 
-#: Slurm before 23.02 holds a batch job after this many restarts when its launch fails (a
-#: constant then; `MaxBatchRequeue` in slurm.conf since).
+# Slurm before 23.02 holds a batch job after this many restarts when its launch fails (a
+# constant then; `MaxBatchRequeue` in slurm.conf since).
 MAX_BATCH_REQUEUE_BEFORE_23_02 = 5
 
-#: (name, result, detail, fix): one line of the doctor's table.
+# (name, result, detail, fix): one line of the doctor's table.
 Add = Callable[[str, str, str, str], None]
 
 
@@ -41,8 +42,10 @@ def partition_grace_s(slurm: SlurmClient, partition: str | None) -> int | None:
 def limit_checks(
     add: Add, spec: SubmitSpec, config: Mapping[str, str] | None, grace_s: int | None = None
 ) -> None:
-    """Report Slurm's limits (`config`: `scontrol show config`; `grace_s`: the partition's
-    GraceTime) and check the job's flags against them, through `add`."""
+    """Report Slurm's limits and check the job's flags against them, through `add`.
+
+    `config` is `scontrol show config`; `grace_s` the partition's GraceTime.
+    """
     if not config:
         add("Slurm limits", "warn", "scontrol show config did not answer", "")
         return
@@ -51,45 +54,60 @@ def limit_checks(
     slurmd_timeout = _seconds(config, "SlurmdTimeout")
     unkillable = _seconds(config, "UnkillableStepTimeout")
     # Shown since 23.02; a constant 5 before.
-    max_batch = _seconds(config, "MaxBatchRequeue")
-    shown = str(max_batch) if max_batch is not None else "5 (built in before 23.02)"
-    max_batch = MAX_BATCH_REQUEUE_BEFORE_23_02 if max_batch is None else max_batch
+    configured = _seconds(config, "MaxBatchRequeue")
+    shown = str(configured) if configured is not None else "5 (built in before 23.02)"
+    max_batch = MAX_BATCH_REQUEUE_BEFORE_23_02 if configured is None else configured
     mode = config.get("PreemptMode", "OFF").upper()
     # 23.02 moved the setting from SlurmctldParameters=preempt_send_user_signal.
     params = f"{config.get('PreemptParameters', '')},{config.get('SlurmctldParameters', '')}"
     user_signal = "send_user_signal" in params
-    add("Slurm limits", "ok", (
+    summary = (
         f"MaxBatchRequeue {shown}, PreemptMode {mode}"
         f"{', send_user_signal' if user_signal else ''}, KillWait {kill_wait} s, "
-        f"SlurmdTimeout {slurmd_timeout} s, UnkillableStepTimeout {unkillable} s"), "")  # fmt: skip
+        f"SlurmdTimeout {slurmd_timeout} s, UnkillableStepTimeout {unkillable} s"
+    )
+    add("Slurm limits", "ok", summary, "")
 
     if train.max_restarts > max_batch:
-        add("--max-restarts", "warn", (
+        detail = (
             f"--max-restarts {train.max_restarts} is above MaxBatchRequeue {max_batch}: after "
             f"{max_batch} restarts a start that fails to launch (a node failing as the job "
-            "starts) holds the job (JobHeldAdmin) instead of requeueing it"),
+            "starts) holds the job (JobHeldAdmin) instead of requeueing it"
+        )
+        fix = (
             f"use --max-restarts {max_batch} or less, or ask your admins to raise "
-            "MaxBatchRequeue (scontrol release JOB lets a held job run)")  # fmt: skip
+            "MaxBatchRequeue (scontrol release JOB lets a held job run)"
+        )
+        add("--max-restarts", "warn", detail, fix)
     if "OFF" not in mode:
         grace = (grace_s or 0) + kill_wait
         if not user_signal:
-            add("preemption", "warn", (
+            detail = (
                 f"PreemptMode {mode} without send_user_signal: a preempted job gets SIGTERM, "
                 f"not --preempt-signal {spec.preempt_signal}, and {grace} s (GraceTime + "
-                "KillWait) before SIGKILL; the ranks checkpoint on SIGTERM too, in that time"),
+                "KillWait) before SIGKILL; the ranks checkpoint on SIGTERM too, in that time"
+            )
+            fix = (
                 "keep iterations and checkpoints shorter than that, or ask your admins for "
-                "PreemptParameters=send_user_signal")  # fmt: skip
+                "PreemptParameters=send_user_signal"
+            )
+            add("preemption", "warn", detail, fix)
         elif grace < spec.signal_delay_s:
-            add("preemption", "warn", (
+            detail = (
                 f"a preempted job gets {grace} s (GraceTime + KillWait) after the signal, "
-                f"not the --signal-delay-s {spec.signal_delay_s} s the time limit gives"),
+                f"not the --signal-delay-s {spec.signal_delay_s} s the time limit gives"
+            )
+            fix = (
                 "keep an iteration and a checkpoint within that, or use a partition with a "
-                "longer GraceTime")  # fmt: skip
+                "longer GraceTime"
+            )
+            add("preemption", "warn", detail, fix)
     hang = train.hang_timeout_s
     if hang and slurmd_timeout is not None and hang >= slurmd_timeout:
-        add("--hang-timeout-s", "warn", (
+        detail = (
             f"--hang-timeout-s {hang:g} is not below SlurmdTimeout {slurmd_timeout} s: when a "
             "node is lost its ranks fall silent, and Slurm ends the job (NODE_FAIL) and "
             "requeues it itself before the watchdog notices; the healer records no fault and "
-            "excludes no node"),
-            f"use --hang-timeout-s below {slurmd_timeout}")  # fmt: skip
+            "excludes no node"
+        )
+        add("--hang-timeout-s", "warn", detail, f"use --hang-timeout-s below {slurmd_timeout}")

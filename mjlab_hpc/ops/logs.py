@@ -116,10 +116,10 @@ def rank_files(run_dir: Path) -> list[RankFiles]:
         files = task.get(rank, {"out": [], "err": []})
         out.append(
             RankFiles(
-                rank,
-                logs.get(rank),
-                tuple(p for _, p in sorted(files["out"])),
-                tuple(p for _, p in sorted(files["err"])),
+                rank=rank,
+                log=logs.get(rank),
+                outs=tuple(p for _, p in sorted(files["out"])),
+                errs=tuple(p for _, p in sorted(files["err"])),
             )
         )
     return out
@@ -173,9 +173,11 @@ def tracebacks_in(path: Path) -> list[tuple[dt.datetime | None, str]]:
 
 
 def rank_host(files: RankFiles, at: dt.datetime | None = None) -> str | None:
-    """The host the rank ran on at time `at` (a requeued rank may move): from the `host`
-    lines of its log, else of its task output (the Slurm node, before its log begins), else
-    submitit's `hostname=` line there (the machine)."""
+    """Return the host the rank ran on at time `at` (a requeued rank may move).
+
+    It comes from the `host` lines of its log, else of its task output (the Slurm node, before
+    its log begins), else from submitit's `hostname=` line there (the machine).
+    """
     hosts: list[tuple[dt.datetime | None, str]] = []
     for line in _read_lines(files.log) if files.log else []:
         m = _HOST.search(line)
@@ -194,15 +196,24 @@ def rank_host(files: RankFiles, at: dt.datetime | None = None) -> str | None:
 
 
 def find_tracebacks(ranks: Sequence[RankFiles]) -> list[Traceback]:
-    """Every rank's tracebacks, earliest first; a traceback that the rank log and its task
-    stderr both hold is kept once (the log's copy, which has the earlier time)."""
+    """Return every rank's tracebacks, earliest first.
+
+    A traceback that the rank log and its task stderr both hold is kept once: the log's copy,
+    which has the earlier time.
+    """
     found: list[Traceback] = []
     seen: set[tuple[int, str]] = set()
     for files in ranks:
         for path in [p for p in (files.log, *files.errs) if p is not None]:
             for at, text in tracebacks_in(path):
                 when = at or _mtime(path)
-                tb = Traceback(files.rank, rank_host(files, when), path, when, text)
+                tb = Traceback(
+                    rank=files.rank,
+                    host=rank_host(files, when),
+                    source=path,
+                    at=when,
+                    text=text,
+                )
                 if (files.rank, tb.last_line) in seen:
                     continue
                 seen.add((files.rank, tb.last_line))
@@ -234,10 +245,13 @@ def follow(
     start_at_end: bool = True,
     news: Callable[[], list[str]] | None = None,
 ) -> None:
-    """Print what is appended to the files `files()` names (prefix -> path; looked up again
-    every poll, so files that appear later are followed too) until `active()` is false and
-    every file is drained. Lines get their prefix when there are several files. `news()`:
-    lines to print as they come (the run's faults and stops, healed or not)."""
+    """Print what is appended to the files that `files()` names until `active()` is false.
+
+    `files()` maps a prefix to a path and is asked again every poll, so files that appear
+    later are followed too; every file is drained at the end. Lines get their prefix when
+    there are several files. `news()`: lines to print as they come (the run's faults and
+    stops, healed or not).
+    """
     positions: dict[Path, int] = {}
     if start_at_end:
         for path in files().values():

@@ -1,10 +1,10 @@
-"""`mjlab-hpc plot`: mean reward and env-steps/s of one or more runs, against iteration and
-wall time, from their tensorboard event files, as one PNG (several runs overlaid).
+"""`mjlab-hpc plot`: one PNG of runs' mean reward and env-steps/s over iterations and time.
 
-The series are read with tensorboard's EventAccumulator (tags `Train/mean_reward` and
-`Perf/total_fps`, which rsl-rl logs every iteration); a resumed run's events after its
-last checkpoint were purged by the trainer, so every curve is continuous. What was drawn
-(runs, tags, points) is stored in the PNG's text metadata under `mjlab-hpc`.
+The series come from the runs' tensorboard event files, read with tensorboard's
+EventAccumulator (tags `Train/mean_reward` and `Perf/total_fps`, which rsl-rl logs every
+iteration). A resumed run's events after its last checkpoint were purged by the trainer, so
+every curve is continuous. Several runs are overlaid. What was drawn (runs, tags, points) is
+stored in the PNG's text metadata under `mjlab-hpc`.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ class RunSeries:
 
 
 def load_run(run_dir: Path, label: str | None = None) -> RunSeries:
-    """The reward and throughput scalars of a run's tensorboard events (every event file in
-    the run directory, in order)."""
+    """Read the reward and throughput scalars of a run's tensorboard events.
+
+    Every event file in the run directory is read, in order.
+    """
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0: keep every point
@@ -56,19 +58,22 @@ def load_run(run_dir: Path, label: str | None = None) -> RunSeries:
         if tag not in available:
             continue
         events = acc.Scalars(tag)
+        # rsl-rl logs iteration i (0-based) at step i.
         series[tag] = Series(
-            tag,
-            tuple(e.step + 1 for e in events),  # rsl-rl logs iteration i (0-based) at step i
-            tuple(e.wall_time for e in events),
-            tuple(float(e.value) for e in events),
+            tag=tag,
+            iterations=tuple(e.step + 1 for e in events),
+            wall_times=tuple(e.wall_time for e in events),
+            values=tuple(float(e.value) for e in events),
         )
     return RunSeries(run_dir, label or run_dir.name, series)
 
 
 def plot_runs(runs: Sequence[RunSeries], out: Path, title: str | None = None) -> dict[str, Any]:
-    """Draw every run's series into `out` (PNG): rows mean reward and env-steps/s, columns
-    against iteration and against wall time since the run's first event. Returns what was
-    drawn (also stored in the PNG's metadata)."""
+    """Draw every run's series into the PNG `out`; return what was drawn.
+
+    Rows are mean reward and env-steps/s; columns are against iteration and against wall time
+    since the run's first event. What was drawn is also stored in the PNG's metadata.
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed (login nodes, CI)

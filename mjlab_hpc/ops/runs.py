@@ -1,11 +1,11 @@
-"""Finding runs and the jobs behind them: run directories under a log root, the job ids of a
-run (Slurm's or the local executor's), what a RUN|JOB argument names, and the processes of
-this machine that work for a run.
+"""Finding runs and the jobs behind them.
 
-A run directory knows its jobs from, in this order: `sweep_element.json` (an element of a
-sweep: its array job id `<array>_<index>`), the submitit folder's file names
-(`<job>_submitted.pkl`; a `<job>_submission.sh` marks a Slurm job, its absence a local one
-whose job id is the controller's pid) and `run.json` (`job_ids`, `launch_mode`).
+This module lists the run directories under a log root, the job ids of a run (Slurm's or the
+local executor's), and what a RUN|JOB argument names. A run directory knows its jobs from, in
+this order: `sweep_element.json` (an element of a sweep: its array job id `<array>_<index>`),
+the submitit folder's file names (`<job>_submitted.pkl`; a `<job>_submission.sh` marks a Slurm
+job, its absence a local one whose job id is the controller's pid) and `run.json` (`job_ids`,
+`launch_mode`).
 """
 
 from __future__ import annotations
@@ -64,10 +64,12 @@ def created_at(run_dir: Path) -> float:
 
 
 def list_runs(root: Path, unreadable: list[Path] | None = None) -> list[Path]:
-    """Run directories under a log root (`<root>/<experiment>/<run>`) or an experiment
-    directory (`<root>/<run>`), newest first. Hidden entries (`.sweeps`, `.keys`) are skipped,
-    and so are folders this user may not read (another user's, in a team's log root): listed
-    in `unreadable`."""
+    """List the run directories under a log root or an experiment directory, newest first.
+
+    A log root holds `<experiment>/<run>`, an experiment directory `<run>`. Hidden entries
+    (`.sweeps`, `.keys`) are skipped, and so are folders this user may not read (another
+    user's, in a team's log root): those are listed in `unreadable`.
+    """
     if not root.is_dir():
         return []
     found: list[Path] = []
@@ -95,8 +97,11 @@ def list_runs(root: Path, unreadable: list[Path] | None = None) -> list[Path]:
 
 @dataclass(frozen=True)
 class RunJobs:
-    """The jobs that ran (or run) a run directory, oldest first (a --chain's in its order):
-    the last one is current, except in a chain, where Slurm's states tell which one runs."""
+    """The jobs that ran (or run) a run directory, oldest first.
+
+    A --chain's jobs are in its order. The last one is current, except in a chain, where
+    Slurm's states tell which one runs.
+    """
 
     run_dir: Path
     kind: JobKind | None
@@ -110,8 +115,11 @@ class RunJobs:
 
 
 def _folder_jobs(folder: Path) -> tuple[list[str], bool]:
-    """Job ids named by the files of a submitit folder (oldest first), and whether they are
-    Slurm jobs (submitit writes a submission script only for those)."""
+    """Return the job ids that a submitit folder's files name, oldest first.
+
+    The second value tells whether they are Slurm jobs: submitit writes a submission script
+    only for those.
+    """
     if not folder.is_dir():
         return [], False
     seen: dict[str, float] = {}
@@ -135,7 +143,8 @@ def run_jobs(run_dir: Path) -> RunJobs:
     element = read_element(run_dir)
     if element is not None:
         kind: JobKind = "slurm" if element.executor == "slurm" else "local"
-        return RunJobs(run_dir, kind, (element.job_id, *element.chain), element)
+        job_ids = (element.job_id, *element.chain)
+        return RunJobs(run_dir=run_dir, kind=kind, job_ids=job_ids, element=element)
     record = read_record(run_dir)
     ids, slurm = _folder_jobs(run_dir / SUBMITIT_DIR)
     found: JobKind | None = None
@@ -151,7 +160,7 @@ def run_jobs(run_dir: Path) -> RunJobs:
             job = start.get("job_id")
             if job and str(job) not in ids:
                 ids.append(str(job))
-    return RunJobs(run_dir, found, tuple(ids) if found else (), None)
+    return RunJobs(run_dir=run_dir, kind=found, job_ids=tuple(ids) if found else ())
 
 
 def sweep_runs(sweep_dir: Path) -> list[Path]:
@@ -171,16 +180,20 @@ def _sweeps_under(log_root: Path) -> Iterable[Path]:
 
 @dataclass(frozen=True)
 class Target:
-    """What a RUN|JOB argument names: run directories, and the array job id when it named a
-    whole job array."""
+    """What a RUN|JOB argument names: run directories, and an array's job id.
+
+    The array's job id is set when the argument named a whole job array.
+    """
 
     runs: tuple[Path, ...]
     array_job_id: str | None = None
 
 
 def resolve_target(target: str, log_root: Path, slurm: SlurmClient | None = None) -> Target:
-    """Run directories named by a path (a run, a sweep's record directory, an experiment or a
-    log root) or by a job id (Slurm: `4711`, `4711_2`; local: the controller's pid).
+    """Find the run directories that a path or a job id names.
+
+    A path is a run, a sweep's record directory, an experiment or a log root; a job id is
+    Slurm's (`4711`, `4711_2`) or the local controller's pid.
 
     Job ids are looked up in the run directories under `log_root`, then, for Slurm jobs run
     elsewhere, through `scontrol show job` (its StdOut lies in the run's submitit folder).
@@ -216,18 +229,22 @@ def resolve_target(target: str, log_root: Path, slurm: SlurmClient | None = None
     found = run_dirs_of_job(target, slurm)
     if found:
         return found
-    known = slurm.job_stdout_paths(target) is not None
+    if slurm.job_stdout_paths(target) is not None:
+        why = "Slurm does not know it"
+    else:
+        why = "Slurm could not be asked: scontrol did not answer"
     raise SpecError(
         "RUN|JOB",
-        f"no run directory for job {target} under --log-root {log_root} ("
-        + ("and Slurm does not know it" if known else "and Slurm could not be asked: "
-           "scontrol did not answer") + "); pass the run directory instead",
-    )  # fmt: skip
+        f"no run directory for job {target} under --log-root {log_root} (and {why}); pass the "
+        "run directory instead",
+    )
 
 
 def run_dirs_of_job(job_id: str, slurm: SlurmClient) -> Target | None:
-    """Run directories of a job slurmctld knows, from its StdOut paths (submitit writes
-    them into the run's submitit folder, or a sweep's shared one)."""
+    """Find the run directories of a job that slurmctld knows, from its StdOut paths.
+
+    submitit writes them into the run's submitit folder, or a sweep's shared one.
+    """
     runs: list[Path] = []
     for stdout in slurm.job_stdout_paths(job_id) or []:
         owner = stdout.parent.parent  # <run>/submitit/<job>_0_log.out

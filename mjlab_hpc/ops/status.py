@@ -130,7 +130,7 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
     except DamagedRecord as exc:  # named on its row; the other runs are listed as ever
         record, damaged = {}, str(exc)
         if state.source in ("record", "none"):
-            state = JobState("DAMAGED", "record", False)
+            state = JobState(state="DAMAGED", source="record", active=False)
     progress = progress_summary(RunDir(run_dir), RATE_WINDOW)
     world = record.get("world_size")
     nodes = state.nodes or record.get("num_nodes")
@@ -143,6 +143,7 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
     # A restarted start that failed before its writer recorded it still restarted the run.
     restarts = max(0, len(starts) - 1, len(requeues))
     reasons = tuple(str(r.get("reason")) for r in requeues[:restarts])
+    stragglers = [str(s.get("text")) for s in record.get("stragglers") or []]
     return RunStatus(
         run_dir=run_dir,
         kind=jobs.kind,
@@ -163,9 +164,7 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         sweep=jobs.element,
         cause=damaged or (_cause(run_dir, record, state) if state.state in FAILED_STATES else None),
         reason=state.reason,
-        stragglers=tuple(str(s.get("text")) for s in record.get("stragglers") or [])
-        if state.active
-        else (),
+        stragglers=tuple(stragglers) if state.active else (),
         disagrees=state.disagrees,
     )
 
@@ -216,8 +215,10 @@ class StatusReport:
 
 
 def _current_row(run: RunJobs, rows: dict[str, SlurmRow]) -> SlurmRow | None:
-    """The row of the run's job that runs or waits (the first of a chain that has not
-    ended), else of its last job."""
+    """Return the row of the run's job that runs or waits, else of its last job.
+
+    In a --chain the job that runs or waits is the first that has not ended.
+    """
     known = [rows[j] for j in run.job_ids if j in rows]
     return next((r for r in known if not r.final), rows.get(run.current or ""))
 
@@ -227,26 +228,45 @@ _ENDED = frozenset({"COMPLETED", "FAILED", "INTERRUPTED", "CANCELLED"})
 
 
 def _record_first(run_dir: Path, row: SlurmRow) -> JobState:
-    """The job's state from Slurm, unless only accounting says it is active (squeue did not
-    list it: slurmctld down or forgetful) and the run's own record says this job's start
-    ended: the record wins, and says what Slurm says."""
-    slurm = JobState(row.state, row.source, not row.final, row.nodes, row.gpus_per_node,
-                     row.reason)  # fmt: skip
+    """Return the job's state from Slurm, unless the run's own record knows better.
+
+    The record wins when only accounting says the job is active (squeue did not list it:
+    slurmctld down or forgetful) and the record says this job's start ended; and when the
+    ranks stopped for good although Slurm says the job failed or completed. The state then
+    says what Slurm says.
+    """
+    from_slurm = JobState(
+        state=row.state,
+        source=row.source,
+        active=not row.final,
+        nodes=row.nodes,
+        gpus_per_node=row.gpus_per_node,
+        reason=row.reason,
+    )
     if row.final and row.state in ("FAILED", "COMPLETED"):
         # The ranks stopped for good with a checkpoint (a person's SIGTERM, a time limit too
         # short to requeue): the job's exit code says failed, the run is stopped.
         record = read_record(run_dir)
         stop = (record.get("restarts") or [{}])[-1]
-        if (record.get("state") == "stopped" and stop.get("kind") == "stop"
-                and stop.get("job_id") in (row.job_id, row.raw_id)):  # fmt: skip
-            return JobState("STOPPED", "record", False, row.nodes, row.gpus_per_node,
-                            disagrees=f"{row.source} says {row.state}")  # fmt: skip
+        if (
+            record.get("state") == "stopped"
+            and stop.get("kind") == "stop"
+            and stop.get("job_id") in (row.job_id, row.raw_id)
+        ):
+            return JobState(
+                state="STOPPED",
+                source="record",
+                active=False,
+                nodes=row.nodes,
+                gpus_per_node=row.gpus_per_node,
+                disagrees=f"{row.source} says {row.state}",
+            )
     if row.final or row.source == "squeue":
-        return slurm
+        return from_slurm
     own = record_state(run_dir)
     last = (read_record(run_dir).get("starts") or [{}])[-1].get("job_id")
     if own.source != "record" or own.state not in _ENDED or last not in (row.job_id, row.raw_id):
-        return slurm
+        return from_slurm
     return dataclasses.replace(own, disagrees=f"{row.source} says {row.state}")
 
 
@@ -266,25 +286,28 @@ def job_states(
         if row is not None:
             out[run.run_dir] = _record_first(run.run_dir, row)
         elif run.kind == "local" and local_processes(run.run_dir):
-            out[run.run_dir] = JobState("RUNNING", "process", True, 1)
+            out[run.run_dir] = JobState(state="RUNNING", source="process", active=True, nodes=1)
         else:
             out[run.run_dir] = record_state(run.run_dir)
     return out, answer
 
 
 def _named_nodes(event: dict[str, Any]) -> list[str]:
-    """The nodes a stop or fault named: where it happened and what the healer left out (not
-    stragglers' nodes: slow, not why a job waits)."""
+    """Return the nodes a stop or fault named: where it happened, what the healer left out.
+
+    Not stragglers' nodes: they are slow, not why a job waits.
+    """
     slow = set(event.get("straggler_nodes") or [])
-    names = [*(event.get("nodes") or []), *(event.get("hosts") or []),
-             *(event.get("excluded_nodes") or [])]  # fmt: skip
+    names = [n for key in ("nodes", "hosts", "excluded_nodes") for n in event.get(key) or []]
     return list(dict.fromkeys(str(n) for n in names if n and n not in slow))
 
 
 def _suspects(events: Sequence[dict[str, Any]]) -> list[str]:
-    """The nodes the last stop or fault named; after a preemption or a requeue by Slurm that
-    named none (the ranks take a node's loss for one when Slurm no longer calls it down), the
-    last that named any."""
+    """Return the nodes the last stop or fault named.
+
+    After a preemption or a requeue by Slurm that named none (the ranks take a node's loss for
+    one when Slurm no longer calls it down), those of the last that named any.
+    """
     last = events[-1] if events else {}
     if last and not _named_nodes(last) and last.get("reason") in ("preemption", "requeue"):
         return next((n for e in reversed(events) if (n := _named_nodes(e))), [])
@@ -292,35 +315,52 @@ def _suspects(events: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _explain_waits(rows: list[RunStatus], slurm: SlurmClient) -> list[RunStatus]:
-    """Rows of Slurm jobs that wait after a stop or fault, with why (one sinfo call for all
-    of them, none when no such row)."""
-    waits = [i for i, r in enumerate(rows)
-             if r.kind == "slurm" and r.state == "PENDING" and r.interruptions]  # fmt: skip
+    """Add why to the rows of Slurm jobs that wait again after a stop or fault.
+
+    One sinfo call serves all of them; none is made when no row waits.
+    """
+    waits = [
+        i
+        for i, r in enumerate(rows)
+        if r.kind == "slurm" and r.state == "PENDING" and r.interruptions
+    ]
     named = {i: _suspects(rows[i].interruptions) for i in waits}
     # Slurm's NODE_FAIL names the allocation (`node[1-2]`): sinfo -N answers node by node.
-    names = {n: [n] if "[" not in n else (slurm.hostnames(n) or []) for v in named.values()
-             for n in v}  # fmt: skip
+    names = {
+        n: [n] if "[" not in n else (slurm.hostnames(n) or []) for v in named.values() for n in v
+    }
     nodes = list(dict.fromkeys(h for hosts in names.values() for h in hosts))
     states = (slurm.node_states(nodes) or {}) if nodes else {}
     for i in waits:
         hosts = dict.fromkeys(h for n in named[i] for h in names[n])
-        said = [f"{h} is {states[h][0]}" + (f" ({states[h][1]})" if states[h][1] else "")
-                for h in hosts if h in states]  # fmt: skip
+        said = [
+            f"{h} is {states[h][0]}" + (f" ({states[h][1]})" if states[h][1] else "")
+            for h in hosts
+            if h in states
+        ]
         why = f"waits after: {interruption_line(rows[i].interruptions[-1])}"
         rows[i] = dataclasses.replace(rows[i], waiting=why + "".join(f"; {s}" for s in said))
     return rows
 
 
 def collect(run_dirs: Sequence[Path], slurm: SlurmClient | None = None) -> StatusReport:
-    """The status of every run (one squeue and one sacct call for all of them, and one sinfo
-    where some wait again after a stop or fault)."""
+    """Return the status of every run.
+
+    One squeue and one sacct call serve all of them, and one sinfo where some wait again
+    after a stop or fault.
+    """
     slurm = slurm or SlurmClient()
     jobs = [run_jobs(Path(r).absolute()) for r in run_dirs]
     states, answer = job_states(jobs, slurm)
     rows = _explain_waits([_status_of(j, states[j.run_dir]) for j in jobs], slurm)
     accounting = answer.accounting if answer else None
     queue = answer.queue if answer else True
-    return StatusReport(tuple(rows), accounting, shutil.which("squeue") is not None, queue)
+    return StatusReport(
+        rows=tuple(rows),
+        accounting=accounting,
+        slurm_here=shutil.which("squeue") is not None,
+        queue=queue,
+    )
 
 
 def _display_path(path: Path) -> str:
@@ -363,8 +403,10 @@ def interruption_line(e: dict[str, Any]) -> str:
     if e.get("not_excluded"):
         line += f"; {e['not_excluded']}"
     if "recovered_at" in e:
-        line += (f"; resumed from {e.get('resumed_from')} ({e.get('recomputed')} iteration(s) "
-                 f"recomputed), first iteration {e.get('recovery_s')} s after")  # fmt: skip
+        line += (
+            f"; resumed from {e.get('resumed_from')} ({e.get('recomputed')} iteration(s) "
+            f"recomputed), first iteration {e.get('recovery_s')} s after"
+        )
     return line
 
 

@@ -1,2 +1,4 @@
-"""Everything that speaks to Slurm: one client for its commands (`client`) and its notations
-for time and memory (`units`)."""
+"""Everything that speaks to Slurm.
+
+`client` runs its commands; `units` reads its notations for time and memory.
+"""

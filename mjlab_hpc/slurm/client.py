@@ -1,5 +1,4 @@
-"""Every Slurm command the toolkit runs (squeue, sacct, scontrol, scancel), through one client
-with one timeout policy.
+"""One client for every Slurm command the toolkit runs, with one timeout policy.
 
 A command that is missing or hangs answers None instead of raising: callers decide what a
 missing answer means (status falls back to the run record).
@@ -9,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from mjlab_hpc.procs import run_command
+from mjlab_hpc.slurm.units import slurm_seconds
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -30,14 +31,14 @@ __all__ = [
 
 log = logging.getLogger("mjlab_hpc")
 
-#: Seconds any one Slurm command may take before it counts as not answering.
+# Seconds any one Slurm command may take before it counts as not answering.
 DEFAULT_TIMEOUT_S = 30.0
 
-#: Job ids per squeue / sacct / scontrol call: a status of thousands of runs stays a few calls,
-#: each command line a few kB (far below ARG_MAX and what slurmctld parses quickly).
+# Job ids per squeue / sacct / scontrol call: a status of thousands of runs stays a few calls,
+# each command line a few kB (far below ARG_MAX and what slurmctld parses quickly).
 QUERY_CHUNK = 500
 
-#: Slurm states after which a job never runs again (REQUEUED is not one of them).
+# Slurm states after which a job never runs again (REQUEUED is not one of them).
 FINAL_STATES = frozenset(
     {
         "BOOT_FAIL",
@@ -106,8 +107,10 @@ _FOLDED = re.compile(r"^(\d+)_\[([\d,-]+)(?:%\d+)?\]$")
 
 
 def _array_elements(job: str) -> list[str]:
-    """`4711_[0-2,5%2]` (sacct's one row for array elements that never started) as
-    `4711_0 4711_1 4711_2 4711_5`; any other id as itself."""
+    """Expand sacct's one row for the elements of an array that never started.
+
+    `4711_[0-2,5%2]` becomes `4711_0 4711_1 4711_2 4711_5`; any other id stays as it is.
+    """
     m = _FOLDED.match(job)
     if not m:
         return [job]
@@ -135,8 +138,10 @@ _RESIZED = "RESIZING"
 
 
 def _pick(rows: Sequence[SlurmRow]) -> SlurmRow | None:
-    """The row that answers for an id: the job itself, or for a whole array an element that
-    is still queued or running."""
+    """Pick the row that answers for an id.
+
+    That is the job itself, or for a whole array an element that is still queued or running.
+    """
     return next((r for r in rows if not r.final), rows[0] if rows else None)
 
 
@@ -164,12 +169,9 @@ class Partition:
 
 
 def _minutes(limit: str) -> int | None:
-    """Minutes of sinfo's `%l` (`infinite`, `1-00:00:00`, `30:00`)."""
-    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", limit.strip())
-    if not m:
-        return None
-    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
-    return days * 1440 + hours * 60 + minutes + (1 if seconds else 0)
+    """Return the minutes of sinfo's `%l` (`infinite`, `1-00:00:00`, `30:00`), rounded up."""
+    seconds = slurm_seconds(limit)
+    return None if seconds is None else math.ceil(seconds / 60)
 
 
 # Commands that ask slurmctld (sacct and sacctmgr ask slurmdbd).
@@ -203,12 +205,13 @@ class SlurmClient:
             self.unreachable.append(proc)
         return proc
 
-    # --- job states ----------------------------------------------------------------------
-
     def squeue(self, ids: Sequence[str]) -> list[SlurmRow] | None:
-        """The jobs slurmctld still knows (running, pending, and recently ended ones), one row
-        per array element (`-r`: else a pending array is one row `4711_[0-199]`). Asked in
-        chunks of QUERY_CHUNK ids; None when squeue is missing, fails or does not answer."""
+        """Return the jobs slurmctld still knows: running, pending and recently ended ones.
+
+        One row per array element (`-r`: else a pending array is one row `4711_[0-199]`).
+        Asked in chunks of QUERY_CHUNK ids; None when squeue is missing, fails or does not
+        answer.
+        """
         fmt = "%i|%F|%K|%A|%T|%D|%N|%b|%r"
         rows: list[SlurmRow] = []
         for chunk in _chunks(ids):
@@ -239,9 +242,11 @@ class SlurmClient:
         return rows
 
     def sacct(self, ids: Sequence[str]) -> list[SlurmRow] | None:
-        """The jobs in accounting, in chunks of QUERY_CHUNK ids; None when sacct fails (e.g.
-        accounting is disabled). Array elements that never started, which sacct folds into
-        one row (`4711_[3-199]`), come back one row each."""
+        """Return the jobs in accounting; None when sacct fails (accounting disabled, say).
+
+        Asked in chunks of QUERY_CHUNK ids. Array elements that never started, which sacct
+        folds into one row (`4711_[3-199]`), come back one row each.
+        """
         fields = "JobID,JobIDRaw,State,NNodes,AllocTRES,NodeList,Reason"
         rows: list[SlurmRow] = []
         for chunk in _chunks(ids):
@@ -274,26 +279,34 @@ class SlurmClient:
         return rows
 
     def attempts(self, job_id: str) -> list[tuple[str, str, str]] | None:
-        """Every run of a requeued job, oldest first: (state, node list, end time); None when
-        sacct fails. An attempt that ended because a node failed says NODE_FAIL."""
-        proc = self.run(["sacct", "-n", "-P", "-X", "--duplicates", "-j", job_id, "-o",
-                         "State,NodeList,End"])  # fmt: skip
+        """Return every run of a requeued job, oldest first, as (state, node list, end time).
+
+        None when sacct fails. An attempt that ended because a node failed says NODE_FAIL.
+        """
+        fields = "State,NodeList,End"
+        proc = self.run(["sacct", "-n", "-P", "-X", "--duplicates", "-j", job_id, "-o", fields])
         if proc is None or proc.returncode != 0:
             return None
         rows = [line.split("|") for line in proc.stdout.splitlines()]
-        return [(r[0].split()[0], r[1], r[2]) for r in rows
-                if len(r) == 3 and r[0] and r[0] != _RESIZED]  # fmt: skip
+        return [
+            (r[0].split()[0], r[1], r[2]) for r in rows if len(r) == 3 and r[0] and r[0] != _RESIZED
+        ]
 
     def out_of_memory(self, job_id: str) -> bool:
-        """Whether a step of the job's latest run ended OUT_OF_MEMORY (Slurm's cgroup plugin
-        saw its OOM killer end a task); False when sacct does not say so or cannot answer."""
+        """Tell whether a step of the job's latest run ended OUT_OF_MEMORY.
+
+        Slurm's cgroup plugin says so when its OOM killer ended a task. False when sacct does
+        not say so or cannot answer.
+        """
         proc = self.run(["sacct", "-n", "-P", "-j", job_id, "-o", "State"])
         return proc is not None and "OUT_OF_MEMORY" in proc.stdout
 
     def answer(self, ids: Sequence[str]) -> SlurmAnswer:
-        """The freshest row for every id that Slurm knows, from one squeue and one sacct call
-        for all of them (more only past QUERY_CHUNK distinct jobs): array elements (`4711_2`)
-        are asked by their array's id, which lists every element at once.
+        """Return the freshest row for every id that Slurm knows.
+
+        One squeue and one sacct call serve all of them (more only past QUERY_CHUNK distinct
+        jobs): array elements (`4711_2`) are asked by their array's id, which lists every
+        element at once.
 
         squeue is current while slurmctld knows the job; sacct has the precise end state
         (squeue says COMPLETING while sacct already says CANCELLED) and jobs slurmctld has
@@ -339,19 +352,24 @@ class SlurmClient:
             return None
         return {m.group(1): m.group(2) for m in re.finditer(r"(\w+)=(\S*)", text)}
 
+    def excluded_nodes(self, job_id: str) -> list[str]:
+        """Return the nodes the job may not run on (its ExcNodeList; none when unknown)."""
+        value = (self.job_fields(job_id) or {}).get("ExcNodeList", "(null)")
+        return [] if value in ("(null)", "") else self.hostnames(value) or []
+
     def job_state(self, job_id: str) -> str | None:
         """The job's state as slurmctld sees it now (RUNNING, CANCELLED, ...), None if unknown."""
         return (self.job_fields(job_id) or {}).get("JobState")
 
     def job_stdout_paths(self, job_id: str) -> list[Path] | None:
-        """The StdOut files of a job slurmctld knows (one per array element; none for a job it
-        does not know); None when slurmctld did not answer."""
+        """Return the StdOut files of a job, one per array element.
+
+        None when slurmctld did not answer; none for a job it does not know.
+        """
         proc = self.run(["scontrol", "show", "job", job_id])
         if proc is None or (proc.returncode != 0 and "Invalid job id" not in proc.stderr):
             return None
         return [Path(m.group(1)) for m in re.finditer(r"StdOut=(\S+)", proc.stdout)]
-
-    # --- actions ---------------------------------------------------------------------------
 
     def requeue(self, job_id: str) -> bool:
         """Ask Slurm to run this job again (same job id, SLURM_RESTART_COUNT + 1).
@@ -374,8 +392,11 @@ class SlurmClient:
         return True
 
     def scancel(self, ids: Sequence[str]) -> subprocess.CompletedProcess[str] | None:
-        """Cancel jobs (SIGTERM to their steps, then SIGKILL after KillWait), QUERY_CHUNK ids
-        per call; the answer of the first call that failed, else of the last."""
+        """Cancel jobs: SIGTERM to their steps, then SIGKILL after KillWait.
+
+        Each call takes QUERY_CHUNK ids. Returns the answer of the first call that failed,
+        else of the last.
+        """
         last = None
         for chunk in _chunks(ids):
             last = self.run(["scancel", *chunk])
@@ -384,8 +405,10 @@ class SlurmClient:
         return last
 
     def signal_steps(self, ids: Sequence[str], name: str) -> bool:
-        """Send signal `name` (TERM, KILL, ...) to the tasks of jobs or steps (`4711.0`)
-        without ending them: they decide what to do with it."""
+        """Send signal `name` (TERM, KILL, ...) to the tasks of jobs or steps, not ending them.
+
+        A step is named like `4711.0`. The tasks decide what to do with the signal.
+        """
         proc = self.run(["scancel", f"--signal={name}", *ids])
         return proc is not None and proc.returncode == 0
 
@@ -401,9 +424,12 @@ class SlurmClient:
         return None
 
     def forbid_requeue(self, job_ids: str | Sequence[str]) -> bool:
-        """Mark jobs as not requeueable (before cancelling them: our ranks answer SIGTERM with
-        a checkpoint and `scontrol requeue`; a job that may not be requeued stays cancelled).
-        One `scontrol update` per QUERY_CHUNK jobs; False when any call failed."""
+        """Mark jobs as not requeueable, before cancelling them.
+
+        Our ranks answer SIGTERM with a checkpoint and `scontrol requeue`; a job that may not
+        be requeued stays cancelled. One `scontrol update` per QUERY_CHUNK jobs; False when
+        any call failed.
+        """
         ids = [job_ids] if isinstance(job_ids, str) else list(job_ids)
         ok = True
         for chunk in _chunks(ids):
@@ -412,8 +438,10 @@ class SlurmClient:
         return ok
 
     def partitions(self) -> dict[str, Partition] | None:
-        """Every partition by name (the default one also under ""), or None when sinfo does
-        not answer."""
+        """Return every partition by name, the default one also under "".
+
+        None when sinfo does not answer.
+        """
         # -a: hidden partitions too (a user may have access to one).
         proc = self.run(["sinfo", "-a", "-h", "-o", "%P|%D|%c|%G|%l|%m|%s"])
         if proc is None or proc.returncode != 0:
@@ -447,20 +475,25 @@ class SlurmClient:
         return out
 
     def lost_nodes(self, nodelist: str) -> list[str] | None:
-        """The nodes of a node list that Slurm marks down or failing (a SIGTERM because a
-        node failed, not a preemption; a drain lets jobs finish); None when Slurm does not
-        answer."""
+        """Return the nodes of a node list that Slurm marks down or failing.
+
+        A SIGTERM then came because a node failed, not from a preemption (a drain lets jobs
+        finish). None when Slurm does not answer.
+        """
         hosts = self.hostnames(nodelist)
         states = self.node_states(hosts) if hosts else None
         if states is None:
             return None
-        return sorted(n for n, (state, _) in states.items()
-                      if any(w in state.upper() for w in _LOST))  # fmt: skip
+        return sorted(
+            n for n, (state, _) in states.items() if any(w in state.upper() for w in _LOST)
+        )
 
     def node_states(self, nodes: Sequence[str]) -> dict[str, tuple[str, str]] | None:
-        """Each node's state and Slurm's reason for it (`("down*", "Not responding")`,
-        `("idle", "")`), from one sinfo call (names or hostlist expressions); None when Slurm
-        does not answer."""
+        """Return each node's state and Slurm's reason for it, from one sinfo call.
+
+        `nodes` are names or hostlist expressions. A state and reason read like
+        `("down*", "Not responding")` or `("idle", "")`. None when Slurm does not answer.
+        """
         proc = self.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N|%T|%E"])
         if proc is None or proc.returncode != 0:
             return None
@@ -473,8 +506,11 @@ class SlurmClient:
         return out
 
     def hostnames(self, expr: str) -> list[str] | None:
-        """`scontrol show hostnames EXPR` (None when scontrol is missing, fails, hangs or
-        prints no host, as it does for an invalid hostlist while exiting 0)."""
+        """Expand a hostlist expression with `scontrol show hostnames`.
+
+        None when scontrol is missing, fails, hangs or prints no host (as it does for an
+        invalid hostlist, while exiting 0).
+        """
         argv = ["scontrol", "show", "hostnames", expr]
         if expr.startswith("-"):
             argv.insert(-1, "--")  # else scontrol's getopt takes "-[1-2]" for options
@@ -483,8 +519,6 @@ class SlurmClient:
             return None
         hosts = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
         return hosts or None
-
-    # --- cluster facts and submissions (mjlab-hpc doctor) --------------------------------
 
     def config(self) -> dict[str, str] | None:
         """`scontrol show config` as a dict (None when scontrol does not answer)."""
@@ -510,8 +544,10 @@ class SlurmClient:
         return (job, said) if job.isdigit() else (None, said)
 
     def test_only(self, args: Sequence[str]) -> tuple[bool, str]:
-        """`sbatch --test-only ARGS`: whether Slurm would accept the job, and its answer
-        (where and when it would start, or why not). Nothing is submitted."""
+        """Ask `sbatch --test-only ARGS` whether Slurm would accept the job; nothing is submitted.
+
+        Returns the verdict and Slurm's answer (where and when it would start, or why not).
+        """
         proc = self.run(["sbatch", "--test-only", *args])
         if proc is None:
             return False, "sbatch is not on PATH or did not answer"

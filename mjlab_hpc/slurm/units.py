@@ -25,14 +25,17 @@ _TIME_FORMATS = tuple(
 _SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 # The largest value of a field that follows a larger unit (hours after days, ...).
 _FIELD_MAX = {"h": 23, "m": 59, "s": 59}
-#: Longer limits are surely typos (Slurm itself caps MaxTime per partition).
+# Longer limits are surely typos (Slurm itself caps MaxTime per partition).
 MAX_DAYS = 365
 _MEM = re.compile(r"(\d+)([KMGT]?)B?", re.IGNORECASE | re.ASCII)
 
 
 def slurm_time_minutes(value: str, flag: str = "--time") -> int:
-    """Minutes of a Slurm time limit (`30`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`,
-    `D-HH:MM:SS`), rounded up to whole minutes as Slurm does; SpecError naming `flag`."""
+    """Return the minutes of a Slurm time limit, rounded up to whole minutes as Slurm does.
+
+    The forms are `30`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM` and `D-HH:MM:SS`; anything
+    else raises SpecError naming `flag`.
+    """
     for pattern, units in _TIME_FORMATS:
         m = pattern.fullmatch(value)
         if m:
@@ -61,7 +64,10 @@ def slurm_time_minutes(value: str, flag: str = "--time") -> int:
 
 
 def check_mem(value: str, flag: str = "--mem") -> str:
-    """A Slurm memory size (`64G`, `500M`, `1024`), as given; SpecError naming `flag`."""
+    """Check a Slurm memory size (`64G`, `500M`, `1024`) and return it as given.
+
+    Anything else raises SpecError naming `flag`.
+    """
     if not _MEM.fullmatch(value):
         raise SpecError(flag, f"{value!r} is not a Slurm memory size (e.g. 64G, 500M)")
     return value
@@ -75,8 +81,10 @@ def mem_bytes(value: str) -> int:
 
 
 def slurm_seconds(value: str) -> int | None:
-    """Seconds of a duration as Slurm prints it (`[D-]HH:MM:SS`, `MM:SS`); None for anything
-    else (`UNLIMITED`, `INVALID`, empty)."""
+    """Return the seconds of a duration as Slurm prints it (`[D-]HH:MM:SS`, `MM:SS`).
+
+    None for anything else (`UNLIMITED`, `INVALID`, empty).
+    """
     m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", value.strip())
     if m is None:
         return None

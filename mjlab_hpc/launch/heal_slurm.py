@@ -1,0 +1,193 @@
+"""The heal step of a Slurm job script: it acts on the decision of `launch/heal` after srun.
+
+It runs in the batch shell, which outlives the ranks (`mjlab-hpc heal`). It records the
+decision, then prints the srun options of the next step in the allocation, or requeues the
+job without the suspect nodes, or lets it end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE, EXIT_RESTART
+from mjlab_hpc.launch.heal import Healing, Step, decide, place_restart, record_healing
+from mjlab_hpc.rank.context import START_ENV
+from mjlab_hpc.rundir.layout import SUBMITIT_DIR, SWEEP_ELEMENTS, read_sweep
+from mjlab_hpc.slurm.client import SlurmClient
+
+__all__ = ["apply_slurm", "heal_job", "heal_slurm", "job_run_dir"]
+
+log = logging.getLogger("mjlab_hpc")
+
+
+def job_run_dir(path: Path, env: Mapping[str, str]) -> Path:
+    """Return the run directory of this job: `path`, or this array element's run.
+
+    For a sweep's job array `path` is the sweep's directory, which links each element's run.
+    """
+    index = env.get("SLURM_ARRAY_TASK_ID", "0")
+    link = path / SWEEP_ELEMENTS / index
+    if link.is_dir():
+        return link.resolve()
+    elements = read_sweep(path).get("elements")
+    return Path(elements[int(index)]["run_dir"]) if elements else path
+
+
+def apply_slurm(client: SlurmClient, job_id: str, heal: Healing) -> bool:
+    """Requeue the job from inside it, excluding the suspect nodes; True when done."""
+    if not heal.exclude:
+        return client.requeue(job_id)
+    nodes = ",".join(dict.fromkeys([*client.excluded_nodes(job_id), *heal.exclude]))
+    # A running job's ExcNodeList cannot change; a requeued one's can, in the seconds before
+    # Slurm may start it again (its begin time). The requeue ends this script (SIGTERM,
+    # SIGKILL after KillWait): the change follows at once. No requeuehold and later release:
+    # a release before the requeue completes is lost, and a helper meant to release it later
+    # dies with the job under proctrack/cgroup: the job stayed held for good (seen on 22.05
+    # and 24.11 with task/cgroup).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not client.requeue(job_id):
+        return False
+    update = client.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={nodes}"])
+    if update is None or update.returncode != 0:  # it runs again, maybe on the same node
+        log.error("excluding %s failed: %s", nodes, update and update.stderr.strip())
+    return True
+
+
+def _say(heal: Healing) -> None:
+    """Tell the job's output what was decided."""
+    lines = [heal.describe()]
+    if heal.entry.get("excluded_nodes"):
+        lines.append(f"excluding node(s) {', '.join(heal.entry['excluded_nodes'])}")
+    if heal.entry.get("not_excluded"):
+        lines.append(heal.entry["not_excluded"])
+    for line in lines:
+        print(f"mjlab-hpc heal: {line}", file=sys.stderr, flush=True)
+
+
+def _drop_results(submitit_dir: Path, job_id: str | None) -> None:
+    """Delete the failed start's submitit results (a rank's exception).
+
+    `mjlab-submit --follow` would take one that the next start has not rewritten yet for its
+    own (seen on 24.11).
+    """
+    task = os.environ.get("SLURM_ARRAY_TASK_ID")
+    key = f"{os.environ.get('SLURM_ARRAY_JOB_ID')}_{task}" if task else job_id
+    for stale in submitit_dir.glob(f"{key}_*_result.pkl"):
+        stale.unlink(missing_ok=True)
+
+
+def _srun_options(step: Step, tasks_per_node: int) -> str:
+    """Return the batch script's srun options for its next step."""
+    options = [f"--exclude={','.join(step.excluded)}"] if step.excluded else []
+    if step.nodes is not None:
+        options += [f"--nodes={step.nodes}", f"--ntasks={step.nodes * tasks_per_node}"]
+    return " ".join(options)
+
+
+def heal_slurm(
+    run_dir: Path,
+    exit_code: int,
+    max_restarts: int,
+    client: SlurmClient,
+    since: float | None = None,
+    submitit_dir: Path | None = None,
+    step_nodes: int | None = None,
+    min_nodes: int | None = None,
+    tasks_per_node: int = 1,
+) -> int:
+    """Decide, record and act after the batch script's srun step; return the script's exit code.
+
+    EXIT_RESTART asks the script for another srun step, whose options are printed on stdout.
+    `since`: when this srun step began; `submitit_dir`: the job's submitit folder;
+    `step_nodes`: the nodes of a step (the allocation's others are spares); `min_nodes`: the
+    fewest nodes a step may go on with (`tasks_per_node` ranks each).
+    """
+    if exit_code in (EXIT_OK, EXIT_REQUEUE):  # done; or a stop the ranks want requeued
+        return exit_code
+    # EXIT_RESTART from srun came from a rank, not from us: passed on, the script would loop.
+    fail_code = EXIT_FAILED if exit_code == EXIT_RESTART else exit_code
+    job_id = os.environ.get("SLURM_JOB_ID")
+    start = os.environ.get(START_ENV) or None
+    heal = decide(
+        run_dir,
+        max_restarts,
+        job_id=job_id,
+        since=None if start else since,
+        slurm_oom=bool(job_id and client.out_of_memory(job_id)),
+        start=start,
+    )
+    if heal.fault is None:
+        return fail_code
+    step = place_restart(
+        client,
+        run_dir,
+        heal,
+        step_nodes=step_nodes,
+        min_nodes=min_nodes,
+        tasks_per_node=tasks_per_node,
+    )
+    _say(heal)
+    try:
+        record_healing(run_dir, heal)
+    except Exception as exc:  # the run matters more than its record: heal anyway
+        log.error("could not record the fault in run.json: %s", exc)
+        step = None  # unrecorded restarts would escape --max-restarts: a requeue instead
+    if heal.requeue and submitit_dir is not None:
+        _drop_results(submitit_dir, job_id)
+    if step is not None:
+        print(_srun_options(step, tasks_per_node), flush=True)
+        return EXIT_RESTART
+    if heal.requeue and job_id:
+        if shutil.which("scontrol", path=(client.env or os.environ).get("PATH")) is None:
+            return EXIT_REQUEUE  # inside an image without Slurm's client: the batch shell requeues
+        if apply_slurm(client, job_id, heal):
+            return EXIT_OK
+    if heal.requeue:  # run.json must not say requeued
+        heal.requeue = False
+        heal.entry["kind"] = "failed"
+        heal.entry["action"] = f"{heal.why}, but Slurm refused the requeue (see the job's output)"
+        with contextlib.suppress(Exception):
+            record_healing(run_dir, heal, replace_last=True)
+    return fail_code
+
+
+def heal_job(
+    run_dir: Path,
+    exit_code: int,
+    max_restarts: int,
+    elapsed_s: float | None = None,
+    step_nodes: int | None = None,
+    min_nodes: int | None = None,
+    tasks_per_node: int = 1,
+) -> int:
+    """Run a Slurm job script's heal step after srun (see `heal_slurm`); never raises.
+
+    Returns the script's exit code. `run_dir`: the job's run directory, or a sweep's;
+    `elapsed_s`: how long the srun step ran.
+    """
+    logging.basicConfig(level=logging.INFO, format="mjlab-hpc heal: %(message)s")
+    since = time.time() - elapsed_s if elapsed_s is not None else None
+    try:
+        return heal_slurm(
+            job_run_dir(run_dir, os.environ),
+            exit_code,
+            max_restarts,
+            SlurmClient(),
+            since=since,
+            submitit_dir=run_dir / SUBMITIT_DIR,
+            step_nodes=step_nodes,
+            min_nodes=min_nodes,
+            tasks_per_node=tasks_per_node,
+        )
+    except Exception as exc:  # the job's own exit code matters more than ours
+        print(f"mjlab-hpc heal: could not heal on {socket.gethostname()}: {exc}", file=sys.stderr)
+        return EXIT_FAILED if exit_code in (EXIT_OK, EXIT_RESTART) else exit_code
