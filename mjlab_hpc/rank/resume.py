@@ -116,8 +116,9 @@ def check_shapes(path: Path, ckpt: dict[str, Any], runner: Any, flag: str = "--r
                 )
 
 
-def _unfit(path: Path, ckpt: dict[str, Any], work: Workload, world_size: int, resized: bool
-           ) -> tuple[str, str] | None:  # fmt: skip
+def _unfit(
+    path: Path, ckpt: dict[str, Any], work: Workload, world_size: int, resized: bool
+) -> tuple[str, str] | None:
     """(flag, why) when the checkpoint's saved environments cannot be restored here
     (`resized`: the healer changed the world size, which is then no reason)."""
     saved = (ckpt.get("infos") or {}).get("environments")
@@ -142,9 +143,13 @@ def _unfit(path: Path, ckpt: dict[str, Any], work: Workload, world_size: int, re
 
 
 def load_plan(
-    plan: ResumePlan, work: Workload, device: str, ctx: DistContext, fresh_envs: bool = False,
+    plan: ResumePlan,
+    work: Workload,
+    device: str,
+    ctx: DistContext,
+    fresh_envs: bool = False,
     resized: bool = False,
-) -> tuple[int, str]:  # fmt: skip
+) -> tuple[int, str]:
     """Restore the plan's checkpoint into this rank's workload: (the iterations it had done,
     0 on a fresh start; the environments: `restored`, `fresh` (--fresh-envs), `new`, or
     `partly restored`: the healer changed the world size (`resized`), and each rank takes the
@@ -167,22 +172,35 @@ def load_plan(
         )
     work.load(path, ckpt, plan.other_run)
     if plan.other_run:
-        log.info("started from %s (another run's checkpoint, iteration %s there) at iteration 0",
-                 path, ckpt.get("iter"))  # fmt: skip
+        log.info(
+            "started from %s (another run's checkpoint, iteration %s there) at iteration 0",
+            path,
+            ckpt.get("iter"),
+        )
         return 0, "new"
     start = int(work.runner.current_learning_iteration)
     saved_for = (ckpt.get("infos") or {}).get("environments") or {}
     # The run the checkpoint belongs to stays the run's name (its folder may have moved).
     work.fits["run"] = saved_for.get("run") or work.fits["run"]
     if unfit is not None:
-        log.warning("resumed from %s at iteration %d with new environments (--fresh-envs): %s",
-                    path.name, start, unfit[1])  # fmt: skip
+        log.warning(
+            "resumed from %s at iteration %d with new environments (--fresh-envs): %s",
+            path.name,
+            start,
+            unfit[1],
+        )
         return start, "fresh"
     saved = rank_state_world_size(path) or ctx.world_size
     if ctx.rank >= saved:
-        log.warning("resumed from %s at iteration %d on %d ranks instead of %d: no saved "
-                    "environments for rank %d, new ones", path.name, start, ctx.world_size,
-                    saved, ctx.rank)  # fmt: skip
+        log.warning(
+            "resumed from %s at iteration %d on %d ranks instead of %d: no saved "
+            "environments for rank %d, new ones",
+            path.name,
+            start,
+            ctx.world_size,
+            saved,
+            ctx.rank,
+        )
         return start, "partly restored"
     belongs = {"run": work.fits["run"], "task": work.fits["task"], "iteration": start}
     problems = restore_rank_state(work, load_rank_state(path, ctx.rank, saved, belongs), device)
@@ -190,11 +208,16 @@ def load_plan(
         log.warning("environment state not restored: %s", problem)
     if saved != ctx.world_size:
         gone = range(ctx.world_size, saved)
-        log.warning("resumed from %s at iteration %d on %d ranks instead of %d (the healer's "
-                    "--min-nodes): the environments of rank %d restored%s", path.name, start,
-                    ctx.world_size, saved, ctx.rank,
-                    f", those of rank(s) {', '.join(map(str, gone))} dropped" if gone else "",
-                    )  # fmt: skip
+        log.warning(
+            "resumed from %s at iteration %d on %d ranks instead of %d (the healer's "
+            "--min-nodes): the environments of rank %d restored%s",
+            path.name,
+            start,
+            ctx.world_size,
+            saved,
+            ctx.rank,
+            f", those of rank(s) {', '.join(map(str, gone))} dropped" if gone else "",
+        )
         return start, "partly restored"
     log.info("resumed from %s at iteration %d, environments restored", path.name, start)
     return start, "restored"

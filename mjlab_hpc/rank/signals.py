@@ -43,8 +43,13 @@ __all__ = [
 ]
 
 #: Stop at the next iteration boundary with a checkpoint, for good: what the stop is called.
-FOR_GOOD = {"INT": "interrupt", "HUP": "hangup", "QUIT": "terminated", "XCPU": "terminated",
-            "PWR": "terminated"}  # fmt: skip
+FOR_GOOD = {
+    "INT": "interrupt",
+    "HUP": "hangup",
+    "QUIT": "terminated",
+    "XCPU": "terminated",
+    "PWR": "terminated",
+}
 #: Save a checkpoint at the next iteration boundary and go on (unless the time-limit signal).
 SAVE = ("USR1", "USR2", "URG")
 #: Ignored, and said in the rank log: by default each would end the rank without a word (and
@@ -82,15 +87,28 @@ def handled(time_limit_signal: str, detached: bool = False) -> list[int]:
 
 
 StopReason = Literal[
-    "time-limit", "preemption", "interrupt", "hangup", "terminated", "supervisor-lost",
-    "requeue", "cancelled", "node-lost",
-]  # fmt: skip
+    "time-limit",
+    "preemption",
+    "interrupt",
+    "hangup",
+    "terminated",
+    "supervisor-lost",
+    "requeue",
+    "cancelled",
+    "node-lost",
+]
 # A stop with no signal behind it (the supervisor disappeared).
 NO_SIGNAL = 255
 # Within one kind of stop, the reason people recognise wins: Ctrl-C reaches the ranks and,
 # through the launcher and submitit's controller, SIGTERM too; the stop says "interrupt".
-_PRIORITY = {"interrupt": 4, "hangup": 3, "terminated": 2, "supervisor-lost": 1,
-             "time-limit": 2, "preemption": 1}  # fmt: skip
+_PRIORITY = {
+    "interrupt": 4,
+    "hangup": 3,
+    "terminated": 2,
+    "supervisor-lost": 1,
+    "time-limit": 2,
+    "preemption": 1,
+}
 
 
 class StopKind(IntEnum):
@@ -176,8 +194,11 @@ class StopRequest:
             # minute); os.write: a handler must not re-enter a buffered stream.
             again = " (again to stop at once)" if signum == signal.SIGINT else ""
             with contextlib.suppress(OSError):
-                os.write(2, f"\n{signal.Signals(signum).name}: stopping at the next iteration "
-                            f"boundary, with a checkpoint{again}\n".encode())  # fmt: skip
+                os.write(
+                    2,
+                    f"\n{signal.Signals(signum).name}: stopping at the next iteration "
+                    f"boundary, with a checkpoint{again}\n".encode(),
+                )
         self.record(signum)
 
     def _not_a_stop(self, signum: int) -> bool:
@@ -228,9 +249,13 @@ def watch_signals(request: StopRequest, detached: bool = False) -> Iterator[Stop
 
 
 def why_signalled(
-    stop: Stop, job: dict[str, str] | None, restart_count: int, lost: Sequence[str] = (),
-    before_first_iteration: bool = False, delay_s: float | None = None,
-) -> Stop:  # fmt: skip
+    stop: Stop,
+    job: dict[str, str] | None,
+    restart_count: int,
+    lost: Sequence[str] = (),
+    before_first_iteration: bool = False,
+    delay_s: float | None = None,
+) -> Stop:
     """What a TERM or time-limit stop of a Slurm job is, from Slurm's view of the job
     (`scontrol show job`'s fields; None: no answer, the stop stays as the signal says):
     the nodes `lost` under it, a cancel, a preemption (PreemptTime set, also during
@@ -249,13 +274,18 @@ def why_signalled(
         if not (no_room or before_first_iteration):
             return stop
         delay = f"--signal-delay-s {delay_s:g}" if delay_s is not None else "--signal-delay-s"
-        what = (f"the job's time limit ({shown}) is no longer than {delay}" if no_room else
-                f"the time-limit signal came before this start's first iteration (time limit "
-                f"{shown}, {delay})")  # fmt: skip
+        what = (
+            f"the job's time limit ({shown}) is no longer than {delay}"
+            if no_room
+            else f"the time-limit signal came before this start's first iteration (time limit "
+            f"{shown}, {delay})"
+        )
         job_id = (job or {}).get("JobId", "<job>")
-        why = (f"not requeued: {what}, so every start would be signalled before it trains; "
-               f"raise the time limit (scontrol update JobId={job_id} TimeLimit=...) or lower "
-               "--signal-delay-s, then resume")  # fmt: skip
+        why = (
+            f"not requeued: {what}, so every start would be signalled before it trains; "
+            f"raise the time limit (scontrol update JobId={job_id} TimeLimit=...) or lower "
+            "--signal-delay-s, then resume"
+        )
         return Stop(StopKind.FOR_GOOD, "time-limit", stop.signum, why)
     if stop.reason != "preemption" or job is None:
         return stop
@@ -272,6 +302,10 @@ def why_signalled(
     if state in ("CANCELLED", "COMPLETING"):  # ending, and not requeued: scancel
         return Stop(StopKind.FOR_GOOD, "cancelled", stop.signum)
     if state == "RUNNING":
-        return Stop(StopKind.FOR_GOOD, "terminated", stop.signum,
-                    "SIGTERM while the job runs (scancel --signal=TERM)")  # fmt: skip
+        return Stop(
+            StopKind.FOR_GOOD,
+            "terminated",
+            stop.signum,
+            "SIGTERM while the job runs (scancel --signal=TERM)",
+        )
     return stop

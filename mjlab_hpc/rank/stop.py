@@ -73,9 +73,12 @@ def agree(request: StopRequest, distributed: bool, device: str) -> Stop | None:
 
 
 def agree_boundary(
-    request: StopRequest, distributed: bool, device: str, save_due: bool = False,
+    request: StopRequest,
+    distributed: bool,
+    device: str,
+    save_due: bool = False,
     busy_s: float = 0.0,
-) -> tuple[Stop | None, bool, list[float]]:  # fmt: skip
+) -> tuple[Stop | None, bool, list[float]]:
     """At an iteration boundary, in one all-gather: the strongest stop any rank recorded,
     whether any rank wants a checkpoint now (--save-every-min), and every rank's `busy_s`
     (its work in the iteration, for the stragglers); the same on every rank."""
@@ -103,9 +106,12 @@ class Supervision:
     """
 
     def __init__(
-        self, request: StopRequest, watch_parent: bool, env: dict[str, str] | None = None,
+        self,
+        request: StopRequest,
+        watch_parent: bool,
+        env: dict[str, str] | None = None,
         poll_s: float = 0.5,
-    ) -> None:  # fmt: skip
+    ) -> None:
         env = dict(os.environ) if env is None else env
         self.request = request
         self.parent = os.getppid() if watch_parent else None
@@ -197,8 +203,12 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
         # The next job of the chain is queued behind this one and continues the run.
         # The rank log is closed by now: say it in the task's stderr (submitit's .err file).
         if ctx.is_main:
-            print(f"{stopped}; job {link[0]} of {link[1]} of the chain ends here, the next "
-                  "one continues the run", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{stopped}; job {link[0]} of {link[1]} of the chain ends here, the next "
+                "one continues the run",
+                file=sys.stderr,
+                flush=True,
+            )
         return EXIT_OK
     if stopped.restarts >= max_restarts and ctx.mode in ("slurm", "submitit-local"):
         log.error(
@@ -211,8 +221,11 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
     if ctx.mode == "slurm" and ctx.job_id and ALLOCATION_ENV not in os.environ:
         if ctx.is_main and shutil.which("scontrol") is None:
             # A container image without Slurm's client: the batch script requeues, outside it.
-            print(f"{stopped}; no scontrol here: the batch script requeues the job",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{stopped}; no scontrol here: the batch script requeues the job",
+                file=sys.stderr,
+                flush=True,
+            )
             return EXIT_REQUEUE
         if ctx.is_main and not SlurmClient().requeue(ctx.job_id):
             return EXIT_FAILED
@@ -297,12 +310,16 @@ class IterationBoundary:
         """Say the signals that asked for a checkpoint (saved now) or that were ignored."""
         request = self.request
         if save and request.save:
-            log.info("checkpoint at this iteration, asked for by %s; training goes on",
-                     signal.Signals(request.save).name)  # fmt: skip
+            log.info(
+                "checkpoint at this iteration, asked for by %s; training goes on",
+                signal.Signals(request.save).name,
+            )
             request.save = 0
         for signum in dict.fromkeys(request.ignored):
-            log.warning("%s ignored (it means nothing to a rank: docs/preemption.md)",
-                        signal.Signals(signum).name)  # fmt: skip
+            log.warning(
+                "%s ignored (it means nothing to a rank: docs/preemption.md)",
+                signal.Signals(signum).name,
+            )
         request.ignored.clear()
 
     def _why(self, stop: Stop, first: bool) -> Stop:
@@ -319,8 +336,14 @@ class IterationBoundary:
         elif self.ctx.mode not in ("slurm", "submitit-local"):
             return stop  # nothing requeues it
         delay = os.environ.get(SIGNAL_DELAY_ENV, "")
-        stop = why_signalled(stop, job, self.ctx.restart_count, lost, first,
-                             float(delay) if delay.isdigit() else None)  # fmt: skip
+        stop = why_signalled(
+            stop,
+            job,
+            self.ctx.restart_count,
+            lost,
+            first,
+            float(delay) if delay.isdigit() else None,
+        )
         if self.ctx.mode == "slurm" and self.ctx.is_distributed:
             shared = [stop]
             dist.broadcast_object_list(shared, src=0)
@@ -335,8 +358,13 @@ class IterationBoundary:
         fits = self.work.fits
         belongs = {"run": fits["run"], "task": fits["task"], "iteration": iteration}
         try:
-            mine: Any = write_rank_state(path, self.ctx.rank, self.ctx.world_size,
-                                         rank_state(self.work, self.device), belongs)  # fmt: skip
+            mine: Any = write_rank_state(
+                path,
+                self.ctx.rank,
+                self.ctx.world_size,
+                rank_state(self.work, self.device),
+                belongs,
+            )
         except Exception as exc:  # said by the writer, which then fails the checkpoint
             mine = f"rank {self.ctx.rank}: {type(exc).__name__}: {exc}"
         written = _gather_to_main(mine, self.ctx)
@@ -344,19 +372,29 @@ class IterationBoundary:
             assert written is not None
             failed = [w for w in written if isinstance(w, str)]
             if failed:
-                raise RuntimeError(f"checkpoint {path.name}: a rank state was not written: "
-                                   + "; ".join(failed))  # fmt: skip
+                raise RuntimeError(
+                    f"checkpoint {path.name}: a rank state was not written: " + "; ".join(failed)
+                )
             t1 = time.time()
             listed = publish_rank_states(path, written, self.writer.check)
-            infos = {"environments": {**fits, "world_size": self.ctx.world_size,
-                                      "iteration": iteration, "rank_states": listed}}  # fmt: skip
+            infos = {
+                "environments": {
+                    **fits,
+                    "world_size": self.ctx.world_size,
+                    "iteration": iteration,
+                    "rank_states": listed,
+                }
+            }
             self.work.save(path, self.writer, infos)
             written_s = time.time() - t1
             size = path.stat().st_size if path.is_file() else -1
             log.info(
                 "checkpoint %s: %d bytes, ranks' states written in %.3f s, published in %.3f s",
-                path.name, size, t1 - t0, written_s,
-            )  # fmt: skip
+                path.name,
+                size,
+                t1 - t0,
+                written_s,
+            )
             self.checkpoints.written(path)
             self.checkpoints.prune(self.keep_checkpoints)
             if stop is not None:

@@ -59,10 +59,14 @@ class Straggler:
     def as_dict(self) -> dict[str, Any]:
         """For run.json (`stragglers`)."""
         return {
-            "rank": self.rank, "host": self.host, "busy_s": round(self.busy_s, 4),
-            "others_s": round(self.others_s, 4), "ratio": round(self.ratio, 2),
-            "since": self.since, "text": self.describe(),
-        }  # fmt: skip
+            "rank": self.rank,
+            "host": self.host,
+            "busy_s": round(self.busy_s, 4),
+            "others_s": round(self.others_s, 4),
+            "ratio": round(self.ratio, 2),
+            "since": self.since,
+            "text": self.describe(),
+        }
 
 
 class StragglerWatch:
@@ -98,8 +102,12 @@ class StragglerWatch:
         for s in found:
             log.warning("straggler: %s", s.describe())
         for rank in sorted(gone):
-            log.info("straggler: rank %d on %s keeps up again (iteration %d)", rank,
-                     self.hosts[rank], iteration)  # fmt: skip
+            log.info(
+                "straggler: rank %d on %s keeps up again (iteration %d)",
+                rank,
+                self.hosts[rank],
+                iteration,
+            )
         return True
 
 

@@ -325,8 +325,12 @@ def _train(
         )
         if ctx.is_distributed:
             # Wall-clock times: from the last rank's call to everyone joined is the rendezvous.
-            log.info("process group of %d ranks: called at %.3f, joined in %.3f s",
-                     ctx.world_size, joining[0], joining[1] - joining[0])  # fmt: skip
+            log.info(
+                "process group of %d ranks: called at %.3f, joined in %.3f s",
+                ctx.world_size,
+                joining[0],
+                joining[1] - joining[0],
+            )
         if device == "cpu" and os.environ.get("CUDA_VISIBLE_DEVICES") and spec.gpu_ids:
             msg = (
                 f"rank {ctx.rank}: GPUs {os.environ['CUDA_VISIBLE_DEVICES']} were allocated "
@@ -359,17 +363,33 @@ def _train(
         if writer is not None:
             hooks.append(_progress_writer(writer))
         watchdog = Watchdog(
-            run, ctx.rank, ctx.world_size, spec.hang_timeout_s, rank_log,
+            run,
+            ctx.rank,
+            ctx.world_size,
+            spec.hang_timeout_s,
+            rank_log,
             on_fire=writer.release if writer is not None else None,
-        )  # fmt: skip
+        )
         hooks.append(
             IterationBoundary(
-                work, run, ctx, device, spec.save_interval, spec.save_every_min,
-                spec.keep_checkpoints, total, start, request, writer, checkpoints,
-                requeues_so_far(read_record(run.path)), watchdog, injections,
+                work,
+                run,
+                ctx,
+                device,
+                spec.save_interval,
+                spec.save_every_min,
+                spec.keep_checkpoints,
+                total,
+                start,
+                request,
+                writer,
+                checkpoints,
+                requeues_so_far(read_record(run.path)),
+                watchdog,
+                injections,
                 StragglerWatch(_gather(node, ctx)) if ctx.is_distributed else None,
             )
-        )  # fmt: skip
+        )
         try:
             with wp.ScopedDevice(device), watchdog:
                 runner.learn_until(total, hooks, init_at_random_ep_len=work.random_ep_len)
@@ -399,8 +419,9 @@ def _train(
         stopped.run_dir = str(run.path)
         raise
     except KeyboardInterrupt:
-        log.error("exit: interrupted at once (a second Ctrl-C): nothing saved since the last "
-                  "checkpoint")  # fmt: skip
+        log.error(
+            "exit: interrupted at once (a second Ctrl-C): nothing saved since the last checkpoint"
+        )
         if writer is not None and started:
             _record_end(writer, "interrupted", None)
         raise Interrupted(str(run.path)) from None
@@ -432,9 +453,11 @@ def _train(
 
 
 def _record_end(
-    writer: RunWriter, state: str, failure: dict[str, Any] | None,
+    writer: RunWriter,
+    state: str,
+    failure: dict[str, Any] | None,
     resolved: ResolvedSpec | None = None,
-) -> None:  # fmt: skip
+) -> None:
     def write() -> None:
         before = read_record(writer.run.path, set_aside=True)
         tail = writer.run.progress_tail(1)

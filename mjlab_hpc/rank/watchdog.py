@@ -166,8 +166,13 @@ class Watchdog:
         self._armed_at = None
 
     def _beat(self) -> None:
-        beat = {"rank": self.rank, "host": self.host, "pid": os.getpid(),
-                "iteration": self.iteration, "t": time.time()}  # fmt: skip
+        beat = {
+            "rank": self.rank,
+            "host": self.host,
+            "pid": os.getpid(),
+            "iteration": self.iteration,
+            "t": time.time(),
+        }
         path = self.run.heartbeat(self.rank)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         try:  # liveness only: no fsync; a failed beat is retried at the next one
@@ -205,8 +210,10 @@ class Watchdog:
     def _peer_fired(self) -> bool:
         """Another rank's watchdog has fired in this start: write this rank's stacks too."""
         try:
-            return any(p.name != f"hang-rank{self.rank}.json"
-                       for p in self.run.heartbeats.glob("hang-rank*.json"))  # fmt: skip
+            return any(
+                p.name != f"hang-rank{self.rank}.json"
+                for p in self.run.heartbeats.glob("hang-rank*.json")
+            )
         except OSError:
             return False
 
@@ -258,8 +265,17 @@ class Watchdog:
                 f"{b.get('iteration')}{seen}{mark}"
             )
         frozen_hosts = tuple(dict.fromkeys(str(beats.get(r, {}).get("host", "?")) for r in frozen))
-        return Hang(self.rank, self.iteration, waited, limit, tuple(stalled), hosts,
-                    "; ".join(lines), frozen, frozen_hosts)  # fmt: skip
+        return Hang(
+            self.rank,
+            self.iteration,
+            waited,
+            limit,
+            tuple(stalled),
+            hosts,
+            "; ".join(lines),
+            frozen,
+            frozen_hosts,
+        )
 
     def _fire(self, hang: Hang) -> None:
         who = (
@@ -270,8 +286,12 @@ class Watchdog:
         log.error(
             "hang: no progress for %.0f s after iteration %d (limit %.0f s): %s. %s. "
             "Python stacks of this rank follow.",
-            hang.waited_s, hang.iteration, hang.limit_s, who, hang.detail,
-        )  # fmt: skip
+            hang.waited_s,
+            hang.iteration,
+            hang.limit_s,
+            who,
+            hang.detail,
+        )
         try:
             self.rank_log.flush()
             faulthandler.dump_traceback(file=self.rank_log, all_threads=True)
@@ -348,8 +368,13 @@ class FaultInjection:
                 first = me
                 with contextlib.suppress(OSError):
                     marker.write_text(me)
-                log.warning("injecting a fault (%s=slow@%d): every iteration from %d on takes "
-                            "twice as long", FAULT_ENV, self.iteration, iteration)  # fmt: skip
+                log.warning(
+                    "injecting a fault (%s=slow@%d): every iteration from %d on takes "
+                    "twice as long",
+                    FAULT_ENV,
+                    self.iteration,
+                    iteration,
+                )
             if not self.once or first == me:
                 time.sleep(max(iteration_s, 0.05))
             return
@@ -357,8 +382,13 @@ class FaultInjection:
             return
         with contextlib.suppress(OSError):
             marker.touch()
-        log.warning("injecting a fault (%s=%s@%d) after iteration %d", FAULT_ENV, self.kind,
-                    self.iteration, iteration)  # fmt: skip
+        log.warning(
+            "injecting a fault (%s=%s@%d) after iteration %d",
+            FAULT_ENV,
+            self.kind,
+            self.iteration,
+            iteration,
+        )
         for handler in log.handlers:
             with contextlib.suppress(OSError):
                 handler.flush()

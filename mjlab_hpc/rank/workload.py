@@ -207,10 +207,16 @@ def _builtin_workload(
         return []
 
     return Workload(
-        env, runner, False, dump_params, save, load,
-        lambda: {k: v.cpu() for k, v in env.state_dict().items()}, restore_env,
+        env,
+        runner,
+        False,
+        dump_params,
+        save,
+        load,
+        lambda: {k: v.cpu() for k, v in env.state_dict().items()},
+        restore_env,
         _fits(resolved, device, run),
-    )  # fmt: skip
+    )
 
 
 def _mjlab_workload(
@@ -252,8 +258,12 @@ def _mjlab_workload(
     if os.environ.get("MUJOCO_GL") == "disable":
         log.info("MuJoCo's rendering is off here (MUJOCO_GL=disable): nothing is rendered")
     if recording is not None:
-        log.info("recording videos of env 0 into %s: %d frames every %d env steps",
-                 recording.folder, recording.length, recording.interval)  # fmt: skip
+        log.info(
+            "recording videos of env 0 into %s: %d frames every %d env steps",
+            recording.folder,
+            recording.length,
+            recording.interval,
+        )
         # Close the renderer before MuJoCo's own exit handler ends EGL (handlers run last
         # registered first); a video being recorded is saved.
         atexit.register(_close_quietly, runtime.recorder)
@@ -280,11 +290,16 @@ def _mjlab_workload(
             runtime.recorder.step_count = steps
 
     return Workload(
-        runtime.env, runner, True, dump_params, save, load,
+        runtime.env,
+        runner,
+        True,
+        dump_params,
+        save,
+        load,
         lambda: mjlab_tasks.capture_env(runtime.env),
         lambda state: mjlab_tasks.restore_env(runtime.env, state, device),
         _fits(resolved, device, run),
-    )  # fmt: skip
+    )
 
 
 def _close_quietly(env: Any) -> None:

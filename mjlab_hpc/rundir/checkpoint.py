@@ -91,9 +91,11 @@ def _sidecar_text(digest: str, header: Mapping[str, Any] | None) -> bytes:
 
 
 def save_checkpoint(
-    path: Path, state: dict[str, Any], before_rename: Callable[[], None] | None = None,
+    path: Path,
+    state: dict[str, Any],
+    before_rename: Callable[[], None] | None = None,
     header: Mapping[str, Any] | None = None,
-) -> str:  # fmt: skip
+) -> str:
     """Save `state` atomically with its checksum sidecar (and `header`: what it belongs to);
     the checksum."""
     data = _serialize(state)
@@ -109,9 +111,12 @@ def save_checkpoint(
 
 
 def publish_file(
-    tmp: Path, path: Path, before_rename: Callable[[], None] | None = None,
-    digest: str | None = None, header: Mapping[str, Any] | None = None,
-) -> str:  # fmt: skip
+    tmp: Path,
+    path: Path,
+    before_rename: Callable[[], None] | None = None,
+    digest: str | None = None,
+    header: Mapping[str, Any] | None = None,
+) -> str:
     """Publish a checkpoint some other code wrote to `tmp` (mjlab's runners write their own):
     its checksum sidecar first (with `header`), then `before_rename`, then the durable rename
     to `path`; the checksum (`digest`: known already)."""
@@ -127,9 +132,12 @@ def publish_file(
 
 
 def write_rank_state(
-    checkpoint: Path, rank: int, world_size: int, state: dict[str, Any],
+    checkpoint: Path,
+    rank: int,
+    world_size: int,
+    state: dict[str, Any],
     belongs: Mapping[str, Any],
-) -> tuple[str, str, int]:  # fmt: skip
+) -> tuple[str, str, int]:
     """One rank's state of `checkpoint`, saved with what it belongs to (`belongs`: run, task,
     iteration; and this rank and world size), written by that rank to a temporary file beside
     its place and fsynced, not published: (temporary path, sha256, size) for the writer."""
@@ -152,8 +160,9 @@ def publish_rank_states(
     the checkpoint itself; what the checkpoint's header lists of them ([sha256, size] by
     rank)."""
     for rank, (tmp, digest, _) in enumerate(written):
-        publish_file(Path(tmp), rank_state_file(checkpoint, rank, len(written)), before_rename,
-                     digest)  # fmt: skip
+        publish_file(
+            Path(tmp), rank_state_file(checkpoint, rank, len(written)), before_rename, digest
+        )
     return [[digest, size] for _, digest, size in written]
 
 
@@ -173,9 +182,12 @@ def load_rank_state(
     mine = {**belongs, "rank": rank, "world_size": world_size}
     wrong = [k for k in mine if theirs is not None and theirs.get(k) != mine[k]]
     if wrong:
-        raise ValueError(f"{path.name} of {checkpoint.name} belongs to "
-                         + ", ".join(f"{k} {theirs.get(k)!r}" for k in wrong)
-                         + ", not " + ", ".join(f"{mine[k]!r}" for k in wrong))  # fmt: skip
+        raise ValueError(
+            f"{path.name} of {checkpoint.name} belongs to "
+            + ", ".join(f"{k} {theirs.get(k)!r}" for k in wrong)
+            + ", not "
+            + ", ".join(f"{mine[k]!r}" for k in wrong)
+        )
     return state
 
 
@@ -194,11 +206,17 @@ def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | N
     listed = header.get("rank_states")
     if not folder.is_dir():
         return f"{checkpoint.name}'s rank states are missing" if listed else None
-    found = sorted((int(m[1]), int(m[2]), m[0]) for p in folder.iterdir()
-                   if (m := _RANK_FILE.fullmatch(p.name)))  # fmt: skip
+    found = sorted(
+        (int(m[1]), int(m[2]), m[0])
+        for p in folder.iterdir()
+        if (m := _RANK_FILE.fullmatch(p.name))
+    )
     sizes = {n for _, n, _ in found}
-    if (len(sizes) != 1 or [r for r, _, _ in found] != list(range(next(iter(sizes))))
-            or (listed is not None and len(listed) != len(found))):  # fmt: skip
+    if (
+        len(sizes) != 1
+        or [r for r, _, _ in found] != list(range(next(iter(sizes))))
+        or (listed is not None and len(listed) != len(found))
+    ):
         return f"{checkpoint.name}'s rank states in {folder.name}/ are incomplete"
     digests = [entry[0] for entry in listed or []]
     for rank, _, name in found:
@@ -213,8 +231,11 @@ def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | N
         except ValueError as exc:
             return f"{exc} ({checkpoint.name}'s rank state)"
         if listed and digest != digests[rank]:
-            whose = (f"rank {digests.index(digest)}'s state of this checkpoint"
-                     if digest in digests else "another checkpoint's or run's")  # fmt: skip
+            whose = (
+                f"rank {digests.index(digest)}'s state of this checkpoint"
+                if digest in digests
+                else "another checkpoint's or run's"
+            )
             return f"{name} of {checkpoint.name} is not the state rank {rank} saved: it is {whose}"
     return None
 
@@ -222,8 +243,11 @@ def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | N
 def rank_state_world_size(checkpoint: Path) -> int | None:
     """How many ranks wrote `checkpoint`'s rank states (None: it has none)."""
     folder = rank_state_dir(checkpoint)
-    found = {int(m[2]) for p in (folder.iterdir() if folder.is_dir() else ())
-             if (m := _RANK_FILE.fullmatch(p.name))}  # fmt: skip
+    found = {
+        int(m[2])
+        for p in (folder.iterdir() if folder.is_dir() else ())
+        if (m := _RANK_FILE.fullmatch(p.name))
+    }
     return found.pop() if len(found) == 1 else None
 
 
@@ -343,10 +367,12 @@ class Checkpoints:
                 if digest is None:
                     _parse(path, data, "cpu")  # no sidecar: written by other code
                 elif hashlib.sha256(data).hexdigest() != digest:
-                    raise ValueError(f"{path.name} does not match its checksum (damaged or "
-                                     "truncated)")  # fmt: skip
-                verdict = (_belongs_problem(path, header, self.task)
-                           or _rank_states_problem(path, header))  # fmt: skip
+                    raise ValueError(
+                        f"{path.name} does not match its checksum (damaged or truncated)"
+                    )
+                verdict = _belongs_problem(path, header, self.task) or _rank_states_problem(
+                    path, header
+                )
             except ValueError as exc:
                 verdict = str(exc)
             except OSError as exc:  # unreadable now (a flaky filesystem): not remembered

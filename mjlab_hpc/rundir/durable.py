@@ -43,9 +43,13 @@ _NO_DIR_FSYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.
 
 #: The most a record of ours (run.json, a marker, a checksum) holds: anything larger is no record.
 RECORD_LIMIT = 64 << 20
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISSOCK, "a socket"))  # fmt: skip
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 @contextlib.contextmanager
@@ -61,8 +65,9 @@ def open_regular(path: Path, limit: int) -> Iterator[BinaryIO]:
             kind = next((name for test, name in _KINDS if test(st.st_mode)), "no regular file")
             raise ValueError(f"{path.name} is {kind}, not a file")
         if st.st_size > limit:
-            raise ValueError(f"{path.name} holds {st.st_size:,} bytes, more than such a file "
-                             f"can ({limit:,})")  # fmt: skip
+            raise ValueError(
+                f"{path.name} holds {st.st_size:,} bytes, more than such a file can ({limit:,})"
+            )
     except BaseException:
         os.close(fd)
         raise

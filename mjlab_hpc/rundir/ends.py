@@ -64,8 +64,10 @@ def memory_advice(record: dict[str, Any], num_envs: int | None = None) -> str:
     `num_envs`: the request's, for a start that ran out before the writer recorded its own."""
     envs = (record.get("effective") or {}).get("num_envs") or num_envs
     now = f" (now {envs} per rank)" if envs else ""
-    return (f"lower --num-envs{now}, or give each rank more memory (--mem, fewer ranks per "
-            "node), and resume")  # fmt: skip
+    return (
+        f"lower --num-envs{now}, or give each rank more memory (--mem, fewer ranks per "
+        "node), and resume"
+    )
 
 
 How = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung", "no-exit"]
@@ -172,13 +174,30 @@ def _rank_end(rank: int, path: Path) -> RankEnd | None:
             named = [line for line in error if _EXCEPTION_LINE.match(line)]
             detail = named[-1] if named else error[-1] if error else body
         started = _stamp(head) if head else None
-        return RankEnd(rank, host, how, last_at, detail, bool(_PEER_LOST.search(message)),
-                       started, bool(_OUT_OF_MEMORY.search(message)), size, start_id)  # fmt: skip
+        return RankEnd(
+            rank,
+            host,
+            how,
+            last_at,
+            detail,
+            bool(_PEER_LOST.search(message)),
+            started,
+            bool(_OUT_OF_MEMORY.search(message)),
+            size,
+            start_id,
+        )
     count = OomCount.parse(lines[start])
-    return RankEnd(rank, host, "no-exit", last_at, "no exit record",
-                   started=_stamp(head) if head else None,
-                   oom=count is not None and bool(count.rose()), world_size=size,
-                   start_id=start_id)  # fmt: skip
+    return RankEnd(
+        rank,
+        host,
+        "no-exit",
+        last_at,
+        "no exit record",
+        started=_stamp(head) if head else None,
+        oom=count is not None and bool(count.rose()),
+        world_size=size,
+        start_id=start_id,
+    )
 
 
 def rank_ends(run_dir: Path) -> list[RankEnd]:
@@ -236,8 +255,14 @@ def recorded_cause(record: dict[str, Any], ends: list[RankEnd]) -> RankEnd | Non
     failure = record.get("failure") or {}
     if record.get("state") == "failed" and failure.get("kind") in ("environment", "out-of-memory"):
         oom = failure["kind"] == "out-of-memory"
-        return RankEnd(int(failure.get("rank") or 0), failure.get("host"), "failed", None,
-                       str(failure.get("error")), oom=oom)  # fmt: skip
+        return RankEnd(
+            int(failure.get("rank") or 0),
+            failure.get("host"),
+            "failed",
+            None,
+            str(failure.get("error")),
+            oom=oom,
+        )
     return first_failure(ends)
 
 

@@ -345,9 +345,10 @@ def _recorded_run(record: Path) -> Path:
     # the experiment folder itself, or elsewhere.
     if not name or name in (".", "..") or "\n" in text or not name.isprintable():
         raise DamagedRecord(
-            record, why,
+            record,
+            why,
             "name the run with --run-dir, or delete the file (the newest run is then used)",
-        )  # fmt: skip
+        )
     return (record.parent.parent / name) if record.parent.name == KEYS_DIR else record.parent / name
 
 

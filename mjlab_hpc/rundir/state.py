@@ -66,8 +66,11 @@ _PACKAGES = ("torch", "warp-lang", "mujoco", "mujoco-warp", "rsl-rl-lib", "mjlab
 
 def now_iso(at: float | None = None) -> str:
     """The current time (or the epoch time `at`), ISO 8601 with the UTC offset."""
-    when = dt.datetime.now(dt.timezone.utc) if at is None else dt.datetime.fromtimestamp(
-        at, dt.timezone.utc)  # fmt: skip
+    when = (
+        dt.datetime.now(dt.timezone.utc)
+        if at is None
+        else dt.datetime.fromtimestamp(at, dt.timezone.utc)
+    )
     return when.astimezone().isoformat(timespec="seconds")
 
 
@@ -91,16 +94,28 @@ def git_commit(path: Path) -> str | None:
 
 
 # run.json's fields and the JSON type every reader relies on; entries of the lists are objects.
-_SHAPE = {"state": str, "spec": dict, "effective": dict, "failure": dict, "code": dict,
-          "starts": list, "restarts": list, "faults": list, "job_ids": list,
-          "stragglers": list}  # fmt: skip
+_SHAPE = {
+    "state": str,
+    "spec": dict,
+    "effective": dict,
+    "failure": dict,
+    "code": dict,
+    "starts": list,
+    "restarts": list,
+    "faults": list,
+    "job_ids": list,
+    "stragglers": list,
+}
 
 
 def _shape_problem(value: object) -> str | None:
     if not isinstance(value, dict):
         return f"it holds {json.dumps(value)[:40]}, not a JSON object"
-    wrong = [k for k, kind in _SHAPE.items() if value.get(k) is not None
-             and not isinstance(value[k], kind)]  # fmt: skip
+    wrong = [
+        k
+        for k, kind in _SHAPE.items()
+        if value.get(k) is not None and not isinstance(value[k], kind)
+    ]
     lists = ("starts", "restarts", "faults", "stragglers")
     if not wrong and any(not isinstance(e, dict) for k in lists for e in value.get(k) or []):
         return "an entry of its starts, restarts, faults or stragglers is not a JSON object"
@@ -129,8 +144,12 @@ def read_record(run_dir: Path, strict: bool = False, set_aside: bool = False) ->
     if problem is None:
         return dict(value)
     if strict:
-        raise DamagedRecord(path, problem, f"move it aside (a resume keeps it as {RUN_RECORD}"
-                            ".damaged-<time> and begins a new record)")  # fmt: skip
+        raise DamagedRecord(
+            path,
+            problem,
+            f"move it aside (a resume keeps it as {RUN_RECORD}"
+            ".damaged-<time> and begins a new record)",
+        )
     if not set_aside:
         return {}
     kept = path.with_name(f"{RUN_RECORD}.damaged-{dt.datetime.now():%Y%m%d-%H%M%S}")
@@ -201,9 +220,14 @@ def on_start(
 def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> dict[str, list[Any]]:
     """The run's settings (TrainSpec fields, as dicts) that differ: {field: [before, now]}.
     --num-procs is not one: the number of ranks is (`world_size`), whatever flag gave it."""
-    return {key: [before[key], value] for key, value in now.items()
-            if key in before and key not in NOT_RUN_SETTINGS and key != "num_procs"
-            and before[key] != value}  # fmt: skip
+    return {
+        key: [before[key], value]
+        for key, value in now.items()
+        if key in before
+        and key not in NOT_RUN_SETTINGS
+        and key != "num_procs"
+        and before[key] != value
+    }
 
 
 def on_stop(record: dict[str, Any], stop: dict[str, Any]) -> dict[str, Any]:
@@ -239,8 +263,9 @@ def on_recovered(record: dict[str, Any], resumed_from: int) -> dict[str, Any]:
     interruption gets the time from fault (or stop signal) to that iteration and how many
     iterations were computed again."""
     record = copy.deepcopy(record)
-    pending = [e for e in interruptions(record)
-               if e.get("kind") in RESTARTED and "recovered_at" not in e]  # fmt: skip
+    pending = [
+        e for e in interruptions(record) if e.get("kind") in RESTARTED and "recovered_at" not in e
+    ]
     if not pending:
         return record
     entry = pending[-1]
@@ -287,9 +312,13 @@ def requeues_so_far(record: dict[str, Any]) -> dict[str, int]:
 
 
 def on_node_failed(
-    record: dict[str, Any], job_id: str, restart_count: int, iteration: int, nodes: str,
+    record: dict[str, Any],
+    job_id: str,
+    restart_count: int,
+    iteration: int,
+    nodes: str,
     ended: str,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The record once a Slurm job requeued because a node failed (sacct: NODE_FAIL, on
     `nodes`, at `ended`) starts again: the stop its ranks recorded (SIGTERM, taken for a
     preemption) becomes `node-lost`, or, when the node died before they could record
@@ -305,18 +334,31 @@ def on_node_failed(
         at_s = dt.datetime.fromisoformat(ended).timestamp()  # sacct: local time
     except ValueError:
         at_s = time.time()
-    record["faults"] = [*record.get("faults", []), {
-        "reason": "node-lost", "kind": "requeue", "nodes": [nodes], "job_id": job_id,
-        "restart_count": restart_count - 1, "iteration": iteration, "at": ended,
-        "at_s": at_s, "action": "requeued by Slurm (NODE_FAIL)",
-    }]  # fmt: skip
+    record["faults"] = [
+        *record.get("faults", []),
+        {
+            "reason": "node-lost",
+            "kind": "requeue",
+            "nodes": [nodes],
+            "job_id": job_id,
+            "restart_count": restart_count - 1,
+            "iteration": iteration,
+            "at": ended,
+            "at_s": at_s,
+            "action": "requeued by Slurm (NODE_FAIL)",
+        },
+    ]
     return record
 
 
 def _previous_start(record: dict[str, Any], job_id: str, restart_count: int) -> list[Any]:
     """The stops and faults of the job's run before this restart."""
-    return [e for e in interruptions(record) if e.get("job_id") == job_id
-            and e.get("restart_count", restart_count - 1) == restart_count - 1]  # fmt: skip
+    return [
+        e
+        for e in interruptions(record)
+        if e.get("job_id") == job_id
+        and e.get("restart_count", restart_count - 1) == restart_count - 1
+    ]
 
 
 def on_preempted(record: dict[str, Any], job_id: str, restart_count: int) -> dict[str, Any]:
