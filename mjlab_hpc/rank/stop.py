@@ -1,10 +1,10 @@
 """Every way a rank is asked to stop, and the iteration boundary where it acts on it.
 
-Signal handlers only record a stop (`rank.signals`: what each signal means); a supervisor
-watch records one when the process supervising the rank disappears. At the next iteration boundary
-(`IterationBoundary`) all ranks agree through one all-reduce, the writer saves a checkpoint,
-and a requeue-type stop requeues where a scheduler can (`after_stop`); a stop for good exits 3.
-The lifecycle: docs/preemption.md.
+Signal handlers only record a stop (`rank.signals` says what each signal means), and so does
+the supervisor watch when the process supervising the rank disappears. At the next iteration
+boundary all ranks agree in one collective and the writer saves a checkpoint. A requeue-type
+stop then requeues where a scheduler can (`after_stop`); a stop for good exits 3. The
+lifecycle: docs/preemption.md.
 """
 
 from __future__ import annotations
@@ -47,7 +47,12 @@ from mjlab_hpc.rank.signals import (
 from mjlab_hpc.rank.stragglers import StragglerWatch
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog
 from mjlab_hpc.rank.workload import Workload, rank_state
-from mjlab_hpc.rundir.checkpoint import Checkpoints, publish_rank_states, write_rank_state
+from mjlab_hpc.rundir.checkpoint import (
+    CheckpointPolicy,
+    Checkpoints,
+    publish_rank_states,
+    write_rank_state,
+)
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import IterationStats
 from mjlab_hpc.rundir.state import cancel_marker, on_recovered, on_stop, read_record
@@ -79,9 +84,12 @@ def agree_boundary(
     save_due: bool = False,
     busy_s: float = 0.0,
 ) -> tuple[Stop | None, bool, list[float]]:
-    """At an iteration boundary, in one all-gather: the strongest stop any rank recorded,
-    whether any rank wants a checkpoint now (--save-every-min), and every rank's `busy_s`
-    (its work in the iteration, for the stragglers); the same on every rank."""
+    """Exchange what every rank needs at an iteration boundary, in one all-gather.
+
+    Returns the strongest stop any rank recorded, whether any rank wants a checkpoint now
+    (`save_due`: --save-every-min, or a signal that asks for one), and every rank's `busy_s`
+    (its work in the iteration, for the stragglers). Every rank gets the same answer.
+    """
     code, save, busy = request.code, int(save_due or bool(request.save)), [busy_s]
     if distributed:
         mine = torch.tensor([code, save, round(busy_s * 1e6)], dtype=torch.int64, device=device)
@@ -100,7 +108,7 @@ def agree_boundary(
 class Supervision:
     """Watches the processes that supervise this rank and records a stop when one is gone.
 
-    Watched: the PIDs our foreground launchers name in _MJLAB_HPC_SUPERVISOR_PIDS, and the
+    It watches the PIDs our foreground launchers name in _MJLAB_HPC_SUPERVISOR_PIDS, and the
     parent process when it is a supervisor of ours (submitit's local controller, torchrun's
     agent): a rank re-parented to init has lost it. A daemon thread checks every `poll_s`.
     """
@@ -187,11 +195,11 @@ class Stopped(Exception):
 def after_stop(stopped: Stopped, max_restarts: int) -> int:
     """Requeue the job where the launcher can, and return the exit code for this rank.
 
-    A stop for good exits 3 everywhere. A requeue-type stop: srun tasks have rank 0 run
-    `scontrol requeue` (while restarts remain) and exit 0, so Slurm starts the job again
-    (at the time limit of a --chain job that is not the last, the next job continues);
-    submitit's local executor restarts ranks that exit 144; elsewhere (a plain process,
-    torchrun, srun inside a salloc allocation) exit 3 and the user resumes.
+    A stop for good exits 3 everywhere. For a requeue-type stop, srun tasks have rank 0 run
+    `scontrol requeue` (while restarts remain) and exit 0, so Slurm starts the job again; at
+    the time limit of a --chain job that is not the last, the next job continues instead.
+    Submitit's local executor restarts ranks that exit 144. Elsewhere (a plain process,
+    torchrun, srun inside a salloc allocation) ranks exit 3 and the user resumes.
     """
     ctx = stopped.ctx
     if ctx is None or stopped.stop.kind == StopKind.FOR_GOOD:
@@ -245,24 +253,22 @@ def _gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
 
 @dataclass
 class IterationBoundary:
-    """The per-iteration boundary every rank runs (an rsl-rl iteration hook)."""
+    """The hook every rank runs after each iteration: stops, checkpoints and stragglers."""
 
     work: Workload
     run: RunDir
     ctx: DistContext
     device: str
-    save_interval: int
-    """--save-interval: a checkpoint every N iterations (and at the last)."""
-    save_every_min: float | None
-    """--save-every-min: also one when this many minutes passed since the last."""
-    keep_checkpoints: int
-    """--keep-checkpoints: the newest N are kept (0: all)."""
+    policy: CheckpointPolicy
     total: int
+    """The iteration the run ends at."""
     start: int
     """The iteration this start resumed from."""
     request: StopRequest
     writer: RunWriter | None
+    """The run's writer (rank 0); None on the other ranks."""
     checkpoints: Checkpoints | None
+    """The writer's view of the run's checkpoints; None on the other ranks."""
     restarts: dict[str, int]
     """Requeues so far by reason (the same on every rank: read before training)."""
     watchdog: Watchdog | None = None
@@ -281,13 +287,12 @@ class IterationBoundary:
             self._record_recovery()
         for injection in self.injections:
             injection.fire_if_due(self.run, self.ctx.rank, s.iteration, s.iteration_s)
-        every = self.save_every_min
-        due = every is not None and time.monotonic() - self._last_save >= every * 60
+        due = self.policy.time_due(time.monotonic() - self._last_save)
         # A rank's work: its iteration but the collectives (where it waited for the others),
         # and this hook so far; not the writer's own bookkeeping, which the others do not do.
         work_s = max(0.0, s.iteration_s - s.collective_s) + time.perf_counter() - entered
         stop, save, busy = agree_boundary(
-            self.request, self.ctx.is_distributed, self.device, due, work_s
+            self.request, self.ctx.is_distributed, self.device, save_due=due, busy_s=work_s
         )
         self._say_signals(save)
         if self.stragglers is not None and self.stragglers.add(s.iteration, busy):
@@ -298,8 +303,7 @@ class IterationBoundary:
             stop = self._why(stop, first=s.iteration == self.start + 1)
         if self.watchdog is not None and (stop is not None or s.iteration >= self.total):
             self.watchdog.disarm()  # what follows (W&B's upload, the last records) is no hang
-        periodic = save or s.iteration % self.save_interval == 0 or s.iteration == self.total
-        if stop is not None or periodic:
+        if stop is not None or save or self.policy.periodic(s.iteration, self.total):
             dog = self.watchdog
             with dog.paused() if dog is not None else contextlib.nullcontext():
                 self._checkpoint(s.iteration, stop)
@@ -323,8 +327,11 @@ class IterationBoundary:
         request.ignored.clear()
 
     def _why(self, stop: Stop, first: bool) -> Stop:
-        """`why_signalled`, on Slurm from rank 0's look at the job (one `scontrol show job`
-        and one `sinfo`), the same answer on every rank."""
+        """Ask Slurm what a TERM or time-limit stop is (`why_signalled`).
+
+        Rank 0 looks at the job (one `scontrol show job` and one `sinfo`) and every rank
+        gets its answer.
+        """
         job: dict[str, str] | None = None
         lost: list[str] = []
         if self.ctx.mode == "slurm" and self.ctx.job_id and self.ctx.is_main:
@@ -340,9 +347,9 @@ class IterationBoundary:
             stop,
             job,
             self.ctx.restart_count,
-            lost,
-            first,
-            float(delay) if delay.isdigit() else None,
+            lost=lost,
+            before_first_iteration=first,
+            delay_s=float(delay) if delay.isdigit() else None,
         )
         if self.ctx.mode == "slurm" and self.ctx.is_distributed:
             shared = [stop]
@@ -351,6 +358,7 @@ class IterationBoundary:
         return stop
 
     def _checkpoint(self, iteration: int, stop: Stop | None) -> None:
+        """Save the checkpoint of `iteration` on every rank; the writer records `stop`."""
         t0 = time.time()
         path = self.run.checkpoint(iteration)
         # Every rank writes its own state (in parallel, nothing gathered); the writer
@@ -360,10 +368,10 @@ class IterationBoundary:
         try:
             mine: Any = write_rank_state(
                 path,
-                self.ctx.rank,
-                self.ctx.world_size,
-                rank_state(self.work, self.device),
-                belongs,
+                rank=self.ctx.rank,
+                world_size=self.ctx.world_size,
+                state=rank_state(self.work, self.device),
+                belongs=belongs,
             )
         except Exception as exc:  # said by the writer, which then fails the checkpoint
             mine = f"rank {self.ctx.rank}: {type(exc).__name__}: {exc}"
@@ -386,17 +394,17 @@ class IterationBoundary:
                 }
             }
             self.work.save(path, self.writer, infos)
-            written_s = time.time() - t1
+            published_s = time.time() - t1
             size = path.stat().st_size if path.is_file() else -1
             log.info(
                 "checkpoint %s: %d bytes, ranks' states written in %.3f s, published in %.3f s",
                 path.name,
                 size,
                 t1 - t0,
-                written_s,
+                published_s,
             )
             self.checkpoints.written(path)
-            self.checkpoints.prune(self.keep_checkpoints)
+            self.checkpoints.prune(self.policy.keep_checkpoints)
             if stop is not None:
                 self._record_stop(stop, iteration, t0)
         elif isinstance(mine, str):

@@ -44,10 +44,12 @@ from mjlab_hpc.rundir.layout import (
     rank_state_file,
 )
 from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.spec import TrainSpec
 
 __all__ = [
     "DAMAGED_SUFFIX",
     "MODEL_LIMIT",
+    "CheckpointPolicy",
     "Checkpoints",
     "Damaged",
     "cannot_continue",
@@ -336,6 +338,35 @@ class Damaged:
     def as_dict(self) -> dict[str, str]:
         """For run.json."""
         return {"name": self.name, "why": self.why}
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When a run saves a checkpoint, and how many it keeps."""
+
+    save_interval: int
+    """--save-interval: a checkpoint every N iterations, and one at the last."""
+    save_every_min: float | None
+    """--save-every-min: also one when this many minutes passed since the last (None: off)."""
+    keep_checkpoints: int
+    """--keep-checkpoints: the newest N that verify are kept (0: all)."""
+
+    @classmethod
+    def of(cls, spec: TrainSpec) -> CheckpointPolicy:
+        """The policy that the flags of `spec` ask for."""
+        return cls(
+            save_interval=spec.save_interval,
+            save_every_min=spec.save_every_min,
+            keep_checkpoints=spec.keep_checkpoints,
+        )
+
+    def periodic(self, iteration: int, last: int) -> bool:
+        """Whether `iteration` gets a checkpoint by its number (`last`: the run's last)."""
+        return iteration % self.save_interval == 0 or iteration == last
+
+    def time_due(self, since_s: float) -> bool:
+        """Whether `since_s` seconds after the last checkpoint call for one now."""
+        return self.save_every_min is not None and since_s >= self.save_every_min * 60
 
 
 @dataclass
