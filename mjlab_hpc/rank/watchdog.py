@@ -1,18 +1,18 @@
 """A rank that stops making progress: heartbeats, the hang watchdog, and injected faults.
 
 Every rank runs a daemon thread that writes its heartbeat (`logs/heartbeat/rank<k>.json`) and
-watches its own progress. Once the first iteration of a start has completed, a rank whose
-iteration does not advance for the hang limit (--hang-timeout-s, or five times the slowest
-iteration, whichever is longer; checkpoint writes do not count) writes its Python stacks to its
-log naming the ranks that stopped heartbeating (their heartbeat files seen unchanged by this
-rank's own clock, never compared with another node's clock) or lag behind, records the hang
-(`hang-rank<k>.json`), waits a moment for the other live ranks to do the same, and exits with
-EXIT_HUNG; the launcher ends the others and the healer decides (docs/preemption.md).
+watches its own progress, once the first iteration of a start has completed. A rank whose
+iteration does not advance for the hang limit (`hang_limit_s`; checkpoint writes do not count)
+writes its Python stacks to its log. The log names the ranks that stopped heartbeating (their
+heartbeat files seen unchanged by this rank's own clock, never compared with another node's
+clock) or lag behind. The rank records the hang (`hang-rank<k>.json`), waits a moment for the
+other live ranks to do the same, and exits with EXIT_HUNG; the launcher ends the others and
+the healer decides (docs/preemption.md).
 
 `MJLAB_HPC_FAULT=KIND@ITERATION[:rankK][:once],...` injects faults for fire drills and tests:
 `raise` (an exception), `kill` (SIGKILL of the rank itself), `stop` (SIGSTOP: a hang) or
-`slow` (from that iteration on, the rank works twice as long per iteration: a straggler; with
-`once`, only in the first start that reaches it).
+`slow` (from that iteration on, the rank works twice as long per iteration: a straggler).
+With `once`, a fault happens only in the first start that reaches it.
 """
 
 from __future__ import annotations
@@ -45,15 +45,19 @@ _STALE_BEATS = 3
 
 
 def parse_faults(env: Mapping[str, str] | None = None) -> tuple[FaultInjection, ...]:
-    """The faults MJLAB_HPC_FAULT asks for (comma-separated; none: empty); ValueError for a
-    malformed one."""
+    """Return the faults that MJLAB_HPC_FAULT asks for, comma-separated (none: empty).
+
+    A malformed one raises ValueError.
+    """
     text = (os.environ if env is None else env).get(FAULT_ENV, "")
     return tuple(FaultInjection.parse(part) for part in text.split(",") if part.strip())
 
 
 def hang_limit_s(timeout_s: float, slowest_iteration_s: float) -> float:
-    """How long without progress is a hang: the timeout, or five times the slowest iteration
-    so far when that is longer."""
+    """Return how long without progress is a hang.
+
+    It is the timeout, or five times the slowest iteration so far when that is longer.
+    """
     return max(timeout_s, 5.0 * slowest_iteration_s)
 
 
@@ -266,15 +270,15 @@ class Watchdog:
             )
         frozen_hosts = tuple(dict.fromkeys(str(beats.get(r, {}).get("host", "?")) for r in frozen))
         return Hang(
-            self.rank,
-            self.iteration,
-            waited,
-            limit,
-            tuple(stalled),
-            hosts,
-            "; ".join(lines),
-            frozen,
-            frozen_hosts,
+            rank=self.rank,
+            iteration=self.iteration,
+            waited_s=waited,
+            limit_s=limit,
+            stalled=tuple(stalled),
+            hosts=hosts,
+            detail="; ".join(lines),
+            frozen=frozen,
+            frozen_hosts=frozen_hosts,
         )
 
     def _fire(self, hang: Hang) -> None:
@@ -351,11 +355,14 @@ class FaultInjection:
                 "raise, kill, stop, slow (e.g. kill@12:rank1:once; several: comma-separated)"
             )
         rank = int(m.group(3).removeprefix(":rank")) if m.group(3) else 0
-        return cls(m.group(1), int(m.group(2)), rank, bool(m.group(4)))
+        return cls(kind=m.group(1), iteration=int(m.group(2)), rank=rank, once=bool(m.group(4)))
 
     def fire_if_due(self, run: RunDir, rank: int, iteration: int, iteration_s: float = 0.0) -> None:
-        """Inject the fault when this is its rank and iteration (once: only the first time;
-        `slow`: at every iteration from then on, sleeping as long as `iteration_s`)."""
+        """Inject the fault when this is its rank and iteration.
+
+        With `once`, only the first time. `slow` sleeps at every iteration from then on, as
+        long as the iteration took (`iteration_s`).
+        """
         if rank != self.rank or iteration < self.iteration:
             return
         marker = run.heartbeats / f"injected-{self.kind}@{self.iteration}-rank{rank}"

@@ -1,11 +1,13 @@
 """Checkpoints that a SIGKILL at any moment cannot corrupt, and only verified ones counted.
 
-Written to a temporary file, fsynced, renamed and the directory fsynced, with a `<name>.sha256`
-sidecar (its checksum, then a line saying what it belongs to: run, task, iteration, world size,
-and for a model file each rank state's checksum and size); a checkpoint verifies when its
-bytes match its sidecar (or, written by other code, when it loads) and so do its ranks' state
-files (`rank_states/model_<n>/`: each rank writes its own, the writer publishes them, then the
-model file), each being exactly the file the model file lists for its rank. Nothing but a
+A checkpoint is written to a temporary file, fsynced and renamed, and the directory fsynced.
+Its `<name>.sha256` sidecar holds its checksum, then a line saying what it belongs to (run,
+task, iteration, world size, and for a model file each rank state's checksum and size). Each
+rank writes its own state file (`rank_states/model_<n>/`); the writer publishes them, then
+the model file.
+
+A checkpoint verifies when its bytes match its sidecar (or, written by other code, when it
+loads), and each rank's state file is exactly the one the model file lists. Nothing but a
 regular file of a plausible size is read. Resuming takes the newest that verifies, retention
 keeps the newest N that do, and a damaged one is set aside (`.damaged`), never preferred. The
 files stay plain `torch.save` archives that rsl-rl's and mjlab's `load()` read; torch loads
@@ -98,8 +100,10 @@ def save_checkpoint(
     before_rename: Callable[[], None] | None = None,
     header: Mapping[str, Any] | None = None,
 ) -> str:
-    """Save `state` atomically with its checksum sidecar (and `header`: what it belongs to);
-    the checksum."""
+    """Save `state` atomically with its checksum sidecar; the checksum.
+
+    `header` (what the checkpoint belongs to) goes into the sidecar too.
+    """
     data = _serialize(state)
     digest = hashlib.sha256(data).hexdigest()
     write_atomic(_sidecar(path), _sidecar_text(digest, header))
@@ -119,9 +123,12 @@ def publish_file(
     digest: str | None = None,
     header: Mapping[str, Any] | None = None,
 ) -> str:
-    """Publish a checkpoint some other code wrote to `tmp` (mjlab's runners write their own):
-    its checksum sidecar first (with `header`), then `before_rename`, then the durable rename
-    to `path`; the checksum (`digest`: known already)."""
+    """Publish as `path` a checkpoint that other code wrote to `tmp`; its checksum.
+
+    mjlab's runners write their own. The checksum sidecar (with `header`) comes first, then
+    `before_rename`, then the durable rename to `path`. `digest` is the checksum when it is
+    known already.
+    """
     digest = digest or hashlib.sha256(tmp.read_bytes()).hexdigest()
     write_atomic(_sidecar(path), _sidecar_text(digest, header))
     try:
@@ -140,9 +147,12 @@ def write_rank_state(
     state: dict[str, Any],
     belongs: Mapping[str, Any],
 ) -> tuple[str, str, int]:
-    """One rank's state of `checkpoint`, saved with what it belongs to (`belongs`: run, task,
-    iteration; and this rank and world size), written by that rank to a temporary file beside
-    its place and fsynced, not published: (temporary path, sha256, size) for the writer."""
+    """Write one rank's state of `checkpoint` to a temporary file beside its place.
+
+    The state is saved with what it belongs to (`belongs`: run, task, iteration; and this
+    rank and world size) and fsynced, but not published. Returns (temporary path, sha256,
+    size) for the writer, which publishes it.
+    """
     path = rank_state_file(checkpoint, rank, world_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = _serialize({**state, "belongs": {**belongs, "rank": rank, "world_size": world_size}})
@@ -158,21 +168,25 @@ def write_rank_state(
 def publish_rank_states(
     checkpoint: Path, written: list[tuple[str, str, int]], before_rename: Callable[[], None]
 ) -> list[list[Any]]:
-    """The writer: publish every rank's `write_rank_state` (fenced, with checksums), before
-    the checkpoint itself; what the checkpoint's header lists of them ([sha256, size] by
-    rank)."""
+    """Publish every rank's `write_rank_state`, fenced and with checksums (the writer's step).
+
+    This comes before the checkpoint itself. Returns what the checkpoint's header lists of
+    them: [sha256, size] by rank.
+    """
     for rank, (tmp, digest, _) in enumerate(written):
-        publish_file(
-            Path(tmp), rank_state_file(checkpoint, rank, len(written)), before_rename, digest
-        )
+        place = rank_state_file(checkpoint, rank, len(written))
+        publish_file(Path(tmp), place, before_rename, digest=digest)
     return [[digest, size] for _, digest, size in written]
 
 
 def load_rank_state(
     checkpoint: Path, rank: int, world_size: int, belongs: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """This rank's state of `checkpoint`, verified, and saved for what `belongs` says (run,
-    task, iteration) and this rank and world size; ValueError naming what does not fit."""
+    """Load this rank's state of `checkpoint`, verified.
+
+    It must have been saved for what `belongs` says (run, task, iteration) and for this rank
+    and world size; a ValueError names what does not fit.
+    """
     import torch
 
     path = rank_state_file(checkpoint, rank, world_size)
@@ -201,9 +215,11 @@ def _file_digest(path: Path, limit: int) -> tuple[str, int]:
 
 
 def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | None:
-    """Why a checkpoint's rank states do not verify (None: they do, or it has none): each
-    must be a regular file, match its checksum, and be the very file the model's `header`
-    lists for its rank (not another rank's, iteration's or run's)."""
+    """Return why a checkpoint's rank states do not verify (None: they do, or it has none).
+
+    Each must be a regular file, match its checksum, and be the very file the model's
+    `header` lists for its rank (not another rank's, iteration's or run's).
+    """
     folder = rank_state_dir(checkpoint)
     listed = header.get("rank_states")
     if not folder.is_dir():
@@ -254,8 +270,11 @@ def rank_state_world_size(checkpoint: Path) -> int | None:
 
 
 def _read_sidecar(path: Path) -> tuple[str | None, dict[str, Any]]:
-    """The checksum `path`'s sidecar holds (None: no sidecar, or none that holds one), and
-    its header ({}: none)."""
+    """Return the checksum and the header that `path`'s sidecar holds.
+
+    The checksum is None when there is no sidecar, or one that holds no checksum; the header
+    is {} when there is none.
+    """
     sidecar = _sidecar(path)
     try:
         lines = read_regular(sidecar, 1 << 20).decode(errors="replace").splitlines()
@@ -283,8 +302,11 @@ def _read_sidecar(path: Path) -> tuple[str | None, dict[str, Any]]:
 
 
 def _check_digest(path: Path, digest: str) -> bool:
-    """Whether a file of checksum `digest` matches its sidecar (True: it does; False: no
-    sidecar, or one that holds no checksum); ValueError when it does not match."""
+    """Whether a file of checksum `digest` was checked against its sidecar.
+
+    True: it matches. False: there is no sidecar, or one that holds no checksum. A mismatch
+    raises ValueError.
+    """
     expected, _ = _read_sidecar(path)
     if expected is not None and digest != expected:
         raise ValueError(f"{path.name} does not match its checksum (damaged or truncated)")
@@ -297,8 +319,11 @@ def _check_bytes(path: Path, data: bytes) -> bool:
 
 
 def _belongs_problem(path: Path, header: Mapping[str, Any], task: str | None) -> str | None:
-    """Why a model file's header says it belongs elsewhere: another iteration than its name,
-    another task than the run's (None: it fits, or has no header)."""
+    """Return why a model file's header says it belongs elsewhere (None: it fits).
+
+    That is another iteration than its name, or another task than the run's. A file without
+    a header fits.
+    """
     saved = header.get("iteration")
     if saved is not None and saved != checkpoint_iteration(path):
         return f"{path.name} holds iteration {saved} (a file renamed or copied over it)"
@@ -321,8 +346,11 @@ def _parse(path: Path, data: bytes, map_location: str | None) -> dict[str, Any]:
 
 
 def load_verified(path: Path, map_location: str | None = None) -> dict[str, Any]:
-    """Load one checkpoint, raising ValueError if it is no regular file, truncated, fails its
-    checksum or is not a training checkpoint."""
+    """Load one checkpoint that verifies.
+
+    ValueError when it is no regular file, is truncated, fails its checksum or is not a
+    training checkpoint.
+    """
     data = read_regular(path, MODEL_LIMIT)
     _check_bytes(path, data)
     return _parse(path, data, map_location)
@@ -371,8 +399,10 @@ class CheckpointPolicy:
 
 @dataclass
 class Checkpoints:
-    """The checkpoints of one run, each verified at most once (keyed by name, size and
-    modification time), as the run's writer sees them."""
+    """The checkpoints of one run as its writer sees them, each verified at most once.
+
+    A verdict is kept by the file's name, size and modification time.
+    """
 
     run_dir: Path
     task: str | None = None
@@ -401,9 +431,8 @@ class Checkpoints:
                     raise ValueError(
                         f"{path.name} does not match its checksum (damaged or truncated)"
                     )
-                verdict = _belongs_problem(path, header, self.task) or _rank_states_problem(
-                    path, header
-                )
+                verdict = _belongs_problem(path, header, self.task)
+                verdict = verdict or _rank_states_problem(path, header)
             except ValueError as exc:
                 verdict = str(exc)
             except OSError as exc:  # unreadable now (a flaky filesystem): not remembered
@@ -418,8 +447,11 @@ class Checkpoints:
             self._verdicts[key] = None
 
     def newest_valid(self) -> tuple[Path | None, list[Damaged]]:
-        """The newest checkpoint that verifies (None: none does), and the damaged ones newer
-        than it (all of them when none verifies), newest first."""
+        """Return the newest checkpoint that verifies (None: none does), and the damaged ones.
+
+        The damaged ones are those newer than it (all of them when none verifies), newest
+        first.
+        """
         damaged = []
         for path in reversed(list_checkpoints(self.run_dir)):
             why = self.problem(path)
@@ -433,8 +465,10 @@ class Checkpoints:
         return [p for p in list_checkpoints(self.run_dir) if self.problem(p) is None]
 
     def set_aside(self, damaged: list[Damaged], before: Callable[[], None] | None = None) -> None:
-        """Rename damaged checkpoints (and their sidecars) to `<name>.damaged`, so that nothing
-        counts them and a later save of the same iteration does not meet them."""
+        """Rename damaged checkpoints (and their sidecars) to `<name>.damaged`.
+
+        Nothing counts them then, and a later save of the same iteration does not meet them.
+        """
         if before is not None and damaged:
             before()
         for item in damaged:
@@ -449,8 +483,10 @@ class Checkpoints:
             fsync_dir(self.run_dir)
 
     def prune(self, keep: int) -> list[Path]:
-        """Delete all but the newest `keep` checkpoints that verify (0 keeps all); damaged
-        ones are not counted and not deleted. Returns the deleted."""
+        """Delete all but the newest `keep` checkpoints that verify (0 keeps all); the deleted.
+
+        Damaged ones are neither counted nor deleted.
+        """
         if keep <= 0:
             return []
         old = self.valid()[:-keep]
@@ -464,10 +500,12 @@ class Checkpoints:
 def cannot_continue(
     checkpoints: Checkpoints, task: str, restart_from_scratch: bool, flag: str = "--run-dir"
 ) -> SpecError | None:
-    """Why a run directory cannot be continued by a run of `task` (None: it can): it holds a
-    run of another task (named as `flag`), or every checkpoint of it is damaged and
-    --restart-from-scratch was not given. The launcher asks before starting anything; the
-    ranks ask again before loading."""
+    """Return why a run of `task` cannot continue the run directory (None: it can).
+
+    The directory holds a run of another task (named as `flag`), or every checkpoint of it
+    is damaged and --restart-from-scratch was not given. The launcher asks before starting
+    anything; the ranks ask again before loading.
+    """
     run_dir = checkpoints.run_dir
     theirs = (read_record(run_dir).get("spec") or {}).get("task") if run_dir.is_dir() else None
     if theirs and theirs != task:

@@ -1,7 +1,9 @@
-"""What a run is doing, from its own files: the run record `run.json` (what ran, where, with
-which code, every start, stop and fault: kept by the writer of the run directory, read by one
-reader that checks its shape), and the state these files tell without Slurm (with the
-writer's lease lock and `cancelled.json`). How each rank's latest start ended: `ends`.
+"""What a run is doing, from its own files.
+
+The run record `run.json` says what ran, where, with which code, and every start, stop and
+fault; the writer of the run directory keeps it, and one reader checks its shape. With the
+writer's lease lock and `cancelled.json` it tells the run's state without Slurm
+(`record_state`). How each rank's latest start ended is `ends`'s.
 """
 
 from __future__ import annotations
@@ -53,8 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("mjlab_hpc")
-
-# --- the run record -----------------------------------------------------------------------
 
 #: A fault's `kind` when the run started again in the same allocation (a new srun step, or
 #: the local controller's new ranks); RESTARTED: every kind that started the run again.
@@ -123,10 +123,13 @@ def _shape_problem(value: object) -> str | None:
 
 
 def read_record(run_dir: Path, strict: bool = False, set_aside: bool = False) -> dict[str, Any]:
-    """The run record ({} when there is none yet): the one reader of run.json, which checks
-    its shape as well as its syntax. A damaged record reads as {} (no command ends in a
-    traceback), or with `strict` raises DamagedRecord naming it; with `set_aside` (a writer
-    about to write anew) it is kept as `run.json.damaged-<time>`, named in `damaged_records`."""
+    """Read the run record, {} when there is none yet; the one reader of run.json.
+
+    It checks the record's shape as well as its syntax. A damaged record reads as {} (no
+    command ends in a traceback), or with `strict` raises DamagedRecord naming it. With
+    `set_aside` (a writer about to write anew) it is kept as `run.json.damaged-<time>`,
+    named in `damaged_records`.
+    """
     path = run_dir / RUN_RECORD
     value: Any = None
     try:
@@ -175,9 +178,12 @@ def on_start(
     environments: str = "new",
     skipped: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """The record after a (re)start of the run: `spec` is the run's settings from now on,
-    and the start says what changed (`changed`: {field: [before, now]}) and whether its
-    environments were `restored`, `fresh` (--fresh-envs) or `new`."""
+    """Return the record after a (re)start of the run.
+
+    `spec` is the run's settings from now on. The start says what changed (`changed`:
+    {field: [before, now]}) and whether its environments were `restored`, `fresh`
+    (--fresh-envs) or `new`.
+    """
     record = dict(record)
     record.setdefault("started_at", now_iso())
     changed = changed_settings(record.get("spec") or {}, spec)
@@ -218,8 +224,10 @@ def on_start(
 
 
 def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> dict[str, list[Any]]:
-    """The run's settings (TrainSpec fields, as dicts) that differ: {field: [before, now]}.
-    --num-procs is not one: the number of ranks is (`world_size`), whatever flag gave it."""
+    """Return the run's settings (TrainSpec fields, as dicts) that differ: {field: [before, now]}.
+
+    --num-procs is not one: the number of ranks is (`world_size`), whatever flag gave it.
+    """
     return {
         key: [before[key], value]
         for key, value in now.items()
@@ -249,8 +257,10 @@ def on_fault(record: dict[str, Any], fault: dict[str, Any], requeued: bool) -> d
 
 
 def interruptions(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every stop (`restarts`) and fault (`faults`) of the run, oldest first; each has a
-    `reason` (time-limit, preemption, node-lost, crash, hang, interrupt, ...)."""
+    """Return every stop (`restarts`) and fault (`faults`) of the run, oldest first.
+
+    Each has a `reason` (time-limit, preemption, node-lost, crash, hang, interrupt, ...).
+    """
 
     def when(entry: dict[str, Any]) -> float:
         return float(entry.get("at_s") or entry.get("signal_at") or entry.get("checkpoint_at") or 0)
@@ -259,9 +269,11 @@ def interruptions(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def on_recovered(record: dict[str, Any], resumed_from: int) -> dict[str, Any]:
-    """The record once the first iteration after a requeue-type interruption completed: the
-    interruption gets the time from fault (or stop signal) to that iteration and how many
-    iterations were computed again."""
+    """Return the record once the first iteration after a requeue-type interruption completed.
+
+    The interruption gets the time from the fault (or stop signal) to that iteration, and how
+    many iterations were computed again.
+    """
     record = copy.deepcopy(record)
     pending = [
         e for e in interruptions(record) if e.get("kind") in RESTARTED and "recovered_at" not in e
@@ -288,8 +300,11 @@ def on_end(record: dict[str, Any], iterations: int, state: str = "completed") ->
 
 
 def cancel_marker(run_dir: Path, record: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """The record `mjlab-hpc cancel` left (`cancelled.json`), if it came after the run's
-    latest start (a cancel before a resume is over); `record`: run.json, if already read."""
+    """Return the record `mjlab-hpc cancel` left (`cancelled.json`), if it still holds.
+
+    It holds when it came after the run's latest start: a resume ends an earlier cancel.
+    `record` is run.json, if already read.
+    """
     try:
         marker = dict(json.loads(read_regular(run_dir / CANCEL_RECORD)))
     except (OSError, ValueError, TypeError):
@@ -319,10 +334,12 @@ def on_node_failed(
     nodes: str,
     ended: str,
 ) -> dict[str, Any]:
-    """The record once a Slurm job requeued because a node failed (sacct: NODE_FAIL, on
-    `nodes`, at `ended`) starts again: the stop its ranks recorded (SIGTERM, taken for a
-    preemption) becomes `node-lost`, or, when the node died before they could record
-    anything, a `node-lost` fault is added."""
+    """Return the record when a job that Slurm requeued because a node failed starts again.
+
+    sacct says NODE_FAIL, on `nodes`, at `ended`. The stop its ranks recorded (SIGTERM, taken
+    for a preemption) becomes `node-lost`; when the node died before they could record
+    anything, a `node-lost` fault is added.
+    """
     record = copy.deepcopy(record)
     mine = _previous_start(record, job_id, restart_count)
     if mine:
@@ -362,9 +379,11 @@ def _previous_start(record: dict[str, Any], job_id: str, restart_count: int) -> 
 
 
 def on_preempted(record: dict[str, Any], job_id: str, restart_count: int) -> dict[str, Any]:
-    """The record once a Slurm job whose previous run was preempted (sacct: PREEMPTED)
-    starts again: the stop its ranks took for a requeue by Slurm (PreemptMode=REQUEUE
-    without GraceTime looks like one to them) becomes `preemption`."""
+    """Return the record when a job whose previous run was preempted starts again.
+
+    sacct says PREEMPTED. The stop its ranks took for a requeue by Slurm (PreemptMode=REQUEUE
+    without GraceTime looks like one to them) becomes `preemption`.
+    """
     record = copy.deepcopy(record)
     mine = _previous_start(record, job_id, restart_count)
     if mine and mine[-1].get("reason") == "requeue":
@@ -374,14 +393,13 @@ def on_preempted(record: dict[str, Any], job_id: str, restart_count: int) -> dic
 
 
 def resized_by_healer(record: dict[str, Any], world_size: int) -> bool:
-    """Whether the healer changed the run's world size to or from `world_size` (a restart on
-    fewer nodes, --min-nodes; a later start of the job back on all of them): the ranks then
-    take what the checkpoint holds of theirs."""
+    """Whether the healer changed the run's world size to or from `world_size`.
+
+    That is a restart on fewer nodes (--min-nodes), or a later start of the job back on all
+    of them. The ranks then take what the checkpoint holds of theirs.
+    """
     sizes = [f.get("world_size") for f in record.get("faults") or []]
     return any(isinstance(s, list) and world_size in s for s in sizes)
-
-
-# --- the state the run's files tell -------------------------------------------------------
 
 
 @dataclass(frozen=True)
