@@ -244,6 +244,7 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
 
 
 def _gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
+    """Gather every rank's `obj` on rank 0 (None on the other ranks)."""
     if not ctx.is_distributed:
         return [obj]
     out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
@@ -308,7 +309,7 @@ class IterationBoundary:
             with dog.paused() if dog is not None else contextlib.nullcontext():
                 self._checkpoint(s.iteration, stop)
         if stop is not None:
-            raise Stopped(s.iteration, stop, self.ctx, self.restarts.get(stop.reason, 0))
+            raise Stopped(s.iteration, stop, self.ctx, restarts=self.restarts.get(stop.reason, 0))
 
     def _say_signals(self, save: bool) -> None:
         """Say the signals that asked for a checkpoint (saved now) or that were ignored."""

@@ -378,7 +378,7 @@ def _train(
             writer = RunWriter.acquire(run, ctx.rank)
             checkpoints = Checkpoints(run.path, resolved.task)
         plan = plan_resume(run, resolved, ctx, checkpoints)
-        work = build_workload(resolved, ctx, device, seed, run, rank_log)
+        work = build_workload(resolved, ctx, device, seed=seed, run=run, quiet=rank_log)
         runner = work.runner
         first_obs = work.first_obs_digest()
         resized = resized_by_healer(read_record(run.path), ctx.world_size)

@@ -1,18 +1,14 @@
 """A rank that stops making progress: heartbeats, the hang watchdog, and injected faults.
 
-Every rank runs a daemon thread that writes its heartbeat (`logs/heartbeat/rank<k>.json`) and
-watches its own progress, once the first iteration of a start has completed. A rank whose
+Every rank runs a daemon thread that writes its heartbeat (`logs/heartbeat/rank<k>.json`) and,
+once the first iteration of a start has completed, watches its own progress. A rank whose
 iteration does not advance for the hang limit (`hang_limit_s`; checkpoint writes do not count)
 writes its Python stacks to its log. The log names the ranks that stopped heartbeating (their
 heartbeat files seen unchanged by this rank's own clock, never compared with another node's
 clock) or lag behind. The rank records the hang (`hang-rank<k>.json`), waits a moment for the
 other live ranks to do the same, and exits with EXIT_HUNG; the launcher ends the others and
-the healer decides (docs/preemption.md).
-
-`MJLAB_HPC_FAULT=KIND@ITERATION[:rankK][:once],...` injects faults for fire drills and tests:
-`raise` (an exception), `kill` (SIGKILL of the rank itself), `stop` (SIGSTOP: a hang) or
-`slow` (from that iteration on, the rank works twice as long per iteration: a straggler).
-With `once`, a fault happens only in the first start that reaches it.
+the healer decides (docs/preemption.md). `MJLAB_HPC_FAULT` injects faults for fire drills
+and tests (`FaultInjection`).
 """
 
 from __future__ import annotations
@@ -338,7 +334,13 @@ class _Paused:
 
 @dataclass(frozen=True)
 class FaultInjection:
-    """A fault to inject at the end of an iteration (`MJLAB_HPC_FAULT`)."""
+    """A fault to inject at the end of an iteration, as `MJLAB_HPC_FAULT` asks.
+
+    `MJLAB_HPC_FAULT=KIND@ITERATION[:rankK][:once],...` asks for `raise` (an exception),
+    `kill` (SIGKILL of the rank itself), `stop` (SIGSTOP: a hang) or `slow` (from that
+    iteration on, the rank works twice as long per iteration: a straggler). With `once`, a
+    fault happens only in the first start that reaches it.
+    """
 
     kind: str
     iteration: int

@@ -3,12 +3,10 @@
 The copy is taken at submit time; the repository is the user's task package, or mjlab_hpc
 itself when developing it. `plan_snapshot` decides what would be copied (git's tracked files
 and the untracked ones it does not ignore) and refuses a repository too large to copy per
-job, before anything is made. `write_snapshot` copies it into `<run>/code/src/`, with
-`code/snapshot.json` (repository, commit, whether it was dirty, the files) and
-`code/changes.diff` (the uncommitted changes). Every rank of the job and of all its requeues
-puts the copy's import roots first on PYTHONPATH (`import_path`), ahead of an editable
-install of the same package, so editing the checkout after submitting changes nothing in the
-run.
+job, before anything is made. `write_snapshot` copies it into `<run>/code/src/` and records
+it. Every rank of the job and of all its requeues puts the copy's import roots first on
+PYTHONPATH (`import_path`), ahead of an editable install of the same package, so editing the
+checkout after submitting changes nothing in the run.
 """
 
 from __future__ import annotations
@@ -162,7 +160,11 @@ def plan_snapshot(cwd: Path, off: bool = False) -> Snapshot | str:
 
 
 def write_snapshot(plan: Snapshot, dest: Path) -> dict[str, Any]:
-    """Copy the planned files into `dest/code/src` and record them; the record."""
+    """Copy the planned files into `dest/code/src` and record them; the record.
+
+    `code/snapshot.json` records the repository, commit, whether it was dirty and the files;
+    `code/changes.diff` holds the uncommitted changes.
+    """
     code = dest / CODE_DIR
     src = code / "src"
     n = 1

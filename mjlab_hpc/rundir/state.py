@@ -435,10 +435,11 @@ def record_state(run_dir: Path) -> JobState:
     """The state the run's own files tell: run.json, the cancel record and the writer lock."""
     record = read_record(run_dir)
     state = str(record.get("state", ""))
+    nodes = record.get("num_nodes")
     if state == "running" and writer_alive(run_dir):
-        return JobState("RUNNING", "lock", True, record.get("num_nodes"))
+        return JobState("RUNNING", "lock", active=True, nodes=nodes)
     if cancel_marker(run_dir) is not None:
-        return JobState("CANCELLED", "record", False, record.get("num_nodes"))
+        return JobState("CANCELLED", "record", active=False, nodes=nodes)
     mapped = {
         "completed": "COMPLETED",
         "failed": "FAILED",
@@ -447,5 +448,5 @@ def record_state(run_dir: Path) -> JobState:
         "running": "LOST",
     }.get(state)
     if mapped is None:
-        return JobState("UNKNOWN", "none", False)
-    return JobState(mapped, "record", False, record.get("num_nodes"))
+        return JobState("UNKNOWN", "none", active=False)
+    return JobState(mapped, "record", active=False, nodes=nodes)
