@@ -1,10 +1,10 @@
-"""What runs inside one rank: `RankJob` (what submitit runs in every task of a job), the
-training from start to end (`train`: the per-rank entry point and the iteration boundary),
-where the rank stands in the job (`context`), where it starts from (`resume`), what it trains
-(`workload`: environments and runner), the runner (`runner`), what the ranks exchange (`ppo`,
-`normalization`), stops (`stop`) and the hang watchdog (`watchdog`).
+"""What runs inside one rank, and `RankJob`, what submitit runs in every task of a job.
 
-Only this module and `context` are light; the others import torch, warp and rsl-rl.
+`train` is the per-rank entry point; `context` says where the rank stands in the job,
+`resume` where it starts from, `workload` and `runner` what it trains. `signals` and `stop`
+handle stops, `watchdog` hangs, `stragglers` slow ranks, `normalization` what the ranks'
+normalizers exchange. This module imports only light ones (`context`, `signals`): the
+training code (torch, warp, rsl-rl) loads in the rank.
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ __all__ = ["RankJob"]
 
 @dataclass(frozen=True)
 class RankJob:
-    """One rank's training as a picklable callable, for submitit's executors. Light: the
-    submitting process pickles it; the rank imports the training code when the job runs."""
+    """One rank's training as a picklable callable, for submitit's executors.
+
+    It is light: the submitting process pickles it, and the rank imports the training code
+    when the job runs.
+    """
 
     spec: ResolvedSpec
     master_port: int | None = None
@@ -57,8 +60,11 @@ class RankJob:
 
 
 def _chain_done(run_dir: str | None) -> str | None:
-    """Why a later job of a --chain has nothing to do (the run completed, or was cancelled
-    with `mjlab-hpc cancel`), None when it continues the run (or is not in a chain)."""
+    """Return why a later job of a --chain has nothing to do (None: it continues the run).
+
+    The run completed, or was cancelled with `mjlab-hpc cancel`. A job outside a chain
+    always continues.
+    """
     link = chain_link(os.environ)
     if link is None or link[0] == 1 or not run_dir:
         return None
@@ -73,8 +79,11 @@ def _chain_done(run_dir: str | None) -> str | None:
 
 
 def _record_early_stops(preempt_signal: str) -> list[int]:
-    """Record every signal a rank handles (`rank.signals`; INT and HUP not when the job runs
-    in the background) until `train_rank` installs its own handlers; the signals so far."""
+    """Record the signals a rank handles until `train_rank` installs its own handlers.
+
+    Returns the list they are recorded in. INT and HUP are left alone when the job runs in
+    the background (`rank.signals`).
+    """
     early: list[int] = []
     for num in handled(preempt_signal, DETACHED_ENV in os.environ):
         signal.signal(num, lambda signum, frame: early.append(signum))

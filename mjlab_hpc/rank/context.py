@@ -1,10 +1,10 @@
-"""The distributed context: who this process is in the job, and the process group it joins;
-and the Slurm allocation (salloc, an interactive job) a launcher runs in.
+"""Who this process is in the job, the process group it joins, and its Slurm allocation.
 
 `DistContext.from_env` recognises how the process was launched (an srun task, torchrun or
 torchrunx, submitit's local executor, or a plain process) and turns that launcher's variables
 into one answer: rank, local rank, world size, node, master address and port. Everything after
 it (device, seed, process group, the trainer) reads the context, never the raw variables.
+`current_allocation` is the allocation (salloc, an interactive job) a launcher runs in.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ class DistContext:
 
 
 def detect_mode(env: Mapping[str, str]) -> LaunchMode:
-    """Which launcher started this process. torchrun inside a Slurm step counts as torchrun."""
+    """Tell which launcher started this process; torchrun inside a Slurm step is torchrun."""
     if any(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return "torchrun"
     if any(k in env for k in _SUBMITIT_REQUIRED):
@@ -222,8 +222,10 @@ def detect_mode(env: Mapping[str, str]) -> LaunchMode:
 
 @dataclass(frozen=True)
 class Allocation:
-    """The Slurm allocation this process runs in (a salloc shell, an interactive job or a batch
-    script), outside any srun step."""
+    """The Slurm allocation this process runs in, outside any srun step.
+
+    The process is a salloc shell, an interactive job or a batch script.
+    """
 
     job_id: str
     nodes: int
@@ -239,14 +241,18 @@ def current_allocation(env: Mapping[str, str]) -> Allocation | None:
     nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or "1"
     gpus = env.get("SLURM_GPUS_ON_NODE", "")
     return Allocation(
-        job, int(nodes) if nodes.isdigit() else 1, int(gpus) if gpus.isdigit() else None
+        job_id=job,
+        nodes=int(nodes) if nodes.isdigit() else 1,
+        gpus_per_node=int(gpus) if gpus.isdigit() else None,
     )
 
 
 def interactive_step(env: Mapping[str, str]) -> str | None:
-    """'step S of job J' when this process runs in an interactive srun step (`srun --pty
-    bash`), whose resources its own step holds; None elsewhere (a salloc shell, a batch
-    script, the ranks we start)."""
+    """Return 'step S of job J' when this process runs in an interactive srun step.
+
+    Such a step (`srun --pty bash`) holds the resources itself. None elsewhere: a salloc
+    shell, a batch script, the ranks we start.
+    """
     job, step = env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
     if not job or step is None or "SLURM_PTY_PORT" not in env or ALLOCATION_ENV in env:
         return None
@@ -340,8 +346,11 @@ _NODE_NAME = re.compile(r"(?:[^\[\],\s]|\[[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list (`gpu[007-010],cpu1` gives `gpu007`), read without
-    scontrol, which container images often lack: each bracket's first value, as written."""
+    """Return the first host of a Slurm node list: `gpu[007-010],cpu1` gives `gpu007`.
+
+    It is read without scontrol, which container images often lack: each bracket's first
+    value, as written.
+    """
     depth, name = 0, ""
     for ch in nodelist:
         depth += (ch == "[") - (ch == "]")
@@ -445,9 +454,11 @@ def resolve_device(
 
 
 def own_mig(cuda_visible_devices: str | None, local_rank: int, local_world_size: int) -> str | None:
-    """This rank's own entry when CUDA_VISIBLE_DEVICES lists one MIG instance per local rank
-    (CUDA shows a process one MIG instance at most: local rank 1 would find no cuda:1); else
-    None. The caller narrows the variable to it before CUDA starts."""
+    """Return this rank's own MIG instance when CUDA_VISIBLE_DEVICES lists one per local rank.
+
+    CUDA shows a process one MIG instance at most, so local rank 1 would find no cuda:1. The
+    caller narrows the variable to the answer before CUDA starts. None otherwise.
+    """
     entries = [e.strip() for e in (cuda_visible_devices or "").split(",") if e.strip()]
     if 1 < len(entries) == local_world_size and any(e.startswith("MIG-") for e in entries):
         return entries[local_rank]

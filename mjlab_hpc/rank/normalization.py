@@ -4,16 +4,7 @@ rsl-rl 5.4.2 (the version mjlab 1.6 pins) updates each rank's EmpiricalNormaliza
 rank's observations only, so the ranks' normalizers, and with them their policies, drift
 apart even though gradients are averaged. `sync_normalizers` swaps in a normalizer that
 all-reduces each batch's moments first: every rank then applies the same update and the
-models stay bit-identical.
-
-How often the ranks agree is `NormalizerSync`: every env step ("step": exactly the statistics
-one process would learn from all ranks' environments), or once per iteration ("iteration",
-the default): during the rollout each rank adds its own observations to the statistics agreed
-at the start of the iteration, and before the returns and the update the whole rollout of
-every rank is merged into those agreed statistics (the same result as "step", up to
-rounding). Gradient steps always see every rank's data, the ranks stay bit-identical at every
-iteration boundary, and a rollout costs one collective instead of one per env step (brax's
-running statistics are updated once per training step in the same way).
+models stay bit-identical. How often the ranks agree is `NormalizerSync`.
 """
 
 from __future__ import annotations
@@ -33,6 +24,14 @@ __all__ = [
 ]
 
 
+# "step": the ranks agree at every env step, on exactly the statistics one process would learn
+# from all ranks' environments. "iteration" (the default): during the rollout each rank adds
+# its own observations to the statistics agreed at the start of the iteration; before the
+# returns and the update, every rank's whole rollout is merged into those agreed statistics
+# (the same result as "step", up to rounding). Gradient steps see every rank's data either
+# way, the ranks are bit-identical at every iteration boundary, and a rollout costs one
+# collective instead of one per env step (brax updates its running statistics once per
+# training step in the same way).
 NormalizerSync = Literal["iteration", "step"]
 
 
@@ -76,8 +75,10 @@ class SyncedEmpiricalNormalization(EmpiricalNormalization):
         super().update(x)
 
     def agree(self, reduced: torch.Tensor) -> None:
-        """Back to the agreed statistics, then add `reduced`: every rank's batch moments of
-        the rollout summed (see `agree_normalizers`)."""
+        """Go back to the agreed statistics, then add every rank's rollout (`reduced`).
+
+        `reduced` is the sum over ranks of their rollout's batch moments (`agree_normalizers`).
+        """
         assert self._agreed is not None
         count, mean, var = self._agreed
         self.count.copy_(count)
@@ -111,9 +112,11 @@ def _moments(x: torch.Tensor) -> torch.Tensor:
 
 
 def sync_normalizers(*models: nn.Module, every: NormalizerSync = "step") -> int:
-    """Replace every EmpiricalNormalization inside `models` by the synced kind, keeping its
-    statistics. With every="iteration", call `agree_normalizers` after each rollout. Returns
-    how many were replaced."""
+    """Replace every EmpiricalNormalization inside `models` by the synced kind; how many.
+
+    Each keeps its statistics. With every="iteration", call `agree_normalizers` after each
+    rollout.
+    """
     replaced = 0
     for model in models:
         for parent in list(model.modules()):
@@ -131,9 +134,12 @@ def sync_normalizers(*models: nn.Module, every: NormalizerSync = "step") -> int:
 
 
 def agree_normalizers(*models: nn.Module) -> int:
-    """Merge the rollout every rank has seen since the last call into the statistics of each
-    per-iteration normalizer inside `models`, with one collective for all of them; the same
-    result on every rank. Call it at the same point on every rank. Returns how many merged."""
+    """Merge every rank's rollout into the per-iteration normalizers inside `models`; how many.
+
+    The rollout is what each rank has seen since the last call. One collective serves all the
+    normalizers, and every rank gets the same result; call it at the same point on every
+    rank.
+    """
     pending = [
         m
         for model in models

@@ -1,10 +1,12 @@
-"""Where a rank's training starts: the newest checkpoint of the run that verifies, with this
-rank's saved environments and random generators (or new environments, with --fresh-envs, where
-the saved ones do not fit), else the checkpoint of another run it starts from (mjlab's
-`--agent.resume True`: models, optimizer and normalizers, iteration 0), else iteration 0,
-refusing what cannot be continued (a run of another task, a network of another shape,
-environments saved for another number of ranks or environments, seed or simulator version,
-nothing valid left) before anything of the run is changed.
+"""Where a rank's training starts, decided before anything of the run changes.
+
+A run continues from its newest checkpoint that verifies, with this rank's saved environments
+and random generators (new environments with --fresh-envs, where the saved ones do not fit).
+A run without checkpoints of its own may start from another run's (mjlab's
+`--agent.resume True`: models, optimizer and normalizers, at iteration 0), else at
+iteration 0. What cannot be continued is refused: a run of another task, a network of another
+shape, environments saved for another number of ranks or environments, seed or simulator
+version, nothing valid left.
 
 Rank 0 decides (it verifies each checkpoint once) and every rank gets the same plan, or the
 same refusal, through the process group.
@@ -52,8 +54,9 @@ class ResumePlan:
     damaged: tuple[Damaged, ...]
     """Checkpoints that do not verify and are skipped (newer than the one loaded)."""
     other_run: bool = False
-    """The checkpoint is another run's (the run has none of its own yet): its weights start
-    this run at iteration 0."""
+    """The checkpoint is another run's: its weights start this run at iteration 0.
+
+    The run has none of its own yet."""
 
 
 def _decide(run: RunDir, resolved: ResolvedSpec, checkpoints: Checkpoints) -> ResumePlan:
@@ -75,8 +78,11 @@ def _decide(run: RunDir, resolved: ResolvedSpec, checkpoints: Checkpoints) -> Re
 def plan_resume(
     run: RunDir, resolved: ResolvedSpec, ctx: DistContext, checkpoints: Checkpoints | None
 ) -> ResumePlan:
-    """The same plan on every rank (`checkpoints`: rank 0's view of the run; None on the
-    others), or ResumeRefused raised on every rank."""
+    """Decide on rank 0 where the run starts, and hand every rank the same plan.
+
+    `checkpoints` is rank 0's view of the run (None on the others). A refusal is raised as
+    ResumeRefused on every rank.
+    """
     answer: list[Any] = [None]
     if ctx.is_main:
         assert checkpoints is not None
@@ -98,8 +104,11 @@ def _shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def check_shapes(path: Path, ckpt: dict[str, Any], runner: Any, flag: str = "--run-dir") -> None:
-    """ResumeRefused (as `flag`) naming the first parameter whose shape differs between the
-    checkpoint and this run's networks (another task, other hidden sizes)."""
+    """Refuse a checkpoint whose networks have another shape than this run's.
+
+    The ResumeRefused (as `flag`) names the first parameter whose shape differs (another
+    task, other hidden sizes).
+    """
     for part, module in (("actor", runner.alg.actor), ("critic", runner.alg.critic)):
         saved = ckpt.get(f"{part}_state_dict")
         if not isinstance(saved, dict):
@@ -116,10 +125,13 @@ def check_shapes(path: Path, ckpt: dict[str, Any], runner: Any, flag: str = "--r
                 )
 
 
-def _unfit(path: Path, ckpt: dict[str, Any], work: Workload, world_size: int, resized: bool
-           ) -> tuple[str, str] | None:  # fmt: skip
-    """(flag, why) when the checkpoint's saved environments cannot be restored here
-    (`resized`: the healer changed the world size, which is then no reason)."""
+def _unfit(
+    path: Path, ckpt: dict[str, Any], work: Workload, world_size: int, resized: bool
+) -> tuple[str, str] | None:
+    """Return (flag, why) when the checkpoint's saved environments cannot be restored here.
+
+    `resized`: the healer changed the world size, which is then no reason.
+    """
     saved = (ckpt.get("infos") or {}).get("environments")
     if not isinstance(saved, dict) or rank_state_world_size(path) is None:
         return "--fresh-envs", f"{path.name} holds no environment state (older mjlab_hpc)"
@@ -142,22 +154,28 @@ def _unfit(path: Path, ckpt: dict[str, Any], work: Workload, world_size: int, re
 
 
 def load_plan(
-    plan: ResumePlan, work: Workload, device: str, ctx: DistContext, fresh_envs: bool = False,
+    plan: ResumePlan,
+    work: Workload,
+    device: str,
+    ctx: DistContext,
+    fresh_envs: bool = False,
     resized: bool = False,
-) -> tuple[int, str]:  # fmt: skip
-    """Restore the plan's checkpoint into this rank's workload: (the iterations it had done,
-    0 on a fresh start; the environments: `restored`, `fresh` (--fresh-envs), `new`, or
-    `partly restored`: the healer changed the world size (`resized`), and each rank takes the
-    saved environments of the rank with its number; those of ranks that are gone are
-    dropped, a rank without saved ones starts new ones)."""
+) -> tuple[int, str]:
+    """Restore the plan's checkpoint into this rank's workload.
+
+    Returns the iterations the checkpoint had done (0 on a fresh start) and what became of
+    the environments: `restored`, `fresh` (--fresh-envs), `new`, or `partly restored`. The
+    last is when the healer changed the world size (`resized`): each rank takes the saved
+    environments of the rank with its number, those of ranks that are gone are dropped, and
+    a rank without saved ones starts new ones.
+    """
     if plan.checkpoint is None:
         return 0, "new"
     path = Path(plan.checkpoint)
     ckpt = load_verified(path, map_location=device)
-    check_shapes(
-        path, ckpt, work.runner, "--agent.load-checkpoint" if plan.other_run else "--run-dir"
-    )
-    unfit = None if plan.other_run else _unfit(path, ckpt, work, ctx.world_size, resized)
+    flag = "--agent.load-checkpoint" if plan.other_run else "--run-dir"
+    check_shapes(path, ckpt, work.runner, flag=flag)
+    unfit = None if plan.other_run else _unfit(path, ckpt, work, ctx.world_size, resized=resized)
     if unfit is not None and not fresh_envs:
         raise ResumeRefused(
             unfit[0],
@@ -167,22 +185,35 @@ def load_plan(
         )
     work.load(path, ckpt, plan.other_run)
     if plan.other_run:
-        log.info("started from %s (another run's checkpoint, iteration %s there) at iteration 0",
-                 path, ckpt.get("iter"))  # fmt: skip
+        log.info(
+            "started from %s (another run's checkpoint, iteration %s there) at iteration 0",
+            path,
+            ckpt.get("iter"),
+        )
         return 0, "new"
     start = int(work.runner.current_learning_iteration)
     saved_for = (ckpt.get("infos") or {}).get("environments") or {}
     # The run the checkpoint belongs to stays the run's name (its folder may have moved).
     work.fits["run"] = saved_for.get("run") or work.fits["run"]
     if unfit is not None:
-        log.warning("resumed from %s at iteration %d with new environments (--fresh-envs): %s",
-                    path.name, start, unfit[1])  # fmt: skip
+        log.warning(
+            "resumed from %s at iteration %d with new environments (--fresh-envs): %s",
+            path.name,
+            start,
+            unfit[1],
+        )
         return start, "fresh"
     saved = rank_state_world_size(path) or ctx.world_size
     if ctx.rank >= saved:
-        log.warning("resumed from %s at iteration %d on %d ranks instead of %d: no saved "
-                    "environments for rank %d, new ones", path.name, start, ctx.world_size,
-                    saved, ctx.rank)  # fmt: skip
+        log.warning(
+            "resumed from %s at iteration %d on %d ranks instead of %d: no saved "
+            "environments for rank %d, new ones",
+            path.name,
+            start,
+            ctx.world_size,
+            saved,
+            ctx.rank,
+        )
         return start, "partly restored"
     belongs = {"run": work.fits["run"], "task": work.fits["task"], "iteration": start}
     problems = restore_rank_state(work, load_rank_state(path, ctx.rank, saved, belongs), device)
@@ -190,11 +221,16 @@ def load_plan(
         log.warning("environment state not restored: %s", problem)
     if saved != ctx.world_size:
         gone = range(ctx.world_size, saved)
-        log.warning("resumed from %s at iteration %d on %d ranks instead of %d (the healer's "
-                    "--min-nodes): the environments of rank %d restored%s", path.name, start,
-                    ctx.world_size, saved, ctx.rank,
-                    f", those of rank(s) {', '.join(map(str, gone))} dropped" if gone else "",
-                    )  # fmt: skip
+        log.warning(
+            "resumed from %s at iteration %d on %d ranks instead of %d (the healer's "
+            "--min-nodes): the environments of rank %d restored%s",
+            path.name,
+            start,
+            ctx.world_size,
+            saved,
+            ctx.rank,
+            f", those of rank(s) {', '.join(map(str, gone))} dropped" if gone else "",
+        )
         return start, "partly restored"
     log.info("resumed from %s at iteration %d, environments restored", path.name, start)
     return start, "restored"

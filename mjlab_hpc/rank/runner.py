@@ -97,10 +97,10 @@ class CollectiveClock:
 
 
 class ContextRunnerMixin:
-    """Put before an rsl-rl OnPolicyRunner (or a subclass such as mjlab's runners) in the
-    bases: rank and world size come from a DistContext instead of rsl-rl's NCCL-only set-up,
-    and the runner gets our learn loop.
+    """Drives an rsl-rl OnPolicyRunner by a DistContext, with our learn loop.
 
+    Put it before an OnPolicyRunner (or a subclass such as mjlab's runners) in the bases:
+    rank and world size then come from the DistContext instead of rsl-rl's NCCL-only set-up.
     The process group itself is created by `process_group()` (gloo on CPU, NCCL on CUDA);
     this only tells rsl-rl who it is, so its parameter broadcast and gradient all-reduce work
     on both. The loop is rsl-rl's, with a hook after every iteration (progress, checkpoints,
@@ -292,9 +292,12 @@ class ContextRunnerMixin:
     def save_published(
         self, path: Path, publish: Callable[[Path], None], infos: dict | None = None
     ) -> None:
-        """The runner's own `save` (mjlab's: the environment's step counter, ONNX export)
-        into a temporary file beside `path`, then `publish(tmp)` (which renames it to `path`);
-        its W&B upload waits for the real name (W&B runs are searched for model_<n>.pt)."""
+        """Save with the runner's own `save`, then `publish` the file as `path`.
+
+        mjlab's `save` adds the environment's step counter and an ONNX export. It writes to a
+        temporary file beside `path`, which `publish(tmp)` renames to `path`. Its W&B upload
+        waits for the real name (W&B runs are searched for model_<n>.pt).
+        """
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         upload, uploads = self.logger.save_model, []
         self.logger.save_model = lambda _path, it: uploads.append(it)
@@ -312,10 +315,13 @@ class ContextRunnerMixin:
 
 
 class WandbBook:
-    """One W&B run per run directory: its id, made once and kept in <run>/wandb_run.json with
-    the last step handed to W&B. Every start of the run (requeue, --resume, a restart after a
-    crash) resumes that W&B run (WANDB_RUN_ID, WANDB_RESUME=allow) and logs no step W&B
-    already has: iterations computed again after a crash are trained but not logged again."""
+    """Keeps one W&B run per run directory, and the last step handed to it.
+
+    The W&B run's id is made once and kept in <run>/wandb_run.json with the last step. Every
+    start of the run (requeue, --resume, a restart after a crash) resumes that W&B run
+    (WANDB_RUN_ID, WANDB_RESUME=allow) and logs no step W&B already has: iterations computed
+    again after a crash are trained but not logged again.
+    """
 
     def __init__(self, path: Path, run_id: str, last_step: int) -> None:
         self.path = path
@@ -334,8 +340,10 @@ class WandbBook:
         return cls(path, str(data["id"]), int(data.get("last_step", -1)))
 
     def handing(self, step: int) -> bool:
-        """Whether `step` goes to W&B; a new step is recorded before it is handed over (a
-        crash then loses it at worst, never duplicates it)."""
+        """Whether `step` goes to W&B; a new step is recorded before it is handed over.
+
+        A crash then loses a step at worst, and never duplicates one.
+        """
         if step <= self.logged_before:
             return False
         if step > self.last_step:
@@ -346,8 +354,11 @@ class WandbBook:
 
 @contextlib.contextmanager
 def _wandb_identity(book: WandbBook | None, tags: tuple[str, ...] = ()) -> Iterator[None]:
-    """W&B's variables while rsl-rl's writer calls wandb.init: the run's one W&B run, and
-    mjlab's --agent.wandb-tags (mjlab's train passes them the same way, WANDB_TAGS)."""
+    """Set W&B's variables while rsl-rl's writer calls wandb.init.
+
+    They name the run's one W&B run, and add mjlab's --agent.wandb-tags (mjlab's train passes
+    them the same way, in WANDB_TAGS).
+    """
     if book is None:
         yield
         return
@@ -414,8 +425,11 @@ class DistributedRunner(ContextRunnerMixin, OnPolicyRunner):
 
 
 def runner_class(base: type) -> type:
-    """`base` (an OnPolicyRunner subclass, e.g. mjlab's velocity runner) driven by a
-    DistContext and our learn loop; construct it as `base` plus `ctx=` and `quiet=`."""
+    """Return `base` (an OnPolicyRunner subclass) driven by a DistContext and our learn loop.
+
+    `base` is, for example, mjlab's velocity runner. Construct the result as `base`, plus
+    `ctx=` and `quiet=`.
+    """
     if not (isinstance(base, type) and issubclass(base, OnPolicyRunner)):
         raise TypeError(f"{base!r} is not an rsl-rl OnPolicyRunner subclass")
     if issubclass(base, ContextRunnerMixin):

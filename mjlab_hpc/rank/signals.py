@@ -1,14 +1,10 @@
-"""What every signal a user, an admin or the scheduler can send means to a rank (the table in
-docs/preemption.md, "Signals"), and the stop it asks for. Light: the rank's entry point records
-signals with it while torch loads.
+"""What each signal a user, an admin or the scheduler can send means to a rank.
 
-Handlers only record a signal (acting inside one could interrupt a collective half way): the
-time-limit warning (--preempt-signal, USR2 by default) and TERM stop at the next iteration
-boundary with a checkpoint, for a requeue (on Slurm rank 0 asks Slurm why TERM came: a cancel,
-a preemption, a requeue, a lost node, or a person: `why_signalled`); INT, HUP and the other
-FOR_GOOD signals stop for good; SAVE asks for a checkpoint; IGNORED is said and ignored. A
-second Ctrl-C raises KeyboardInterrupt at once (not under Slurm, where a signal may come twice:
-to the step and through the batch shell).
+Handlers only record a signal, since acting inside one could interrupt a collective half way;
+the rank acts on it at the next iteration boundary (`rank.stop`). The time-limit warning
+(--preempt-signal) and TERM stop for a requeue, FOR_GOOD signals for good, SAVE signals ask
+for a checkpoint, IGNORED ones are said and ignored; docs/preemption.md ("Signals") has the
+table. The module is light: the rank's entry point records signals with it while torch loads.
 """
 
 from __future__ import annotations
@@ -43,8 +39,13 @@ __all__ = [
 ]
 
 #: Stop at the next iteration boundary with a checkpoint, for good: what the stop is called.
-FOR_GOOD = {"INT": "interrupt", "HUP": "hangup", "QUIT": "terminated", "XCPU": "terminated",
-            "PWR": "terminated"}  # fmt: skip
+FOR_GOOD = {
+    "INT": "interrupt",
+    "HUP": "hangup",
+    "QUIT": "terminated",
+    "XCPU": "terminated",
+    "PWR": "terminated",
+}
 #: Save a checkpoint at the next iteration boundary and go on (unless the time-limit signal).
 SAVE = ("USR1", "USR2", "URG")
 #: Ignored, and said in the rank log: by default each would end the rank without a word (and
@@ -72,8 +73,11 @@ def meaning(signum: int, time_limit_signal: str) -> Meaning:
 
 
 def handled(time_limit_signal: str, detached: bool = False) -> list[int]:
-    """The signals a rank handles; `detached` (a job in the background) leaves INT and HUP as
-    they are (ignored by the background job)."""
+    """Return the signals a rank handles.
+
+    `detached` (a job in the background) leaves INT and HUP as they are: the background job
+    ignores them.
+    """
     names = ["TERM", time_limit_signal.upper().removeprefix("SIG"), *FOR_GOOD, *SAVE, *IGNORED]
     if detached:
         names = [n for n in names if n not in ("INT", "HUP")]
@@ -82,15 +86,28 @@ def handled(time_limit_signal: str, detached: bool = False) -> list[int]:
 
 
 StopReason = Literal[
-    "time-limit", "preemption", "interrupt", "hangup", "terminated", "supervisor-lost",
-    "requeue", "cancelled", "node-lost",
-]  # fmt: skip
+    "time-limit",
+    "preemption",
+    "interrupt",
+    "hangup",
+    "terminated",
+    "supervisor-lost",
+    "requeue",
+    "cancelled",
+    "node-lost",
+]
 # A stop with no signal behind it (the supervisor disappeared).
 NO_SIGNAL = 255
 # Within one kind of stop, the reason people recognise wins: Ctrl-C reaches the ranks and,
 # through the launcher and submitit's controller, SIGTERM too; the stop says "interrupt".
-_PRIORITY = {"interrupt": 4, "hangup": 3, "terminated": 2, "supervisor-lost": 1,
-             "time-limit": 2, "preemption": 1}  # fmt: skip
+_PRIORITY = {
+    "interrupt": 4,
+    "hangup": 3,
+    "terminated": 2,
+    "supervisor-lost": 1,
+    "time-limit": 2,
+    "preemption": 1,
+}
 
 
 class StopKind(IntEnum):
@@ -116,7 +133,7 @@ class Stop:
 
     @property
     def signal_name(self) -> str | None:
-        """SIGUSR2, SIGINT, ... (None for a stop with no signal)."""
+        """The signal's name, such as SIGUSR2 (None for a stop with no signal)."""
         return signal.Signals(self.signum).name if self.signum else None
 
 
@@ -138,8 +155,10 @@ def classify(signum: int, mode: str, time_limit_signal: str) -> tuple[StopKind, 
 
 
 class StopRequest:
-    """The stop this rank was asked for, if any (written by handlers and the supervisor watch,
-    read at an iteration boundary)."""
+    """The stop this rank was asked for, if any.
+
+    Signal handlers and the supervisor watch write it; the iteration boundary reads it.
+    """
 
     def __init__(self, mode: str = "single", time_limit_signal: str = "USR2") -> None:
         self.mode = mode
@@ -176,8 +195,11 @@ class StopRequest:
             # minute); os.write: a handler must not re-enter a buffered stream.
             again = " (again to stop at once)" if signum == signal.SIGINT else ""
             with contextlib.suppress(OSError):
-                os.write(2, f"\n{signal.Signals(signum).name}: stopping at the next iteration "
-                            f"boundary, with a checkpoint{again}\n".encode())  # fmt: skip
+                os.write(
+                    2,
+                    f"\n{signal.Signals(signum).name}: stopping at the next iteration "
+                    f"boundary, with a checkpoint{again}\n".encode(),
+                )
         self.record(signum)
 
     def _not_a_stop(self, signum: int) -> bool:
@@ -189,8 +211,10 @@ class StopRequest:
         return what != "stop"
 
     def early(self, signum: int) -> None:
-        """A signal that arrived before the handlers were installed (counted as they count
-        it, without acting at once)."""
+        """Record a signal that arrived before the handlers were installed.
+
+        It counts as the handlers count it, without acting at once.
+        """
         if self._not_a_stop(signum):
             return
         if signum == signal.SIGINT:
@@ -210,10 +234,12 @@ class StopRequest:
 
 @contextlib.contextmanager
 def watch_signals(request: StopRequest, detached: bool = False) -> Iterator[StopRequest]:
-    """Record every signal `rank.signals` gives a meaning in `request` for the duration of the
-    block, then restore the old handlers; `detached` leaves INT and HUP as they are (ignored
-    by a background job). Outside the main thread (where Python allows no handlers) nothing
-    is installed."""
+    """Record in `request` every signal that means something to a rank, during the block.
+
+    The old handlers are restored afterwards. `detached` leaves INT and HUP as they are (a
+    background job ignores them). Outside the main thread, where Python allows no handlers,
+    nothing is installed.
+    """
     old: dict[int, object] = {}
     try:
         for num in handled(request.time_limit_signal, detached):
@@ -228,20 +254,27 @@ def watch_signals(request: StopRequest, detached: bool = False) -> Iterator[Stop
 
 
 def why_signalled(
-    stop: Stop, job: dict[str, str] | None, restart_count: int, lost: Sequence[str] = (),
-    before_first_iteration: bool = False, delay_s: float | None = None,
-) -> Stop:  # fmt: skip
-    """What a TERM or time-limit stop of a Slurm job is, from Slurm's view of the job
-    (`scontrol show job`'s fields; None: no answer, the stop stays as the signal says):
-    the nodes `lost` under it, a cancel, a preemption (PreemptTime set, also during
-    GraceTime), a requeue by Slurm (scontrol requeue: its restart count went up), the time
-    limit, a job that ends otherwise (scancel, also with --signal=KILL: a stop for good), or,
-    while the job simply runs, a person's TERM (scancel --signal=TERM, to the steps or the
-    batch shell): a stop for good.
+    stop: Stop,
+    job: dict[str, str] | None,
+    restart_count: int,
+    lost: Sequence[str] = (),
+    before_first_iteration: bool = False,
+    delay_s: float | None = None,
+) -> Stop:
+    """Tell what a TERM or time-limit stop of a Slurm job is, from Slurm's view of the job.
 
-    A time-limit stop is not requeued when no start could train (a stop for good; `why`
-    says so): the time limit is no longer than the signal's `delay_s`, or the signal came
-    before this start's first iteration (a time limit below the delay plus start-up)."""
+    `job` holds `scontrol show job`'s fields (None: no answer, and the stop stays as the
+    signal says). A TERM is then the loss of the nodes `lost`, a cancel, a preemption
+    (PreemptTime set, also during GraceTime), a requeue by Slurm (scontrol requeue: its
+    restart count went up), the time limit, or a job that ends otherwise (scancel, also with
+    --signal=KILL: a stop for good). While the job simply runs, it is a person's TERM
+    (scancel --signal=TERM, to the steps or the batch shell): a stop for good.
+
+    A time-limit stop is not requeued when no start could train: it becomes a stop for good
+    whose `why` says so. That is when the time limit is no longer than the signal's
+    `delay_s`, or when the signal came before this start's first iteration (a time limit
+    below the delay plus start-up).
+    """
     if stop.reason == "time-limit":
         shown = (job or {}).get("TimeLimit", "?")
         limit = slurm_seconds(shown)
@@ -249,29 +282,35 @@ def why_signalled(
         if not (no_room or before_first_iteration):
             return stop
         delay = f"--signal-delay-s {delay_s:g}" if delay_s is not None else "--signal-delay-s"
-        what = (f"the job's time limit ({shown}) is no longer than {delay}" if no_room else
-                f"the time-limit signal came before this start's first iteration (time limit "
-                f"{shown}, {delay})")  # fmt: skip
+        if no_room:
+            what = f"the job's time limit ({shown}) is no longer than {delay}"
+        else:
+            what = (
+                "the time-limit signal came before this start's first iteration "
+                f"(time limit {shown}, {delay})"
+            )
         job_id = (job or {}).get("JobId", "<job>")
-        why = (f"not requeued: {what}, so every start would be signalled before it trains; "
-               f"raise the time limit (scontrol update JobId={job_id} TimeLimit=...) or lower "
-               "--signal-delay-s, then resume")  # fmt: skip
-        return Stop(StopKind.FOR_GOOD, "time-limit", stop.signum, why)
+        why = (
+            f"not requeued: {what}, so every start would be signalled before it trains; "
+            f"raise the time limit (scontrol update JobId={job_id} TimeLimit=...) or lower "
+            "--signal-delay-s, then resume"
+        )
+        return Stop(StopKind.FOR_GOOD, "time-limit", stop.signum, why=why)
     if stop.reason != "preemption" or job is None:
         return stop
     state = job.get("JobState", "")
     if lost:
-        return Stop(StopKind.REQUEUE, "node-lost", stop.signum, f"node(s) {', '.join(lost)}")
+        return Stop(StopKind.REQUEUE, "node-lost", stop.signum, why=f"node(s) {', '.join(lost)}")
     if job.get("PreemptTime", "None") not in ("None", "", "Unknown"):
         return stop
     if int(job.get("Restarts", "0") or 0) > restart_count:
-        return Stop(StopKind.REQUEUE, "requeue", stop.signum, "requeued by Slurm")
+        return Stop(StopKind.REQUEUE, "requeue", stop.signum, why="requeued by Slurm")
     limit, ran = slurm_seconds(job.get("TimeLimit", "")), slurm_seconds(job.get("RunTime", ""))
     if state == "TIMEOUT" or (limit is not None and ran is not None and ran >= limit):
         return Stop(StopKind.REQUEUE, "time-limit", stop.signum)
     if state in ("CANCELLED", "COMPLETING"):  # ending, and not requeued: scancel
         return Stop(StopKind.FOR_GOOD, "cancelled", stop.signum)
     if state == "RUNNING":
-        return Stop(StopKind.FOR_GOOD, "terminated", stop.signum,
-                    "SIGTERM while the job runs (scancel --signal=TERM)")  # fmt: skip
+        why = "SIGTERM while the job runs (scancel --signal=TERM)"
+        return Stop(StopKind.FOR_GOOD, "terminated", stop.signum, why=why)
     return stop

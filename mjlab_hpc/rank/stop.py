@@ -1,10 +1,10 @@
 """Every way a rank is asked to stop, and the iteration boundary where it acts on it.
 
-Signal handlers only record a stop (`rank.signals`: what each signal means); a supervisor
-watch records one when the process supervising the rank disappears. At the next iteration boundary
-(`IterationBoundary`) all ranks agree through one all-reduce, the writer saves a checkpoint,
-and a requeue-type stop requeues where a scheduler can (`after_stop`); a stop for good exits 3.
-The lifecycle: docs/preemption.md.
+Signal handlers only record a stop (`rank.signals` says what each signal means), and so does
+the supervisor watch when the process supervising the rank disappears. At the next iteration
+boundary all ranks agree in one collective and the writer saves a checkpoint. A requeue-type
+stop then requeues where a scheduler can (`after_stop`); a stop for good exits 3. The
+lifecycle: docs/preemption.md.
 """
 
 from __future__ import annotations
@@ -47,7 +47,12 @@ from mjlab_hpc.rank.signals import (
 from mjlab_hpc.rank.stragglers import StragglerWatch
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog
 from mjlab_hpc.rank.workload import Workload, rank_state
-from mjlab_hpc.rundir.checkpoint import Checkpoints, publish_rank_states, write_rank_state
+from mjlab_hpc.rundir.checkpoint import (
+    CheckpointPolicy,
+    Checkpoints,
+    publish_rank_states,
+    write_rank_state,
+)
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import IterationStats
 from mjlab_hpc.rundir.state import cancel_marker, on_recovered, on_stop, read_record
@@ -73,12 +78,18 @@ def agree(request: StopRequest, distributed: bool, device: str) -> Stop | None:
 
 
 def agree_boundary(
-    request: StopRequest, distributed: bool, device: str, save_due: bool = False,
+    request: StopRequest,
+    distributed: bool,
+    device: str,
+    save_due: bool = False,
     busy_s: float = 0.0,
-) -> tuple[Stop | None, bool, list[float]]:  # fmt: skip
-    """At an iteration boundary, in one all-gather: the strongest stop any rank recorded,
-    whether any rank wants a checkpoint now (--save-every-min), and every rank's `busy_s`
-    (its work in the iteration, for the stragglers); the same on every rank."""
+) -> tuple[Stop | None, bool, list[float]]:
+    """Exchange what every rank needs at an iteration boundary, in one all-gather.
+
+    Returns the strongest stop any rank recorded, whether any rank wants a checkpoint now
+    (`save_due`: --save-every-min, or a signal that asks for one), and every rank's `busy_s`
+    (its work in the iteration, for the stragglers). Every rank gets the same answer.
+    """
     code, save, busy = request.code, int(save_due or bool(request.save)), [busy_s]
     if distributed:
         mine = torch.tensor([code, save, round(busy_s * 1e6)], dtype=torch.int64, device=device)
@@ -97,15 +108,18 @@ def agree_boundary(
 class Supervision:
     """Watches the processes that supervise this rank and records a stop when one is gone.
 
-    Watched: the PIDs our foreground launchers name in _MJLAB_HPC_SUPERVISOR_PIDS, and the
+    It watches the PIDs our foreground launchers name in _MJLAB_HPC_SUPERVISOR_PIDS, and the
     parent process when it is a supervisor of ours (submitit's local controller, torchrun's
     agent): a rank re-parented to init has lost it. A daemon thread checks every `poll_s`.
     """
 
     def __init__(
-        self, request: StopRequest, watch_parent: bool, env: dict[str, str] | None = None,
+        self,
+        request: StopRequest,
+        watch_parent: bool,
+        env: dict[str, str] | None = None,
         poll_s: float = 0.5,
-    ) -> None:  # fmt: skip
+    ) -> None:
         env = dict(os.environ) if env is None else env
         self.request = request
         self.parent = os.getppid() if watch_parent else None
@@ -181,11 +195,11 @@ class Stopped(Exception):
 def after_stop(stopped: Stopped, max_restarts: int) -> int:
     """Requeue the job where the launcher can, and return the exit code for this rank.
 
-    A stop for good exits 3 everywhere. A requeue-type stop: srun tasks have rank 0 run
-    `scontrol requeue` (while restarts remain) and exit 0, so Slurm starts the job again
-    (at the time limit of a --chain job that is not the last, the next job continues);
-    submitit's local executor restarts ranks that exit 144; elsewhere (a plain process,
-    torchrun, srun inside a salloc allocation) exit 3 and the user resumes.
+    A stop for good exits 3 everywhere. For a requeue-type stop, srun tasks have rank 0 run
+    `scontrol requeue` (while restarts remain) and exit 0, so Slurm starts the job again; at
+    the time limit of a --chain job that is not the last, the next job continues instead.
+    Submitit's local executor restarts ranks that exit 144. Elsewhere (a plain process,
+    torchrun, srun inside a salloc allocation) ranks exit 3 and the user resumes.
     """
     ctx = stopped.ctx
     if ctx is None or stopped.stop.kind == StopKind.FOR_GOOD:
@@ -197,8 +211,12 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
         # The next job of the chain is queued behind this one and continues the run.
         # The rank log is closed by now: say it in the task's stderr (submitit's .err file).
         if ctx.is_main:
-            print(f"{stopped}; job {link[0]} of {link[1]} of the chain ends here, the next "
-                  "one continues the run", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{stopped}; job {link[0]} of {link[1]} of the chain ends here, the next "
+                "one continues the run",
+                file=sys.stderr,
+                flush=True,
+            )
         return EXIT_OK
     if stopped.restarts >= max_restarts and ctx.mode in ("slurm", "submitit-local"):
         log.error(
@@ -211,8 +229,11 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
     if ctx.mode == "slurm" and ctx.job_id and ALLOCATION_ENV not in os.environ:
         if ctx.is_main and shutil.which("scontrol") is None:
             # A container image without Slurm's client: the batch script requeues, outside it.
-            print(f"{stopped}; no scontrol here: the batch script requeues the job",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{stopped}; no scontrol here: the batch script requeues the job",
+                file=sys.stderr,
+                flush=True,
+            )
             return EXIT_REQUEUE
         if ctx.is_main and not SlurmClient().requeue(ctx.job_id):
             return EXIT_FAILED
@@ -223,6 +244,7 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
 
 
 def _gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
+    """Gather every rank's `obj` on rank 0 (None on the other ranks)."""
     if not ctx.is_distributed:
         return [obj]
     out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
@@ -232,24 +254,22 @@ def _gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
 
 @dataclass
 class IterationBoundary:
-    """The per-iteration boundary every rank runs (an rsl-rl iteration hook)."""
+    """The hook every rank runs after each iteration: stops, checkpoints and stragglers."""
 
     work: Workload
     run: RunDir
     ctx: DistContext
     device: str
-    save_interval: int
-    """--save-interval: a checkpoint every N iterations (and at the last)."""
-    save_every_min: float | None
-    """--save-every-min: also one when this many minutes passed since the last."""
-    keep_checkpoints: int
-    """--keep-checkpoints: the newest N are kept (0: all)."""
+    policy: CheckpointPolicy
     total: int
+    """The iteration the run ends at."""
     start: int
     """The iteration this start resumed from."""
     request: StopRequest
     writer: RunWriter | None
+    """The run's writer (rank 0); None on the other ranks."""
     checkpoints: Checkpoints | None
+    """The writer's view of the run's checkpoints; None on the other ranks."""
     restarts: dict[str, int]
     """Requeues so far by reason (the same on every rank: read before training)."""
     watchdog: Watchdog | None = None
@@ -268,13 +288,12 @@ class IterationBoundary:
             self._record_recovery()
         for injection in self.injections:
             injection.fire_if_due(self.run, self.ctx.rank, s.iteration, s.iteration_s)
-        every = self.save_every_min
-        due = every is not None and time.monotonic() - self._last_save >= every * 60
+        due = self.policy.time_due(time.monotonic() - self._last_save)
         # A rank's work: its iteration but the collectives (where it waited for the others),
         # and this hook so far; not the writer's own bookkeeping, which the others do not do.
         work_s = max(0.0, s.iteration_s - s.collective_s) + time.perf_counter() - entered
         stop, save, busy = agree_boundary(
-            self.request, self.ctx.is_distributed, self.device, due, work_s
+            self.request, self.ctx.is_distributed, self.device, save_due=due, busy_s=work_s
         )
         self._say_signals(save)
         if self.stragglers is not None and self.stragglers.add(s.iteration, busy):
@@ -285,29 +304,35 @@ class IterationBoundary:
             stop = self._why(stop, first=s.iteration == self.start + 1)
         if self.watchdog is not None and (stop is not None or s.iteration >= self.total):
             self.watchdog.disarm()  # what follows (W&B's upload, the last records) is no hang
-        periodic = save or s.iteration % self.save_interval == 0 or s.iteration == self.total
-        if stop is not None or periodic:
+        if stop is not None or save or self.policy.periodic(s.iteration, self.total):
             dog = self.watchdog
             with dog.paused() if dog is not None else contextlib.nullcontext():
                 self._checkpoint(s.iteration, stop)
         if stop is not None:
-            raise Stopped(s.iteration, stop, self.ctx, self.restarts.get(stop.reason, 0))
+            raise Stopped(s.iteration, stop, self.ctx, restarts=self.restarts.get(stop.reason, 0))
 
     def _say_signals(self, save: bool) -> None:
         """Say the signals that asked for a checkpoint (saved now) or that were ignored."""
         request = self.request
         if save and request.save:
-            log.info("checkpoint at this iteration, asked for by %s; training goes on",
-                     signal.Signals(request.save).name)  # fmt: skip
+            log.info(
+                "checkpoint at this iteration, asked for by %s; training goes on",
+                signal.Signals(request.save).name,
+            )
             request.save = 0
         for signum in dict.fromkeys(request.ignored):
-            log.warning("%s ignored (it means nothing to a rank: docs/preemption.md)",
-                        signal.Signals(signum).name)  # fmt: skip
+            log.warning(
+                "%s ignored (it means nothing to a rank: docs/preemption.md)",
+                signal.Signals(signum).name,
+            )
         request.ignored.clear()
 
     def _why(self, stop: Stop, first: bool) -> Stop:
-        """`why_signalled`, on Slurm from rank 0's look at the job (one `scontrol show job`
-        and one `sinfo`), the same answer on every rank."""
+        """Ask Slurm what a TERM or time-limit stop is (`why_signalled`).
+
+        Rank 0 looks at the job (one `scontrol show job` and one `sinfo`) and every rank
+        gets its answer.
+        """
         link = chain_link(os.environ)
         if stop.reason == "time-limit" and link and link[0] < link[1]:
             return stop  # not a requeue: the next job of the chain goes on, queued already
@@ -322,8 +347,14 @@ class IterationBoundary:
         elif self.ctx.mode not in ("slurm", "submitit-local"):
             return stop  # nothing requeues it
         delay = os.environ.get(SIGNAL_DELAY_ENV, "")
-        stop = why_signalled(stop, job, self.ctx.restart_count, lost, first,
-                             float(delay) if delay.isdigit() else None)  # fmt: skip
+        stop = why_signalled(
+            stop,
+            job,
+            self.ctx.restart_count,
+            lost=lost,
+            before_first_iteration=first,
+            delay_s=float(delay) if delay.isdigit() else None,
+        )
         if self.ctx.mode == "slurm" and self.ctx.is_distributed:
             shared = [stop]
             dist.broadcast_object_list(shared, src=0)
@@ -331,6 +362,7 @@ class IterationBoundary:
         return stop
 
     def _checkpoint(self, iteration: int, stop: Stop | None) -> None:
+        """Save the checkpoint of `iteration` on every rank; the writer records `stop`."""
         t0 = time.time()
         path = self.run.checkpoint(iteration)
         # Every rank writes its own state (in parallel, nothing gathered); the writer
@@ -338,8 +370,13 @@ class IterationBoundary:
         fits = self.work.fits
         belongs = {"run": fits["run"], "task": fits["task"], "iteration": iteration}
         try:
-            mine: Any = write_rank_state(path, self.ctx.rank, self.ctx.world_size,
-                                         rank_state(self.work, self.device), belongs)  # fmt: skip
+            mine: Any = write_rank_state(
+                path,
+                rank=self.ctx.rank,
+                world_size=self.ctx.world_size,
+                state=rank_state(self.work, self.device),
+                belongs=belongs,
+            )
         except Exception as exc:  # said by the writer, which then fails the checkpoint
             mine = f"rank {self.ctx.rank}: {type(exc).__name__}: {exc}"
         written = _gather_to_main(mine, self.ctx)
@@ -347,21 +384,31 @@ class IterationBoundary:
             assert written is not None
             failed = [w for w in written if isinstance(w, str)]
             if failed:
-                raise RuntimeError(f"checkpoint {path.name}: a rank state was not written: "
-                                   + "; ".join(failed))  # fmt: skip
+                raise RuntimeError(
+                    f"checkpoint {path.name}: a rank state was not written: " + "; ".join(failed)
+                )
             t1 = time.time()
             listed = publish_rank_states(path, written, self.writer.check)
-            infos = {"environments": {**fits, "world_size": self.ctx.world_size,
-                                      "iteration": iteration, "rank_states": listed}}  # fmt: skip
+            infos = {
+                "environments": {
+                    **fits,
+                    "world_size": self.ctx.world_size,
+                    "iteration": iteration,
+                    "rank_states": listed,
+                }
+            }
             self.work.save(path, self.writer, infos)
-            written_s = time.time() - t1
+            published_s = time.time() - t1
             size = path.stat().st_size if path.is_file() else -1
             log.info(
                 "checkpoint %s: %d bytes, ranks' states written in %.3f s, published in %.3f s",
-                path.name, size, t1 - t0, written_s,
-            )  # fmt: skip
+                path.name,
+                size,
+                t1 - t0,
+                published_s,
+            )
             self.checkpoints.written(path)
-            self.checkpoints.prune(self.keep_checkpoints)
+            self.checkpoints.prune(self.policy.keep_checkpoints)
             if stop is not None:
                 self._record_stop(stop, iteration, t0)
         elif isinstance(mine, str):

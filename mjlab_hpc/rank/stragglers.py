@@ -1,10 +1,11 @@
-"""Stragglers: ranks whose iterations are consistently slower than the others' (a throttled
-GPU, a busy node). In a synchronous job every rank's iteration takes as long as the slowest
-one's, so a rank's own cost is its time outside collectives (the others wait for it inside
-them). Every rank hands that over in the iteration boundary's all-gather (`rank.stop`);
-`StragglerWatch` compares the ranks' medians over a window, and says when the set changes:
-every rank logs it, and the writer records it in run.json (`stragglers`) for `mjlab-hpc
-status` and `logs`.
+"""Stragglers: ranks whose iterations are consistently slower than the others'.
+
+A throttled GPU or a busy node makes one. In a synchronous job every rank's iteration takes as
+long as the slowest one's, so a rank's own cost is its time outside collectives (the others
+wait for it inside them). Every rank hands that over in the iteration boundary's all-gather
+(`rank.stop`). `StragglerWatch` compares the ranks' medians over a window and says when the
+set changes: every rank logs it, and the writer records it in run.json (`stragglers`) for
+`mjlab-hpc status` and `logs`.
 """
 
 from __future__ import annotations
@@ -59,10 +60,14 @@ class Straggler:
     def as_dict(self) -> dict[str, Any]:
         """For run.json (`stragglers`)."""
         return {
-            "rank": self.rank, "host": self.host, "busy_s": round(self.busy_s, 4),
-            "others_s": round(self.others_s, 4), "ratio": round(self.ratio, 2),
-            "since": self.since, "text": self.describe(),
-        }  # fmt: skip
+            "rank": self.rank,
+            "host": self.host,
+            "busy_s": round(self.busy_s, 4),
+            "others_s": round(self.others_s, 4),
+            "ratio": round(self.ratio, 2),
+            "since": self.since,
+            "text": self.describe(),
+        }
 
 
 class StragglerWatch:
@@ -74,8 +79,10 @@ class StragglerWatch:
         self.current: list[Straggler] = []
 
     def add(self, iteration: int, busy_s: Sequence[float]) -> bool:
-        """Take one iteration's busy seconds (one per rank); whether the stragglers changed
-        (then `current` holds the new ones, and every rank has logged them)."""
+        """Take one iteration's busy seconds (one per rank); whether the stragglers changed.
+
+        When they did, `current` holds the new ones and every rank has logged them.
+        """
         for times, value in zip(self.times, busy_s, strict=True):
             times.append(value)
         if len(self.hosts) < 2 or len(self.times[0]) < WINDOW:
@@ -89,7 +96,11 @@ class StragglerWatch:
             if mine >= RATIO * others and mine - others >= FLOOR_S:
                 kept = next((s for s in self.current if s.rank == rank), None)
                 since = kept.since if kept is not None else iteration
-                found.append(Straggler(rank, self.hosts[rank], mine, others, since))
+                found.append(
+                    Straggler(
+                        rank=rank, host=self.hosts[rank], busy_s=mine, others_s=others, since=since
+                    )
+                )
         if [s.rank for s in found] == [s.rank for s in self.current]:
             self.current = found  # the same ranks, the figures now
             return False
@@ -98,14 +109,20 @@ class StragglerWatch:
         for s in found:
             log.warning("straggler: %s", s.describe())
         for rank in sorted(gone):
-            log.info("straggler: rank %d on %s keeps up again (iteration %d)", rank,
-                     self.hosts[rank], iteration)  # fmt: skip
+            log.info(
+                "straggler: rank %d on %s keeps up again (iteration %d)",
+                rank,
+                self.hosts[rank],
+                iteration,
+            )
         return True
 
 
 def _median_without(ranked: Sequence[float], place: int) -> float:
-    """The median of sorted values without the one at `place` (every rank's comparison in
-    O(1), not a sort per rank: a job may have thousands)."""
+    """Return the median of the sorted values `ranked` without the one at `place`.
+
+    It costs O(1), not a sort per rank: a job may have thousands of ranks.
+    """
     n = len(ranked) - 1
 
     def at(i: int) -> float:

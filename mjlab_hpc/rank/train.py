@@ -1,10 +1,9 @@
-"""One rank's training from start to end: rsl-rl PPO on one rank of a (possibly) distributed job.
+"""One rank's training from start to end: rsl-rl PPO on one rank of a distributed job.
 
-`train_rank(spec)` is the per-rank entry point, whatever launched the process: it reads the
-distributed context, records stop requests, joins the process group, agrees on the run
-directory, makes rank 0 the writer, decides where training starts (refusing what cannot be
-continued before anything changes), builds the rank's workload and runs PPO to the end or to
-a stop. Every rank ends its log with one `exit:` line; a log without one ended abruptly.
+`train_rank` is the per-rank entry point, whatever launched the process. It joins the process
+group, agrees on the run directory, makes rank 0 the writer, decides where training starts
+(refusing what cannot be continued before anything changes) and runs PPO to the end or to a
+stop. Every rank ends its log with one `exit:` line; a log without one ended abruptly.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from mjlab_hpc.rank.stop import (
 from mjlab_hpc.rank.stragglers import StragglerWatch
 from mjlab_hpc.rank.watchdog import Watchdog, parse_faults
 from mjlab_hpc.rank.workload import Workload, build_workload
-from mjlab_hpc.rundir.checkpoint import Checkpoints
+from mjlab_hpc.rundir.checkpoint import CheckpointPolicy, Checkpoints
 from mjlab_hpc.rundir.ends import failure_kind
 from mjlab_hpc.rundir.layout import RunDir, create_run_dir, latest_run, record_latest_run
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
@@ -97,8 +96,11 @@ class RankResult:
 
 
 def agree_run_dir(spec: TrainSpec, ctx: DistContext, experiment: str) -> Path:
-    """The one run directory of this run: given by the launcher (or --run-dir), the latest
-    run with --resume, else made by rank 0; sent to the others through the process group."""
+    """Return the one run directory of this run, the same on every rank.
+
+    It is the one the launcher (or --run-dir) gives, else the latest run with --resume, else
+    a new one made by rank 0; rank 0 sends it to the others through the process group.
+    """
     if spec.run_dir:
         path = Path(spec.run_dir)
         path.mkdir(parents=True, exist_ok=True)
@@ -118,9 +120,11 @@ def agree_run_dir(spec: TrainSpec, ctx: DistContext, experiment: str) -> Path:
 
 
 def _refuse_if_busy(run: RunDir, ctx: DistContext) -> None:
-    """ResumeRefused on every rank when another live training writes the run: not ours to
-    wait for and call done, and nothing of this start is written there (not even its rank
-    logs, whose refusal would be read as the other training's end)."""
+    """Raise ResumeRefused on every rank when another live training writes the run.
+
+    That run is not ours to wait for, and nothing of this start is written there: not even
+    its rank logs, whose refusal would be read as the other training's end.
+    """
     busy = [busy_problem(run) if ctx.is_main else None]
     if ctx.is_distributed:
         dist.broadcast_object_list(busy, src=0)
@@ -137,16 +141,21 @@ def _gather(obj: Any, ctx: DistContext) -> list[Any]:
 
 
 class _RankLogHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """The rank log. A record that cannot be written (a full disk) is dropped without
-    logging's "--- Logging error ---" traceback: the failure itself is reported."""
+    """The rank log's handler, which drops a record it cannot write (a full disk).
+
+    Logging would print its "--- Logging error ---" traceback instead; the failure itself is
+    reported by the training.
+    """
 
     def handleError(self, record: logging.LogRecord) -> None:
         pass
 
 
 def _thread_excepthook(run: RunDir) -> Callable[[threading.ExceptHookArgs], None]:
-    """Threads of libraries (tensorboard's event writer) that die of a full disk: one log
-    line instead of a traceback on the console; the training loop meets the same error."""
+    """Log a library thread's death of a full disk in one line, not a console traceback.
+
+    Tensorboard's event writer is such a thread; the training loop meets the same error.
+    """
     default = threading.excepthook
 
     def hook(args: threading.ExceptHookArgs) -> None:
@@ -187,9 +196,12 @@ def _begin(
     start: int,
     environments: str,
 ) -> None:
-    """The writer's records of a (re)start, written only once the resume is known to work:
-    damaged checkpoints set aside, progress.jsonl cut back to the resumed iteration (so tools
-    read one line per iteration), run.json, `.latest_run`, params on a fresh start."""
+    """Write the writer's records of a (re)start, once the resume is known to work.
+
+    Damaged checkpoints are set aside and progress.jsonl is cut back to the resumed iteration
+    (tools read one line per iteration); then run.json, `.latest_run`, and the params on a
+    fresh start.
+    """
     run = writer.run
     if plan.damaged:
         for d in plan.damaged:
@@ -210,7 +222,14 @@ def _begin(
         if len(runs) >= 2 and runs[-2][0] == "NODE_FAIL":
             last = int(written[-1].get("iteration", start)) if written else start
             _, nodes, ended = runs[-2]
-            before = on_node_failed(before, ctx.job_id, ctx.restart_count, last, nodes, ended)
+            before = on_node_failed(
+                before,
+                job_id=ctx.job_id,
+                restart_count=ctx.restart_count,
+                iteration=last,
+                nodes=nodes,
+                ended=ended,
+            )
         elif len(runs) >= 2 and runs[-2][0] == "PREEMPTED":  # a requeue was a preemption
             before = on_preempted(before, ctx.job_id, ctx.restart_count)
     started = on_start(
@@ -249,11 +268,13 @@ def train_rank(
 ) -> RankResult:
     """Train on this rank until the spec's iterations are done; the per-rank entry point.
 
-    `early_signals`: stop signals that arrived before this was called (recorded by the
-    caller while the training code loaded). Raises `Stopped` after a stop checkpoint (the
-    launcher decides whether to requeue),
-    `ResumeRefused` when the run directory cannot be continued (nothing of it changed), and
-    KeyboardInterrupt on a second Ctrl-C.
+    `early_signals` are stop signals that arrived before this was called (the caller records
+    them while the training code loads).
+
+    Raises:
+        Stopped: after a stop checkpoint (the launcher decides whether to requeue).
+        ResumeRefused: the run directory cannot be continued (nothing of it changed).
+        KeyboardInterrupt: a second Ctrl-C.
     """
     spec = resolved.train
     ctx = DistContext.from_env(master_port=master_port)
@@ -288,7 +309,16 @@ def train_rank(
         run = RunDir(agree_run_dir(spec, ctx, resolved.experiment_name))
         _refuse_if_busy(run, ctx)
         with _rank_logging(run, ctx.rank) as rank_log:
-            return _train(resolved, ctx, device, seed, run, rank_log, request, (joining, joined))
+            return _train(
+                resolved,
+                ctx=ctx,
+                device=device,
+                seed=seed,
+                run=run,
+                rank_log=rank_log,
+                request=request,
+                rendezvous=(joining, joined),
+            )
 
 
 def _train(
@@ -299,8 +329,12 @@ def _train(
     run: RunDir,
     rank_log: TextIO,
     request: StopRequest,
-    joining: tuple[float, float],
+    rendezvous: tuple[float, float],
 ) -> RankResult:
+    """Train in the agreed run directory and record how this start ends.
+
+    `rendezvous` is when this rank called into the process group and when it had joined.
+    """
     spec = resolved.train
     writer: RunWriter | None = None
     started = False
@@ -325,8 +359,12 @@ def _train(
         )
         if ctx.is_distributed:
             # Wall-clock times: from the last rank's call to everyone joined is the rendezvous.
-            log.info("process group of %d ranks: called at %.3f, joined in %.3f s",
-                     ctx.world_size, joining[0], joining[1] - joining[0])  # fmt: skip
+            log.info(
+                "process group of %d ranks: called at %.3f, joined in %.3f s",
+                ctx.world_size,
+                rendezvous[0],
+                rendezvous[1] - rendezvous[0],
+            )
         if device == "cpu" and os.environ.get("CUDA_VISIBLE_DEVICES") and spec.gpu_ids:
             msg = (
                 f"rank {ctx.rank}: GPUs {os.environ['CUDA_VISIBLE_DEVICES']} were allocated "
@@ -340,13 +378,25 @@ def _train(
             writer = RunWriter.acquire(run, ctx.rank)
             checkpoints = Checkpoints(run.path, resolved.task)
         plan = plan_resume(run, resolved, ctx, checkpoints)
-        work = build_workload(resolved, ctx, device, seed, run, rank_log)
+        work = build_workload(resolved, ctx, device, seed=seed, run=run, quiet=rank_log)
         runner = work.runner
         first_obs = work.first_obs_digest()
         resized = resized_by_healer(read_record(run.path), ctx.world_size)
-        start, environments = load_plan(plan, work, device, ctx, spec.fresh_envs, resized)
+        start, environments = load_plan(
+            plan, work, device, ctx, fresh_envs=spec.fresh_envs, resized=resized
+        )
         if writer is not None and checkpoints is not None:
-            _begin(writer, checkpoints, work, resolved, ctx, device, plan, start, environments)
+            _begin(
+                writer=writer,
+                checkpoints=checkpoints,
+                work=work,
+                resolved=resolved,
+                ctx=ctx,
+                device=device,
+                plan=plan,
+                start=start,
+                environments=environments,
+            )
         started = True
         total = resolved.max_iterations
         display = ProgressDisplay(total, start, enabled=ctx.is_main)
@@ -359,17 +409,31 @@ def _train(
         if writer is not None:
             hooks.append(_progress_writer(writer))
         watchdog = Watchdog(
-            run, ctx.rank, ctx.world_size, spec.hang_timeout_s, rank_log,
+            run,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            timeout_s=spec.hang_timeout_s,
+            rank_log=rank_log,
             on_fire=writer.release if writer is not None else None,
-        )  # fmt: skip
+        )
         hooks.append(
             IterationBoundary(
-                work, run, ctx, device, spec.save_interval, spec.save_every_min,
-                spec.keep_checkpoints, total, start, request, writer, checkpoints,
-                requeues_so_far(read_record(run.path)), watchdog, injections,
-                StragglerWatch(_gather(node, ctx)) if ctx.is_distributed else None,
+                work=work,
+                run=run,
+                ctx=ctx,
+                device=device,
+                policy=CheckpointPolicy.of(spec),
+                total=total,
+                start=start,
+                request=request,
+                writer=writer,
+                checkpoints=checkpoints,
+                restarts=requeues_so_far(read_record(run.path)),
+                watchdog=watchdog,
+                injections=injections,
+                stragglers=StragglerWatch(_gather(node, ctx)) if ctx.is_distributed else None,
             )
-        )  # fmt: skip
+        )
         try:
             with wp.ScopedDevice(device), watchdog:
                 runner.learn_until(total, hooks, init_at_random_ep_len=work.random_ep_len)
@@ -380,7 +444,15 @@ def _train(
         digests = _gather(digest, ctx)
         obs_digests = _gather(first_obs, ctx)
         if writer is not None:
-            _finish(writer, runner, start, ctx, device, digests, obs_digests)
+            _finish(
+                writer,
+                runner,
+                start=start,
+                ctx=ctx,
+                device=device,
+                digests=digests,
+                obs_digests=obs_digests,
+            )
         log.info("exit: completed %d iterations", runner.current_learning_iteration)
         return RankResult(
             rank=ctx.rank,
@@ -399,10 +471,11 @@ def _train(
         stopped.run_dir = str(run.path)
         raise
     except KeyboardInterrupt:
-        log.error("exit: interrupted at once (a second Ctrl-C): nothing saved since the last "
-                  "checkpoint")  # fmt: skip
+        log.error(
+            "exit: interrupted at once (a second Ctrl-C): nothing saved since the last checkpoint"
+        )
         if writer is not None and started:
-            _record_end(writer, "interrupted", None)
+            _record_end(writer, "interrupted")
         raise Interrupted(str(run.path)) from None
     except BaseException as exc:
         problem = environment_problem(exc, run.path)
@@ -420,7 +493,7 @@ def _train(
             }
             # First: on a full disk this gives up the writer's reserve, and the log line
             # below then has room too.
-            _record_end(writer, "failed", failure, resolved)
+            _record_end(writer, "failed", failure=failure, resolved=resolved)
         if problem is not None:  # the disk, not the code: one line, no traceback
             log.error("exit: failed (environment)\n%s", problem)
         else:
@@ -432,14 +505,21 @@ def _train(
 
 
 def _record_end(
-    writer: RunWriter, state: str, failure: dict[str, Any] | None,
+    writer: RunWriter,
+    state: str,
+    failure: dict[str, Any] | None = None,
     resolved: ResolvedSpec | None = None,
-) -> None:  # fmt: skip
+) -> None:
+    """Record in run.json that this start ended (`state`), even on a full disk.
+
+    `resolved` is what the run was to train: kept when it failed before its start record.
+    """
+
     def write() -> None:
         before = read_record(writer.run.path, set_aside=True)
         tail = writer.run.progress_tail(1)
         after = on_end(before, int(tail[-1]["iteration"]) if tail else 0, state)
-        if resolved is not None:  # what it was to run, when it failed before its start record
+        if resolved is not None:
             after.setdefault("spec", resolved.train.to_dict())
             after.setdefault("effective", resolved.effective())
         if failure is not None:
@@ -459,6 +539,7 @@ def _finish(
     digests: list[Any],
     obs_digests: list[Any],
 ) -> None:
+    """Write summary.json and mark the run completed (`digests`: every rank's, to compare)."""
     run = writer.run
     writer.write_json(
         run.summary,
@@ -491,9 +572,11 @@ def _progress_writer(writer: RunWriter) -> IterationHook:
 def run_job(
     spec: ResolvedSpec, master_port: int | None, early_signals: Sequence[int]
 ) -> RankResult:
-    """What a submitted job's task runs (`mjlab_hpc.rank.RankJob`): `train_rank`, then on a
-    stop the exit it asks for (a requeue, or a stop for good), at once: the checkpoint is on
-    disk, and no result file is written (the job is not done)."""
+    """Run `train_rank` for a submitted job's task (`mjlab_hpc.rank.RankJob`).
+
+    On a stop it exits at once as the stop asks (a requeue, or a stop for good): the
+    checkpoint is on disk, and no result file is written (the job is not done).
+    """
     try:
         return train_rank(spec, master_port=master_port, early_signals=early_signals)
     except Stopped as stopped:

@@ -1,18 +1,14 @@
 """A rank that stops making progress: heartbeats, the hang watchdog, and injected faults.
 
-Every rank runs a daemon thread that writes its heartbeat (`logs/heartbeat/rank<k>.json`) and
-watches its own progress. Once the first iteration of a start has completed, a rank whose
-iteration does not advance for the hang limit (--hang-timeout-s, or five times the slowest
-iteration, whichever is longer; checkpoint writes do not count) writes its Python stacks to its
-log naming the ranks that stopped heartbeating (their heartbeat files seen unchanged by this
-rank's own clock, never compared with another node's clock) or lag behind, records the hang
-(`hang-rank<k>.json`), waits a moment for the other live ranks to do the same, and exits with
-EXIT_HUNG; the launcher ends the others and the healer decides (docs/preemption.md).
-
-`MJLAB_HPC_FAULT=KIND@ITERATION[:rankK][:once],...` injects faults for fire drills and tests:
-`raise` (an exception), `kill` (SIGKILL of the rank itself), `stop` (SIGSTOP: a hang) or
-`slow` (from that iteration on, the rank works twice as long per iteration: a straggler; with
-`once`, only in the first start that reaches it).
+Every rank runs a daemon thread that writes its heartbeat (`logs/heartbeat/rank<k>.json`) and,
+once the first iteration of a start has completed, watches its own progress. A rank whose
+iteration does not advance for the hang limit (`hang_limit_s`; checkpoint writes do not count)
+writes its Python stacks to its log. The log names the ranks that stopped heartbeating (their
+heartbeat files seen unchanged by this rank's own clock, never compared with another node's
+clock) or lag behind. The rank records the hang (`hang-rank<k>.json`), waits a moment for the
+other live ranks to do the same, and exits with EXIT_HUNG; the launcher ends the others and
+the healer decides (docs/preemption.md). `MJLAB_HPC_FAULT` injects faults for fire drills
+and tests (`FaultInjection`).
 """
 
 from __future__ import annotations
@@ -45,15 +41,19 @@ _STALE_BEATS = 3
 
 
 def parse_faults(env: Mapping[str, str] | None = None) -> tuple[FaultInjection, ...]:
-    """The faults MJLAB_HPC_FAULT asks for (comma-separated; none: empty); ValueError for a
-    malformed one."""
+    """Return the faults that MJLAB_HPC_FAULT asks for, comma-separated (none: empty).
+
+    A malformed one raises ValueError.
+    """
     text = (os.environ if env is None else env).get(FAULT_ENV, "")
     return tuple(FaultInjection.parse(part) for part in text.split(",") if part.strip())
 
 
 def hang_limit_s(timeout_s: float, slowest_iteration_s: float) -> float:
-    """How long without progress is a hang: the timeout, or five times the slowest iteration
-    so far when that is longer."""
+    """Return how long without progress is a hang.
+
+    It is the timeout, or five times the slowest iteration so far when that is longer.
+    """
     return max(timeout_s, 5.0 * slowest_iteration_s)
 
 
@@ -166,8 +166,13 @@ class Watchdog:
         self._armed_at = None
 
     def _beat(self) -> None:
-        beat = {"rank": self.rank, "host": self.host, "pid": os.getpid(),
-                "iteration": self.iteration, "t": time.time()}  # fmt: skip
+        beat = {
+            "rank": self.rank,
+            "host": self.host,
+            "pid": os.getpid(),
+            "iteration": self.iteration,
+            "t": time.time(),
+        }
         path = self.run.heartbeat(self.rank)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         try:  # liveness only: no fsync; a failed beat is retried at the next one
@@ -205,8 +210,10 @@ class Watchdog:
     def _peer_fired(self) -> bool:
         """Another rank's watchdog has fired in this start: write this rank's stacks too."""
         try:
-            return any(p.name != f"hang-rank{self.rank}.json"
-                       for p in self.run.heartbeats.glob("hang-rank*.json"))  # fmt: skip
+            return any(
+                p.name != f"hang-rank{self.rank}.json"
+                for p in self.run.heartbeats.glob("hang-rank*.json")
+            )
         except OSError:
             return False
 
@@ -258,8 +265,17 @@ class Watchdog:
                 f"{b.get('iteration')}{seen}{mark}"
             )
         frozen_hosts = tuple(dict.fromkeys(str(beats.get(r, {}).get("host", "?")) for r in frozen))
-        return Hang(self.rank, self.iteration, waited, limit, tuple(stalled), hosts,
-                    "; ".join(lines), frozen, frozen_hosts)  # fmt: skip
+        return Hang(
+            rank=self.rank,
+            iteration=self.iteration,
+            waited_s=waited,
+            limit_s=limit,
+            stalled=tuple(stalled),
+            hosts=hosts,
+            detail="; ".join(lines),
+            frozen=frozen,
+            frozen_hosts=frozen_hosts,
+        )
 
     def _fire(self, hang: Hang) -> None:
         who = (
@@ -270,8 +286,12 @@ class Watchdog:
         log.error(
             "hang: no progress for %.0f s after iteration %d (limit %.0f s): %s. %s. "
             "Python stacks of this rank follow.",
-            hang.waited_s, hang.iteration, hang.limit_s, who, hang.detail,
-        )  # fmt: skip
+            hang.waited_s,
+            hang.iteration,
+            hang.limit_s,
+            who,
+            hang.detail,
+        )
         try:
             self.rank_log.flush()
             faulthandler.dump_traceback(file=self.rank_log, all_threads=True)
@@ -314,7 +334,13 @@ class _Paused:
 
 @dataclass(frozen=True)
 class FaultInjection:
-    """A fault to inject at the end of an iteration (`MJLAB_HPC_FAULT`)."""
+    """A fault to inject at the end of an iteration, as `MJLAB_HPC_FAULT` asks.
+
+    `MJLAB_HPC_FAULT=KIND@ITERATION[:rankK][:once],...` asks for `raise` (an exception),
+    `kill` (SIGKILL of the rank itself), `stop` (SIGSTOP: a hang) or `slow` (from that
+    iteration on, the rank works twice as long per iteration: a straggler). With `once`, a
+    fault happens only in the first start that reaches it.
+    """
 
     kind: str
     iteration: int
@@ -331,11 +357,14 @@ class FaultInjection:
                 "raise, kill, stop, slow (e.g. kill@12:rank1:once; several: comma-separated)"
             )
         rank = int(m.group(3).removeprefix(":rank")) if m.group(3) else 0
-        return cls(m.group(1), int(m.group(2)), rank, bool(m.group(4)))
+        return cls(kind=m.group(1), iteration=int(m.group(2)), rank=rank, once=bool(m.group(4)))
 
     def fire_if_due(self, run: RunDir, rank: int, iteration: int, iteration_s: float = 0.0) -> None:
-        """Inject the fault when this is its rank and iteration (once: only the first time;
-        `slow`: at every iteration from then on, sleeping as long as `iteration_s`)."""
+        """Inject the fault when this is its rank and iteration.
+
+        With `once`, only the first time. `slow` sleeps at every iteration from then on, as
+        long as the iteration took (`iteration_s`).
+        """
         if rank != self.rank or iteration < self.iteration:
             return
         marker = run.heartbeats / f"injected-{self.kind}@{self.iteration}-rank{rank}"
@@ -348,8 +377,13 @@ class FaultInjection:
                 first = me
                 with contextlib.suppress(OSError):
                     marker.write_text(me)
-                log.warning("injecting a fault (%s=slow@%d): every iteration from %d on takes "
-                            "twice as long", FAULT_ENV, self.iteration, iteration)  # fmt: skip
+                log.warning(
+                    "injecting a fault (%s=slow@%d): every iteration from %d on takes "
+                    "twice as long",
+                    FAULT_ENV,
+                    self.iteration,
+                    iteration,
+                )
             if not self.once or first == me:
                 time.sleep(max(iteration_s, 0.05))
             return
@@ -357,8 +391,13 @@ class FaultInjection:
             return
         with contextlib.suppress(OSError):
             marker.touch()
-        log.warning("injecting a fault (%s=%s@%d) after iteration %d", FAULT_ENV, self.kind,
-                    self.iteration, iteration)  # fmt: skip
+        log.warning(
+            "injecting a fault (%s=%s@%d) after iteration %d",
+            FAULT_ENV,
+            self.kind,
+            self.iteration,
+            iteration,
+        )
         for handler in log.handlers:
             with contextlib.suppress(OSError):
                 handler.flush()

@@ -1,10 +1,11 @@
-"""What one rank trains, and how the run saves and restores it: a built-in task (rsl-rl's runner)
-or an mjlab task (mjlab's own runner for it, with its save, load and params; its --video,
---enable-nan-guard and tracking motions). Every checkpoint also holds each rank's whole
-environment state and random generators (`rank_state`, written beside the model file), so a
-continuation is exact where the physics is deterministic. A run started from another run's
-checkpoint (--agent.resume True) takes its models, optimizer and normalizers, not its
-iteration count or environments.
+"""What one rank trains, and how the run saves and restores it.
+
+A built-in task trains with rsl-rl's runner; an mjlab task with mjlab's own runner for it
+(its save, load and params; its --video, --enable-nan-guard and tracking motions). Every
+checkpoint also holds each rank's whole environment state and random generators (`rank_state`,
+written beside the model file), so a continuation is exact where the physics is
+deterministic. A run started from another run's checkpoint (--agent.resume True) takes its
+models, optimizer and normalizers, not its iteration count or environments.
 """
 
 from __future__ import annotations
@@ -100,9 +101,12 @@ def build_staged(build: Callable[[], Any], ctx: DistContext) -> Any:
 
 
 def rank_state(work: Workload, device: str) -> dict[str, Any]:
-    """Everything of one rank that an exact continuation needs besides the shared models: its
-    environments' whole state and its random number generators (torch on the CPU and on the
-    rank's GPU, numpy, Python; Warp has no global generator: its seeds are in the state)."""
+    """Return what an exact continuation needs of one rank, besides the shared models.
+
+    That is its environments' whole state and its random number generators: torch's on the
+    CPU and on the rank's GPU, numpy's and Python's. Warp has no global generator: its seeds
+    are in the environments' state.
+    """
     state: dict[str, Any] = {
         "env": work.env_state(),
         "torch_rng": torch.get_rng_state(),
@@ -147,10 +151,8 @@ def build_workload(
     quiet: TextIO,
 ) -> Workload:
     """The workload of this rank (the writer's runner gets the run directory as log dir)."""
-    log_dir = str(run.path) if ctx.is_main else None
-    if resolved.source == "mjlab":
-        return _mjlab_workload(resolved, ctx, device, seed, run, quiet)
-    return _builtin_workload(resolved, ctx, device, seed, log_dir, quiet, run)
+    build = _mjlab_workload if resolved.source == "mjlab" else _builtin_workload
+    return build(resolved, ctx, device, seed, run, quiet)
 
 
 def _builtin_workload(
@@ -158,11 +160,11 @@ def _builtin_workload(
     ctx: DistContext,
     device: str,
     seed: int,
-    log_dir: str | None,
-    quiet: TextIO,
     run: RunDir,
+    quiet: TextIO,
 ) -> Workload:
     spec = resolved.train
+    log_dir = str(run.path) if ctx.is_main else None
     task = get_task(resolved.task)
     make_env = task.make_env
     assert make_env is not None  # every built-in task has one
@@ -207,10 +209,16 @@ def _builtin_workload(
         return []
 
     return Workload(
-        env, runner, False, dump_params, save, load,
-        lambda: {k: v.cpu() for k, v in env.state_dict().items()}, restore_env,
-        _fits(resolved, device, run),
-    )  # fmt: skip
+        env=env,
+        runner=runner,
+        random_ep_len=False,
+        dump_params=dump_params,
+        save=save,
+        load=load,
+        env_state=lambda: {k: v.cpu() for k, v in env.state_dict().items()},
+        restore_env=restore_env,
+        fits=_fits(resolved, device, run),
+    )
 
 
 def _mjlab_workload(
@@ -252,12 +260,18 @@ def _mjlab_workload(
     if os.environ.get("MUJOCO_GL") == "disable":
         log.info("MuJoCo's rendering is off here (MUJOCO_GL=disable): nothing is rendered")
     if recording is not None:
-        log.info("recording videos of env 0 into %s: %d frames every %d env steps",
-                 recording.folder, recording.length, recording.interval)  # fmt: skip
+        log.info(
+            "recording videos of env 0 into %s: %d frames every %d env steps",
+            recording.folder,
+            recording.length,
+            recording.interval,
+        )
         # Close the renderer before MuJoCo's own exit handler ends EGL (handlers run last
         # registered first); a video being recorded is saved.
         atexit.register(_close_quietly, runtime.recorder)
-    runner = make_mjlab_runner(runtime, ctx, log_dir, quiet, spec.normalizer_sync)
+    runner = make_mjlab_runner(
+        runtime, ctx, log_dir, quiet=quiet, normalizer_sync=spec.normalizer_sync
+    )
 
     def dump_params(writer: RunWriter) -> None:
         writer.check()
@@ -280,11 +294,16 @@ def _mjlab_workload(
             runtime.recorder.step_count = steps
 
     return Workload(
-        runtime.env, runner, True, dump_params, save, load,
-        lambda: mjlab_tasks.capture_env(runtime.env),
-        lambda state: mjlab_tasks.restore_env(runtime.env, state, device),
-        _fits(resolved, device, run),
-    )  # fmt: skip
+        env=runtime.env,
+        runner=runner,
+        random_ep_len=True,
+        dump_params=dump_params,
+        save=save,
+        load=load,
+        env_state=lambda: mjlab_tasks.capture_env(runtime.env),
+        restore_env=lambda state: mjlab_tasks.restore_env(runtime.env, state, device),
+        fits=_fits(resolved, device, run),
+    )
 
 
 def _close_quietly(env: Any) -> None:
@@ -305,9 +324,12 @@ def make_mjlab_runner(
     quiet: TextIO | None = None,
     normalizer_sync: NormalizerSync = "iteration",
 ) -> Any:
-    """The task's own runner class (its save/load, ONNX export) driven by `ctx` and our learn
-    loop (`runner_class`), built as mjlab builds it, on a fresh config copy. Pass
-    log_dir=None on ranks other than the writer (rsl-rl then writes nothing)."""
+    """Build the task's own runner class, driven by `ctx` and our learn loop.
+
+    The task's class keeps its save, load and ONNX export (`runner_class`); it is built as
+    mjlab builds it, on a fresh copy of the config. Pass log_dir=None on ranks other than the
+    writer (rsl-rl then writes nothing).
+    """
     cls = runner_class(runtime.runner_cls)
     return cls(
         runtime.env,

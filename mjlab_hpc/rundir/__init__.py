@@ -1,4 +1,7 @@
-"""The run directory: its layout (`layout`: every file name once), the durable-write primitive
-(`durable`), the single writer (`writer`) and its lease lock (`lock`, `lease`), checkpoints
-(`checkpoint`), the run's state and how it ended (`state`), progress (`progress`) and the code
-it runs (`snapshot`). `writer` and `checkpoint` import torch when a checkpoint is written."""
+"""The run directory: its files, who writes them, and what they say about the run.
+
+`layout` names every file once; `durable` is the durable-write primitive; `writer` is the
+single writer, with its lease lock (`lock`, `lease`). `checkpoint` keeps the checkpoints,
+`state` the run record, `ends` how the ranks ended, `progress` the iterations and `snapshot`
+the code the run runs. `writer` and `checkpoint` import torch when a checkpoint is written.
+"""

@@ -1,11 +1,13 @@
 """Checkpoints that a SIGKILL at any moment cannot corrupt, and only verified ones counted.
 
-Written to a temporary file, fsynced, renamed and the directory fsynced, with a `<name>.sha256`
-sidecar (its checksum, then a line saying what it belongs to: run, task, iteration, world size,
-and for a model file each rank state's checksum and size); a checkpoint verifies when its
-bytes match its sidecar (or, written by other code, when it loads) and so do its ranks' state
-files (`rank_states/model_<n>/`: each rank writes its own, the writer publishes them, then the
-model file), each being exactly the file the model file lists for its rank. Nothing but a
+A checkpoint is written to a temporary file, fsynced and renamed, and the directory fsynced.
+Its `<name>.sha256` sidecar holds its checksum, then a line saying what it belongs to (run,
+task, iteration, world size, and for a model file each rank state's checksum and size). Each
+rank writes its own state file (`rank_states/model_<n>/`); the writer publishes them, then
+the model file.
+
+A checkpoint verifies when its bytes match its sidecar (or, written by other code, when it
+loads), and each rank's state file is exactly the one the model file lists. Nothing but a
 regular file of a plausible size is read. Resuming takes the newest that verifies, retention
 keeps the newest N that do, and a damaged one is set aside (`.damaged`), never preferred. The
 files stay plain `torch.save` archives that rsl-rl's and mjlab's `load()` read; torch loads
@@ -44,10 +46,12 @@ from mjlab_hpc.rundir.layout import (
     rank_state_file,
 )
 from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.spec import TrainSpec
 
 __all__ = [
     "DAMAGED_SUFFIX",
     "MODEL_LIMIT",
+    "CheckpointPolicy",
     "Checkpoints",
     "Damaged",
     "cannot_continue",
@@ -91,11 +95,15 @@ def _sidecar_text(digest: str, header: Mapping[str, Any] | None) -> bytes:
 
 
 def save_checkpoint(
-    path: Path, state: dict[str, Any], before_rename: Callable[[], None] | None = None,
+    path: Path,
+    state: dict[str, Any],
+    before_rename: Callable[[], None] | None = None,
     header: Mapping[str, Any] | None = None,
-) -> str:  # fmt: skip
-    """Save `state` atomically with its checksum sidecar (and `header`: what it belongs to);
-    the checksum."""
+) -> str:
+    """Save `state` atomically with its checksum sidecar; the checksum.
+
+    `header` (what the checkpoint belongs to) goes into the sidecar too.
+    """
     data = _serialize(state)
     digest = hashlib.sha256(data).hexdigest()
     write_atomic(_sidecar(path), _sidecar_text(digest, header))
@@ -109,12 +117,18 @@ def save_checkpoint(
 
 
 def publish_file(
-    tmp: Path, path: Path, before_rename: Callable[[], None] | None = None,
-    digest: str | None = None, header: Mapping[str, Any] | None = None,
-) -> str:  # fmt: skip
-    """Publish a checkpoint some other code wrote to `tmp` (mjlab's runners write their own):
-    its checksum sidecar first (with `header`), then `before_rename`, then the durable rename
-    to `path`; the checksum (`digest`: known already)."""
+    tmp: Path,
+    path: Path,
+    before_rename: Callable[[], None] | None = None,
+    digest: str | None = None,
+    header: Mapping[str, Any] | None = None,
+) -> str:
+    """Publish as `path` a checkpoint that other code wrote to `tmp`; its checksum.
+
+    mjlab's runners write their own. The checksum sidecar (with `header`) comes first, then
+    `before_rename`, then the durable rename to `path`. `digest` is the checksum when it is
+    known already.
+    """
     digest = digest or hashlib.sha256(tmp.read_bytes()).hexdigest()
     write_atomic(_sidecar(path), _sidecar_text(digest, header))
     try:
@@ -127,12 +141,18 @@ def publish_file(
 
 
 def write_rank_state(
-    checkpoint: Path, rank: int, world_size: int, state: dict[str, Any],
+    checkpoint: Path,
+    rank: int,
+    world_size: int,
+    state: dict[str, Any],
     belongs: Mapping[str, Any],
-) -> tuple[str, str, int]:  # fmt: skip
-    """One rank's state of `checkpoint`, saved with what it belongs to (`belongs`: run, task,
-    iteration; and this rank and world size), written by that rank to a temporary file beside
-    its place and fsynced, not published: (temporary path, sha256, size) for the writer."""
+) -> tuple[str, str, int]:
+    """Write one rank's state of `checkpoint` to a temporary file beside its place.
+
+    The state is saved with what it belongs to (`belongs`: run, task, iteration; and this
+    rank and world size) and fsynced, but not published. Returns (temporary path, sha256,
+    size) for the writer, which publishes it.
+    """
     path = rank_state_file(checkpoint, rank, world_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = _serialize({**state, "belongs": {**belongs, "rank": rank, "world_size": world_size}})
@@ -148,20 +168,25 @@ def write_rank_state(
 def publish_rank_states(
     checkpoint: Path, written: list[tuple[str, str, int]], before_rename: Callable[[], None]
 ) -> list[list[Any]]:
-    """The writer: publish every rank's `write_rank_state` (fenced, with checksums), before
-    the checkpoint itself; what the checkpoint's header lists of them ([sha256, size] by
-    rank)."""
+    """Publish every rank's `write_rank_state`, fenced and with checksums (the writer's step).
+
+    This comes before the checkpoint itself. Returns what the checkpoint's header lists of
+    them: [sha256, size] by rank.
+    """
     for rank, (tmp, digest, _) in enumerate(written):
-        publish_file(Path(tmp), rank_state_file(checkpoint, rank, len(written)), before_rename,
-                     digest)  # fmt: skip
+        place = rank_state_file(checkpoint, rank, len(written))
+        publish_file(Path(tmp), place, before_rename, digest=digest)
     return [[digest, size] for _, digest, size in written]
 
 
 def load_rank_state(
     checkpoint: Path, rank: int, world_size: int, belongs: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """This rank's state of `checkpoint`, verified, and saved for what `belongs` says (run,
-    task, iteration) and this rank and world size; ValueError naming what does not fit."""
+    """Load this rank's state of `checkpoint`, verified.
+
+    It must have been saved for what `belongs` says (run, task, iteration) and for this rank
+    and world size; a ValueError names what does not fit.
+    """
     import torch
 
     path = rank_state_file(checkpoint, rank, world_size)
@@ -173,9 +198,12 @@ def load_rank_state(
     mine = {**belongs, "rank": rank, "world_size": world_size}
     wrong = [k for k in mine if theirs is not None and theirs.get(k) != mine[k]]
     if wrong:
-        raise ValueError(f"{path.name} of {checkpoint.name} belongs to "
-                         + ", ".join(f"{k} {theirs.get(k)!r}" for k in wrong)
-                         + ", not " + ", ".join(f"{mine[k]!r}" for k in wrong))  # fmt: skip
+        raise ValueError(
+            f"{path.name} of {checkpoint.name} belongs to "
+            + ", ".join(f"{k} {theirs.get(k)!r}" for k in wrong)
+            + ", not "
+            + ", ".join(f"{mine[k]!r}" for k in wrong)
+        )
     return state
 
 
@@ -187,18 +215,26 @@ def _file_digest(path: Path, limit: int) -> tuple[str, int]:
 
 
 def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | None:
-    """Why a checkpoint's rank states do not verify (None: they do, or it has none): each
-    must be a regular file, match its checksum, and be the very file the model's `header`
-    lists for its rank (not another rank's, iteration's or run's)."""
+    """Return why a checkpoint's rank states do not verify (None: they do, or it has none).
+
+    Each must be a regular file, match its checksum, and be the very file the model's
+    `header` lists for its rank (not another rank's, iteration's or run's).
+    """
     folder = rank_state_dir(checkpoint)
     listed = header.get("rank_states")
     if not folder.is_dir():
         return f"{checkpoint.name}'s rank states are missing" if listed else None
-    found = sorted((int(m[1]), int(m[2]), m[0]) for p in folder.iterdir()
-                   if (m := _RANK_FILE.fullmatch(p.name)))  # fmt: skip
+    found = sorted(
+        (int(m[1]), int(m[2]), m[0])
+        for p in folder.iterdir()
+        if (m := _RANK_FILE.fullmatch(p.name))
+    )
     sizes = {n for _, n, _ in found}
-    if (len(sizes) != 1 or [r for r, _, _ in found] != list(range(next(iter(sizes))))
-            or (listed is not None and len(listed) != len(found))):  # fmt: skip
+    if (
+        len(sizes) != 1
+        or [r for r, _, _ in found] != list(range(next(iter(sizes))))
+        or (listed is not None and len(listed) != len(found))
+    ):
         return f"{checkpoint.name}'s rank states in {folder.name}/ are incomplete"
     digests = [entry[0] for entry in listed or []]
     for rank, _, name in found:
@@ -213,8 +249,11 @@ def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | N
         except ValueError as exc:
             return f"{exc} ({checkpoint.name}'s rank state)"
         if listed and digest != digests[rank]:
-            whose = (f"rank {digests.index(digest)}'s state of this checkpoint"
-                     if digest in digests else "another checkpoint's or run's")  # fmt: skip
+            whose = (
+                f"rank {digests.index(digest)}'s state of this checkpoint"
+                if digest in digests
+                else "another checkpoint's or run's"
+            )
             return f"{name} of {checkpoint.name} is not the state rank {rank} saved: it is {whose}"
     return None
 
@@ -222,14 +261,20 @@ def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | N
 def rank_state_world_size(checkpoint: Path) -> int | None:
     """How many ranks wrote `checkpoint`'s rank states (None: it has none)."""
     folder = rank_state_dir(checkpoint)
-    found = {int(m[2]) for p in (folder.iterdir() if folder.is_dir() else ())
-             if (m := _RANK_FILE.fullmatch(p.name))}  # fmt: skip
+    found = {
+        int(m[2])
+        for p in (folder.iterdir() if folder.is_dir() else ())
+        if (m := _RANK_FILE.fullmatch(p.name))
+    }
     return found.pop() if len(found) == 1 else None
 
 
 def _read_sidecar(path: Path) -> tuple[str | None, dict[str, Any]]:
-    """The checksum `path`'s sidecar holds (None: no sidecar, or none that holds one), and
-    its header ({}: none)."""
+    """Return the checksum and the header that `path`'s sidecar holds.
+
+    The checksum is None when there is no sidecar, or one that holds no checksum; the header
+    is {} when there is none.
+    """
     sidecar = _sidecar(path)
     try:
         lines = read_regular(sidecar, 1 << 20).decode(errors="replace").splitlines()
@@ -257,8 +302,11 @@ def _read_sidecar(path: Path) -> tuple[str | None, dict[str, Any]]:
 
 
 def _check_digest(path: Path, digest: str) -> bool:
-    """Whether a file of checksum `digest` matches its sidecar (True: it does; False: no
-    sidecar, or one that holds no checksum); ValueError when it does not match."""
+    """Whether a file of checksum `digest` was checked against its sidecar.
+
+    True: it matches. False: there is no sidecar, or one that holds no checksum. A mismatch
+    raises ValueError.
+    """
     expected, _ = _read_sidecar(path)
     if expected is not None and digest != expected:
         raise ValueError(f"{path.name} does not match its checksum (damaged or truncated)")
@@ -271,8 +319,11 @@ def _check_bytes(path: Path, data: bytes) -> bool:
 
 
 def _belongs_problem(path: Path, header: Mapping[str, Any], task: str | None) -> str | None:
-    """Why a model file's header says it belongs elsewhere: another iteration than its name,
-    another task than the run's (None: it fits, or has no header)."""
+    """Return why a model file's header says it belongs elsewhere (None: it fits).
+
+    That is another iteration than its name, or another task than the run's. A file without
+    a header fits.
+    """
     saved = header.get("iteration")
     if saved is not None and saved != checkpoint_iteration(path):
         return f"{path.name} holds iteration {saved} (a file renamed or copied over it)"
@@ -295,8 +346,11 @@ def _parse(path: Path, data: bytes, map_location: str | None) -> dict[str, Any]:
 
 
 def load_verified(path: Path, map_location: str | None = None) -> dict[str, Any]:
-    """Load one checkpoint, raising ValueError if it is no regular file, truncated, fails its
-    checksum or is not a training checkpoint."""
+    """Load one checkpoint that verifies.
+
+    ValueError when it is no regular file, is truncated, fails its checksum or is not a
+    training checkpoint.
+    """
     data = read_regular(path, MODEL_LIMIT)
     _check_bytes(path, data)
     return _parse(path, data, map_location)
@@ -314,10 +368,41 @@ class Damaged:
         return {"name": self.name, "why": self.why}
 
 
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """When a run saves a checkpoint, and how many it keeps."""
+
+    save_interval: int
+    """--save-interval: a checkpoint every N iterations, and one at the last."""
+    save_every_min: float | None
+    """--save-every-min: also one when this many minutes passed since the last (None: off)."""
+    keep_checkpoints: int
+    """--keep-checkpoints: the newest N that verify are kept (0: all)."""
+
+    @classmethod
+    def of(cls, spec: TrainSpec) -> CheckpointPolicy:
+        """The policy that the flags of `spec` ask for."""
+        return cls(
+            save_interval=spec.save_interval,
+            save_every_min=spec.save_every_min,
+            keep_checkpoints=spec.keep_checkpoints,
+        )
+
+    def periodic(self, iteration: int, last: int) -> bool:
+        """Whether `iteration` gets a checkpoint by its number (`last`: the run's last)."""
+        return iteration % self.save_interval == 0 or iteration == last
+
+    def time_due(self, since_s: float) -> bool:
+        """Whether `since_s` seconds after the last checkpoint call for one now."""
+        return self.save_every_min is not None and since_s >= self.save_every_min * 60
+
+
 @dataclass
 class Checkpoints:
-    """The checkpoints of one run, each verified at most once (keyed by name, size and
-    modification time), as the run's writer sees them."""
+    """The checkpoints of one run as its writer sees them, each verified at most once.
+
+    A verdict is kept by the file's name, size and modification time.
+    """
 
     run_dir: Path
     task: str | None = None
@@ -343,10 +428,11 @@ class Checkpoints:
                 if digest is None:
                     _parse(path, data, "cpu")  # no sidecar: written by other code
                 elif hashlib.sha256(data).hexdigest() != digest:
-                    raise ValueError(f"{path.name} does not match its checksum (damaged or "
-                                     "truncated)")  # fmt: skip
-                verdict = (_belongs_problem(path, header, self.task)
-                           or _rank_states_problem(path, header))  # fmt: skip
+                    raise ValueError(
+                        f"{path.name} does not match its checksum (damaged or truncated)"
+                    )
+                verdict = _belongs_problem(path, header, self.task)
+                verdict = verdict or _rank_states_problem(path, header)
             except ValueError as exc:
                 verdict = str(exc)
             except OSError as exc:  # unreadable now (a flaky filesystem): not remembered
@@ -361,8 +447,11 @@ class Checkpoints:
             self._verdicts[key] = None
 
     def newest_valid(self) -> tuple[Path | None, list[Damaged]]:
-        """The newest checkpoint that verifies (None: none does), and the damaged ones newer
-        than it (all of them when none verifies), newest first."""
+        """Return the newest checkpoint that verifies (None: none does), and the damaged ones.
+
+        The damaged ones are those newer than it (all of them when none verifies), newest
+        first.
+        """
         damaged = []
         for path in reversed(list_checkpoints(self.run_dir)):
             why = self.problem(path)
@@ -376,8 +465,10 @@ class Checkpoints:
         return [p for p in list_checkpoints(self.run_dir) if self.problem(p) is None]
 
     def set_aside(self, damaged: list[Damaged], before: Callable[[], None] | None = None) -> None:
-        """Rename damaged checkpoints (and their sidecars) to `<name>.damaged`, so that nothing
-        counts them and a later save of the same iteration does not meet them."""
+        """Rename damaged checkpoints (and their sidecars) to `<name>.damaged`.
+
+        Nothing counts them then, and a later save of the same iteration does not meet them.
+        """
         if before is not None and damaged:
             before()
         for item in damaged:
@@ -392,8 +483,10 @@ class Checkpoints:
             fsync_dir(self.run_dir)
 
     def prune(self, keep: int) -> list[Path]:
-        """Delete all but the newest `keep` checkpoints that verify (0 keeps all); damaged
-        ones are not counted and not deleted. Returns the deleted."""
+        """Delete all but the newest `keep` checkpoints that verify (0 keeps all); the deleted.
+
+        Damaged ones are neither counted nor deleted.
+        """
         if keep <= 0:
             return []
         old = self.valid()[:-keep]
@@ -407,10 +500,12 @@ class Checkpoints:
 def cannot_continue(
     checkpoints: Checkpoints, task: str, restart_from_scratch: bool, flag: str = "--run-dir"
 ) -> SpecError | None:
-    """Why a run directory cannot be continued by a run of `task` (None: it can): it holds a
-    run of another task (named as `flag`), or every checkpoint of it is damaged and
-    --restart-from-scratch was not given. The launcher asks before starting anything; the
-    ranks ask again before loading."""
+    """Return why a run of `task` cannot continue the run directory (None: it can).
+
+    The directory holds a run of another task (named as `flag`), or every checkpoint of it
+    is damaged and --restart-from-scratch was not given. The launcher asks before starting
+    anything; the ranks ask again before loading.
+    """
     run_dir = checkpoints.run_dir
     theirs = (read_record(run_dir).get("spec") or {}).get("task") if run_dir.is_dir() else None
     if theirs and theirs != task:

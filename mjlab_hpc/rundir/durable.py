@@ -1,12 +1,11 @@
-"""Durable writes: the one way this package publishes a file that must survive a crash; and
-the one way it reads a file of a run back (`read_regular`: nothing but a regular file of a
-plausible size).
+"""Durable writes, the one way this package publishes a file that must survive a crash.
 
 A file is written to a temporary name in the same directory, fsynced, renamed over its final
 name, and the directory is fsynced: after a crash (SIGKILL, a lost node, a power cut) readers
 find the old file or the whole new one, never a torn one. `before_rename` runs once the data
 is durable and just before the rename: the run's single writer checks its fencing token
-there, so a writer that lost its lock publishes nothing.
+there, so a writer that lost its lock publishes nothing. `read_regular` is the one way a
+file of a run is read back: nothing but a regular file of a plausible size.
 """
 
 from __future__ import annotations
@@ -43,17 +42,24 @@ _NO_DIR_FSYNC = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.
 
 #: The most a record of ours (run.json, a marker, a checksum) holds: anything larger is no record.
 RECORD_LIMIT = 64 << 20
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISSOCK, "a socket"))  # fmt: skip
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 @contextlib.contextmanager
 def open_regular(path: Path, limit: int) -> Iterator[BinaryIO]:
-    """`path` open for reading, if it is a regular file of at most `limit` bytes (a symlink to
-    one counts); else ValueError naming it, before anything is read: /dev/zero read into
-    memory, or a FIFO that never ends, would take the reader (a login node) down with it.
-    OSError as open(2) gives it (a missing file, no permission)."""
+    """Open `path` for reading if it is a regular file of at most `limit` bytes.
+
+    A symlink to one counts. Anything else raises ValueError naming it before anything is
+    read: /dev/zero read into memory, or a FIFO that never ends, would take the reader (a
+    login node) down with it. OSError comes as open(2) gives it (a missing file, no
+    permission).
+    """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO: no wait to open
     try:
         st = os.fstat(fd)
@@ -61,8 +67,9 @@ def open_regular(path: Path, limit: int) -> Iterator[BinaryIO]:
             kind = next((name for test, name in _KINDS if test(st.st_mode)), "no regular file")
             raise ValueError(f"{path.name} is {kind}, not a file")
         if st.st_size > limit:
-            raise ValueError(f"{path.name} holds {st.st_size:,} bytes, more than such a file "
-                             f"can ({limit:,})")  # fmt: skip
+            raise ValueError(
+                f"{path.name} holds {st.st_size:,} bytes, more than such a file can ({limit:,})"
+            )
     except BaseException:
         os.close(fd)
         raise
@@ -71,8 +78,10 @@ def open_regular(path: Path, limit: int) -> Iterator[BinaryIO]:
 
 
 def ownership(path: Path) -> str:
-    """Whose `path` is and its mode, for a line that says why it cannot be used: `it belongs
-    to alice, drwxr-sr-x` ('' when it cannot be looked at)."""
+    """Say whose `path` is and its mode, for a line that says why it cannot be used.
+
+    For example `it belongs to alice, drwxr-sr-x` ('' when it cannot be looked at).
+    """
     try:
         st = path.stat()
     except OSError:
@@ -119,8 +128,11 @@ def _write_fd(fd: int, data: bytes) -> None:
 
 
 def write_new(path: Path, data: bytes) -> None:
-    """Create `path` (it must not exist) holding `data`, fsynced; the name is not published
-    anywhere else. Used for the temporary files of the functions below."""
+    """Create `path` (it must not exist) holding `data`, fsynced.
+
+    The name is not published anywhere else: this writes the temporary files of the
+    functions below.
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         _write_fd(fd, data)
@@ -130,8 +142,11 @@ def write_new(path: Path, data: bytes) -> None:
 
 
 def publish(tmp: Path, path: Path, before_rename: Callable[[], None] | None = None) -> None:
-    """Rename the complete file `tmp` over `path` durably: fsync its data, `before_rename`,
-    rename, fsync the directory. On any failure `tmp` is removed and `path` is untouched."""
+    """Rename the complete file `tmp` over `path` durably.
+
+    The steps: fsync its data, `before_rename`, rename, fsync the directory. On any failure
+    `tmp` is removed and `path` is untouched.
+    """
     try:
         fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
         try:

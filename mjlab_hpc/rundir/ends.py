@@ -1,7 +1,9 @@
-"""How each rank's latest start of a run ended, and who failed first: the `exit:` line every
-rank writes last into its log (`mjlab_hpc.rank.train`), what the run record says of it, and
-what the kernel says of a rank that ended without one (its memory cgroup's count of OOM
-kills, noted in the rank's first log line, read again under the same kernel).
+"""How each rank's latest start of a run ended, and who failed first.
+
+The sources are the `exit:` line every rank writes last into its log (`mjlab_hpc.rank.train`),
+what the run record says, and, for a rank that ended without one, what the kernel says: its
+memory cgroup's count of OOM kills, noted in the rank's first log line and read again under
+the same kernel.
 
 A rank log whose latest start has no exit line ended abruptly (SIGKILL, out of memory, a
 segfault, a lost node). Errors that say a peer went away (connection closed or reset, a
@@ -51,8 +53,11 @@ _MEMORY_ERROR = re.compile(
 
 
 def failure_kind(exc: BaseException) -> str:
-    """`out-of-memory` for an allocation that failed, `peer-lost` for an error that says
-    another rank died or hung (a consequence), else `exception`."""
+    """Classify a rank's error: `out-of-memory`, `peer-lost` or `exception`.
+
+    `out-of-memory` is an allocation that failed; `peer-lost` an error that says another
+    rank died or hung (a consequence).
+    """
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, MemoryError) or _MEMORY_ERROR.search(text):
         return "out-of-memory"
@@ -60,12 +65,16 @@ def failure_kind(exc: BaseException) -> str:
 
 
 def memory_advice(record: dict[str, Any], num_envs: int | None = None) -> str:
-    """What to change after a run ran out of memory (a restart as it is would run out again);
-    `num_envs`: the request's, for a start that ran out before the writer recorded its own."""
+    """Say what to change after a run ran out of memory (a restart as it is would again).
+
+    `num_envs` is the request's, for a start that ran out before the writer recorded its own.
+    """
     envs = (record.get("effective") or {}).get("num_envs") or num_envs
     now = f" (now {envs} per rank)" if envs else ""
-    return (f"lower --num-envs{now}, or give each rank more memory (--mem, fewer ranks per "
-            "node), and resume")  # fmt: skip
+    return (
+        f"lower --num-envs{now}, or give each rank more memory (--mem, fewer ranks per "
+        "node), and resume"
+    )
 
 
 How = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung", "no-exit"]
@@ -172,19 +181,38 @@ def _rank_end(rank: int, path: Path) -> RankEnd | None:
             named = [line for line in error if _EXCEPTION_LINE.match(line)]
             detail = named[-1] if named else error[-1] if error else body
         started = _stamp(head) if head else None
-        return RankEnd(rank, host, how, last_at, detail, bool(_PEER_LOST.search(message)),
-                       started, bool(_OUT_OF_MEMORY.search(message)), size, start_id)  # fmt: skip
+        return RankEnd(
+            rank=rank,
+            host=host,
+            how=how,
+            at=last_at,
+            detail=detail,
+            peer_lost=bool(_PEER_LOST.search(message)),
+            started=started,
+            oom=bool(_OUT_OF_MEMORY.search(message)),
+            world_size=size,
+            start_id=start_id,
+        )
     count = OomCount.parse(lines[start])
-    return RankEnd(rank, host, "no-exit", last_at, "no exit record",
-                   started=_stamp(head) if head else None,
-                   oom=count is not None and bool(count.rose()), world_size=size,
-                   start_id=start_id)  # fmt: skip
+    return RankEnd(
+        rank=rank,
+        host=host,
+        how="no-exit",
+        at=last_at,
+        detail="no exit record",
+        started=_stamp(head) if head else None,
+        oom=count is not None and bool(count.rose()),
+        world_size=size,
+        start_id=start_id,
+    )
 
 
 def rank_ends(run_dir: Path) -> list[RankEnd]:
-    """How each rank's latest start ended, by rank (ranks that never started are left out, and
-    so are ranks past the world size of the newest start: those of a start before the run
-    went on with fewer ranks, --min-nodes)."""
+    """Return how each rank's latest start ended, by rank.
+
+    Ranks that never started are left out, and so are ranks past the world size of the
+    newest start: those of a start before the run went on with fewer ranks (--min-nodes).
+    """
     logs = run_dir / LOGS_DIR
     found = []
     if logs.is_dir():
@@ -215,8 +243,11 @@ def latest_world_size(ends: list[RankEnd]) -> int | None:
 
 
 def first_failure(ends: list[RankEnd]) -> RankEnd | None:
-    """The cause of a failed start: the earliest failure that is not a consequence, else the
-    earliest rank that ended without a word, else the earliest consequence."""
+    """Return the cause of a failed start.
+
+    It is the earliest failure that is not a consequence, else the earliest rank that ended
+    without a word, else the earliest consequence.
+    """
     never = dt.datetime.max
 
     def earliest(candidates: list[RankEnd]) -> RankEnd | None:
@@ -230,14 +261,21 @@ def first_failure(ends: list[RankEnd]) -> RankEnd | None:
 
 
 def recorded_cause(record: dict[str, Any], ends: list[RankEnd]) -> RankEnd | None:
-    """Who failed first: what the run record says where it knows better than the rank logs (a
-    full disk: the log may have had no room for its exit line; out of memory: the healer read
-    the kernel's count where the rank ran), else the rank logs."""
+    """Return who failed first: from the run record where it knows better, else the logs.
+
+    It knows better on a full disk (the log may have had no room for its exit line) and out
+    of memory (the healer read the kernel's count where the rank ran).
+    """
     failure = record.get("failure") or {}
     if record.get("state") == "failed" and failure.get("kind") in ("environment", "out-of-memory"):
-        oom = failure["kind"] == "out-of-memory"
-        return RankEnd(int(failure.get("rank") or 0), failure.get("host"), "failed", None,
-                       str(failure.get("error")), oom=oom)  # fmt: skip
+        return RankEnd(
+            rank=int(failure.get("rank") or 0),
+            host=failure.get("host"),
+            how="failed",
+            at=None,
+            detail=str(failure.get("error")),
+            oom=failure["kind"] == "out-of-memory",
+        )
     return first_failure(ends)
 
 

@@ -1,6 +1,8 @@
-"""The run directory's layout: every file name the toolkit reads or writes, in one place
-(docs/launching.md, "The run directory", shows the tree). Decided once per run and shared by
-every rank and every restart."""
+"""The run directory's layout: every file name the toolkit reads or writes, in one place.
+
+A run directory is decided once per run and shared by every rank and every restart.
+docs/launching.md ("The run directory") shows the tree.
+"""
 
 from __future__ import annotations
 
@@ -252,8 +254,7 @@ class ProgressSummary:
 
 
 def progress_summary(run: RunDir, window: int = 10) -> ProgressSummary:
-    """The last iteration, throughput and rewards over the last `window` iterations, the last
-    reward."""
+    """Summarize where a run is from the last `window` iterations of its progress.jsonl."""
     tail = run.progress_tail(window)
     last = tail[-1] if tail else {}
     rates = [float(r["env_steps_per_s"]) for r in tail if r.get("env_steps_per_s")]
@@ -273,9 +274,12 @@ def is_run_dir(path: Path) -> bool:
 
 
 def shared_mkdir(path: Path) -> None:
-    """Make the folder `path` and its missing parents. A folder made in a group-shared one
-    (setgid: a team's log root) is writable by the group too, whatever this user's umask:
-    it is where every member's runs go (an experiment folder, its `.keys` and `.sweeps`)."""
+    """Make the folder `path` and its missing parents.
+
+    A folder made in a group-shared one (setgid: a team's log root) is writable by the group
+    too, whatever this user's umask: it is where every member's runs go (an experiment
+    folder, its `.keys` and `.sweeps`).
+    """
     missing = [p for p in (path, *path.parents) if not p.exists()]
     path.mkdir(parents=True, exist_ok=True)
     for folder in reversed(missing):
@@ -345,9 +349,10 @@ def _recorded_run(record: Path) -> Path:
     # the experiment folder itself, or elsewhere.
     if not name or name in (".", "..") or "\n" in text or not name.isprintable():
         raise DamagedRecord(
-            record, why,
+            record,
+            why,
             "name the run with --run-dir, or delete the file (the newest run is then used)",
-        )  # fmt: skip
+        )
     return (record.parent.parent / name) if record.parent.name == KEYS_DIR else record.parent / name
 
 

@@ -1,14 +1,13 @@
-"""The lease on disk: who holds it and until when (the owner record and its fixed-size
-encoding in the lock file), the never-reused fencing tokens (ticket files), the atomic steps
-that take a stale lease over and give one back, and the lock's errors.
+"""The lease on disk: the lock file's owner record, the fencing tokens, the atomic steps.
 
-`mjlab_hpc.rundir.lock` builds the lock from these; see its docstring for the design.
+The owner record has a fixed size, so a heartbeat rewrites it in place. Fencing tokens are
+ticket files, never reused. A stale lease is taken over, and a lease given back, in steps
+that are atomic on a shared filesystem. `mjlab_hpc.rundir.lock` builds the lock from these
+parts; its docstring describes the design.
 
-Error types: :class:`LockError` derives from :class:`OSError` (an unusable lock
-directory is an I/O-environment problem, and this lets :class:`LockTimeout` be
-both a :class:`LockError` and a :class:`TimeoutError`). Misuse of the API (for
-example releasing a lock this object does not hold) raises
-:class:`LockUsageError`, a :class:`RuntimeError`.
+LockError derives from OSError: an unusable lock directory is a problem of the environment,
+and LockTimeout is then both a LockError and a TimeoutError. Misuse of the API (releasing a
+lock this object does not hold) raises LockUsageError, a RuntimeError.
 """
 
 from __future__ import annotations
@@ -92,26 +91,23 @@ ERRNO_CAUSES: dict[int, tuple[str, str]] = {
 }
 
 
-# --------------------------------------------------------------------------- errors
-
-
 class LockError(OSError):
-    """The lock cannot be used: unusable directory (missing, read-only, full), I/O error.
+    """The lock cannot be used: its directory is missing, read-only or full, or I/O failed.
 
-    Subclass of :class:`OSError`; ``errno`` is set when the cause was an OS error.
+    `errno` is set when the cause was an OS error.
     """
 
 
 class LockLost(LockError):
     """The lock is no longer held: it was taken over, or our own lease expired.
 
-    Raised by :meth:`LeaseLock.check` and :func:`write_fenced`, so a former owner
-    that wakes up after a takeover cannot publish writes.
+    `LeaseLock.check` and `write_fenced` raise it, so a former owner that wakes up after a
+    takeover cannot publish anything.
     """
 
 
 class LockTimeout(LockError, TimeoutError):
-    """:meth:`LeaseLock.acquire` gave up; the message names the current holder."""
+    """`LeaseLock.acquire` gave up waiting; the message names the current holder."""
 
 
 class LockUsageError(RuntimeError):
@@ -129,11 +125,9 @@ def env_error(action: str, path: Path, exc: OSError) -> LockError:
     return err
 
 
-# --------------------------------------------------------------------------- data
-
-
 def parse_restart_count(raw: str | None) -> int:
-    # A malformed variable must not crash a training launch; the count is informative.
+    """Read SLURM_RESTART_COUNT; 0 when it is unset or malformed."""
+    # A malformed variable must not crash a training launch: the count is only informative.
     try:
         return max(0, int(raw)) if raw else 0
     except ValueError:
@@ -150,15 +144,16 @@ class OwnerInfo:
     restart_count: int = 0
     rank: int = 0
     machine: str = ""
-    """Its kernel's boot and pid namespace (`procs.machine_id`): a process with the same one
-    can tell whether `pid` lives ("": unknown)."""
+    """Its kernel's boot and pid namespace (`procs.machine_id`; "": unknown).
+
+    A process with the same one can tell whether `pid` lives."""
 
     @classmethod
     def from_env(cls, rank: int = 0) -> OwnerInfo:
-        """Describe the current process from the host name, pid and SLURM/submitit variables.
+        """Describe this process from its host name, pid and Slurm or submitit variables.
 
-        ``job_id`` is ``SLURM_JOB_ID``, else ``SUBMITIT_LOCAL_JOB_ID``, else ``None``;
-        ``restart_count`` is ``SLURM_RESTART_COUNT`` (0 when unset or malformed).
+        `job_id` is SLURM_JOB_ID, else SUBMITIT_LOCAL_JOB_ID, else None; `restart_count` is
+        SLURM_RESTART_COUNT (0 when unset or malformed).
         """
         job_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
         return cls(
@@ -171,7 +166,7 @@ class OwnerInfo:
         )
 
     def describe(self) -> str:
-        """One-line human description, e.g. for error messages."""
+        """Describe the owner in one line, for messages."""
         return (
             f"host={self.host} pid={self.pid} job_id={self.job_id} "
             f"restart_count={self.restart_count} rank={self.rank}"
@@ -182,8 +177,8 @@ class OwnerInfo:
 class LockRecord:
     """The parsed content of a lock file.
 
-    ``owner`` is ``None`` for an unknown holder (a half-written or unparsable
-    file); its ``heartbeat_at`` is then the file's mtime (shown, never compared).
+    `owner` is None for an unknown holder (a half-written or unparsable file); its
+    `heartbeat_at` is then the file's mtime, which is shown and never compared.
     """
 
     owner: OwnerInfo | None
@@ -194,8 +189,11 @@ class LockRecord:
     nonce: str | None = None
 
     def describe(self) -> str:
-        """One-line human description of the holder (its heartbeat's time by its own clock:
-        no age, which would compare clocks of two machines)."""
+        """Describe the holder in one line.
+
+        The heartbeat's time is the holder's own clock's; no age is given, which would compare
+        the clocks of two machines.
+        """
         if self.owner is None:
             return "an unknown holder (lock file half-written or unparsable)"
         token = "pending" if self.token is None else str(self.token)
@@ -206,9 +204,6 @@ class LockRecord:
         )
 
 
-# --------------------------------------------------------------------------- file helpers
-
-
 def encode_record(
     owner: OwnerInfo,
     token: int | None,
@@ -217,6 +212,7 @@ def encode_record(
     heartbeat_at: float,
     lease_s: float,
 ) -> bytes:
+    """Encode a lock record as the lock file's fixed-size content."""
     doc = {
         "format": FORMAT,
         "token": token,
@@ -238,7 +234,7 @@ def encode_record(
 
 
 def decode_record(raw: bytes, mtime: float) -> LockRecord:
-    """Parse a lock file; anything unexpected becomes an unknown holder aged by mtime."""
+    """Parse a lock file; anything unexpected becomes an unknown holder stamped by `mtime`."""
     try:
         doc = json.loads(raw)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -273,14 +269,14 @@ def decode_record(raw: bytes, mtime: float) -> LockRecord:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A lock file as read: raw bytes (compared byte-for-byte on takeover) and parse."""
+    """A lock file as read: its raw bytes (compared byte for byte on takeover), parsed."""
 
     raw: bytes
     record: LockRecord
 
 
 def read_snapshot(path: Path) -> Snapshot | None:
-    """Read the lock file; ``None`` if it does not exist. Other OSErrors propagate."""
+    """Read the lock file; None if it does not exist (other OSErrors propagate)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -299,27 +295,30 @@ def read_snapshot(path: Path) -> Snapshot | None:
 
 
 def write_all(fd: int, data: bytes) -> None:
+    """Write all of `data` at `fd`'s position."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
 
 
 def pwrite_all(fd: int, data: bytes) -> None:
+    """Write all of `data` at the start of `fd`'s file."""
     view, offset = memoryview(data), 0
     while offset < len(data):
         offset += os.pwrite(fd, view[offset:], offset)
 
 
 def unlink_quietly(path: Path) -> None:
+    """Remove `path` if it can be removed."""
     with contextlib.suppress(OSError):
         os.unlink(path)
 
 
 def link_exclusive(src: Path, dst: Path, src_fd: int) -> bool:
-    """Create ``dst`` as a hard link to ``src``; False if ``dst`` already exists.
+    """Create `dst` as a hard link to `src`; False if `dst` already exists.
 
-    On NFS a retransmitted LINK can report EEXIST although the first attempt
-    succeeded; as open(2) recommends, a link count of 2 on our inode means we won.
+    On NFS a retransmitted LINK can report EEXIST although the first attempt succeeded; as
+    open(2) recommends, a link count of 2 on our inode means we won.
     """
     try:
         os.link(src, dst)
@@ -329,17 +328,17 @@ def link_exclusive(src: Path, dst: Path, src_fd: int) -> bool:
 
 
 def ticket_exists(tickets: Path, n: int) -> bool:
+    """Whether ticket `n` was claimed (every number below 1 counts as claimed)."""
     return n <= 0 or os.path.exists(tickets / str(n))
 
 
 def claim_ticket(tickets: Path, hint: int) -> int:
-    """Claim the next fencing token by creating ticket file ``N`` with O_EXCL.
+    """Claim the next fencing token by creating its ticket file with O_EXCL.
 
-    Ticket files are never deleted, so the set of existing tickets is always
-    ``{1..max}`` (every claim starts at or below ``max + 1`` and walks up on
-    EEXIST). A claim therefore returns a number larger than every ticket that
-    existed before it started: tokens strictly increase and are never reused,
-    however processes race, crash or pause. ``hint`` (a known ticket) only
+    Ticket files are never deleted, so the existing tickets are always 1 to max: every claim
+    starts at or below max + 1 and walks up on EEXIST. A claim therefore returns a number
+    larger than every ticket that existed before it started. Tokens strictly increase and
+    are never reused, however processes race, crash or pause. `hint` (a known ticket) only
     shortens the search.
     """
     lo = hint if ticket_exists(tickets, hint) else 0
@@ -370,12 +369,13 @@ def claim_ticket(tickets: Path, hint: int) -> int:
 
 
 class Observer:
-    """How long this process has seen something unchanged, by its own clock: how a lease is
-    judged, never by comparing another machine's clock (or a file's mtime) with ours.
+    """Measures how long this process has seen something unchanged, by its own clock.
 
-    Time this process did not run (stopped, a suspended job, a frozen VM) does not count: a
-    gap of more than `max_gap_s` between two looks starts the watch again, so a waiter stopped
-    together with the holder does not take over when both wake."""
+    This is how a lease is judged: never by comparing another machine's clock (or a file's
+    mtime) with ours. Time this process did not run (stopped, a suspended job, a frozen VM)
+    does not count. A gap of more than `max_gap_s` between two looks starts the watch again,
+    so a waiter stopped together with the holder does not take over when both wake.
+    """
 
     def __init__(self, max_gap_s: float = 5.0) -> None:
         self.max_gap_s = max_gap_s
@@ -404,9 +404,11 @@ class Observer:
 
 
 def holder_gone(record: LockRecord) -> bool | None:
-    """Whether a holder is known to be gone: True (its process is gone), False (it lives; a
-    stopped or suspended one too), None (not knowable here: another machine, a container
-    with other pids, an unknown holder)."""
+    """Whether a holder is known to be gone.
+
+    True: its process is gone. False: it lives (a stopped or suspended one too). None: this
+    process cannot know (another machine, a container with other pids, an unknown holder).
+    """
     owner = record.owner
     if owner is None or not owner.machine or owner.machine != machine_id():
         return None
@@ -415,7 +417,7 @@ def holder_gone(record: LockRecord) -> bool | None:
 
 @dataclass
 class Held:
-    """Per-acquisition state of a LeaseLock (mutable, owned by one LeaseLock object)."""
+    """The state of one acquisition of a LeaseLock (mutable, owned by that object)."""
 
     fd: int
     nonce: str
@@ -434,17 +436,16 @@ def take_over(
 ) -> bool:
     """Replace a stale lock file atomically; True if we now own the lock name.
 
-    1. Racers that judged the same stale content first compete for a breaker
-       file named after a hash of that content (O_EXCL): only one of them
-       goes on, so racers do not rename each other's fresh locks. A breaker
-       that `observer` has seen for longer than a lease was left by a racer
-       that crashed: it is removed.
+    1. Racers that judged the same stale content first compete for a breaker file named
+       after a hash of that content (O_EXCL): only one of them goes on, so racers do not
+       rename each other's fresh locks. A breaker that `observer` has seen for longer than
+       a lease was left by a racer that crashed: it is removed.
     2. The breaker re-reads the lock file and gives up if it changed.
-    3. It renames the lock file to a unique tombstone; of several renames of
-       one name exactly one succeeds.
-    4. If the tombstone is not byte-identical to what was judged stale (the
-       holder heartbeated just now), it is put back (same inode, so its
-       holder keeps working) and we give up.
+    3. It renames the lock file to a unique tombstone; of several renames of one name
+       exactly one succeeds.
+    4. If the tombstone is not byte-identical to what was judged stale (the holder
+       heartbeated just now), it is put back (same inode, so its holder keeps working) and
+       we give up.
     5. Otherwise our record is linked to the lock name (exclusive).
     """
     digest = hashlib.sha256(stale.raw).hexdigest()[:24]
@@ -483,7 +484,7 @@ def take_over(
 
 
 def remove_if_ours(path: Path, nonce: str) -> str | None:
-    """Remove the lock file if it carries ``nonce``; return a reason if it did not."""
+    """Remove the lock file if it carries `nonce`; else return why not (None: removed)."""
     try:
         snap = read_snapshot(path)
         if snap is None:

@@ -1,13 +1,15 @@
-"""Single-writer lease lock for run directories on shared filesystems (NFS, Lustre, GPFS), where
-flock/fcntl locks are not coherent between nodes. Built only from operations atomic on the
-server: exclusive creation of the lock name (`os.link` of a fully written file), `rename`
-within one directory, and `O_EXCL` ticket files whose numbers are fencing tokens never reused.
+"""A single-writer lease lock for run directories on shared filesystems (NFS, Lustre, GPFS).
+
+flock and fcntl locks are not coherent between nodes there, so the lock is built only from
+operations atomic on the server: exclusive creation of the lock name (`os.link` of a fully
+written file), `rename` within one directory, and `O_EXCL` ticket files whose numbers are
+fencing tokens, never reused.
 
 The owner refreshes a heartbeat inside the lock file's content. A lease is judged by what the
 judging process sees with its own clock: a holder whose heartbeat it has seen unchanged for a
-lease (or, on the same machine, whose process is gone) may be taken over, with a larger token;
-no clocks of two processes are compared, and a live holder on the same machine is never taken
-over. `write_fenced` refuses to publish once the token is not current (`LockLost`); a holder
+lease (or, on the same machine, whose process is gone) may be taken over, with a larger token.
+No clocks of two processes are compared, and a live holder on the same machine is never taken
+over. `write_fenced` refuses to publish once the token is not current (`LockLost`). A holder
 that was stopped longer than its lease renews it if nobody took over meanwhile. The design and
 the failures it covers: docs/single-writer.md.
 """
@@ -66,33 +68,33 @@ __all__ = [
 _POLL_S = 0.01
 _POLL_MAX_S = 0.5
 
-# --------------------------------------------------------------------------- the lock
-
 
 class LeaseLock:
-    """A cross-host single-writer lease lock backed by one file on a shared filesystem.
+    """A single-writer lease lock between hosts, backed by one file on a shared filesystem.
 
-    Usage::
+    Usage:
 
-        with LeaseLock(run_dir / "writer.lock", owner=OwnerInfo.from_env(rank),
-                       lease_s=60) as lock:
+        lock = LeaseLock(run_dir / "writer.lock", owner=OwnerInfo.from_env(rank), lease_s=60)
+        with lock:
             write_fenced(lock, run_dir / "state.json", data)  # raises LockLost if stale
 
-    Next to the lock file, a directory ``<name>.tokens`` holds one empty ticket
-    file per acquisition (the fencing-token counter); do not delete it while the
-    run directory is in use. Not re-entrant: one object holds at most one
-    acquisition. Methods are thread-safe; the object must not be used in a
-    forked child.
+    Next to the lock file, a directory `<name>.tokens` holds one empty ticket file per
+    acquisition (the fencing-token counter); do not delete it while the run directory is in
+    use. The lock is not re-entrant: one object holds at most one acquisition. Methods are
+    thread-safe; the object must not be used in a forked child.
     """
 
     def __init__(
         self, path: str | os.PathLike[str], owner: OwnerInfo | None = None, *, lease_s: float = 60.0
     ) -> None:
-        """Create an (unacquired) lock. Another process may take over once it has seen the
-        holder's heartbeat unchanged for `lease_s` by its own clock (on the same machine: once
-        the holder's process is gone). The holder writes its heartbeat every `lease_s / 4`
-        and treats its own lease as expired `lease_s / 5` early (the check-then-rename window
-        of `write_fenced`): then it renews it, if the lock is still its own."""
+        """Create a lock that is not acquired yet.
+
+        Another process may take over once it has seen the holder's heartbeat unchanged for
+        `lease_s` by its own clock (on the same machine: once the holder's process is gone).
+        The holder writes its heartbeat every `lease_s / 4`. It treats its own lease as
+        expired `lease_s / 5` early (the check-then-rename window of `write_fenced`), and
+        then renews it if the lock is still its own.
+        """
         if not (math.isfinite(lease_s) and lease_s > 0):
             raise ValueError(f"lease_s must be a positive number, got {lease_s}")
         self.path = Path(path).absolute()
@@ -105,8 +107,6 @@ class LeaseLock:
         self._held: Held | None = None
         self._displaced: LockRecord | None = None
         self._rng = random.Random()  # per-object RNG: no shared global state
-
-    # ------------------------------------------------------------------ public API
 
     def __repr__(self) -> str:
         held = self._held
@@ -139,11 +139,11 @@ class LeaseLock:
 
     @property
     def displaced(self) -> LockRecord | None:
-        """The stale holder removed by the last acquisition (a takeover), else ``None``."""
+        """The stale holder removed by the last acquisition (a takeover), else None."""
         return self._displaced
 
     def holder(self) -> LockRecord | None:
-        """Read who currently holds the lock (``None`` if nobody)."""
+        """Read who holds the lock now (None: nobody)."""
         try:
             snap = read_snapshot(self.path)
         except OSError as exc:
@@ -151,10 +151,12 @@ class LeaseLock:
         return None if snap is None else snap.record
 
     def live_holder(self) -> LockRecord | None:
-        """The holder, when it is alive (None: no holder, or one that is gone or may be).
-        On its own machine its process says; elsewhere its heartbeat seen to change within
-        one heartbeat interval (a holder stopped meanwhile reads as not alive: one that only
-        a lease of waiting may replace)."""
+        """Return the holder when it is alive (None: no holder, or one that is gone or may be).
+
+        On its own machine its process tells. Elsewhere its heartbeat must be seen to change
+        within one heartbeat interval; a holder stopped meanwhile reads as not alive (only a
+        lease of waiting may replace it).
+        """
         try:
             first = read_snapshot(self.path)
         except OSError as exc:
@@ -179,9 +181,9 @@ class LeaseLock:
     def acquire(self, timeout_s: float | None = None) -> int:
         """Acquire the lock and start the heartbeat; return the new fencing token.
 
-        Waits with jittered exponential backoff while another process holds a
-        fresh lease, and takes over a holder whose heartbeat is older than its
-        lease. ``timeout_s``: ``None`` waits forever, ``0`` tries once.
+        Waits with jittered exponential backoff while another process holds a fresh lease,
+        and takes over a holder whose heartbeat was seen unchanged for its lease.
+        `timeout_s`: None waits forever, 0 tries once.
 
         Raises:
             LockTimeout: not acquired in time; the message names the holder.
@@ -227,8 +229,8 @@ class LeaseLock:
 
         Raises:
             LockUsageError: this object does not hold the lock.
-            LockLost: the lock had already been lost (taken over or lease
-                expired) before release; nothing of the new holder is touched.
+            LockLost: the lock had already been lost (taken over, or the lease expired)
+                before release; nothing of the new holder is touched.
         """
         with self._mutex:
             held = self._require_held("release")
@@ -237,8 +239,8 @@ class LeaseLock:
             if held.thread is not None:
                 held.thread.join()
             try:
-                # Remove the file even if our own lease expired: if nobody took
-                # over yet, this frees the lock now instead of after a lease.
+                # Remove the file even if our own lease expired: if nobody took over yet,
+                # this frees the lock now instead of after a lease.
                 removal = remove_if_ours(self.path, held.nonce)
             finally:
                 os.close(held.fd)
@@ -247,13 +249,12 @@ class LeaseLock:
                 raise LockLost(f"lock {self.path} (token {held.token}) was lost: {lost}")
 
     def check(self) -> None:
-        """Verify the lock is still ours; raise :class:`LockLost` otherwise.
+        """Verify that the lock is still ours; raise LockLost otherwise.
 
-        Checks, in order: the heartbeat thread has not seen a takeover; our own
-        lease (measured on our monotonic clock since the last heartbeat, minus
-        ``guard_s``) has not expired, or else (this process was stopped or starved)
-        a heartbeat written now renews it; the lock file still carries our nonce
-        and token.
+        Checks, in order: the heartbeat thread has not seen a takeover; our own lease
+        (measured on our monotonic clock since the last heartbeat, minus `guard_s`) has not
+        expired, or else (this process was stopped or starved) a heartbeat written now
+        renews it; the lock file still carries our nonce and token.
         """
         with self._mutex:
             held = self._require_held("check")
@@ -263,7 +264,7 @@ class LeaseLock:
                 raise LockLost(f"lock {self.path} (token {held.token}) was lost: {reason}")
 
     def is_held(self) -> bool:
-        """True if this object holds the lock and :meth:`check` passes."""
+        """Whether this object holds the lock and `check` passes."""
         with self._mutex:
             if self._held is None or self._held.pid != os.getpid():
                 return False
@@ -272,8 +273,6 @@ class LeaseLock:
             except LockLost:
                 return False
             return True
-
-    # ------------------------------------------------------------------ internals
 
     def _require_held(self, action: str) -> Held:
         held = self._held
@@ -302,12 +301,12 @@ class LeaseLock:
             raise env_error(f"create the token directory {self._tickets}", self.path, exc) from exc
 
     def _try_once(self, observer: Observer) -> tuple[Held | None, LockRecord | None, bool]:
-        """One acquisition attempt.
+        """Try once to acquire the lock.
 
-        Returns (held or None, last holder record seen, whether a live holder was seen).
+        Returns (held or None, the last holder record seen, whether a live holder was seen).
         """
-        # Look first: waiting on a live holder then costs one read per poll, not a
-        # temp file, fsync and link.
+        # Look first: waiting on a live holder then costs one read per poll, not a temp file,
+        # fsync and link.
         try:
             snap = read_snapshot(self.path)
         except OSError as exc:
@@ -317,7 +316,14 @@ class LeaseLock:
         nonce = uuid.uuid4().hex
         temp = self.path.with_name(f"{self.path.name}.new.{nonce}")
         now = time.time()
-        raw = encode_record(self.owner, None, nonce, now, now, self.lease_s)
+        raw = encode_record(
+            self.owner,
+            token=None,
+            nonce=nonce,
+            acquired_at=now,
+            heartbeat_at=now,
+            lease_s=self.lease_s,
+        )
         try:
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except OSError as exc:
@@ -358,13 +364,20 @@ class LeaseLock:
     def _finish_acquire(
         self, fd: int, nonce: str, acquired_at: float, displaced: LockRecord | None
     ) -> Held | None:
-        """We own the lock name: claim a token, record it, and verify we still own it."""
+        """Claim a token for the lock name we own, record it, and verify we still own it."""
         try:
             hint = displaced.token if displaced is not None and displaced.token else 0
             token = claim_ticket(self._tickets, hint)
             heartbeat_mono = time.monotonic()
             now = time.time()
-            raw = encode_record(self.owner, token, nonce, acquired_at, now, self.lease_s)
+            raw = encode_record(
+                self.owner,
+                token=token,
+                nonce=nonce,
+                acquired_at=acquired_at,
+                heartbeat_at=now,
+                lease_s=self.lease_s,
+            )
             pwrite_all(fd, raw)
             os.fsync(fd)
             snap = read_snapshot(self.path)
@@ -373,8 +386,8 @@ class LeaseLock:
                 remove_if_ours(self.path, nonce)
             raise env_error("record the fencing token", self.path, exc) from exc
         if snap is None or snap.record.nonce != nonce:
-            # Paused for longer than a lease since winning: someone took over.
-            # Our ticket is simply never used.
+            # Paused for longer than a lease since winning: someone took over. Our ticket is
+            # simply never used.
             return None
         return Held(
             fd=fd,
@@ -386,8 +399,11 @@ class LeaseLock:
         )
 
     def _is_stale(self, snap: Snapshot, observer: Observer) -> bool:
-        """Whether the holder may be replaced: its process is gone (this machine), or we have
-        seen its lock file unchanged for its lease (an unknown holder: for ours)."""
+        """Whether the holder may be replaced.
+
+        It may when its process is gone (on this machine), or when we have seen its lock file
+        unchanged for its lease (for an unknown holder: for ours).
+        """
         gone = holder_gone(snap.record)
         if gone is not None:
             return gone
@@ -396,9 +412,11 @@ class LeaseLock:
         return observer.unchanged_for("lock", snap.raw) > lease
 
     def _own_lease_problem(self, held: Held) -> str | None:
-        """Why our lease is gone (None: it holds). Past its end on our own clock (we were
-        stopped or starved) it is renewed when the lock file is still ours: the time a
-        process was stopped never counts against it."""
+        """Return why our lease is gone (None: it holds).
+
+        Past its end on our own clock (we were stopped or starved) it is renewed when the lock
+        file is still ours: the time a process was stopped never counts against it.
+        """
         own_age = time.monotonic() - held.hb_mono
         if own_age <= self.lease_s - self.guard_s:
             return None
@@ -410,13 +428,21 @@ class LeaseLock:
         return problem
 
     def _beat(self, held: Held) -> tuple[bool, str | None]:
-        """Write a heartbeat, then read the lock file back: (whether it was written, why the
-        lock is not ours: None when it is). Writes go to our own inode through the fd we
-        created: a heartbeat after a takeover lands in the tombstone, never in the new
-        holder's file; one in the middle of a takeover makes it give the file back."""
+        """Write a heartbeat, then read the lock file back.
+
+        Returns whether it was written, and why the lock is not ours (None: it is). Writes go
+        to our own inode through the fd we created: a heartbeat after a takeover lands in the
+        tombstone, never in the new holder's file; one in the middle of a takeover makes it
+        give the file back.
+        """
         mono = time.monotonic()
         raw = encode_record(
-            self.owner, held.token, held.nonce, held.acquired_at, time.time(), self.lease_s
+            self.owner,
+            token=held.token,
+            nonce=held.nonce,
+            acquired_at=held.acquired_at,
+            heartbeat_at=time.time(),
+            lease_s=self.lease_s,
         )
         try:
             with held.io_lock:
@@ -430,6 +456,7 @@ class LeaseLock:
         return True, problem
 
     def _file_problem(self, held: Held) -> str | None:
+        """Return why the lock file is not ours (None: it carries our nonce and token)."""
         try:
             with held.io_lock:  # no torn read of our own concurrent heartbeat
                 snap = read_snapshot(self.path)
@@ -462,6 +489,7 @@ class LeaseLock:
             # Not written: transient, retried; check() gives up once the lease is gone.
 
     def _timeout_error(self, seen: LockRecord | None, waited: float) -> LockTimeout:
+        """The LockTimeout that names the holder and when it can be taken over."""
         try:
             current = self.holder() or seen
         except LockError:
@@ -475,22 +503,18 @@ class LeaseLock:
         )
 
 
-# --------------------------------------------------------------------------- fenced writes
-
-
 def write_fenced(lock: LeaseLock, path: str | os.PathLike[str], data: bytes) -> None:
-    """Atomically replace ``path`` with ``data``, only while ``lock`` is still held.
+    """Atomically replace `path` with `data`, only while `lock` is still held.
 
-    Steps: write a temp file in the same directory and fsync it; :meth:`LeaseLock.check`
-    (token still current, lease not expired from our own point of view, minus
-    ``guard_s``); ``os.replace``; fsync the directory; check again.
+    Steps: write a temporary file in the same directory and fsync it; `LeaseLock.check`
+    (the token is current, and the lease has not expired from our own point of view, minus
+    `guard_s`); `os.replace`; fsync the directory; check again.
 
-    Remaining window: the check and the rename are two steps. If this process is
-    paused between them (SIGSTOP, VM freeze, swap storm) for longer than
-    ``guard_s`` plus the rest of the lease, a takeover can happen in between and
-    this stale rename still lands. The second check then raises LockLost so the
-    caller at least learns of it; readers that must be immune should also compare
-    the fencing token stored inside the data (higher token wins).
+    The check and the rename are two steps. If this process is paused between them (SIGSTOP,
+    a VM freeze, a swap storm) for longer than `guard_s` plus the rest of the lease, a
+    takeover can happen in between and this stale rename still lands. The second check then
+    raises LockLost, so the caller at least learns of it; readers that must be immune should
+    also compare the fencing token stored inside the data (the higher token wins).
 
     Raises:
         LockLost: the lock is not held any more (nothing written if raised by

@@ -1,6 +1,9 @@
-"""Progress of a run: the record of one iteration (a line of progress.jsonl) and its live
-display (a rich bar on a terminal, plain lines otherwise), shown by rank 0 of an in-process
-run and by the launchers that follow a run from its progress file."""
+"""Progress of a run: the record of one iteration, and its live display.
+
+An iteration's record is a line of progress.jsonl. The display is a rich bar on a terminal,
+plain lines otherwise; rank 0 of an in-process run shows it, and so do the launchers that
+follow a run from its progress file.
+"""
 
 from __future__ import annotations
 
@@ -85,7 +88,7 @@ class IterationStats:
 
 
 class ProgressDisplay:
-    """Shows iterations, env-steps/s, mean reward and ETA. Silent when disabled (other ranks)."""
+    """Shows iterations, env steps/s, mean reward and ETA; silent when disabled (other ranks)."""
 
     def __init__(
         self, total: int, start: int, *, enabled: bool, stream: TextIO | None = None

@@ -1,11 +1,10 @@
-"""The code a run runs: a copy, taken at submit time, of the git repository mjlab-submit was
-run from (the user's task package, or mjlab_hpc itself when developing it).
+"""The code a run runs: a copy of the git repository that mjlab-submit was run from.
 
-`plan_snapshot` decides what would be copied (git's tracked and untracked-but-not-ignored
-files) and refuses a repository too large to copy per job, before anything is made;
-`write_snapshot` copies it into `<run>/code/src/` with `code/snapshot.json` (repository,
-commit, whether it was dirty, the files) and `code/changes.diff` (the uncommitted changes).
-Every rank of the job and of all its requeues puts the copy's import roots first on
+The copy is taken at submit time; the repository is the user's task package, or mjlab_hpc
+itself when developing it. `plan_snapshot` decides what would be copied (git's tracked files
+and the untracked ones it does not ignore) and refuses a repository too large to copy per
+job, before anything is made. `write_snapshot` copies it into `<run>/code/src/` and records
+it. Every rank of the job and of all its requeues puts the copy's import roots first on
 PYTHONPATH (`import_path`), ahead of an editable install of the same package, so editing the
 checkout after submitting changes nothing in the run.
 """
@@ -82,11 +81,14 @@ def _git(root: Path, *args: str) -> str | None:
 
 
 def _import_roots(root: Path, files: Sequence[str]) -> tuple[str, ...]:
-    """The folders of `root` this interpreter imports packages from: sys.path entries (an
-    old-style editable install's .pth) and the folders setuptools' editable finders map
-    packages to; the top folder and `src/` when there is neither. Only folders the copy holds
-    (`files`, relative to `root`) count: a virtual environment inside the repository that git
-    ignores is on sys.path too, and would stand in for the user's code."""
+    """Return the folders of `root` this interpreter imports packages from.
+
+    They are sys.path entries (an old-style editable install's .pth) and the folders
+    setuptools' editable finders map packages to; the top folder and `src/` when there is
+    neither. Only folders the copy holds (`files`, relative to `root`) count: a virtual
+    environment inside the repository that git ignores is on sys.path too, and would stand
+    in for the user's code.
+    """
     found: list[str] = []
     copied = {str(Path(f).parent) for f in files}
     folders = {str(p) for f in copied for p in (Path(f), *Path(f).parents)}
@@ -116,9 +118,11 @@ def _import_roots(root: Path, files: Sequence[str]) -> tuple[str, ...]:
 
 
 def plan_snapshot(cwd: Path, off: bool = False) -> Snapshot | str:
-    """The snapshot of the git repository holding `cwd`, or why there is none (not a git
-    repository, git missing, `off`: --no-snapshot). SpecError naming --no-snapshot when it is
-    too large to copy."""
+    """Plan the snapshot of the git repository holding `cwd`, or say why there is none.
+
+    There is none outside a git repository, without git, or when `off` (--no-snapshot). A
+    repository too large to copy raises SpecError naming --no-snapshot.
+    """
     if off:
         return "--no-snapshot: the job runs the code as it is when it starts"
     top = _git(cwd, "rev-parse", "--show-toplevel")
@@ -156,7 +160,11 @@ def plan_snapshot(cwd: Path, off: bool = False) -> Snapshot | str:
 
 
 def write_snapshot(plan: Snapshot, dest: Path) -> dict[str, Any]:
-    """Copy the planned files into `dest/code/src` and record them; the record."""
+    """Copy the planned files into `dest/code/src` and record them; the record.
+
+    `code/snapshot.json` records the repository, commit, whether it was dirty and the files;
+    `code/changes.diff` holds the uncommitted changes.
+    """
     code = dest / CODE_DIR
     src = code / "src"
     n = 1
@@ -210,8 +218,11 @@ def import_path(record: dict[str, Any]) -> str:
 
 
 def code_record(run_dir: Path) -> dict[str, Any] | None:
-    """What the submission recorded about the run's code: its own record, or its sweep's
-    (one copy for all elements); None for runs that mjlab-submit did not start."""
+    """Return what the submission recorded about the run's code.
+
+    That is the run's own record, or its sweep's (one copy for all elements); None for runs
+    that mjlab-submit did not start.
+    """
     own = read_snapshot(run_dir)
     if own is not None:
         return own
@@ -226,8 +237,10 @@ def snapshot_for(run_dir: Path) -> dict[str, Any] | None:
 
 
 def record_code(plan: Snapshot | str, dest: Path) -> dict[str, Any]:
-    """Write the snapshot into `dest` (a run or sweep directory), or record why there is none
-    (`plan` is the reason); the record."""
+    """Write the snapshot into `dest` (a run or sweep directory); the record.
+
+    When `plan` is a reason, not a snapshot, the record says why there is none.
+    """
     if isinstance(plan, Snapshot):
         return write_snapshot(plan, dest)
     record = {"copy": None, "why": plan, "taken_at": now_iso()}
@@ -236,8 +249,11 @@ def record_code(plan: Snapshot | str, dest: Path) -> dict[str, Any]:
 
 
 def imported_from(record: dict[str, Any] | None) -> dict[str, str]:
-    """Where this process imported the top-level packages that the snapshot holds: a folder
-    inside the copy, or the path they came from instead (the copy was not used for them)."""
+    """Return where this process imported the top-level packages that the snapshot holds.
+
+    Each is a folder inside the copy, or the path it came from instead (the copy was not
+    used for it).
+    """
     if record is None or not record.get("copy"):
         return {}
     copy = Path(record["copy"]).resolve()
@@ -258,17 +274,22 @@ def imported_from(record: dict[str, Any] | None) -> dict[str, str]:
 
 
 def planned_record(plan: Snapshot | str, dest: Path) -> dict[str, Any] | None:
-    """What `record_code(plan, dest)` would record about the copy, without copying (dry
-    runs: the script shows the import roots the job will have); None without a snapshot."""
+    """Return what `record_code(plan, dest)` would record about the copy, without copying.
+
+    Dry runs show it: the script holds the import roots the job will have. None without a
+    snapshot.
+    """
     if isinstance(plan, str):
         return None
     return {"copy": str(dest / CODE_DIR / "src"), "import_roots": list(plan.roots)}
 
 
 def with_snapshot(env: dict[str, str], record: dict[str, Any] | None) -> dict[str, str]:
-    """`env` with the snapshot's import roots first on PYTHONPATH (unchanged without one),
-    and PYTHONSAFEPATH: `python -m` (how submitit starts ranks) would otherwise put the
-    working directory, the checkout itself when submitted from it, ahead of PYTHONPATH."""
+    """Return `env` with the snapshot's import roots first on PYTHONPATH (unchanged without).
+
+    PYTHONSAFEPATH is set too: `python -m` (how submitit starts ranks) would otherwise put
+    the working directory, the checkout itself when submitted from it, ahead of PYTHONPATH.
+    """
     if record is None:
         return env
     before = env.get("PYTHONPATH", "")

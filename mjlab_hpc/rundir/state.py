@@ -1,7 +1,9 @@
-"""What a run is doing, from its own files: the run record `run.json` (what ran, where, with
-which code, every start, stop and fault: kept by the writer of the run directory, read by one
-reader that checks its shape), and the state these files tell without Slurm (with the
-writer's lease lock and `cancelled.json`). How each rank's latest start ended: `ends`.
+"""What a run is doing, from its own files.
+
+The run record `run.json` says what ran, where, with which code, and every start, stop and
+fault; the writer of the run directory keeps it, and one reader checks its shape. With the
+writer's lease lock and `cancelled.json` it tells the run's state without Slurm
+(`record_state`). How each rank's latest start ended is `ends`'s.
 """
 
 from __future__ import annotations
@@ -54,8 +56,6 @@ __all__ = [
 
 log = logging.getLogger("mjlab_hpc")
 
-# --- the run record -----------------------------------------------------------------------
-
 #: A fault's `kind` when the run started again in the same allocation (a new srun step, or
 #: the local controller's new ranks); RESTARTED: every kind that started the run again.
 IN_ALLOCATION = "in-allocation"
@@ -66,8 +66,11 @@ _PACKAGES = ("torch", "warp-lang", "mujoco", "mujoco-warp", "rsl-rl-lib", "mjlab
 
 def now_iso(at: float | None = None) -> str:
     """The current time (or the epoch time `at`), ISO 8601 with the UTC offset."""
-    when = dt.datetime.now(dt.timezone.utc) if at is None else dt.datetime.fromtimestamp(
-        at, dt.timezone.utc)  # fmt: skip
+    when = (
+        dt.datetime.now(dt.timezone.utc)
+        if at is None
+        else dt.datetime.fromtimestamp(at, dt.timezone.utc)
+    )
     return when.astimezone().isoformat(timespec="seconds")
 
 
@@ -91,16 +94,28 @@ def git_commit(path: Path) -> str | None:
 
 
 # run.json's fields and the JSON type every reader relies on; entries of the lists are objects.
-_SHAPE = {"state": str, "spec": dict, "effective": dict, "failure": dict, "code": dict,
-          "starts": list, "restarts": list, "faults": list, "job_ids": list,
-          "stragglers": list}  # fmt: skip
+_SHAPE = {
+    "state": str,
+    "spec": dict,
+    "effective": dict,
+    "failure": dict,
+    "code": dict,
+    "starts": list,
+    "restarts": list,
+    "faults": list,
+    "job_ids": list,
+    "stragglers": list,
+}
 
 
 def _shape_problem(value: object) -> str | None:
     if not isinstance(value, dict):
         return f"it holds {json.dumps(value)[:40]}, not a JSON object"
-    wrong = [k for k, kind in _SHAPE.items() if value.get(k) is not None
-             and not isinstance(value[k], kind)]  # fmt: skip
+    wrong = [
+        k
+        for k, kind in _SHAPE.items()
+        if value.get(k) is not None and not isinstance(value[k], kind)
+    ]
     lists = ("starts", "restarts", "faults", "stragglers")
     if not wrong and any(not isinstance(e, dict) for k in lists for e in value.get(k) or []):
         return "an entry of its starts, restarts, faults or stragglers is not a JSON object"
@@ -108,10 +123,13 @@ def _shape_problem(value: object) -> str | None:
 
 
 def read_record(run_dir: Path, strict: bool = False, set_aside: bool = False) -> dict[str, Any]:
-    """The run record ({} when there is none yet): the one reader of run.json, which checks
-    its shape as well as its syntax. A damaged record reads as {} (no command ends in a
-    traceback), or with `strict` raises DamagedRecord naming it; with `set_aside` (a writer
-    about to write anew) it is kept as `run.json.damaged-<time>`, named in `damaged_records`."""
+    """Read the run record, {} when there is none yet; the one reader of run.json.
+
+    It checks the record's shape as well as its syntax. A damaged record reads as {} (no
+    command ends in a traceback), or with `strict` raises DamagedRecord naming it. With
+    `set_aside` (a writer about to write anew) it is kept as `run.json.damaged-<time>`,
+    named in `damaged_records`.
+    """
     path = run_dir / RUN_RECORD
     value: Any = None
     try:
@@ -129,8 +147,12 @@ def read_record(run_dir: Path, strict: bool = False, set_aside: bool = False) ->
     if problem is None:
         return dict(value)
     if strict:
-        raise DamagedRecord(path, problem, f"move it aside (a resume keeps it as {RUN_RECORD}"
-                            ".damaged-<time> and begins a new record)")  # fmt: skip
+        raise DamagedRecord(
+            path,
+            problem,
+            f"move it aside (a resume keeps it as {RUN_RECORD}"
+            ".damaged-<time> and begins a new record)",
+        )
     if not set_aside:
         return {}
     kept = path.with_name(f"{RUN_RECORD}.damaged-{dt.datetime.now():%Y%m%d-%H%M%S}")
@@ -156,9 +178,12 @@ def on_start(
     environments: str = "new",
     skipped: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """The record after a (re)start of the run: `spec` is the run's settings from now on,
-    and the start says what changed (`changed`: {field: [before, now]}) and whether its
-    environments were `restored`, `fresh` (--fresh-envs) or `new`."""
+    """Return the record after a (re)start of the run.
+
+    `spec` is the run's settings from now on. The start says what changed (`changed`:
+    {field: [before, now]}) and whether its environments were `restored`, `fresh`
+    (--fresh-envs) or `new`.
+    """
     record = dict(record)
     record.setdefault("started_at", now_iso())
     changed = changed_settings(record.get("spec") or {}, spec)
@@ -199,11 +224,18 @@ def on_start(
 
 
 def changed_settings(before: dict[str, Any], now: dict[str, Any]) -> dict[str, list[Any]]:
-    """The run's settings (TrainSpec fields, as dicts) that differ: {field: [before, now]}.
-    --num-procs is not one: the number of ranks is (`world_size`), whatever flag gave it."""
-    return {key: [before[key], value] for key, value in now.items()
-            if key in before and key not in NOT_RUN_SETTINGS and key != "num_procs"
-            and before[key] != value}  # fmt: skip
+    """Return the run's settings (TrainSpec fields, as dicts) that differ: {field: [before, now]}.
+
+    --num-procs is not one: the number of ranks is (`world_size`), whatever flag gave it.
+    """
+    return {
+        key: [before[key], value]
+        for key, value in now.items()
+        if key in before
+        and key not in NOT_RUN_SETTINGS
+        and key != "num_procs"
+        and before[key] != value
+    }
 
 
 def on_stop(record: dict[str, Any], stop: dict[str, Any]) -> dict[str, Any]:
@@ -225,8 +257,10 @@ def on_fault(record: dict[str, Any], fault: dict[str, Any], requeued: bool) -> d
 
 
 def interruptions(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every stop (`restarts`) and fault (`faults`) of the run, oldest first; each has a
-    `reason` (time-limit, preemption, node-lost, crash, hang, interrupt, ...)."""
+    """Return every stop (`restarts`) and fault (`faults`) of the run, oldest first.
+
+    Each has a `reason` (time-limit, preemption, node-lost, crash, hang, interrupt, ...).
+    """
 
     def when(entry: dict[str, Any]) -> float:
         return float(entry.get("at_s") or entry.get("signal_at") or entry.get("checkpoint_at") or 0)
@@ -235,12 +269,15 @@ def interruptions(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def on_recovered(record: dict[str, Any], resumed_from: int) -> dict[str, Any]:
-    """The record once the first iteration after a requeue-type interruption completed: the
-    interruption gets the time from fault (or stop signal) to that iteration and how many
-    iterations were computed again."""
+    """Return the record once the first iteration after a requeue-type interruption completed.
+
+    The interruption gets the time from the fault (or stop signal) to that iteration, and how
+    many iterations were computed again.
+    """
     record = copy.deepcopy(record)
-    pending = [e for e in interruptions(record)
-               if e.get("kind") in RESTARTED and "recovered_at" not in e]  # fmt: skip
+    pending = [
+        e for e in interruptions(record) if e.get("kind") in RESTARTED and "recovered_at" not in e
+    ]
     if not pending:
         return record
     entry = pending[-1]
@@ -263,8 +300,11 @@ def on_end(record: dict[str, Any], iterations: int, state: str = "completed") ->
 
 
 def cancel_marker(run_dir: Path, record: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """The record `mjlab-hpc cancel` left (`cancelled.json`), if it came after the run's
-    latest start (a cancel before a resume is over); `record`: run.json, if already read."""
+    """Return the record `mjlab-hpc cancel` left (`cancelled.json`), if it still holds.
+
+    It holds when it came after the run's latest start: a resume ends an earlier cancel.
+    `record` is run.json, if already read.
+    """
     try:
         marker = dict(json.loads(read_regular(run_dir / CANCEL_RECORD)))
     except (OSError, ValueError, TypeError):
@@ -287,13 +327,19 @@ def requeues_so_far(record: dict[str, Any]) -> dict[str, int]:
 
 
 def on_node_failed(
-    record: dict[str, Any], job_id: str, restart_count: int, iteration: int, nodes: str,
+    record: dict[str, Any],
+    job_id: str,
+    restart_count: int,
+    iteration: int,
+    nodes: str,
     ended: str,
-) -> dict[str, Any]:  # fmt: skip
-    """The record once a Slurm job requeued because a node failed (sacct: NODE_FAIL, on
-    `nodes`, at `ended`) starts again: the stop its ranks recorded (SIGTERM, taken for a
-    preemption) becomes `node-lost`, or, when the node died before they could record
-    anything, a `node-lost` fault is added."""
+) -> dict[str, Any]:
+    """Return the record when a job that Slurm requeued because a node failed starts again.
+
+    sacct says NODE_FAIL, on `nodes`, at `ended`. The stop its ranks recorded (SIGTERM, taken
+    for a preemption) becomes `node-lost`; when the node died before they could record
+    anything, a `node-lost` fault is added.
+    """
     record = copy.deepcopy(record)
     mine = _previous_start(record, job_id, restart_count)
     if mine:
@@ -305,24 +351,39 @@ def on_node_failed(
         at_s = dt.datetime.fromisoformat(ended).timestamp()  # sacct: local time
     except ValueError:
         at_s = time.time()
-    record["faults"] = [*record.get("faults", []), {
-        "reason": "node-lost", "kind": "requeue", "nodes": [nodes], "job_id": job_id,
-        "restart_count": restart_count - 1, "iteration": iteration, "at": ended,
-        "at_s": at_s, "action": "requeued by Slurm (NODE_FAIL)",
-    }]  # fmt: skip
+    record["faults"] = [
+        *record.get("faults", []),
+        {
+            "reason": "node-lost",
+            "kind": "requeue",
+            "nodes": [nodes],
+            "job_id": job_id,
+            "restart_count": restart_count - 1,
+            "iteration": iteration,
+            "at": ended,
+            "at_s": at_s,
+            "action": "requeued by Slurm (NODE_FAIL)",
+        },
+    ]
     return record
 
 
 def _previous_start(record: dict[str, Any], job_id: str, restart_count: int) -> list[Any]:
     """The stops and faults of the job's run before this restart."""
-    return [e for e in interruptions(record) if e.get("job_id") == job_id
-            and e.get("restart_count", restart_count - 1) == restart_count - 1]  # fmt: skip
+    return [
+        e
+        for e in interruptions(record)
+        if e.get("job_id") == job_id
+        and e.get("restart_count", restart_count - 1) == restart_count - 1
+    ]
 
 
 def on_preempted(record: dict[str, Any], job_id: str, restart_count: int) -> dict[str, Any]:
-    """The record once a Slurm job whose previous run was preempted (sacct: PREEMPTED)
-    starts again: the stop its ranks took for a requeue by Slurm (PreemptMode=REQUEUE
-    without GraceTime looks like one to them) becomes `preemption`."""
+    """Return the record when a job whose previous run was preempted starts again.
+
+    sacct says PREEMPTED. The stop its ranks took for a requeue by Slurm (PreemptMode=REQUEUE
+    without GraceTime looks like one to them) becomes `preemption`.
+    """
     record = copy.deepcopy(record)
     mine = _previous_start(record, job_id, restart_count)
     if mine and mine[-1].get("reason") == "requeue":
@@ -332,14 +393,13 @@ def on_preempted(record: dict[str, Any], job_id: str, restart_count: int) -> dic
 
 
 def resized_by_healer(record: dict[str, Any], world_size: int) -> bool:
-    """Whether the healer changed the run's world size to or from `world_size` (a restart on
-    fewer nodes, --min-nodes; a later start of the job back on all of them): the ranks then
-    take what the checkpoint holds of theirs."""
+    """Whether the healer changed the run's world size to or from `world_size`.
+
+    That is a restart on fewer nodes (--min-nodes), or a later start of the job back on all
+    of them. The ranks then take what the checkpoint holds of theirs.
+    """
     sizes = [f.get("world_size") for f in record.get("faults") or []]
     return any(isinstance(s, list) and world_size in s for s in sizes)
-
-
-# --- the state the run's files tell -------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -375,10 +435,11 @@ def record_state(run_dir: Path) -> JobState:
     """The state the run's own files tell: run.json, the cancel record and the writer lock."""
     record = read_record(run_dir)
     state = str(record.get("state", ""))
+    nodes = record.get("num_nodes")
     if state == "running" and writer_alive(run_dir):
-        return JobState("RUNNING", "lock", True, record.get("num_nodes"))
+        return JobState("RUNNING", "lock", active=True, nodes=nodes)
     if cancel_marker(run_dir) is not None:
-        return JobState("CANCELLED", "record", False, record.get("num_nodes"))
+        return JobState("CANCELLED", "record", active=False, nodes=nodes)
     mapped = {
         "completed": "COMPLETED",
         "failed": "FAILED",
@@ -387,5 +448,5 @@ def record_state(run_dir: Path) -> JobState:
         "running": "LOST",
     }.get(state)
     if mapped is None:
-        return JobState("UNKNOWN", "none", False)
-    return JobState(mapped, "record", False, record.get("num_nodes"))
+        return JobState("UNKNOWN", "none", active=False)
+    return JobState(mapped, "record", active=False, nodes=nodes)

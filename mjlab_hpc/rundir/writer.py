@@ -1,5 +1,7 @@
-"""The one process that writes a run directory's shared files, and side effects that must
-happen once per run."""
+"""The one process that writes a run directory's shared files.
+
+It also runs the side effects that must happen once per run (`once`).
+"""
 
 from __future__ import annotations
 
@@ -28,8 +30,11 @@ RESERVE_BYTES = 1 << 20
 
 
 def busy_problem(run: RunDir) -> str | None:
-    """Why no training may start writing `run` now: another live one does (None: none does).
-    Asked before any rank starts, and again by rank 0 before it takes the lock."""
+    """Return why no training may start writing `run` now (None: it may).
+
+    Another live training writes it. Asked before any rank starts, and again by rank 0
+    before it takes the lock.
+    """
     if (busy := _live_writer(run)) is None:
         return None
     return (
@@ -39,9 +44,11 @@ def busy_problem(run: RunDir) -> str | None:
 
 
 def _live_writer(run: RunDir) -> str | None:
-    """Who writes `run` now, when that is a live process other than this one (None: nobody,
-    or a writer that is gone or may be: a crashed one, which a new writer waits out).
-    `LeaseLock.live_holder` judges, without comparing clocks."""
+    """Describe who writes `run` now, when that is a live process other than this one.
+
+    None: nobody, or a writer that is gone or may be (a crashed one, which a new writer waits
+    out). `LeaseLock.live_holder` judges, without comparing clocks.
+    """
     try:
         holder = LeaseLock(run.writer_lock).live_holder()
     except LockError:
@@ -68,8 +75,11 @@ class RunWriter:
     def acquire(
         cls, run: RunDir, rank: int, lease_s: float = 30.0, timeout_s: float | None = None
     ) -> RunWriter:
-        """Become the writer of `run`, waiting at most `timeout_s` (default: one lease, so a
-        crashed previous writer's lock can expire)."""
+        """Become the writer of `run`, waiting at most `timeout_s`.
+
+        By default it waits about one and a half leases, so that a crashed previous writer's
+        lock can expire.
+        """
         lock = LeaseLock(run.writer_lock, owner=OwnerInfo.from_env(rank), lease_s=lease_s)
         lock.acquire(timeout_s=lease_s * 1.5 + 5.0 if timeout_s is None else timeout_s)
         writer = cls(run, lock)
@@ -98,8 +108,10 @@ class RunWriter:
                     os.fsync(f.fileno())
 
     def last_records(self, write: Callable[[], None]) -> None:
-        """Write the run's last records (`write`); on a full disk, give up the reserved space
-        and try once more."""
+        """Write the run's last records (`write`), even on a full disk.
+
+        On a full disk the writer gives up its reserved space and tries once more.
+        """
         try:
             write()
         except OSError as exc:
@@ -129,8 +141,10 @@ class RunWriter:
     def save_checkpoint(
         self, path: Path, state: dict[str, Any], header: dict[str, Any] | None = None
     ) -> None:
-        """Save a checkpoint atomically, fenced just before the rename (`header`: what it
-        belongs to, for its sidecar)."""
+        """Save a checkpoint atomically, fenced just before the rename.
+
+        `header` says what it belongs to, for its sidecar.
+        """
         save_checkpoint(path, state, before_rename=self.check, header=header)
 
     def release(self) -> None:
@@ -149,8 +163,10 @@ def once(
     timeout_s: float = 3600.0,
     poll_s: float = 0.2,
 ) -> Any:
-    """Run a side effect that must happen once per run (an artifact download, a video) on the
-    writer only; every other rank waits for its result, and so does every restart.
+    """Run a side effect that must happen once per run, on the writer only.
+
+    An artifact download or a video is one. Every other rank waits for its result, and so
+    does every restart.
 
     The writer publishes `{"result": ...}` (JSON-able) or `{"error": ...}` as
     `<run>/.once/<name>.json`, fenced by its lock; the others raise the writer's error instead
