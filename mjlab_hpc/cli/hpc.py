@@ -40,7 +40,8 @@ from mjlab_hpc.rundir.state import interruptions, read_record
 from mjlab_hpc.spec import SubmitSpec
 from mjlab_hpc.tasks.registry import list_tasks as all_tasks
 from mjlab_hpc.validate import validate_submit
-from mjlab_hpc.validate.rules import RUN_NAME_PREFIX, no_control, path_component, positive_seconds
+from mjlab_hpc.validate.places import no_control, path_component, run_name
+from mjlab_hpc.validate.rules import positive_seconds
 
 __all__ = ["main"]
 
@@ -433,7 +434,7 @@ def run_dir(cmd: RunDirCommand) -> int:
     path_component("--experiment", cmd.experiment)
     path_component("--key", cmd.key)
     if cmd.run_name:
-        path_component("--run-name", cmd.run_name, reserved=len(RUN_NAME_PREFIX) + 5)
+        run_name("--run-name", cmd.run_name)
     try:
         print(run_dir_for_key(cmd.log_root, cmd.experiment, cmd.run_name, cmd.key))
     except ValueError as exc:
