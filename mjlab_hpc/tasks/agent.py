@@ -76,12 +76,11 @@ def _override_pairs(overrides: tuple[str, ...]) -> list[tuple[str, str]]:
     pairs: list[tuple[str, str]] = []
     items = list(overrides)
     while items:
-        flag = items.pop(0)
-        if "=" in flag:
-            flag, value = flag.split("=", 1)
-        elif items and not items[0].startswith("--"):
+        arg = items.pop(0)
+        flag, eq, value = arg.partition("=")
+        if not eq and items and not items[0].startswith("--"):
             value = items.pop(0)
-        else:
+        elif not eq:
             raise SpecError(flag, "needs a value (--agent.KEY VALUE)")
         pairs.append((flag, value))
     return pairs

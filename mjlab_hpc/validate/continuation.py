@@ -331,9 +331,9 @@ def _check_continuation(
         kept.append((size_flag, f"{record['world_size']} rank(s)", f"{size} rank(s)"))
     installed = versions()
     for name in SIMULATOR_PACKAGES[resolved.source]:
-        theirs = (record.get("versions") or {}).get(name)
-        if theirs is not None and theirs != installed.get(name):
-            kept.append(("--fresh-envs", f"{name} {theirs}", f"{name} {installed.get(name)}"))
+        recorded = (record.get("versions") or {}).get(name)
+        if recorded is not None and recorded != installed.get(name):
+            kept.append(("--fresh-envs", f"{name} {recorded}", f"{name} {installed.get(name)}"))
     motion = (record.get("effective") or {}).get("motion_file")
     if motion != resolved.motion_file:
         kept.append(("--registry-name", f"motion {motion}", f"motion {resolved.motion_file}"))
