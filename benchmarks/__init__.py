@@ -1,9 +1,10 @@
-"""`make bench` / `python -m benchmarks`: the performance figures of this machine. Not part
-of the installed package: it runs from the repository and imports mjlab_hpc like any user.
+"""`make bench` / `python -m benchmarks`: the performance figures of this machine.
 
-Every figure is a ratio of two things measured alternately in the same run (A B A B ...), so a
-busy machine slows both sides of a pair alike; each is reported as the median over the pairs
-with its spread (quartiles, min-max). The real CLIs run as subprocesses with `--torch-threads 1`:
+It is not part of the installed package: it runs from the repository and imports mjlab_hpc
+like any user. Every figure is a ratio of two things measured alternately in the same run
+(A B A B ...), so a busy machine slows both sides of a pair alike. Each is reported as the
+median over the pairs with its spread (quartiles, min-max). The real CLIs run as subprocesses
+with `--torch-threads 1`:
 
 1. scaling efficiency: env-steps/s (collection + update) of 2 ranks / (2 x 1 rank), same envs
    per rank (`mjlab-train` vs `mjlab-submit --executor local --tasks-per-node 2`); the
@@ -30,14 +31,17 @@ with its spread (quartiles, min-max). The real CLIs run as subprocesses with `--
    `train` on the same GPU, and env.step / raw physics on `cuda:0`. The CPU figures run with
    no GPU visible, so they stay CPU figures on a GPU machine.
 
-Writes `<out>/bench.json`, `<out>/bench.png` and `<out>/time_to_target.png` and prints the
-tables last. `--quick` is a short
-smoke run that checks the machinery (its figures mean nothing).
+It also measures self-healing of a local job (`healing`), the run directory's lock under
+contention (`lock`) and the cost of a rank's whole environment state (`envstate`). It writes
+`<out>/bench.json`, `<out>/bench.png` and `<out>/time_to_target.png` and prints the tables
+last. `--quick` is a short smoke run that checks the machinery (its figures mean nothing).
 
-Modules: `config` (the flags), `stats` (spreads, figures, parsing progress), `watch` (one
-training job run and watched), `compile` (counting Warp compilations), `rollout` (env.step
-against raw physics), `session` (the experiments and their figures), `gpu` (the GPU section),
-`target` (time to a target reward), `report` (JSON, PNG, tables, entry point); `scale` is
-`make scale` (one job per world size on a Slurm cluster, docs/performance.md, Scaling). Nothing
-here is imported by the other commands.
+The other modules: `config` (the flags), `stats` (spreads, figures, parsing progress), `watch`
+(one training job run and watched), `compile` (counting Warp compilations), `rollout`
+(env.step against raw physics), `session` (the experiments and their figures), `gpu` (the GPU
+section), `target` (time to a target reward), `report` (JSON, PNG, tables, entry point).
+Commands of their own: `scale` (`make scale`: one job per world size on a Slurm cluster),
+`recovery` (`make bench-recovery`: self-healing on Slurm), `gpucheck` (`make gpu-check`) and
+`path` (the modules one request passes through). Nothing here is imported by the other
+commands.
 """

@@ -1,5 +1,7 @@
-"""Counting Warp kernel compilations into one kernel cache, per process, and preparing cold
-or partly cold caches."""
+"""Counting Warp kernel compilations into one kernel cache, per process; cold caches made.
+
+A cache is made empty, or partly cold: a copy of the warm one less some modules.
+"""
 
 from __future__ import annotations
 
@@ -27,12 +29,12 @@ __all__ = [
 # Warp compiles each module in `<cache>/<module>_p<pid>_t<thread>` and renames it when done.
 _BUILD_DIR = re.compile(r"^(?P<module>wp_.+)_p(?P<pid>\d+)_t\d+$")
 # Left out of the copied cache by --quick: a mujoco_warp module every model's step loads (one
-# compile of a few seconds instead of ~30 modules and ~40 s).
+# short compile instead of every module's).
 QUICK_COLD_MODULES = ("wp_mujoco_warp._src.passive_",)
 
 
 class CompileWatch:
-    """Counts Warp module compilations into one kernel-cache directory, per process.
+    """Count Warp module compilations into one kernel-cache directory, per process.
 
     Warp compiles every module in a fresh `<module>_p<pid>_t<thread>` folder of the cache and
     renames it into place; a module loaded from the cache makes none. Watching those folders
@@ -115,9 +117,11 @@ def default_kernel_cache() -> Path:
 
 
 def prepare_cache(base: Path, warm_from: Path | None, drop: Sequence[str] = ()) -> Path:
-    """A kernel cache under `base` (WARP_CACHE_PATH): empty, or a copy of `warm_from` without
-    the modules whose names start with one of `drop` (a partly cold cache). Returns the
-    version folder that Warp fills."""
+    """Make a kernel cache under `base` (WARP_CACHE_PATH) and return the folder Warp fills.
+
+    The cache is empty, or a copy of `warm_from` without the modules whose names start with
+    one of `drop` (a partly cold cache).
+    """
     shutil.rmtree(base, ignore_errors=True)
     cache = base / warp_version()
     cache.mkdir(parents=True)

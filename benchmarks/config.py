@@ -10,23 +10,27 @@ __all__ = ["BenchConfig"]
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """Benchmarks of scaling, collectives, rollout overhead, launch and recovery on this
-    machine (CPU ranks), and GPU figures where CUDA is available. Writes <out>/bench.json and
-    <out>/bench.png."""
+    """Benchmark this machine and write <out>/bench.json and <out>/bench.png.
+
+    The figures are scaling, collectives, rollout overhead, launch and recovery of CPU ranks,
+    and GPU figures where CUDA is available.
+    """
 
     quick: bool = False
     """Short smoke run (small envs, one pair, a partly cold cache): checks the machinery only."""
     out: Path = Path("bench-results")
     """Folder for bench.json, bench.png and runs/ (the runs' directories, replaced)."""
     repeats: int | None = None
-    """Repeats of the training runs, one A/B pair each (default: 5; 1 with --quick): a 3%
-    target needs more than 3 on a shared machine; the rollout benchmark takes at least 7
-    pairs (they are cheap)."""
+    """Repeats of the training runs, one A/B pair each (default: 5; 1 with --quick).
+
+    A 3% target needs more than 3 on a shared machine; the rollout benchmark takes at least 7
+    pairs (they are cheap).
+    """
     num_envs: int | None = None
     """Envs per rank, and worlds of the rollout benchmark (default: 1024; 64 with --quick)."""
     iterations: int | None = None
-    """Measured PPO iterations per run after one warm-up iteration (default: 20, about 7 s of
-    cartpole at 1024 envs; 1 with --quick)."""
+    """Measured PPO iterations per run after one warm-up iteration (default: 20; 1 with
+    --quick)."""
     task: str = "cartpole"
     """Task of the training runs (scaling, collectives, launch, recovery, compilations)."""
     rollout_tasks: tuple[str, ...] = ("cartpole", "ant")
@@ -38,8 +42,11 @@ class BenchConfig:
     mjlab_envs: int | None = None
     """Envs of the mjlab comparison (default: 256; 16 with --quick)."""
     mjlab_repeats: int | None = None
-    """Repeats of the mjlab comparison (default: 5; 1 with --quick): separate processes of
-    the same program differ by up to ~10% on a shared machine, so it takes more than 3."""
+    """Repeats of the mjlab comparison (default: 5; 1 with --quick).
+
+    Separate processes of the same program differ on a shared machine, so it takes more than
+    3.
+    """
     gpu: bool = True
     """Measure the GPU figures where CUDA is available (without a GPU they are skipped, and
     bench.json and the output say why)."""
@@ -51,10 +58,12 @@ class BenchConfig:
     gpu_repeats: int | None = None
     """Repeats of the GPU comparison (default: 3; 1 with --quick)."""
     healing: bool = True
-    """Measure self-healing: a 2-rank local job with a crash and one with a hang (~1 min)."""
+    """Measure self-healing: a 2-rank local job with a crash and one with a hang."""
     target: bool = True
-    """Measure the time to a target reward of every task in `target_tasks`, 1 rank against 2
-    (~20 min; with --quick cartpole to a low target, ~30 s)."""
+    """Measure the time to a target reward of every task in `target_tasks`, 1 rank against 2.
+
+    With --quick, cartpole to a low target.
+    """
     target_tasks: tuple[str, ...] = ("cartpole", "ant", "Mjlab-Cartpole-Balance")
     """Tasks of the time-to-target section (benchmarks/target.py has their targets)."""
     target_seeds: int | None = None

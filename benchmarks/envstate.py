@@ -1,10 +1,12 @@
-"""Checkpoints with every rank's environments: one rank's whole state of an mjlab task (Rough G1,
-the largest: terrain, raycast sensors) at several sizes, each size in a process of its own: the
-bytes of its state file, and the seconds to capture it, write it (serialise, write, fsync: what
-each rank does at every checkpoint, in parallel with the others), and to read and restore it
-into a freshly built env (what each rank does on a continuation). The bytes are fitted as
-a + b * envs and the times scaled by the bytes, so a size this machine cannot build is
-extrapolated (the figures name the sizes measured)."""
+"""Checkpoints with every rank's environments: the cost of one rank's whole state.
+
+The task is Rough G1, mjlab's largest (terrain, raycast sensors), at several sizes, each in a
+process of its own. Measured are the bytes of its state file, the seconds to capture and write
+it (serialise, write, fsync: what each rank does at every checkpoint), and the seconds to read
+and restore it into a freshly built env (what each rank does on a continuation). The bytes are
+fitted as a + b * envs and the times scaled by the bytes, so a size this machine cannot build
+is extrapolated (the figures name the sizes measured).
+"""
 
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ AT = 4096
 
 
 def _measure(task: str, num_envs: int, folder: Path, device: str = "cpu") -> dict[str, Any]:
-    """In a process of its own: build, step, save, load, restore one env of `num_envs` on
-    `device` (CUDA work is waited for inside each timed part)."""
+    """Build, step, save, load and restore one env of `num_envs` on `device`, timing each.
+
+    It runs in a process of its own. CUDA work is waited for inside each timed part.
+    """
     import torch
     import warp as wp
 
@@ -43,8 +47,9 @@ def _measure(task: str, num_envs: int, folder: Path, device: str = "cpu") -> dic
 
     def build() -> Any:
         with contextlib.redirect_stdout(io.StringIO()):
-            return mt.make_mjlab_runtime(task, num_envs=num_envs, max_iterations=1, seed=0,
-                                         device=device, cpu_graph=True).env  # fmt: skip
+            return mt.make_mjlab_runtime(
+                task, num_envs=num_envs, max_iterations=1, seed=0, device=device, cpu_graph=True
+            ).env
 
     def sync() -> None:
         if device.startswith("cuda"):
@@ -78,19 +83,30 @@ def _measure(task: str, num_envs: int, folder: Path, device: str = "cpu") -> dic
     sync()
     restore_s = time.perf_counter() - t0
     Path(tmp).unlink()
-    return {"num_envs": num_envs, "bytes": size, "capture_s": capture_s, "write_s": write_s,
-            "restore_s": restore_s, "env_step_s": step_s, "first_capture_s": first_s,
-            "problems": problems, "device": device}  # fmt: skip
+    return {
+        "num_envs": num_envs,
+        "bytes": size,
+        "capture_s": capture_s,
+        "write_s": write_s,
+        "restore_s": restore_s,
+        "env_step_s": step_s,
+        "first_capture_s": first_s,
+        "problems": problems,
+        "device": device,
+    }
 
 
 def measure_in_process(
     task: str, num_envs: int, folder: Path, device: str, env: dict[str, str], timeout_s: float
 ) -> dict[str, Any]:
-    """`_measure` in a fresh interpreter with environment `env`; RuntimeError if it failed."""
+    """Run `_measure` in a fresh interpreter with environment `env`; RuntimeError if it failed."""
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.envstate", task, str(folder), device, str(num_envs)],
-        env=env, capture_output=True, text=True, timeout=timeout_s,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-1000:]}")
@@ -107,11 +123,12 @@ def fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def run_envstate(cfg: BenchConfig, say: Callable[[str], None], runs: Path
-                 ) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+def run_envstate(
+    cfg: BenchConfig, say: Callable[[str], None], runs: Path
+) -> tuple[dict[str, Any], list[str]]:
     """Measure every size in its own process; the details (with the fits) and failures."""
     # A quick run measures its two small sizes in one process (mjlab imports once).
-    # AT itself is fitted, not built: G1 rough at 4096 envs steps for minutes on a 2-core CPU.
+    # AT itself is fitted, not built: G1 rough at 4096 envs steps too slowly on a small CPU.
     groups = [(4, 16)] if cfg.quick else [(64,), (256,), (1024,)]
     folder = runs / "envstate"
     folder.mkdir(parents=True, exist_ok=True)
@@ -119,10 +136,19 @@ def run_envstate(cfg: BenchConfig, say: Callable[[str], None], runs: Path
     for sizes in groups:
         say(f"rank state of {TASK} with {', '.join(map(str, sizes))} envs")
         proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.envstate", TASK, str(folder), "cpu",
-             *map(str, sizes)],
-            capture_output=True, text=True, timeout=cfg.run_timeout_s * 4,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.envstate",
+                TASK,
+                str(folder),
+                "cpu",
+                *map(str, sizes),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=cfg.run_timeout_s * 4,
+        )
         lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
         if proc.returncode != 0 or len(lines) != len(sizes):
             failures.append(f"rank state with {sizes} envs: {proc.stderr[-500:]}")
@@ -152,12 +178,22 @@ def envstate_figures(details: dict[str, Any]) -> list[Figure]:
         ("restore_s", f"rank state load+restore, {AT} envs (s)", 1.0),
     ):
         got = details.get(key)
-        figs.append(Figure(f"envstate_{key}", label, (got["at"] * scale,) if got else (), None,
-                           "<=", how, "checkpoints"))  # fmt: skip
+        figs.append(
+            Figure(
+                key=f"envstate_{key}",
+                label=label,
+                samples=(got["at"] * scale,) if got else (),
+                target=None,
+                direction="<=",
+                definition=how,
+                section="checkpoints",
+            )
+        )
     return figs
 
 
 if __name__ == "__main__":  # TASK FOLDER DEVICE SIZE...
+    task, folder, device = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     for size in sys.argv[4:]:
-        print(json.dumps(_measure(sys.argv[1], int(size), Path(sys.argv[2]), sys.argv[3])),
-              flush=True)  # fmt: skip
+        got = _measure(task, num_envs=int(size), folder=folder, device=device)
+        print(json.dumps(got), flush=True)

@@ -1,11 +1,12 @@
-"""The GPU figures of the benchmark, measured only where CUDA is available; without a GPU the
-section records (and says) why it was skipped.
+"""The GPU figures of the benchmark, measured only where CUDA is available.
+
+Without a GPU the section records (and says) why it was skipped. Measured are:
 
 - an mjlab task (Mjlab-Velocity-Flat-Unitree-G1, 4096 envs) through our `mjlab-train
-  --gpu-ids 0` against mjlab's own `train --gpu-ids "[0]"` on the same GPU: the time from the
-  process's start to its first finished iteration with a cold Warp kernel cache (both at once,
-  each with an empty cache of its own), then, with each side's cache warm, in alternating
-  order: env-steps/s of iterations 2.. and the time to the first iteration again;
+  --gpu-ids 0` against mjlab's own `train --gpu-ids "[0]"` on the same GPU. First the time
+  from the process's start to its first finished iteration with a cold Warp kernel cache
+  (both at once, each with an empty cache of its own); then, with each side's cache warm, in
+  alternating order, env-steps/s of iterations 2.. and the time to the first iteration again;
 - env.step / raw mujoco_warp graph replay of the built-in tasks on `cuda:0` (`rollout`);
 - the seconds to save and to restore one rank's whole state of that task at 4096 envs on the
   GPU (`benchmarks.envstate`).
@@ -81,13 +82,19 @@ def _nvidia_smi_gpus() -> str:
 
 
 def cuda_probe(env: dict[str, str], timeout_s: float = 120.0) -> dict[str, Any]:
-    """What CUDA torch sees, asked in a fresh interpreter with environment `env`: `available`,
-    and the first device's `name`, `count`, `capability`, `memory_gib`; else `reason`."""
+    """Ask a fresh interpreter with environment `env` what CUDA torch sees.
+
+    The answer holds `available`, and the first device's `name`, `count`, `capability` and
+    `memory_gib`; else `reason`.
+    """
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+            [sys.executable, "-c", _PROBE],
+            env=env,
+            capture_output=True,
+            text=True,
             timeout=timeout_s,
-        )  # fmt: skip
+        )
         found: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
         return {"available": False, "reason": f"the CUDA probe failed ({exc})"}
@@ -107,9 +114,12 @@ def cuda_probe(env: dict[str, str], timeout_s: float = 120.0) -> dict[str, Any]:
 def run_gpu(
     bench: Bench, after_cold: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
-    """Measure the GPU figures into `bench.details["gpu"]` where CUDA is available; else record
-    and say why they were skipped. Returns that record. `after_cold(record)` runs once the
-    cold start-ups have filled the kernel caches (`record["caches"]`), before the rest."""
+    """Measure the GPU figures into `bench.details["gpu"]` where CUDA is available.
+
+    Without CUDA it records and says why they were skipped. Returns that record.
+    `after_cold(record)` runs once the cold start-ups have filled the kernel caches
+    (`record["caches"]`), before the rest.
+    """
     cfg = bench.cfg
     if not cfg.gpu:
         record: dict[str, Any] = {"skipped": "not asked for (--no-gpu)"}
@@ -147,8 +157,7 @@ def run_gpu(
 
 
 def _gpu_env(record: dict[str, Any], side: str) -> dict[str, str]:
-    """A GPU run's environment: unbuffered, with the side's own kernel cache where the cold
-    start-ups made one."""
+    """Return a GPU run's environment: unbuffered, with the side's own kernel cache, if any."""
     extra = {"PYTHONUNBUFFERED": "1"}
     if "MUJOCO_GL" not in os.environ and gl_unloadable("egl") is not None:
         # No EGL here: mjlab's own train would fail importing it; both sides render nothing.
@@ -159,18 +168,22 @@ def _gpu_env(record: dict[str, Any], side: str) -> dict[str, str]:
 
 
 def _cold_pair(bench: Bench, record: dict[str, Any]) -> None:
-    """Both sides from an empty Warp kernel cache each, started at once (kernels compile on
-    the CPU, one module at a time per process: the two do not wait on each other); their
-    caches then serve every later run of the side."""
+    """Start both sides at once, each from an empty Warp kernel cache of its own.
+
+    Kernels compile on the CPU, one module at a time per process, so the two do not wait on
+    each other. Their caches then serve every later run of the side.
+    """
     cfg = bench.cfg
     caches = {side: (bench.runs / f"warp-cache-{side}").resolve() for side in _SIDES}
     record["caches"] = {side: str(path) for side, path in caches.items()}
-    bench.say(f"GPU cold start: {cfg.gpu_task} x {cfg.gpu_num_envs} envs, both sides at once, "
-              "each with an empty kernel cache")  # fmt: skip
+    bench.say(
+        f"GPU cold start: {cfg.gpu_task} x {cfg.gpu_num_envs} envs, both sides at once, "
+        "each with an empty kernel cache"
+    )
     started = {}
     for side in _SIDES:
         caches[side].mkdir(parents=True, exist_ok=True)
-        started[side] = _start(bench, side, "cold", 2, _gpu_env(record, side))
+        started[side] = _start(bench, side, label="cold", iterations=2, env=_gpu_env(record, side))
     got = {side: _finish(bench, *started[side], iterations=2) for side in _SIDES}
     record["cold"] = {side: run and run["first_s"] for side, run in got.items()}
 
@@ -182,12 +195,14 @@ def _warm_pairs(bench: Bench, record: dict[str, Any]) -> None:
     record["mjlab"] = {"task": cfg.gpu_task, "num_envs": cfg.gpu_num_envs, "pairs": pairs}
     for r in range(1, cfg.gpu_pairs + 1):
         order = _SIDES if r % 2 else _SIDES[::-1]
-        bench.say(f"GPU {r}/{cfg.gpu_pairs}: {cfg.gpu_task} x {cfg.gpu_num_envs} envs: "
-                  f"{' | '.join(order)}")  # fmt: skip
+        bench.say(
+            f"GPU {r}/{cfg.gpu_pairs}: {cfg.gpu_task} x {cfg.gpu_num_envs} envs: "
+            f"{' | '.join(order)}"
+        )
         got: dict[str, dict[str, Any]] = {}
         for side in order:
-            run = _finish(bench, *_start(bench, side, str(r), last, _gpu_env(record, side)),
-                          iterations=last)  # fmt: skip
+            start = _start(bench, side, label=str(r), iterations=last, env=_gpu_env(record, side))
+            run = _finish(bench, *start, iterations=last)
             if run is None:
                 break
             got[side] = run
@@ -212,9 +227,13 @@ def _state(bench: Bench, record: dict[str, Any]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     try:
         record["state"] = measure_in_process(
-            cfg.gpu_task, cfg.gpu_num_envs, folder, "cuda:0", _gpu_env(record, "ours"),
+            cfg.gpu_task,
+            num_envs=cfg.gpu_num_envs,
+            folder=folder,
+            device="cuda:0",
+            env=_gpu_env(record, "ours"),
             timeout_s=2 * cfg.run_timeout_s,
-        )  # fmt: skip
+        )
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         bench.failures.append(f"gpu rank state: {exc}")
         record["state"] = {}
@@ -239,33 +258,51 @@ def _start(
         train = cli("train")
         head = [train] if Path(train).is_file() else [sys.executable, "-m", "mjlab.scripts.train"]
         cmd = [
-            *head, cfg.gpu_task,
-            "--env.scene.num-envs", envs,
-            "--agent.max-iterations", its,
-            "--agent.logger", "tensorboard",
-            "--gpu-ids", "[0]",  # mjlab 1.6 reads lists in Python's syntax
-        ]  # fmt: skip
+            *head,
+            cfg.gpu_task,
+            "--env.scene.num-envs",
+            envs,
+            "--agent.max-iterations",
+            its,
+            "--agent.logger",
+            "tensorboard",
+            "--gpu-ids",
+            "[0]",  # mjlab 1.6 reads lists in Python's syntax
+        ]
     else:
         cmd = [
-            cli("mjlab-train"), cfg.gpu_task,
-            "--num-envs", envs,
-            "--max-iterations", its,
-            "--gpu-ids", "0",
-            "--log-root", str(cwd / "logs"),
-            "--agent.logger", "tensorboard",
-        ]  # fmt: skip
+            cli("mjlab-train"),
+            cfg.gpu_task,
+            "--num-envs",
+            envs,
+            "--max-iterations",
+            its,
+            "--gpu-ids",
+            "0",
+            "--log-root",
+            str(cwd / "logs"),
+            "--agent.logger",
+            "tensorboard",
+        ]
     out = cwd / f"{name}.out"
     with open(out, "w") as f:
         proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # a timeout ends the whole job
-        )  # fmt: skip
+        )
     return side, cwd, proc, time.monotonic()
 
 
 def _first_done(side: str, cwd: Path) -> bool:
-    """Whether the side's first iteration has ended (ours: its first progress record; mjlab's:
-    rsl-rl's first "Learning iteration" block, printed when that iteration ends)."""
+    """Whether the side's first iteration has ended.
+
+    Ours has then written its first progress record; mjlab's has printed rsl-rl's first
+    "Learning iteration" block.
+    """
     if side == "mjlab_train":
         out = next(cwd.glob("*.out"))
         return bool(_RSL_ITERATION_DONE.search(out.read_text(errors="replace")))
@@ -274,11 +311,18 @@ def _first_done(side: str, cwd: Path) -> bool:
 
 
 def _finish(
-    bench: Bench, side: str, cwd: Path, proc: subprocess.Popen[bytes], t0: float,
+    bench: Bench,
+    side: str,
+    cwd: Path,
+    proc: subprocess.Popen[bytes],
+    t0: float,
     iterations: int,
-) -> dict[str, Any] | None:  # fmt: skip
-    """Wait for a started side (killed after twice the run timeout): its records of iterations
-    2..`iterations` and seconds from its start to its first iteration; None if it failed."""
+) -> dict[str, Any] | None:
+    """Wait for a started side to end; it is killed after twice the run timeout.
+
+    Returns its records of iterations 2..`iterations` and the seconds from its start to its
+    first iteration; None if it failed.
+    """
     first: float | None = None
     timeout_s = 2 * bench.cfg.run_timeout_s
     try:
@@ -309,12 +353,20 @@ def gpu_figures(cfg: BenchConfig, record: dict[str, Any]) -> list[Figure]:
         return []
     task, n = cfg.gpu_task, cfg.gpu_num_envs
     figs = [
-        Figure(f"gpu_rollout_overhead_{name}", f"GPU env.step / raw physics ({name})",
-               tuple(data["ratios"]), 0.95, ">=",
-               "env.step throughput / raw mujoco_warp graph replay throughput on cuda:0, same "
-               "worlds and substeps, each side synchronised", "gpu")
+        Figure(
+            key=f"gpu_rollout_overhead_{name}",
+            label=f"GPU env.step / raw physics ({name})",
+            samples=tuple(data["ratios"]),
+            target=0.95,
+            direction=">=",
+            definition=(
+                "env.step throughput / raw mujoco_warp graph replay throughput on cuda:0, same "
+                "worlds and substeps, each side synchronised"
+            ),
+            section="gpu",
+        )
         for name, data in record.get("rollout", {}).items()
-    ]  # fmt: skip
+    ]
     mj = record.get("mjlab", {})
     if "skipped" in mj:
         return figs
@@ -332,24 +384,59 @@ def gpu_figures(cfg: BenchConfig, record: dict[str, Any]) -> list[Figure]:
     )
     state = record.get("state", {})
     figs += [
-        Figure("gpu_mjlab_vs_train", f"GPU {task}: ours / mjlab train",
-               tuple(p["ours"] / p["mjlab_train"] for p in pairs), 1.0, ">=",
-               "env-steps/s of mjlab-train --gpu-ids 0 / mjlab's own train --gpu-ids [0], same "
-               "GPU, task and envs, iterations 2..", "gpu"),
-        Figure("gpu_first_iteration", f"GPU {task}: first iteration, ours / mjlab train",
-               tuple(firsts), 1.2, "<=",
-               "process start to first finished iteration, mjlab-train / mjlab's own train, "
-               "warm kernel cache (imports, environment, CUDA graphs, one iteration)", "gpu"),
-        Figure("gpu_first_iteration_cold", f"GPU {task}: first iteration, cold cache, ours / "
-               "mjlab train", cold_ratio, 1.2, "<=",
-               "process start to first finished iteration from an empty Warp kernel cache "
-               "(kernels compiled), both sides at once, each with its own cache", "gpu"),
-        Figure("gpu_state_save_s", f"GPU {task}: rank state save, {n} envs (s)",
-               (state["capture_s"] + state["write_s"],) if state else (), None, "<=",
-               "capture the env's whole state on the GPU and write the rank's file (fsync)",
-               "gpu"),
-        Figure("gpu_state_restore_s", f"GPU {task}: rank state restore, {n} envs (s)",
-               (state["restore_s"],) if state else (), None, "<=",
-               "read the rank's file and restore it into a fresh env on the GPU", "gpu"),
-    ]  # fmt: skip
+        Figure(
+            key="gpu_mjlab_vs_train",
+            label=f"GPU {task}: ours / mjlab train",
+            samples=tuple(p["ours"] / p["mjlab_train"] for p in pairs),
+            target=1.0,
+            direction=">=",
+            definition=(
+                "env-steps/s of mjlab-train --gpu-ids 0 / mjlab's own train --gpu-ids [0], same "
+                "GPU, task and envs, iterations 2.."
+            ),
+            section="gpu",
+        ),
+        Figure(
+            key="gpu_first_iteration",
+            label=f"GPU {task}: first iteration, ours / mjlab train",
+            samples=tuple(firsts),
+            target=1.2,
+            direction="<=",
+            definition=(
+                "process start to first finished iteration, mjlab-train / mjlab's own train, "
+                "warm kernel cache (imports, environment, CUDA graphs, one iteration)"
+            ),
+            section="gpu",
+        ),
+        Figure(
+            key="gpu_first_iteration_cold",
+            label=f"GPU {task}: first iteration, cold cache, ours / mjlab train",
+            samples=cold_ratio,
+            target=1.2,
+            direction="<=",
+            definition=(
+                "process start to first finished iteration from an empty Warp kernel cache "
+                "(kernels compiled), both sides at once, each with its own cache"
+            ),
+            section="gpu",
+        ),
+        Figure(
+            key="gpu_state_save_s",
+            label=f"GPU {task}: rank state save, {n} envs (s)",
+            samples=(state["capture_s"] + state["write_s"],) if state else (),
+            target=None,
+            direction="<=",
+            definition="capture the env's whole state on the GPU and write the rank's file (fsync)",
+            section="gpu",
+        ),
+        Figure(
+            key="gpu_state_restore_s",
+            label=f"GPU {task}: rank state restore, {n} envs (s)",
+            samples=(state["restore_s"],) if state else (),
+            target=None,
+            direction="<=",
+            definition="read the rank's file and restore it into a fresh env on the GPU",
+            section="gpu",
+        ),
+    ]
     return figs

@@ -1,12 +1,11 @@
-"""`python -m benchmarks.path`: the package modules one `mjlab-submit` passes through, from the
-command line to a rank's first iteration.
+"""`python -m benchmarks.path`: the package modules one `mjlab-submit` passes through.
 
-Two processes are traced with `sys.setprofile`: `mjlab-submit cartpole --executor local`
-(in-process, to its submission) and one rank (`RankJob` in-process, to the end of its first
-iteration). For each it lists the modules the request passes through (functions called with the
-spec, the resolved spec or the job that carries it; `spec.py`, where these classes live, is not
-counted) and every package module whose code ran.
-docs/architecture.md describes the path; docs/performance.md records the counts.
+The path runs from the command line to a rank's first iteration. Two processes are traced with
+`sys.setprofile`: `mjlab-submit cartpole --executor local` (in-process, to its submission) and
+one rank (`RankJob` in-process, to the end of its first iteration). It prints the modules the
+request passes through (functions called with the spec, the resolved spec or the job that
+carries it; `spec.py`, where these classes live, is not counted) and every package module whose
+code ran, each list with its count; nothing is written. docs/architecture.md describes the path.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ REQUEST = ("TrainSpec", "SubmitSpec", "ResolvedSpec", "RankJob")
 
 
 class Trace:
-    """What one traced stretch of code ran: modules that were handed the request, all modules."""
+    """Record what one traced stretch of code ran: the modules handed the request, and all."""
 
     def __init__(self) -> None:
         self.request: set[str] = set()
@@ -61,11 +60,24 @@ class Trace:
 
 
 def trace(root: str) -> tuple[Trace, Trace]:
-    """The submitting process's trace and one rank's."""
+    """Trace the submitting process and one rank."""
     from mjlab_hpc.cli import submit
 
-    args = ["cartpole", "--executor", "local", "--gpus-per-node", "0", "--num-envs", "16",
-            "--max-iterations", "1", "--log-root", root, "--torch-threads", "1"]  # fmt: skip
+    args = [
+        "cartpole",
+        "--executor",
+        "local",
+        "--gpus-per-node",
+        "0",
+        "--num-envs",
+        "16",
+        "--max-iterations",
+        "1",
+        "--log-root",
+        root,
+        "--torch-threads",
+        "1",
+    ]
     launcher = Trace()
     launcher.run(lambda: submit.main(args))
 

@@ -1,17 +1,17 @@
 """`make bench-recovery` / `python -m benchmarks.recovery`: self-healing on Slurm, measured.
 
-On the Slurm cluster this shell talks to (`SLURM_CONF`; `make bench-recovery` brings up a
-test cluster of 3 nodes), one 2-node cartpole job (a rank per node, CPU) per case: a crash
-(rank 1 kills itself, SIGKILL), a hang (rank 1 stops itself, SIGSTOP, `--hang-timeout-s 5`)
-and a hard node loss (rank 1's node: its slurmd and all under it killed at once, as in a
-power cut; `cluster.sh lose`, so only on our test cluster), each with a spare node
-(`--spare-nodes 1`) and with `--min-nodes 1` (no spare), and the node loss with neither (a
-requeue without the node: it waits for Slurm to call the node dead, `SlurmdTimeout`, 20 s on
-`make bench-recovery`'s cluster). Per case, from run.json's fault: seconds from the fault to
-the first resumed iteration, iterations recomputed, the world size after; from Slurm: its
-requeues (Restarts=, expected 0 but 1 without a spare); and whether the final parameters
-equal those of an uninterrupted 2-rank run (`mjlab-train --num-procs 2`: expected where the
-world size is kept).
+Each case is one 2-node cartpole job (a rank per node, CPU) on the Slurm cluster this shell
+talks to (`SLURM_CONF`; `make bench-recovery` brings up a test cluster of 3 nodes). The faults
+are a crash (rank 1 kills itself, SIGKILL), a hang (rank 1 stops itself, SIGSTOP,
+`--hang-timeout-s 5`) and a hard node loss (rank 1's node: its slurmd and all under it killed
+at once, as in a power cut; `cluster.sh lose`, so only on our test cluster). Each runs with a
+spare node (`--spare-nodes 1`) and with `--min-nodes 1` (no spare); the node loss also with
+neither, a requeue that waits for Slurm to call the node dead (`SlurmdTimeout`).
+
+Per case, run.json's fault gives the seconds from the fault to the first resumed iteration,
+the iterations recomputed and the world size after; Slurm gives its requeues (Restarts=,
+expected 0 but 1 without a spare). The final parameters must equal those of an uninterrupted
+2-rank run (`mjlab-train --num-procs 2`) where the world size is kept.
 
 Prints a table and writes `<out>/recovery.json`. Exit code 1 when a case failed.
 """
@@ -38,8 +38,19 @@ from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient
 __all__ = ["CASES", "Case", "main", "outcome", "print_table", "run_case"]
 
 CLUSTER_SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "cluster" / "cluster.sh"
-TRAIN = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
-         "--save-interval", "5", "--max-iterations", "12"]  # fmt: skip
+TRAIN = [
+    "cartpole",
+    "--num-envs",
+    "64",
+    "--seed",
+    "11",
+    "--torch-threads",
+    "1",
+    "--save-interval",
+    "5",
+    "--max-iterations",
+    "12",
+]
 JOB = ["--nodes", "2", "--tasks-per-node", "1", "--gpus-per-node", "0", "--time", "10"]
 HANG_TIMEOUT_S = 5
 FAULT_AT = 8
@@ -74,15 +85,23 @@ def _cases() -> tuple[Case, ...]:
             Case(f"node-loss-{how}", f"stop@{LOSE_AT}:rank1:once", extra, lose_node=True),
         ]
     # Neither: a requeue without the node, which runs once Slurm calls the node dead.
-    return (*out, Case("node-loss-no-spare", f"stop@{LOSE_AT}:rank1:once", (), True, 1))
+    no_spare = Case(
+        "node-loss-no-spare", f"stop@{LOSE_AT}:rank1:once", (), lose_node=True, requeues=1
+    )
+    return (*out, no_spare)
 
 
 CASES = _cases()
 
 
 def _cluster(command: str, node: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(CLUSTER_SCRIPT), command, node], capture_output=True,
-                          text=True, timeout=60, check=False)  # fmt: skip
+    return subprocess.run(
+        ["bash", str(CLUSTER_SCRIPT), command, node],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def _wait(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -105,30 +124,46 @@ def _restarts(client: SlurmClient, job: str) -> int | None:
 
 
 def run_case(case: Case, root: Path, env: dict[str, str]) -> dict[str, Any]:
-    """Submit the case's job, lose the node where it asks to, wait for the run to end and
-    for its job to leave the queue; what `outcome` reads (RuntimeError when it did not). The
-    job is cancelled and the node brought back whatever happens."""
+    """Run one case: submit its job, lose the node where it asks to, wait for the end.
+
+    It waits for the run to end and for its job to leave the queue, and returns what
+    `outcome` reads (RuntimeError when it did not end). The job is cancelled and the node
+    brought back whatever happens.
+    """
     client = SlurmClient(env=env)
     cmd = [cli("mjlab-submit"), *TRAIN, *JOB, *case.args, "--log-root", str(root)]
-    proc = subprocess.run(cmd, env={**env, "MJLAB_HPC_FAULT": case.fault}, capture_output=True,
-                          text=True, timeout=120, check=False)  # fmt: skip
+    proc = subprocess.run(
+        cmd,
+        env={**env, "MJLAB_HPC_FAULT": case.fault},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"mjlab-submit exited {proc.returncode}: {proc.stderr[-1500:]}")
     path = _wait(lambda: find_run_dir(root), 60, "the run directory")
     run, lost, job = RunDir(path), None, None
     try:
-        job = str(_wait(lambda: (read_record(path).get("job_ids") or [None])[0], 120,
-                        "the job to start"))  # fmt: skip
+        job = str(
+            _wait(lambda: (read_record(path).get("job_ids") or [None])[0], 120, "the job to start")
+        )
         if case.lose_node:
-            _wait(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= LOSE_AT, 240,
-                  f"iteration {LOSE_AT}")  # fmt: skip
+            _wait(
+                lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= LOSE_AT,
+                240,
+                f"iteration {LOSE_AT}",
+            )
             (lost,) = start_hosts(path, 1)
             killed = _cluster("lose", lost)
             if killed.returncode != 0:
                 lost = None
                 raise RuntimeError(f"cluster.sh lose: {killed.stderr.strip()}")
-        summary = _wait(lambda: run.summary.exists() and json.loads(run.summary.read_text()),
-                        RUN_TIMEOUT_S, "the run to finish")  # fmt: skip
+        summary = _wait(
+            lambda: run.summary.exists() and json.loads(run.summary.read_text()),
+            RUN_TIMEOUT_S,
+            "the run to finish",
+        )
         if lost is not None:
             _cluster("node-up", lost)
             lost = None
@@ -143,9 +178,11 @@ def run_case(case: Case, root: Path, env: dict[str, str]) -> dict[str, Any]:
 
 
 def outcome(case: Case, got: dict[str, Any], reference: Sequence[str] | None) -> dict[str, Any]:
-    """The case's figures from what `run_case` returned (ValueError when the run did not heal
-    as the case expects: one fault, healed in the allocation or by a requeue, to the last
-    iteration)."""
+    """Compute the case's figures from what `run_case` returned.
+
+    ValueError when the run did not heal as the case expects: one fault, healed in the
+    allocation or by a requeue, to the last iteration.
+    """
     summary, faults = got["summary"], got["faults"]
     kind = "requeue" if case.requeues else "in-allocation"
     if len(faults) != 1 or faults[0].get("kind") != kind:
@@ -180,24 +217,34 @@ def _fmt(value: Any, spec: str) -> str:
 
 def print_table(rows: Sequence[dict[str, Any]]) -> None:
     """One line per case."""
-    print(f"{'case':<22} {'fault->resumed s':>16} {'recomputed':>10} {'ranks':>6} "
-          f"{'requeues':>8}  bit-identical")  # fmt: skip
+    print(
+        f"{'case':<22} {'fault->resumed s':>16} {'recomputed':>10} {'ranks':>6} "
+        f"{'requeues':>8}  bit-identical"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['case']:<22} failed: {r['error']}")
             continue
         ident = {True: "yes", False: "NO", None: "n/a (fewer ranks)"}[r["bit_identical"]]
         ranks = f"{r['world_size'][0]}->{r['world_size'][1]}"
-        print(f"{r['case']:<22} {_fmt(r['recovery_s'], '16.1f')} {_fmt(r['recomputed'], '10')} "
-              f"{ranks:>6} {_fmt(r['requeues'], '8')}{'' if r['as_expected'] else '!'}  "
-              f"{ident}")  # fmt: skip
+        print(
+            f"{r['case']:<22} {_fmt(r['recovery_s'], '16.1f')} {_fmt(r['recomputed'], '10')} "
+            f"{ranks:>6} {_fmt(r['requeues'], '8')}{'' if r['as_expected'] else '!'}  "
+            f"{ident}"
+        )
 
 
 def _reference(root: Path, env: dict[str, str]) -> list[str]:
     """Per-rank digests of the uninterrupted run (2 local ranks: the same training)."""
     cmd = [cli("mjlab-train"), *TRAIN, "--num-procs", "2", "--log-root", str(root)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _, err = proc.communicate(timeout=600)
     finally:
@@ -209,31 +256,45 @@ def _reference(root: Path, env: dict[str, str]) -> list[str]:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.recovery", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.recovery",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", default="bench-results", help="folder of recovery.json")
-    p.add_argument("--cases", default=",".join(c.name for c in CASES),
-                   help="comma-separated cases (default: all)")  # fmt: skip
+    p.add_argument(
+        "--cases",
+        default=",".join(c.name for c in CASES),
+        help="comma-separated cases (default: all)",
+    )
     p.add_argument("--work", default=None, help="folder of the runs (default: <out>/recovery)")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The entry point; 0 when every case healed as it should (in its allocation, or by one
-    requeue without a spare), to the parameters of the uninterrupted run where the world size
-    was kept."""
+    """Run the cases; 0 when every case healed as it should.
+
+    A case heals in its allocation, or by one requeue without a spare, to the parameters of
+    the uninterrupted run where the world size was kept.
+    """
     args = _parse(argv)
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = sorted(set(names) - {c.name for c in CASES})
     if unknown or not names:
-        print(f"--cases: unknown {', '.join(unknown) or '(none given)'}; known: "
-              f"{', '.join(c.name for c in CASES)}", file=sys.stderr)  # fmt: skip
+        print(
+            f"--cases: unknown {', '.join(unknown) or '(none given)'}; known: "
+            f"{', '.join(c.name for c in CASES)}",
+            file=sys.stderr,
+        )
         return 2
     probe = SlurmClient().run(["sinfo", "-h", "-o", "%D"])
     nodes = sum(int(n) for n in probe.stdout.split()) if probe and probe.returncode == 0 else 0
     if nodes < 3:
-        print(f"self-healing on Slurm needs a cluster of 3 nodes here ({nodes} answer): run "
-              "`make bench-recovery`, which starts a test cluster", file=sys.stderr)  # fmt: skip
+        print(
+            f"self-healing on Slurm needs a cluster of 3 nodes here ({nodes} answer): run "
+            "`make bench-recovery`, which starts a test cluster",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     work = Path(args.work) if args.work else out / "recovery"
@@ -245,11 +306,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     reference = _reference(work / f"{stamp}-reference", env)
     rows: list[dict[str, Any]] = []
     for case in (c for c in CASES if c.name in names):
-        print(f"[recovery] {case.name} ({case.fault}{', node lost' * case.lose_node}) ...",
-              flush=True)  # fmt: skip
+        print(
+            f"[recovery] {case.name} ({case.fault}{', node lost' * case.lose_node}) ...", flush=True
+        )
         try:
-            rows.append(outcome(case, run_case(case, work / f"{stamp}-{case.name}", env),
-                                reference))  # fmt: skip
+            rows.append(
+                outcome(case, run_case(case, work / f"{stamp}-{case.name}", env), reference)
+            )
         except (RuntimeError, ValueError, subprocess.TimeoutExpired) as exc:
             rows.append({"case": case.name, "error": str(exc)[-800:]})
     out.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,8 @@ import tyro
 from benchmarks.config import BenchConfig
 from benchmarks.envstate import envstate_figures, run_envstate
 from benchmarks.gpu import gpu_figures, run_gpu
-from benchmarks.healing import healing_figures, lock_figures, run_healing, run_lock
+from benchmarks.healing import healing_figures, run_healing
+from benchmarks.lock import lock_figures, run_lock
 from benchmarks.session import Bench
 from benchmarks.target import print_target_table, run_target, target_figures, write_target_png
 
@@ -157,11 +158,11 @@ def run_bench(cfg: BenchConfig, say: Callable[[str], None]) -> dict[str, Any]:
         healing, healing_failures = run_healing(cfg, bench.env, bench.runs, say)
         bench.failures.extend(healing_failures)
     bench.details["healing"] = healing
-    # Checkpoints with every rank's environments: Rough G1 at several sizes (~5 min).
+    # Checkpoints with every rank's environments: Rough G1 at several sizes.
     envstate, envstate_failures = run_envstate(cfg, say, bench.runs)
     bench.failures.extend(envstate_failures)
     bench.details["envstate"] = envstate
-    # The run directory's writer lock with 128 contenders (~10 s, no training).
+    # The run directory's writer lock with many contenders (no training).
     lock, lock_failures = run_lock(cfg, say, bench.runs)
     bench.failures.extend(lock_failures)
     bench.details["lock"] = lock
@@ -224,8 +225,10 @@ def _argv_of(cfg: BenchConfig) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `python -m benchmarks` (`make bench`); 0 unless a
-    benchmark could not run (a missed target is a finding, not an error)."""
+    """Run `python -m benchmarks` (`make bench`); 0 unless a benchmark could not run.
+
+    A missed target is a finding, not an error.
+    """
     cfg = tyro.cli(BenchConfig, args=argv, description=__doc__)
     return run(cfg)
 

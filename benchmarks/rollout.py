@@ -1,5 +1,8 @@
-"""Rollout overhead: `env.step` against raw MuJoCo Warp graph replay of the same worlds, in a
-fresh subprocess with one torch thread, on the CPU or (the GPU section) on a CUDA device."""
+"""Rollout overhead: `env.step` against raw MuJoCo Warp graph replay of the same worlds.
+
+Each side runs in a fresh subprocess with one torch thread, on the CPU or (the GPU section) on
+a CUDA device.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ __all__ = ["rollout_worker", "run_rollout"]
 
 
 def rollout_worker(args_json: str) -> dict[str, Any]:
-    """env.step vs raw graph replay of the same worlds, alternately, for each task.
+    """Time env.step against raw graph replay of the same worlds, alternately, for each task.
 
     Runs in a fresh process with one torch thread (called through `python -c`). The two
     alternate at every step from the same state with the same fixed actions. `device`

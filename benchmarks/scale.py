@@ -1,8 +1,8 @@
 """`make scale` / `python -m benchmarks.scale`: what grows with the world size.
 
-Runs one tiny training job per world size through the real `mjlab-submit` path on the Slurm
-cluster this shell talks to (`SLURM_CONF`; `make scale` brings up a cluster of its own with 8
-nodes), CPU ranks spread over at most `--max-nodes` nodes, and reads, per world size:
+It runs one tiny training job per world size through the real `mjlab-submit` path, CPU ranks
+spread over at most `--max-nodes` nodes. The Slurm cluster is the one this shell talks to
+(`SLURM_CONF`; `make scale` brings up one of 8 nodes). Per world size it reads:
 
 - submit -> first iteration: `mjlab-submit` started to the first line of progress.jsonl;
 - rendezvous: from the last rank's call to join the process group to every rank joined, and
@@ -52,15 +52,20 @@ _RSS_GUESS_MIB = 450.0
 
 
 def layout(world: int, max_nodes: int) -> tuple[int, int]:
-    """(nodes, tasks per node) for `world` ranks on at most `max_nodes` nodes: as many nodes
-    as possible, the same number of ranks on each."""
+    """Return (nodes, tasks per node) for `world` ranks on at most `max_nodes` nodes.
+
+    It takes as many nodes as possible, with the same number of ranks on each.
+    """
     nodes = max(n for n in range(1, min(world, max_nodes) + 1) if world % n == 0)
     return nodes, world // nodes
 
 
 def peak_rss_mib(pid: int) -> tuple[float, float] | None:
-    """Peak resident memory (VmHWM) of a live process and its private part now (RssAnon:
-    memory no other rank shares, unlike the pages of torch's libraries), in MiB."""
+    """Return the peak resident memory (VmHWM) of a live process and its private part now, in MiB.
+
+    The private part (RssAnon) is memory no other rank shares, unlike the pages of torch's
+    libraries.
+    """
     try:
         text = Path(f"/proc/{pid}/status").read_text()
     except OSError:
@@ -128,14 +133,35 @@ def measure_size(
         shutil.rmtree(log_root)
     log_root.mkdir(parents=True)
     cmd = [
-        cli("mjlab-submit"), "cartpole", "--executor", "slurm", "--nodes", str(nodes),
-        "--tasks-per-node", str(per_node), "--gpus-per-node", "0",
-        "--num-envs", str(args.num_envs), "--max-iterations", str(args.iterations),
-        "--save-interval", str(args.save_interval), "--torch-threads", "1",
-        "--dist-timeout-s", "900", "--hang-timeout-s", "600", "--time", "30",
-        "--log-root", str(log_root), "--follow",
+        cli("mjlab-submit"),
+        "cartpole",
+        "--executor",
+        "slurm",
+        "--nodes",
+        str(nodes),
+        "--tasks-per-node",
+        str(per_node),
+        "--gpus-per-node",
+        "0",
+        "--num-envs",
+        str(args.num_envs),
+        "--max-iterations",
+        str(args.iterations),
+        "--save-interval",
+        str(args.save_interval),
+        "--torch-threads",
+        "1",
+        "--dist-timeout-s",
+        "900",
+        "--hang-timeout-s",
+        "600",
+        "--time",
+        "30",
+        "--log-root",
+        str(log_root),
+        "--follow",
         *(["--partition", args.partition] if args.partition else []),
-    ]  # fmt: skip
+    ]
     peaks: dict[int, float] = {}
     private: dict[int, float] = {}
     submitted = time.time()
@@ -161,15 +187,23 @@ def measure_size(
                 # The job outlives its follower: cancel it (no requeue, no process left).
                 run = find_run_dir(log_root)
                 if run is not None:
-                    subprocess.run([cli("mjlab-hpc"), "cancel", str(run)], env=env,
-                                   stdout=output, stderr=subprocess.STDOUT, timeout=120,
-                                   check=False)  # fmt: skip
+                    subprocess.run(
+                        [cli("mjlab-hpc"), "cancel", str(run)],
+                        env=env,
+                        stdout=output,
+                        stderr=subprocess.STDOUT,
+                        timeout=120,
+                        check=False,
+                    )
                 kill_job(proc)
     run = find_run_dir(log_root)
     result: dict[str, Any] = {
-        "world_size": world, "nodes": nodes, "tasks_per_node": per_node,
-        "returncode": proc.returncode, "run_dir": str(run) if run else None,
-    }  # fmt: skip
+        "world_size": world,
+        "nodes": nodes,
+        "tasks_per_node": per_node,
+        "returncode": proc.returncode,
+        "run_dir": str(run) if run else None,
+    }
     if run is None:
         return result
     records = read_jsonl(run / PROGRESS)
@@ -238,10 +272,12 @@ def _fmt(value: Any, spec: str) -> str:
 
 def print_table(results: Sequence[dict[str, Any]]) -> None:
     """One line per world size."""
-    head = (f"{'ranks':>5} {'nodes':>5} {'first it s':>10} {'rdv s':>6} {'spread s':>8} "
-            f"{'iter s':>7} {'coll/it':>7} {'coll s':>7} {'share':>6} {'ckpt KB':>8} "
-            f"{'gather s':>8} {'write s':>7} {'RSS MiB':>8} {'private':>7} "
-            f"{'in sync':>7}")  # fmt: skip
+    head = (
+        f"{'ranks':>5} {'nodes':>5} {'first it s':>10} {'rdv s':>6} {'spread s':>8} "
+        f"{'iter s':>7} {'coll/it':>7} {'coll s':>7} {'share':>6} {'ckpt KB':>8} "
+        f"{'gather s':>8} {'write s':>7} {'RSS MiB':>8} {'private':>7} "
+        f"{'in sync':>7}"
+    )
     print(head)
     for r in sorted(results, key=lambda r: r["world_size"]):
         if "skipped" in r:
@@ -266,8 +302,11 @@ def print_table(results: Sequence[dict[str, Any]]) -> None:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__)
-    p.add_argument("--sizes", default=",".join(map(str, SIZES)),
-                   help="world sizes, comma-separated (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--sizes",
+        default=",".join(map(str, SIZES)),
+        help="world sizes, comma-separated (default %(default)s)",
+    )
     p.add_argument("--max-nodes", type=int, default=8, help="nodes at most (default 8)")
     p.add_argument("--num-envs", type=int, default=16, help="envs per rank (default 16)")
     p.add_argument("--iterations", type=int, default=8, help="PPO iterations (default 8)")
@@ -275,8 +314,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--partition", default=None, help="Slurm partition (default: the default)")
     p.add_argument("--out", default="bench-results", help="folder of scale.json")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per job (default 900)")
-    p.add_argument("--lock", default=None,
-                   help="an exclusive flock held during each job (shared machines)")  # fmt: skip
+    p.add_argument(
+        "--lock", default=None, help="an exclusive flock held during each job (shared machines)"
+    )
     return p.parse_args(argv)
 
 
@@ -302,9 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except subprocess.TimeoutExpired:
         answers = False
     if not answers:
-        print("no Slurm cluster answers here (sinfo -h failed): run `make scale`, which starts "
-              "a test cluster, or run this on a cluster's login node (SLURM_CONF set)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "no Slurm cluster answers here (sinfo -h failed): run `make scale`, which starts "
+            "a test cluster, or run this on a cluster's login node (SLURM_CONF set)",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -315,8 +357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = bench_env({k: v for k, v in os.environ.items() if k == "SLURM_CONF"})
     ok = True
     for world in sizes:
-        seen = [r["peak_rss_mib"]["private_max"] for r in by_size.values()
-                if (r.get("peak_rss_mib") or {}).get("private_max")]  # fmt: skip
+        seen = [
+            r["peak_rss_mib"]["private_max"]
+            for r in by_size.values()
+            if (r.get("peak_rss_mib") or {}).get("private_max")
+        ]
         need = world * max([_RSS_GUESS_MIB, *seen]) * 1.3 + 1024
         with _held(args.lock):
             free = available_mib()
@@ -324,15 +369,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = {"world_size": world, "skipped": f"needs ~{need:.0f} MiB, {free:.0f} free"}
             else:
                 print(f"[scale] {world} rank(s) ...", flush=True)
-                result = measure_size(world, args.max_nodes, out, args, env)
+                result = measure_size(world, max_nodes=args.max_nodes, out=out, args=args, env=env)
         by_size[world] = result
         failed = "skipped" not in result and (
             result["returncode"] != 0 or not result.get("ranks_in_sync")
         )
         ok = ok and not failed
-        doc = {"machine": {"cpus": os.cpu_count(), "mem_available_mib": round(available_mib())},
-               "settings": {k: v for k, v in vars(args).items() if k != "lock"},
-               "results": [by_size[k] for k in sorted(by_size)]}  # fmt: skip
+        doc = {
+            "machine": {"cpus": os.cpu_count(), "mem_available_mib": round(available_mib())},
+            "settings": {k: v for k, v in vars(args).items() if k != "lock"},
+            "results": [by_size[k] for k in sorted(by_size)],
+        }
         path.write_text(json.dumps(doc, indent=1))
     print_table(list(by_size.values()))
     print(f"[scale] {path}")

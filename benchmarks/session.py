@@ -66,36 +66,53 @@ class Bench:
     def train_args(self, log_root: Path, iterations: int) -> list[str]:
         return [
             self.cfg.task,
-            "--num-envs", str(self.cfg.envs),
-            "--max-iterations", str(iterations),
-            "--torch-threads", "1",
-            "--seed", "7",
-            "--save-interval", "1000",
-            "--log-root", str(log_root),
-        ]  # fmt: skip
+            "--num-envs",
+            str(self.cfg.envs),
+            "--max-iterations",
+            str(iterations),
+            "--torch-threads",
+            "1",
+            "--seed",
+            "7",
+            "--save-interval",
+            "1000",
+            "--log-root",
+            str(log_root),
+        ]
 
     def mjlab_args(self, log_root: Path, iterations: int, graph: bool) -> list[str]:
-        """Our CLIs' arguments for the mjlab task; without `graph`, mjlab's physics path on
-        CPU (mjlab never captures Warp graphs there)."""
+        """Return our CLIs' arguments for the mjlab task.
+
+        Without `graph` the task takes mjlab's physics path on CPU, where mjlab never
+        captures Warp graphs.
+        """
         return [
             self.cfg.mjlab_task,
-            "--num-envs", str(self.cfg.mjlab_num_envs),
-            "--max-iterations", str(iterations),
-            "--torch-threads", "1",
-            "--log-root", str(log_root),
+            "--num-envs",
+            str(self.cfg.mjlab_num_envs),
+            "--max-iterations",
+            str(iterations),
+            "--torch-threads",
+            "1",
+            "--log-root",
+            str(log_root),
             *([] if graph else ["--no-use-graph"]),
-            "--agent.logger", "tensorboard",
-        ]  # fmt: skip
+            "--agent.logger",
+            "tensorboard",
+        ]
 
     def submit_args(self, train_args: list[str], ranks: int) -> list[str]:
         return [
             cli("mjlab-submit"),
             *train_args,
-            "--executor", "local",
-            "--gpus-per-node", "0",
-            "--tasks-per-node", str(ranks),
+            "--executor",
+            "local",
+            "--gpus-per-node",
+            "0",
+            "--tasks-per-node",
+            str(ranks),
             "--follow",
-        ]  # fmt: skip
+        ]
 
     def job(
         self,
@@ -108,10 +125,13 @@ class Bench:
         args: list[str] | None = None,
         **kw: Any,
     ) -> JobTrace:
-        """Run `mjlab-train` (1 rank, in-process) or `mjlab-submit --executor local` (`ranks`
-        tasks) under `<runs>/<name>`, watched by `watch_job`; with `cache`, on that kernel cache
-        while counting its compilations. `args`: the training arguments (default: the built-in
-        task's, `train_args`)."""
+        """Run one training job under `<runs>/<name>`, watched by `watch_job`.
+
+        The job is `mjlab-train` (1 rank, in-process) or `mjlab-submit --executor local`
+        (`ranks` tasks). With `cache` it runs on that kernel cache while its compilations are
+        counted. `args` are the training arguments (default: the built-in task's,
+        `train_args`).
+        """
         root = self.runs / name
         train = args if args is not None else self.train_args(root, iterations)
         cmd = self.submit_args(train, ranks) if submit else [cli("mjlab-train"), *train]
@@ -148,13 +168,13 @@ class Bench:
         return trace
 
     def cold_cache(self, name: str) -> CompileWatch:
-        """A fresh kernel cache for one job and a watch counting its compilations: empty, or
-        with --quick a copy of the warm cache less a few modules (compiling all takes ~30 s)."""
+        """Make a fresh kernel cache for one job, and a watch counting its compilations.
+
+        The cache is empty, or with --quick a copy of the warm cache less a few modules.
+        """
         warm = default_kernel_cache() if self.cfg.quick else None
         cache = prepare_cache(self.runs / f"warp-cache-{name}", warm, QUICK_COLD_MODULES)
         return CompileWatch(cache)
-
-    # -- experiments --
 
     def rollout(self) -> None:
         self.say(f"rollout overhead: {', '.join(self.cfg.rollout_tasks)} x {self.cfg.envs} worlds")
@@ -165,9 +185,11 @@ class Bench:
             self.details["rollout"] = {}
 
     def concurrent(self, name: str, last: int) -> list[JobTrace]:
-        """Two independent 1-rank trainings (`mjlab-train`, no process group) started
-        together under `<runs>/<name>-a` and `-b`, each watched as a 1-rank job alone is: what
-        this machine allows two ranks when they exchange nothing."""
+        """Start two independent 1-rank trainings together: what the machine allows two ranks.
+
+        They are `mjlab-train` runs with no process group, under `<runs>/<name>-a` and `-b`,
+        each watched as a 1-rank job alone is. They exchange nothing.
+        """
         traces: list[JobTrace] = []
 
         def one(side: str) -> None:
@@ -197,11 +219,14 @@ class Bench:
         return traces
 
     def training_pairs(self) -> None:
-        """Per repeat: 1 rank (mjlab-train), 2 ranks (mjlab-submit, preempted once), two
-        independent 1-rank trainings at once (the machine's limit; before the 2-rank job in odd
-        repeats, after it in even ones, so drift hits both alike), 1 rank (mjlab-submit). With
-        --quick the first two also count compilations on a partly cold cache (separate cold
-        jobs would double the smoke run's time)."""
+        """Run the training jobs of every repeat.
+
+        A repeat runs 1 rank (mjlab-train), 2 ranks (mjlab-submit, preempted once), two
+        independent 1-rank trainings at once (the machine's limit), and 1 rank
+        (mjlab-submit). The limit runs before the 2-rank job in odd repeats and after it in
+        even ones, so drift hits both alike. With --quick the first two also count
+        compilations on a partly cold cache (separate cold jobs would double the smoke run).
+        """
         last = self.cfg.measured + 1  # iteration 1 is the warm-up
         piggyback = self.cfg.quick and self.cfg.cold_compile
         for r in range(1, self.cfg.pairs + 1):
@@ -236,11 +261,14 @@ class Bench:
             self.job(f"submit1-{r}", 1, 1, submit=True)
 
     def mjlab_pairs(self) -> None:
-        """Per repeat, in alternating order (A B C, then C B A, ...): mjlab's own `train`, our
-        `mjlab-train` on mjlab's physics path (no graph), and ours with graph replay (our
-        default). All three run alike: a plain subprocess, one torch thread, nothing polling
-        them; their progress is read afterwards. (`mjlab-submit --executor local` runs the
-        same rank code after a second import of mjlab in the submitting process.)"""
+        """Run the mjlab comparison of every repeat, in alternating order (A B C, then C B A).
+
+        The sides are mjlab's own `train`, our `mjlab-train` on mjlab's physics path (no
+        graph), and ours with graph replay (our default). All three run alike: a plain
+        subprocess, one torch thread, nothing polling them; their progress is read
+        afterwards. (`mjlab-submit --executor local` runs the same rank code after a second
+        import of mjlab in the submitting process.)
+        """
         task, envs = self.cfg.mjlab_task, self.cfg.mjlab_num_envs
         if importlib.util.find_spec("mjlab") is None:
             self.details["mjlab"] = {"skipped": "the [mjlab] extra is not installed"}
@@ -272,19 +300,26 @@ class Bench:
             )
 
     def mjlab_run(self, side: str, repeat: int, iterations: int) -> list[dict[str, Any]] | None:
-        """One side of the mjlab comparison in `<runs>/mjlab-<side>-<repeat>`: its progress
-        records of iterations 2..`iterations`, None if it failed."""
+        """Run one side of the mjlab comparison in `<runs>/mjlab-<side>-<repeat>`.
+
+        Returns its progress records of iterations 2..`iterations`, None if it failed.
+        """
         name = f"mjlab-{side.replace('_', '-')}-{repeat}"
         cwd = (self.runs / name).resolve()  # the runs start there: no relative paths
         cwd.mkdir(parents=True)
         if side == "mjlab_train":
             cmd = [
-                cli("train"), self.cfg.mjlab_task,
-                "--env.scene.num-envs", str(self.cfg.mjlab_num_envs),
-                "--agent.max-iterations", str(iterations),
-                "--agent.logger", "tensorboard",
-                "--gpu-ids", "None",
-            ]  # fmt: skip
+                cli("train"),
+                self.cfg.mjlab_task,
+                "--env.scene.num-envs",
+                str(self.cfg.mjlab_num_envs),
+                "--agent.max-iterations",
+                str(iterations),
+                "--agent.logger",
+                "tensorboard",
+                "--gpu-ids",
+                "None",
+            ]
         else:
             cmd = [
                 cli("mjlab-train"),
@@ -319,8 +354,6 @@ class Bench:
         self.say("kernel compilations on a cold cache: 1-rank job, then 2-rank job")
         self.job("cold-1", 1, 1, submit=False, cache=self.cold_cache("cold-1"))
         self.job("cold-2", 2, 1, submit=True, cache=self.cold_cache("cold-2"))
-
-    # -- figures --
 
     def figures(self) -> list[Figure]:
         n = self.cfg.measured
@@ -374,54 +407,113 @@ class Bench:
             )
         self.details["pairs"] = pair_details
         figs = [
-            Figure("scaling_efficiency", "scaling efficiency (2 ranks)", tuple(eff), None, ">=",
-                   "env-steps/s of 2 ranks / (2 x env-steps/s of 1 rank), same envs per rank, "
-                   "iterations 2.. of each run", "scaling"),
-            Figure("machine_limit", "machine limit: 2 x 1 rank at once / alone", tuple(limit),
-                   None, ">=", "env-steps/s of each of two independent 1-rank trainings run "
-                   "at once / of the 1-rank training alone (mean of the two), same repeat",
-                   "scaling"),
-            Figure("scaling_of_limit", "scaling efficiency / machine limit", tuple(of_limit),
-                   None, ">=", "scaling efficiency / machine limit, per repeat", "scaling"),
-            Figure("collective_share", "collective share (2 ranks)", tuple(coll), None, "<=",
-                   "time inside all-reduce/broadcast / iteration time, rank 0, 2 ranks",
-                   "scaling"),
-        ]  # fmt: skip
+            Figure(
+                key="scaling_efficiency",
+                label="scaling efficiency (2 ranks)",
+                samples=tuple(eff),
+                target=None,
+                direction=">=",
+                definition=(
+                    "env-steps/s of 2 ranks / (2 x env-steps/s of 1 rank), same envs per rank, "
+                    "iterations 2.. of each run"
+                ),
+                section="scaling",
+            ),
+            Figure(
+                key="machine_limit",
+                label="machine limit: 2 x 1 rank at once / alone",
+                samples=tuple(limit),
+                target=None,
+                direction=">=",
+                definition=(
+                    "env-steps/s of each of two independent 1-rank trainings run "
+                    "at once / of the 1-rank training alone (mean of the two), same repeat"
+                ),
+                section="scaling",
+            ),
+            Figure(
+                key="scaling_of_limit",
+                label="scaling efficiency / machine limit",
+                samples=tuple(of_limit),
+                target=None,
+                direction=">=",
+                definition="scaling efficiency / machine limit, per repeat",
+                section="scaling",
+            ),
+            Figure(
+                key="collective_share",
+                label="collective share (2 ranks)",
+                samples=tuple(coll),
+                target=None,
+                direction="<=",
+                definition="time inside all-reduce/broadcast / iteration time, rank 0, 2 ranks",
+                section="scaling",
+            ),
+        ]
         for task, data in self.details.get("rollout", {}).items():
             figs.append(
                 Figure(
-                    f"rollout_overhead_{task}",
-                    f"env.step / raw physics ({task})",
-                    tuple(data["ratios"]),
-                    0.9,
-                    ">=",
-                    "env.step throughput / raw mujoco_warp graph replay throughput, same "
-                    "worlds and substeps",
-                    "rollout",
+                    key=f"rollout_overhead_{task}",
+                    label=f"env.step / raw physics ({task})",
+                    samples=tuple(data["ratios"]),
+                    target=0.9,
+                    direction=">=",
+                    definition=(
+                        "env.step throughput / raw mujoco_warp graph replay throughput, same "
+                        "worlds and substeps"
+                    ),
+                    section="rollout",
                 )
             )
         figs += [
-            Figure("launch_cost", "launch: submit local / mjlab-train", tuple(launch), 1.5, "<=",
-                   "mjlab-submit --executor local (1 rank) start to first finished iteration / "
-                   "mjlab-train start to first finished iteration, warm kernel cache", "launch"),
-            Figure("launch_cost_2ranks", "launch: submit local 2 ranks / mjlab-train",
-                   tuple(launch2), 1.5, "<=",
-                   "the same with the 2-rank job (ranks share the 2 cores; informative)",
-                   "launch"),
-        ]  # fmt: skip
+            Figure(
+                key="launch_cost",
+                label="launch: submit local / mjlab-train",
+                samples=tuple(launch),
+                target=1.5,
+                direction="<=",
+                definition=(
+                    "mjlab-submit --executor local (1 rank) start to first finished iteration / "
+                    "mjlab-train start to first finished iteration, warm kernel cache"
+                ),
+                section="launch",
+            ),
+            Figure(
+                key="launch_cost_2ranks",
+                label="launch: submit local 2 ranks / mjlab-train",
+                samples=tuple(launch2),
+                target=1.5,
+                direction="<=",
+                definition="the same with the 2-rank job (ranks share the 2 cores; informative)",
+                section="launch",
+            ),
+        ]
         mj = self.details.get("mjlab", {}).get("pairs", [])
         task = self.cfg.mjlab_task
         if "skipped" not in self.details.get("mjlab", {}):
             figs += [
-                Figure("mjlab_vs_train", f"{task}: ours / mjlab train",
-                       tuple(p["ours"] / p["mjlab_train"] for p in mj), 0.97, ">=",
-                       "env-steps/s of mjlab-train --no-use-graph (mjlab's own physics path on "
-                       "CPU) / mjlab's own train, same envs, one torch thread, iterations 2..",
-                       "mjlab"),
-                Figure("mjlab_graph_vs_train", f"{task}: ours (graph) / mjlab train",
-                       tuple(p["ours_graph"] / p["mjlab_train"] for p in mj), 0.97, ">=",
-                       "the same with our default, Warp graph replay on CPU", "mjlab"),
-            ]  # fmt: skip
+                Figure(
+                    key="mjlab_vs_train",
+                    label=f"{task}: ours / mjlab train",
+                    samples=tuple(p["ours"] / p["mjlab_train"] for p in mj),
+                    target=0.97,
+                    direction=">=",
+                    definition=(
+                        "env-steps/s of mjlab-train --no-use-graph (mjlab's own physics path on "
+                        "CPU) / mjlab's own train, same envs, one torch thread, iterations 2.."
+                    ),
+                    section="mjlab",
+                ),
+                Figure(
+                    key="mjlab_graph_vs_train",
+                    label=f"{task}: ours (graph) / mjlab train",
+                    samples=tuple(p["ours_graph"] / p["mjlab_train"] for p in mj),
+                    target=0.97,
+                    direction=">=",
+                    definition="the same with our default, Warp graph replay on CPU",
+                    section="mjlab",
+                ),
+            ]
         comp = self.details.get("compilations", {})
         one = comp.get("cold-1") or comp.get("one-1")
         two = comp.get("cold-2") or comp.get("two-1")
@@ -429,26 +521,54 @@ class Bench:
             ratio = two["compilations"] / one["compilations"]
             figs.append(
                 Figure(
-                    "compile_duplication",
-                    "compilations: 2-rank / 1-rank job",
-                    (ratio,),
-                    1.0,
-                    "<=",
-                    "Warp module compilations of a 2-rank local job / of a 1-rank job, "
-                    "each on its own cold cache (1.0: once per node)",
-                    "launch",
+                    key="compile_duplication",
+                    label="compilations: 2-rank / 1-rank job",
+                    samples=(ratio,),
+                    target=1.0,
+                    direction="<=",
+                    definition=(
+                        "Warp module compilations of a 2-rank local job / of a 1-rank job, "
+                        "each on its own cold cache (1.0: once per node)"
+                    ),
+                    section="launch",
                 )
             )
         figs += [
-            Figure("recovery_stop_iterations", "recovery: signal -> checkpoint (iterations)",
-                   tuple(stop_its), 1.5, "<=",
-                   "USR2 to checkpoint on disk / the run's median iteration time (the stop waits "
-                   "for the iteration in flight)", "recovery"),
-            Figure("recovery_resume_ratio", "recovery: restart / first start", tuple(resume),
-                   1.5, "<=", "restarted ranks' start to first resumed iteration / first ranks' "
-                   "start to first iteration, same job", "recovery"),
-            Figure("recovery_iterations_lost", "recovery: iterations lost", tuple(lost), 0.0,
-                   "<=", "iterations finished before the stop that the restart did not resume "
-                   "from (a count)", "recovery"),
-        ]  # fmt: skip
+            Figure(
+                key="recovery_stop_iterations",
+                label="recovery: signal -> checkpoint (iterations)",
+                samples=tuple(stop_its),
+                target=1.5,
+                direction="<=",
+                definition=(
+                    "USR2 to checkpoint on disk / the run's median iteration time (the stop waits "
+                    "for the iteration in flight)"
+                ),
+                section="recovery",
+            ),
+            Figure(
+                key="recovery_resume_ratio",
+                label="recovery: restart / first start",
+                samples=tuple(resume),
+                target=1.5,
+                direction="<=",
+                definition=(
+                    "restarted ranks' start to first resumed iteration / first ranks' "
+                    "start to first iteration, same job"
+                ),
+                section="recovery",
+            ),
+            Figure(
+                key="recovery_iterations_lost",
+                label="recovery: iterations lost",
+                samples=tuple(lost),
+                target=0.0,
+                direction="<=",
+                definition=(
+                    "iterations finished before the stop that the restart did not resume "
+                    "from (a count)"
+                ),
+                section="recovery",
+            ),
+        ]
         return figs

@@ -1,5 +1,7 @@
-"""Statistics of the benchmark: spreads of paired samples, reported figures, and throughput
-read from progress records or from rsl-rl's console log."""
+"""Statistics of the benchmark: spreads of paired samples, reported figures, and throughput.
+
+Throughput is read from progress records or from rsl-rl's console log.
+"""
 
 from __future__ import annotations
 
@@ -44,8 +46,11 @@ def spread(values: Sequence[float]) -> dict[str, float | int | None]:
 
 @dataclass(frozen=True)
 class Figure:
-    """One reported ratio: its samples (one per A/B pair) and its target (None: reported
-    only, as the CPU scaling figures: CPU ranks on one machine are for testing)."""
+    """One reported ratio: its samples (one per A/B pair) and its target.
+
+    A figure without a target is reported only, as the CPU scaling figures are (CPU ranks on
+    one machine are for testing).
+    """
 
     key: str
     label: str
@@ -92,8 +97,11 @@ _RSL_FIELD = re.compile(r"^\s*(?P<key>[A-Za-z ]+):\s*(?P<value>-?[\d.]+(?:e[-+]?
 
 
 def parse_rsl_rl_log(text: str) -> list[dict[str, Any]]:
-    """Progress records (iteration from 1, env_steps, collect_s, learn_s, reward) from the
-    console log of rsl-rl's OnPolicyRunner, as mjlab's own `train` prints it."""
+    """Read progress records from the console log of rsl-rl's OnPolicyRunner.
+
+    The log is as mjlab's own `train` prints it. Each record holds the iteration (from 1),
+    env_steps, collect_s, learn_s and reward.
+    """
     records: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None
     for line in _ANSI.sub("", text).splitlines():

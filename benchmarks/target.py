@@ -74,15 +74,21 @@ def _key(task: str) -> str:
     return task.lower().replace("-", "_")
 
 
-#: Targets each configuration reaches in about a minute here (measured: docs/performance.md).
+#: Targets each configuration reaches quickly on a small machine (docs/performance.md).
 TARGETS = (
-    Target("cartpole", 450.0, 64, 150),
-    Target("ant", 100.0, 128, 150),
+    Target(task="cartpole", reward=450.0, num_envs=64, max_iterations=150),
+    Target(task="ant", reward=100.0, num_envs=128, max_iterations=150),
     # mjlab scales rewards by the step's duration: 50 at most over its 1000-step episodes.
-    Target("Mjlab-Cartpole-Balance", 8.0, 64, 200, ("--agent.logger", "tensorboard")),
+    Target(
+        task="Mjlab-Cartpole-Balance",
+        reward=8.0,
+        num_envs=64,
+        max_iterations=200,
+        args=("--agent.logger", "tensorboard"),
+    ),
 )
 #: --quick: the machinery only (cartpole, a target reached in a few iterations).
-QUICK_TARGET = Target("cartpole", 25.0, 32, 20)
+QUICK_TARGET = Target(task="cartpole", reward=25.0, num_envs=32, max_iterations=20)
 
 #: (label, ranks, envs per rank in units of E, torch threads per rank)
 CONFIGS = (
@@ -95,38 +101,51 @@ _POLL_S = 0.25
 
 def _command(t: Target, ranks: int, scale: int, threads: int, seed: int, root: Path) -> list[str]:
     return [
-        cli("mjlab-train"), t.task,
-        "--num-envs", str(t.num_envs * scale),
-        "--max-iterations", str(t.max_iterations),
-        "--torch-threads", str(threads),
-        "--seed", str(seed),
-        "--save-interval", "100000",
-        "--log-root", str(root),
+        cli("mjlab-train"),
+        t.task,
+        "--num-envs",
+        str(t.num_envs * scale),
+        "--max-iterations",
+        str(t.max_iterations),
+        "--torch-threads",
+        str(threads),
+        "--seed",
+        str(seed),
+        "--save-interval",
+        "100000",
+        "--log-root",
+        str(root),
         *(["--num-procs", str(ranks)] if ranks > 1 else []),
         *t.args,
-    ]  # fmt: skip
+    ]
 
 
 def train_to_target(
     cmd: Sequence[str], root: Path, reward: float, env: dict[str, str], timeout_s: float
 ) -> dict[str, Any]:
-    """Run one training command until its mean reward reaches `reward` (then SIGINT: it stops
-    at the next iteration boundary) or it ends; its curve and when the target was reached."""
+    """Run one training command until its mean reward reaches `reward`, or it ends.
+
+    At the target it gets SIGINT and stops at the next iteration boundary. Returns its curve
+    and when the target was reached.
+    """
     shutil.rmtree(root, ignore_errors=True)  # a run of an earlier session is not this one
     root.mkdir(parents=True)
     out = root / "train.out"
     with open(out, "w") as f:
         t0 = time.time()
         # A session of its own: a timeout ends the whole job, ranks included.
-        proc = subprocess.Popen(list(cmd), env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            list(cmd), env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + timeout_s
         stopping = timed_out = False
         while proc.poll() is None:
             run = find_run_dir(root)
             if not stopping and run is not None:
-                stopping = any((r.get("mean_reward") or -math.inf) >= reward
-                               for r in read_jsonl(run / PROGRESS))  # fmt: skip
+                stopping = any(
+                    (r.get("mean_reward") or -math.inf) >= reward
+                    for r in read_jsonl(run / PROGRESS)
+                )
                 if stopping:
                     proc.send_signal(signal.SIGINT)  # the first stops at the boundary
             if time.monotonic() > deadline:
@@ -137,18 +156,26 @@ def train_to_target(
     run = find_run_dir(root)
     records = read_jsonl(run / PROGRESS) if run is not None else []
     # The first iteration at the target (it may have come after the last poll).
-    hit = next((int(r["iteration"]) for r in records
-                if (r.get("mean_reward") or -math.inf) >= reward), None)  # fmt: skip
+    hit = next(
+        (int(r["iteration"]) for r in records if (r.get("mean_reward") or -math.inf) >= reward),
+        None,
+    )
     steps = 0
     curve = []
     reached = None
     for r in records:
         steps += int(r["env_steps"])
-        curve.append((int(r["iteration"]), steps, round(float(r["time"]) - t0, 3),
-                      r.get("mean_reward")))  # fmt: skip
+        curve.append(
+            (int(r["iteration"]), steps, round(float(r["time"]) - t0, 3), r.get("mean_reward"))
+        )
         if int(r["iteration"]) == hit and reached is None:
-            reached = {"iteration": hit, "env_steps": steps, "wall_s": curve[-1][2],
-                       "train_s": float(r["elapsed_s"]), "reward": r["mean_reward"]}  # fmt: skip
+            reached = {
+                "iteration": hit,
+                "env_steps": steps,
+                "wall_s": curve[-1][2],
+                "train_s": float(r["elapsed_s"]),
+                "reward": r["mean_reward"],
+            }
     ok = reached is not None or timed_out or (proc.returncode == 0 and len(records) > 0)
     return {
         "reached": reached,
@@ -164,51 +191,70 @@ def run_target(
     cfg: BenchConfig, env: dict[str, str], runs: Path, say: Callable[[str], None]
 ) -> tuple[dict[str, Any], list[str]]:
     """Every task, seed and configuration; the runs by task, and any failures."""
-    targets = (QUICK_TARGET,) if cfg.quick else tuple(
-        t for t in TARGETS if t.task in cfg.target_tasks
-    )  # fmt: skip
+    targets = (
+        (QUICK_TARGET,) if cfg.quick else tuple(t for t in TARGETS if t.task in cfg.target_tasks)
+    )
     seeds = cfg.target_seeds or (1 if cfg.quick else 3)
     out: dict[str, Any] = {}
     failures: list[str] = []
     for t in targets:
-        task = out[t.task] = {"target": t.reward, "num_envs": t.num_envs,
-                              "max_iterations": t.max_iterations, "runs": []}  # fmt: skip
+        task = out[t.task] = {
+            "target": t.reward,
+            "num_envs": t.num_envs,
+            "max_iterations": t.max_iterations,
+            "runs": [],
+        }
         for i in range(seeds):
             seed = 10 * (i + 1)  # 2 ranks use seed and seed + 1: no seed shared across runs
             order = CONFIGS if i % 2 == 0 else CONFIGS[::-1]
-            say(f"time to target: {t.task} >= {t.reward:g}, seed {seed}: "
-                + " | ".join(c[0] for c in order))  # fmt: skip
+            say(
+                f"time to target: {t.task} >= {t.reward:g}, seed {seed}: "
+                + " | ".join(c[0] for c in order)
+            )
             for label, ranks, scale, threads in order:
                 root = runs / f"target-{t.key}-{seed}-{ranks}x{scale}"
                 cmd = _command(t, ranks, scale, threads, seed, root)
                 # OpenMP's idle workers spin by default: beside another busy process, 2 threads
-                # ran 10x slower than 1 (docs/performance.md), which is not what this measures.
+                # run far slower than 1 (docs/performance.md), which is not what this measures.
                 run_env = {**env, "OMP_WAIT_POLICY": "PASSIVE"} if threads > 1 else env
-                got = train_to_target(cmd, root, t.reward, run_env, cfg.run_timeout_s * 2)
+                got = train_to_target(
+                    cmd, root, reward=t.reward, env=run_env, timeout_s=cfg.run_timeout_s * 2
+                )
                 task["runs"].append({"config": label, "seed": seed, **got})
                 r = got["reached"]
                 if not got["ok"]:
                     failures.append(f"{root.name}: exit {got['returncode']}\n{got['tail']}")
                     say(f"  {label}: FAILED (exit {got['returncode']}), output in {root}")
                 elif r is None:
-                    within = (f"{cfg.run_timeout_s * 2:.0f} s" if got["timed_out"]
-                              else f"{t.max_iterations} iterations")  # fmt: skip
+                    within = (
+                        f"{cfg.run_timeout_s * 2:.0f} s"
+                        if got["timed_out"]
+                        else f"{t.max_iterations} iterations"
+                    )
                     say(f"  {label}: not reached within {within}")
                 else:
-                    say(f"  {label}: {r['wall_s']:.1f} s, {r['env_steps']:,} env-steps, "
-                        f"iteration {r['iteration']}")  # fmt: skip
+                    say(
+                        f"  {label}: {r['wall_s']:.1f} s, {r['env_steps']:,} env-steps, "
+                        f"iteration {r['iteration']}"
+                    )
     return out, failures
 
 
 def _by_seed(runs: list[dict[str, Any]], label: str, what: str) -> dict[int, float]:
-    return {r["seed"]: r["reached"][what] for r in runs
-            if r["config"] == label and r["reached"] is not None}  # fmt: skip
+    return {
+        r["seed"]: r["reached"][what]
+        for r in runs
+        if r["config"] == label and r["reached"] is not None
+    }
 
 
 def target_figures(details: dict[str, Any]) -> list[Figure]:
-    """Per task: wall-clock to the target of 2 ranks / 1 rank x E and / 1 rank x 2E, and the
-    env-steps 2 ranks / 1 rank x 2E needed (the same batch: ~1 when ranks learn as one
-    process), each per seed. Reported without a target (CPU ranks on one machine)."""
+    """Compute the time-to-target figures of every task, each per seed.
+
+    They are the wall-clock to the target of 2 ranks / 1 rank x E and / 1 rank x 2E, and the
+    env-steps 2 ranks / 1 rank x 2E needed (the same batch: about 1 when ranks learn as one
+    process). They are reported without a target (CPU ranks on one machine).
+    """
     one, big, two = (c[0] for c in CONFIGS)
     figs = []
     for task, data in details.items():
@@ -221,30 +267,47 @@ def target_figures(details: dict[str, Any]) -> list[Figure]:
         ):
             a, b = _by_seed(runs, two, what), _by_seed(runs, base, what)
             samples = tuple(a[s] / b[s] for s in sorted(a) if s in b and b[s] > 0)
-            figs.append(Figure(
-                f"time_to_target_{key}{suffix}", f"{task} to {data['target']:g}: {label}",
-                samples, None, "<=",
-                f"{what} to a mean reward >= {data['target']:g} of 2 ranks x {data['num_envs']} "
-                f"envs / of {base}, per seed (wall-clock from the command's start)",
-                "time to target",
-            ))  # fmt: skip
+            figs.append(
+                Figure(
+                    key=f"time_to_target_{key}{suffix}",
+                    label=f"{task} to {data['target']:g}: {label}",
+                    samples=samples,
+                    target=None,
+                    direction="<=",
+                    definition=(
+                        f"{what} to a mean reward >= {data['target']:g} of 2 ranks x "
+                        f"{data['num_envs']} envs / of {base}, per seed (wall-clock from the "
+                        "command's start)"
+                    ),
+                    section="time to target",
+                )
+            )
     return figs
 
 
 def summary_rows(details: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per task and configuration: how many runs reached the target, and the spread of their
-    wall-clock, training seconds, env-steps and iterations to it."""
+    """Sum up each task and configuration: the runs that reached the target, and their spread.
+
+    The spread is of their wall-clock, training seconds, env-steps and iterations to it.
+    """
     rows = []
     for task, data in details.items():
         for label, *_ in CONFIGS:
             runs = [r for r in data["runs"] if r["config"] == label]
             hit = [r["reached"] for r in runs if r["reached"] is not None]
-            rows.append({
-                "task": task, "target": data["target"], "config": label,
-                "reached": len(hit), "runs": len(runs),
-                **{what: spread([h[what] for h in hit])
-                   for what in ("wall_s", "train_s", "env_steps", "iteration")},
-            })  # fmt: skip
+            rows.append(
+                {
+                    "task": task,
+                    "target": data["target"],
+                    "config": label,
+                    "reached": len(hit),
+                    "runs": len(runs),
+                    **{
+                        what: spread([h[what] for h in hit])
+                        for what in ("wall_s", "train_s", "env_steps", "iteration")
+                    },
+                }
+            )
     return rows
 
 
@@ -254,8 +317,15 @@ def print_target_table(details: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="time to target (median, min-max over seeds)")
-    for col in ("task", "configuration", "reached", "wall-clock s", "training s", "env-steps",
-                "iterations"):  # fmt: skip
+    for col in (
+        "task",
+        "configuration",
+        "reached",
+        "wall-clock s",
+        "training s",
+        "env-steps",
+        "iterations",
+    ):
         table.add_column(col, justify="left" if col in ("task", "configuration") else "right")
 
     def cell(s: dict[str, Any], fmt: str) -> str:
@@ -265,24 +335,30 @@ def print_target_table(details: dict[str, Any]) -> None:
 
     for row in summary_rows(details):
         table.add_row(
-            f"{row['task']} >= {row['target']:g}", row["config"],
-            f"{row['reached']}/{row['runs']}", cell(row["wall_s"], ".1f"),
-            cell(row["train_s"], ".1f"), cell(row["env_steps"], ",.0f"),
+            f"{row['task']} >= {row['target']:g}",
+            row["config"],
+            f"{row['reached']}/{row['runs']}",
+            cell(row["wall_s"], ".1f"),
+            cell(row["train_s"], ".1f"),
+            cell(row["env_steps"], ",.0f"),
             cell(row["iteration"], ".0f"),
-        )  # fmt: skip
+        )
     Console(width=140).print(table)
 
 
 def write_target_png(path: Path, details: dict[str, Any]) -> None:
-    """Mean reward against wall-clock and against env-steps, one row per task, every run (one
-    colour per configuration), the target dashed."""
+    """Plot mean reward against wall-clock and against env-steps, one row per task.
+
+    Every run is drawn (one colour per configuration), the target dashed.
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
-    colours = dict(zip((c[0] for c in CONFIGS), ("tab:blue", "tab:orange", "tab:green"),
-                       strict=True))  # fmt: skip
+    colours = dict(
+        zip((c[0] for c in CONFIGS), ("tab:blue", "tab:orange", "tab:green"), strict=True)
+    )
     rows = max(1, len(details))
     fig, axes = plt.subplots(rows, 2, figsize=(11, 3.2 * rows), squeeze=False)
     for (task, data), (ax_t, ax_s) in zip(details.items(), axes, strict=False):
@@ -292,12 +368,18 @@ def write_target_png(path: Path, details: dict[str, Any]) -> None:
                 continue
             first = all(x["config"] != r["config"] for x in data["runs"][: data["runs"].index(r)])
             style = {"color": colours[r["config"]], "alpha": 0.8, "linewidth": 1.2}
-            ax_t.plot([p[2] for p in pts], [p[3] for p in pts], **style,
-                      label=r["config"] if first else None)  # fmt: skip
+            ax_t.plot(
+                [p[2] for p in pts],
+                [p[3] for p in pts],
+                **style,
+                label=r["config"] if first else None,
+            )
             ax_s.plot([p[1] for p in pts], [p[3] for p in pts], **style)
         ax_t.set_xscale("log")  # configurations can differ tenfold on a busy machine
-        for ax, xlabel in ((ax_t, "wall-clock from the command's start (s, log)"),
-                           (ax_s, "env-steps (all ranks)")):  # fmt: skip
+        for ax, xlabel in (
+            (ax_t, "wall-clock from the command's start (s, log)"),
+            (ax_s, "env-steps (all ranks)"),
+        ):
             ax.axhline(data["target"], color="black", linestyle="--", linewidth=0.8)
             ax.set_xlabel(xlabel)
             ax.set_ylabel("mean episode reward")
@@ -324,8 +406,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.time()
     details, failures = run_target(cfg, bench_env(), runs, say)
     figures = {f.key: f.summary() for f in target_figures(details)}
-    doc = {"quick": cfg.quick, "duration_s": round(time.time() - t0, 1), "figures": figures,
-           "summary": summary_rows(details), "details": details, "failures": failures}  # fmt: skip
+    doc = {
+        "quick": cfg.quick,
+        "duration_s": round(time.time() - t0, 1),
+        "figures": figures,
+        "summary": summary_rows(details),
+        "details": details,
+        "failures": failures,
+    }
     (cfg.out / "target.json").write_text(json.dumps(doc, indent=2) + "\n")
     write_target_png(cfg.out / "time_to_target.png", details)
     for failure in failures:
@@ -333,10 +421,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_target_table(details)
     for f in figures.values():
         s = f["median"]
-        say(f"{f['label']}: " + ("n/a" if s is None else f"{s:.3f} ({f['min']:.3f}-{f['max']:.3f}, "
-                                  f"n={f['n']})"))  # fmt: skip
-    say(f"wrote {cfg.out / 'target.json'} and {cfg.out / 'time_to_target.png'} in "
-        f"{doc['duration_s']} s")  # fmt: skip
+        say(
+            f"{f['label']}: "
+            + ("n/a" if s is None else f"{s:.3f} ({f['min']:.3f}-{f['max']:.3f}, n={f['n']})")
+        )
+    say(
+        f"wrote {cfg.out / 'target.json'} and {cfg.out / 'time_to_target.png'} in "
+        f"{doc['duration_s']} s"
+    )
     return 1 if failures else 0
 
 

@@ -1,5 +1,8 @@
-"""One training job run as a subprocess and watched: when its ranks start, its first
-iteration, the CPU it uses, and (with a signal) how it stops, restarts and resumes."""
+"""One training job run as a subprocess and watched.
+
+Watched are when its ranks start, its first iteration, the CPU it uses, and (with a signal)
+how it stops, restarts and resumes.
+"""
 
 from __future__ import annotations
 
@@ -93,10 +96,12 @@ def machine_busy_s() -> float:
 
 
 def bench_env(extra: dict[str, str] | None = None, gpus: bool = False) -> dict[str, str]:
-    """The environment of a benchmark subprocess: ours, without an enclosing job's launcher
-    variables, with this interpreter's scripts first on PATH. Without `gpus` no GPU is
-    visible (CUDA_VISIBLE_DEVICES empty), so that the CPU figures stay CPU figures on a GPU
-    machine; with it, the GPUs this process sees."""
+    """Return the environment of a benchmark subprocess.
+
+    It is ours without an enclosing job's launcher variables, with this interpreter's scripts
+    first on PATH. Without `gpus` no GPU is visible (CUDA_VISIBLE_DEVICES empty), so that the
+    CPU figures stay CPU figures on a GPU machine; with it, the GPUs this process sees.
+    """
     env = {
         k: v
         for k, v in os.environ.items()
@@ -135,8 +140,7 @@ def kill_job(proc: subprocess.Popen[Any]) -> None:
 
 @dataclass(frozen=True)
 class CpuSnapshot:
-    """CPU seconds used so far: per rank, by the job's launcher processes, by this benchmark
-    process, and by the whole machine."""
+    """CPU seconds used so far by each rank, the launcher, this benchmark and the machine."""
 
     at: float
     ranks: dict[int, float]
@@ -152,7 +156,13 @@ class CpuSnapshot:
             for p in session_pids(session)
             if p not in ranks and (c := cpu_seconds(p)) is not None
         }
-        return cls(time.time(), ranks, launcher, time.process_time(), machine_busy_s())
+        return cls(
+            at=time.time(),
+            ranks=ranks,
+            launcher=launcher,
+            bench=time.process_time(),
+            machine=machine_busy_s(),
+        )
 
 
 @dataclass(frozen=True)
@@ -263,8 +273,11 @@ def find_run_dir(log_root: Path) -> Path | None:
 
 
 def measured_records(side: str, output: str, cwd: Path, iterations: int) -> list[dict[str, Any]]:
-    """Iterations 2..`iterations` of one side of the mjlab comparison: mjlab's own train
-    (`mjlab_train`, parsed from its console `output`), else ours (its progress.jsonl)."""
+    """Return iterations 2..`iterations` of one side of the mjlab comparison.
+
+    mjlab's own train (`mjlab_train`) is parsed from its console `output`; ours is read from
+    its progress.jsonl.
+    """
     if side == "mjlab_train":
         records = parse_rsl_rl_log(output)
     else:
@@ -409,8 +422,11 @@ def _poll_once(
 
 
 def launch_parts(trace: JobTrace) -> dict[str, float | None]:
-    """Where a job's launch time went: launcher until a rank process exists, then the rank
-    (imports, process group, environment, first iteration)."""
+    """Split a job's launch time into the launcher's part and the rank's.
+
+    The launcher's runs until a rank process exists; the rank's covers its imports, process
+    group, environment and first iteration.
+    """
     rank_start = trace.first_rank_start
     return {
         "total_s": trace.launch_s,

@@ -1,10 +1,10 @@
 """mjlab_hpc: multi-node, preemption-safe RL training of MuJoCo Warp robots on Slurm clusters.
 
-The supported API, loaded on first use (torch, warp and submitit load only when a name that
-needs them is used): `TrainSpec`, `SubmitSpec`, `ResolvedSpec` and `resolve` (the spec checked,
-its task resolved); `train_rank`, `RankResult`; `submit`, `submit_sweep`, `Submitted`;
-`LeaseLock`, `OwnerInfo`, `write_fenced`; `SpecError`, `LaunchError`, `SubmitError`.
-The packages and how they depend on each other: docs/architecture.md.
+The supported API is `TrainSpec`, `SubmitSpec`, `ResolvedSpec` and `resolve`; `train_rank`
+and `RankResult`; `submit`, `submit_sweep` and `Submitted`; `LeaseLock`, `OwnerInfo` and
+`write_fenced`; `SpecError`, `LaunchError` and `SubmitError`. Each name loads on first use, so
+torch, warp and submitit load only when a name that needs them is used. How the packages
+depend on each other: docs/architecture.md.
 """
 
 from __future__ import annotations

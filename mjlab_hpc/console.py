@@ -1,15 +1,14 @@
-"""A command's console, kept out of the way of its work: a run never depends on its terminal or
-pipe (`| head -1`, a closed terminal, `>&-`, a pipe nobody reads, a terminal stopped with
-Ctrl-S).
+"""A command's console, kept out of the way of its work.
 
-`detach()` (the training commands' entry points, and the local executor's controller) opens
-closed standard descriptors on /dev/null (`reopen`: every command), so no file the command
-opens takes their number and nothing written there fails, and puts stdout and stderr behind
-one thread that writes for them, in order: a write never waits for the reader, a console that
-does not keep up loses lines (said once it takes them again), and one whose reader is gone is
-written to no more. Python's own
-streams cannot do this (a full pipe blocks the writer, a closed one raises BrokenPipeError in
-the middle of training), hence this module.
+A run never depends on its terminal or pipe: `| head -1`, a closed terminal, `>&-`, a pipe
+nobody reads, a terminal stopped with Ctrl-S. `reopen()` (every command) opens closed standard
+descriptors on /dev/null. `detach()` (the training commands and the local executor's
+controller) also puts stdout and stderr behind one thread that writes for them, in order. A
+write never waits for the reader; a console that does not keep up loses lines (said once it
+takes them again), and one whose reader is gone is written to no more.
+
+Python's own streams cannot do this: a full pipe blocks the writer, and a closed one raises
+BrokenPipeError in the middle of training.
 """
 
 from __future__ import annotations
@@ -119,8 +118,10 @@ _pump: list[_Pump] = []
 
 
 def reopen() -> None:
-    """Open closed standard descriptors (`>&-`) on /dev/null, so that no file this process
-    opens takes their number and nothing written there fails."""
+    """Open closed standard descriptors (`>&-`) on /dev/null.
+
+    Then no file this process opens takes their number, and nothing written there fails.
+    """
     for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
         try:
             os.fstat(fd)

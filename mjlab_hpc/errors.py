@@ -60,8 +60,11 @@ class LaunchError(RuntimeError):
 
 
 class DamagedRecord(RuntimeError):
-    """A record of a run (run.json, `.latest_run`, ...) that exists but is not one: not JSON,
-    or not the record's shape. Names the file, what is wrong and what to do."""
+    """A record of a run (run.json, `.latest_run`, ...) exists but is not one.
+
+    It is not JSON, or not the record's shape. The message names the file, what is wrong and
+    what to do.
+    """
 
     def __init__(self, path: object, problem: str, fix: str = "") -> None:
         self.path = path
@@ -85,9 +88,11 @@ _ENVIRONMENT = {
 
 
 def environment_problem(exc: BaseException, where: object) -> str | None:
-    """One line for a filesystem problem (a full disk, a quota, a read-only filesystem,
-    permissions, a name too long) at the file the error names, else at `where`, and the fix;
-    None for any other error."""
+    """Say in one line what a filesystem error means for a run, and the fix.
+
+    The problems are a full disk, a quota, a read-only filesystem, permissions and a name
+    too long, at the file the error names, else at `where`. None for any other error.
+    """
     if not isinstance(exc, OSError) or exc.errno not in _ENVIRONMENT:
         return None
     what = _ENVIRONMENT[exc.errno]

@@ -1,10 +1,9 @@
-"""This machine's processes: one process table, one way to end a process group, one way to run
-an external command with a time limit, and the memory they may use (and whether the kernel's
-OOM killer ended one).
+"""This machine's processes, and the memory they may use.
 
-Every caller that asks "is it alive", "what is its command line", "how much CPU has it used"
-or "stop it and everything it started" goes through here, so they all agree (a zombie, or a
-process in state X, is not alive).
+One process table, one way to end a process group, one way to run an external command with a
+time limit, and whether the kernel's OOM killer ended one. Every caller that asks "is it
+alive", "what is its command line" or "stop it and everything it started" goes through here,
+so they all agree (a zombie, or a process in state X, is not alive).
 """
 
 from __future__ import annotations
@@ -53,8 +52,10 @@ class ProcessEntry:
 
 
 def alive(pid: int) -> bool:
-    """Whether the process exists and has not exited (a zombie only waits to be reaped). One
-    of another user, or hidden by /proc's hidepid, exists: kill(2) says so."""
+    """Whether the process exists and has not exited (a zombie only waits to be reaped).
+
+    One of another user, or hidden by /proc's hidepid, exists: kill(2) says so.
+    """
     if pid <= 0:  # kill(2) would signal a process group
         return False
     try:
@@ -72,8 +73,11 @@ def alive(pid: int) -> bool:
 
 
 def machine_id() -> str:
-    """This kernel's boot and this process's pid namespace: two processes with the same one
-    see each other's pids (a host name does not say that: containers, reused names)."""
+    """Name this kernel's boot and this process's pid namespace.
+
+    Two processes with the same one see each other's pids; a host name does not say that
+    (containers, reused names).
+    """
     try:
         namespace = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
@@ -82,7 +86,7 @@ def machine_id() -> str:
 
 
 def user_name(uid: int) -> str:
-    """The login name of a user id (`uid N` where the system knows none)."""
+    """Return the login name of a user id (`uid N` where the system knows none)."""
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -90,7 +94,7 @@ def user_name(uid: int) -> str:
 
 
 def owner(pid: int) -> int | None:
-    """The user id a live process runs as (None: it is gone)."""
+    """Return the user id a live process runs as (None: it is gone)."""
     try:
         return int(psutil.Process(pid).uids().real)
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
@@ -98,7 +102,7 @@ def owner(pid: int) -> int | None:
 
 
 def processes(match: Callable[[tuple[str, ...]], bool] | None = None) -> list[ProcessEntry]:
-    """Live processes of this machine (but this one) whose argv satisfies `match`."""
+    """List the live processes of this machine (but this one) whose argv satisfies `match`."""
     me = os.getpid()
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
@@ -121,14 +125,16 @@ def send_signal(pid: int, sig: int) -> bool:
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
-    """Signal a whole process group (a process started with start_new_session=True and
-    everything it started); nothing if it is gone."""
+    """Signal a whole process group; nothing if it is gone.
+
+    The group is a process started with start_new_session=True and everything it started.
+    """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
 
 
 def wait_gone(pids: Iterable[int], timeout_s: float, poll_s: float = 0.05) -> list[int]:
-    """Wait until none of `pids` is alive or `timeout_s` passed; the ones still alive."""
+    """Wait until none of `pids` is alive or `timeout_s` passed; return the ones still alive."""
     deadline = time.monotonic() + timeout_s
     left = [p for p in pids if alive(p)]
     while left and time.monotonic() < deadline:
@@ -181,21 +187,23 @@ def run_command(
     return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
 
 
-# --- memory ----------------------------------------------------------------------------------
-# psutil sees the machine's memory, not a container's or a job's cgroup limit, nor the kernel's
-# OOM-kill counters: those are read from the cgroup files here (v1 and v2).
+# Memory: psutil sees the machine's, not a container's or a job's cgroup limit, nor the kernel's
+# OOM-kill counters; those are read from the cgroup files here (v1 and v2).
 
 _CGROUP_ROOTS = ("/sys/fs/cgroup/memory", "/sys/fs/cgroup", "/sys/fs/cgroup/unified")
 
 
 def _cgroup_dir(pid: int | str = "self") -> Path | None:
-    """The memory cgroup folder of a process (v1's memory controller, else v2's)."""
+    """Return the memory cgroup folder of a process (v1's memory controller, else v2's)."""
     try:
         lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except OSError:
         return None
-    paths = [line.split(":", 2)[2] for line in lines if line.count(":") >= 2 and
-             line.split(":")[1] in ("memory", "")]  # fmt: skip
+    paths = [
+        line.split(":", 2)[2]
+        for line in lines
+        if line.count(":") >= 2 and line.split(":")[1] in ("memory", "")
+    ]
     for path in paths:
         for root in _CGROUP_ROOTS:
             folder = Path(root + path.rstrip("/"))
@@ -218,7 +226,7 @@ def _number(path: Path) -> int | None:
 
 
 def _cgroup_room(folder: Path) -> int | None:
-    """What the cgroup's limit leaves (its ancestors' limits too), page cache counted free."""
+    """Return what the cgroup's limit leaves (its ancestors' too), page cache counted free."""
     stat = _fields(folder / "memory.stat")
     if "hierarchical_memory_limit" in stat:  # v1
         used = (_number(folder / "memory.usage_in_bytes") or 0) - stat.get("total_inactive_file", 0)
@@ -228,18 +236,19 @@ def _cgroup_room(folder: Path) -> int | None:
     while (folder / "memory.max").exists():  # v2: every level's own limit
         limit = _number(folder / "memory.max")  # "max": no limit
         if limit is not None:
-            used = (_number(folder / "memory.current") or 0) - _fields(folder / "memory.stat").get(
-                "inactive_file", 0
-            )
+            inactive = _fields(folder / "memory.stat").get("inactive_file", 0)
+            used = (_number(folder / "memory.current") or 0) - inactive
             rooms.append(max(0, limit - used))
         folder = folder.parent
     return min(rooms) if rooms else None
 
 
 def memory_room() -> tuple[int, str]:
-    """Bytes that new processes of this one may still use on this machine, and what sets it
-    (for people): the available memory, a memory cgroup's limit (a container, a Slurm job),
-    or the address-space limit of a process."""
+    """Return the bytes new processes of this one may still use here, and what sets that.
+
+    The bound is the available memory, a memory cgroup's limit (a container, a Slurm job), or
+    the address-space limit of a process; the second value says which, for people.
+    """
     room, why = int(psutil.virtual_memory().available), "available"
     folder = _cgroup_dir()
     limited = _cgroup_room(folder) if folder is not None else None
@@ -262,18 +271,20 @@ class OomCount:
     kills: int
 
     def describe(self) -> str:
-        """As written into a rank's log (`parse` reads it back)."""
+        """Describe the count as written into a rank's log (`parse` reads it back)."""
         return f"oom-kills {self.kills} in {self.counter} (kernel {self.kernel})"
 
     @classmethod
     def parse(cls, text: str) -> OomCount | None:
-        """The count a rank's log line holds, if any."""
+        """Read back the count a rank's log line holds, if any."""
         m = re.search(r"oom-kills (\d+) in (\S+) \(kernel ([\w-]+)\)", text)
-        return cls(m.group(3), m.group(2), int(m.group(1))) if m else None
+        return cls(kernel=m.group(3), counter=m.group(2), kills=int(m.group(1))) if m else None
 
     def rose(self) -> bool | None:
-        """Whether the OOM killer ended a process of that cgroup since (None: not knowable
-        here: another kernel, or the cgroup is gone)."""
+        """Whether the OOM killer ended a process of that cgroup since the count.
+
+        None where that cannot be known here: another kernel, or the cgroup is gone.
+        """
         now = _read_oom(Path(self.counter))
         if now is None or _boot_id() != self.kernel:
             return None
@@ -292,9 +303,12 @@ def _read_oom(counter: Path) -> int | None:
 
 
 def offer_to_oom_killer(score_adj: int = 500) -> None:
-    """Make the kernel's OOM killer take this process (a rank, whose worlds grow) before the
-    launcher and healer in the same memory cgroup, which must live to record why the rank
-    ended. Raising one's own oom_score_adj needs no privilege; without Linux's /proc, nothing."""
+    """Make the kernel's OOM killer take this process before others in its memory cgroup.
+
+    This process is a rank, whose worlds grow. The launcher and healer in the same cgroup
+    must live to record why the rank ended. Raising one's own oom_score_adj needs no
+    privilege; without Linux's /proc, nothing is done.
+    """
     adj = Path("/proc/self/oom_score_adj")
     with contextlib.suppress(OSError, ValueError):
         if int(adj.read_text()) < score_adj:
@@ -302,14 +316,16 @@ def offer_to_oom_killer(score_adj: int = 500) -> None:
 
 
 def oom_count(pid: int | str = "self") -> OomCount | None:
-    """The OOM kills counted so far in the memory cgroup of a process (None where there is no
-    such counter). The kernel counts a kill in the victim's own cgroup, whatever limit or
-    shortage caused it."""
+    """Read the OOM kills counted so far in the memory cgroup of a process.
+
+    None where there is no such counter. The kernel counts a kill in the victim's own cgroup,
+    whatever limit or shortage caused it.
+    """
     folder = _cgroup_dir(pid)
     if folder is None:
         return None
     for name in ("memory.oom_control", "memory.events"):
         kills = _read_oom(folder / name)
         if kills is not None:
-            return OomCount(_boot_id(), str(folder / name), kills)
+            return OomCount(kernel=_boot_id(), counter=str(folder / name), kills=kills)
     return None

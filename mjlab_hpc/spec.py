@@ -1,10 +1,10 @@
-"""What to run, as frozen dataclasses of plain values: the training spec (the flags of
-`mjlab-train`), the submission spec (`mjlab-submit`), and the resolved spec (a training spec
-whose task was looked up once, with the values every later stage uses).
+"""What to run, as frozen dataclasses of plain values.
 
-Specs flow one way: CLI -> launcher -> every rank. They are pickled to ranks and dumped as
-YAML and JSON into the run directory, so they hold only plain values. What a value may hold is
-checked in `mjlab_hpc.validate`.
+`TrainSpec` holds the flags of `mjlab-train`, `SubmitSpec` those of `mjlab-submit`, and
+`ResolvedSpec` a training spec whose task was looked up once, with the values every later
+stage uses. Specs flow one way, CLI -> launcher -> every rank: they are pickled to ranks and
+dumped as YAML and JSON into the run directory. `mjlab_hpc.validate` checks what a value may
+hold.
 """
 
 from __future__ import annotations
@@ -44,12 +44,24 @@ GpuIds = tuple[int, ...] | Literal["all", "auto"] | None
 KEPT_ON_CONTINUATION = ("num_envs", "seed")
 #: The packages a task's saved environments are made of, by task source: restored only under
 #: the same versions.
-SIMULATOR_PACKAGES = {"built-in": ("mujoco", "mujoco-warp"),
-                      "mjlab": ("mujoco", "mujoco-warp", "mjlab")}  # fmt: skip
+SIMULATOR_PACKAGES = {
+    "built-in": ("mujoco", "mujoco-warp"),
+    "mjlab": ("mujoco", "mujoco-warp", "mjlab"),
+}
 #: TrainSpec fields that name a run or say how to start it, not settings of the run.
-NOT_RUN_SETTINGS = ("task", "log_root", "experiment_name", "run_name", "run_dir", "resume",
-                    "restart_from_scratch", "fresh_envs", "wandb_run_path",
-                    "wandb_checkpoint_name", "torchrunx_log_dir")  # fmt: skip
+NOT_RUN_SETTINGS = (
+    "task",
+    "log_root",
+    "experiment_name",
+    "run_name",
+    "run_dir",
+    "resume",
+    "restart_from_scratch",
+    "fresh_envs",
+    "wandb_run_path",
+    "wandb_checkpoint_name",
+    "torchrunx_log_dir",
+)
 
 
 @dataclass(frozen=True)
@@ -150,8 +162,7 @@ class TrainSpec:
 
     @property
     def device_choice(self) -> DeviceChoice:
-        """The device the flags ask for: cpu for `--gpu-ids None` and CPU ranks (--num-procs),
-        else --device."""
+        """The device the flags ask for: --device, but cpu for `--gpu-ids None` and CPU ranks."""
         return "cpu" if self.gpu_ids is None or self.num_procs > 1 else self.device
 
     def replace(self, **changes: object) -> TrainSpec:
@@ -168,8 +179,10 @@ class TrainSpec:
 
 
 def split_overrides(unknown: list[str]) -> tuple[str, ...]:
-    """The `--env.*`/`--agent.*` arguments (with their values) among arguments the CLI did not
-    know; SpecError naming the first argument that is neither."""
+    """Return the `--env.*`/`--agent.*` arguments (with their values) the CLI did not know.
+
+    SpecError names the first unknown argument that is neither.
+    """
     if unknown and not unknown[0].startswith(("--env.", "--agent.")):
         raise SpecError(unknown[0], "unknown argument (see --help)")
     return tuple(unknown)
@@ -177,8 +190,11 @@ def split_overrides(unknown: list[str]) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ResolvedSpec:
-    """A TrainSpec whose task was looked up once (`mjlab_hpc.tasks.resolve`): the effective
-    values every later stage uses instead of merging the task's defaults again."""
+    """A TrainSpec whose task was looked up once, with the effective values.
+
+    Every later stage uses these values instead of merging the task's defaults again
+    (`mjlab_hpc.tasks.registry.resolve`).
+    """
 
     train: TrainSpec
     """The spec as given."""
@@ -203,8 +219,10 @@ class ResolvedSpec:
         return self.train.task
 
     def replace_train(self, **changes: object) -> ResolvedSpec:
-        """The same resolution with some TrainSpec fields changed that do not affect it
-        (run directory, resume, ...)."""
+        """A copy with TrainSpec fields changed that do not affect the resolution.
+
+        Such fields are the run directory, resume, and the like.
+        """
         return dataclasses.replace(self, train=self.train.replace(**changes))
 
     def effective(self) -> dict[str, object]:
@@ -326,7 +344,7 @@ class SubmitSpec:
 
 
 def train_cli_args(spec: TrainSpec) -> list[str]:
-    """`mjlab-train` arguments that reproduce `spec` (its task and every non-default flag)."""
+    """Return `mjlab-train` arguments that reproduce `spec`: its task and non-default flags."""
     args = [spec.task]
     defaults = TrainSpec()
     for f in dataclasses.fields(TrainSpec):

@@ -113,13 +113,15 @@ def _ask(python: str, code: str) -> str:
 
 
 def _key(name: str) -> str:
-    """A distribution's name as pip compares them (PEP 503)."""
+    """Normalise a distribution's name as pip compares them (PEP 503)."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def install(folder: Path, venv: Path, python: str, extras: str, keep: bool = False) -> int:
-    """The project and the wheelhouse's wheels in `venv`, beside `python`'s own torch: a
-    package `python` has at the wheelhouse's version is kept (with `keep`: at any version)."""
+    """Install the project and the wheelhouse's wheels in `venv`, beside `python`'s own torch.
+
+    A package `python` has at the wheelhouse's version is kept (with `keep`: at any version).
+    """
     lock = folder / LOCK
     if not lock.is_file():
         print(
@@ -237,13 +239,13 @@ def main() -> int:
     if args.command == "make":
         make(
             args.folder.resolve(),
-            args.python_version,
-            args.platform or list(PLATFORMS),
-            args.extras,
+            python_version=args.python_version,
+            platforms=args.platform or list(PLATFORMS),
+            extras=args.extras,
         )
         return 0
     folder, venv = args.folder.resolve(), args.venv.resolve()
-    return install(folder, venv, args.python, args.extras, args.keep_installed)
+    return install(folder, venv, python=args.python, extras=args.extras, keep=args.keep_installed)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
-"""What every CLI shares: parsing (unknown `--env.*`/`--agent.*` arguments become overrides)
-and turning errors into one clear line and an exit code."""
+"""What every CLI shares: parsing, and errors turned into one clear line and an exit code.
+
+Arguments the CLI does not know become `--env.*`/`--agent.*` overrides, as mjlab's own train
+takes them; mjlab's spellings of booleans and lists work too.
+"""
 
 from __future__ import annotations
 
@@ -53,34 +56,44 @@ def error_line(label: str, message: object) -> None:
 
 
 def drop_internal_variables() -> None:
-    """`_MJLAB_HPC_*` variables are what our launchers set for the ranks they start. In a
-    command a person started they were set by nobody of ours (left exported, copied from a
-    job's environment) and would change how it runs (a run that ignores Ctrl-C): dropped,
-    said in one line."""
+    """Drop the `_MJLAB_HPC_*` variables from a command a person started, saying so.
+
+    Our launchers set them for the ranks they start. Anywhere else nobody of ours set them
+    (left exported, copied from a job's environment), and they would change how the command
+    runs (a run that ignores Ctrl-C).
+    """
     found = sorted(k for k in os.environ if k.startswith("_MJLAB_HPC_"))
     for key in found:
         del os.environ[key]
     if found:
-        print(f"warning: ignored {', '.join(found)}: internal variable(s) of mjlab_hpc's "
-              "own launchers, not settings (unset them)", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"warning: ignored {', '.join(found)}: internal variable(s) of mjlab_hpc's "
+            "own launchers, not settings (unset them)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _permission_problem(exc: PermissionError) -> str:
-    """What a PermissionError means, in one line: which file or folder, whose, for whom."""
+    """Say in one line what a PermissionError means: which file or folder, whose, for whom."""
     if not exc.filename:
         return f"permission denied: {exc}"
     where = Path(exc.filename).absolute()
     # The first folder on the way that this user may not enter, else the file itself.
     blocked = next((p for p in (where, *where.parents) if os.access(p.parent, os.X_OK)), where)
     whose = f" ({ownership(blocked)})" if ownership(blocked) else ""
-    return (f"{blocked} cannot be read or written by {getpass.getuser()}{whose}: ask its owner "
-            "for access (chmod g+rX for the group), or use your own runs")  # fmt: skip
+    return (
+        f"{blocked} cannot be read or written by {getpass.getuser()}{whose}: ask its owner "
+        "for access (chmod g+rX for the group), or use your own runs"
+    )
 
 
 def guarded(body: Callable[[], T]) -> T | int:
-    """Run a command body; bad input (SpecError, LaunchError) becomes one line and exit 2, a
-    refused submission one line and exit 1, a Ctrl-C that reached no handler of ours one line
-    and exit 130."""
+    """Run a command body, turning its errors into one line and an exit code.
+
+    Bad input (SpecError, LaunchError) exits 2, a refused submission 1, and a Ctrl-C that
+    reached no handler of ours 130.
+    """
     try:
         return body()
     except (SpecError, LaunchError) as exc:
@@ -108,31 +121,28 @@ def parse_with_overrides(
     description: str | None,
     attach: Callable[[T, tuple[str, ...]], T],
 ) -> T | int:
-    """Parse `argv` into `cls`; arguments tyro does not know are `--env.*`/`--agent.*`
-    overrides (as mjlab's own train takes them), given to `attach`. An exit code when an
-    argument is neither."""
+    """Parse `argv` into `cls`, or return an exit code when an argument is bad.
+
+    Arguments tyro does not know are `--env.*`/`--agent.*` overrides, given to `attach`.
+    """
     given = list(argv) if argv is not None else sys.argv[1:]
+
+    def parse() -> T:
+        args = mjlab_booleans(cls, python_lists(_none_values(given)))
+        spec, unknown = tyro.cli(cls, args=args, description=description, return_unknown_args=True)
+        return attach(spec, split_overrides(unknown))
+
     # A Ctrl-C while it loads, or a list that names nothing: one line.
-    return guarded(
-        lambda: _parsed(
-            cls, mjlab_booleans(cls, python_lists(_none_values(given))), description, attach
-        )
-    )
+    return guarded(parse)
 
 
-def _parsed(
-    cls: type[T], args: list[str] | None, description: str | None,
-    attach: Callable[[T, tuple[str, ...]], T],
-) -> T:  # fmt: skip
-    spec, unknown = tyro.cli(cls, args=args, description=description, return_unknown_args=True)
-    return attach(spec, split_overrides(unknown))
+def _bool_flags(cls: type) -> set[str]:
+    """Return `--name` of every boolean field of a spec dataclass, a nested spec's too.
 
-
-def _bool_flags(cls: type, hints: dict[str, object] | None = None) -> set[str]:
-    """`--name` of every boolean field of a spec dataclass (a nested spec's too: its flags
-    carry no prefix here)."""
+    A nested spec's flags carry no prefix here.
+    """
     found = set()
-    hints = hints if hints is not None else typing.get_type_hints(cls, include_extras=True)
+    hints = typing.get_type_hints(cls, include_extras=True)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         kind = hints[f.name]
         base = typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Annotated else kind
@@ -144,9 +154,11 @@ def _bool_flags(cls: type, hints: dict[str, object] | None = None) -> set[str]:
 
 
 def mjlab_booleans(cls: type, argv: list[str] | None) -> list[str] | None:
-    """`argv` with mjlab's spelling of booleans (`--video True`, `--video=false`) turned into
-    ours (`--video`, `--no-video`), for every boolean flag of `cls`: commands typed for mjlab's
-    train run unchanged."""
+    """Turn mjlab's spelling of booleans in `argv` into ours, for every boolean flag of `cls`.
+
+    `--video True` becomes `--video` and `--video=false` `--no-video`, so commands typed for
+    mjlab's train run unchanged.
+    """
     if argv is None:
         return None
     flags = _bool_flags(cls)
@@ -170,7 +182,7 @@ _NONE_FLAGS = ("--hang-timeout-s", "--save-every-min")
 
 
 def _none_values(argv: Sequence[str]) -> list[str]:
-    """`--hang-timeout-s none` as tyro reads it (`None`), in either spelling of the flag."""
+    """Spell `--hang-timeout-s none` as tyro reads it (`None`), in either form of the flag."""
     out = list(argv)
     for i, arg in enumerate(out):
         flag, eq, value = arg.partition("=")
@@ -187,8 +199,11 @@ _LIST_FLAGS = ("--gpu-ids",)
 
 
 def python_lists(argv: Sequence[str]) -> list[str]:
-    """`--gpu-ids "[0, 1]"` (mjlab's spelling, also `--gpu-ids=[0,1]` or unquoted) as
-    `--gpu-ids 0 1`; SpecError for a list that is empty or not of whole numbers."""
+    """Turn mjlab's `--gpu-ids "[0, 1]"` into `--gpu-ids 0 1`.
+
+    `--gpu-ids=[0,1]` and the unquoted list work too. SpecError for a list that is empty or
+    not of whole numbers.
+    """
     out: list[str] = []
     items = list(argv)
     while items:
@@ -218,7 +233,7 @@ def python_lists(argv: Sequence[str]) -> list[str]:
 
 
 def resume_command(prog: str, argv: Sequence[str], run_dir: str | Path) -> str:
-    """The command that continues a run: the same arguments, naming its run directory."""
+    """Return the command that continues a run: the same arguments, naming its run directory."""
     args: list[str] = []
     items = list(argv)
     while items:

@@ -40,7 +40,8 @@ from mjlab_hpc.rundir.state import interruptions, read_record
 from mjlab_hpc.spec import SubmitSpec
 from mjlab_hpc.tasks.registry import list_tasks as all_tasks
 from mjlab_hpc.validate import validate_submit
-from mjlab_hpc.validate.rules import RUN_NAME_PREFIX, no_control, path_component, positive_seconds
+from mjlab_hpc.validate.places import no_control, path_component, run_name
+from mjlab_hpc.validate.rules import positive_seconds
 
 __all__ = ["main"]
 
@@ -52,8 +53,10 @@ class ListTasks:
 
 @dataclass(frozen=True)
 class Render:
-    """Fill an sbatch template (train, train_apptainer, or a path) from mjlab-submit's flags
-    and print it; submit the result with plain `sbatch`."""
+    """Fill an sbatch template from mjlab-submit's flags and print it.
+
+    Submit the result with plain `sbatch`.
+    """
 
     template: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="TEMPLATE")]
     """train, train_apptainer (shipped in the package), or the path of a template of yours."""
@@ -63,8 +66,10 @@ class Render:
 
 @dataclass(frozen=True)
 class RunDirCommand:
-    """Print the run directory recorded under KEY, making it on first use (used by the
-    templates so that every rank and restart of one job shares one directory)."""
+    """Print the run directory recorded under KEY, making it on first use.
+
+    The templates use it so that every rank and restart of one job shares one directory.
+    """
 
     log_root: str = "logs"
     """Root folder of all experiments."""
@@ -78,8 +83,11 @@ class RunDirCommand:
 
 @dataclass(frozen=True)
 class Status:
-    """A table of runs: job, state, nodes x GPUs, iteration, env-steps/s, mean reward, restarts
-    and run directory. Without arguments: the runs under --log-root, newest first."""
+    """Show a table of runs.
+
+    Each row has the job, state, nodes x GPUs, iteration, env-steps/s, mean reward, restarts
+    and run directory. Without arguments: the runs under --log-root, newest first.
+    """
 
     targets: Annotated[
         tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR|JOB_ID")
@@ -100,8 +108,11 @@ class Status:
 
 @dataclass(frozen=True)
 class Logs:
-    """Per-rank logs of a run or job. Without --rank, the first traceback across all ranks
-    comes first, named by rank and host, then the end of every rank's log."""
+    """Show the per-rank logs of a run or job.
+
+    Without --rank, the first traceback across all ranks comes first, named by rank and host,
+    then the end of every rank's log.
+    """
 
     target: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="JOB|RUN")]
     """A job id (4711, 4711_2, a local job's pid) or a run directory."""
@@ -119,8 +130,11 @@ class Logs:
 
 @dataclass(frozen=True)
 class Cancel:
-    """Cancel a Slurm job (scancel, with requeue forbidden first) or stop a local-executor run
-    (its ranks save a checkpoint on SIGTERM; SIGKILL after --grace-s); no process is left."""
+    """Cancel a Slurm job or stop a local-executor run, leaving no process.
+
+    A Slurm job is cancelled with scancel, requeue forbidden first. A local run's ranks save
+    a checkpoint on SIGTERM; SIGKILL follows after --grace-s.
+    """
 
     target: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="JOB|RUN")]
     """A job id, a job array id (all its elements), a run or a sweep's directory."""
@@ -132,11 +146,13 @@ class Cancel:
 
 @dataclass(frozen=True)
 class Heal:
-    """For job scripts, after srun: when a rank crashed or hung, record the fault in run.json
-    and start the ranks again while restarts remain and the failure is not a repeat: exits 76
-    when the script should start a new srun step in its allocation (printing that step's srun
-    options: the nodes it leaves out, fewer nodes with --min-nodes), 0 when it requeued the
-    job (excluding a suspect node), else --exit-code."""
+    """Heal a job after srun (for job scripts): record a crash or hang, and start again.
+
+    The fault is recorded in run.json. The ranks start again while restarts remain and the
+    failure is not a repeat. Exits 76 when the script should start a new srun step in its
+    allocation (printing that step's srun options: the nodes it leaves out, fewer nodes with
+    --min-nodes), 0 when it requeued the job (excluding a suspect node), else --exit-code.
+    """
 
     run_dir: str
     """The job's run directory (a sweep's directory: this array element's run)."""
@@ -158,10 +174,13 @@ class Heal:
 
 @dataclass(frozen=True)
 class Doctor:
-    """Check that a job as asked would run on this cluster, on the cluster itself: Slurm's
-    commands, the partition and the request, a log root every node shares, the same Python
-    and mjlab_hpc on the nodes, GPUs per task, the time-limit signal, requeue, accounting and
-    job arrays. Two short probe jobs run; exit 0 only when every check passes."""
+    """Check on the cluster itself that a job as asked would run there.
+
+    It checks Slurm's commands, the partition and the request, a log root every node shares,
+    the same Python and mjlab_hpc on the nodes, GPUs per task, the time-limit signal,
+    requeue, accounting and job arrays. Two short probe jobs run; exit 0 only when every
+    check passes.
+    """
 
     spec: Annotated[SubmitSpec, tyro.conf.OmitArgPrefixes] = field(default_factory=SubmitSpec)
     """The job to check, as mjlab-submit's flags give it."""
@@ -175,8 +194,10 @@ class Doctor:
 
 @dataclass(frozen=True)
 class Plot:
-    """Mean reward and env-steps/s of runs against iteration and wall time, overlaid, as a PNG
-    (from their tensorboard events)."""
+    """Plot runs' mean reward and env-steps/s against iteration and wall time, as a PNG.
+
+    The runs are overlaid, read from their tensorboard events.
+    """
 
     runs: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(metavar="RUN")]
     """Run directories or job ids (a job array id: all its elements)."""
@@ -217,14 +238,17 @@ def list_tasks() -> int:
 
 
 def _runs_of(targets: Sequence[str], log_root: str) -> list[Path]:
-    """Run directories named by the arguments; all runs under the log root without any."""
+    """Return the run directories the arguments name; all runs under the log root without any."""
     if not targets:
         unreadable: list[Path] = []
         runs = list_runs(Path(log_root), unreadable)
         if unreadable:
-            print(f"note: {len(unreadable)} folder(s) under {log_root} not readable by "
-                  f"{getpass.getuser()}, left out: {', '.join(map(str, unreadable[:5]))}"
-                  + (" ..." if len(unreadable) > 5 else ""), file=sys.stderr)  # fmt: skip
+            print(
+                f"note: {len(unreadable)} folder(s) under {log_root} not readable by "
+                f"{getpass.getuser()}, left out: {', '.join(map(str, unreadable[:5]))}"
+                + (" ..." if len(unreadable) > 5 else ""),
+                file=sys.stderr,
+            )
         return runs
     runs: list[Path] = []
     for target in targets:
@@ -259,7 +283,7 @@ def status(cmd: Status) -> int:
 
 
 def single_run(target: str, log_root: str) -> Path:
-    """The one run directory an argument names (SpecError if it names several)."""
+    """Return the one run directory an argument names (SpecError if it names several)."""
     runs = resolve_target(target, Path(log_root)).runs
     if len(runs) != 1:
         names = "\n  ".join(str(r) for r in runs[:20])
@@ -346,9 +370,14 @@ def logs(cmd: Logs) -> int:
             return collect([jobs.run_dir]).rows[0].active
 
         def said(e: dict[str, Any]) -> tuple[object, ...]:
-            return (e.get("reason"), e.get("iteration"), e.get("job_id"),
-                    e.get("restart_count"), e.get("signal_at") or e.get("at"),
-                    "recovered_at" in e)  # fmt: skip
+            return (
+                e.get("reason"),
+                e.get("iteration"),
+                e.get("job_id"),
+                e.get("restart_count"),
+                e.get("signal_at") or e.get("at"),
+                "recovered_at" in e,
+            )
 
         seen = {said(e) for e in interruptions(read_record(run))}
 
@@ -405,7 +434,7 @@ def plot(cmd: Plot) -> int:
 
 
 def _label(run: Path) -> str:
-    """A run's legend label: its name without the leading timestamp, if it has a suffix."""
+    """Return a run's legend label: its name without the leading timestamp, if it has a suffix."""
     name = run.name
     return name[20:] if len(name) > 20 and name[19] == "_" and name[:4].isdigit() else name
 
@@ -433,7 +462,7 @@ def run_dir(cmd: RunDirCommand) -> int:
     path_component("--experiment", cmd.experiment)
     path_component("--key", cmd.key)
     if cmd.run_name:
-        path_component("--run-name", cmd.run_name, reserved=len(RUN_NAME_PREFIX) + 5)
+        run_name("--run-name", cmd.run_name)
     try:
         print(run_dir_for_key(cmd.log_root, cmd.experiment, cmd.run_name, cmd.key))
     except ValueError as exc:
@@ -448,7 +477,7 @@ def doctor(cmd: Doctor) -> int:
     resolved = validate_submit(spec, warn=lambda _: None)  # bad flags: exit 2
     say = (lambda _: None) if cmd.json else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
-        report = diagnose(spec, resolved, cmd.wait_s, keep=cmd.keep, progress=say)
+        report = diagnose(spec, resolved, wait_s=cmd.wait_s, keep=cmd.keep, progress=say)
     except KeyboardInterrupt:  # the probe jobs are cancelled and their folder removed
         print("doctor stopped: probe jobs cancelled", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -477,6 +506,19 @@ def doctor(cmd: Doctor) -> int:
     return 0 if report.ok else 1
 
 
+def heal(cmd: Heal) -> int:
+    """`mjlab-hpc heal`."""
+    return heal_job(
+        Path(cmd.run_dir),
+        exit_code=cmd.exit_code,
+        max_restarts=cmd.max_restarts,
+        elapsed_s=cmd.elapsed_s,
+        step_nodes=cmd.nodes,
+        min_nodes=cmd.min_nodes,
+        tasks_per_node=cmd.tasks_per_node,
+    )
+
+
 _COMMANDS = {
     ListTasks: lambda cmd: list_tasks(),
     Render: render_template,
@@ -486,20 +528,15 @@ _COMMANDS = {
     Cancel: cancel,
     Plot: plot,
     Doctor: doctor,
-    Heal: lambda cmd: heal_job(
-        Path(cmd.run_dir),
-        cmd.exit_code,
-        cmd.max_restarts,
-        cmd.elapsed_s,
-        cmd.nodes,
-        cmd.min_nodes,
-        cmd.tasks_per_node,
-    ),
+    Heal: heal,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `mjlab-hpc` (a Ctrl-C while the command loads is one line too)."""
+    """Run `mjlab-hpc` with `argv` and return its exit code.
+
+    A Ctrl-C while the command loads is one line too.
+    """
     if argv is None:  # a viewer: it ends when its reader does (`status --watch | head`)
         own_console.reopen()
 

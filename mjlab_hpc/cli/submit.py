@@ -23,10 +23,7 @@ from mjlab_hpc.cli.common import (
     resume_command,
 )
 from mjlab_hpc.errors import EXIT_INTERRUPTED
-from mjlab_hpc.launch.follow import (
-    Closing,
-    follow_to_end,
-)
+from mjlab_hpc.launch.follow import Closing, follow_to_end
 from mjlab_hpc.launch.local import LocalControls, local_processes, rank_outcomes
 from mjlab_hpc.launch.slurm import (
     allocation_env,
@@ -64,7 +61,7 @@ PROG = "mjlab-submit"
 
 
 def spec_yaml(spec: SubmitSpec, resolved: ResolvedSpec) -> str:
-    """The resolved spec as YAML (what every rank will run)."""
+    """Dump the resolved spec as YAML: what every rank will run."""
     data = dataclasses.asdict(spec)
     data["train"] = spec.train.to_dict()
     data["setup"] = list(spec.setup)
@@ -83,7 +80,7 @@ def spec_yaml(spec: SubmitSpec, resolved: ResolvedSpec) -> str:
 
 
 def summary_table(s: Submitted) -> Table:
-    """What was submitted, where it writes, and how to watch or cancel it."""
+    """Show what was submitted, where it writes, and how to watch or cancel it."""
     spec = s.spec
     n = s.resolved.num_envs
     t = Table(show_header=False, box=None, pad_edge=False)
@@ -116,10 +113,12 @@ def summary_table(s: Submitted) -> Table:
 
 
 def follow_job(s: Submitted, argv: Sequence[str]) -> int:
-    """Stay with the job: rank 0's progress until it ends, stop signals forwarded (a local job
-    stops at its next iteration boundary with a checkpoint, a Slurm job is cancelled with one;
-    a second signal stops at once, or for a Slurm job stops following), then one closing
-    line; the exit code."""
+    """Stay with the job to its end, then say one closing line and return the exit code.
+
+    Rank 0's progress is shown and stop signals are forwarded. A local job stops at its next
+    iteration boundary with a checkpoint; a Slurm job is cancelled with one. A second signal
+    stops a local job at once, and stops following a Slurm job.
+    """
     resume = resume_command(PROG, argv, s.run_dir)
     client = SlurmClient()
     # Once a stop is asked, Slurm's state is asked for now (at most every second): submitit's
@@ -161,20 +160,30 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
         return rank_outcomes(s.job, min(size, s.ranks))[1]
 
     ended, fg = follow_to_end(
-        s.run_dir, s.resolved.max_iterations, stop, kill, done, resume, failures,
-        cancels=s.executor == "slurm", num_envs=s.resolved.num_envs,
-    )  # fmt: skip
+        s.run_dir,
+        total=s.resolved.max_iterations,
+        stop=stop,
+        kill=kill,
+        done=done,
+        resume=resume,
+        failures=failures,
+        cancels=s.executor == "slurm",
+        num_envs=s.resolved.num_envs,
+    )
     if fg.killed and s.executor == "local":
-        wait_gone([p.pid for p in local_processes(s.run_dir)], 10)
+        wait_gone([p.pid for p in local_processes(s.run_dir)], timeout_s=10)
     elif fg.killed:  # a Slurm job goes on being cancelled (with its checkpoint)
-        ended = Closing(EXIT_INTERRUPTED, f"stopped following job {s.job_id}, which is being "
-                        f"cancelled with a checkpoint; then resume with: {resume}")  # fmt: skip
+        ended = Closing(
+            EXIT_INTERRUPTED,
+            f"stopped following job {s.job_id}, which is being "
+            f"cancelled with a checkpoint; then resume with: {resume}",
+        )
     ended.say()
     return ended.code
 
 
 def sweep_table(s: SubmittedSweep) -> Table:
-    """The submitted sweep: its job array, and every element's job, values and run."""
+    """Show the submitted sweep: its job array, and every element's job, values and run."""
     spec = s.spec
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold", no_wrap=True)
@@ -185,8 +194,11 @@ def sweep_table(s: SubmittedSweep) -> Table:
         t.add_row("job array", f"{s.array_job_id} (slurm), {n} elements{at_once}")
         if spec.chain > 1 and s.runs:
             arrays = [str(j.job_id).split("_")[0] for j in s.runs[0].chain]
-            t.add_row("chain", f"{' -> '.join([s.array_job_id, *arrays])}: each array starts "
-                      "when the one before has ended")  # fmt: skip
+            t.add_row(
+                "chain",
+                f"{' -> '.join([s.array_job_id, *arrays])}: each array starts "
+                "when the one before has ended",
+            )
     else:
         t.add_row("jobs", f"{n} local jobs ({s.executor}), all running at once")
     t.add_row(
@@ -223,8 +235,10 @@ def follow_sweep(s: SubmittedSweep, console: Console) -> int:
 
 
 def run(spec: SubmitSpec, argv: Sequence[str] = ()) -> int:
-    """Validate and submit (or print, with --dry-run); the exit code. `argv`: the command's
-    arguments (for the command that resumes the run)."""
+    """Validate and submit `spec` (or print it, with --dry-run), and return the exit code.
+
+    `argv` is the command's arguments, for the command that resumes the run.
+    """
     return guarded(lambda: _run(spec, argv))
 
 
@@ -262,7 +276,7 @@ def _run(spec: SubmitSpec, argv: Sequence[str]) -> int:
 
 
 def _no_slurm_here(spec: SubmitSpec) -> str:
-    """Why a dry run shows a Slurm script where there is no Slurm."""
+    """Say why a dry run shows a Slurm script where there is no Slurm."""
     if shutil.which("sbatch") or spec.executor == "slurm":
         return ""
     return f"; Slurm was not found here, {slurm_only(spec)} asks for it"
@@ -273,7 +287,7 @@ def in_allocation(spec: SubmitSpec, argv: Sequence[str]) -> int:
     resolved = validate_submit(spec)
     alloc = current_allocation(os.environ)
     assert alloc is not None  # validate_submit refuses --executor allocation outside one
-    code = plan_snapshot(Path.cwd(), not spec.snapshot)  # too large: refused, nothing made
+    code = plan_snapshot(Path.cwd(), off=not spec.snapshot)  # too large: refused, nothing made
     run_dir = make_run_dir(spec, resolved)
     record_code(code, run_dir)
     console = Console(stderr=True)
@@ -283,16 +297,21 @@ def in_allocation(spec: SubmitSpec, argv: Sequence[str]) -> int:
         soft_wrap=True,
     )
     console.print(f"run directory: {run_dir}", highlight=False, soft_wrap=True)
-    ended = run_in_allocation(spec, resolved, run_dir, alloc, resume_command(PROG, argv, run_dir))
+    ended = run_in_allocation(
+        spec, resolved, run_dir, alloc=alloc, resume=resume_command(PROG, argv, run_dir)
+    )
     ended.say()
     return ended.code
 
 
 def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
-    """Print the resolved spec, a sweep's elements with their planned run directories, and the
-    exact sbatch script of every job (a --chain's later ones wait for `JOB<K>`, the id the
-    job before gets), or the srun command, or what would start locally. Plain text,
-    uncropped: users copy the script from here."""
+    """Print what a submission would do, submitting nothing.
+
+    That is the resolved spec, a sweep's elements with their planned run directories, and
+    the exact sbatch script of every job, or the srun command, or what would start locally.
+    A --chain's later jobs wait for `JOB<K>`, the id the job before gets. The text is plain
+    and uncropped: users copy the script from here.
+    """
     out = sys.stdout
     out.write("# ---- resolved spec ----\n" + spec_yaml(spec, resolved))
     elements = sweep_elements(spec.train, spec.sweep) if spec.sweep else []
@@ -307,13 +326,15 @@ def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
     if executor == "allocation":
         alloc = current_allocation(os.environ)
         assert alloc is not None  # validate_submit refuses --executor allocation outside one
-        code = planned_record(plan_snapshot(Path.cwd(), not spec.snapshot), folder)
+        code = planned_record(plan_snapshot(Path.cwd(), off=not spec.snapshot), folder)
         env = [f"{k}={shlex.quote(v)}" for k, v in allocation_env(alloc, code).items()]
         command = allocation_srun(spec, resolved, folder)
-        out.write(f"# ---- srun inside the current allocation (dry run: not started) ----\n"
-                  f"{' '.join([*env, shlex.join(command)])}\n")  # fmt: skip
+        out.write(
+            f"# ---- srun inside the current allocation (dry run: not started) ----\n"
+            f"{' '.join([*env, shlex.join(command)])}\n"
+        )
     elif executor == "slurm":
-        code = planned_record(plan_snapshot(Path.cwd(), not spec.snapshot), folder)
+        code = planned_record(plan_snapshot(Path.cwd(), off=not spec.snapshot), folder)
         for link in range(1, spec.chain + 1):  # every job of a --chain: each its own script
             what = "sbatch script of the job array" if elements else "sbatch script"
             if spec.chain > 1:
@@ -321,8 +342,13 @@ def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
                 what += f", after JOB{link - 1}: the id job {link - 1} gets" if link > 1 else ""
             out.write(f"# ---- {what} (dry run: not submitted{_no_slurm_here(spec)}) ----\n")
             after = None if link == 1 else (f"JOB{link - 1}",)
-            out.write(render_array_sbatch(spec, folder, len(elements), code, link, after)
-                      if elements else render_sbatch(spec, folder, code, link, after))  # fmt: skip
+            if elements:
+                script = render_array_sbatch(
+                    spec, folder, len(elements), snapshot=code, link=link, after=after
+                )
+            else:
+                script = render_sbatch(spec, folder, snapshot=code, link=link, after=after)
+            out.write(script)
     else:
         what = (
             f"{len(elements)} local jobs of {spec.ranks_per_node} rank(s) each, all at once"
@@ -333,9 +359,11 @@ def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `mjlab-submit`. Arguments it does not know go to mjlab tasks as
-    `--env.*` / `--agent.*` overrides, passed to every rank. As a command (no `argv`), a
-    job it follows does not depend on the console."""
+    """Run `mjlab-submit` with `argv` and return its exit code.
+
+    Arguments it does not know go to mjlab tasks as `--env.*` / `--agent.*` overrides, passed
+    to every rank. As a command (no `argv`), a job it follows does not depend on the console.
+    """
     if argv is None:
         own_console.detach()
     args = list(sys.argv[1:] if argv is None else argv)

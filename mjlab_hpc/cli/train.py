@@ -46,21 +46,29 @@ PROG = "mjlab-train"
 
 
 def run(spec: TrainSpec, argv: Sequence[str] = ()) -> int:
-    """Validate, plan and run; the exit code. `argv`: the command's arguments (for the
-    command that resumes the run)."""
+    """Validate, plan and run `spec`, and return the exit code.
+
+    `argv` is the command's arguments, for the command that resumes the run.
+    """
     return guarded(lambda: _run(spec, argv))
 
 
 def _run(spec: TrainSpec, argv: Sequence[str]) -> int:
     launched_by = detect_mode(os.environ)
-    if launched_by == "single":  # a rank keeps what its launcher set
+    single = launched_by == "single"  # not a rank of torchrun, srun or submitit
+    if single:  # a rank keeps what its launcher set
         drop_internal_variables()
-    spec = continued(spec, named_flags(spec, argv), rank=launched_by != "single")
+    spec = continued(spec, named_flags(spec, argv), rank=not single)
     resolved = validate_train(spec, launched_by)
-    if launched_by != "single":
+    if not single:
         DistContext.from_env()  # inconsistent launcher variables: fail before any work
-    plan = plan_launch(spec, launched_by, cuda_device_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if spec.video and launched_by == "single":
+    plan = plan_launch(
+        spec,
+        launched_by,
+        cuda_count=cuda_device_count,
+        cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+    )
+    if spec.video and single:
         # The writer renders on this machine: a renderer that cannot start stops us here.
         problem = rendering_problem()
         if problem is not None:
@@ -69,7 +77,7 @@ def _run(spec: TrainSpec, argv: Sequence[str]) -> int:
                 f"{problem}. Install EGL (Debian: libegl1 libegl-mesa0 libgl1-mesa-dri) or "
                 "OSMesa (libosmesa6, then MUJOCO_GL=osmesa), or drop --video",
             )
-    alloc = current_allocation(os.environ) if launched_by == "single" else None
+    alloc = current_allocation(os.environ) if single else None
     if alloc is not None:
         print(
             f"note: inside Slurm allocation {alloc.job_id} ({alloc.nodes} node(s)): mjlab-train "
@@ -78,7 +86,7 @@ def _run(spec: TrainSpec, argv: Sequence[str]) -> int:
             file=sys.stderr,
             flush=True,
         )
-    if not resolved.train.run_dir and launched_by == "single":
+    if not resolved.train.run_dir and single:
         # Decided here, so the closing line can name it whatever happens to the ranks
         # (ranks of torchrun or srun agree on it among themselves).
         run_dir = create_run_dir(spec.log_root, resolved.experiment_name, resolved.train.run_name)
@@ -141,8 +149,11 @@ def _run_in_process(resolved: ResolvedSpec, plan: LaunchPlan, argv: Sequence[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `mjlab-train`. Arguments it does not know go to mjlab tasks as
-    `--env.*` / `--agent.*` overrides, as with mjlab's own train."""
+    """Run `mjlab-train` with `argv` and return its exit code.
+
+    Arguments it does not know go to mjlab tasks as `--env.*` / `--agent.*` overrides, as
+    with mjlab's own train.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     spec = parse_with_overrides(
         TrainSpec, args, __doc__, lambda s, overrides: s.replace(overrides=overrides)
@@ -151,10 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cli() -> NoReturn:
-    """The `mjlab-train` command: `main`, then out at once. A process that trained spends
-    seconds in its interpreter's teardown (torch's and Warp's native objects) after its closing
-    line, where a second Ctrl-C would not stop it; every record is written by then.
-    Training does not depend on the console (`console.detach`)."""
+    """Run the `mjlab-train` command: `main`, then exit at once.
+
+    A process that trained would spend seconds in its interpreter's teardown (torch's and
+    Warp's native objects) after its closing line, where a second Ctrl-C would not stop it;
+    every record is written by then. Training does not depend on the console
+    (`console.detach`).
+    """
     console.detach()
     code = main()
     console.settle()

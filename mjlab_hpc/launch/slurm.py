@@ -36,7 +36,7 @@ from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, train_cli_args
 from mjlab_hpc.validate import validate_submit
-from mjlab_hpc.validate.rules import sbatch_options
+from mjlab_hpc.validate.sbatch_args import sbatch_options
 
 __all__ = [
     "TEMPLATE_NAMES",

@@ -14,12 +14,14 @@ __all__ = ["agent_config", "apply_agent_overrides"]
 
 
 def agent_config(task: TaskInfo, save_interval: int, experiment_name: str) -> dict[str, Any]:
-    """The rsl-rl OnPolicyRunner config (5.x layout) for a built-in task: these defaults with
-    the task's own settings (`TaskInfo.agent`) in place."""
+    """Return the rsl-rl OnPolicyRunner config (5.x layout) for a built-in task.
+
+    The task's own settings (`TaskInfo.agent`) replace these defaults.
+    """
     a = task.agent
     # No value clipping (returns of tens to hundreds cannot follow a value clipped to move
-    # 0.2 per epoch) and no entropy bonus: measured, both built-in tasks learn faster and
-    # steadier without them (docs/performance.md, "Time to a target reward").
+    # 0.2 per epoch) and no entropy bonus: both built-in tasks learn faster and steadier
+    # without them (docs/performance.md).
     algorithm = {
         "class_name": "rsl_rl.algorithms.PPO",
         "num_learning_epochs": 5,
@@ -70,23 +72,22 @@ def agent_config(task: TaskInfo, save_interval: int, experiment_name: str) -> di
 
 
 def _override_pairs(overrides: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(flag, value) pairs from `--agent.key VALUE` / `--agent.key=VALUE` arguments."""
+    """Pair `--agent.key VALUE` / `--agent.key=VALUE` arguments into (flag, value)."""
     pairs: list[tuple[str, str]] = []
     items = list(overrides)
     while items:
-        flag = items.pop(0)
-        if "=" in flag:
-            flag, value = flag.split("=", 1)
-        elif items and not items[0].startswith("--"):
+        arg = items.pop(0)
+        flag, eq, value = arg.partition("=")
+        if not eq and items and not items[0].startswith("--"):
             value = items.pop(0)
-        else:
+        elif not eq:
             raise SpecError(flag, "needs a value (--agent.KEY VALUE)")
         pairs.append((flag, value))
     return pairs
 
 
 def apply_agent_overrides(cfg: dict[str, Any], overrides: tuple[str, ...]) -> dict[str, Any]:
-    """A built-in task's rsl-rl config with `--agent.KEY VALUE` overrides applied.
+    """Return a built-in task's rsl-rl config with `--agent.KEY VALUE` overrides applied.
 
     KEY is a setting at the top level (`num_steps_per_env`) or in exactly one of `algorithm`,
     `actor`, `critic` (`learning_rate`), or a dotted path (`algorithm.gamma`); dashes count as
@@ -103,8 +104,11 @@ def apply_agent_overrides(cfg: dict[str, Any], overrides: tuple[str, ...]) -> di
         value = _parse_value(flag, raw)
         if len(path) == 1:
             key = path[0]
-            homes = [out] if key in out else [out[s] for s in ("algorithm", "actor", "critic")
-                                                if key in out[s]]  # fmt: skip
+            homes = (
+                [out]
+                if key in out
+                else [out[s] for s in ("algorithm", "actor", "critic") if key in out[s]]
+            )
             if len(homes) != 1:
                 known = sorted(
                     {k for k, v in out.items() if not isinstance(v, dict)}
@@ -126,7 +130,7 @@ def apply_agent_overrides(cfg: dict[str, Any], overrides: tuple[str, ...]) -> di
 
 
 def _parse_value(flag: str, raw: str) -> Any:
-    """A value as YAML (`1e-3`, `[64,64]`, `true`); SpecError naming the flag when it is not."""
+    """Read a value as YAML (`1e-3`, `[64,64]`, `true`); SpecError naming the flag if not."""
     try:
         parsed = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
@@ -143,9 +147,11 @@ def _parse_value(flag: str, raw: str) -> Any:
 
 
 def _same_kind(flag: str, old: Any, new: Any, raw: str) -> Any:
-    """`new` where it can replace `old` (a whole number for a whole number, a number for a
-    number, a list for a list, ...); SpecError naming the flag otherwise, before the config
-    reaches rsl-rl."""
+    """Return `new` where it can replace `old`, or raise SpecError naming the flag.
+
+    A whole number replaces a whole number, a number a number, a list a list, and so on. The
+    error comes before the config reaches rsl-rl.
+    """
     if old is None or new is None:
         return new
     if isinstance(old, dict):

@@ -55,8 +55,8 @@ ANT_XML = f"""
 ANT_CFG = EnvConfig(xml=ANT_XML, decimation=4, episode_length=1000, nconmax=16, njmax=64)
 
 _MIN_Z, _MAX_Z = 0.26, 1.0  # torso height outside this range: the ant fell or flew off
-# Per unit of squared control. At 0.5 a random policy (std 1) paid ~2.4 a step for the 1 it
-# earned staying up, so PPO learned to fall sooner (docs/performance.md, "Time to a target").
+# Per unit of squared control. At 0.5 a random policy pays more for its effort than it earns
+# staying up, so PPO learns to fall sooner (docs/performance.md).
 _CTRL_COST = 0.1
 
 

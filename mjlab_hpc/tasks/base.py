@@ -37,9 +37,11 @@ _MIN_GRAPH_DRIVER = (12, 4)
 
 
 def graph_unusable(is_cuda: bool, mempool: bool, driver: tuple[int, int] | None) -> str | None:
-    """Why a Warp graph cannot step the worlds on this device (None: it can). CPU graphs
-    always can; CUDA graphs need Warp's memory pool (allocations inside a capture) and a
-    driver that runs conditional nodes."""
+    """Say why a Warp graph cannot step the worlds on this device (None: it can).
+
+    CPU graphs always can. CUDA graphs need Warp's memory pool (allocations inside a capture)
+    and a driver that runs conditional nodes.
+    """
     if not is_cuda:
         return None
     if driver is None:
@@ -135,8 +137,6 @@ class WarpVecEnv(VecEnv, abc.ABC):
         self._reset_worlds(self._all)
         self._obs = self._observations()
 
-    # --- physics -----------------------------------------------------------------------------
-
     def _substeps(self) -> None:
         for _ in range(self.cfg.decimation):
             mjw.step(self.model, self.data)
@@ -147,12 +147,14 @@ class WarpVecEnv(VecEnv, abc.ABC):
             mjw.step(self.model, self.data)
 
     def _capture(self) -> None:
-        """Capture the substeps on Warp's stream; where CUDA cannot, plain stepping and why,
-        said once."""
+        """Capture the substeps on Warp's stream.
+
+        Where that cannot be done, the worlds step without a graph, and a warning says why.
+        """
         why = graph_unusable(
-            self.wp_device.is_cuda,
-            self.wp_device.is_cuda and wp.is_mempool_enabled(self.wp_device),
-            wp.get_cuda_driver_version() if self.wp_device.is_cuda else None,
+            is_cuda=self.wp_device.is_cuda,
+            mempool=self.wp_device.is_cuda and wp.is_mempool_enabled(self.wp_device),
+            driver=wp.get_cuda_driver_version() if self.wp_device.is_cuda else None,
         )
         if why is None:
             try:
@@ -189,8 +191,6 @@ class WarpVecEnv(VecEnv, abc.ABC):
             else:
                 self._substeps()
 
-    # --- rsl-rl VecEnv -----------------------------------------------------------------------
-
     def get_observations(self) -> TensorDict:
         """Observations of the current state, grouped for rsl-rl."""
         return self._wrap(self._obs)
@@ -226,8 +226,6 @@ class WarpVecEnv(VecEnv, abc.ABC):
         u = torch.rand(shape, generator=self.generator, device=self.device)
         return low + (high - low) * u
 
-    # --- state for exact continuation ---------------------------------------------------------
-
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Everything an exact continuation of this rank's worlds needs."""
         return {
@@ -247,8 +245,6 @@ class WarpVecEnv(VecEnv, abc.ABC):
         self.episode_length_buf = state["episode_length_buf"].to(self.device).clone()
         self.generator.set_state(state["generator"].cpu())
         self._obs = self._observations()
-
-    # --- the task ------------------------------------------------------------------------------
 
     @abc.abstractmethod
     def _initial_state(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,14 +1,14 @@
-"""An environment's whole state, found by walking its object graph, saved by attribute path and
-put back in place: every torch tensor, Warp array, numpy array, random generator and plain
-value reachable from the environment object (its managers and their terms, the scene and its
-terrain, the simulator), so that a term that gains a buffer is saved without this code changing.
+"""An environment's whole state, found by walking its object graph and put back in place.
 
-Restoring writes into the fresh environment's own tensors and arrays (captured Warp graphs and
-views keep pointing at valid memory); a value the fresh environment lacks is set where its parent
-is; aliases (one tensor under several paths) stay one object. What a task's adapter says is not
-state (`Rules`: a renderer, memory the simulator recomputes) is left out. No library walks an
-arbitrary object graph this way (`torch.save` pickles objects instead of filling existing ones,
-and mjlab's own checkpoint keeps only a step counter), hence this module.
+Every torch tensor, Warp array, numpy array, random generator and plain value reachable from
+the environment object is saved by its attribute path, so a term that gains a buffer is saved
+without this code changing. Restoring writes into the fresh environment's own tensors and
+arrays, so captured Warp graphs and views keep pointing at valid memory. A value the fresh
+environment lacks is set where its parent is; aliases stay one object. What a task's adapter
+says is not state (`Rules`) is left out.
+
+No library walks an arbitrary object graph this way: `torch.save` pickles objects instead of
+filling existing ones, and mjlab's own checkpoint keeps only a step counter.
 """
 
 from __future__ import annotations
@@ -30,9 +30,23 @@ __all__ = ["Rules", "capture", "differences", "restore"]
 _SCALARS = (int, float, bool, str, bytes, complex, type(None), np.generic, enum.Enum)
 # Objects of these packages are not walked into (their state is not the environment's:
 # devices, modules, kernels, compiled MuJoCo models, dtypes).
-_NOT_WALKED = frozenset({"builtins", "torch", "numpy", "warp", "mujoco", "typing", "types",
-                         "functools", "collections", "enum", "abc", "threading",
-                         "logging"})  # fmt: skip
+_NOT_WALKED = frozenset(
+    {
+        "builtins",
+        "torch",
+        "numpy",
+        "warp",
+        "mujoco",
+        "typing",
+        "types",
+        "functools",
+        "collections",
+        "enum",
+        "abc",
+        "threading",
+        "logging",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -42,13 +56,16 @@ class Rules:
     skip_names: frozenset[str] = frozenset()
     """Attribute and key names never walked (a renderer, per-step log output)."""
     only_fields: Callable[[object], Iterable[str] | None] = lambda obj: None
-    """For an object whose state is a subset of its attributes (a simulator's data: the
-    integration state), those attributes; None: all of them."""
+    """The attributes that are an object's state, where they are a subset (None: all of them).
+
+    A simulator's data is one such object: its state is the integration state.
+    """
     derived: Callable[[object], Iterable[object]] = lambda root: ()
-    """What is recomputed from the state (a simulator's derived quantities, a renderer's
-    acceleration structures): Warp arrays, and objects left out whole with every array they
-    hold. Tensors and arrays whose memory lies in them are not saved, whatever they are
-    called."""
+    """What is recomputed from the state: Warp arrays, and objects left out whole.
+
+    Examples are a simulator's derived quantities and a renderer's acceleration structures.
+    Tensors and arrays whose memory lies in them are not saved, whatever they are called.
+    """
 
 
 @dataclass
@@ -102,8 +119,10 @@ def _is_rng(obj: object) -> bool:
 
 
 def _walk(root: object, name: str, rules: Rules, skipped: Iterable[object] = ()) -> _Graph:
-    """Every leaf by every path that reaches it (objects are entered once, breadth first, so
-    the shortest path names them); `skipped` objects are not entered."""
+    """Find every leaf by every path that reaches it; `skipped` objects are not entered.
+
+    Objects are entered once, breadth first, so the shortest path names them.
+    """
     graph = _Graph()
     seen: set[int] = {id(obj) for obj in skipped}
     queue: collections.deque[tuple[str, str, Any, bool, object]] = collections.deque(
@@ -120,8 +139,9 @@ def _walk(root: object, name: str, rules: Rules, skipped: Iterable[object] = ())
         if isinstance(obj, dict):
             graph.objects[path] = obj
             items = [(k, v) for k, v in obj.items() if isinstance(k, str | int | tuple)]
-            queue.extend((f"{path}[{k!r}]", path, k, False, v) for k, v in items
-                         if k not in rules.skip_names)  # fmt: skip
+            queue.extend(
+                (f"{path}[{k!r}]", path, k, False, v) for k, v in items if k not in rules.skip_names
+            )
         elif isinstance(obj, list | tuple):
             graph.objects[path] = obj
             queue.extend((f"{path}[{i}]", path, i, False, v) for i, v in enumerate(obj))
@@ -145,8 +165,10 @@ def _collapsed(t: torch.Tensor) -> torch.Tensor:
 
 
 def _as_torch(obj: object) -> torch.Tensor | None:
-    """A tensor viewing the memory of a tensor, Warp array or numpy array (None: a Warp array
-    of handles, such as textures, that is no state)."""
+    """Return a tensor viewing the memory of a tensor, Warp array or numpy array.
+
+    None for a Warp array of handles, such as textures, that is no state.
+    """
     if isinstance(obj, torch.Tensor):
         return _collapsed(obj.detach())
     if isinstance(obj, np.ndarray):
@@ -185,8 +207,11 @@ def _arrays_in(objects: Iterable[object]) -> Iterator[object]:
         if _is_array(obj):
             yield obj
         else:
-            yield from (leaf.value for leaf in _walk(obj, "", Rules()).leaves.values()
-                        if _is_array(leaf.value))  # fmt: skip
+            yield from (
+                leaf.value
+                for leaf in _walk(obj, "", Rules()).leaves.values()
+                if _is_array(leaf.value)
+            )
 
 
 def _rng_state(obj: object) -> tuple[str, Any]:
@@ -199,9 +224,11 @@ def _rng_state(obj: object) -> tuple[str, Any]:
 
 
 def capture(root: object, rules: Rules, name: str = "env") -> dict[str, Any]:
-    """The state of everything reachable from `root`: {path: (parent path, key, is attribute,
-    kind, value)}, tensors and arrays copied to the CPU (one copy per object, whatever the
-    number of paths to it)."""
+    """Capture the state of everything reachable from `root`.
+
+    The result maps each path to (parent path, key, is attribute, kind, value). Tensors and
+    arrays are copied to the CPU, one copy per object whatever the number of paths to it.
+    """
     derived = list(rules.derived(root))
     graph = _walk(root, name, rules, derived)
     memory = _Memory(_arrays_in(derived))
@@ -265,10 +292,13 @@ def _put_rng(obj: object, state: tuple[str, Any]) -> None:
         obj.setstate(value)  # type: ignore[attr-defined]
 
 
-def restore(root: object, state: dict[str, Any], rules: Rules, device: str, name: str = "env"
-            ) -> list[str]:  # fmt: skip
-    """Put `state` (from `capture`) back into `root`, in place; what could not be put back,
-    one line each (empty: everything)."""
+def restore(
+    root: object, state: dict[str, Any], rules: Rules, device: str, name: str = "env"
+) -> list[str]:
+    """Put `state` (from `capture`) back into `root`, in place.
+
+    Returns what could not be put back, one line each (empty: everything was).
+    """
     graph = _walk(root, name, rules, list(rules.derived(root)))
     problems: list[str] = []
     placed: dict[int, Any] = {}  # saved copy -> the object now holding it (aliases stay one)
@@ -314,8 +344,10 @@ def restore(root: object, state: dict[str, Any], rules: Rules, device: str, name
 
 
 def differences(a: dict[str, Any], b: dict[str, Any], limit: int = 10) -> list[str]:
-    """Paths whose saved values differ between two captures (or exist in one only), first
-    `limit` of them."""
+    """List the first `limit` paths whose saved values differ between two captures.
+
+    A path that exists in one capture only differs too.
+    """
     out = []
     for path in sorted(set(a) | set(b)):
         if path not in a or path not in b:

@@ -1,11 +1,8 @@
-"""What a task's worlds take in memory, and Warp initialised quietly (the ranks and the
-measurement here both start it).
+"""What a task's worlds take in memory, and Warp initialised quietly.
 
-`world_bytes` is the size of MuJoCo Warp's data for one more world of the task's model (what
-`mujoco_warp.make_data` allocates per world: state, contacts and constraints for nconmax and
-njmax), measured by making the data for one and for two worlds on the CPU: the same on every
-device. The model's own arrays, the environment's and rsl-rl's torch buffers and the process
-itself come on top, so `num_envs * world_bytes` is what a rank needs at least.
+`world_bytes` counts what `mujoco_warp.make_data` allocates per world (state, contacts and
+constraints for nconmax and njmax). The model's own arrays, the torch buffers and the
+process itself come on top, so `num_envs * world_bytes` is what a rank needs at least.
 """
 
 from __future__ import annotations
@@ -24,9 +21,11 @@ __all__ = ["device_memory", "init_warp", "world_bytes"]
 
 
 def init_warp() -> None:
-    """Initialise Warp without its "Could not find or load the NVIDIA CUDA driver" warning on
-    machines without a GPU (the native library prints it to stderr; everything else it prints
-    is passed on)."""
+    """Initialise Warp without its warning that it finds no CUDA driver.
+
+    Machines without a GPU would print it on every rank. The native library writes it to
+    stderr; everything else it writes there is passed on.
+    """
     import warp as wp
 
     wp.config.quiet = True
@@ -60,8 +59,12 @@ def _array_bytes(data: Any) -> int:
 
 
 def world_bytes(resolved: ResolvedSpec) -> int:
-    """Bytes of MuJoCo Warp data per world of the task's model (loads Warp and MuJoCo Warp,
-    and for a built-in task torch: ask only when the answer matters)."""
+    """Measure the bytes of MuJoCo Warp data per world of the task's model.
+
+    It makes the data for one and for two worlds on the CPU (the same size on every device).
+    It loads Warp and MuJoCo Warp, and torch for a built-in task: ask only when the answer
+    matters.
+    """
     if resolved.task in BUILTIN_TASKS:
         physics = BUILTIN_TASKS[resolved.task].physics
         assert physics is not None
@@ -84,7 +87,7 @@ def world_bytes(resolved: ResolvedSpec) -> int:
 
 
 def device_memory(index: int) -> int:
-    """Total memory of CUDA device `index` (relative to CUDA_VISIBLE_DEVICES), from Warp."""
+    """Return the total memory of CUDA device `index` (relative to CUDA_VISIBLE_DEVICES)."""
     init_warp()
     import warp as wp
 

@@ -1,10 +1,9 @@
-"""mjlab's registered tasks (Mjlab-Cartpole-Balance, Mjlab-Velocity-Flat-Unitree-G1, ...) as
-environments, PPO configs and runner classes our trainer can drive, built the way mjlab's own
-`train` builds them (docs/mjlab.md, "How a rank builds an mjlab task").
+"""mjlab's registered tasks as environments, PPO configs and runner classes our trainer drives.
 
-mjlab is optional: it is imported only inside functions, so this module loads without it
-(`mjlab_available()`). It knows nothing of the rest of the toolkit: the registry asks it for a
-task's defaults, each rank's workload for a ready environment.
+They are built the way mjlab's own `train` builds them (docs/mjlab.md). mjlab is optional: it
+is imported only inside functions, so this module loads without it (`mjlab_available()`). It
+knows nothing of the rest of the toolkit: the registry asks it for a task's defaults, each
+rank's workload for a ready environment.
 """
 
 from __future__ import annotations
@@ -60,15 +59,17 @@ _DEFAULT_NAN_DUMPS = "/tmp/mjlab/nan_dumps"
 
 
 def mjlab_available() -> bool:
-    """Whether mjlab is installed (checked without importing it: that takes ~10 s)."""
+    """Whether mjlab is installed (checked without importing it: that takes seconds)."""
     return importlib.util.find_spec("mjlab") is not None
 
 
 def _registry() -> Any:
-    """mjlab's task registry, filled (importing mjlab.tasks registers the built-in tasks).
-    MuJoCo loads its offscreen GL library when it is imported: without MUJOCO_GL and EGL, none
-    (`prepare_gl`); a MUJOCO_GL whose library is missing is one SpecError naming it, not an
-    import traceback."""
+    """Return mjlab's task registry, filled (importing mjlab.tasks registers mjlab's tasks).
+
+    MuJoCo loads its offscreen GL library when it is imported: none without MUJOCO_GL and EGL
+    (`prepare_gl`). A MUJOCO_GL whose library is missing is one SpecError naming it, not an
+    import traceback.
+    """
     prepare_gl()
     try:
         import mjlab.tasks  # noqa: F401
@@ -88,15 +89,17 @@ def _registry() -> Any:
 
 
 def list_mjlab_tasks() -> list[str]:
-    """The registered mjlab task ids, sorted (empty when mjlab is not installed)."""
+    """List the registered mjlab task ids, sorted (empty when mjlab is not installed)."""
     if not mjlab_available():
         return []
     return list(_registry().list_tasks())
 
 
 def is_mjlab_task(name: str) -> bool:
-    """Whether `name` is a registered mjlab task (imports mjlab: ask about built-in names
-    first, that import takes seconds)."""
+    """Whether `name` is a registered mjlab task.
+
+    It imports mjlab, which takes seconds: ask about built-in names first.
+    """
     return name in list_mjlab_tasks()
 
 
@@ -139,7 +142,7 @@ def _unknown_task(task: str) -> KeyError:
 
 
 def load_mjlab_cfgs(task: str) -> tuple[Any, Any, type, bool]:
-    """(env cfg, agent cfg, runner class, is tracking task) from mjlab's registry; fresh copies."""
+    """Load fresh copies of (env cfg, agent cfg, runner class, is tracking) from the registry."""
     if not mjlab_available():
         raise _unknown_task(task)
     registry = _registry()
@@ -165,7 +168,7 @@ def _flags(args: Sequence[str]) -> list[str]:
 
 
 def _tyro_message(text: str) -> str:
-    """tyro's error panel as one line (it prints a titled box, then the helptext)."""
+    """Flatten tyro's error panel (a titled box, then the helptext) into one line."""
     text = re.split(r"Argument helptext:|For full helptext", text)[0]
     text = re.sub(r"[─━│╭╮╰╯┃-]{3,}", " ", text).replace("│", " ")
     lines = [line for line in text.splitlines() if line.strip()]
@@ -174,8 +177,11 @@ def _tyro_message(text: str) -> str:
 
 
 def apply_overrides(env_cfg: Any, agent_cfg: Any, overrides: Sequence[str]) -> tuple[Any, Any]:
-    """Parse `--env.*` / `--agent.*` arguments with tyro against the two cfgs, the way mjlab's
-    train script does; returns new (env_cfg, agent_cfg). ValueError names a bad argument."""
+    """Parse `--env.*` / `--agent.*` arguments with tyro against the two cfgs.
+
+    It parses them the way mjlab's train script does and returns new (env_cfg, agent_cfg).
+    ValueError names a bad argument.
+    """
     args = list(overrides)
     if not args:
         return env_cfg, agent_cfg
@@ -239,8 +245,11 @@ def apply_overrides(env_cfg: Any, agent_cfg: Any, overrides: Sequence[str]) -> t
 def configured_cfgs(
     task: str, num_envs: int | None, max_iterations: int | None, overrides: Sequence[str]
 ) -> tuple[Any, Any, type, bool]:
-    """The task's registered cfgs with our common flags (None keeps the task's value), then
-    the user's overrides (they win): (env cfg, agent cfg, runner class, is tracking task)."""
+    """Return the task's registered cfgs with our flags, then the user's overrides, applied.
+
+    None keeps the task's value; the overrides win. The answer is (env cfg, agent cfg, runner
+    class, is tracking task).
+    """
     env_cfg, agent_cfg, runner_cls, tracking = load_mjlab_cfgs(task)
     if num_envs is not None:
         env_cfg.scene.num_envs = num_envs
@@ -255,11 +264,14 @@ def configured_cfgs(
 def world_model(
     task: str, num_envs: int | None, overrides: Sequence[str]
 ) -> tuple[Any, int | None, int | None]:
-    """The MjModel of one world of the task's scene, as mjlab's Simulation compiles it, and
-    the contacts and constraints per world it allocates (nconmax, njmax)."""
+    """Compile one world of the task's scene as mjlab's Simulation does.
+
+    Returns the MjModel and the contacts and constraints per world it allocates (nconmax,
+    njmax).
+    """
     from mjlab.scene import Scene
 
-    env_cfg, _, _, _ = configured_cfgs(task, num_envs, None, overrides)
+    env_cfg, _, _, _ = configured_cfgs(task, num_envs, max_iterations=None, overrides=overrides)
     model = Scene(env_cfg.scene, "cpu").compile()
     env_cfg.sim.mujoco.apply(model)
     return model, env_cfg.sim.nconmax, env_cfg.sim.njmax
@@ -280,19 +292,22 @@ def make_mjlab_runtime(
     nan_guard: bool = False,
     nan_guard_dir: str | None = None,
 ) -> MjlabRuntime:
-    """Build one rank's env for a registered mjlab task, its rsl-rl config and runner class, in
-    the order of mjlab's train: the registered cfgs, our flags (None keeps the task's value), the
-    user's `overrides`, then this rank's `seed`; the env is built in `wp.ScopedDevice(device)` and
-    wrapped in mjlab's RslRlVecEnvWrapper. `motion_file`: what --registry-name fetched, where the
-    config names no file; `registry_name` goes to the runner (W&B lineage). `recording`: videos as
-    mjlab's --video (EGL on this rank's GPU). `nan_guard`: --enable-nan-guard, dumps in
-    `nan_guard_dir` unless the config names another folder. `cpu_graph`: replay physics through
-    captured Warp graphs on CPU, as mjlab does on CUDA (bit-identical, faster; docs/mjlab.md).
+    """Build one rank's env for a registered mjlab task, with its rsl-rl config and runner class.
+
+    The order is mjlab's train's: the registered cfgs, our flags (None keeps the task's
+    value), the user's `overrides`, then this rank's `seed`. The env is built in
+    `wp.ScopedDevice(device)` and wrapped in mjlab's RslRlVecEnvWrapper.
+
+    `motion_file` is what --registry-name fetched, used where the config names no file;
+    `registry_name` goes to the runner (W&B lineage). `recording` records videos as mjlab's
+    --video does (EGL on this rank's GPU). `nan_guard` is --enable-nan-guard, its dumps in
+    `nan_guard_dir` unless the config names another folder. `cpu_graph` replays physics
+    through captured Warp graphs on CPU, as mjlab does on CUDA (bit-identical, faster).
     """
     if recording is not None and (problem := gl_unloadable()) is not None:
         raise RuntimeError(f"--video: {problem}; install them on this node, or drop --video")
     env_cfg, agent_cfg, runner_cls, tracking = configured_cfgs(
-        task, num_envs, max_iterations, overrides
+        task, num_envs=num_envs, max_iterations=max_iterations, overrides=overrides
     )
     agent_cfg.seed = seed
     env_cfg.seed = seed
@@ -305,12 +320,11 @@ def make_mjlab_runtime(
         motion = env_cfg.commands["motion"]
         if motion_file and not (motion.motion_file and Path(motion.motion_file).is_file()):
             motion.motion_file = motion_file
-        motion_file = motion.motion_file
-        if not motion_file or not Path(motion_file).is_file():
+        if not motion.motion_file or not Path(motion.motion_file).is_file():
             raise ValueError(
                 f"{task} imitates a motion: give {_MOTION_FLAG} /path/to/motion.npz "
-                f"(got {motion_file!r}) on the shared filesystem; mjlab_hpc does not download "
-                "W&B registry motions itself"
+                f"(got {motion.motion_file!r}) on the shared filesystem; mjlab_hpc does not "
+                "download W&B registry motions itself"
             )
         runner_kwargs["registry_name"] = _with_alias(registry_name) if registry_name else None
 
@@ -346,8 +360,10 @@ def make_mjlab_runtime(
 
 
 def _make_env(env_cfg: Any, device: str, recording: Recording | None) -> Any:
-    """mjlab's env, with an offscreen renderer when it records; a renderer that cannot start
-    is one line naming --video, not a GL traceback."""
+    """Make mjlab's env, with an offscreen renderer when it records.
+
+    A renderer that cannot start is one line naming --video, not a GL traceback.
+    """
     from mjlab.envs import ManagerBasedRlEnv
 
     if recording is None:
@@ -384,8 +400,6 @@ def enable_cpu_graph(env: Any) -> bool:
     return True
 
 
-# The environment's whole state (docs/mjlab.md, "Resume and preemption") -------------------
-
 # Not the environment's state: the video renderer, mjlab's NaN guard (recent states kept for a
 # dump), the step's log output, whether physics replays graphs (--use-graph).
 _NOT_STATE = frozenset({"_offline_renderer", "nan_guard", "extras", "use_cuda_graph"})
@@ -394,9 +408,11 @@ _DATA_FIELDS = {"warmstart": "qacc_warmstart", "plugin": "plugin_state"}
 
 
 def _integration_state() -> frozenset[str]:
-    """The mujoco_warp Data fields of MuJoCo's integration state (mjSTATE_INTEGRATION: what
-    `mj_getState` keeps for an exact continuation); the rest of Data is what `forward`
-    computes from them."""
+    """Return the mujoco_warp Data fields of MuJoCo's integration state (mjSTATE_INTEGRATION).
+
+    They are what `mj_getState` keeps for an exact continuation; `forward` computes the rest
+    of Data from them.
+    """
     import mujoco
 
     every = int(mujoco.mjtState.mjSTATE_INTEGRATION)
@@ -410,10 +426,13 @@ def _integration_state() -> frozenset[str]:
 
 
 def state_rules() -> Any:
-    """What of an mjlab env (a ManagerBasedRlEnv) is its state: everything reachable from it
-    but the renderer, the NaN guard and the step's log; of the simulator's Data, the
-    integration state (`forward` recomputes the rest); not the raycast sensors' render context
-    (its acceleration structures are refit before every use)."""
+    """Say what of an mjlab env (a ManagerBasedRlEnv) is its state, for `envstate`.
+
+    It is everything reachable from the env but the renderer, the NaN guard and the step's
+    log. Of the simulator's Data it is the integration state (`forward` recomputes the rest).
+    The raycast sensors' render context is left out: its acceleration structures are refit
+    before every use.
+    """
     import mujoco_warp
 
     from mjlab_hpc.tasks.envstate import Rules  # torch and warp: only where envs are made
@@ -426,8 +445,11 @@ def state_rules() -> Any:
         context = env.scene.sensor_context
         return out if context is None else [*out, context.render_context]
 
-    return Rules(_NOT_STATE, lambda obj: state if isinstance(obj, mujoco_warp.Data) else None,
-                 derived)  # fmt: skip
+    return Rules(
+        skip_names=_NOT_STATE,
+        only_fields=lambda obj: state if isinstance(obj, mujoco_warp.Data) else None,
+        derived=derived,
+    )
 
 
 def _is_plain(value: object) -> bool:
@@ -435,15 +457,17 @@ def _is_plain(value: object) -> bool:
 
 
 def capture_env(env: Any) -> dict[str, Any]:
-    """The whole state of an mjlab env (the rsl-rl wrapper or the env), copied to the CPU."""
+    """Capture the whole state of an mjlab env (the rsl-rl wrapper or the env) on the CPU."""
     from mjlab_hpc.tasks.envstate import capture
 
     return capture(env.unwrapped, state_rules())
 
 
 def restore_env(env: Any, state: dict[str, Any], device: str) -> list[str]:
-    """Put `capture_env`'s state into a freshly built env of the same task, in place; what
-    could not be put back (empty: everything)."""
+    """Put `capture_env`'s state into a freshly built env of the same task, in place.
+
+    Returns what could not be put back (empty: everything was).
+    """
     import torch
     import warp as wp
 
@@ -461,8 +485,10 @@ def restore_env(env: Any, state: dict[str, Any], device: str) -> list[str]:
 
 
 def dump_params(run_dir: str | os.PathLike[str], runtime: MjlabRuntime) -> tuple[Path, Path]:
-    """Write <run_dir>/params/env.yaml and agent.yaml exactly as mjlab's train script does
-    (rank 0 only is the caller's business). Returns the two paths."""
+    """Write <run_dir>/params/env.yaml and agent.yaml exactly as mjlab's train script does.
+
+    Only rank 0 should call it. Returns the two paths.
+    """
     from mjlab.utils.os import dump_yaml
 
     params = Path(run_dir) / "params"
@@ -470,9 +496,6 @@ def dump_params(run_dir: str | os.PathLike[str], runtime: MjlabRuntime) -> tuple
     dump_yaml(env_yaml, dataclasses.asdict(runtime.env_cfg))
     dump_yaml(agent_yaml, dataclasses.asdict(runtime.agent_cfg))
     return env_yaml, agent_yaml
-
-
-# Tracking tasks' motion file ------------------------------------------------------------------
 
 
 def _with_alias(registry_name: str) -> str:
@@ -510,9 +533,13 @@ class MjlabDefaults:
 def task_defaults(
     task: str, num_envs: int | None, max_iterations: int | None, overrides: Sequence[str]
 ) -> MjlabDefaults:
-    """A registered task's effective values after our flags and the overrides (ValueError
-    naming a bad override); imports mjlab but builds nothing."""
-    env_cfg, agent_cfg, _, tracking = configured_cfgs(task, num_envs, max_iterations, overrides)
+    """Return a registered task's effective values after our flags and the overrides.
+
+    ValueError names a bad override. It imports mjlab but builds nothing.
+    """
+    env_cfg, agent_cfg, _, tracking = configured_cfgs(
+        task, num_envs=num_envs, max_iterations=max_iterations, overrides=overrides
+    )
     return MjlabDefaults(
         num_envs=int(env_cfg.scene.num_envs),
         max_iterations=int(agent_cfg.max_iterations),

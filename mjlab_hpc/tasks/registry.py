@@ -1,5 +1,7 @@
-"""The task registry: every task, built-in or registered in mjlab, and the one place a
-training spec's task is resolved into the values every later stage uses."""
+"""The task registry: every task, built-in or registered in mjlab.
+
+It is the one place a training spec's task is resolved into the values every later stage uses.
+"""
 
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ __all__ = ["list_tasks", "resolve"]
 
 
 def list_tasks() -> list[TaskInfo]:
-    """Every task: the built-in ones, then mjlab's (when the [mjlab] extra is installed) with
-    their registered defaults."""
+    """List every task: the built-in ones, then mjlab's with their registered defaults.
+
+    mjlab's tasks are listed when the [mjlab] extra is installed.
+    """
     tasks = list(BUILTIN_TASKS.values())
     for name in mjlab.list_mjlab_tasks():
-        defaults = mjlab.task_defaults(name, None, None, ())
+        defaults = mjlab.task_defaults(name, num_envs=None, max_iterations=None, overrides=())
         tasks.append(
             TaskInfo(
                 name=name,
@@ -42,13 +46,14 @@ def list_tasks() -> list[TaskInfo]:
 
 
 def resolve(spec: TrainSpec) -> ResolvedSpec:
-    """Look the spec's task up once, built-in or registered in mjlab, and apply the spec's flags
-    and `--env.*`/`--agent.*` overrides: the effective values every later stage uses.
+    """Look the spec's task up once and apply its flags and overrides.
 
-    SpecError naming TASK for an unknown task (with the known ones), or the override flag that
-    cannot apply. A run that starts from another run's checkpoint (`--agent.resume True`)
-    gets it here, and a tracking task its motion (`--registry-name`): W&B downloads happen
-    here, once, before anything of the run exists.
+    The result holds the effective values every later stage uses. The task is built-in or
+    registered in mjlab; the overrides are `--env.*`/`--agent.*`. SpecError names TASK for an
+    unknown task (with the known ones), or the override flag that cannot apply. A run that
+    starts from another run's checkpoint (`--agent.resume True`) gets it here, and a tracking
+    task its motion (`--registry-name`): W&B downloads happen here, once, before anything of
+    the run exists.
     """
     overrides = tuple(spec.overrides)
     if spec.task in BUILTIN_TASKS:
@@ -69,7 +74,11 @@ def resolve(spec: TrainSpec) -> ResolvedSpec:
             max_iterations=spec.max_iterations or task.max_iterations,
             experiment_name=experiment,
             start_checkpoint=_start_checkpoint(
-                spec, experiment, bool(cfg["resume"]), cfg["load_run"], cfg["load_checkpoint"]
+                spec,
+                experiment,
+                resume=bool(cfg["resume"]),
+                load_run=cfg["load_run"],
+                load_checkpoint=cfg["load_checkpoint"],
             ),
         )
     if not mjlab.is_mjlab_task(spec.task):
@@ -118,7 +127,11 @@ def resolve(spec: TrainSpec) -> ResolvedSpec:
         max_iterations=defaults.max_iterations,
         experiment_name=experiment,
         start_checkpoint=_start_checkpoint(
-            spec, experiment, defaults.resume, defaults.load_run, defaults.load_checkpoint
+            spec,
+            experiment,
+            resume=defaults.resume,
+            load_run=defaults.load_run,
+            load_checkpoint=defaults.load_checkpoint,
         ),
         motion_file=motion,
     )
@@ -127,9 +140,12 @@ def resolve(spec: TrainSpec) -> ResolvedSpec:
 def _start_checkpoint(
     spec: TrainSpec, experiment: str, resume: bool, load_run: str, load_checkpoint: str
 ) -> str | None:
-    """The checkpoint of another run a new run starts from (mjlab's --agent.resume True:
-    --wandb-run-path, else the latest run matching --agent.load-run), None without one. A run
-    directory that holds checkpoints continues from its own: none is looked up."""
+    """Return the checkpoint of another run that a new run starts from, or None.
+
+    With mjlab's --agent.resume True it is --wandb-run-path's, else the latest run matching
+    --agent.load-run. A run directory that holds checkpoints continues from its own: none is
+    looked up.
+    """
     if not resume:
         return None
     if spec.run_dir and run_checkpoints(Path(spec.run_dir)):

@@ -1,8 +1,8 @@
-"""Videos of training as mjlab's train records them (`--video`): env 0 of the writer rank,
-`--video-length` frames every `--video-interval` env steps, into
-<run>/videos/train/rl-video-step-<n>.mp4, rendered offscreen (MUJOCO_GL=egl or osmesa). On a
-GPU the writer renders on the EGL device of its own CUDA device (EGL numbers devices in its own
-order); on a CPU machine Mesa's software EGL renders (docs/mjlab.md).
+"""Videos of training as mjlab's train records them (`--video`), and offscreen GL.
+
+The writer rank records env 0 into <run>/videos/train, rendered offscreen (MUJOCO_GL=egl or
+osmesa). On a GPU it renders on the EGL device of its own CUDA device (EGL numbers devices in
+its own order); on a CPU machine Mesa's software EGL renders (docs/mjlab.md).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Recording:
 
 
 def gl_backend() -> str:
-    """The offscreen GL MuJoCo uses here (mjlab makes egl the default on Linux)."""
+    """Return the offscreen GL MuJoCo uses here (mjlab makes egl the default on Linux)."""
     default = "egl" if sys.platform.startswith("linux") else "glfw"
     return os.environ.get("MUJOCO_GL", default).lower()
 
@@ -86,8 +86,10 @@ def _loads(names: tuple[str, ...]) -> bool:
 
 
 def gl_unloadable(backend: str | None = None) -> str | None:
-    """Why the GL library of `backend` (default: the one MuJoCo will use here) cannot load on
-    this machine, with what to install; None when it loads (or MuJoCo loads none)."""
+    """Say why the GL library of `backend` cannot load here, and what to install.
+
+    `backend` defaults to the one MuJoCo will use here. None: it loads, or MuJoCo loads none.
+    """
     backend = backend or gl_backend()
     if backend not in _GL_LIBRARIES or not sys.platform.startswith("linux"):
         return None
@@ -102,9 +104,11 @@ def gl_unloadable(backend: str | None = None) -> str | None:
 
 
 def prepare_gl() -> str | None:
-    """Before MuJoCo is first imported for mjlab (which makes egl the default, and MuJoCo loads
-    it at import): where MUJOCO_GL is unset and EGL does not load, MUJOCO_GL=disable, so a node
-    without EGL trains (nothing is rendered). What was done, or None."""
+    """Set MUJOCO_GL=disable where it is unset and EGL does not load; say so, or return None.
+
+    A node without EGL then trains, rendering nothing. Call it before MuJoCo is first
+    imported for mjlab: mjlab makes egl the default, and MuJoCo loads it at import.
+    """
     if "MUJOCO_GL" in os.environ:
         return None
     problem = gl_unloadable("egl")
@@ -115,8 +119,10 @@ def prepare_gl() -> str | None:
 
 
 def rendering_problem(timeout_s: float = 120.0) -> str | None:
-    """Why MuJoCo cannot render offscreen on this machine (None: it can), from one tiny
-    render in a separate process with this environment."""
+    """Say why MuJoCo cannot render offscreen on this machine (None: it can).
+
+    One tiny render runs in a separate process with this environment.
+    """
     env = {**os.environ, "MUJOCO_GL": gl_backend()}
     proc = run_command([sys.executable, "-c", _PROBE], timeout_s=timeout_s, env=env)
     if proc is not None and proc.returncode == 0 and "rendered" in proc.stdout:
@@ -129,9 +135,11 @@ def rendering_problem(timeout_s: float = 120.0) -> str | None:
 
 
 def egl_device_for_cuda(ordinal: int) -> int | None:
-    """The EGL device index of CUDA device `ordinal` (this process's numbering), through
-    EGL_NV_device_cuda; None where EGL is not the backend or cannot say (no NVIDIA EGL, a
-    driver without the extension)."""
+    """Return the EGL device index of CUDA device `ordinal` (this process's numbering).
+
+    It asks EGL_NV_device_cuda. None where EGL is not the backend or cannot say (no NVIDIA
+    EGL, a driver without the extension).
+    """
     if gl_backend() != "egl":
         return None
     try:
@@ -155,17 +163,22 @@ def egl_device_for_cuda(ordinal: int) -> int | None:
 
 
 def egl_device_id(device: str, egl_of: Callable[[int], int | None] = egl_device_for_cuda) -> str:
-    """MUJOCO_EGL_DEVICE_ID for a rank on `device` (`cuda:k`): the EGL device of CUDA device k
-    of this process, whatever CUDA_VISIBLE_DEVICES holds (indices, UUIDs, one renumbered GPU);
-    k itself where EGL cannot say (the orders agree on most single-GPU tasks)."""
+    """Return MUJOCO_EGL_DEVICE_ID for a rank on `device` (`cuda:k`).
+
+    It is the EGL device of CUDA device k of this process, whatever CUDA_VISIBLE_DEVICES
+    holds (indices, UUIDs, one renumbered GPU). Where EGL cannot say it is k itself (the
+    orders agree on most single-GPU tasks).
+    """
     ordinal = int(device.partition(":")[2] or 0)
     egl = egl_of(ordinal)
     return str(ordinal if egl is None else egl)
 
 
 def use_ffmpeg() -> None:
-    """Make mediapy (which mjlab's VideoRecorder writes with) find an ffmpeg: the one on
-    PATH, else imageio-ffmpeg's binary."""
+    """Make mediapy, which mjlab's VideoRecorder writes with, find an ffmpeg.
+
+    It takes the one on PATH, else imageio-ffmpeg's binary.
+    """
     if shutil.which("ffmpeg"):
         return
     try:
@@ -178,8 +191,10 @@ def use_ffmpeg() -> None:
 
 
 def record_videos(env: Any, recording: Recording) -> Any:
-    """`env` (a ManagerBasedRlEnv made with render_mode="rgb_array") wrapped in mjlab's
-    VideoRecorder exactly as mjlab's train wraps it."""
+    """Wrap `env` in mjlab's VideoRecorder exactly as mjlab's train wraps it.
+
+    `env` is a ManagerBasedRlEnv made with render_mode="rgb_array".
+    """
     from mjlab.utils.wrappers import VideoRecorder
 
     use_ffmpeg()

@@ -1,8 +1,10 @@
-"""Where a new run's weights come from when it starts from another run (mjlab's `--agent.resume
-True` with --agent.load-run / --agent.load-checkpoint, or --wandb-run-path /
---wandb-checkpoint-name), and a tracking task's --registry-name motion: looked up once, when
-the task is resolved, before anything of the run exists. W&B downloads land in the experiment
-folder (`.wandb_checkpoints/`, `.wandb_motions/`), so ranks and restarts need no network.
+"""Where a new run's weights come from when it starts from another run, and a tracking motion.
+
+Weights come from mjlab's `--agent.resume True` with --agent.load-run / --agent.load-checkpoint,
+or from --wandb-run-path; a tracking task's motion from --registry-name. Both are looked up
+once, when the task is resolved, before anything of the run exists. W&B downloads land in the
+experiment folder (`.wandb_checkpoints/`, `.wandb_motions/`), so ranks and restarts need no
+network.
 """
 
 from __future__ import annotations
@@ -52,13 +54,21 @@ def _compile(flag: str, pattern: str) -> re.Pattern[str]:
 
 
 def run_checkpoints(run: Path, pattern: str = r"model_.*\.pt") -> list[Path]:
-    """A run folder's checkpoint files whose names match `pattern` (re.match, as mjlab),
-    oldest first in mjlab's order; our checksum sidecars, damaged and temporary files are
-    not checkpoints."""
+    """List a run folder's checkpoint files whose names match `pattern`, oldest first.
+
+    Names match as mjlab matches them (re.match), in mjlab's order. Our checksum sidecars,
+    damaged and temporary files are not checkpoints.
+    """
     regex = re.compile(pattern)
     try:
-        found = [p for p in run.iterdir() if p.name.endswith(".pt") and not p.name.startswith(".")
-                 and regex.match(p.name) and p.is_file()]  # fmt: skip
+        found = [
+            p
+            for p in run.iterdir()
+            if p.name.endswith(".pt")
+            and not p.name.startswith(".")
+            and regex.match(p.name)
+            and p.is_file()
+        ]
     except OSError:
         return []
     return sorted(found, key=lambda p: _order(p.name))
@@ -67,16 +77,24 @@ def run_checkpoints(run: Path, pattern: str = r"model_.*\.pt") -> list[Path]:
 def find_run_checkpoint(
     experiment_dir: Path, load_run: str, load_checkpoint: str, exclude: Path | None = None
 ) -> Path:
-    """mjlab's choice for `--agent.resume True`: the alphabetically last run folder of the
-    experiment whose name matches `load_run` (re.match) and holds a checkpoint matching
-    `load_checkpoint`, and in it the last such checkpoint. Hidden folders, W&B caches and
-    `exclude` (the run being continued) are not candidates. SpecError naming the flag."""
+    """Find the checkpoint mjlab's `--agent.resume True` starts from.
+
+    It is the last checkpoint matching `load_checkpoint` in the alphabetically last run
+    folder of the experiment whose name matches `load_run` (re.match) and holds one. Hidden
+    folders, W&B caches and `exclude` (the run being continued) are not candidates. SpecError
+    names the flag when none is found.
+    """
     run_re = _compile("--agent.load-run", load_run)
     _compile("--agent.load-checkpoint", load_checkpoint)
     try:
-        runs = sorted(p for p in experiment_dir.iterdir() if p.is_dir()
-                      and not p.name.startswith(".") and p.name != _MJLAB_CACHE
-                      and run_re.match(p.name))  # fmt: skip
+        runs = sorted(
+            p
+            for p in experiment_dir.iterdir()
+            if p.is_dir()
+            and not p.name.startswith(".")
+            and p.name != _MJLAB_CACHE
+            and run_re.match(p.name)
+        )
     except OSError:
         runs = []
     if exclude is not None:
@@ -105,8 +123,11 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _download(folder: Path, target: Path, fetch: Callable[[Path], Path]) -> Path:
-    """`fetch(tmp)` downloads into a fresh folder next to `folder` and returns the file; it
-    becomes `target` by one rename (racing downloads leave one whole file)."""
+    """Download with `fetch` into a fresh folder under `folder`, then rename it to `target`.
+
+    `fetch(tmp)` downloads into `tmp` and returns the file. One rename makes it `target`:
+    racing downloads leave one whole file.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=folder))
     try:
@@ -125,18 +146,23 @@ def _api() -> Any:
 
 
 def fetch_wandb_checkpoint(experiment_dir: Path, run_path: str, name: str | None = None) -> Path:
-    """The checkpoint `name` (default: the newest `model_<n>.pt`) of the W&B run `run_path`
-    (entity/project/run-id), downloaded once into the experiment folder, as mjlab's
-    `get_wandb_checkpoint_path` does. A named checkpoint already downloaded needs no network;
-    without network the newest downloaded one stands for "the newest". SpecError naming the
-    flag otherwise."""
+    """Download checkpoint `name` of the W&B run `run_path` once into the experiment folder.
+
+    `name` defaults to the newest `model_<n>.pt`; `run_path` is entity/project/run-id. It
+    works as mjlab's `get_wandb_checkpoint_path` does. A named checkpoint already downloaded
+    needs no network; without network the newest downloaded one stands for "the newest".
+    Otherwise SpecError names the flag.
+    """
     run_path = run_path.strip().strip("/")
     folder = experiment_dir / CHECKPOINT_CACHE / run_path.split("/")[-1]
     if name is not None and (folder / name).is_file():
         return folder / name
     try:
-        remote = {f.name: f for f in _api().run(run_path).files(pattern="model_%.pt")
-                  if _MODEL.fullmatch(f.name)}  # fmt: skip
+        remote = {
+            f.name: f
+            for f in _api().run(run_path).files(pattern="model_%.pt")
+            if _MODEL.fullmatch(f.name)
+        }
     except Exception as exc:
         cached = run_checkpoints(folder, r"model_\d+\.pt$")
         if name is None and cached:
@@ -170,9 +196,9 @@ def fetch_wandb_checkpoint(experiment_dir: Path, run_path: str, name: str | None
         return _download(folder, target, fetch)
     except Exception as exc:
         raise SpecError(
-            "--wandb-run-path", f"downloading {name} of W&B run {run_path!r} failed: "
-            f"{_one_line(exc)}"
-        ) from None  # fmt: skip
+            "--wandb-run-path",
+            f"downloading {name} of W&B run {run_path!r} failed: {_one_line(exc)}",
+        ) from None
 
 
 def _slug(text: str) -> str:
@@ -180,10 +206,13 @@ def _slug(text: str) -> str:
 
 
 def fetch_wandb_motion(experiment_dir: Path, registry_name: str) -> Path:
-    """A tracking task's motion.npz from the W&B registry (`name[:alias]`, `:latest` by
-    default, as mjlab's train fetches it), downloaded once per version into the experiment
-    folder. A version (`:v3`) already downloaded needs no network; without network the newest
-    download of the name stands for an alias. SpecError naming --registry-name otherwise."""
+    """Download a tracking task's motion.npz from the W&B registry once per version.
+
+    `registry_name` is `name[:alias]` (`:latest` by default), fetched as mjlab's train does,
+    into the experiment folder. A version (`:v3`) already downloaded needs no network; without
+    network the newest download of the name stands for an alias. Otherwise SpecError names
+    --registry-name.
+    """
     base_name, _, alias = registry_name.strip().partition(":")
     alias = alias or "latest"
     base = experiment_dir / MOTION_CACHE / _slug(base_name)

@@ -1,11 +1,10 @@
 """Every check before anything is created, submitted or started: the one place input is refused.
 
-`validate_train` (mjlab-train) and `validate_submit` (mjlab-submit, mjlab-hpc render and doctor)
-check the values (`rules`: each flag's bounds and what its place allows), expand a sweep
-(`sweep`), resolve the task once (`rules.resolve`) and check what exists (`world`: the log
-root, a run directory to continue, this machine's cores and GPUs, the Slurm partition,
-allocation and job arrays). They return the resolved spec every later stage uses; a bad value
-raises SpecError naming the flag and the fix (exit code 2 in the CLIs).
+`validate_train` (mjlab-train) and `validate_submit` (mjlab-submit, mjlab-hpc render and
+doctor) return the resolved spec every later stage uses. A bad value raises SpecError naming
+the flag and the fix (exit code 2 in the CLIs). The checks live in `rules` (each flag),
+`places` (where a value is written), `sbatch_args`, `sweep`, `continuation` and `world` (what
+exists: the log root, a run to continue, this machine, the Slurm cluster).
 """
 
 from __future__ import annotations
@@ -23,7 +22,9 @@ from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
 from mjlab_hpc.tasks.builtin import BUILTIN_TASKS
 from mjlab_hpc.tasks.video import gl_unloadable, prepare_gl
 from mjlab_hpc.validate import world
-from mjlab_hpc.validate.rules import check_job_paths, check_submit, resolve
+from mjlab_hpc.validate.continuation import continue_target
+from mjlab_hpc.validate.places import check_job_paths
+from mjlab_hpc.validate.rules import check_submit, resolve
 from mjlab_hpc.validate.sweep import sweep_elements
 
 __all__ = [
@@ -56,40 +57,53 @@ def _train_world(spec: TrainSpec, launched_by: str) -> tuple[int | None, str]:
 
 
 def _check_faults(warn: Callable[[str], None]) -> None:
-    """A fire drill's MJLAB_HPC_FAULT that the ranks could not read is bad input here; one
-    they can read is said (a variable left exported from a drill would end a real run)."""
+    """Refuse a fault drill's MJLAB_HPC_FAULT that the ranks could not read; say one they can.
+
+    A variable left exported from a drill would end a real run.
+    """
     try:
         faults = parse_faults(os.environ)
     except ValueError as exc:
         raise SpecError(FAULT_ENV, str(exc).removeprefix(f"{FAULT_ENV}: ")) from None
     if faults:
         what = ", ".join(f"{f.kind} rank {f.rank} at iteration {f.iteration}" for f in faults)
-        warn(f"{FAULT_ENV}={os.environ[FAULT_ENV]} is set: this run is a fault drill ({what}); "
-             f"unset {FAULT_ENV} to train without it")  # fmt: skip
+        warn(
+            f"{FAULT_ENV}={os.environ[FAULT_ENV]} is set: this run is a fault drill ({what}); "
+            f"unset {FAULT_ENV} to train without it"
+        )
 
 
 def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec:
-    """Check a training spec and resolve its task; with --resume, the run it continues is
-    decided here (the resolved spec names it as its run directory). `launched_by`: the
-    launcher that started this process (a torchrun or srun rank starts no other rank)."""
-    _check_faults(_warn if launched_by == "single" else lambda _: None)
-    if single := launched_by == "single":
+    """Check a training spec and resolve its task.
+
+    With --resume, the run it continues is decided here: the resolved spec names it as its
+    run directory. `launched_by` is the launcher that started this process; a torchrun or
+    srun rank starts no other rank, and its launcher checked what this machine holds.
+    """
+    single = launched_by == "single"
+    _check_faults(_warn if single else lambda _: None)
+    if single:
         _settle_gl(spec)  # before mjlab is imported
     resolved = resolve(spec)
     world.check_places(spec, experiment=resolved.experiment_name)
-    if launched_by == "single" and spec.num_procs > 1:
+    if single and spec.num_procs > 1:
         world.check_local_cpus("--num-procs", spec.num_procs, spec.oversubscribe)
     if spec.device == "cuda" and spec.gpu_ids == "auto":
         world.check_local_gpus("--device", 1)
-    resolved = world.continue_target(resolved, _train_world(spec, launched_by), _note, single)
-    if single:  # a rank of torchrun or srun: its launcher checked
+    resolved = continue_target(
+        resolved, world=_train_world(spec, launched_by), say=_note, launcher=single
+    )
+    if single:
         world.check_train_memory(resolved)
     return resolved
 
 
 def _settle_gl(spec: TrainSpec) -> None:
-    """The offscreen GL of ranks on this machine: --video needs one that loads (refused before
-    anything starts); without it, a machine where EGL does not load renders nothing."""
+    """Settle the offscreen GL of ranks on this machine.
+
+    --video needs one that loads (refused before anything starts). Without --video, a
+    machine where EGL does not load renders nothing.
+    """
     if not spec.video:
         if spec.task not in BUILTIN_TASKS and (done := prepare_gl()) is not None:
             _note(done)
@@ -99,8 +113,11 @@ def _settle_gl(spec: TrainSpec) -> None:
 
 
 def executor_for(spec: SubmitSpec) -> str:
-    """The executor a submission uses: `auto` becomes allocation inside a Slurm allocation
-    (salloc), else slurm where sbatch can be found, else local."""
+    """Return the executor a submission uses.
+
+    `auto` becomes allocation inside a Slurm allocation (salloc), else slurm where sbatch can
+    be found, else local.
+    """
     if spec.executor != "auto":
         return spec.executor
     if current_allocation(os.environ) is not None:
@@ -113,21 +130,29 @@ def executor_for(spec: SubmitSpec) -> str:
 
 
 def slurm_only(spec: SubmitSpec) -> str | None:
-    """The first flag of the request that only Slurm can run (several nodes, a partition,
-    an account, ...), None when this machine could run it."""
-    for flag, given in (("--nodes", spec.nodes > 1), ("--partition", spec.partition),
-                        ("--account", spec.account), ("--qos", spec.qos),
-                        ("--constraint", spec.constraint), ("--container", spec.container),
-                        ("--container-image", spec.container_image),
-                        ("--chain", spec.chain > 1), ("--after", spec.after),
-                        ("--sbatch-arg", spec.sbatch_arg)):  # fmt: skip
+    """Return the first flag of the request that only Slurm can run, or None.
+
+    Such flags are several nodes, a partition, an account, a chain, and the like.
+    """
+    for flag, given in (
+        ("--nodes", spec.nodes > 1),
+        ("--partition", spec.partition),
+        ("--account", spec.account),
+        ("--qos", spec.qos),
+        ("--constraint", spec.constraint),
+        ("--container", spec.container),
+        ("--container-image", spec.container_image),
+        ("--chain", spec.chain > 1),
+        ("--after", spec.after),
+        ("--sbatch-arg", spec.sbatch_arg),
+    ):
         if given:
             return flag
     return None
 
 
 def _check_executor(spec: SubmitSpec, executor: str) -> None:
-    """What the chosen executor can run."""
+    """Refuse what the chosen executor cannot run."""
     for flag, given in (("--spare-nodes", spec.spare_nodes), ("--min-nodes", spec.min_nodes)):
         if executor != "slurm" and given:
             raise SpecError(
@@ -144,8 +169,10 @@ def _check_executor(spec: SubmitSpec, executor: str) -> None:
     if executor == "local":
         if spec.nodes > 1:
             raise SpecError("--nodes", "the local executor runs on this one machine: use --nodes 1")
-        for flag, image in (("--container", spec.container),
-                            ("--container-image", spec.container_image)):  # fmt: skip
+        for flag, image in (
+            ("--container", spec.container),
+            ("--container-image", spec.container_image),
+        ):
             if image is not None:
                 raise SpecError(flag, "containers run through Slurm: use --executor slurm")
         if spec.after or spec.chain > 1:
@@ -171,9 +198,11 @@ def _check_executor(spec: SubmitSpec, executor: str) -> None:
 
 
 def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> ResolvedSpec:
-    """Check a submission (and every element of its sweep) and resolve its task; SpecError
-    naming the flag for anything that cannot be submitted. What cannot be checked here (a
-    partition sinfo does not describe) is said through `warn`."""
+    """Check a submission (and every element of its sweep) and resolve its task.
+
+    SpecError names the flag of anything that cannot be submitted. What cannot be checked
+    here (a partition sinfo does not describe) is said through `warn`.
+    """
     check_submit(spec)
     _check_faults(warn)
     if executor_for(spec) == "local":
@@ -181,14 +210,16 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     resolved = resolve(spec.train)
     if not spec.sweep:
         flag = "--nodes" if spec.nodes > 1 else "--tasks-per-node"
-        resolved = world.continue_target(resolved, (spec.world_size, flag), _note)
+        resolved = continue_target(resolved, world=(spec.world_size, flag), say=_note)
     elements = sweep_elements(spec.train, spec.sweep) if spec.sweep else []
     if spec.container is not None and not Path(spec.container).is_file():
         raise SpecError("--container", f"image {spec.container!r} does not exist")
     executor = executor_for(spec)
     _check_executor(spec, executor)
     check_job_paths(resolved)  # every executor writes through Slurm's or submitit's patterns
-    world.check_places(resolved.train, spec.dry_run, resolved.experiment_name)
+    world.check_places(
+        resolved.train, existing_only=spec.dry_run, experiment=resolved.experiment_name
+    )
     world.check_submit_memory(spec, resolved, executor)
     if not spec.dry_run and executor == "slurm":
         world.check_partition(spec, warn, resolved=resolved)

@@ -1,10 +1,10 @@
-"""What a command that continues a run means: every setting of the run it does not name is
-the run's (from run.json), and what it names of where the run is (its experiment, run name, log
-root) must be where the run is. `world.continue_target` then compares what it names with the
-run, and says each change or refuses it (docs/preemption.md, "What a continuation may change").
+"""What a command that continues a run means, and what it may change.
 
-Only the CLIs know what a command named (its arguments, `named_flags`): the specs hold every
-field, given or default.
+`continued` fills every setting the command does not name from the run (run.json); what it
+names of where the run is must be where the run is. `continue_target` then finds the run
+--resume continues and says each change of the run's settings, or refuses one that its saved
+environments do not fit (docs/preemption.md, "What a continuation may change"). Only the CLIs
+know what a command named (`named_flags`): the specs hold every field, given or default.
 """
 
 from __future__ import annotations
@@ -12,28 +12,54 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from mjlab_hpc.errors import DamagedRecord, SpecError
-from mjlab_hpc.rundir.layout import latest_run
-from mjlab_hpc.rundir.state import read_record
-from mjlab_hpc.spec import SubmitSpec, TrainSpec
+from mjlab_hpc.rundir.checkpoint import Checkpoints, cannot_continue
+from mjlab_hpc.rundir.layout import (
+    RUN_RECORD,
+    RunDir,
+    checkpoint_iteration,
+    is_run_dir,
+    latest_run,
+    list_checkpoints,
+)
+from mjlab_hpc.rundir.state import changed_settings, read_record, resized_by_healer, versions
+from mjlab_hpc.rundir.writer import busy_problem
+from mjlab_hpc.spec import (
+    KEPT_ON_CONTINUATION,
+    SIMULATOR_PACKAGES,
+    ResolvedSpec,
+    SubmitSpec,
+    TrainSpec,
+)
+from mjlab_hpc.tasks.mjlab import configured_cfgs
 from mjlab_hpc.validate.rules import resolve
+from mjlab_hpc.validate.world import check_run_dir
 
-__all__ = ["continued", "named_flags", "override_values"]
+__all__ = ["continue_target", "continued", "named_flags", "override_values"]
 
 S = TypeVar("S", TrainSpec, SubmitSpec)
 
 #: How one start of a run begins, never taken from the run.
 _THIS_START = frozenset(
-    ("run_dir", "resume", "restart_from_scratch", "fresh_envs", "wandb_run_path",
-     "wandb_checkpoint_name", "torchrunx_log_dir")
-)  # fmt: skip
+    (
+        "run_dir",
+        "resume",
+        "restart_from_scratch",
+        "fresh_envs",
+        "wandb_run_path",
+        "wandb_checkpoint_name",
+        "torchrunx_log_dir",
+    )
+)
 #: What names the number of ranks, by command.
-_WORLD = {TrainSpec: ("num_procs", "gpu_ids"),
-          SubmitSpec: ("nodes", "tasks_per_node", "gpus_per_node")}  # fmt: skip
+_WORLD = {
+    TrainSpec: ("num_procs", "gpu_ids"),
+    SubmitSpec: ("nodes", "tasks_per_node", "gpus_per_node"),
+}
 
 
 def _fields(cls: type) -> set[str]:
@@ -47,8 +73,11 @@ def _fields(cls: type) -> set[str]:
 
 
 def named_flags(spec: TrainSpec | SubmitSpec, argv: Sequence[str]) -> frozenset[str]:
-    """The fields a command's arguments name (`--max-iterations 3`, `--no-video`,
-    `--save_interval=2`; `task` when TASK is given; `overrides` are named by themselves)."""
+    """Return the fields a command's arguments name.
+
+    `--max-iterations 3`, `--no-video` and `--save_interval=2` name their fields; TASK names
+    `task`. `overrides` are named by themselves.
+    """
     fields = _fields(type(spec))
     train = spec.train if isinstance(spec, SubmitSpec) else spec
     named = {"task"} if train.task in argv else set()
@@ -67,8 +96,7 @@ def _override_key(arg: str) -> str:
 
 
 def override_values(args: Iterable[str]) -> dict[str, str]:
-    """`--env.*`/`--agent.*` arguments as {flag: value as typed} (`--a.b=1` and `--a.b 1`
-    alike)."""
+    """Map `--env.*`/`--agent.*` arguments to {flag: value as typed} (`--a.b=1` like `--a.b 1`)."""
     values: dict[str, list[str]] = {}
     key = ""
     for arg in args:
@@ -82,7 +110,7 @@ def override_values(args: Iterable[str]) -> dict[str, str]:
 
 
 def _merged_overrides(theirs: Iterable[str], ours: tuple[str, ...]) -> tuple[str, ...]:
-    """The run's `--env.*`/`--agent.*` arguments this command does not set, then its own."""
+    """Return the run's `--env.*`/`--agent.*` arguments this command does not set, then its own."""
     named = {_override_key(a) for a in ours if a.startswith("--")}
     kept: list[str] = []
     keep = False
@@ -115,7 +143,7 @@ def _fits_type(value: object, hint: object) -> bool:
 
 
 def _run_of(train: TrainSpec) -> Path | None:
-    """The existing run a command continues (--run-dir, or the one --resume finds)."""
+    """Return the existing run a command continues (--run-dir, or the one --resume finds)."""
     if train.run_dir:
         path = Path(train.run_dir)
         return path if path.is_dir() else None
@@ -128,9 +156,14 @@ def _run_of(train: TrainSpec) -> Path | None:
         return None  # refused, naming the record, where --resume is checked
 
 
-def _check_place(run: Path, train: TrainSpec, before: dict[str, Any], named: frozenset[str],
-                 effective: dict[str, Any]) -> None:  # fmt: skip
-    """What the command names of where the run lies must be where it lies."""
+def _check_place(
+    run: Path,
+    train: TrainSpec,
+    before: dict[str, Any],
+    named: frozenset[str],
+    effective: dict[str, Any],
+) -> None:
+    """Refuse an experiment, run name or log root the command names that the run is not in."""
     experiment = effective.get("experiment_name") or before.get("experiment_name")
     for field, what, were, ours in (
         ("experiment_name", "experiment", experiment, train.experiment_name),
@@ -153,9 +186,11 @@ def _check_place(run: Path, train: TrainSpec, before: dict[str, Any], named: fro
 
 
 def continued(spec: S, named: frozenset[str], rank: bool = False) -> S:
-    """`spec` with every setting of the run it continues that the command did not name taken
-    from the run (as recorded in run.json); unchanged when it continues no run. `rank`: a
-    rank of torchrun or srun, whose number of ranks its launcher says."""
+    """Return `spec` with every setting the command did not name taken from the run it continues.
+
+    The settings are the run's as recorded in run.json; `spec` is unchanged when it continues
+    no run. `rank`: a rank of torchrun or srun, whose number of ranks its launcher says.
+    """
     train = spec.train if isinstance(spec, SubmitSpec) else spec
     run = _run_of(train)
     record = read_record(run) if run is not None else {}
@@ -199,3 +234,161 @@ def continued(spec: S, named: frozenset[str], rank: bool = False) -> S:
             "tasks_per_node": None if gpus else per_node,
         }
     return dataclasses.replace(spec, train=new_train, **layout)  # type: ignore[return-value]
+
+
+def continue_target(
+    resolved: ResolvedSpec,
+    world: tuple[int | None, str] = (None, "--num-procs"),
+    say: Callable[[str], None] = lambda line: None,
+    launcher: bool = True,
+) -> ResolvedSpec:
+    """Return `resolved` with the run directory it continues filled in, after checking it.
+
+    An existing run directory (--run-dir, or the run --resume finds) must hold a run of the
+    same task that no other training writes now. When it has a checkpoint, this start must
+    keep what its saved environments fit. `world` is the number of ranks (None: the launcher
+    does not know it) and the flag that sets it. `launcher` is False in a rank, whose rank 0
+    may hold the run already. The settings this start changes are said through `say`.
+    """
+    train = resolved.train
+    run_dir = Path(train.run_dir) if train.run_dir else None
+    if run_dir is None and train.resume:
+        try:
+            run_dir = latest_run(train.log_root, resolved.experiment_name)
+        except DamagedRecord as exc:
+            raise SpecError("--resume", str(exc)) from None
+        if run_dir is None:
+            raise SpecError(
+                "--resume",
+                f"no earlier run of {resolved.experiment_name} under {train.log_root} to "
+                "continue; drop --resume to start one, or name it with --run-dir",
+            )
+    if run_dir is None:
+        return resolved
+    if train.resume and not is_run_dir(run_dir):
+        what = "does not exist" if not run_dir.exists() else "holds no run"
+        raise SpecError(
+            "--resume",
+            f"{run_dir} {what}: nothing to continue. Drop --resume to start a new run there, "
+            "or name the run to continue",
+        )
+    # The ranks check again (and load); refusing here starts no process at all.
+    flag = "--run-dir" if train.run_dir else "--resume"
+    if launcher:
+        check_run_dir(flag, str(run_dir))
+    if launcher and (busy := busy_problem(RunDir(run_dir))) is not None:
+        raise SpecError(flag, busy)
+    checkpoints = Checkpoints(run_dir, resolved.task)
+    refusal = cannot_continue(checkpoints, resolved.task, train.restart_from_scratch, flag)
+    if refusal is not None:
+        raise refusal
+    if launcher:
+        try:
+            read_record(run_dir, strict=True)
+        except DamagedRecord as exc:
+            say(
+                f"{exc.path} is damaged ({exc.problem}): this start keeps it as "
+                f"{RUN_RECORD}.damaged-<time> and begins a new record"
+            )
+    valid, _ = checkpoints.newest_valid()  # verified above: no second read
+    if valid is not None and not train.restart_from_scratch:
+        done = checkpoint_iteration(valid) or 0
+        if resolved.max_iterations < done:
+            raise SpecError(
+                "--max-iterations",
+                f"{resolved.max_iterations}, but {run_dir} has done {done} iterations: give "
+                f"at least {done} (or drop it to keep the run's own)",
+            )
+    if list_checkpoints(run_dir):
+        _check_continuation(run_dir, resolved, world, say)
+    return resolved.replace_train(run_dir=str(run_dir))
+
+
+def _check_continuation(
+    run_dir: Path, resolved: ResolvedSpec, world: tuple[int | None, str], say: Callable[[str], None]
+) -> None:
+    """Refuse a change that the run's saved environments do not fit; say every other change.
+
+    --fresh-envs lets such a change through (docs/preemption.md, "What a continuation may
+    change").
+    """
+    record = read_record(run_dir)
+    before = record.get("spec") or {}
+    if not before:
+        return
+    train = resolved.train
+    kept = []  # (flag, the run's, this start's)
+    num_envs = (record.get("effective") or {}).get("num_envs")
+    if num_envs not in (None, resolved.num_envs):
+        kept.append(("--num-envs", num_envs, resolved.num_envs))
+    for key in KEPT_ON_CONTINUATION:
+        if key != "num_envs" and before.get(key, getattr(train, key)) != getattr(train, key):
+            kept.append((f"--{key.replace('_', '-')}", before[key], getattr(train, key)))
+    size, size_flag = world
+    # A size the healer changed to or from (--min-nodes) goes on with what the ranks saved.
+    resized = size is not None and resized_by_healer(record, size)
+    if size is not None and record.get("world_size") not in (None, size) and not resized:
+        kept.append((size_flag, f"{record['world_size']} rank(s)", f"{size} rank(s)"))
+    installed = versions()
+    for name in SIMULATOR_PACKAGES[resolved.source]:
+        recorded = (record.get("versions") or {}).get(name)
+        if recorded is not None and recorded != installed.get(name):
+            kept.append(("--fresh-envs", f"{name} {recorded}", f"{name} {installed.get(name)}"))
+    motion = (record.get("effective") or {}).get("motion_file")
+    if motion != resolved.motion_file:
+        kept.append(("--registry-name", f"motion {motion}", f"motion {resolved.motion_file}"))
+    if resolved.source == "mjlab":
+        change = _env_config_change(resolved.task, before.get("overrides", ()), train.overrides)
+        if change is not None:
+            kept.append(change)
+    if kept and not train.fresh_envs:
+        flag, theirs, ours = kept[0]
+        raise SpecError(
+            flag,
+            f"{run_dir} was trained with {theirs}; this command asks for {ours}. A "
+            "continuation restores the run's saved environments, which fit only the run's "
+            "value: give it, or pass --fresh-envs to continue with new environments (models, "
+            "optimizer and iteration kept; not exact). Nothing was changed or started",
+        )
+    changes = {flag: f"{flag} {a} -> {b}" for flag, a, b in kept}
+    for key, (a, b) in changed_settings(before, train.to_dict()).items():
+        if key == "overrides":  # each --env.* / --agent.* setting that changed
+            old, new = override_values(a), override_values(b)
+            for flag in dict.fromkeys([*old, *new]):
+                if old.get(flag) != new.get(flag):
+                    changes.setdefault(
+                        flag, f"{flag} {old.get(flag, '(unset)')} -> {new.get(flag, '(unset)')}"
+                    )
+            continue
+        flag = f"--{key.replace('_', '-')}"
+        changes.setdefault(flag, f"{flag} {a} -> {b}")
+    if changes:
+        fresh = " with new environments (--fresh-envs)" if kept else ""
+        say(f"continuing {run_dir}{fresh}: {'; '.join(changes.values())}")
+
+
+def _env_config_change(
+    task: str, before: Sequence[str], now: Sequence[str]
+) -> tuple[str, str, str] | None:
+    """Return the first env config field that two lists of overrides set differently.
+
+    The number of environments is left aside. The answer is (--env flag, value with `before`,
+    value with `now`), or None when they agree.
+    """
+    cfgs = [
+        configured_cfgs(task, num_envs=1, max_iterations=None, overrides=overrides)[0]
+        for overrides in (before, now)
+    ]
+    for cfg in cfgs:
+        cfg.scene.num_envs = 1
+    return _first_difference(*(dataclasses.asdict(c) for c in cfgs), "--env")
+
+
+def _first_difference(a: Any, b: Any, path: str) -> tuple[str, str, str] | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in [*a, *(k for k in b if k not in a)]:
+            found = _first_difference(a.get(key), b.get(key), f"{path}.{key}".replace("_", "-"))
+            if found:
+                return found
+        return None
+    return None if a == b else (path, repr(a), repr(b))

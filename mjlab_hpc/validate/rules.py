@@ -1,221 +1,48 @@
-"""The rules a value must follow, from the flags' own rules (bounds, names, signals) to the
-place it ends up in: a path component, an `#SBATCH` value, a shell line, a Slurm name, an sbatch
-option. Each check returns the value or raises SpecError naming the flag and what would work.
+"""Each flag's own rules: its bounds, its choices, and the flags it cannot go with.
 
-Values are refused rather than escaped where escaping cannot keep them in place: a newline or
-another control character would end an `#SBATCH` line (what follows runs as a command), and a
-`/` or `..` in a name that becomes a folder would write outside the log root.
+`check_train` and `check_submit` hold them; `resolve` checks a training spec and resolves its
+task. What a value may hold where it is written is `places`' concern; --sbatch-arg is
+`sbatch_args`'.
 """
 
 from __future__ import annotations
 
-import difflib
 import math
-import os
 import re
-import shlex
-import shutil
-import subprocess
-import unicodedata
-from pathlib import Path
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.slurm.units import check_mem, slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
 from mjlab_hpc.tasks import registry
+from mjlab_hpc.validate.places import (
+    job_name,
+    no_control,
+    path_component,
+    run_name,
+    shell_line,
+    slurm_name,
+)
+from mjlab_hpc.validate.sbatch_args import sbatch_options
 
 __all__ = [
     "MAX_ENVS_PER_RANK",
-    "NAME_MAX",
-    "RUN_NAME_PREFIX",
-    "SBATCH_OPTIONS",
-    "check_job_paths",
     "check_submit",
     "check_train",
-    "job_name",
-    "no_control",
-    "path_component",
     "positive_seconds",
     "resolve",
-    "sbatch_options",
-    "sbatch_value",
-    "shell_line",
-    "slurm_name",
 ]
 
 #: More environments than this on one rank is a typo (Warp indexes worlds with 32 bits).
 MAX_ENVS_PER_RANK = 2**24
 _NOT_FINITE = frozenset({"nan", "inf", "infinity"})
-#: What a run's folder name holds before the run name: `2026-11-23_09-12-51_`.
-RUN_NAME_PREFIX = "YYYY-mm-dd_HH-MM-SS_"
 # Signals Slurm can send ahead of the time limit that no library we load relies on, and
 # that mean nothing else to a rank (INT, HUP and TERM are stops by a user or a scheduler).
 _SIGNALS = ("USR2", "USR1", "URG")
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
-#: The longest file or folder name Linux filesystems take, in bytes.
-NAME_MAX = 255
-
-# C0 and C1 control characters and Unicode's line and paragraph separators: each ends a line
-# for somebody (bash, Python's splitlines, a terminal).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-# Invisible format characters (bidi overrides and isolates, zero-width spaces, BOM, soft
-# hyphen, tags) and lone surrogates (bytes that are not UTF-8): they reorder or hide what
-# `ls`, status tables and logs show. The joiners ZWJ/ZWNJ stay: words of Persian and Indic
-# scripts need them.
-_JOINERS = frozenset({"\u200c", "\u200d"})
-_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+@:,-]+$")
-_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.+@:,&|()\[\]*!-]+$")
-
-
-def _shown(value: str) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def no_control(flag: str, value: str, allow_tab: bool = False) -> str:
-    """`value` without newlines or other control characters (they would end a script line or a
-    log record)."""
-    bad = _CONTROL.search(value.replace("\t", "") if allow_tab else value)
-    if bad:
-        raise SpecError(
-            flag,
-            f"{_shown(value)} holds the control character {bad.group()!r} (a newline would end "
-            "the line it is written into); remove it",
-        )
-    for char in value:
-        kind = unicodedata.category(char)
-        if kind == "Cs":
-            raise SpecError(flag, f"{_shown(value)} holds bytes that are not UTF-8; use UTF-8")
-        if kind == "Cf" and char not in _JOINERS:
-            raise SpecError(
-                flag,
-                f"{_shown(value)} holds U+{ord(char):04X} ({unicodedata.name(char, '?')}), an "
-                "invisible character that reorders or hides what ls, status and logs show; "
-                "remove it",
-            )
-    return value
-
-
-def path_component(flag: str, value: str, reserved: int = 0) -> str:
-    """A name that becomes one folder: not empty, no `/`, not `.`/`..`, not hidden, no control
-    characters, and short enough that it fits NAME_MAX with `reserved` more bytes (a
-    timestamp and suffix around a run name)."""
-    no_control(flag, value)
-    if not value:
-        raise SpecError(flag, "must not be empty")
-    if value != value.strip():
-        # Records are read back stripped: a requeued job would look for another folder.
-        raise SpecError(flag, f"{_shown(value)} starts or ends with white space; remove it")
-    if "/" in value or value in (".", ".."):
-        raise SpecError(
-            flag, f"{_shown(value)} must be a plain name without '/' (a folder of its own)"
-        )
-    if value.startswith("."):
-        raise SpecError(
-            flag, f"{_shown(value)} must not start with '.' (hidden folders are the toolkit's)"
-        )
-    size = len(os.fsencode(value))
-    if size + reserved > NAME_MAX:
-        chars = f" ({len(value)} characters)" if len(value) != size else ""
-        raise SpecError(
-            flag,
-            f"{size} bytes{chars} is too long: a folder name holds at most {NAME_MAX} bytes "
-            f"({reserved} of them are taken by the timestamp); use at most "
-            f"{NAME_MAX - reserved} bytes (a non-ASCII character takes 2-4)",
-        )
-    return value
-
-
-def check_job_paths(resolved: ResolvedSpec) -> None:
-    """The user's pieces of a job's file paths hold no `%`. Slurm expands %-patterns in the
-    --output/--error paths of sbatch and srun (`%j` the job id, `%x` the job name, `%20x`),
-    and submitit replaces `%j`, `%t`, `%A`, `%a` in its folder by plain text substitution, so
-    no escape keeps such a path exact in both: a run would split over two directories, or
-    its job fail at launch with no log anywhere."""
-    train = resolved.train
-    for flag, value in (
-        ("--log-root", str(Path(train.log_root).absolute())),
-        ("--run-dir", str(Path(train.run_dir).absolute()) if train.run_dir else ""),
-        ("--experiment-name", resolved.experiment_name),
-        ("--run-name", train.run_name),
-    ):
-        if "%" in value:
-            raise SpecError(
-                flag,
-                f"{_shown(value)} holds '%', which Slurm and submitit expand in the job's "
-                "file names (%j: the job id, %x: the job name), so the run's files would "
-                "not stay in one place: use a name (and folder) without '%'",
-            )
-
-
-def sbatch_value(flag: str, value: str) -> str:
-    """A value written into an `#SBATCH` line (quoted there): no control characters."""
-    return no_control(flag, value)
-
-
-def job_name(flag: str, value: str) -> str:
-    """A Slurm job name: an `#SBATCH` value that also fills `%x` in output paths, so no `/`
-    either (it would put the batch log outside its folder)."""
-    no_control(flag, value)
-    if not value.strip():
-        raise SpecError(flag, "must not be empty")
-    if "/" in value:
-        raise SpecError(
-            flag, f"{_shown(value)} holds '/', and Slurm puts the job name into file names "
-            "(%x); use a name without '/'"
-        )  # fmt: skip
-    return value
-
-
-def slurm_name(flag: str, value: str, constraint: bool = False) -> str:
-    """A Slurm partition, account or QOS name (comma-separated lists allowed), or with
-    `constraint` a feature expression (`a100&ib`, `[a|b]`)."""
-    no_control(flag, value)
-    pattern = _CONSTRAINT if constraint else _SLURM_NAME
-    if not pattern.match(value):
-        allowed = "letters, digits and _.+@:,-" + ("&|()[]*!" if constraint else "")
-        raise SpecError(flag, f"{_shown(value)} is not a Slurm name (allowed: {allowed})")
-    return value
-
-
-def shell_line(flag: str, value: str) -> str:
-    """One complete shell line (a `--setup` command): no newline or other control character
-    but tab, and it parses (`bash -n`; shlex where bash is missing)."""
-    no_control(flag, value, allow_tab=True)
-    if not value.strip():
-        raise SpecError(flag, "is empty: give a command (e.g. 'module load cuda')")
-    if value.lstrip().startswith("#"):
-        # sbatch reads `#SBATCH` lines up to the first command, and submitit's script has none
-        # before its setup lines: such a line would change the job's options.
-        raise SpecError(
-            flag,
-            f"{_shown(value)} is a comment (an #SBATCH line would change the job): give a "
-            "command, and set job options with mjlab-submit's flags or --sbatch-arg",
-        )
-    if re.search(r"(?<!\\)(\\\\)*\\\s*$", value):
-        # A line continued into the next would take the next line (the next --setup, or the
-        # command that starts the ranks) as its arguments.
-        raise SpecError(flag, f"{_shown(value)} ends with '\\' (continued into the next line)")
-    bash = shutil.which("bash")
-    if bash is not None:
-        # The line, then a marker line: bash must parse both as commands, without a warning
-        # (an open here-document parses, but swallows every line after it).
-        proc = subprocess.run([bash, "-n"], input=value + "\n:\n", capture_output=True,
-                              text=True, timeout=10)  # fmt: skip
-        if proc.returncode != 0 or proc.stderr.strip():
-            why = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "a syntax error"
-            why = re.sub(r"^.*?line \d+: ", "", why)
-            raise SpecError(flag, f"{_shown(value)} is not a complete shell line ({why})")
-        return value
-    try:
-        shlex.split(value)
-    except ValueError as exc:
-        raise SpecError(flag, f"{_shown(value)} is not a complete shell line ({exc})") from None
-    return value
 
 
 def positive_seconds(flag: str, value: float, minimum: float = 0.0) -> float:
-    """A finite duration of at least `minimum` seconds (nan and inf are refused)."""
+    """Check a finite duration of at least `minimum` seconds (nan and inf are refused)."""
     if not math.isfinite(value) or value < minimum:
         raise SpecError(flag, f"must be a number of seconds >= {minimum:g}, got {value}")
     return value
@@ -229,7 +56,7 @@ def _within(flag: str, value: int | None, low: int, high: int) -> None:
 
 
 def check_train(spec: TrainSpec) -> TrainSpec:
-    """The training spec, or SpecError naming the flag for a value no launcher could run."""
+    """Return the training spec, or raise SpecError naming the flag no launcher could run."""
     # Upper bounds: far above any real run, below what torch, Warp and the OS overflow on.
     for flag, value, low, high in (
         ("--num-envs", spec.num_envs, 1, MAX_ENVS_PER_RANK),
@@ -281,24 +108,28 @@ def check_train(spec: TrainSpec) -> TrainSpec:
     for flag, path in (("--log-root", spec.log_root), ("--run-dir", spec.run_dir)):
         if path is not None and path.startswith("~"):
             # No shell expanded it (it was quoted), and the job script would not either.
-            raise SpecError(flag, f"{path!r}: '~' is not expanded here; write $HOME/... "
-                            "or the full path")  # fmt: skip
+            raise SpecError(
+                flag, f"{path!r}: '~' is not expanded here; write $HOME/... or the full path"
+            )
     if spec.experiment_name is not None:
         path_component("--experiment-name", spec.experiment_name)
     if spec.run_name:
-        # The run's folder is <YYYY-mm-dd_HH-MM-SS>_<run-name>[-<n>].
-        path_component("--run-name", spec.run_name, reserved=len(RUN_NAME_PREFIX) + 5)
+        run_name("--run-name", spec.run_name)
     if spec.run_dir is not None:
         no_control("--run-dir", spec.run_dir)
         if not spec.run_dir.strip():
             raise SpecError("--run-dir", "must not be empty: name a run directory")
-    for flag, low, value in (("--video-length", 1, spec.video_length),
-                             ("--video-interval", 1, spec.video_interval)):  # fmt: skip
+    for flag, low, value in (
+        ("--video-length", 1, spec.video_length),
+        ("--video-interval", 1, spec.video_interval),
+    ):
         if not low <= value <= 10**9:
             raise SpecError(flag, f"must be between {low} and 10^9, got {value}")
-    for flag, text in (("--registry-name", spec.registry_name),
-                       ("--wandb-run-path", spec.wandb_run_path),
-                       ("--torchrunx-log-dir", spec.torchrunx_log_dir)):  # fmt: skip
+    for flag, text in (
+        ("--registry-name", spec.registry_name),
+        ("--wandb-run-path", spec.wandb_run_path),
+        ("--torchrunx-log-dir", spec.torchrunx_log_dir),
+    ):
         if text is not None:
             no_control(flag, text)
     if spec.wandb_run_path is not None and not spec.wandb_run_path.strip("/ "):
@@ -317,144 +148,12 @@ def check_train(spec: TrainSpec) -> TrainSpec:
     return spec
 
 
-#: sbatch's long options (Slurm 22.05-24.11), for --sbatch-arg: a key not among them is a typo.
-SBATCH_OPTIONS = frozenset((
-    "account", "acctg-freq", "array", "batch", "bb", "bbf", "begin", "chdir",
-    "cluster-constraint", "clusters", "comment", "constraint", "container", "container-id",
-    "contiguous", "core-spec", "cores-per-socket", "cpu-freq", "cpus-per-gpu", "cpus-per-task",
-    "deadline", "delay-boot", "dependency", "distribution", "error", "exclude", "exclusive",
-    "export", "export-file", "extra", "extra-node-info", "get-user-env", "gid", "gpu-bind",
-    "gpu-freq", "gpus", "gpus-per-node", "gpus-per-socket", "gpus-per-task", "gres",
-    "gres-flags", "hint", "hold", "ignore-pbs", "input", "job-name", "kill-on-invalid-dep",
-    "licenses", "mail-type", "mail-user", "mcs-label", "mem", "mem-bind", "mem-per-cpu",
-    "mem-per-gpu", "mincpus", "network", "nice", "no-kill", "no-requeue", "nodefile", "nodelist",
-    "nodes", "ntasks", "ntasks-per-core", "ntasks-per-gpu", "ntasks-per-node",
-    "ntasks-per-socket", "open-mode", "output", "overcommit", "oversubscribe", "parsable",
-    "partition", "power", "prefer", "priority", "profile", "propagate", "qos", "quiet", "reboot",
-    "requeue", "reservation", "segment", "signal", "sockets-per-node", "spread-job", "switches",
-    "test-only", "thread-spec", "threads-per-core", "time", "time-min", "tmp", "tres-bind",
-    "tres-per-task", "uid", "usage", "use-min-nodes", "verbose", "version", "wait",
-    "wait-all-nodes", "wckey", "wrap",
-))  # fmt: skip
-# What the toolkit sets itself, and the flag that sets it.
-_RESERVED = {
-    "time": "--time",
-    "signal": "--preempt-signal and --signal-delay-s",
-    "requeue": "nothing (jobs are always requeueable)",
-    "no-requeue": "nothing (jobs must be requeueable to survive preemption)",
-    "nodes": "--nodes",
-    "ntasks": "--nodes and --tasks-per-node",
-    "ntasks-per-node": "--tasks-per-node",
-    "gpus-per-node": "--gpus-per-node",
-    "gpus": "--gpus-per-node",
-    "gres": "--gpus-per-node",
-    "cpus-per-task": "--cpus-per-task",
-    "mem": "--mem",
-    "partition": "--partition",
-    "account": "--account",
-    "qos": "--qos",
-    "constraint": "--constraint",
-    "exclusive": "--exclusive",
-    "job-name": "--job-name",
-    "array": "--sweep",
-    "output": "nothing (output paths are the run directory's)",
-    "error": "nothing (output paths are the run directory's)",
-    "open-mode": "nothing (logs are appended across requeues)",
-    "chdir": "nothing (paths in the job are absolute)",
-    "export": "nothing (the job needs the submitting environment)",
-    "wrap": "nothing (the toolkit writes the script)",
-    "parsable": "nothing",
-    "test-only": "nothing",
-    "wait": "--follow",
-    "hold": "nothing",
-    "dependency": "--after JOBID (or --chain N)",
-    "uid": "nothing",
-    "gid": "nothing",
-    "batch": "nothing",
-    # Other spellings of the same resources: Slurm refuses them beside ours, or they change
-    # how ranks meet GPUs and cores behind the flags' backs.
-    "time-min": "--time",
-    "mem-per-cpu": "--mem",
-    "mem-per-gpu": "--mem",
-    "cpus-per-gpu": "--cpus-per-task",
-    "gpus-per-task": "--gpus-per-node",
-    "gpus-per-socket": "--gpus-per-node",
-    "tres-per-task": "--gpus-per-node and --cpus-per-task",
-    "ntasks-per-gpu": "--tasks-per-node",
-    "ntasks-per-core": "--tasks-per-node",
-    "ntasks-per-socket": "--tasks-per-node",
-    "container": "--container",
-    "container-id": "--container",
-    "input": "nothing (a job reads no standard input)",
-    "export-file": "nothing (the job needs the submitting environment)",
-    "get-user-env": "nothing (the job needs the submitting environment)",
-    "clusters": "nothing (status, cancel and requeue talk to the cluster submitted from)",
-    "nodefile": "--nodes (or --sbatch-arg nodelist=...)",
-    "version": "nothing",
-    "usage": "nothing",
-}
-# sbatch's one-letter options, by the long option each stands for.
-_SHORT = {
-    "A": "account", "a": "array", "B": "extra-node-info", "b": "begin", "C": "constraint",
-    "c": "cpus-per-task", "D": "chdir", "d": "dependency", "e": "error", "F": "nodefile",
-    "G": "gpus", "H": "hold", "i": "input", "J": "job-name", "k": "no-kill", "L": "licenses",
-    "M": "clusters", "m": "distribution", "N": "nodes", "n": "ntasks", "o": "output",
-    "p": "partition", "Q": "quiet", "q": "qos", "S": "core-spec", "s": "oversubscribe",
-    "t": "time", "V": "version", "v": "verbose", "W": "wait", "w": "nodelist", "x": "exclude",
-}  # fmt: skip
-# Options that take no value (or an optional one): only these may be given as a bare KEY.
-_BARE = frozenset((
-    "contiguous", "ignore-pbs", "no-kill", "overcommit", "oversubscribe", "reboot",
-    "spread-job", "use-min-nodes", "nice", "propagate", "quiet", "verbose", "exclusive",
-))  # fmt: skip
-_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
-
-
-def _allowed_anyway(key: str, value: str | None, spec: SubmitSpec) -> bool:
-    """Reserved keys in a use the flags leave alone: a generic resource that is not a GPU
-    (`gres=lscratch:100`), an exclusivity the flag cannot say (`exclusive=user`), memory or
-    CPUs per GPU/CPU when --mem / --cpus-per-task are not given."""
-    if key == "gres":
-        return value is not None and "gpu" not in value.lower()
-    if key == "exclusive":
-        return value is not None and value.strip() != ""
-    if key in ("mem-per-cpu", "mem-per-gpu"):
-        return spec.mem is None and value is not None
-    if key == "cpus-per-gpu":
-        return spec.cpus_per_task is None and value is not None
-    return False
-
-
-def sbatch_options(spec: SubmitSpec) -> dict[str, str | bool]:
-    """--sbatch-arg KEY=VALUE pairs (a bare KEY is a flag). SpecError for a malformed one, a
-    key sbatch does not know, or one the toolkit sets itself (naming the flag that does)."""
-    out: dict[str, str | bool] = {}
-    for item in spec.sbatch_arg:
-        key, sep, value = item.partition("=")
-        key = key.strip().lstrip("-")
-        key = _SHORT.get(key, key)  # `o=...` is `output=...`: judged as sbatch reads it
-        if not _KEY.match(key):
-            raise SpecError(
-                "--sbatch-arg", f"{item!r} is not KEY=VALUE with an sbatch option as KEY"
-            )
-        if key in _RESERVED and not _allowed_anyway(key, value if sep else None, spec):
-            raise SpecError(
-                "--sbatch-arg", f"{key} is set by mjlab-submit itself: use {_RESERVED[key]}"
-            )
-        if key not in SBATCH_OPTIONS:
-            close = difflib.get_close_matches(key, SBATCH_OPTIONS, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise SpecError("--sbatch-arg", f"{key} is not an sbatch option{hint}")
-        if not sep and key not in _BARE:
-            raise SpecError("--sbatch-arg", f"{key} needs a value: --sbatch-arg {key}=VALUE")
-        out[key] = sbatch_value("--sbatch-arg", value) if sep else True
-    return out
-
-
 def resolve(spec: TrainSpec) -> ResolvedSpec:
-    """The spec checked (`check_train`) and its task resolved (`mjlab_hpc.tasks.registry`):
-    what every entry point starts with. mjlab's --agent.save-interval and --agent.run-name
-    change the spec as they resolve; the changed spec is checked too."""
+    """Check the spec (`check_train`) and resolve its task (`mjlab_hpc.tasks.registry`).
+
+    Every entry point starts with it. mjlab's --agent.save-interval and --agent.run-name
+    change the spec as they resolve; the changed spec is checked too.
+    """
     resolved = registry.resolve(check_train(spec))
     if resolved.train != spec:
         check_train(resolved.train)
@@ -462,8 +161,10 @@ def resolve(spec: TrainSpec) -> ResolvedSpec:
 
 
 def check_submit(spec: SubmitSpec) -> SubmitSpec:
-    """The submission (its training spec included), or SpecError naming the flag for a value
-    no cluster could run."""
+    """Return the submission, or raise SpecError naming the flag no cluster could run.
+
+    Its training spec is checked too.
+    """
     check_train(spec.train)
     for flag, value, low, high in (
         # Far above any cluster, below what sbatch or the ranks overflow on: a typo.
@@ -499,8 +200,11 @@ def check_submit(spec: SubmitSpec) -> SubmitSpec:
             f"{spec.signal_delay_s} s is not shorter than --time {spec.time}; "
             "the warning must come before the limit",
         )
-    for flag, value in (("--partition", spec.partition), ("--account", spec.account),
-                        ("--qos", spec.qos)):  # fmt: skip
+    for flag, value in (
+        ("--partition", spec.partition),
+        ("--account", spec.account),
+        ("--qos", spec.qos),
+    ):
         if value is not None:
             slurm_name(flag, value)
     if spec.constraint is not None:
@@ -514,8 +218,10 @@ def check_submit(spec: SubmitSpec) -> SubmitSpec:
     if spec.container_image is not None:
         no_control("--container-image", spec.container_image)
         if spec.container is not None:
-            raise SpecError("--container-image", "one image: drop --container (Apptainer) or "
-                            "--container-image (pyxis)")  # fmt: skip
+            raise SpecError(
+                "--container-image",
+                "one image: drop --container (Apptainer) or --container-image (pyxis)",
+            )
     if spec.train.num_procs != 1:
         raise SpecError("--num-procs", "mjlab-submit starts ranks itself: use --tasks-per-node")
     if spec.train.gpu_ids != "auto":

@@ -1,12 +1,9 @@
-"""Sweeps: `--sweep KEY=V1,V2,...` flags become one training spec per point of their cartesian
-product, submitted as one Slurm job array (`mjlab-submit ... --sweep seed=0,1,2`) or as one
-local job per element.
+"""Sweeps: `--sweep KEY=V1,V2,...` flags become one training spec per point of their product.
 
-Keys are TrainSpec fields (`seed`, `num_envs`, `max_iterations`, ...; `num-envs` works too)
-and `agent.<key>` settings of the rsl-rl agent config, which become `--agent.<key>=<value>`
-overrides (built-in and mjlab tasks take them). Every element gets its own run directory,
-named after its values; the sweep is recorded in `<experiment>/.sweeps/<stamp>/sweep.json` and
-each run directory holds a `sweep_element.json` naming its sweep, index and job.
+The elements are submitted as one Slurm job array, or as one local job each. Keys are
+TrainSpec fields (`seed`, `num_envs` or `num-envs`, ...) and `agent.<key>` settings of the
+rsl-rl agent config, which become `--agent.<key>=<value>` overrides. Every element gets its
+own run directory, named after its values.
 """
 
 from __future__ import annotations
@@ -22,7 +19,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
-from mjlab_hpc.validate.rules import check_train, no_control, resolve
+from mjlab_hpc.validate.places import no_control
+from mjlab_hpc.validate.rules import check_train, resolve
 
 __all__ = [
     "SweepAxis",
@@ -89,7 +87,7 @@ class SweepElement:
 
     @property
     def label(self) -> str:
-        """`seed=0 learning_rate=3e-4`: the values, as typed."""
+        """The values, as typed: `seed=0 learning_rate=3e-4`."""
         return " ".join(f"{short_key(k)}={v}" for k, v in self.overrides)
 
     def as_dict(self) -> dict[str, str]:
@@ -98,12 +96,12 @@ class SweepElement:
 
 
 def short_key(key: str) -> str:
-    """The key as it appears in run names (`agent.learning_rate` -> `learning_rate`)."""
+    """Return the key as it appears in run names (`agent.learning_rate` -> `learning_rate`)."""
     return key.removeprefix(AGENT_PREFIX)
 
 
 def name_suffix(overrides: Sequence[tuple[str, str]]) -> str:
-    """The run-name suffix of an element: `seed=0_learning_rate=3e-4`."""
+    """Return the run-name suffix of an element: `seed=0_learning_rate=3e-4`."""
     parts = []
     for key, value in overrides:
         safe = re.sub(r"[^A-Za-z0-9.+=-]", "-", value)  # no '/', spaces or quotes in paths
@@ -112,7 +110,7 @@ def name_suffix(overrides: Sequence[tuple[str, str]]) -> str:
 
 
 def sweepable_keys() -> list[str]:
-    """The TrainSpec fields a sweep may vary, and `agent.<key>`."""
+    """List the TrainSpec fields a sweep may vary, and `agent.<key>`."""
     keys = [f.name for f in dataclasses.fields(TrainSpec) if f.name not in _FIXED]
     return [*keys, AGENT_PREFIX + "<key>"]
 
@@ -153,7 +151,7 @@ def parse_axes(flags: Sequence[str]) -> tuple[SweepAxis, ...]:
 
 
 def _convert(key: str, text: str, hint: Any) -> Any:
-    """`text` as a value of the field type `hint` (SpecError naming --sweep if it is not)."""
+    """Convert `text` to a value of the field type `hint` (SpecError naming --sweep if not)."""
     origin = get_origin(hint)
     if origin is typing.Annotated:
         return _convert(key, text, get_args(hint)[0])
@@ -197,8 +195,11 @@ def _convert(key: str, text: str, hint: Any) -> Any:
 def expand(
     train: TrainSpec, axes: Sequence[SweepAxis]
 ) -> list[tuple[tuple[tuple[str, str], ...], TrainSpec]]:
-    """One validated (values, spec) per point of the cartesian product (the first flag varies
-    slowest). Each element's run name is the base run name plus a suffix naming its values."""
+    """Return one checked (values, spec) per point of the cartesian product of `axes`.
+
+    The first flag varies slowest. Each element's run name is the base run name plus a
+    suffix naming its values.
+    """
     hints = typing.get_type_hints(TrainSpec, include_extras=True)
     for axis in axes:  # `4` and `04`, `true` and `yes`: one value written twice
         if axis.key.startswith(AGENT_PREFIX):
@@ -234,9 +235,11 @@ def expand(
 
 
 def sweep_elements(train: TrainSpec, flags: Sequence[str]) -> list[SweepElement]:
-    """Parse and expand `--sweep` flags for `train` and resolve every element's task (SpecError
-    naming --sweep on any problem). Elements that differ only in what the task does not look
-    at (seed, save interval, ...) share one resolution."""
+    """Parse and expand `--sweep` flags for `train`, and resolve every element's task.
+
+    Any problem raises SpecError naming --sweep. Elements that differ only in what the task
+    does not look at (seed, save interval, ...) share one resolution.
+    """
     if not flags:
         return []
     cache: dict[tuple[Any, ...], ResolvedSpec] = {}

@@ -19,8 +19,7 @@ from mjlab_hpc.rundir.checkpoint import save_checkpoint
 from mjlab_hpc.rundir.state import read_record
 from mjlab_hpc.spec import SubmitSpec, TrainSpec
 from mjlab_hpc.validate import resolve
-from mjlab_hpc.validate.continuation import continued, named_flags
-from mjlab_hpc.validate.world import continue_target
+from mjlab_hpc.validate.continuation import continue_target, continued, named_flags
 
 BASE = ["cartpole", "--num-envs", "16", "--torch-threads", "1", "--save-interval", "1"]
 

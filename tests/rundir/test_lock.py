@@ -694,8 +694,8 @@ def test_128_contenders_and_a_killed_holder(tmp_path: Path, capsys: pytest.Captu
     """128 processes wait (default polling) for a lock whose holder is then killed by SIGKILL:
     the first takes over after the lease and not before, then each of the others holds it
     once, never two at a time, with strictly increasing tokens; nothing is left behind.
-    The measured figures are `make bench`'s (bench.healing.lock_contention)."""
-    from benchmarks.healing import lock_contention, lock_summary
+    The measured figures are `make bench`'s (benchmarks.lock.lock_contention)."""
+    from benchmarks.lock import lock_contention, lock_summary
 
     lease = 1.0
     raw = lock_contention(tmp_path, contenders=128, lease_s=lease, hold_s=0.001)
