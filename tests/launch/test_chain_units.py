@@ -63,16 +63,22 @@ def test_allocation_is_found_outside_steps_only() -> None:
 
 
 def test_the_srun_inside_an_allocation(tmp_path: Path) -> None:
-    spec = SubmitSpec(train=TrainSpec(task="cartpole", num_envs=16), nodes=2, gpus_per_node=0,
-                      tasks_per_node=2)  # fmt: skip
+    spec = SubmitSpec(
+        train=TrainSpec(task="cartpole", num_envs=16), nodes=2, gpus_per_node=0, tasks_per_node=2
+    )
     argv = allocation_srun(spec, resolve(spec.train), tmp_path)
     assert argv[0] == "srun" and argv[2:5] == ["--nodes=2", "--ntasks=4", "--ntasks-per-node=2"]
     # Named after the run (a dry run shows the step that runs), another run another name.
     assert argv[1].startswith("--job-name=mjlab-ranks-") and argv == allocation_srun(
-        spec, resolve(spec.train), tmp_path)  # fmt: skip
+        spec, resolve(spec.train), tmp_path
+    )
     assert allocation_srun(spec, resolve(spec.train), tmp_path / "b")[1] != argv[1]
-    assert argv[argv.index(sys.executable) :][:4] == [sys.executable, "-u", "-m",
-                                                      "mjlab_hpc.cli.train"]  # fmt: skip
+    assert argv[argv.index(sys.executable) :][:4] == [
+        sys.executable,
+        "-u",
+        "-m",
+        "mjlab_hpc.cli.train",
+    ]
     assert argv[-2:] == ["--run-dir", str(tmp_path)]
     assert "--signal=USR2@90" in argv  # the allocation's end: a checkpoint in time
     # Two trainings at once in one allocation get ports of their own; a batch job's first
@@ -81,8 +87,7 @@ def test_the_srun_inside_an_allocation(tmp_path: Path) -> None:
 
 
 def test_the_script_of_a_chained_job_waits_and_knows_its_place(tmp_path: Path) -> None:
-    spec = SubmitSpec(train=TrainSpec(), gpus_per_node=0, after=("41", "42_1"), chain=3,
-                      time="30")  # fmt: skip
+    spec = SubmitSpec(train=TrainSpec(), gpus_per_node=0, after=("41", "42_1"), chain=3, time="30")
     script = render_sbatch(spec, tmp_path)
     assert "#SBATCH --dependency=afterany:41:42_1" in script
     assert "export _MJLAB_HPC_CHAIN=1/3" in script
@@ -107,17 +112,31 @@ def test_a_chain_is_submitted_whole_or_not_at_all() -> None:
 
     with pytest.raises(RuntimeError):
         submit_chain(SubmitSpec(train=TrainSpec(), chain=3, after=("9",)), submit)
-    assert log == ["submit 1 after 9", "submit 2 after 101", "submit 3 after 102",
-                   "cancel 101_0", "cancel 101_1", "cancel 102_0", "cancel 102_1"]  # fmt: skip
+    assert log == [
+        "submit 1 after 9",
+        "submit 2 after 101",
+        "submit 3 after 102",
+        "cancel 101_0",
+        "cancel 101_1",
+        "cancel 102_0",
+        "cancel 102_1",
+    ]
 
 
 def _task(folder: Path, rank: int, node: str, **extra: Any) -> dict[str, Any]:
     """What a task of the doctor's shape probe returns (its result, on this host)."""
-    return {"rank": rank, "node": node, "python": sys.executable, "token": "t0k", "seen": 2,
-            "python_version": ".".join(map(str, sys.version_info[:3])),
-            "folder": str(folder.resolve()), "mjlab_hpc": {"ok": True, "version": __version__},
-            "gpus": {"CUDA_VISIBLE_DEVICES": "0,1", "torch_cuda": None, "torch_devices": 0},
-            **extra}  # fmt: skip
+    return {
+        "rank": rank,
+        "node": node,
+        "python": sys.executable,
+        "token": "t0k",
+        "seen": 2,
+        "python_version": ".".join(map(str, sys.version_info[:3])),
+        "folder": str(folder.resolve()),
+        "mjlab_hpc": {"ok": True, "version": __version__},
+        "gpus": {"CUDA_VISIBLE_DEVICES": "0,1", "torch_cuda": None, "torch_devices": 0},
+        **extra,
+    }
 
 
 def test_the_shape_probes_results_become_checks(tmp_path: Path) -> None:
@@ -144,8 +163,10 @@ def test_the_shape_probes_results_become_checks(tmp_path: Path) -> None:
     assert nothing.result == "fail" and "(node[1-2]) see a different folder" in nothing.detail
     assert "shared filesystem" in nothing.fix
     # A task that could not even run the probe: what it said names the problem.
-    said = _said("Traceback (most recent call last):\n  File ...\nModuleNotFoundError: x\n"
-                 "----\nYou can check full logs with 'job.stderr(0)'\n  - /a/b.err")  # fmt: skip
+    said = _said(
+        "Traceback (most recent call last):\n  File ...\nModuleNotFoundError: x\n"
+        "----\nYou can check full logs with 'job.stderr(0)'\n  - /a/b.err"
+    )
     assert said == "ModuleNotFoundError: x"
     srun = "slurmstepd: error: execve(): /nope/python: No such file\nsrun: error: task 0: Exited"
     assert _said(srun) == "slurmstepd: error: execve(): /nope/python: No such file"
@@ -194,19 +215,32 @@ def test_a_real_path_that_differs_is_a_warning(tmp_path: Path) -> None:
 def test_a_laptop_dry_run_shows_the_slurm_script_of_a_cluster_request(tmp_path: Path) -> None:
     env = cli_env(path=str(BIN))  # no sbatch on PATH: a laptop
     base = [str(BIN / "mjlab-submit"), "cartpole", "--log-root", str(tmp_path / "logs")]
-    for extra, reason in ((["--nodes", "2", "--gpus-per-node", "4"], "--nodes"),
-                          (["--gpus-per-node", "0", "--partition", "gpu"], "--partition"),
-                          (["--gpus-per-node", "0", "--chain", "2"], "--chain")):  # fmt: skip
-        proc = subprocess.run([*base, *extra, "--dry-run"], env=env, capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
+    for extra, reason in (
+        (["--nodes", "2", "--gpus-per-node", "4"], "--nodes"),
+        (["--gpus-per-node", "0", "--partition", "gpu"], "--partition"),
+        (["--gpus-per-node", "0", "--chain", "2"], "--chain"),
+    ):
+        proc = subprocess.run(
+            [*base, *extra, "--dry-run"], env=env, capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 0, proc.stderr
         assert f"not submitted; Slurm was not found here, {reason} asks for it" in proc.stdout
         assert "#SBATCH --time=60" in proc.stdout
-    local = subprocess.run([*base, "--gpus-per-node", "0", "--dry-run"], env=env,
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    local = subprocess.run(
+        [*base, "--gpus-per-node", "0", "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "# ---- local executor (dry run: not started) ----" in local.stdout
     # Without --dry-run it is still refused: nothing here can run two nodes.
-    real = subprocess.run([*base, "--nodes", "2", "--gpus-per-node", "0"], env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    real = subprocess.run(
+        [*base, "--nodes", "2", "--gpus-per-node", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert real.returncode == 2 and "--nodes" in real.stderr
     assert not (tmp_path / "logs").exists()

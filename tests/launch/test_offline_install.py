@@ -75,9 +75,17 @@ def test_offline_install_beside_the_sites_torch(tmp_path: Path) -> None:
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
     assert "without an index" in installed.stdout and "beside torch" in installed.stdout
     assert (venv / ".installed").exists()
-    where = subprocess.run([venv / "bin" / "python", "-c", "import torch, mjlab_hpc, mjlab; "
-                            "print(torch.__file__); print(mjlab_hpc.__file__)"],
-                           env=node, capture_output=True, text=True, timeout=300)  # fmt: skip
+    where = subprocess.run(
+        [
+            venv / "bin" / "python",
+            "-c",
+            "import torch, mjlab_hpc, mjlab; print(torch.__file__); print(mjlab_hpc.__file__)",
+        ],
+        env=node,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert where.returncode == 0, where.stderr
     torch_file, ours = where.stdout.split()
     assert torch_file.startswith(str(site)), torch_file  # the site's, not a copy in the venv
@@ -85,9 +93,24 @@ def test_offline_install_beside_the_sites_torch(tmp_path: Path) -> None:
     assert not list(venv.glob("lib/python*/site-packages/torch"))
 
     trained = subprocess.run(
-        ["unshare", "--net", venv / "bin" / "mjlab-train", "cartpole", "--num-envs", "4",
-         "--max-iterations", "1", "--torch-threads", "1", "--log-root", str(tmp_path / "logs")],
-        env=node, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            "unshare",
+            "--net",
+            venv / "bin" / "mjlab-train",
+            "cartpole",
+            "--num-envs",
+            "4",
+            "--max-iterations",
+            "1",
+            "--torch-threads",
+            "1",
+            "--log-root",
+            str(tmp_path / "logs"),
+        ],
+        env=node,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
     assert "done: 1 iterations" in trained.stdout

@@ -24,21 +24,58 @@ from mjlab_hpc.rundir.state import read_record
 
 pytestmark = pytest.mark.slurm
 
-COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
-          "--save-interval", "5", "--max-iterations", "12"]  # fmt: skip
-REFERENCE = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
-             "--save-interval", "100", "--max-iterations", "12"]  # fmt: skip
+COMMON = [
+    "cartpole",
+    "--num-envs",
+    "64",
+    "--seed",
+    "11",
+    "--torch-threads",
+    "1",
+    "--save-interval",
+    "5",
+    "--max-iterations",
+    "12",
+]
+REFERENCE = [
+    "cartpole",
+    "--num-envs",
+    "64",
+    "--seed",
+    "11",
+    "--torch-threads",
+    "1",
+    "--save-interval",
+    "100",
+    "--max-iterations",
+    "12",
+]
 # Longer than the writer's lease (30 s) and the hang timeout below.
 SUSPEND_S = 32
 
 
-def follow(cluster: SlurmCluster, args: list[str], root: Path,
-           extra: dict[str, str] | None = None) -> subprocess.Popen[str]:  # fmt: skip
+def follow(
+    cluster: SlurmCluster, args: list[str], root: Path, extra: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     """`mjlab-submit ... --follow` in the background."""
-    cmd = [BIN / "mjlab-submit", *args, "--gpus-per-node", "0", "--time", "10", "--log-root",
-           str(root), "--follow"]  # fmt: skip
-    return subprocess.Popen(cmd, env=cli_env(extra, base=cluster.environ()),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    cmd = [
+        BIN / "mjlab-submit",
+        *args,
+        "--gpus-per-node",
+        "0",
+        "--time",
+        "10",
+        "--log-root",
+        str(root),
+        "--follow",
+    ]
+    return subprocess.Popen(
+        cmd,
+        env=cli_env(extra, base=cluster.environ()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def the_run(root: Path) -> RunDir:
@@ -77,8 +114,11 @@ def test_a_suspended_job_resumes_as_if_nothing_happened(
     proc = follow(slurm_cluster, args, tmp_path)
     try:
         run = the_run(tmp_path)
-        wait_for(lambda: run.rank_log(0).exists() and "rank 0/2" in run.rank_log(0).read_text(),
-                 120, "rank 0 to start")  # fmt: skip
+        wait_for(
+            lambda: run.rank_log(0).exists() and "rank 0/2" in run.rank_log(0).read_text(),
+            120,
+            "rank 0 to start",
+        )
         job = job_of(run)
         assert iteration(run) == 0
         suspended(slurm_cluster, job, SUSPEND_S)
@@ -103,8 +143,9 @@ def test_a_suspended_job_resumes_as_if_nothing_happened(
 
 def status_row(cluster: SlurmCluster, run: RunDir) -> dict:
     cmd = [BIN / "mjlab-hpc", "status", "--json", str(run.path)]
-    out = subprocess.run(cmd, env=cli_env(base=cluster.environ()), capture_output=True,
-                         text=True, timeout=60).stdout  # fmt: skip
+    out = subprocess.run(
+        cmd, env=cli_env(base=cluster.environ()), capture_output=True, text=True, timeout=60
+    ).stdout
     return json.loads(out)[0]
 
 
@@ -133,8 +174,11 @@ def test_signals_and_admin_actions_mean_what_the_docs_say(
         wait_for(lambda: in_logs(run, "SIGALRM ignored"), 60, "ALRM said and ignored")
         before = run.rank_log(0).read_text().count("asked for by SIGUSR1")
         slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job])  # through the shell
-        wait_for(lambda: run.rank_log(0).read_text().count("asked for by SIGUSR1") > before,
-                 60, "USR1 through the batch shell")  # fmt: skip
+        wait_for(
+            lambda: run.rank_log(0).read_text().count("asked for by SIGUSR1") > before,
+            60,
+            "USR1 through the batch shell",
+        )
         slurm_cluster.run(["scontrol", "requeue", job])
         wait_for(lambda: len(read_record(run.path).get("starts", [])) == 2, 120, "the restart")
         at = iteration(run)
@@ -148,7 +192,10 @@ def test_signals_and_admin_actions_mean_what_the_docs_say(
     assert record.get("faults", []) == [], record["faults"]
     requeue, limit = record["restarts"]
     assert (requeue["reason"], requeue["kind"], requeue["signal"]) == (
-        "requeue", "requeue", "SIGTERM"), requeue  # fmt: skip
+        "requeue",
+        "requeue",
+        "SIGTERM",
+    ), requeue
     assert (limit["reason"], limit["kind"]) == ("time-limit", "stop"), limit
     assert limit["why"].startswith(
         "not requeued: the job's time limit (00:01:00) is no longer than --signal-delay-s 90"

@@ -16,8 +16,9 @@ from mjlab_hpc.validate.sweep import sweep_elements
 
 
 def hpc(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([BIN / "mjlab-hpc", *args], env=cli_env(), capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [BIN / "mjlab-hpc", *args], env=cli_env(), capture_output=True, text=True, timeout=120
+    )
 
 
 def test_sweep_is_the_cartesian_product_with_typed_values() -> None:
@@ -86,11 +87,30 @@ def test_bad_sweep_exits_2_and_creates_nothing(
 def test_sweep_dry_run_prints_the_job_array(tmp_path: Path) -> None:
     """No Slurm at all (PATH holds only the venv): the elements and the array's script."""
     proc = subprocess.run(
-        [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run", "--nodes", "2",
-         "--gpus-per-node", "0", "--sweep", "seed=0,1,2", "--sweep", "num-envs=64,128",
-         "--array-parallelism", "2", "--log-root", str(tmp_path)],
-        env=cli_env(base={"PATH": str(BIN)}), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            BIN / "mjlab-submit",
+            "cartpole",
+            "--executor",
+            "slurm",
+            "--dry-run",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "0",
+            "--sweep",
+            "seed=0,1,2",
+            "--sweep",
+            "num-envs=64,128",
+            "--array-parallelism",
+            "2",
+            "--log-root",
+            str(tmp_path),
+        ],
+        env=cli_env(base={"PATH": str(BIN)}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "#SBATCH --array=0-5%2" in out and "#SBATCH --nodes=2" in out
@@ -111,9 +131,22 @@ def test_agent_sweep_of_a_builtin_task_dry_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The issue's own example: a learning-rate sweep of a built-in task."""
-    code = submit_main(["cartpole", "--executor", "slurm", "--dry-run", "--gpus-per-node", "0",
-                        "--log-root", str(tmp_path), "--sweep", "seed=0,1",
-                        "--sweep", "agent.learning_rate=1e-3,3e-4"])  # fmt: skip
+    code = submit_main(
+        [
+            "cartpole",
+            "--executor",
+            "slurm",
+            "--dry-run",
+            "--gpus-per-node",
+            "0",
+            "--log-root",
+            str(tmp_path),
+            "--sweep",
+            "seed=0,1",
+            "--sweep",
+            "agent.learning_rate=1e-3,3e-4",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert out.count("learning_rate=") >= 4  # 2 x 2 elements, each named by its values
