@@ -64,8 +64,9 @@ def hpc(cluster: SlurmCluster, *args: str, path_first: str | None = None, timeou
     env = env_for(cluster)
     if path_first:
         env["PATH"] = f"{path_first}{os.pathsep}{env['PATH']}"
-    return subprocess.run([BIN / "mjlab-hpc", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [BIN / "mjlab-hpc", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def status_json(cluster: SlurmCluster, *args: str, path_first: str | None = None) -> list[dict]:
@@ -87,24 +88,40 @@ def cluster_jobs(
     root = tmp_path_factory.mktemp("slurm-ops")
     two_nodes = ["cartpole", "--nodes", "2", "--tasks-per-node", "1", *SMALL]
     commands = {
-        "failing": ([*two_nodes, "--max-iterations", "50", "--max-restarts", "0"],
-                    fault_env(root / "fault", rank=1, iteration=3)),
+        "failing": (
+            [*two_nodes, "--max-iterations", "50", "--max-restarts", "0"],
+            fault_env(root / "fault", rank=1, iteration=3),
+        ),
         "long": ([*two_nodes, "--max-iterations", "5000"], {}),
         # Each element raises once: healed per element (the array's script is ours).
-        "sweep": (["cartpole", "--nodes", "1", *SMALL, "--max-iterations", "3", "--sweep",
-                   "seed=0,1,2", "--array-parallelism", "2"],
-                  {"MJLAB_HPC_FAULT": "raise@2:rank0:once"}),
-    }  # fmt: skip
+        "sweep": (
+            [
+                "cartpole",
+                "--nodes",
+                "1",
+                *SMALL,
+                "--max-iterations",
+                "3",
+                "--sweep",
+                "seed=0,1,2",
+                "--array-parallelism",
+                "2",
+            ],
+            {"MJLAB_HPC_FAULT": "raise@2:rank0:once"},
+        ),
+    }
     procs = {}
     for name, (args, extra) in commands.items():
         out = open(root / f"{name}.out", "w")  # noqa: SIM115 (closed below)
         procs[name] = (
             subprocess.Popen(
                 [BIN / "mjlab-submit", *args, "--log-root", str(root / name)],
-                env=env_for(slurm_cluster, extra), stdout=out, stderr=subprocess.STDOUT,
+                env=env_for(slurm_cluster, extra),
+                stdout=out,
+                stderr=subprocess.STDOUT,
             ),
             out,
-        )  # fmt: skip
+        )
     ids = {}
     for name, (proc, out) in procs.items():
         code = proc.wait(timeout=120)
