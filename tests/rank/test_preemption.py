@@ -35,8 +35,17 @@ from mjlab_hpc.rank.signals import (
 from mjlab_hpc.rank.stop import Stopped, Supervision, after_stop, agree, agree_boundary
 from mjlab_hpc.rundir.state import read_record
 
-COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
-          "--save-interval", "100"]  # fmt: skip
+COMMON = [
+    "cartpole",
+    "--num-envs",
+    "64",
+    "--seed",
+    "11",
+    "--torch-threads",
+    "1",
+    "--save-interval",
+    "100",
+]
 
 
 @pytest.mark.training
@@ -46,10 +55,26 @@ def test_three_preemptions_local_executor_exact(tmp_path: Path, shared_tmp: Path
     iterations and the parameters of an uninterrupted run."""
     iters, root = 12, tmp_path / "job"
     proc = subprocess.Popen(
-        [BIN / "mjlab-submit", *COMMON, "--max-iterations", str(iters), "--executor", "local",
-         "--gpus-per-node", "0", "--tasks-per-node", "2", "--log-root", str(root), "--follow"],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            BIN / "mjlab-submit",
+            *COMMON,
+            "--max-iterations",
+            str(iters),
+            "--executor",
+            "local",
+            "--gpus-per-node",
+            "0",
+            "--tasks-per-node",
+            "2",
+            "--log-root",
+            str(root),
+            "--follow",
+        ],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for n, at in enumerate((2, 5, 8), start=1):
         run = wait_for_iteration(root, at)
         pids = rank_pids(run)
@@ -81,8 +106,9 @@ def test_resume_by_hand_is_exact(tmp_path: Path, shared_tmp: Path) -> None:
     command that resumes it, no traceback; that command continues exactly."""
     iters, root = 8, tmp_path / "job"
     args = [BIN / "mjlab-train", *COMMON, "--max-iterations", str(iters), "--log-root", str(root)]
-    proc = subprocess.Popen(args, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        args, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     wait_for_iteration(root, 3)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -96,8 +122,9 @@ def test_resume_by_hand_is_exact(tmp_path: Path, shared_tmp: Path) -> None:
     assert f"stopped at iteration {stop['iteration']} (terminated, SIGTERM)" in line
     resume = line.split("resume with: ", 1)[1].split()
     assert resume[0] == "mjlab-train" and resume[-2:] == ["--run-dir", str(run.path)]
-    again = subprocess.run([BIN / resume[0], *resume[1:]], env=cli_env(), capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
+    again = subprocess.run(
+        [BIN / resume[0], *resume[1:]], env=cli_env(), capture_output=True, text=True, timeout=300
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     summary = json.loads(only_run(root).summary.read_text())
     assert summary["resumed_from"] == stop["iteration"] and summary["iterations"] == iters
@@ -112,10 +139,25 @@ def test_kill_one_rank_ends_the_job_and_names_it(tmp_path: Path) -> None:
     promptly, leaves nothing, and the launcher, `status` and `logs` name rank 1 as the cause,
     not rank 0 that lost its peer. (With healing: tests/launch/test_healing.py.)"""
     proc = subprocess.Popen(
-        [BIN / "mjlab-train", *COMMON, "--max-iterations", "1000", "--num-procs", "2",
-         "--log-root", str(tmp_path), "--dist-timeout-s", "300", "--max-restarts", "0"],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            BIN / "mjlab-train",
+            *COMMON,
+            "--max-iterations",
+            "1000",
+            "--num-procs",
+            "2",
+            "--log-root",
+            str(tmp_path),
+            "--dist-timeout-s",
+            "300",
+            "--max-restarts",
+            "0",
+        ],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     run = wait_for_iteration(tmp_path, 2)
     pids = rank_pids(run)
     assert len(pids) == 2
@@ -133,12 +175,22 @@ def test_kill_one_rank_ends_the_job_and_names_it(tmp_path: Path) -> None:
     (fault,) = read_record(run.path)["faults"]  # recorded, not healed: restarts exhausted
     assert fault["kind"] == "failed" and "--max-restarts 0" in fault["action"], fault
     assert fault["reason"] == "crash" and fault["ranks"] == [1]
-    status = subprocess.run([BIN / "mjlab-hpc", "status", "--json", str(run.path)],
-                            env=cli_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    status = subprocess.run(
+        [BIN / "mjlab-hpc", "status", "--json", str(run.path)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     row = json.loads(status.stdout)[0]
     assert row["state"] == "FAILED" and row["cause"].startswith("rank 1 on "), row
-    logs = subprocess.run([BIN / "mjlab-hpc", "logs", str(run.path)], env=cli_env(),
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    logs = subprocess.run(
+        [BIN / "mjlab-hpc", "logs", str(run.path)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     first = logs.stdout.splitlines()[0]
     assert first.startswith("cause: rank 1 on ") and "killed" in first, logs.stdout[:500]
 
@@ -213,22 +265,63 @@ _USR2 = Stop(StopKind.REQUEUE, "time-limit", signal.SIGUSR2)
     [
         (_TERM, None, [], False, StopKind.REQUEUE, "preemption"),  # Slurm did not answer
         (_TERM, {"JobState": "CANCELLED"}, [], False, StopKind.FOR_GOOD, "cancelled"),
-        (_TERM, {"JobState": "RUNNING", "PreemptTime": "2026-11-27T16:52:26"}, [], False,
-         StopKind.REQUEUE, "preemption"),  # GraceTime: the job still runs
-        (_TERM, {"JobState": "COMPLETING", "Restarts": "3"}, [], False, StopKind.REQUEUE,
-         "requeue"),  # scontrol requeue: the restart count went up
-        (_TERM, {"JobState": "COMPLETING", "Restarts": "3"}, ["node2"], False,
-         StopKind.REQUEUE, "node-lost"),
-        (_TERM, {"JobState": "RUNNING", "Restarts": "2", "PreemptTime": "None"}, [], False,
-         StopKind.FOR_GOOD, "terminated"),  # scancel --signal=TERM: a person's stop
-        (_TERM, {"JobState": "COMPLETING", "Restarts": "2"}, [], False, StopKind.FOR_GOOD,
-         "cancelled"),  # scancel (with --signal=KILL too): ending, not requeued
-        (_TERM, {"JobState": "COMPLETING", "Restarts": "2", "TimeLimit": "00:10:00",
-                 "RunTime": "00:10:01"}, [], False, StopKind.REQUEUE, "time-limit"),
+        (
+            _TERM,
+            {"JobState": "RUNNING", "PreemptTime": "2026-11-27T16:52:26"},
+            [],
+            False,
+            StopKind.REQUEUE,
+            "preemption",
+        ),  # GraceTime: the job still runs
+        (
+            _TERM,
+            {"JobState": "COMPLETING", "Restarts": "3"},
+            [],
+            False,
+            StopKind.REQUEUE,
+            "requeue",
+        ),  # scontrol requeue: the restart count went up
+        (
+            _TERM,
+            {"JobState": "COMPLETING", "Restarts": "3"},
+            ["node2"],
+            False,
+            StopKind.REQUEUE,
+            "node-lost",
+        ),
+        (
+            _TERM,
+            {"JobState": "RUNNING", "Restarts": "2", "PreemptTime": "None"},
+            [],
+            False,
+            StopKind.FOR_GOOD,
+            "terminated",
+        ),  # scancel --signal=TERM: a person's stop
+        (
+            _TERM,
+            {"JobState": "COMPLETING", "Restarts": "2"},
+            [],
+            False,
+            StopKind.FOR_GOOD,
+            "cancelled",
+        ),  # scancel (with --signal=KILL too): ending, not requeued
+        (
+            _TERM,
+            {
+                "JobState": "COMPLETING",
+                "Restarts": "2",
+                "TimeLimit": "00:10:00",
+                "RunTime": "00:10:01",
+            },
+            [],
+            False,
+            StopKind.REQUEUE,
+            "time-limit",
+        ),
         (_USR2, {"TimeLimit": "00:01:00"}, [], False, StopKind.REQUEUE, "time-limit"),
         (_USR2, {"TimeLimit": "00:01:00"}, [], True, StopKind.FOR_GOOD, "time-limit"),
     ],
-)  # fmt: skip
+)
 def test_why_slurm_signalled(
     stop: Stop, job: dict | None, lost: list, first: bool, kind: StopKind, reason: str
 ) -> None:
@@ -268,10 +361,20 @@ def test_a_lost_supervisor_is_a_stop_for_good() -> None:
     assert agree(request, False, "cpu") == Stop(StopKind.FOR_GOOD, "supervisor-lost", 0)
 
 
-_SLURM = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
-          "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "9"}  # fmt: skip
-_LOCAL = {"SUBMITIT_LOCAL_GLOBALID": "0", "SUBMITIT_LOCAL_LOCALID": "0",
-          "SUBMITIT_LOCAL_NTASKS": "2"}  # fmt: skip
+_SLURM = {
+    "SLURM_PROCID": "0",
+    "SLURM_STEP_ID": "0",
+    "SLURM_NTASKS": "1",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_NODELIST": "n1",
+    "SLURM_JOB_ID": "9",
+}
+_LOCAL = {
+    "SUBMITIT_LOCAL_GLOBALID": "0",
+    "SUBMITIT_LOCAL_LOCALID": "0",
+    "SUBMITIT_LOCAL_NTASKS": "2",
+}
 _TIME_LIMIT = Stop(StopKind.REQUEUE, "time-limit", signal.SIGUSR2)
 _INTERRUPT = Stop(StopKind.FOR_GOOD, "interrupt", signal.SIGINT)
 
@@ -286,7 +389,7 @@ _INTERRUPT = Stop(StopKind.FOR_GOOD, "interrupt", signal.SIGINT)
         (_SLURM, _TIME_LIMIT, 3, EXIT_FAILED),
         (_SLURM, _INTERRUPT, 0, EXIT_STOPPED),
     ],
-)  # fmt: skip
+)
 def test_after_stop_exit_codes(env: dict, stop: Stop, restarts: int, code: int) -> None:
     ctx = DistContext.from_env(env)
     max_restarts = 3 if env is _SLURM else 10

@@ -65,8 +65,13 @@ def test_the_median_of_the_others_is_the_median_without_each_value() -> None:
 
 
 def status_json(run: RunDir) -> dict:
-    proc = subprocess.run([BIN / "mjlab-hpc", "status", "--json", str(run.path)],
-                          env=cli_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [BIN / "mjlab-hpc", "status", "--json", str(run.path)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return dict(json.loads(proc.stdout)[0])
 
@@ -75,11 +80,26 @@ def status_json(run: RunDir) -> dict:
 def test_a_throttled_rank_is_named_in_status_logs_and_rank_logs(tmp_path: Path) -> None:
     root = tmp_path / "logs"
     proc = subprocess.Popen(
-        [BIN / "mjlab-train", "cartpole", "--num-envs", "32", "--torch-threads", "1",
-         "--num-procs", "2", "--max-iterations", "1000", "--log-root", str(root)],
-        env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            BIN / "mjlab-train",
+            "cartpole",
+            "--num-envs",
+            "32",
+            "--torch-threads",
+            "1",
+            "--num-procs",
+            "2",
+            "--max-iterations",
+            "1000",
+            "--log-root",
+            str(root),
+        ],
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     stop = threading.Event()
     pid = None
 

@@ -206,10 +206,19 @@ def test_bad_input_exits_2_before_work(
 
 def test_agent_overrides_reach_training(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [BIN / "mjlab-train", "cartpole", *train_args(tmp_path, iters=1, envs=32),
-         "--agent.num-steps-per-env", "8", "--agent.learning_rate=3e-4"],
-        env=cli_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            BIN / "mjlab-train",
+            "cartpole",
+            *train_args(tmp_path, iters=1, envs=32),
+            "--agent.num-steps-per-env",
+            "8",
+            "--agent.learning_rate=3e-4",
+        ],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = only_run(tmp_path)
     assert run.read_progress()[0]["env_steps"] == 8 * 32

@@ -29,12 +29,14 @@ def test_hang_limit_never_below_five_slowest_iterations() -> None:
     [
         ("kill@12:rank1:once", (FaultInjection("kill", 12, 1, True),)),
         ("raise@3", (FaultInjection("raise", 3, 0, False),)),
-        ("kill@5:rank1:once, stop@10:rank1:once",
-         (FaultInjection("kill", 5, 1, True), FaultInjection("stop", 10, 1, True))),
+        (
+            "kill@5:rank1:once, stop@10:rank1:once",
+            (FaultInjection("kill", 5, 1, True), FaultInjection("stop", 10, 1, True)),
+        ),
         ("slow@1:rank1:once", (FaultInjection("slow", 1, 1, True),)),
         ("", ()),
     ],
-)  # fmt: skip
+)
 def test_fault_injection_syntax(text: str, parsed: tuple[FaultInjection, ...]) -> None:
     assert parse_faults({"MJLAB_HPC_FAULT": text}) == parsed
 
@@ -49,9 +51,9 @@ def test_heartbeat_and_diagnosis_name_the_stalled_rank(tmp_path: Path) -> None:
     run = RunDir(tmp_path)
     run.heartbeats.mkdir(parents=True)
     # Rank 1 last beat a minute ago at iteration 7: frozen.
-    run.heartbeat(1).write_text(json.dumps(
-        {"rank": 1, "host": "node2", "pid": 1, "iteration": 7, "t": time.time() - 60}
-    ))  # fmt: skip
+    run.heartbeat(1).write_text(
+        json.dumps({"rank": 1, "host": "node2", "pid": 1, "iteration": 7, "t": time.time() - 60})
+    )
     log = io.StringIO()
     with Watchdog(run, 0, 2, timeout_s=None, rank_log=log, host="node1", beat_s=0.2) as dog:
         dog.progress(8)
@@ -72,10 +74,18 @@ def _rank_log(run: RunDir, rank: int, body: str) -> None:
 
 
 def _crash(run: RunDir) -> None:
-    _rank_log(run, 0, "2026-11-23 10:00:09,000 rank0 exit: failed (peer-lost)\nRuntimeError: "
-              "Connection reset by peer\n")  # fmt: skip
-    _rank_log(run, 1, "2026-11-23 10:00:05,000 rank1 exit: failed (exception)\nTraceback\n"
-              "ValueError: reward is nan at step 1234\n")  # fmt: skip
+    _rank_log(
+        run,
+        0,
+        "2026-11-23 10:00:09,000 rank0 exit: failed (peer-lost)\nRuntimeError: "
+        "Connection reset by peer\n",
+    )
+    _rank_log(
+        run,
+        1,
+        "2026-11-23 10:00:05,000 rank1 exit: failed (exception)\nTraceback\n"
+        "ValueError: reward is nan at step 1234\n",
+    )
     run.progress.write_text("".join(json.dumps({"iteration": i}) + "\n" for i in (1, 2, 3)))
 
 
@@ -177,7 +187,7 @@ def test_the_ranks_of_a_start_before_fewer_ranks_are_not_this_starts(tmp_path: P
         "2026-11-23 10:00:20,000 rank0 rank 0/1 (local 0/1, node 0/1) via submitit-local, "
         "master x:1 on cpu, host h0, pid 2, seed 1, 8 envs\n"
         "2026-11-23 10:00:40,000 rank0 exit: completed 12 iterations\n"
-    )  # fmt: skip
+    )
     ends = rank_ends(run.path)
     assert [(e.rank, e.how, e.world_size) for e in ends] == [(0, "completed", 1)]
     assert latest_world_size(ends) == 1 and run_outcome(run.path).state != "failed"
@@ -185,7 +195,7 @@ def test_the_ranks_of_a_start_before_fewer_ranks_are_not_this_starts(tmp_path: P
         "2026-11-23 10:01:00,000 rank1 rank 1/2 (local 0/1, node 1/2) via submitit-local, "
         "master x:1 on cpu, host h1, pid 3, seed 1, 8 envs\n"
         "2026-11-23 10:01:05,000 rank1 exit: failed (exception)\n"
-    )  # fmt: skip
+    )
     assert [(e.rank, e.how) for e in rank_ends(run.path)] == [(0, "completed"), (1, "failed")]
 
 
@@ -205,15 +215,25 @@ def test_a_frozen_rank_is_one_whose_heartbeat_stops_changing_whatever_its_clock(
         n = 0
         while not stop.wait(0.2):
             n += 1
-            run.heartbeat(1).write_text(json.dumps(
-                {"rank": 1, "host": "node2", "pid": 2, "iteration": 7, "t": time.time() - 3600,
-                 "n": n}))  # fmt: skip
+            run.heartbeat(1).write_text(
+                json.dumps(
+                    {
+                        "rank": 1,
+                        "host": "node2",
+                        "pid": 2,
+                        "iteration": 7,
+                        "t": time.time() - 3600,
+                        "n": n,
+                    }
+                )
+            )
 
     beating = threading.Thread(target=alive_behind, daemon=True)
     beating.start()
     try:
-        with Watchdog(run, 0, 3, timeout_s=None, rank_log=io.StringIO(), host="node1",
-                      beat_s=0.5) as dog:  # fmt: skip
+        with Watchdog(
+            run, 0, 3, timeout_s=None, rank_log=io.StringIO(), host="node1", beat_s=0.5
+        ) as dog:
             dog.progress(8)
             hang = dog._diagnose(30.0, 20.0)
     finally:
@@ -258,7 +278,7 @@ def test_this_srun_steps_ranks_are_found_by_its_name_not_by_clocks(tmp_path: Pat
             f"slurm, master x:1 on cpu, host h{rank}, pid 1, seed 1, 8 envs, "
             f"CUDA_VISIBLE_DEVICES=unset, start 42.0.1\n"
             f"2099-01-01 10:00:09,000 rank{rank} exit: stopped at iteration 3\n"
-        )  # fmt: skip
+        )
     assert [e.start_id for e in rank_ends(run.path)] == ["42.0.1", "42.0.1"]
     assert find_fault(run.path, start="42.0.1") is None
     fault = find_fault(run.path, start="42.0.2")  # the next step: its ranks never logged
