@@ -45,8 +45,9 @@ def test_sigkill_during_checkpoint_writes_keeps_a_valid_one(tmp_path: Path) -> N
     for trial in range(6):
         p = subprocess.Popen(
             [sys.executable, str(writer), str(run_dir), str(1000 * (trial + 1))],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert p.stdout is not None and p.stdout.readline() == "ready\n"  # imports done
         time.sleep(rng.uniform(0.05, 0.6))  # into the writes
         p.kill()
@@ -73,7 +74,9 @@ def test_corrupt_newest_checkpoint_is_skipped(tmp_path: Path) -> None:
     assert path is not None and path.name == "model_1.pt"
     assert load_verified(path)["iter"] == 1
     assert [(d.name, "does not match its checksum" in d.why) for d in damaged] == [
-        ("model_3.pt", True), ("model_2.pt", True)]  # fmt: skip
+        ("model_3.pt", True),
+        ("model_2.pt", True),
+    ]
 
 
 def test_keep_last_n_counts_only_checkpoints_that_verify(tmp_path: Path) -> None:
@@ -102,8 +105,10 @@ def test_keep_last_n_counts_only_checkpoints_that_verify(tmp_path: Path) -> None
 def _with_rank_states(run_dir: Path, n: int, world_size: int = 2, run: str = "r") -> Path:
     path = run_dir / f"model_{n}.pt"
     belongs = {"run": run, "task": "cartpole", "iteration": n}
-    written = [write_rank_state(path, r, world_size, {"env": torch.full((100 + r,), n + r)},
-                                belongs) for r in range(world_size)]  # fmt: skip
+    written = [
+        write_rank_state(path, r, world_size, {"env": torch.full((100 + r,), n + r)}, belongs)
+        for r in range(world_size)
+    ]
     listed = publish_rank_states(path, written, lambda: None)
     header = {**belongs, "world_size": world_size, "rank_states": listed}
     save_checkpoint(path, {"iter": n}, header=header)
@@ -130,8 +135,11 @@ def test_a_checkpoint_counts_only_with_every_rank_state_verifying(tmp_path: Path
     assert "rank1-of-2.pt does not match its checksum" in bad[0].why
     assert "incomplete" in bad[1].why
     checkpoints.set_aside(bad)
-    assert sorted(p.name for p in states.iterdir()) == ["model_1", "model_2.damaged",
-                                                        "model_3.damaged"]  # fmt: skip
+    assert sorted(p.name for p in states.iterdir()) == [
+        "model_1",
+        "model_2.damaged",
+        "model_3.damaged",
+    ]
     for n in (4, 5):
         _with_rank_states(tmp_path, n)
     assert [p.name for p in Checkpoints(tmp_path).prune(keep=2)] == ["model_1.pt"]
@@ -168,17 +176,21 @@ def test_a_rank_state_counts_only_where_it_belongs(tmp_path: Path) -> None:
     path, bad = checkpoints.newest_valid()
     assert path == tmp_path / "model_2.pt", bad
     why = {d.name: d.why for d in bad}
-    assert "rank0-of-2.pt of model_10.pt is not the state rank 0 saved: it is rank 1's" in why[
-        "model_10.pt"]  # fmt: skip
+    assert (
+        "rank0-of-2.pt of model_10.pt is not the state rank 0 saved: it is rank 1's"
+        in why["model_10.pt"]
+    )
     assert "rank1-of-2.pt of model_8.pt" in why["model_8.pt"]
     assert "holds" in why["model_8.pt"] or "another checkpoint's or run's" in why["model_8.pt"]
     assert why["model_6.pt"] == "model_6.pt holds iteration 4 (a file renamed or copied over it)"
     assert "task 'cartpole', not 'ant'" in Checkpoints(tmp_path, "ant").problem(
-        tmp_path / "model_2.pt")  # fmt: skip
+        tmp_path / "model_2.pt"
+    )
     # Loading checks the state's own header (what a sidecar cannot vouch for).
     with pytest.raises(ValueError, match="belongs to run 'r', not 'other'"):
-        load_rank_state(tmp_path / "model_2.pt", 0, 2, {"run": "other", "task": "cartpole",
-                                                         "iteration": 2})  # fmt: skip
+        load_rank_state(
+            tmp_path / "model_2.pt", 0, 2, {"run": "other", "task": "cartpole", "iteration": 2}
+        )
 
 
 @pytest.mark.parametrize("kind", ["dev-zero", "directory", "fifo", "sparse"])
@@ -206,8 +218,12 @@ def test_nothing_but_a_plausible_file_is_read(tmp_path: Path, kind: str) -> None
         started = time.monotonic()
         path, bad = Checkpoints(tmp_path).newest_valid()
         assert path == tmp_path / "model_1.pt" and [d.name for d in bad] == ["model_2.pt"]
-        what = {"dev-zero": "is a character device, not a file", "directory": "is a directory",
-                "fifo": "is a FIFO", "sparse": "bytes, more than"}[kind]  # fmt: skip
+        what = {
+            "dev-zero": "is a character device, not a file",
+            "directory": "is a directory",
+            "fifo": "is a FIFO",
+            "sparse": "bytes, more than",
+        }[kind]
         assert target.name in bad[0].why and what in bad[0].why, bad[0].why
         assert time.monotonic() - started < 5
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB

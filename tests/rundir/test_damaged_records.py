@@ -34,16 +34,18 @@ HPC = str(BIN / "mjlab-hpc")
 
 
 def run(args: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, cwd=cwd, env=cli_env(), capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        args, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A log root holding one completed cartpole run of 2 iterations."""
     root = tmp_path_factory.mktemp("trained")
-    proc = run([*TRAIN, "--max-iterations", "2", "--save-interval", "1", "--log-root", "logs"],
-               root)  # fmt: skip
+    proc = run(
+        [*TRAIN, "--max-iterations", "2", "--save-interval", "1", "--log-root", "logs"], root
+    )
     assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
     return root / "logs"
 
@@ -142,15 +144,22 @@ def test_a_second_training_into_a_running_run_is_refused_at_once(
     """Refused whatever the second one's clock says (an hour ahead, faketime): a live writer
     on this machine is never displaced, nor its run resumed."""
     healthy, _ = two_runs(trained, tmp_path)
-    first = subprocess.Popen([*TRAIN, "--max-iterations", "5000", "--run-dir", str(healthy)],
-                             cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        [*TRAIN, "--max-iterations", "5000", "--run-dir", str(healthy)],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: len(RunDir(healthy).read_progress()) > 3, 150, "the first training")
         for ahead in ([], clock_ahead("+1h")):
             began = time.monotonic()
-            second = run([*ahead, *TRAIN, "--max-iterations", "5000", "--run-dir", str(healthy),
-                          "--resume"], tmp_path)  # fmt: skip
+            second = run(
+                [*ahead, *TRAIN, "--max-iterations", "5000", "--run-dir", str(healthy), "--resume"],
+                tmp_path,
+            )
             took = time.monotonic() - began
             said = " ".join(second.stderr.split())
             assert second.returncode == EXIT_BAD_INPUT, second.stderr[-2000:]

@@ -655,8 +655,10 @@ def test_a_waiter_an_hour_ahead_never_takes_a_live_lock(tmp_path: Path) -> None:
         )
         proc = subprocess.run(
             ["faketime", "-f", "+1h", str(BIN / "python"), "-c", code, str(lock_path)],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert f"pid={holder.pid}" in proc.stdout
         assert holder.is_alive() and int(ready.read_text()) == LeaseLock(lock_path).holder().token
