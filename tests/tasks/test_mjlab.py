@@ -216,10 +216,28 @@ def _only_run(root: Path) -> Path:
 
 @pytest.mark.slow
 def test_cartpole_two_ranks_local_executor_in_sync(tmp_path: Path) -> None:
-    proc = _cli([str(BIN / "mjlab-submit"), CARTPOLE, "--executor", "local",
-                 "--gpus-per-node", "0", "--tasks-per-node", "2", "--num-envs", "32",
-                 "--max-iterations", "2", "--torch-threads", "1", "--log-root", str(tmp_path),
-                 "--follow", *TB_ARGS])  # fmt: skip
+    proc = _cli(
+        [
+            str(BIN / "mjlab-submit"),
+            CARTPOLE,
+            "--executor",
+            "local",
+            "--gpus-per-node",
+            "0",
+            "--tasks-per-node",
+            "2",
+            "--num-envs",
+            "32",
+            "--max-iterations",
+            "2",
+            "--torch-threads",
+            "1",
+            "--log-root",
+            str(tmp_path),
+            "--follow",
+            *TB_ARGS,
+        ]
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = _only_run(tmp_path)
     summary = json.loads((run / "summary.json").read_text())
@@ -236,11 +254,26 @@ def test_mjlabs_default_logger_on_two_ranks(tmp_path: Path) -> None:
     removed the start_method setting that rsl-rl-lib 5.4.2 passes: constraints.txt pins it)."""
     env = {**cli_env(), "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}
     proc = subprocess.run(
-        [str(BIN / "mjlab-train"), CARTPOLE, "--num-procs", "2", "--env.scene.num-envs", "16",
-         "--agent.max-iterations", "2", "--torch-threads", "1", "--log-root",
-         str(tmp_path / "logs")],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            str(BIN / "mjlab-train"),
+            CARTPOLE,
+            "--num-procs",
+            "2",
+            "--env.scene.num-envs",
+            "16",
+            "--agent.max-iterations",
+            "2",
+            "--torch-threads",
+            "1",
+            "--log-root",
+            str(tmp_path / "logs"),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "done: 2 iterations" in proc.stdout
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
@@ -249,8 +282,21 @@ def test_mjlabs_default_logger_on_two_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_g1_velocity_trains_a_few_iterations(tmp_path: Path) -> None:
-    proc = _cli([str(BIN / "mjlab-train"), G1_FLAT, "--num-envs", "2", "--max-iterations", "2",
-                 "--torch-threads", "1", "--log-root", str(tmp_path), *TB_ARGS])  # fmt: skip
+    proc = _cli(
+        [
+            str(BIN / "mjlab-train"),
+            G1_FLAT,
+            "--num-envs",
+            "2",
+            "--max-iterations",
+            "2",
+            "--torch-threads",
+            "1",
+            "--log-root",
+            str(tmp_path),
+            *TB_ARGS,
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = _only_run(tmp_path)
     assert [r["iteration"] for r in map(json.loads, (run / "progress.jsonl").open())] == [1, 2]
@@ -260,8 +306,17 @@ def test_g1_velocity_trains_a_few_iterations(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_mjlab_task_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    base = [str(BIN / "mjlab-train"), CARTPOLE, "--num-envs", "16", "--torch-threads", "1",
-            "--log-root", str(tmp_path), *TB_ARGS]  # fmt: skip
+    base = [
+        str(BIN / "mjlab-train"),
+        CARTPOLE,
+        "--num-envs",
+        "16",
+        "--torch-threads",
+        "1",
+        "--log-root",
+        str(tmp_path),
+        *TB_ARGS,
+    ]
     first = _cli([*base, "--max-iterations", "2"])
     assert first.returncode == 0, first.stderr[-3000:]
     again = _cli([*base, "--max-iterations", "4", "--resume"])
@@ -273,8 +328,11 @@ def test_mjlab_task_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     # mjlab's runner saved the environment's step counter; it continued from the resume.
     assert ckpt["infos"]["env_state"]["common_step_counter"] > 0
     assert [r["iteration"] for r in map(json.loads, (run / "progress.jsonl").open())] == [
-        1, 2, 3, 4
-    ]  # fmt: skip
+        1,
+        2,
+        3,
+        4,
+    ]
 
 
 @pytest.mark.parametrize(

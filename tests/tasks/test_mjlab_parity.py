@@ -72,25 +72,30 @@ def test_every_flag_of_mjlabs_train_is_accepted_with_its_value() -> None:
     default = TrainConfig.from_task(CARTPOLE)
     flags = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("env", "agent")]
     assert len(flags) >= 10, flags
-    helptext = subprocess.run([BIN / "mjlab-train", "--help"], env=cli_env(), capture_output=True,
-                              text=True, timeout=120).stdout  # fmt: skip
+    helptext = subprocess.run(
+        [BIN / "mjlab-train", "--help"], env=cli_env(), capture_output=True, text=True, timeout=120
+    ).stdout
     for name in flags:
         flag = "--" + name.replace("_", "-")
         kind = _type_name(hints[name])
         assert kind in SAMPLES, f"mjlab's train has {flag} of type {kind}: add it here and to ours"
         args = [flag, *SAMPLES[kind]]
         theirs = tyro.cli(TrainConfig, args=args, default=default, config=mjlab.TYRO_FLAGS)
-        ours = parse_with_overrides(TrainSpec, [CARTPOLE, *args], None,
-                                    lambda s, o: s.replace(overrides=o))  # fmt: skip
+        ours = parse_with_overrides(
+            TrainSpec, [CARTPOLE, *args], None, lambda s, o: s.replace(overrides=o)
+        )
         assert isinstance(ours, TrainSpec), f"{flag} is refused by mjlab-train"
         assert hasattr(ours, name), f"{flag} has no field of that name in TrainSpec"
         want, got = getattr(theirs, name), getattr(ours, name)
         assert (list(got) if isinstance(got, tuple) else got) == want, (flag, got, want)
         assert flag in helptext, f"{flag} is not in `mjlab-train --help`"
     # Their env and agent settings go to mjlab's configs, spelled as mjlab spells them.
-    ours = parse_with_overrides(TrainSpec, [CARTPOLE, "--agent.resume", "True", "--video", "True",
-                                            "--env.scene.num-envs", "4"], None,
-                                lambda s, o: s.replace(overrides=o))  # fmt: skip
+    ours = parse_with_overrides(
+        TrainSpec,
+        [CARTPOLE, "--agent.resume", "True", "--video", "True", "--env.scene.num-envs", "4"],
+        None,
+        lambda s, o: s.replace(overrides=o),
+    )
     assert isinstance(ours, TrainSpec) and ours.video
     assert ours.overrides == ("--agent.resume", "True", "--env.scene.num-envs", "4")
     for args in (["--gpu-ids", "0", "1"], ["--gpu-ids=[0,1]"], ["--gpu-ids", "[0,", "1]"]):
@@ -135,9 +140,20 @@ def _offline_runs(wandb_dir: Path) -> list[tuple[str, list[int], list[int], list
 
 
 # Small offscreen frames without shadows: Mesa renders them in milliseconds on a CPU.
-SMALL_VIDEO = ["--video", "True", "--video-length", "2", "--env.viewer.width", "64",
-               "--env.viewer.height", "48", "--env.viewer.enable-shadows", "False",
-               "--env.viewer.enable-reflections", "False"]  # fmt: skip
+SMALL_VIDEO = [
+    "--video",
+    "True",
+    "--video-length",
+    "2",
+    "--env.viewer.width",
+    "64",
+    "--env.viewer.height",
+    "48",
+    "--env.viewer.enable-shadows",
+    "False",
+    "--env.viewer.enable-reflections",
+    "False",
+]
 
 
 @pytest.fixture(scope="module")
@@ -148,15 +164,42 @@ def wandb_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int
     env = cli_env({"WANDB_MODE": "offline", "WANDB_DIR": str(tmp), "MUJOCO_GL": "egl"})
     root = tmp / "logs"
     # 32 env steps per iteration: a video every 2 iterations.
-    common = [CARTPOLE, "--env.scene.num-envs", "16", "--torch-threads", "1", "--save-interval",
-              "100", "--log-root", str(root), *SMALL_VIDEO, "--video-interval", "64"]  # fmt: skip
+    common = [
+        CARTPOLE,
+        "--env.scene.num-envs",
+        "16",
+        "--torch-threads",
+        "1",
+        "--save-interval",
+        "100",
+        "--log-root",
+        str(root),
+        *SMALL_VIDEO,
+        "--video-interval",
+        "64",
+    ]
     # A time-limit warning (USR2) on the local executor: checkpoint, requeue, the requeued
     # start finishes.
     proc = subprocess.Popen(
-        [BIN / "mjlab-submit", *common, "--max-iterations", "6", "--executor", "local",
-         "--gpus-per-node", "0", "--tasks-per-node", "2", "--follow"],
-        env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            BIN / "mjlab-submit",
+            *common,
+            "--max-iterations",
+            "6",
+            "--executor",
+            "local",
+            "--gpus-per-node",
+            "0",
+            "--tasks-per-node",
+            "2",
+            "--follow",
+        ],
+        env=env,
+        cwd=tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run = wait_for_iteration(root, 1, timeout=300)
     for pid in rank_pids(run):
         os.kill(pid, signal.SIGUSR2)
@@ -169,10 +212,22 @@ def wandb_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int
     for name in ("model_6.pt", "model_6.pt.sha256"):
         (run.path / name).unlink()
     again = subprocess.run(
-        [BIN / "mjlab-train", *common, "--max-iterations", "8", "--num-procs", "2",
-         "--run-dir", str(run.path)],
-        env=env, cwd=tmp, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            BIN / "mjlab-train",
+            *common,
+            "--max-iterations",
+            "8",
+            "--num-procs",
+            "2",
+            "--run-dir",
+            str(run.path),
+        ],
+        env=env,
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     return run.path, tmp / "wandb", int(stop["iteration"])
 
@@ -232,13 +287,36 @@ def test_start_from_a_wandb_checkpoint_with_the_nan_guard(wandb_run, tmp_path: P
     cache.mkdir(parents=True)
     shutil.copy(source / "model_8.pt", cache / "model_8.pt")
     proc = subprocess.run(
-        [BIN / "mjlab-train", CARTPOLE, "--torch-threads", "1", "--env.scene.num-envs", "16",
-         "--agent.max-iterations", "2", "--agent.logger", "tensorboard", "--agent.resume",
-         "True", "--wandb-run-path", "ent/proj/abcd1234", "--wandb-checkpoint-name",
-         "model_8.pt", "--enable-nan-guard", "True", "--torchrunx-log-dir", "ignored",
-         "--log-root", str(tmp_path)],
-        env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            BIN / "mjlab-train",
+            CARTPOLE,
+            "--torch-threads",
+            "1",
+            "--env.scene.num-envs",
+            "16",
+            "--agent.max-iterations",
+            "2",
+            "--agent.logger",
+            "tensorboard",
+            "--agent.resume",
+            "True",
+            "--wandb-run-path",
+            "ent/proj/abcd1234",
+            "--wandb-checkpoint-name",
+            "model_8.pt",
+            "--enable-nan-guard",
+            "True",
+            "--torchrunx-log-dir",
+            "ignored",
+            "--log-root",
+            str(tmp_path),
+        ],
+        env=cli_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     run = only_run(tmp_path)
     assert f"started from {cache / 'model_8.pt'}" in run.rank_log(0).read_text()
@@ -257,15 +335,19 @@ def test_start_from_a_wandb_checkpoint_with_the_nan_guard(wandb_run, tmp_path: P
 @pytest.mark.parametrize(
     ("args", "flag"),
     [
-        ([CARTPOLE, "--agent.resume", "True", "--wandb-run-path", "ent/proj/nothere"],
-         "--wandb-run-path"),
-        ([CARTPOLE, "--agent.resume", "True", "--agent.load-run", "no-such-run"],
-         "--agent.load-run"),
+        (
+            [CARTPOLE, "--agent.resume", "True", "--wandb-run-path", "ent/proj/nothere"],
+            "--wandb-run-path",
+        ),
+        (
+            [CARTPOLE, "--agent.resume", "True", "--agent.load-run", "no-such-run"],
+            "--agent.load-run",
+        ),
         ([TRACKING], "--env.commands.motion.motion-file"),
         ([TRACKING, "--registry-name", "ent/proj/no-motion"], "--registry-name"),
         (["cartpole", "--video", "True"], "--video"),
     ],
-)  # fmt: skip
+)
 def test_what_cannot_work_stops_before_anything_exists(
     args: list[str],
     flag: str,

@@ -42,9 +42,22 @@ else:
 # Several G1 starts per test (runs, restarts, a reference run): minutes on a loaded 2-core machine.
 pytestmark = [pytest.mark.mjlab, pytest.mark.training, pytest.mark.timeout(1200)]
 
-SMALL = ["--num-envs", "2", "--agent.num-steps-per-env", "4", "--agent.logger", "tensorboard",
-         "--torch-threads", "1", "--seed", "3", "--save-interval", "2",
-         "--max-iterations", "5"]  # fmt: skip
+SMALL = [
+    "--num-envs",
+    "2",
+    "--agent.num-steps-per-env",
+    "4",
+    "--agent.logger",
+    "tensorboard",
+    "--torch-threads",
+    "1",
+    "--seed",
+    "3",
+    "--save-interval",
+    "2",
+    "--max-iterations",
+    "5",
+]
 ROUGH = ["Mjlab-Velocity-Rough-Unitree-G1", *SMALL]
 
 
@@ -57,9 +70,13 @@ def test_rough_g1_ctrl_c_then_resume_is_exact(tmp_path: Path, shared_tmp: Path) 
     commands, episode counters, the simulator, the generators), exit 3; `--resume` restores it
     and ends bit-identical to the uninterrupted run."""
     root = tmp_path / "logs"
-    proc = subprocess.Popen([BIN / "mjlab-train", *ROUGH, "--log-root", str(root)],
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [BIN / "mjlab-train", *ROUGH, "--log-root", str(root)],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_iteration(root, 2, timeout=400)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
@@ -70,8 +87,13 @@ def test_rough_g1_ctrl_c_then_resume_is_exact(tmp_path: Path, shared_tmp: Path) 
     levels = run.path / "rank_states" / f"model_{stopped_at}" / "rank0-of-1.pt"
     assert levels.is_file() and levels.with_name(levels.name + ".sha256").is_file()
 
-    again = subprocess.run([BIN / "mjlab-train", *ROUGH, "--log-root", str(root), "--resume"],
-                           env=cli_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    again = subprocess.run(
+        [BIN / "mjlab-train", *ROUGH, "--log-root", str(root), "--resume"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     summary = json.loads(run.summary.read_text())
     assert summary["resumed_from"] == stopped_at and summary["iterations"] == 5
@@ -81,10 +103,21 @@ def test_rough_g1_ctrl_c_then_resume_is_exact(tmp_path: Path, shared_tmp: Path) 
 
     # The env config is what the saved environments were made with: another is refused.
     other = subprocess.run(
-        [BIN / "mjlab-train", *ROUGH, "--max-iterations", "6", "--run-dir", str(run.path),
-         "--env.episode-length-s", "7"], env=cli_env(), capture_output=True, text=True,
+        [
+            BIN / "mjlab-train",
+            *ROUGH,
+            "--max-iterations",
+            "6",
+            "--run-dir",
+            str(run.path),
+            "--env.episode-length-s",
+            "7",
+        ],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert other.returncode == EXIT_BAD_INPUT, other.stderr[-2000:]
     said = " ".join(other.stderr.split())
     assert "--env.episode-length-s:" in said and "20.0" in said and "--fresh-envs" in said, said
@@ -99,14 +132,32 @@ def test_tracking_time_limit_requeue_is_exact(tmp_path: Path, shared_tmp: Path) 
     if not motion.exists():
         made = make_motion(tmp_path / "motion.npz")
         os.replace(made, motion)
-    args = ["Mjlab-Tracking-Flat-Unitree-G1", *SMALL, "--env.commands.motion.motion-file",
-            str(motion)]  # fmt: skip
+    args = [
+        "Mjlab-Tracking-Flat-Unitree-G1",
+        *SMALL,
+        "--env.commands.motion.motion-file",
+        str(motion),
+    ]
     root = tmp_path / "job"
     proc = subprocess.Popen(
-        [BIN / "mjlab-submit", *args, "--executor", "local", "--gpus-per-node", "0",
-         "--tasks-per-node", "1", "--log-root", str(root), "--follow"],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            BIN / "mjlab-submit",
+            *args,
+            "--executor",
+            "local",
+            "--gpus-per-node",
+            "0",
+            "--tasks-per-node",
+            "1",
+            "--log-root",
+            str(root),
+            "--follow",
+        ],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run = wait_for_iteration(root, 2, timeout=400)
     time_limit_stop(run)
     out, _ = proc.communicate(timeout=600)

@@ -30,9 +30,23 @@ else:
 # Several G1 starts per test (runs, restarts, a reference run): minutes on a loaded 2-core machine.
 pytestmark = [pytest.mark.mjlab, pytest.mark.training, pytest.mark.timeout(1200)]
 
-FLAT = ["Mjlab-Velocity-Flat-Unitree-G1", "--num-envs", "2", "--agent.num-steps-per-env", "4",
-        "--agent.logger", "tensorboard", "--torch-threads", "1", "--seed", "3",
-        "--save-interval", "2", "--max-iterations", "5"]  # fmt: skip
+FLAT = [
+    "Mjlab-Velocity-Flat-Unitree-G1",
+    "--num-envs",
+    "2",
+    "--agent.num-steps-per-env",
+    "4",
+    "--agent.logger",
+    "tensorboard",
+    "--torch-threads",
+    "1",
+    "--seed",
+    "3",
+    "--save-interval",
+    "2",
+    "--max-iterations",
+    "5",
+]
 
 
 def test_flat_g1_time_limit_then_crash_is_exact(tmp_path: Path, shared_tmp: Path) -> None:
@@ -42,11 +56,24 @@ def test_flat_g1_time_limit_then_crash_is_exact(tmp_path: Path, shared_tmp: Path
     restores both ranks' environments, and the run ends exact."""
     root = tmp_path / "job"
     proc = subprocess.Popen(
-        [BIN / "mjlab-submit", *FLAT, "--executor", "local", "--gpus-per-node", "0",
-         "--tasks-per-node", "2", "--log-root", str(root), "--follow"],
-        env=cli_env({"MJLAB_HPC_FAULT": "kill@4:rank1:once"}), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            BIN / "mjlab-submit",
+            *FLAT,
+            "--executor",
+            "local",
+            "--gpus-per-node",
+            "0",
+            "--tasks-per-node",
+            "2",
+            "--log-root",
+            str(root),
+            "--follow",
+        ],
+        env=cli_env({"MJLAB_HPC_FAULT": "kill@4:rank1:once"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run = wait_for_iteration(root, 2, timeout=500)
     time_limit_stop(run)
     out, _ = proc.communicate(timeout=900)

@@ -30,8 +30,14 @@ def test_the_latest_run_with_a_matching_checkpoint_is_chosen_as_mjlab_chooses(
     tmp_path: Path,
 ) -> None:
     exp = tmp_path / "cartpole"
-    old = _files(exp / "2026-01-01_00-00-00", "model_50.pt", "model_100.pt",
-                 "model_100.pt.sha256", "model_150.pt.damaged", ".model_200.pt.1.tmp")  # fmt: skip
+    old = _files(
+        exp / "2026-01-01_00-00-00",
+        "model_50.pt",
+        "model_100.pt",
+        "model_100.pt.sha256",
+        "model_150.pt.damaged",
+        ".model_200.pt.1.tmp",
+    )
     _files(exp / "2026-01-02_00-00-00_crashed-early", "progress.jsonl")  # no checkpoint yet
     _files(exp / "wandb_checkpoints" / "abc", "model_999.pt")  # mjlab's W&B cache: not a run
     _files(exp / CHECKPOINT_CACHE / "abc", "model_999.pt")
@@ -64,16 +70,37 @@ def test_a_downloaded_wandb_checkpoint_needs_no_network(
 
 
 def test_mjlabs_spelling_of_booleans_is_ours_too() -> None:
-    args = ["T", "--video", "True", "--enable_nan_guard=false", "--agent.resume", "True",
-            "--resume", "--use-graph", "False", "--video-length", "True"]  # fmt: skip
+    args = [
+        "T",
+        "--video",
+        "True",
+        "--enable_nan_guard=false",
+        "--agent.resume",
+        "True",
+        "--resume",
+        "--use-graph",
+        "False",
+        "--video-length",
+        "True",
+    ]
     assert mjlab_booleans(TrainSpec, args) == [
-        "T", "--video", "--no-enable-nan-guard", "--agent.resume", "True", "--resume",
-        "--no-use-graph", "--video-length", "True",
-    ]  # fmt: skip
+        "T",
+        "--video",
+        "--no-enable-nan-guard",
+        "--agent.resume",
+        "True",
+        "--resume",
+        "--no-use-graph",
+        "--video-length",
+        "True",
+    ]
     # mjlab-submit: the training flags sit at its top level.
     assert mjlab_booleans(SubmitSpec, ["T", "--video", "true", "--follow", "False"]) == [
-        "T", "--video", "--no-follow"
-    ]  # fmt: skip
-    command = resume_command("mjlab-train", ["T", "--resume", "True", "--run-dir", "old",
-                                             "--video", "True"], "run")  # fmt: skip
+        "T",
+        "--video",
+        "--no-follow",
+    ]
+    command = resume_command(
+        "mjlab-train", ["T", "--resume", "True", "--run-dir", "old", "--video", "True"], "run"
+    )
     assert command == "mjlab-train T --video True --run-dir run"
