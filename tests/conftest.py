@@ -96,8 +96,9 @@ def team() -> Iterator[Team]:
     # Another xdist worker may make them at the same moment: what counts is that they exist.
     subprocess.run(["groupadd", "-f", Team.GROUP], capture_output=True)
     for user in Team.USERS:
-        subprocess.run(["useradd", "-M", "-N", "-g", Team.GROUP, "-s", "/bin/bash", user],
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["useradd", "-M", "-N", "-g", Team.GROUP, "-s", "/bin/bash", user], capture_output=True
+        )
         subprocess.run(["id", user], capture_output=True, check=True)
     opened = []
     for target in (Path(os.path.realpath(sys.executable)), BIN):

@@ -115,29 +115,41 @@ class SlurmCluster:
         """A hard node loss, as a power cut (`cluster.sh lose`): SIGKILL at once to the node's
         slurmd and every process it started (step daemons, ranks). What was killed."""
         env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(self.state_dir)}
-        proc = subprocess.run(["bash", str(SCRIPT), "lose", node], env=env, capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
+        proc = subprocess.run(
+            ["bash", str(SCRIPT), "lose", node], env=env, capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.split()
 
     def start_node(self, node: str) -> None:
         """Start a lost node's slurmd again (`cluster.sh node-up`)."""
         env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(self.state_dir)}
-        subprocess.run(["bash", str(SCRIPT), "node-up", node], env=env, check=True, timeout=60,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["bash", str(SCRIPT), "node-up", node],
+            env=env,
+            check=True,
+            timeout=60,
+            capture_output=True,
+        )
 
     @contextlib.contextmanager
     def controller_down(self) -> Iterator[None]:
         """slurmctld stopped for real (the slurmds, jobs and accounting go on), started again
         from its saved state at the end."""
         env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(self.state_dir)}
-        subprocess.run(["bash", str(SCRIPT), "ctld-stop"], env=env, check=True, timeout=60,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["bash", str(SCRIPT), "ctld-stop"], env=env, check=True, timeout=60, capture_output=True
+        )
         try:
             yield
         finally:
-            subprocess.run(["bash", str(SCRIPT), "ctld-start"], env=env, check=True, timeout=60,
-                           capture_output=True)  # fmt: skip
+            subprocess.run(
+                ["bash", str(SCRIPT), "ctld-start"],
+                env=env,
+                check=True,
+                timeout=60,
+                capture_output=True,
+            )
 
     def wait_job(self, job_id: int | str, timeout: float = 60.0) -> str:
         """Poll sacct until the job reaches a final state and return it."""
@@ -238,8 +250,10 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     version = os.environ.get("MJLAB_HPC_SLURM_VERSION", "22.05")
     if version != "22.05" and os.environ.get("MJLAB_HPC_IN_ROOT") != version:
         # Its clients and daemons live in their own root; 22.05's cannot talk to them.
-        _unavailable(f"Slurm {version} runs inside its root: bash tests/cluster/cluster.sh "
-                     "exec .venv/bin/pytest ...")  # fmt: skip
+        _unavailable(
+            f"Slurm {version} runs inside its root: bash tests/cluster/cluster.sh "
+            "exec .venv/bin/pytest ..."
+        )
     cluster = running_cluster(state_dir)
     if cluster is None:
         if os.geteuid() != 0:
