@@ -1,8 +1,11 @@
-"""Environment problems, met as a user meets them: a log root that is a file or read-only, a
-folder of other files as --run-dir, resources this machine does not have, a name too long for
-the filesystem, an unwritable plot, and a disk that fills up during training. Each is one
-clear line naming the flag or path and the fix, no traceback, the documented exit code, and
-nothing half-written left behind (run.json never stuck at "running")."""
+"""Environment problems, met as a user meets them.
+
+The cases: a log root that is a file or read-only, a folder of other files as --run-dir,
+resources this machine does not have, a name too long for the filesystem, an unwritable plot,
+and a disk that fills up during training. Each gives one clear line naming the flag or path
+and the fix, no traceback and the documented exit code. Nothing half-written is left behind
+(run.json never stuck at "running").
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Hostile and wrong input, property-based: for arbitrary text in every string flag that
-reaches a job script or a path, either a clean refusal (SpecError naming the flag) or scripts
-(the sbatch template and submitit's own) that pass `bash -n`, keep their `#SBATCH` block
-intact, run no injected command when executed with stand-in srun / mjlab-hpc / mjlab-train,
-and put the run under the log root.
+"""Hostile and wrong input, property-based, in every string flag of a job script or a path.
+
+For arbitrary text, each flag gives either a clean refusal (SpecError naming the flag) or
+scripts (the sbatch template and submitit's own) that pass `bash -n` and keep their `#SBATCH`
+block intact. Executed with stand-in srun / mjlab-hpc / mjlab-train, they run no injected
+command and put the run under the log root.
 
 Generated cases are derandomized (the same on every run) and include, besides arbitrary
 Unicode, the payloads that break scripts: newlines and other control characters, quotes,
@@ -83,6 +84,8 @@ FLAGS = {
     "--agent.learning_rate": ("override", "overrides"),
 }
 CASES = {"count": 0}
+SLURM_DRY_RUN = [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run"]
+SLURM_DRY_RUN += ["--gpus-per-node", "0"]
 SETTINGS = settings(
     max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "40")),
     deadline=None,
@@ -278,18 +281,7 @@ def test_wrong_values_exit_2_naming_the_flag(
     tmp_path: Path, args: list[str], flag: str, words: str
 ) -> None:
     proc = subprocess.run(
-        [
-            BIN / "mjlab-submit",
-            "cartpole",
-            "--executor",
-            "slurm",
-            "--dry-run",
-            "--gpus-per-node",
-            "0",
-            "--log-root",
-            str(tmp_path / "logs"),
-            *args,
-        ],
+        [*SLURM_DRY_RUN, "--log-root", str(tmp_path / "logs"), *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -376,18 +368,7 @@ def test_a_task_typo_is_answered_with_a_guess(tmp_path: Path) -> None:
 def test_real_options_are_not_refused(tmp_path: Path, args: list[str]) -> None:
     """What users write on real clusters passes the checks (no false refusals)."""
     proc = subprocess.run(
-        [
-            BIN / "mjlab-submit",
-            "cartpole",
-            "--executor",
-            "slurm",
-            "--dry-run",
-            "--gpus-per-node",
-            "0",
-            "--log-root",
-            str(tmp_path / "logs"),
-            *args,
-        ],
+        [*SLURM_DRY_RUN, "--log-root", str(tmp_path / "logs"), *args],
         capture_output=True,
         text=True,
         timeout=60,

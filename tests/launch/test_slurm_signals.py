@@ -1,10 +1,10 @@
-"""What a cluster does on purpose is not a fault, on the real Slurm test cluster with real
-signals: a job suspended and resumed (`scontrol suspend`, as gang scheduling and
-PreemptMode=SUSPEND do) past the writer's lease and the hang timeout goes on as if nothing
-happened; every signal a user or admin can send (`scancel --signal`, to the steps, the batch
-shell or both; `scontrol requeue`; a time limit cut below the signal delay) has its one
-documented meaning (docs/preemption.md, "Signals"), is recorded with its true cause, and
-never excludes a node.
+"""What a cluster does on purpose is not a fault, on the real Slurm test cluster.
+
+A job suspended and resumed (`scontrol suspend`, as gang scheduling and PreemptMode=SUSPEND
+do) past the writer's lease and the hang timeout goes on as if nothing happened. Every signal
+a user or admin can send has its one documented meaning (docs/preemption.md, "Signals"):
+`scancel --signal` to the steps, the batch shell or both, `scontrol requeue`, a time limit
+cut below the signal delay. Each is recorded with its true cause and never excludes a node.
 """
 
 from __future__ import annotations
@@ -24,32 +24,9 @@ from mjlab_hpc.rundir.state import read_record
 
 pytestmark = pytest.mark.slurm
 
-COMMON = [
-    "cartpole",
-    "--num-envs",
-    "64",
-    "--seed",
-    "11",
-    "--torch-threads",
-    "1",
-    "--save-interval",
-    "5",
-    "--max-iterations",
-    "12",
-]
-REFERENCE = [
-    "cartpole",
-    "--num-envs",
-    "64",
-    "--seed",
-    "11",
-    "--torch-threads",
-    "1",
-    "--save-interval",
-    "100",
-    "--max-iterations",
-    "12",
-]
+CARTPOLE = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1"]
+COMMON = [*CARTPOLE, "--save-interval", "5", "--max-iterations", "12"]
+REFERENCE = [*CARTPOLE, "--save-interval", "100", "--max-iterations", "12"]
 # Longer than the writer's lease (30 s) and the hang timeout below.
 SUSPEND_S = 32
 
@@ -58,17 +35,8 @@ def follow(
     cluster: SlurmCluster, args: list[str], root: Path, extra: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
     """`mjlab-submit ... --follow` in the background."""
-    cmd = [
-        BIN / "mjlab-submit",
-        *args,
-        "--gpus-per-node",
-        "0",
-        "--time",
-        "10",
-        "--log-root",
-        str(root),
-        "--follow",
-    ]
+    cmd = [BIN / "mjlab-submit", *args, "--gpus-per-node", "0", "--time", "10"]
+    cmd += ["--log-root", str(root), "--follow"]
     return subprocess.Popen(
         cmd,
         env=cli_env(extra, base=cluster.environ()),
@@ -191,11 +159,8 @@ def test_signals_and_admin_actions_mean_what_the_docs_say(
     record = read_record(run.path)
     assert record.get("faults", []) == [], record["faults"]
     requeue, limit = record["restarts"]
-    assert (requeue["reason"], requeue["kind"], requeue["signal"]) == (
-        "requeue",
-        "requeue",
-        "SIGTERM",
-    ), requeue
+    got = (requeue["reason"], requeue["kind"], requeue["signal"])
+    assert got == ("requeue", "requeue", "SIGTERM"), requeue
     assert (limit["reason"], limit["kind"]) == ("time-limit", "stop"), limit
     assert limit["why"].startswith(
         "not requeued: the job's time limit (00:01:00) is no longer than --signal-delay-s 90"

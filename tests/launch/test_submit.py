@@ -1,5 +1,8 @@
-"""mjlab-submit and the sbatch templates, without a cluster: validation, dry runs, golden
-scripts, shell quoting (executed for real), and a real job through the local executor."""
+"""mjlab-submit and the sbatch templates, without a cluster.
+
+Covers validation, dry runs, golden scripts, shell quoting (executed for real) and a real job
+through the local executor.
+"""
 
 from __future__ import annotations
 
@@ -75,16 +78,9 @@ def test_slurm_time_errors(text: str) -> None:
     ],
 )
 def test_bad_spec_exits_2_and_submits_nothing(tmp_path: Path, args: list[str], flag: str) -> None:
+    cmd = [BIN / "mjlab-submit", "cartpole", "--log-root", str(tmp_path), "--gpus-per-node", "0"]
     proc = subprocess.run(
-        [
-            BIN / "mjlab-submit",
-            "cartpole",
-            "--log-root",
-            str(tmp_path),
-            "--gpus-per-node",
-            "0",
-            *args,
-        ],
+        [*cmd, *args],
         env=cli_env(),
         capture_output=True,
         text=True,
@@ -123,22 +119,10 @@ def test_missing_sbatch(tmp_path: Path) -> None:
 
 def test_dry_run_without_slurm(tmp_path: Path) -> None:
     """A laptop: no sbatch, no srun. The dry run still prints the exact script."""
+    cmd = [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run", "--nodes", "2"]
+    cmd += ["--gpus-per-node", "4", "--time", "12:00:00", "--log-root", str(tmp_path)]
     proc = subprocess.run(
-        [
-            BIN / "mjlab-submit",
-            "cartpole",
-            "--executor",
-            "slurm",
-            "--dry-run",
-            "--nodes",
-            "2",
-            "--gpus-per-node",
-            "4",
-            "--time",
-            "12:00:00",
-            "--log-root",
-            str(tmp_path),
-        ],
+        cmd,
         env=cli_env(path=str(BIN)),
         capture_output=True,
         text=True,
@@ -286,16 +270,8 @@ def test_submitit_script_quotes_user_strings(tmp_path: Path) -> None:
 
 def test_train_cli_args_round_trip() -> None:
     spec = TrainSpec(task="ant", num_envs=64, seed=3, run_name="x y", use_graph=False)
-    assert train_cli_args(spec) == [
-        "ant",
-        "--num-envs",
-        "64",
-        "--seed",
-        "3",
-        "--run-name",
-        "x y",
-        "--no-use-graph",
-    ]
+    args = ["ant", "--num-envs", "64", "--seed", "3", "--run-name", "x y", "--no-use-graph"]
+    assert train_cli_args(spec) == args
     import tyro
 
     assert tyro.cli(TrainSpec, args=train_cli_args(spec)) == spec
@@ -313,26 +289,11 @@ def test_run_dir_for_key_is_stable_and_distinct(tmp_path: Path) -> None:
 @pytest.mark.training
 def test_local_executor_job(tmp_path: Path) -> None:
     """`mjlab-submit --executor local`: the same job on this machine, two CPU ranks."""
+    cmd = [BIN / "mjlab-submit", "cartpole", "--executor", "local", "--gpus-per-node", "0"]
+    cmd += ["--tasks-per-node", "2", "--num-envs", "64", "--max-iterations", "2"]
+    cmd += ["--torch-threads", "1", "--log-root", str(tmp_path), "--follow"]
     proc = subprocess.run(
-        [
-            BIN / "mjlab-submit",
-            "cartpole",
-            "--executor",
-            "local",
-            "--gpus-per-node",
-            "0",
-            "--tasks-per-node",
-            "2",
-            "--num-envs",
-            "64",
-            "--max-iterations",
-            "2",
-            "--torch-threads",
-            "1",
-            "--log-root",
-            str(tmp_path),
-            "--follow",
-        ],
+        cmd,
         env=cli_env(),
         capture_output=True,
         text=True,

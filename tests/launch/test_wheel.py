@@ -1,7 +1,9 @@
-"""The installed package, not the source tree: `pip wheel --no-deps .` builds a wheel that
-holds the templates (and nothing that does not exist), and from a fresh environment with
-that wheel installed the commands work: render, list-tasks, a dry run, and a short training
-on two local ranks."""
+"""The installed package, not the source tree.
+
+`pip wheel --no-deps .` builds a wheel that holds the templates (and nothing that does not
+exist). In a fresh environment with that wheel installed the commands work: render,
+list-tasks, a dry run, and a short training on two local ranks.
+"""
 
 from __future__ import annotations
 
@@ -65,18 +67,9 @@ def wheel_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ).stdout.strip()
     )
     (site / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    pip_install = [venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps"]
     installed = subprocess.run(
-        [
-            venv / "bin" / "python",
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-index",
-            "--ignore-installed",
-            str(wheel),
-        ],
+        [*pip_install, "--no-index", "--ignore-installed", str(wheel)],
         capture_output=True,
         text=True,
         timeout=300,
