@@ -1,9 +1,12 @@
-"""`mjlab-hpc doctor` on the real two-node Slurm test cluster: a request that would run passes
-every check; a log root that the nodes see as a different folder (a tmpfs mounted over it in
-the nodes' mount namespace only, as node-local /tmp or /scratch would be) fails the shared
-log root check; GPUs that Slurm gives but torch cannot use fail the GPU check; with --video,
-a test render on the nodes passes, or fails with a renderer they lack. The five doctors run
-at once (their probe jobs are short and fit the cluster together)."""
+"""`mjlab-hpc doctor` on the real two-node Slurm test cluster.
+
+A request that would run passes every check. A log root that the nodes see as a different
+folder (a tmpfs mounted over it in the nodes' mount namespace only, as node-local /tmp or
+/scratch would be) fails the shared log root check. GPUs that Slurm gives but torch cannot use
+fail the GPU check. With --video, a test render on the nodes passes, or fails with a renderer
+they lack. The five doctors run at once: their probe jobs are short and fit the cluster
+together.
+"""
 
 from __future__ import annotations
 
@@ -53,30 +56,11 @@ def test_doctor_passes_and_finds_a_private_log_root_and_unusable_gpus(
         timeout=30,
     )
     try:
+        cpu = ["--gpus-per-node", "0", "--time", "10"]
         good = _doctor(
-            slurm_cluster,
-            "--log-root",
-            str(shared),
-            "--nodes",
-            "2",
-            "--tasks-per-node",
-            "2",
-            "--gpus-per-node",
-            "0",
-            "--time",
-            "10",
+            slurm_cluster, "--log-root", str(shared), "--nodes", "2", "--tasks-per-node", "2", *cpu
         )
-        bad = _doctor(
-            slurm_cluster,
-            "--log-root",
-            str(private),
-            "--nodes",
-            "2",
-            "--gpus-per-node",
-            "0",
-            "--time",
-            "10",
-        )
+        bad = _doctor(slurm_cluster, "--log-root", str(private), "--nodes", "2", *cpu)
         # The test cluster's GPUs are fake devices and torch is its CPU build here: a GPU
         # job as asked would not run, and the doctor must say which part is missing.
         gpu = _doctor(
@@ -84,16 +68,7 @@ def test_doctor_passes_and_finds_a_private_log_root_and_unusable_gpus(
         )
         # --video: a frame rendered on the nodes, as rank 0 would; then with a renderer the
         # nodes lack (MUJOCO_GL=osmesa without OSMesa).
-        video = [
-            "Mjlab-Cartpole-Balance",
-            "--video",
-            "--log-root",
-            str(shared),
-            "--gpus-per-node",
-            "0",
-            "--time",
-            "10",
-        ]
+        video = ["Mjlab-Cartpole-Balance", "--video", "--log-root", str(shared), *cpu]
         renders = _doctor(slurm_cluster, *video)
         no_render = _doctor(slurm_cluster, *video, "--setup", "export MUJOCO_GL=osmesa")
         code, checks = _results(good)
@@ -185,17 +160,10 @@ def test_a_sweep_larger_than_the_clusters_job_arrays_is_refused(
 ) -> None:
     # The test cluster's MaxArraySize is Slurm's default, 1001 (indexes 0-1000).
     seeds = ",".join(str(i) for i in range(1002))
+    cmd = [str(BIN / "mjlab-submit"), "cartpole", "--gpus-per-node", "0"]
+    cmd += ["--log-root", str(tmp_path)]
     proc = subprocess.run(
-        [
-            str(BIN / "mjlab-submit"),
-            "cartpole",
-            "--gpus-per-node",
-            "0",
-            "--log-root",
-            str(tmp_path),
-            "--sweep",
-            f"seed={seeds}",
-        ],
+        [*cmd, "--sweep", f"seed={seeds}"],
         env=cli_env(base=slurm_cluster.environ()),
         capture_output=True,
         text=True,

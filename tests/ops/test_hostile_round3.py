@@ -1,8 +1,9 @@
-"""Hostile use, round 3 (issue 35), on the real two-node Slurm test cluster and the real CLIs:
-user strings in Slurm's filename patterns, a job that fails at launch, pending reasons, a
-healer that must not strand a job that requires its node, truthful states, cancel and restart
-counts with slurmctld stopped for real, a stop signal to `--follow`, and the small ones (a
-closed pipe, sbatch's one-letter keys, bytes vs characters).
+"""Hostile use, round 3 (issue 35), on the real two-node Slurm test cluster and the real CLIs.
+
+The cases: user strings in Slurm's filename patterns, a job that fails at launch, pending
+reasons, a healer that must not strand a job that requires its node, truthful states, cancel
+and restart counts with slurmctld stopped for real, and a stop signal to `--follow`. Then the
+small ones: a closed pipe, sbatch's one-letter keys, bytes vs characters.
 """
 
 from __future__ import annotations
@@ -153,17 +154,9 @@ def test_a_stop_signal_to_follow_ends_once_the_ranks_are_done(
     checkpoint, the launcher says so while the job ends, and exits seconds after the
     checkpoint (submitit refreshes its cached state only every half of the job's age, up to a
     minute: the launcher asks Slurm itself once a stop was asked)."""
+    cmd = [str(BIN / "mjlab-submit"), "cartpole", *SMALL, "--max-iterations", "100000"]
     follow = subprocess.Popen(
-        [
-            str(BIN / "mjlab-submit"),
-            "cartpole",
-            *SMALL,
-            "--max-iterations",
-            "100000",
-            "--log-root",
-            "logs",
-            "--follow",
-        ],
+        [*cmd, "--log-root", "logs", "--follow"],
         cwd=tmp_path,
         env=cli_env(base=slurm_cluster.environ()),
         stdout=subprocess.PIPE,
@@ -194,16 +187,8 @@ def test_the_healer_keeps_a_node_the_job_requires(
 ) -> None:
     """A rank killed on node2, in a job that requires node2: excluding it would leave the job
     pending for ever (BadConstraints); it starts again on node2 and completes."""
-    job = submit(
-        slurm_cluster,
-        tmp_path,
-        "--max-iterations",
-        "4",
-        "--sbatch-arg",
-        "nodelist=node2",
-        "--setup",
-        "export MJLAB_HPC_FAULT=kill@2:once",
-    )
+    args = ["--max-iterations", "4", "--sbatch-arg", "nodelist=node2"]
+    job = submit(slurm_cluster, tmp_path, *args, "--setup", "export MJLAB_HPC_FAULT=kill@2:once")
     assert slurm_cluster.wait_job(job, timeout=300) == "COMPLETED"
     (run,) = list_runs(tmp_path / "logs")
     record = read_record(run, strict=True)
@@ -218,53 +203,20 @@ def test_the_healer_keeps_a_node_the_job_requires(
 
 def test_small_ones(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     # sbatch's one-letter keys are judged as their long options.
+    submit_small = [str(BIN / "mjlab-submit"), "cartpole", *SMALL]
     for key, names in (("o", "output"), ("J", "--job-name"), ("t", "--time")):
-        proc = cli(
-            slurm_cluster,
-            tmp_path,
-            str(BIN / "mjlab-submit"),
-            "cartpole",
-            *SMALL,
-            "--dry-run",
-            "--sbatch-arg",
-            f"{key}=x",
-        )
+        proc = cli(slurm_cluster, tmp_path, *submit_small, "--dry-run", "--sbatch-arg", f"{key}=x")
         assert proc.returncode == 2 and names in proc.stderr, proc.stderr
         assert "not an sbatch option" not in proc.stderr
     # A name too long in bytes, not characters: the message counts what the limit counts.
-    proc = cli(
-        slurm_cluster,
-        tmp_path,
-        str(BIN / "mjlab-submit"),
-        "cartpole",
-        *SMALL,
-        "--dry-run",
-        "--run-name",
-        "é" * 200,
-    )
+    proc = cli(slurm_cluster, tmp_path, *submit_small, "--dry-run", "--run-name", "é" * 200)
     said = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "400 bytes (200 characters) is too long" in said, said
     # CPUs per task beyond a node's: named as the flag that asked for too much.
-    proc = cli(
-        slurm_cluster,
-        tmp_path,
-        str(BIN / "mjlab-submit"),
-        "cartpole",
-        *SMALL,
-        "--cpus-per-task",
-        "99",
-    )
+    proc = cli(slurm_cluster, tmp_path, *submit_small, "--cpus-per-task", "99")
     assert proc.returncode == 2 and proc.stderr.startswith("error: --cpus-per-task:"), proc.stderr
     # A submission Slurm refuses: its message once, and no folder left behind.
-    proc = cli(
-        slurm_cluster,
-        tmp_path,
-        str(BIN / "mjlab-submit"),
-        "cartpole",
-        *SMALL,
-        "--sbatch-arg",
-        "reservation=nope",
-    )
+    proc = cli(slurm_cluster, tmp_path, *submit_small, "--sbatch-arg", "reservation=nope")
     assert proc.returncode == 1 and proc.stderr.count("Requested reservation is invalid") == 1
     assert list(tmp_path.iterdir()) == []
     # status --json into a reader that goes away: no BrokenPipeError traceback.

@@ -1,6 +1,8 @@
-"""Slurm's own limits against a job's flags (`mjlab-hpc doctor`'s "Slurm limits" checks), from
-`scontrol show config` as 22.05 and 24.11 print it (the test clusters' own values; the doctor
-test reads them from the real clusters)."""
+"""Slurm's own limits against a job's flags (`mjlab-hpc doctor`'s "Slurm limits" checks).
+
+The limits come from `scontrol show config` as 22.05 and 24.11 print it, with the test
+clusters' own values; the doctor test reads them from the real clusters.
+"""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""mjlab-hpc status, logs, cancel and plot, and mjlab-submit --sweep, with real jobs through
-submitit's local executor (the Slurm versions are in test_slurm_ops.py), plus the parsing of
-sweeps and tracebacks.
+"""mjlab-hpc status, logs, cancel and plot, and mjlab-submit --sweep, through the local executor.
 
-The module's jobs start together (one fixture) and run side by side while the tests look at
-them: a job whose rank 1 raises at iteration 3, a long job to watch and cancel, and a
-two-element sweep to plot.
+The jobs are real and start together (one fixture), then run side by side while the tests
+look at them: a job whose rank 1 raises at iteration 3, a long job to watch and cancel, and
+a two-element sweep to plot. The parsing of sweeps and tracebacks is tested here too. The
+Slurm versions are in test_slurm_ops.py.
 """
 
 from __future__ import annotations
@@ -81,48 +80,16 @@ class LocalJobs:
 def local_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalJobs]:
     root = tmp_path_factory.mktemp("ops")
     local = ["cartpole", "--executor", "local", *SMALL]
+    failing = [*local, "--tasks-per-node", "2", "--max-iterations", "50", "--max-restarts", "0"]
+    failing += ["--log-root", str(root / "failing")]
+    long = [*local, "--tasks-per-node", "2", "--max-iterations", "5000"]
+    long += ["--log-root", str(root / "long")]
+    sweep = [*local, "--tasks-per-node", "1", "--max-iterations", "3", "--sweep", "seed=1,2"]
+    sweep += ["--log-root", str(root / "sweep"), "--follow"]
     commands = [
-        (
-            [
-                *local,
-                "--tasks-per-node",
-                "2",
-                "--max-iterations",
-                "50",
-                "--max-restarts",
-                "0",
-                "--log-root",
-                str(root / "failing"),
-            ],
-            fault_env(root / "fault", rank=1, iteration=3),
-        ),
-        (
-            [
-                *local,
-                "--tasks-per-node",
-                "2",
-                "--max-iterations",
-                "5000",
-                "--log-root",
-                str(root / "long"),
-            ],
-            {},
-        ),
-        (
-            [
-                *local,
-                "--tasks-per-node",
-                "1",
-                "--max-iterations",
-                "3",
-                "--sweep",
-                "seed=1,2",
-                "--log-root",
-                str(root / "sweep"),
-                "--follow",
-            ],
-            {},
-        ),
+        (failing, fault_env(root / "fault", rank=1, iteration=3)),
+        (long, {}),
+        (sweep, {}),
     ]
     # Output to files, not pipes: the jobs' processes inherit them and outlive mjlab-submit.
     procs = []
@@ -140,12 +107,12 @@ def local_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalJobs]:
     for n, proc in enumerate(procs[:2]):  # submitting returns at once: the jobs run on
         assert proc.wait(timeout=120) == 0, (root / f"submit{n}.out").read_text()
     jobs = LocalJobs(
-        root / "failing",
-        root / "long",
-        root / "sweep",
-        procs[2],
-        root / "submit2.out",
-        procs[1].pid,
+        failing=root / "failing",
+        long=root / "long",
+        sweep=root / "sweep",
+        sweep_follow=procs[2],
+        sweep_output=root / "submit2.out",
+        long_group=procs[1].pid,
     )
     try:
         yield jobs
@@ -241,18 +208,8 @@ def test_logs_show_the_failing_rank_first(local_jobs: LocalJobs) -> None:
     assert "── rank 0 ·" in out and "── rank 1 ·" in out
     # By job id, one rank, and its task stderr (where submitit printed the same traceback).
     job = row["job_ids"][-1]
-    err = hpc(
-        "logs",
-        job,
-        "--log-root",
-        str(local_jobs.failing),
-        "--rank",
-        "1",
-        "--stream",
-        "err",
-        "--lines",
-        "0",
-    )
+    one_rank = ["--rank", "1", "--stream", "err", "--lines", "0"]
+    err = hpc("logs", job, "--log-root", str(local_jobs.failing), *one_rank)
     assert err.returncode == 0 and cause in err.stdout and "_1_log.err" in err.stdout
     missing = hpc("logs", str(run), "--rank", "7")
     assert missing.returncode == 2 and "--rank" in missing.stderr
@@ -305,16 +262,9 @@ def test_status_watch_redraws_until_interrupted(local_jobs: LocalJobs) -> None:
     import select
 
     leader, follower = pty.openpty()
+    watch = [BIN / "mjlab-hpc", "status", "--watch", "--interval-s", "0.3"]
     proc = subprocess.Popen(
-        [
-            BIN / "mjlab-hpc",
-            "status",
-            "--watch",
-            "--interval-s",
-            "0.3",
-            "--log-root",
-            str(local_jobs.sweep),
-        ],
+        [*watch, "--log-root", str(local_jobs.sweep)],
         env={**cli_env(), "TERM": "xterm", "COLUMNS": "250"},
         stdin=follower,
         stdout=follower,

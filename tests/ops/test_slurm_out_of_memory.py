@@ -1,8 +1,10 @@
-"""Out of memory on the real Slurm test cluster (issue 35, class 4): a request whose CPU ranks'
-worlds cannot fit a node (its RealMemory, from sinfo) is refused before anything is
-submitted, naming the flag; a rank the kernel's OOM killer ends on a node (node2's slurmd in a
-memory cgroup, as a job's --mem is enforced with cgroups) is named as such by the healer, its
-node is not blamed, the job is not requeued, and status and logs say so.
+"""Out of memory on the real Slurm test cluster (issue 35, class 4).
+
+A request whose CPU ranks' worlds cannot fit a node (its RealMemory, from sinfo) is refused
+before anything is submitted, naming the flag. A rank the kernel's OOM killer ends on a node
+(node2's slurmd in a memory cgroup, as a job's --mem is enforced with cgroups) is named as
+such by the healer. Its node is not blamed, the job is not requeued, and status and logs say
+so.
 """
 
 from __future__ import annotations
@@ -24,18 +26,8 @@ from mjlab_hpc.validate import resolve
 
 pytestmark = [pytest.mark.slurm, pytest.mark.training]
 
-SUBMIT = [
-    str(BIN / "mjlab-submit"),
-    "cartpole",
-    "--torch-threads",
-    "1",
-    "--gpus-per-node",
-    "0",
-    "--time",
-    "10",
-    "--log-root",
-    "logs",
-]
+SUBMIT = [str(BIN / "mjlab-submit"), "cartpole", "--torch-threads", "1", "--gpus-per-node", "0"]
+SUBMIT += ["--time", "10", "--log-root", "logs"]
 
 
 def cli(cluster: SlurmCluster, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -72,17 +64,8 @@ def test_a_rank_killed_for_memory_is_named_and_its_node_not_blamed(
     slurmd = (slurm_cluster.state_dir / "run" / "slurmd-node2.pid").read_text().strip()
     with memory_cgroup("mjlab-node2", int(1.25 * 2**30)) as group:
         (group / "cgroup.procs").write_text(slurmd)  # its jobs' steps start inside
-        proc = cli(
-            slurm_cluster,
-            tmp_path,
-            *SUBMIT,
-            "--num-envs",
-            str(envs),
-            "--max-iterations",
-            "3",
-            "--sbatch-arg",
-            "nodelist=node2",
-        )
+        args = ["--num-envs", str(envs), "--max-iterations", "3", "--sbatch-arg", "nodelist=node2"]
+        proc = cli(slurm_cluster, tmp_path, *SUBMIT, *args)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         job = next(w for w in proc.stdout.split() if w.isdigit() and len(w) > 3)
         assert slurm_cluster.wait_job(job, timeout=300) == "FAILED"

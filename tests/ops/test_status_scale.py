@@ -1,8 +1,9 @@
-"""`mjlab-hpc status` and `cancel` at scale on the real Slurm test cluster (with slurmdbd): a
-200-element sweep (one held job array) and 50 runs of their own (held jobs) cost the same
-number of Slurm calls per refresh as 5 runs: one squeue and one sacct, counted by logging
-stand-ins on PATH that run the real commands. Held jobs use no CPU; they are cancelled at the
-end, by `mjlab-hpc cancel` over all 250 runs (one scontrol update and one scancel for all).
+"""`mjlab-hpc status` and `cancel` at scale on the real Slurm test cluster (with slurmdbd).
+
+A 200-element sweep (one held job array) and 50 runs of their own (held jobs) cost the same
+number of Slurm calls per refresh as 5 runs: one squeue and one sacct. Logging stand-ins on
+PATH that run the real commands count the calls. Held jobs use no CPU. At the end
+`mjlab-hpc cancel` cancels all 250 runs with one scontrol update and one scancel.
 """
 
 from __future__ import annotations
