@@ -97,18 +97,8 @@ def test_the_package_comes_from_the_wheel(wheel_env: Path, tmp_path: Path) -> No
 
 
 def test_render_list_tasks_and_dry_run(wheel_env: Path, tmp_path: Path) -> None:
-    render = run(
-        wheel_env,
-        "mjlab-hpc",
-        "render",
-        "train",
-        "cartpole",
-        "--gpus-per-node",
-        "0",
-        "--time",
-        "10",
-        cwd=tmp_path,
-    )
+    render_args = ["render", "train", "cartpole", "--gpus-per-node", "0", "--time", "10"]
+    render = run(wheel_env, "mjlab-hpc", *render_args, cwd=tmp_path)
     assert render.returncode == 0, render.stderr
     script = tmp_path / "job.sbatch"
     script.write_text(render.stdout)
@@ -116,41 +106,17 @@ def test_render_list_tasks_and_dry_run(wheel_env: Path, tmp_path: Path) -> None:
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     tasks = run(wheel_env, "mjlab-hpc", "list-tasks", cwd=tmp_path)
     assert tasks.returncode == 0 and "cartpole" in tasks.stdout and "ant" in tasks.stdout
-    dry = run(
-        wheel_env,
-        "mjlab-submit",
-        "cartpole",
-        "--executor",
-        "slurm",
-        "--dry-run",
-        "--gpus-per-node",
-        "0",
-        "--nodes",
-        "2",
-        cwd=tmp_path,
-    )
+    dry_args = ["cartpole", "--executor", "slurm", "--dry-run", "--gpus-per-node", "0"]
+    dry = run(wheel_env, "mjlab-submit", *dry_args, "--nodes", "2", cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr
     assert "#SBATCH --nodes=2" in dry.stdout and "--kill-on-bad-exit=1" in dry.stdout
     assert not any(p.name != "job.sbatch" for p in tmp_path.iterdir())  # dry: nothing made
 
 
 def test_short_training_on_two_local_ranks(wheel_env: Path, tmp_path: Path) -> None:
-    proc = run(
-        wheel_env,
-        "mjlab-train",
-        "cartpole",
-        "--num-procs",
-        "2",
-        "--num-envs",
-        "16",
-        "--max-iterations",
-        "2",
-        "--torch-threads",
-        "1",
-        "--log-root",
-        "logs",
-        cwd=tmp_path,
-    )
+    args = ["cartpole", "--num-procs", "2", "--num-envs", "16", "--max-iterations", "2"]
+    args += ["--torch-threads", "1", "--log-root", "logs"]
+    proc = run(wheel_env, "mjlab-train", *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (summary,) = (tmp_path / "logs" / "cartpole").glob("*/summary.json")
     data = json.loads(summary.read_text())
