@@ -1,9 +1,11 @@
-"""What a continuation may change (issue 35, class 3; the rules: docs/preemption.md, "What a
-continuation may change"), through the real CLIs: what a command does not name is the run's
-(issue 41); a setting the run's saved environments fit (--num-envs, --seed, the number of
-ranks) is refused with exit 2 before anything starts, naming the flag and the run's value,
-unless --fresh-envs; every other change is applied, said on the console and recorded in
-run.json; rank states that do not belong make their checkpoint damaged (issue 41)."""
+"""What a continuation may change, through the real CLIs (issue 35, class 3, and issue 41).
+
+The rules are in docs/preemption.md, "What a continuation may change". What a command does
+not name is the run's. A setting the run's saved environments fit (--num-envs, --seed, the
+number of ranks) is refused with exit 2 before anything starts, naming the flag and the run's
+value, unless --fresh-envs. Every other change is applied, said on the console and recorded
+in run.json. Rank states that do not belong make their checkpoint damaged.
+"""
 
 from __future__ import annotations
 
@@ -151,15 +153,8 @@ def test_a_continuation_keeps_what_it_does_not_name(tmp_path: Path) -> None:
     ranks, its overrides, its log root), what it names is kept as named (then compared), and
     what it names of where the run is must be where it is."""
     run = _recorded_run(tmp_path / "logs", 2)
-    argv = [
-        "cartpole",
-        "--max_iterations=8",
-        "--no-video",
-        "--run-dir",
-        str(run),
-        "--agent.gamma",
-        "0.95",
-    ]
+    argv = ["cartpole", "--max_iterations=8", "--no-video", "--run-dir", str(run)]
+    argv += ["--agent.gamma", "0.95"]
     spec = TrainSpec(run_dir=str(run), max_iterations=8, overrides=("--agent.gamma", "0.95"))
     assert named_flags(spec, argv) == {"task", "max_iterations", "video", "run_dir"}
     got = continued(spec, named_flags(spec, argv))
@@ -171,12 +166,8 @@ def test_a_continuation_keeps_what_it_does_not_name(tmp_path: Path) -> None:
     assert named.num_procs == 1 and named.max_iterations == 6  # compared, then refused
     assert continued(spec, frozenset({"run_dir"}), rank=True).num_procs == 1  # its launcher's
     job = continued(SubmitSpec(train=TrainSpec(run_dir=str(run))), frozenset({"run_dir"}))
-    assert (job.nodes, job.gpus_per_node, job.ranks_per_node, job.train.max_iterations) == (
-        1,
-        0,
-        2,
-        6,
-    )
+    shape = (job.nodes, job.gpus_per_node, job.ranks_per_node, job.train.max_iterations)
+    assert shape == (1, 0, 2, 6)
     for flag, value in (
         ("experiment_name", "other"),
         ("run_name", "x"),
@@ -188,9 +179,8 @@ def test_a_continuation_keeps_what_it_does_not_name(tmp_path: Path) -> None:
     # --num-procs 2 on a run of two ranks (a job's --tasks-per-node 2) is no change to say.
     notes: list[str] = []
     given = frozenset({"num_procs", "run_dir", "max_iterations"})
-    resolved = continue_target(
-        resolve(continued(spec.replace(num_procs=2), given)), (2, "--num-procs"), notes.append
-    )
+    target = resolve(continued(spec.replace(num_procs=2), given))
+    resolved = continue_target(target, world=(2, "--num-procs"), say=notes.append)
     assert notes == [f"continuing {run}: --max-iterations 6 -> 8; --agent.gamma 0.9 -> 0.95"]
     assert resolved.train.num_procs == 2
 

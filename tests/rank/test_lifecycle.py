@@ -1,9 +1,12 @@
-"""Every way a run stops, with real processes and real signals, as a user meets them: Ctrl-C
-(SIGINT to the whole foreground process group, as a terminal sends it), a second Ctrl-C,
-SIGTERM to the launcher, kill -9 of the launcher or of submitit's local controller, and
-resuming (several ranks, damaged checkpoints, another task, a copied log root). Each asserts
-the exit code, the checkpoint, run.json, the closing line and that no process is left.
-(Time limits and preemption: test_preemption.py; Slurm: launch/test_slurm_jobs.py.)"""
+"""Every way a run stops, with real processes and real signals, as a user meets them.
+
+The stops: Ctrl-C (SIGINT to the whole foreground process group, as a terminal sends it), a
+second Ctrl-C, SIGTERM to the launcher, kill -9 of the launcher or of submitit's local
+controller. Then resuming: several ranks, damaged checkpoints, another task, a copied log
+root. Each test asserts the exit code, the checkpoint, run.json, the closing line and that no
+process is left. Time limits and preemption are in test_preemption.py, Slurm in
+launch/test_slurm_jobs.py.
+"""
 
 from __future__ import annotations
 
@@ -27,17 +30,8 @@ from mjlab_hpc.rundir.state import read_record
 
 pytestmark = pytest.mark.training
 
-COMMON = [
-    "cartpole",
-    "--num-envs",
-    "32",
-    "--seed",
-    "3",
-    "--torch-threads",
-    "1",
-    "--save-interval",
-    "100",
-]
+COMMON = ["cartpole", "--num-envs", "32", "--seed", "3", "--torch-threads", "1"]
+COMMON += ["--save-interval", "100"]
 TWO = ["--num-procs", "2"]
 
 
@@ -157,26 +151,9 @@ def test_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     job at once (exit 130), says so, no traceback, and leaves nothing running."""
     root = tmp_path / "logs"
     # Iterations long enough (~2 s) that the first Ctrl-C's stop is still pending.
-    proc = start(
-        tmp_path,
-        [
-            *COMMON,
-            "--num-envs",
-            "512",
-            "--executor",
-            "local",
-            "--gpus-per-node",
-            "0",
-            "--tasks-per-node",
-            "2",
-            "--max-iterations",
-            "1000",
-            "--log-root",
-            str(root),
-            "--follow",
-        ],
-        prog="mjlab-submit",
-    )
+    args = [*COMMON, "--num-envs", "512", "--executor", "local", "--gpus-per-node", "0"]
+    args += ["--tasks-per-node", "2", "--max-iterations", "1000", "--log-root", str(root)]
+    proc = start(tmp_path, [*args, "--follow"], prog="mjlab-submit")
     run = wait_for_iteration(root, 1)
     for _ in range(3):  # impatient key presses (signals sent together are delivered as one)
         os.killpg(proc.pid, signal.SIGINT)
@@ -257,18 +234,8 @@ def test_resume_skips_damaged_checkpoints_and_refuses_what_it_cannot_continue(
     without changing anything; --restart-from-scratch trains again. A copied log root
     resumes in the copy."""
     root = tmp_path / "logs"
-    base = [
-        BIN / "mjlab-train",
-        "cartpole",
-        "--num-envs",
-        "16",
-        "--torch-threads",
-        "1",
-        "--save-interval",
-        "2",
-        "--log-root",
-        str(root),
-    ]
+    base = [BIN / "mjlab-train", "cartpole", "--num-envs", "16", "--torch-threads", "1"]
+    base += ["--save-interval", "2", "--log-root", str(root)]
 
     def train(*extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -334,18 +301,8 @@ def test_submit_local_resume_continues_on_two_ranks(tmp_path: Path) -> None:
     """`mjlab-submit --executor local --resume` continues the latest run on as many ranks,
     in the same run directory, one progress line per iteration."""
     root = tmp_path / "logs"
-    args = [
-        *COMMON,
-        "--executor",
-        "local",
-        "--gpus-per-node",
-        "0",
-        "--tasks-per-node",
-        "2",
-        "--log-root",
-        str(root),
-        "--follow",
-    ]
+    args = [*COMMON, "--executor", "local", "--gpus-per-node", "0", "--tasks-per-node", "2"]
+    args += ["--log-root", str(root), "--follow"]
 
     def submit(*extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -415,16 +372,9 @@ def test_a_refused_resume_on_two_ranks_is_bad_input(tmp_path: Path) -> None:
     assert first.returncode == 0, first.stderr[-2000:]
     run = only_run(root)
     before = _snapshot(run)
+    resume = ["--max-iterations", "4", "--resume", "--agent.actor.hidden-dims", "[64,64]"]
     other = subprocess.run(
-        [
-            BIN / "mjlab-train",
-            *args,
-            "--max-iterations",
-            "4",
-            "--resume",
-            "--agent.actor.hidden-dims",
-            "[64,64]",
-        ],
+        [BIN / "mjlab-train", *args, *resume],
         env=cli_env(),
         capture_output=True,
         text=True,

@@ -1,7 +1,9 @@
-"""rsl-rl's own PPO on two real processes in a real gloo process group, as our runner drives it:
-each rank updates from its own rollout, and the averaged gradients and the agreed learning rate
-leave both ranks with the same parameters (the KL all-reduce, the learning-rate broadcast and
-the gradient all-reduce of every mini-batch, counted by our collective clock)."""
+"""rsl-rl's own PPO on two real processes in a real gloo process group, as our runner drives it.
+
+Each rank updates from its own rollout. The averaged gradients and the agreed learning rate
+leave both ranks with the same parameters. Our collective clock counts the KL all-reduce, the
+learning-rate broadcast and the gradient all-reduce of every mini-batch.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ NUM_ENVS, OBS_DIM, NUM_ACTIONS = 32, 6, 2
 
 
 def _train_cfg(algorithm: Any, rank: int, adaptive: bool) -> dict[str, Any]:
-    cfg = copy.deepcopy(agent_config(BUILTIN_TASKS["cartpole"], 1000, "t"))
+    agent = agent_config(BUILTIN_TASKS["cartpole"], save_interval=1000, experiment_name="t")
+    cfg = copy.deepcopy(agent)
     cfg["algorithm"]["class_name"] = algorithm
     cfg["num_steps_per_env"] = 16
     if not adaptive:
