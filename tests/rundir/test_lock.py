@@ -1,9 +1,9 @@
-"""Tests of the single-writer lease lock with real processes (no mocks).
+"""The single-writer lease lock, with real processes (no mocks).
 
-Child processes are forked (multiprocessing "fork" context) so that they start
-in milliseconds on a small machine; each child builds its own LeaseLock. A holder
-"on another node" says a machine id of its own: nobody here may judge it by its
-process, only by its heartbeat seen unchanged for a lease.
+Child processes are forked (multiprocessing "fork" context) so that they start in
+milliseconds on a small machine; each child builds its own LeaseLock. A holder "on another
+node" says a machine id of its own: nobody here may judge it by its process, only by its
+heartbeat seen unchanged for a lease.
 """
 
 from __future__ import annotations
