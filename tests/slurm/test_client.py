@@ -1,6 +1,8 @@
-"""The Slurm client with stand-in commands (the fast tier; the real Slurm is used by the
-cluster tests): how squeue and sacct answers merge, when a requeue is refused, and that a
-hanging command is killed and counts as no answer."""
+"""The Slurm client with stand-in commands (the fast tier).
+
+Covers how squeue and sacct answers merge, when a requeue is refused, and that a hanging
+command is killed and counts as no answer. The real Slurm is used by the cluster tests.
+"""
 
 from __future__ import annotations
 
