@@ -1,7 +1,9 @@
-"""Every registered mjlab task's whole environment state is saved and restored into a freshly
-built env: compared path by path, then stepped on beside the original (the runs that continue
-exactly: test_mjlab_resume_*.py). Skipped when mjlab is not installed, except under CI=true,
-where that fails."""
+"""Every registered mjlab task's whole environment state is saved and restored.
+
+The state is restored into a freshly built env, compared path by path, then stepped on beside
+the original. The runs that continue exactly are in test_mjlab_resume_*.py. Skipped when mjlab
+is not installed, except under CI=true, where that fails.
+"""
 
 from __future__ import annotations
 
