@@ -1,8 +1,10 @@
-"""The benchmark (`make bench`): a real `--quick` run writes every figure and a readable PNG
-(and the GPU figures where there is a GPU, else the reason they were skipped); the statistics,
-the compile counter and the GPU section's orchestration (with stand-in commands) on their own.
-No timing is asserted: the figures of a quick run on a shared machine mean nothing, only that
-they are all there."""
+"""The benchmark (`make bench`), with no timing asserted.
+
+A real `--quick` run writes every figure and a readable PNG, and the GPU figures where there
+is a GPU (else the reason they were skipped). The statistics, the compile counter and the GPU
+section's orchestration (with stand-in commands) are tested on their own. The figures of a
+quick run on a shared machine mean nothing: the test only checks that they are all there.
+"""
 
 from __future__ import annotations
 

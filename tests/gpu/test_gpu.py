@@ -1,9 +1,9 @@
-"""The GPU path on a real GPU: marker `gpu`, run by `make gpu-check` (deselected from `make test`
-and `make test-fast`).
+"""The GPU path on a real GPU: marker `gpu`, run by `make gpu-check`.
 
-Without a usable CUDA GPU every test skips with the reason, unless MJLAB_HPC_REQUIRE_GPU=1
-(what `make gpu-check` sets where `nvidia-smi -L` lists a GPU): then each one fails instead.
-Through the real commands, as users run them, and the package's public functions:
+`make test` and `make test-fast` deselect it. Without a usable CUDA GPU every test skips with
+the reason, unless MJLAB_HPC_REQUIRE_GPU=1 (what `make gpu-check` sets where `nvidia-smi -L`
+lists a GPU): then each one fails instead. The tests use the real commands, as users run
+them, and the package's public functions:
 
 - cartpole, ant and Mjlab-Velocity-Flat-Unitree-G1 train on `cuda:0` (`mjlab-train --gpu-ids 0`);
 - the device mapping: CUDA_VISIBLE_DEVICES unset and set, `--gpu-ids None`, one GPU per task
@@ -146,11 +146,8 @@ def visible_of(run: RunDir, rank: int = 0) -> str:
 
 def check_gpu_run(run: RunDir, iterations: int, world: int = 1) -> dict[str, Any]:
     done = summary(run)
-    assert (done["device"], done["iterations"], done["world_size"]) == (
-        "cuda:0",
-        iterations,
-        world,
-    ), done
+    got = (done["device"], done["iterations"], done["world_size"])
+    assert got == ("cuda:0", iterations, world), done
     assert json.loads(run.record.read_text())["device"] == "cuda:0"
     for k in range(world):
         assert " on cuda:0, " in rank_head(run, k), rank_head(run, k)
@@ -195,22 +192,8 @@ def report(capsys: pytest.CaptureFixture[str], line: str) -> None:
 @pytest.mark.parametrize("task", ["cartpole", "ant"])
 def test_builtin_task_trains_on_gpu(task: str, tmp_path: Path) -> None:
     need_gpu()
-    run = train(
-        [
-            task,
-            "--gpu-ids",
-            "0",
-            "--num-envs",
-            "1024",
-            "--max-iterations",
-            "3",
-            "--seed",
-            "1",
-            "--save-interval",
-            "100",
-        ],
-        tmp_path,
-    )
+    args = [task, "--gpu-ids", "0", "--num-envs", "1024", "--max-iterations", "3", "--seed", "1"]
+    run = train([*args, "--save-interval", "100"], tmp_path)
     done = check_gpu_run(run, 3)
     assert len(done["param_digest_per_rank"]) == 1
     if task == "cartpole":  # poles fall within the first iteration: episodes have ended
@@ -227,9 +210,8 @@ def test_builtin_task_trains_on_gpu(task: str, tmp_path: Path) -> None:
 def test_mjlab_velocity_task_trains_on_gpu(tmp_path: Path) -> None:
     need_gpu()
     need_mjlab()
-    run = train(
-        [G1, "--gpu-ids", "0", "--num-envs", "1024", "--max-iterations", "3", *TB], tmp_path
-    )
+    args = [G1, "--gpu-ids", "0", "--num-envs", "1024", "--max-iterations", "3", *TB]
+    run = train(args, tmp_path)
     check_gpu_run(run, 3)
     assert (run.path / "model_3.pt").exists()
     assert (run.path / f"{run.path.name}.onnx").exists()  # the velocity runner's ONNX export
@@ -254,20 +236,8 @@ def test_gpu_ids_0_with_cuda_visible_devices(visible: str, tmp_path: Path) -> No
 
 def test_gpu_ids_none_trains_on_the_cpu_beside_a_gpu(tmp_path: Path) -> None:
     need_gpu()
-    run = train(
-        [
-            "cartpole",
-            "--gpu-ids",
-            "None",
-            "--num-envs",
-            "64",
-            "--max-iterations",
-            "1",
-            "--torch-threads",
-            "1",
-        ],
-        tmp_path,
-    )
+    args = ["cartpole", "--gpu-ids", "None", "--num-envs", "64", "--max-iterations", "1"]
+    run = train([*args, "--torch-threads", "1"], tmp_path)
     assert summary(run)["device"] == "cpu"
     assert " on cpu, " in rank_head(run)
 
@@ -276,23 +246,9 @@ def test_one_gpu_per_task_through_the_local_executor(tmp_path: Path) -> None:
     """`mjlab-submit --executor local --gpus-per-node 1`: the task gets its GPU in
     CUDA_VISIBLE_DEVICES (as Slurm's --gpus-per-task does) and trains on it as cuda:0."""
     need_gpu()
-    proc = run_cli(
-        [
-            str(BIN / "mjlab-submit"),
-            "cartpole",
-            "--executor",
-            "local",
-            "--gpus-per-node",
-            "1",
-            "--num-envs",
-            "256",
-            "--max-iterations",
-            "2",
-            "--log-root",
-            str(tmp_path),
-            "--follow",
-        ]
-    )
+    cmd = [str(BIN / "mjlab-submit"), "cartpole", "--executor", "local", "--gpus-per-node", "1"]
+    cmd += ["--num-envs", "256", "--max-iterations", "2", "--log-root", str(tmp_path), "--follow"]
+    proc = run_cli(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = only_run(tmp_path)
     assert check_gpu_run(run, 2)["launch_mode"] == "submitit-local"
@@ -366,7 +322,7 @@ def test_each_rank_resolves_the_physical_gpu_it_was_given(
         need_unset_visible()
     env = env_with_visible(None if visible == "unset" else FIRST_GPU)
     probe = [str(BIN / "python"), "-c", _DEVICE_PROBE, str(local_rank), str(local_world)]
-    proc = run_cli(probe, env, 300)
+    proc = run_cli(probe, env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (got["device"], got["torch"], got["warp"]) == ("cuda:0",) * 3, got
@@ -407,7 +363,12 @@ def gpu_workload(tmp_path: Path, task: str, envs: int, *overrides: str) -> Workl
     spec = mjlab_hpc.TrainSpec(task=task, num_envs=envs, log_root=str(tmp_path))
     resolved = mjlab_hpc.resolve(spec.replace(overrides=overrides))
     return build_workload(
-        resolved, DistContext.from_env({}), "cuda:0", 0, RunDir(tmp_path / "run"), io.StringIO()
+        resolved,
+        DistContext.from_env({}),
+        device="cuda:0",
+        seed=0,
+        run=RunDir(tmp_path / "run"),
+        quiet=io.StringIO(),
     )
 
 
@@ -644,28 +605,10 @@ def two_ranks_on_one_gpu(root: Path, extra: dict[str, str]) -> subprocess.Comple
     env = cli_env({"CUDA_VISIBLE_DEVICES": FIRST_GPU, **extra})
     # torchrun as `python -m torch.distributed.run`: a site's torch keeps its script elsewhere.
     torchrun = [str(BIN / "python"), "-m", "torch.distributed.run"]
-    return run_cli(
-        [
-            *torchrun,
-            "--nproc_per_node=2",
-            f"--master_port={free_port()}",
-            "--no_python",
-            "mjlab-train",
-            "cartpole",
-            "--num-envs",
-            "256",
-            "--max-iterations",
-            "3",
-            "--save-interval",
-            "2",
-            "--dist-timeout-s",
-            "120",
-            "--log-root",
-            str(root),
-        ],
-        env,
-        900,
-    )
+    torchrun += ["--nproc_per_node=2", f"--master_port={free_port()}", "--no_python"]
+    cartpole = ["mjlab-train", "cartpole", "--num-envs", "256", "--max-iterations", "3"]
+    cartpole += ["--save-interval", "2", "--dist-timeout-s", "120", "--log-root", str(root)]
+    return run_cli([*torchrun, *cartpole], env, timeout=900)
 
 
 def need_shared_gpu() -> None:
