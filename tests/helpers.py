@@ -1,5 +1,8 @@
-"""Helpers shared by the tests: the CLIs' environment, finding a test's run, waiting for
-progress, finding rank processes, fault injection, and two real ranks in a gloo group."""
+"""Helpers shared by the tests.
+
+The CLIs' environment, finding a test's run, waiting for progress, finding rank processes,
+fault injection, and two real ranks in a gloo group.
+"""
 
 from __future__ import annotations
 
@@ -48,8 +51,11 @@ def cli_env(
     base: Mapping[str, str] | None = None,
     path: str | None = None,
 ) -> dict[str, str]:
-    """The environment of a CLI a test starts: `base` (default: ours) without launcher
-    variables, the venv's scripts first on PATH (or exactly `path`), plus `extra`."""
+    """The environment of a CLI a test starts.
+
+    That is `base` (default: ours) without launcher variables, the venv's scripts first on
+    PATH (or exactly `path`), plus `extra`.
+    """
     env = {
         k: v
         for k, v in (base if base is not None else os.environ).items()
@@ -61,9 +67,11 @@ def cli_env(
 
 
 def clock_ahead(offset: str = "+1h") -> list[str]:
-    """The command prefix that runs a command with its clock `offset` ahead (Debian's
-    faketime, which `make install` installs as root); a skip where it is missing, a failure
-    under CI=true."""
+    """The command prefix that runs a command with its clock `offset` ahead.
+
+    It uses Debian's faketime, which `make install` installs as root. Where faketime is
+    missing the test is skipped, or fails under CI=true.
+    """
     if shutil.which("faketime") is None:
         if os.environ.get("CI") == "true":
             pytest.fail("faketime is not installed (make install installs it as root)")
@@ -217,9 +225,11 @@ def run_two_ranks(body: Callable[[int], Any], timeout_s: float = 110.0) -> dict[
 
 
 def reference_digests(shared: Path, args: list[str], ranks: int = 1) -> list[str]:
-    """Per-rank parameter digests of an uninterrupted `mjlab-train ARGS` run on `ranks`
-    ranks, computed once per test session and shared between tests (and xdist workers):
-    `shared` is a folder all of them see (`tmp_path_factory.getbasetemp().parent`)."""
+    """Per-rank parameter digests of an uninterrupted `mjlab-train ARGS` run on `ranks` ranks.
+
+    They are computed once per test session and shared between tests and xdist workers:
+    `shared` is a folder all of them see (`tmp_path_factory.getbasetemp().parent`).
+    """
     import fcntl
     import hashlib
     import json
@@ -253,9 +263,11 @@ def recording_tools(
     record: Path,
     tools: tuple[str, ...] = ("srun", "mjlab-train", "mjlab-hpc", "module"),
 ) -> None:
-    """Stand-ins for the commands a job script calls that record their arguments (one per
-    line) in `record`, so a script's quoting is checked by running it with bash; the
-    mjlab-hpc stand-in prints a run directory, as `mjlab-hpc run-dir` does."""
+    """Stand-ins for the commands a job script calls, recording their arguments in `record`.
+
+    One argument per line, so a script's quoting is checked by running it with bash. The
+    mjlab-hpc stand-in prints a run directory, as `mjlab-hpc run-dir` does.
+    """
     bin_dir.mkdir(exist_ok=True)
     for tool in tools:
         script = bin_dir / tool
@@ -342,10 +354,12 @@ def make_motion(path: Path, frames: int = 40, bodies: int = 40) -> Path:
 
 @contextlib.contextmanager
 def memory_cgroup(name: str, limit_bytes: int) -> Iterator[Path]:
-    """A memory cgroup (v1) of its own below this process's, limited to `limit_bytes`: what
-    the kernel's OOM killer acts in, as in a container or a Slurm job with --mem. Processes
+    """A memory cgroup (v1) of its own below this process's, limited to `limit_bytes`.
+
+    The kernel's OOM killer acts in it, as in a container or a Slurm job with --mem. Processes
     moved in (`echo PID > <cgroup>/cgroup.procs`; children follow) go back to this process's
-    cgroup at the end. Fails under CI=true where it cannot be made, else skips."""
+    cgroup at the end. Fails under CI=true where it cannot be made, else skips.
+    """
     import pytest
 
     here = next(
@@ -434,14 +448,5 @@ class Team:
     def argv(self, user: str, argv: list[Any], umask: int = 0o022) -> list[str]:
         """`argv` as `user` would start it (with their umask)."""
         inner = f'umask {umask:03o} && exec "$@"'
-        return [
-            "setpriv",
-            f"--reuid={user}",
-            f"--regid={self.GROUP}",
-            "--init-groups",
-            "bash",
-            "-c",
-            inner,
-            "bash",
-            *map(str, argv),
-        ]
+        setpriv = ["setpriv", f"--reuid={user}", f"--regid={self.GROUP}", "--init-groups"]
+        return [*setpriv, "bash", "-c", inner, "bash", *map(str, argv)]

@@ -1,10 +1,10 @@
 """The real Slurm test cluster (tests/cluster/cluster.sh) as a pytest fixture.
 
 `slurm_cluster` (session scope) reuses a cluster that is already up (e.g. from
-`make cluster-up`: its env.sh exists and sinfo answers), else starts one and stops it at
-the end of the session. `slurm_cluster3`: three nodes, a second cluster beside it,
-with a short SlurmdTimeout. If one cannot be started the tests using it are skipped, or fail
-when CI=true, so a CI machine that should run them cannot silently skip them.
+`make cluster-up`: its env.sh exists and sinfo answers), else starts one and stops it at the
+end of the session. `slurm_cluster3` is a second cluster beside it, of three nodes, with a
+short SlurmdTimeout. If one cannot be started the tests using it are skipped, or fail when
+CI=true, so a CI machine that should run them cannot silently skip them.
 """
 
 from __future__ import annotations
@@ -192,8 +192,11 @@ def _tail(text: str, lines: int = 60) -> str:
 def start_cluster(
     state_dir: Path, nodes: int | None = None, slurmd_timeout_s: int | None = None
 ) -> SlurmCluster:
-    """Run `cluster.sh up` for state_dir (with `nodes` nodes, else cluster.sh's default, 2;
-    Slurm's SlurmdTimeout, else 300 s); raises RuntimeError with its output on failure."""
+    """Run `cluster.sh up` for state_dir.
+
+    It has `nodes` nodes (else cluster.sh's default, 2) and the SlurmdTimeout given (else
+    Slurm's 300 s). Raises RuntimeError with the script's output on failure.
+    """
     env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(state_dir)}
     if nodes is not None:
         env["MJLAB_HPC_CLUSTER_NODES"] = str(nodes)
@@ -244,8 +247,11 @@ def _unavailable(reason: str) -> NoReturn:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
-    """A running two-node cluster (node1, node2; 8 CPUs and 4 fake GPUs each) of the Slurm
-    version MJLAB_HPC_SLURM_VERSION names (22.05 by default; 24.11 inside its root)."""
+    """A running two-node cluster: node1 and node2, with 8 CPUs and 4 fake GPUs each.
+
+    Its Slurm version is the one MJLAB_HPC_SLURM_VERSION names (22.05 by default; 24.11
+    inside its root).
+    """
     state_dir = default_state_dir()
     version = os.environ.get("MJLAB_HPC_SLURM_VERSION", "22.05")
     if version != "22.05" and os.environ.get("MJLAB_HPC_IN_ROOT") != version:
@@ -279,9 +285,11 @@ SLURMD_TIMEOUT_S = 20
 
 @pytest.fixture(scope="session")
 def slurm_cluster3(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
-    """A running cluster of three nodes beside the session's (its state directory with `-3`),
-    whose SlurmdTimeout is SLURMD_TIMEOUT_S (Slurm's default: 300 s), stopped at the end of
-    the session."""
+    """A running cluster of three nodes beside the session's, with a short SlurmdTimeout.
+
+    Its state directory is the session's with `-3`, and its SlurmdTimeout is SLURMD_TIMEOUT_S
+    (Slurm's default is 300 s). It is stopped at the end of the session.
+    """
     state_dir = default_state_dir().with_name(default_state_dir().name + "-3")
     cluster = running_cluster(state_dir)
     if cluster is None or cluster.nodes < 3:

@@ -1,9 +1,12 @@
-"""The parts of other libraries mjlab_hpc uses beyond their public API, each checked by name
-against the installed versions: when an upgrade removes or renames one, the failure names it
-and the one module of ours that uses it. submitit: `mjlab_hpc/launch/executors.py`; rsl-rl:
-`mjlab_hpc/rank/runner.py` (and the state-dict buffers of rsl-rl's normalizer, which
-`mjlab_hpc/rank/normalization.py` extends); mjlab: `mjlab_hpc/tasks/mjlab.py`. What these parts
-do is tested by the tests that use them (scripts, local jobs, training, resume)."""
+"""The parts of other libraries mjlab_hpc uses beyond their public API, checked by name.
+
+Each is checked against the installed versions: when an upgrade removes or renames one, the
+failure names it and the one module of ours that uses it. submitit:
+`mjlab_hpc/launch/executors.py`; rsl-rl: `mjlab_hpc/rank/runner.py` (and the state-dict
+buffers of rsl-rl's normalizer, which `mjlab_hpc/rank/normalization.py` extends); mjlab:
+`mjlab_hpc/tasks/mjlab.py`. What these parts do is tested by the tests that use them
+(scripts, local jobs, training, resume).
+"""
 
 from __future__ import annotations
 
