@@ -84,10 +84,13 @@ def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
 
 @pytest.fixture(scope="session")
 def team() -> Iterator[Team]:
-    """Two unprivileged users of one group and a group-shared folder (helpers.Team), made
-    with useradd where missing: as root only (fails under CI=true otherwise). While the
-    session runs, the folders of our interpreter and venv that they could not enter (root's
-    home, 0700) may be entered (o+x, nothing listed or read); restored after."""
+    """Two unprivileged users of one group and a group-shared folder (helpers.Team).
+
+    The users are made with useradd where missing, as root only (it fails under CI=true
+    otherwise). While the session runs, the folders of our interpreter and venv that they
+    could not enter (root's home, 0700) may be entered (o+x, nothing listed or read); they
+    are restored after.
+    """
     if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("setpriv"):
         reason = "a second user needs root, useradd and setpriv"
         if os.environ.get("CI") == "true":
@@ -96,8 +99,9 @@ def team() -> Iterator[Team]:
     # Another xdist worker may make them at the same moment: what counts is that they exist.
     subprocess.run(["groupadd", "-f", Team.GROUP], capture_output=True)
     for user in Team.USERS:
-        subprocess.run(["useradd", "-M", "-N", "-g", Team.GROUP, "-s", "/bin/bash", user],
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["useradd", "-M", "-N", "-g", Team.GROUP, "-s", "/bin/bash", user], capture_output=True
+        )
         subprocess.run(["id", user], capture_output=True, check=True)
     opened = []
     for target in (Path(os.path.realpath(sys.executable)), BIN):

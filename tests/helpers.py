@@ -1,5 +1,8 @@
-"""Helpers shared by the tests: the CLIs' environment, finding a test's run, waiting for
-progress, finding rank processes, fault injection, and two real ranks in a gloo group."""
+"""Helpers shared by the tests.
+
+The CLIs' environment, finding a test's run, waiting for progress, finding rank processes,
+fault injection, and two real ranks in a gloo group.
+"""
 
 from __future__ import annotations
 
@@ -27,9 +30,19 @@ BIN = Path(sys.executable).parent
 
 # Variables of an enclosing launcher: a CLI started by a test must start as a plain process
 # (SLURM_JOB_ID: a suite run inside a Slurm job would make mjlab-submit use that allocation).
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                  "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_STEP_ID",
-                  "SLURM_STEPID", "SLURM_JOB_ID")  # fmt: skip
+_LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_STEP_ID",
+    "SLURM_STEPID",
+    "SLURM_JOB_ID",
+)
 
 
 def cli_env(
@@ -38,19 +51,27 @@ def cli_env(
     base: Mapping[str, str] | None = None,
     path: str | None = None,
 ) -> dict[str, str]:
-    """The environment of a CLI a test starts: `base` (default: ours) without launcher
-    variables, the venv's scripts first on PATH (or exactly `path`), plus `extra`."""
-    env = {k: v for k, v in (base if base is not None else os.environ).items()
-           if k not in _LAUNCHER_VARS and not k.startswith("SUBMITIT_")}  # fmt: skip
+    """The environment of a CLI a test starts.
+
+    That is `base` (default: ours) without launcher variables, the venv's scripts first on
+    PATH (or exactly `path`), plus `extra`.
+    """
+    env = {
+        k: v
+        for k, v in (base if base is not None else os.environ).items()
+        if k not in _LAUNCHER_VARS and not k.startswith("SUBMITIT_")
+    }
     env["PATH"] = path if path is not None else f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env.update(extra or {})
     return env
 
 
 def clock_ahead(offset: str = "+1h") -> list[str]:
-    """The command prefix that runs a command with its clock `offset` ahead (Debian's
-    faketime, which `make install` installs as root); a skip where it is missing, a failure
-    under CI=true."""
+    """The command prefix that runs a command with its clock `offset` ahead.
+
+    It uses Debian's faketime, which `make install` installs as root. Where faketime is
+    missing the test is skipped, or fails under CI=true.
+    """
     if shutil.which("faketime") is None:
         if os.environ.get("CI") == "true":
             pytest.fail("faketime is not installed (make install installs it as root)")
@@ -156,8 +177,11 @@ def fault_env(tmp: Path, rank: int, iteration: int) -> dict[str, str]:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "sitecustomize.py").write_text(FAULT_INJECTION)
     path = os.pathsep.join(p for p in (str(tmp), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "MJLAB_FAULT_RANK": str(rank),
-            "MJLAB_FAULT_ITERATION": str(iteration)}  # fmt: skip
+    return {
+        "PYTHONPATH": path,
+        "MJLAB_FAULT_RANK": str(rank),
+        "MJLAB_FAULT_ITERATION": str(iteration),
+    }
 
 
 def rank_env(rank: int, port: int, world_size: int = 2) -> dict[str, str]:
@@ -201,9 +225,11 @@ def run_two_ranks(body: Callable[[int], Any], timeout_s: float = 110.0) -> dict[
 
 
 def reference_digests(shared: Path, args: list[str], ranks: int = 1) -> list[str]:
-    """Per-rank parameter digests of an uninterrupted `mjlab-train ARGS` run on `ranks`
-    ranks, computed once per test session and shared between tests (and xdist workers):
-    `shared` is a folder all of them see (`tmp_path_factory.getbasetemp().parent`)."""
+    """Per-rank parameter digests of an uninterrupted `mjlab-train ARGS` run on `ranks` ranks.
+
+    They are computed once per test session and shared between tests and xdist workers:
+    `shared` is a folder all of them see (`tmp_path_factory.getbasetemp().parent`).
+    """
     import fcntl
     import hashlib
     import json
@@ -221,8 +247,11 @@ def reference_digests(shared: Path, args: list[str], ranks: int = 1) -> list[str
         root = folder / key
         proc = subprocess.run(
             [BIN / "mjlab-train", *command, "--log-root", str(root)],
-            env=cli_env(), capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         digests = json.loads(only_run(root).summary.read_text())["param_digest_per_rank"]
         done.write_text(json.dumps(digests))
@@ -230,12 +259,15 @@ def reference_digests(shared: Path, args: list[str], ranks: int = 1) -> list[str
 
 
 def recording_tools(
-    bin_dir: Path, record: Path, tools: tuple[str, ...] = ("srun", "mjlab-train", "mjlab-hpc",
-                                                           "module"),
-) -> None:  # fmt: skip
-    """Stand-ins for the commands a job script calls that record their arguments (one per
-    line) in `record`, so a script's quoting is checked by running it with bash; the
-    mjlab-hpc stand-in prints a run directory, as `mjlab-hpc run-dir` does."""
+    bin_dir: Path,
+    record: Path,
+    tools: tuple[str, ...] = ("srun", "mjlab-train", "mjlab-hpc", "module"),
+) -> None:
+    """Stand-ins for the commands a job script calls, recording their arguments in `record`.
+
+    One argument per line, so a script's quoting is checked by running it with bash. The
+    mjlab-hpc stand-in prints a run directory, as `mjlab-hpc run-dir` does.
+    """
     bin_dir.mkdir(exist_ok=True)
     for tool in tools:
         script = bin_dir / tool
@@ -308,23 +340,36 @@ def make_motion(path: Path, frames: int = 40, bodies: int = 40) -> Path:
     pos = np.zeros((frames, bodies, 3), np.float32)
     pos[..., 2] = 0.76
     pos[..., 0] = 0.05 * np.sin(6 * t)
-    np.savez(path, joint_pos=0.2 * np.sin(6 * t) * np.ones((frames, 29), np.float32),
-             joint_vel=1.2 * np.cos(6 * t) * np.ones((frames, 29), np.float32),
-             body_pos_w=pos, body_quat_w=quat, body_lin_vel_w=np.zeros_like(pos),
-             body_ang_vel_w=np.zeros_like(pos))  # fmt: skip
+    np.savez(
+        path,
+        joint_pos=0.2 * np.sin(6 * t) * np.ones((frames, 29), np.float32),
+        joint_vel=1.2 * np.cos(6 * t) * np.ones((frames, 29), np.float32),
+        body_pos_w=pos,
+        body_quat_w=quat,
+        body_lin_vel_w=np.zeros_like(pos),
+        body_ang_vel_w=np.zeros_like(pos),
+    )
     return path
 
 
 @contextlib.contextmanager
 def memory_cgroup(name: str, limit_bytes: int) -> Iterator[Path]:
-    """A memory cgroup (v1) of its own below this process's, limited to `limit_bytes`: what
-    the kernel's OOM killer acts in, as in a container or a Slurm job with --mem. Processes
+    """A memory cgroup (v1) of its own below this process's, limited to `limit_bytes`.
+
+    The kernel's OOM killer acts in it, as in a container or a Slurm job with --mem. Processes
     moved in (`echo PID > <cgroup>/cgroup.procs`; children follow) go back to this process's
-    cgroup at the end. Fails under CI=true where it cannot be made, else skips."""
+    cgroup at the end. Fails under CI=true where it cannot be made, else skips.
+    """
     import pytest
 
-    here = next((line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text()
-                 .splitlines() if line.split(":")[1:2] == ["memory"]), None)  # fmt: skip
+    here = next(
+        (
+            line.split(":", 2)[2]
+            for line in Path("/proc/self/cgroup").read_text().splitlines()
+            if line.split(":")[1:2] == ["memory"]
+        ),
+        None,
+    )
     parent = Path("/sys/fs/cgroup/memory" + (here or "/").rstrip("/"))
     group = parent / f"{name}-{os.getpid()}"
     try:
@@ -364,22 +409,38 @@ class Team:
         """The environment of a command `user` runs: their own home, one Warp kernel cache
         for the team (compiled once), our venv's scripts on PATH."""
         home = self.base / "home" / user
-        env = cli_env({"HOME": str(home), "USER": user, "LOGNAME": user, "TMPDIR": str(home),
-                       "WARP_CACHE_PATH": str(self.base / "warp-cache")})  # fmt: skip
+        env = cli_env(
+            {
+                "HOME": str(home),
+                "USER": user,
+                "LOGNAME": user,
+                "TMPDIR": str(home),
+                "WARP_CACHE_PATH": str(self.base / "warp-cache"),
+            }
+        )
         env.pop("XDG_CACHE_HOME", None)
         env.update(extra or {})
         return env
 
     def run(
-        self, user: str, argv: list[Any], umask: int = 0o022, timeout: float = 300,
+        self,
+        user: str,
+        argv: list[Any],
+        umask: int = 0o022,
+        timeout: float = 300,
         extra: Mapping[str, str] | None = None,
-    ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    ) -> subprocess.CompletedProcess[str]:
         """Run `argv` as `user` (setpriv: their uid, the team's group), in `shared`. Its
         output goes through files: a job it leaves running keeps no pipe of ours open."""
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-            proc = subprocess.run(self.argv(user, argv, umask), env=self.env(user, extra),
-                                  cwd=self.shared, stdout=out, stderr=err,
-                                  timeout=timeout)  # fmt: skip
+            proc = subprocess.run(
+                self.argv(user, argv, umask),
+                env=self.env(user, extra),
+                cwd=self.shared,
+                stdout=out,
+                stderr=err,
+                timeout=timeout,
+            )
             out.seek(0)
             err.seek(0)
             return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
@@ -387,5 +448,5 @@ class Team:
     def argv(self, user: str, argv: list[Any], umask: int = 0o022) -> list[str]:
         """`argv` as `user` would start it (with their umask)."""
         inner = f'umask {umask:03o} && exec "$@"'
-        return ["setpriv", f"--reuid={user}", f"--regid={self.GROUP}", "--init-groups",
-                "bash", "-c", inner, "bash", *map(str, argv)]  # fmt: skip
+        setpriv = ["setpriv", f"--reuid={user}", f"--regid={self.GROUP}", "--init-groups"]
+        return [*setpriv, "bash", "-c", inner, "bash", *map(str, argv)]

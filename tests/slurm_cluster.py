@@ -1,10 +1,10 @@
 """The real Slurm test cluster (tests/cluster/cluster.sh) as a pytest fixture.
 
 `slurm_cluster` (session scope) reuses a cluster that is already up (e.g. from
-`make cluster-up`: its env.sh exists and sinfo answers), else starts one and stops it at
-the end of the session. `slurm_cluster3`: three nodes, a second cluster beside it,
-with a short SlurmdTimeout. If one cannot be started the tests using it are skipped, or fail
-when CI=true, so a CI machine that should run them cannot silently skip them.
+`make cluster-up`: its env.sh exists and sinfo answers), else starts one and stops it at the
+end of the session. `slurm_cluster3` is a second cluster beside it, of three nodes, with a
+short SlurmdTimeout. If one cannot be started the tests using it are skipped, or fail when
+CI=true, so a CI machine that should run them cannot silently skip them.
 """
 
 from __future__ import annotations
@@ -115,29 +115,41 @@ class SlurmCluster:
         """A hard node loss, as a power cut (`cluster.sh lose`): SIGKILL at once to the node's
         slurmd and every process it started (step daemons, ranks). What was killed."""
         env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(self.state_dir)}
-        proc = subprocess.run(["bash", str(SCRIPT), "lose", node], env=env, capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
+        proc = subprocess.run(
+            ["bash", str(SCRIPT), "lose", node], env=env, capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.split()
 
     def start_node(self, node: str) -> None:
         """Start a lost node's slurmd again (`cluster.sh node-up`)."""
         env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(self.state_dir)}
-        subprocess.run(["bash", str(SCRIPT), "node-up", node], env=env, check=True, timeout=60,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["bash", str(SCRIPT), "node-up", node],
+            env=env,
+            check=True,
+            timeout=60,
+            capture_output=True,
+        )
 
     @contextlib.contextmanager
     def controller_down(self) -> Iterator[None]:
         """slurmctld stopped for real (the slurmds, jobs and accounting go on), started again
         from its saved state at the end."""
         env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(self.state_dir)}
-        subprocess.run(["bash", str(SCRIPT), "ctld-stop"], env=env, check=True, timeout=60,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["bash", str(SCRIPT), "ctld-stop"], env=env, check=True, timeout=60, capture_output=True
+        )
         try:
             yield
         finally:
-            subprocess.run(["bash", str(SCRIPT), "ctld-start"], env=env, check=True, timeout=60,
-                           capture_output=True)  # fmt: skip
+            subprocess.run(
+                ["bash", str(SCRIPT), "ctld-start"],
+                env=env,
+                check=True,
+                timeout=60,
+                capture_output=True,
+            )
 
     def wait_job(self, job_id: int | str, timeout: float = 60.0) -> str:
         """Poll sacct until the job reaches a final state and return it."""
@@ -180,8 +192,11 @@ def _tail(text: str, lines: int = 60) -> str:
 def start_cluster(
     state_dir: Path, nodes: int | None = None, slurmd_timeout_s: int | None = None
 ) -> SlurmCluster:
-    """Run `cluster.sh up` for state_dir (with `nodes` nodes, else cluster.sh's default, 2;
-    Slurm's SlurmdTimeout, else 300 s); raises RuntimeError with its output on failure."""
+    """Run `cluster.sh up` for state_dir.
+
+    It has `nodes` nodes (else cluster.sh's default, 2) and the SlurmdTimeout given (else
+    Slurm's 300 s). Raises RuntimeError with the script's output on failure.
+    """
     env = {**os.environ, "MJLAB_HPC_CLUSTER_DIR": str(state_dir)}
     if nodes is not None:
         env["MJLAB_HPC_CLUSTER_NODES"] = str(nodes)
@@ -232,14 +247,19 @@ def _unavailable(reason: str) -> NoReturn:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
-    """A running two-node cluster (node1, node2; 8 CPUs and 4 fake GPUs each) of the Slurm
-    version MJLAB_HPC_SLURM_VERSION names (22.05 by default; 24.11 inside its root)."""
+    """A running two-node cluster: node1 and node2, with 8 CPUs and 4 fake GPUs each.
+
+    Its Slurm version is the one MJLAB_HPC_SLURM_VERSION names (22.05 by default; 24.11
+    inside its root).
+    """
     state_dir = default_state_dir()
     version = os.environ.get("MJLAB_HPC_SLURM_VERSION", "22.05")
     if version != "22.05" and os.environ.get("MJLAB_HPC_IN_ROOT") != version:
         # Its clients and daemons live in their own root; 22.05's cannot talk to them.
-        _unavailable(f"Slurm {version} runs inside its root: bash tests/cluster/cluster.sh "
-                     "exec .venv/bin/pytest ...")  # fmt: skip
+        _unavailable(
+            f"Slurm {version} runs inside its root: bash tests/cluster/cluster.sh "
+            "exec .venv/bin/pytest ..."
+        )
     cluster = running_cluster(state_dir)
     if cluster is None:
         if os.geteuid() != 0:
@@ -265,9 +285,11 @@ SLURMD_TIMEOUT_S = 20
 
 @pytest.fixture(scope="session")
 def slurm_cluster3(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
-    """A running cluster of three nodes beside the session's (its state directory with `-3`),
-    whose SlurmdTimeout is SLURMD_TIMEOUT_S (Slurm's default: 300 s), stopped at the end of
-    the session."""
+    """A running cluster of three nodes beside the session's, with a short SlurmdTimeout.
+
+    Its state directory is the session's with `-3`, and its SlurmdTimeout is SLURMD_TIMEOUT_S
+    (Slurm's default is 300 s). It is stopped at the end of the session.
+    """
     state_dir = default_state_dir().with_name(default_state_dir().name + "-3")
     cluster = running_cluster(state_dir)
     if cluster is None or cluster.nodes < 3:

@@ -1,9 +1,12 @@
-"""The parts of other libraries mjlab_hpc uses beyond their public API, each checked by name
-against the installed versions: when an upgrade removes or renames one, the failure names it
-and the one module of ours that uses it. submitit: `mjlab_hpc/launch/executors.py`; rsl-rl:
-`mjlab_hpc/rank/runner.py` (and the state-dict buffers of rsl-rl's normalizer, which
-`mjlab_hpc/rank/normalization.py` extends); mjlab: `mjlab_hpc/tasks/mjlab.py`. What these parts
-do is tested by the tests that use them (scripts, local jobs, training, resume)."""
+"""The parts of other libraries mjlab_hpc uses beyond their public API, checked by name.
+
+Each is checked against the installed versions: when an upgrade removes or renames one, the
+failure names it and the one module of ours that uses it. submitit:
+`mjlab_hpc/launch/executors.py`; rsl-rl: `mjlab_hpc/rank/runner.py` (and the state-dict
+buffers of rsl-rl's normalizer, which `mjlab_hpc/rank/normalization.py` extends); mjlab:
+`mjlab_hpc/tasks/mjlab.py`. What these parts do is tested by the tests that use them
+(scripts, local jobs, training, resume).
+"""
 
 from __future__ import annotations
 
@@ -47,8 +50,13 @@ def test_submitit_parts() -> None:
     for attribute in ("self.tasks", "self.timeout_s", "self.signal_delay_s", "self.pid"):
         assert attribute in controller, f"submitit: Controller {attribute} is gone ({SUBMITIT})"
     started = _source(local.start_controller)
-    for variable in ("SUBMITIT_LOCAL_NTASKS", "SUBMITIT_LOCAL_COMMAND", "SUBMITIT_LOCAL_TIMEOUT_S",
-                     "SUBMITIT_LOCAL_SIGNAL_DELAY_S", "SUBMITIT_LOCAL_WITH_SHELL"):  # fmt: skip
+    for variable in (
+        "SUBMITIT_LOCAL_NTASKS",
+        "SUBMITIT_LOCAL_COMMAND",
+        "SUBMITIT_LOCAL_TIMEOUT_S",
+        "SUBMITIT_LOCAL_SIGNAL_DELAY_S",
+        "SUBMITIT_LOCAL_WITH_SHELL",
+    ):
         assert variable in started, f"submitit: the controller's {variable} is gone ({SUBMITIT})"
     for module in ("submitit.core._submit", "submitit.local._local"):  # `python -m` targets
         assert importlib.util.find_spec(module), f"submitit: {module} is gone ({SUBMITIT})"
@@ -114,10 +122,16 @@ def test_mjlab_parts() -> None:
     assert {"qpos", "qvel", "act", "qacc_warmstart", "ctrl", "time"} <= state, state
     missing = sorted(state - data_fields - {"plugin_state"})  # no plugins in mujoco_warp
     assert not missing, f"mujoco_warp's Data has no field for MuJoCo's state {missing} ({MJLAB})"
-    for owner, name in ((Simulation, "wp_data"), (Simulation, "forward"),
-                        (Scene, "sensor_context"), (SensorContext, "render_context")):  # fmt: skip
+    for owner, name in (
+        (Simulation, "wp_data"),
+        (Simulation, "forward"),
+        (Scene, "sensor_context"),
+        (SensorContext, "render_context"),
+    ):
         assert hasattr(owner, name), f"mjlab: {owner.__name__}.{name} is gone ({MJLAB})"
-    for owner, name in ((ManagerBasedRlEnv, "self._offline_renderer"),
-                        (ManagerBasedRlEnv, "self.extras"),
-                        (Simulation, "self.nan_guard")):  # fmt: skip
+    for owner, name in (
+        (ManagerBasedRlEnv, "self._offline_renderer"),
+        (ManagerBasedRlEnv, "self.extras"),
+        (Simulation, "self.nan_guard"),
+    ):
         assert name in _source(owner), f"mjlab: {owner.__name__} {name} is gone ({MJLAB})"

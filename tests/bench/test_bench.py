@@ -1,8 +1,10 @@
-"""The benchmark (`make bench`): a real `--quick` run writes every figure and a readable PNG
-(and the GPU figures where there is a GPU, else the reason they were skipped); the statistics,
-the compile counter and the GPU section's orchestration (with stand-in commands) on their own.
-No timing is asserted: the figures of a quick run on a shared machine mean nothing, only that
-they are all there."""
+"""The benchmark (`make bench`), with no timing asserted.
+
+A real `--quick` run writes every figure and a readable PNG, and the GPU figures where there
+is a GPU (else the reason they were skipped). The statistics, the compile counter and the GPU
+section's orchestration (with stand-in commands) are tested on their own. The figures of a
+quick run on a shared machine mean nothing: the test only checks that they are all there.
+"""
 
 from __future__ import annotations
 
@@ -323,9 +325,14 @@ def test_gpu_section_runs_both_sides_and_computes_its_figures(
         assert caches == {str((runs / f"warp-cache-{side.replace('-', '_')}").resolve())}
     assert len(between) == 1 and set(between[0]["cold"]) == {"mjlab_train", "ours"}
     figures = {f.key: f.summary() for f in gpu.gpu_figures(cfg, record)}
-    assert set(figures) == {"gpu_mjlab_vs_train", "gpu_first_iteration",
-                            "gpu_first_iteration_cold", "gpu_rollout_overhead_cartpole",
-                            "gpu_state_save_s", "gpu_state_restore_s"}  # fmt: skip
+    assert set(figures) == {
+        "gpu_mjlab_vs_train",
+        "gpu_first_iteration",
+        "gpu_first_iteration_cold",
+        "gpu_rollout_overhead_cartpole",
+        "gpu_state_save_s",
+        "gpu_state_restore_s",
+    }
     assert set(figures) == set(gpu.GPU_FIGURES) - {"gpu_rollout_overhead_ant"}
     assert figures["gpu_mjlab_vs_train"]["median"] == pytest.approx(1.25)
     assert figures["gpu_mjlab_vs_train"]["met"] is True
@@ -339,8 +346,10 @@ def test_gpu_section_runs_both_sides_and_computes_its_figures(
 
 def test_healing_figures() -> None:
     """The self-healing figures from what the crash and hang jobs recorded in run.json."""
-    details = {"crash": {"recovery_s": 21.5, "recomputed": 3},
-               "hang": {"recovery_s": 33.0, "recomputed": 3}}  # fmt: skip
+    details = {
+        "crash": {"recovery_s": 21.5, "recomputed": 3},
+        "hang": {"recovery_s": 33.0, "recomputed": 3},
+    }
     figs = {f.key: f.summary() for f in healing_figures(details)}
     assert figs["heal_crash_s"]["median"] == 21.5 and figs["heal_crash_s"]["met"] is True
     assert figs["heal_hang_s"]["target"] == 60.0 + HANG_TIMEOUT_S
@@ -354,20 +363,32 @@ def test_recovery_cases_and_outcomes(capsys: pytest.CaptureFixture) -> None:
     requeue or a second fault is not a case that healed in its allocation."""
     faults, hows = ("crash", "hang", "node-loss"), ("spare", "min-nodes")
     assert {c.name for c in recovery.CASES} == {
-        *(f"{f}-{h}" for f in faults for h in hows), "node-loss-no-spare"}  # fmt: skip
+        *(f"{f}-{h}" for f in faults for h in hows),
+        "node-loss-no-spare",
+    }
     assert [c.requeues for c in recovery.CASES if c.requeues] == [1]
     case = next(c for c in recovery.CASES if c.name == "node-loss-spare")
     assert case.lose_node and "--spare-nodes" in case.args
-    fault = {"kind": "in-allocation", "reason": "crash", "recovery_s": 12.7, "recomputed": 1,
-             "resumed_from": 5, "job_id": "7", "excluded_nodes": ["node2"]}  # fmt: skip
+    fault = {
+        "kind": "in-allocation",
+        "reason": "crash",
+        "recovery_s": 12.7,
+        "recomputed": 1,
+        "resumed_from": 5,
+        "job_id": "7",
+        "excluded_nodes": ["node2"],
+    }
     summary = {"iterations": 12, "world_size": 2, "job_id": 7, "param_digest_per_rank": ["a", "b"]}
     got = {"summary": summary, "faults": [fault], "restarts": 0}
     row = recovery.outcome(case, got, ["a", "b"])
     assert row["bit_identical"] is True and row["as_expected"] and row["world_size"] == [2, 2]
     assert recovery.outcome(case, got, ["a", "c"])["bit_identical"] is False
     assert recovery.outcome(case, {**got, "restarts": 1}, ["a", "b"])["as_expected"] is False
-    fewer = {**got, "summary": {**summary, "world_size": 1},
-             "faults": [{**fault, "world_size": [2, 1]}]}  # fmt: skip
+    fewer = {
+        **got,
+        "summary": {**summary, "world_size": 1},
+        "faults": [{**fault, "world_size": [2, 1]}],
+    }
     assert recovery.outcome(case, fewer, ["a", "b"])["bit_identical"] is None
     no_spare = next(c for c in recovery.CASES if c.requeues)
     requeued = {**got, "faults": [{**fault, "kind": "requeue"}], "restarts": 1}

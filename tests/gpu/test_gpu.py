@@ -1,9 +1,9 @@
-"""The GPU path on a real GPU: marker `gpu`, run by `make gpu-check` (deselected from `make test`
-and `make test-fast`).
+"""The GPU path on a real GPU: marker `gpu`, run by `make gpu-check`.
 
-Without a usable CUDA GPU every test skips with the reason, unless MJLAB_HPC_REQUIRE_GPU=1
-(what `make gpu-check` sets where `nvidia-smi -L` lists a GPU): then each one fails instead.
-Through the real commands, as users run them, and the package's public functions:
+`make test` and `make test-fast` deselect it. Without a usable CUDA GPU every test skips with
+the reason, unless MJLAB_HPC_REQUIRE_GPU=1 (what `make gpu-check` sets where `nvidia-smi -L`
+lists a GPU): then each one fails instead. The tests use the real commands, as users run
+them, and the package's public functions:
 
 - cartpole, ant and Mjlab-Velocity-Flat-Unitree-G1 train on `cuda:0` (`mjlab-train --gpu-ids 0`);
 - the device mapping: CUDA_VISIBLE_DEVICES unset and set, `--gpu-ids None`, one GPU per task
@@ -112,11 +112,15 @@ def train_at_once(*jobs: tuple[list[str], Path]) -> list[RunDir]:
     """`train(args, root)` for each job, all started at once (independent runs share the GPU:
     the check stays within its time)."""
     procs = [
-        subprocess.Popen([str(BIN / "mjlab-train"), *args, "--log-root", str(root)],
-                         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+        subprocess.Popen(
+            [str(BIN / "mjlab-train"), *args, "--log-root", str(root)],
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for args, root in jobs
-    ]  # fmt: skip
+    ]
     outs = [proc.communicate(timeout=1500)[0] for proc in procs]
     for proc, out in zip(procs, outs, strict=True):
         assert proc.returncode == 0, out[-3000:]
@@ -142,9 +146,8 @@ def visible_of(run: RunDir, rank: int = 0) -> str:
 
 def check_gpu_run(run: RunDir, iterations: int, world: int = 1) -> dict[str, Any]:
     done = summary(run)
-    assert (done["device"], done["iterations"], done["world_size"]) == (
-        "cuda:0", iterations, world,
-    ), done  # fmt: skip
+    got = (done["device"], done["iterations"], done["world_size"])
+    assert got == ("cuda:0", iterations, world), done
     assert json.loads(run.record.read_text())["device"] == "cuda:0"
     for k in range(world):
         assert " on cuda:0, " in rank_head(run, k), rank_head(run, k)
@@ -189,23 +192,26 @@ def report(capsys: pytest.CaptureFixture[str], line: str) -> None:
 @pytest.mark.parametrize("task", ["cartpole", "ant"])
 def test_builtin_task_trains_on_gpu(task: str, tmp_path: Path) -> None:
     need_gpu()
-    run = train([task, "--gpu-ids", "0", "--num-envs", "1024", "--max-iterations", "3",
-                 "--seed", "1", "--save-interval", "100"], tmp_path)  # fmt: skip
+    args = [task, "--gpu-ids", "0", "--num-envs", "1024", "--max-iterations", "3", "--seed", "1"]
+    run = train([*args, "--save-interval", "100"], tmp_path)
     done = check_gpu_run(run, 3)
     assert len(done["param_digest_per_rank"]) == 1
     if task == "cartpole":  # poles fall within the first iteration: episodes have ended
         assert all(r["mean_reward"] is not None for r in run.read_progress())
     # The final checkpoint holds what an exact resume on the GPU needs: the CUDA generator.
-    state = torch.load(run.path / "rank_states" / "model_3" / "rank0-of-1.pt",
-                       map_location="cpu", weights_only=False)  # fmt: skip
+    state = torch.load(
+        run.path / "rank_states" / "model_3" / "rank0-of-1.pt",
+        map_location="cpu",
+        weights_only=False,
+    )
     assert state["cuda_rng"].numel() > 0 and state["env"]["qpos"].shape[0] == 1024
 
 
 def test_mjlab_velocity_task_trains_on_gpu(tmp_path: Path) -> None:
     need_gpu()
     need_mjlab()
-    run = train([G1, "--gpu-ids", "0", "--num-envs", "1024", "--max-iterations", "3", *TB],
-                tmp_path)  # fmt: skip
+    args = [G1, "--gpu-ids", "0", "--num-envs", "1024", "--max-iterations", "3", *TB]
+    run = train(args, tmp_path)
     check_gpu_run(run, 3)
     assert (run.path / "model_3.pt").exists()
     assert (run.path / f"{run.path.name}.onnx").exists()  # the velocity runner's ONNX export
@@ -230,8 +236,8 @@ def test_gpu_ids_0_with_cuda_visible_devices(visible: str, tmp_path: Path) -> No
 
 def test_gpu_ids_none_trains_on_the_cpu_beside_a_gpu(tmp_path: Path) -> None:
     need_gpu()
-    run = train(["cartpole", "--gpu-ids", "None", "--num-envs", "64", "--max-iterations", "1",
-                 "--torch-threads", "1"], tmp_path)  # fmt: skip
+    args = ["cartpole", "--gpu-ids", "None", "--num-envs", "64", "--max-iterations", "1"]
+    run = train([*args, "--torch-threads", "1"], tmp_path)
     assert summary(run)["device"] == "cpu"
     assert " on cpu, " in rank_head(run)
 
@@ -240,9 +246,9 @@ def test_one_gpu_per_task_through_the_local_executor(tmp_path: Path) -> None:
     """`mjlab-submit --executor local --gpus-per-node 1`: the task gets its GPU in
     CUDA_VISIBLE_DEVICES (as Slurm's --gpus-per-task does) and trains on it as cuda:0."""
     need_gpu()
-    proc = run_cli([str(BIN / "mjlab-submit"), "cartpole", "--executor", "local",
-                    "--gpus-per-node", "1", "--num-envs", "256", "--max-iterations", "2",
-                    "--log-root", str(tmp_path), "--follow"])  # fmt: skip
+    cmd = [str(BIN / "mjlab-submit"), "cartpole", "--executor", "local", "--gpus-per-node", "1"]
+    cmd += ["--num-envs", "256", "--max-iterations", "2", "--log-root", str(tmp_path), "--follow"]
+    proc = run_cli(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = only_run(tmp_path)
     assert check_gpu_run(run, 2)["launch_mode"] == "submitit-local"
@@ -284,8 +290,12 @@ def physical_uuids() -> dict[str, str]:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return {}
-    out = subprocess.run([smi, "--query-gpu=index,uuid", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    out = subprocess.run(
+        [smi, "--query-gpu=index,uuid", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     rows = [line.split(",", 1) for line in out.splitlines() if "," in line]
     return {index.strip(): uuid_key(uuid) for index, uuid in rows}
 
@@ -312,7 +322,7 @@ def test_each_rank_resolves_the_physical_gpu_it_was_given(
         need_unset_visible()
     env = env_with_visible(None if visible == "unset" else FIRST_GPU)
     probe = [str(BIN / "python"), "-c", _DEVICE_PROBE, str(local_rank), str(local_world)]
-    proc = run_cli(probe, env, 300)
+    proc = run_cli(probe, env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (got["device"], got["torch"], got["warp"]) == ("cuda:0",) * 3, got
@@ -353,7 +363,12 @@ def gpu_workload(tmp_path: Path, task: str, envs: int, *overrides: str) -> Workl
     spec = mjlab_hpc.TrainSpec(task=task, num_envs=envs, log_root=str(tmp_path))
     resolved = mjlab_hpc.resolve(spec.replace(overrides=overrides))
     return build_workload(
-        resolved, DistContext.from_env({}), "cuda:0", 0, RunDir(tmp_path / "run"), io.StringIO()
+        resolved,
+        DistContext.from_env({}),
+        device="cuda:0",
+        seed=0,
+        run=RunDir(tmp_path / "run"),
+        quiet=io.StringIO(),
     )
 
 
@@ -370,8 +385,10 @@ def test_every_warp_array_of_a_rank_lives_on_its_device(task: str, tmp_path: Pat
     misplaced = {path: d for path, d in devices.items() if d != "cuda:0"}
     assert not misplaced, misplaced
     # The policy and the value function sit on the same device.
-    tensors = [*work.runner.alg.actor.state_dict().values(),
-               *work.runner.alg.critic.state_dict().values()]  # fmt: skip
+    tensors = [
+        *work.runner.alg.actor.state_dict().values(),
+        *work.runner.alg.critic.state_dict().values(),
+    ]
     assert {str(t.device) for t in tensors} == {"cuda:0"}
     obs = work.env.get_observations()
     assert {str(v.device) for v in obs.values()} == {"cuda:0"}
@@ -414,8 +431,11 @@ def test_graph_capture_on_cuda(task: str, capsys: pytest.CaptureFixture[str]) ->
     assert plain._graph is None
     a, b, c = (rollout(env, 60, seed=4) for env in (graphed, plain, plain_again))
     run_to_run, replay = outputs_difference(b, c), outputs_difference(a, b)
-    report(capsys, f"{task}: graph replay vs plain stepping max |diff| {replay:.3g}, "
-                   f"plain vs plain {run_to_run:.3g} (60 steps, 256 worlds)")  # fmt: skip
+    report(
+        capsys,
+        f"{task}: graph replay vs plain stepping max |diff| {replay:.3g}, "
+        f"plain vs plain {run_to_run:.3g} (60 steps, 256 worlds)",
+    )
     if run_to_run == 0.0:
         assert replay == 0.0
     else:  # atomics in the physics: the replay may differ no more than two plain runs do
@@ -460,16 +480,21 @@ def test_resume_on_gpu(task: str, tmp_path: Path, capsys: pytest.CaptureFixture[
     else the resumed run may differ no more than they differ from each other."""
     need_gpu()
     args = [task, "--gpu-ids", "0", "--num-envs", "512", "--seed", "5", "--save-interval", "2"]
-    a, a2, _ = train_at_once(([*args, "--max-iterations", "4"], tmp_path / "a"),
-                             ([*args, "--max-iterations", "4"], tmp_path / "a2"),
-                             ([*args, "--max-iterations", "2"], tmp_path / "b"))  # fmt: skip
+    a, a2, _ = train_at_once(
+        ([*args, "--max-iterations", "4"], tmp_path / "a"),
+        ([*args, "--max-iterations", "4"], tmp_path / "a2"),
+        ([*args, "--max-iterations", "2"], tmp_path / "b"),
+    )
     b = train([*args, "--max-iterations", "4", "--resume"], tmp_path / "b")
     resumed = check_gpu_run(b, 4)
     assert resumed["resumed_from"] == 2
     pa, pa2, pb = (checkpoint_params(r.checkpoint(4)) for r in (a, a2, b))
     run_to_run, drift = max_difference(pa, pa2), max_difference(pa, pb)
-    report(capsys, f"{task} resume on the GPU: max |param diff| resumed vs uninterrupted "
-                   f"{drift:.3g}, uninterrupted vs uninterrupted {run_to_run:.3g}")  # fmt: skip
+    report(
+        capsys,
+        f"{task} resume on the GPU: max |param diff| resumed vs uninterrupted "
+        f"{drift:.3g}, uninterrupted vs uninterrupted {run_to_run:.3g}",
+    )
     if run_to_run == 0.0:
         assert resumed["param_digest_per_rank"] == summary(a)["param_digest_per_rank"]
         assert drift == 0.0
@@ -484,16 +509,21 @@ def test_mjlab_resume_on_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     need_gpu()
     need_mjlab()
     args = [G1, "--gpu-ids", "0", "--num-envs", "512", "--seed", "5", *TB]
-    a, a2, _ = train_at_once(([*args, "--max-iterations", "4"], tmp_path / "a"),
-                             ([*args, "--max-iterations", "4"], tmp_path / "a2"),
-                             ([*args, "--max-iterations", "2"], tmp_path / "b"))  # fmt: skip
+    a, a2, _ = train_at_once(
+        ([*args, "--max-iterations", "4"], tmp_path / "a"),
+        ([*args, "--max-iterations", "4"], tmp_path / "a2"),
+        ([*args, "--max-iterations", "2"], tmp_path / "b"),
+    )
     b = train([*args, "--max-iterations", "4", "--resume"], tmp_path / "b")
     assert check_gpu_run(b, 4)["resumed_from"] == 2
     assert json.loads(b.record.read_text())["starts"][-1]["environments"] == "restored"
     pa, pa2, pb = (checkpoint_params(r.checkpoint(4)) for r in (a, a2, b))
     run_to_run, drift = max_difference(pa, pa2), max_difference(pa, pb)
-    report(capsys, f"{G1} resume on the GPU: max |param diff| resumed vs uninterrupted "
-                   f"{drift:.3g}, uninterrupted vs uninterrupted {run_to_run:.3g}")  # fmt: skip
+    report(
+        capsys,
+        f"{G1} resume on the GPU: max |param diff| resumed vs uninterrupted "
+        f"{drift:.3g}, uninterrupted vs uninterrupted {run_to_run:.3g}",
+    )
     if run_to_run == 0.0:
         assert drift == 0.0
 
@@ -512,8 +542,7 @@ def test_mjlab_state_restores_bit_for_bit_on_gpu(capsys: pytest.CaptureFixture[s
     init_warp()
 
     def env() -> Any:
-        runtime = mt.make_mjlab_runtime(G1, num_envs=256, max_iterations=1, seed=0,
-                                        device="cuda:0")  # fmt: skip
+        runtime = mt.make_mjlab_runtime(G1, num_envs=256, max_iterations=1, seed=0, device="cuda:0")
         return runtime.env
 
     first, second, third = env(), env(), env()
@@ -532,9 +561,12 @@ def test_mjlab_state_restores_bit_for_bit_on_gpu(capsys: pytest.CaptureFixture[s
             outputs.append(rollout(e, 50, seed=2, key="actor"))
     a, b, c = outputs
     drift, run_to_run = outputs_difference(a, b), outputs_difference(b, c)
-    report(capsys, f"{G1} state restored on the GPU: bit for bit; 50 steps on, max |diff| "
-                   f"original vs restored {drift:.3g}, restored vs restored "
-                   f"{run_to_run:.3g}")  # fmt: skip
+    report(
+        capsys,
+        f"{G1} state restored on the GPU: bit for bit; 50 steps on, max |diff| "
+        f"original vs restored {drift:.3g}, restored vs restored "
+        f"{run_to_run:.3g}",
+    )
 
 
 # --- two ranks on one GPU -------------------------------------------------------------------
@@ -573,10 +605,10 @@ def two_ranks_on_one_gpu(root: Path, extra: dict[str, str]) -> subprocess.Comple
     env = cli_env({"CUDA_VISIBLE_DEVICES": FIRST_GPU, **extra})
     # torchrun as `python -m torch.distributed.run`: a site's torch keeps its script elsewhere.
     torchrun = [str(BIN / "python"), "-m", "torch.distributed.run"]
-    return run_cli([*torchrun, "--nproc_per_node=2", f"--master_port={free_port()}",
-                    "--no_python", "mjlab-train", "cartpole", "--num-envs", "256",
-                    "--max-iterations", "3", "--save-interval", "2", "--dist-timeout-s", "120",
-                    "--log-root", str(root)], env, 900)  # fmt: skip
+    torchrun += ["--nproc_per_node=2", f"--master_port={free_port()}", "--no_python"]
+    cartpole = ["mjlab-train", "cartpole", "--num-envs", "256", "--max-iterations", "3"]
+    cartpole += ["--save-interval", "2", "--dist-timeout-s", "120", "--log-root", str(root)]
+    return run_cli([*torchrun, *cartpole], env, timeout=900)
 
 
 def need_shared_gpu() -> None:

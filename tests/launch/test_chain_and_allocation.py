@@ -1,14 +1,13 @@
 """Job chains and existing allocations on the real two-node Slurm test cluster.
 
-`mjlab-submit --chain 3` with a short --time: the first job meets its real time limit
-(Slurm's --signal), saves a checkpoint and ends without a requeue; the second starts behind it
-and continues the run from that checkpoint; `mjlab-hpc cancel` then stops the second and the
-still-queued third. A chained sweep (behind a held job, so nothing trains) queues one job
-array per link, each element's later job waiting for the array before it, and cancelling the
-first array's id removes them all.
+With `mjlab-submit --chain 3` and a short --time, the first job meets its real time limit,
+saves a checkpoint and ends without a requeue. The second job continues the run from that
+checkpoint, and `mjlab-hpc cancel` stops it and the still-queued third. A chained sweep
+(behind a held job, so nothing trains) queues one job array per link; cancelling the first
+array's id removes them all.
 
-`mjlab-submit` inside `salloc`: the ranks start with srun in the allocation (no new job), a
-request larger than the allocation is refused, and Ctrl-C stops every rank with a checkpoint.
+Inside `salloc`, `mjlab-submit` starts the ranks with srun in the allocation (no new job),
+refuses a request larger than the allocation, and Ctrl-C stops every rank with a checkpoint.
 """
 
 from __future__ import annotations
@@ -33,21 +32,22 @@ pytestmark = pytest.mark.slurm
 
 def _run(cluster: SlurmCluster, *args: str, timeout: float = 120) -> tuple[int, str]:
     proc = subprocess.run(
-        [*args], env=cli_env(base=cluster.environ()), capture_output=True, text=True,
+        [*args],
+        env=cli_env(base=cluster.environ()),
+        capture_output=True,
+        text=True,
         timeout=timeout,
-    )  # fmt: skip
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
 def test_chain_continues_the_run_after_the_time_limit_and_cancel_stops_it_all(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
-    code, out = _run(
-        slurm_cluster, str(BIN / "mjlab-submit"), "cartpole", "--gpus-per-node", "0",
-        "--num-envs", "32", "--torch-threads", "1", "--max-iterations", "100000",
-        "--save-interval", "100000", "--log-root", str(tmp_path), "--time", "1",
-        "--signal-delay-s", "45", "--chain", "3",
-    )  # fmt: skip
+    args = [str(BIN / "mjlab-submit"), "cartpole", "--gpus-per-node", "0", "--num-envs", "32"]
+    args += ["--torch-threads", "1", "--max-iterations", "100000", "--save-interval", "100000"]
+    args += ["--log-root", str(tmp_path), "--time", "1", "--signal-delay-s", "45", "--chain", "3"]
+    code, out = _run(slurm_cluster, *args)
     assert code == 0, out
     chain = re.search(r"(\d+) -> (\d+) -> (\d+)", out)
     assert chain, out
@@ -83,8 +83,8 @@ def _chain_continues(
     err = run.path / "submitit" / f"{first}_0_log.err"
     assert "job 1 of 3 of the chain ends here" in err.read_text()
 
-    status = json.loads(_run(slurm_cluster, str(BIN / "mjlab-hpc"), "status", "--json",
-                             str(run.path))[1])  # fmt: skip
+    _, said = _run(slurm_cluster, str(BIN / "mjlab-hpc"), "status", "--json", str(run.path))
+    status = json.loads(said)
     assert status[0]["state"] == "RUNNING", status
     assert status[0]["job_ids"] == [first, second, third], status
 
@@ -106,8 +106,8 @@ SALLOC = ["salloc", "-N2", "--ntasks-per-node=1", "-t", "5"]
 def test_inside_salloc_the_ranks_run_in_the_allocation_and_ctrl_c_saves_them(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
-    small = ["cartpole", "--gpus-per-node", "0", "--num-envs", "32", "--torch-threads", "1",
-             "--log-root", str(tmp_path)]  # fmt: skip
+    small = ["cartpole", "--gpus-per-node", "0", "--num-envs", "32", "--torch-threads", "1"]
+    small += ["--log-root", str(tmp_path)]
     submit = str(BIN / "mjlab-submit")
     code, out = _run(slurm_cluster, *SALLOC, submit, *small, "--nodes", "3")
     assert code == 2 and "--nodes: 3 nodes asked for; allocation" in out, out
@@ -118,24 +118,31 @@ def test_inside_salloc_the_ranks_run_in_the_allocation_and_ctrl_c_saves_them(
     # In the same allocation: the dry run, then the run, whose srun is the one it printed.
     pid_file = tmp_path.parent / f"{tmp_path.name}.pid"
     dry = pid_file.with_name(pid_file.name + ".dry")
-    args = [*small, "--nodes", "2", "--max-iterations", "100000", "--run-dir",
-            str(tmp_path / "cartpole" / "run")]  # fmt: skip
+    args = [*small, "--nodes", "2", "--max-iterations", "100000"]
+    args += ["--run-dir", str(tmp_path / "cartpole" / "run")]
+    dry_run_then_run = 'echo $$ > "$0"; "$@" --dry-run > "$0.dry"; exec "$@"'
     proc = subprocess.Popen(
-        [*SALLOC, "bash", "-c", 'echo $$ > "$0"; "$@" --dry-run > "$0.dry"; exec "$@"',
-         str(pid_file), submit, *args],
-        env=cli_env(base=slurm_cluster.environ()), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [*SALLOC, "bash", "-c", dry_run_then_run, str(pid_file), submit, *args],
+        env=cli_env(base=slurm_cluster.environ()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         run = wait_for(lambda: _progressing(tmp_path, 3), 120, "the ranks to train")
         printed = dry.read_text().split("(dry run: not started) ----\n")[1].strip()
-        srun = next(p for p in psutil.process_iter(["cmdline"])
-                    if (p.info["cmdline"] or [""])[0] == "srun")  # fmt: skip
-        started = [f"{k}={shlex.quote(v)}" for k, v in sorted(srun.environ().items())
-                   if k.startswith("_MJLAB_HPC_") or k.startswith("PYTHONSAFE")
-                   or (k == "PYTHONPATH" and v != os.environ.get(k))]  # fmt: skip
-        assert printed == " ".join([*started, shlex.join(srun.info["cmdline"])]), (
-            printed, started, srun.info["cmdline"])  # fmt: skip
+        srun = next(
+            p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0] == "srun"
+        )
+        started = [
+            f"{k}={shlex.quote(v)}"
+            for k, v in sorted(srun.environ().items())
+            if k.startswith("_MJLAB_HPC_")
+            or k.startswith("PYTHONSAFE")
+            or (k == "PYTHONPATH" and v != os.environ.get(k))
+        ]
+        cmdline = srun.info["cmdline"]
+        assert printed == " ".join([*started, shlex.join(cmdline)]), (printed, started, cmdline)
         queued = slurm_cluster.run(["squeue", "-h", "-o", "%i %j"]).stdout.split("\n")
         assert len([q for q in queued if q.strip()]) == 1, queued  # the allocation, no new job
         subprocess.run(["kill", "-INT", pid_file.read_text().strip()], check=True)
@@ -170,12 +177,10 @@ def test_a_chained_sweep_queues_one_array_per_link_and_cancel_stops_them_all(
         ["sbatch", "--parsable", "--hold", "--output", "/dev/null", "--time", "1", "--wrap", "true"]
     ).stdout.strip()
     try:
-        code, out = _run(
-            slurm_cluster, str(BIN / "mjlab-submit"), "cartpole", "--gpus-per-node", "0",
-            "--num-envs", "16", "--torch-threads", "1", "--max-iterations", "4",
-            "--log-root", str(tmp_path), "--time", "5", "--sweep", "seed=1,2",
-            "--chain", "2", "--after", held,
-        )  # fmt: skip
+        args = [str(BIN / "mjlab-submit"), "cartpole", "--gpus-per-node", "0", "--num-envs", "16"]
+        args += ["--torch-threads", "1", "--max-iterations", "4", "--log-root", str(tmp_path)]
+        args += ["--time", "5", "--sweep", "seed=1,2", "--chain", "2", "--after", held]
+        code, out = _run(slurm_cluster, *args)
         assert code == 0, out
         elements = sorted(tmp_path.glob("cartpole/*/sweep_element.json"))
         assert len(elements) == 2, out
@@ -190,12 +195,9 @@ def test_a_chained_sweep_queues_one_array_per_link_and_cancel_stops_them_all(
         # The first array's id names the sweep: its later arrays go too.
         code, out = _run(slurm_cluster, str(BIN / "mjlab-hpc"), "cancel", first)
         assert code == 0, out
+        squeue = ["squeue", "-h", "-j", f"{first},{second}", "-o", "%i"]
         wait_for(
-            lambda: (
-                not slurm_cluster.run(
-                    ["squeue", "-h", "-j", f"{first},{second}", "-o", "%i"]
-                ).stdout.strip()
-            ),
+            lambda: not slurm_cluster.run(squeue).stdout.strip(),
             30,
             "both arrays of the chain to leave the queue",
         )
@@ -218,17 +220,22 @@ def test_what_is_submitted_is_what_the_dry_run_shows(
     held = slurm_cluster.run(
         ["sbatch", "--parsable", "--hold", "--output", "/dev/null", "--time", "1", "--wrap", "true"]
     ).stdout.strip()
-    submit = [str(BIN / "mjlab-submit"), "cartpole", "--gpus-per-node", "0", "--num-envs", "16",
-              "--torch-threads", "1", "--max-iterations", "4", "--time", "5", "--chain", "2",
-              "--after", held, "--nodes", "2"]  # fmt: skip
+    submit = [str(BIN / "mjlab-submit"), "cartpole", "--gpus-per-node", "0", "--num-envs", "16"]
+    submit += ["--torch-threads", "1", "--max-iterations", "4", "--time", "5"]
+    submit += ["--chain", "2", "--after", held, "--nodes", "2"]
     queued = [held]
     try:
         one, many = tmp_path / "one", tmp_path / "sweep"
         single = [*submit, "--log-root", str(one), "--run-dir", str(one / "cartpole" / "run")]
         sweep = [*submit, "--log-root", str(many), "--sweep", "seed=1,2"]
         for args, root in ((single, one), (sweep, many)):
-            dry = subprocess.run([*args, "--dry-run"], env=cli_env(base=slurm_cluster.environ()),
-                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+            dry = subprocess.run(
+                [*args, "--dry-run"],
+                env=cli_env(base=slurm_cluster.environ()),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             printed = _scripts(dry.stdout)
             assert dry.returncode == 0 and len(printed) == 2, dry.stdout + dry.stderr
             code, out = _run(slurm_cluster, *args)

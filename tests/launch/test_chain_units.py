@@ -1,7 +1,9 @@
-"""The fast tier of job chains, allocations and the doctor's reading of its probe (no Slurm):
-the job's place in a chain, what an allocation allows, the srun command inside it, the
-dependency in the script, all-or-nothing chain submission, and the doctor's checks from its
-shape probe's results."""
+"""Job chains, allocations and the doctor's reading of its probe, without Slurm.
+
+The fast tier: a job's place in a chain, what an allocation allows, the srun command inside
+it, the dependency in the script, all-or-nothing chain submission, and the doctor's checks
+from its shape probe's results.
+"""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def test_chain_link_reads_only_sane_places() -> None:
 
 def test_allocation_is_found_outside_steps_only() -> None:
     salloc = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "4"}
-    assert current_allocation(salloc) == Allocation("7", 2, None)
+    assert current_allocation(salloc) == Allocation("7", nodes=2, gpus_per_node=None)
     assert detect_mode(salloc) == "single"  # the salloc shell is not a rank
     assert current_allocation({**salloc, "SLURM_STEP_ID": "0"}) is None  # a rank
     assert current_allocation({}) is None
@@ -51,7 +53,7 @@ def test_allocation_is_found_outside_steps_only() -> None:
     assert interactive_step({**salloc, "SLURM_STEP_ID": "0"}) is None  # a rank of ours
     assert interactive_step({**pty, ALLOCATION_ENV: "7"}) is None  # a rank started from it
     assert interactive_step(salloc) is None
-    alloc = Allocation("7", 2, 4)
+    alloc = Allocation("7", nodes=2, gpus_per_node=4)
     spec = SubmitSpec(train=TrainSpec(), nodes=3, gpus_per_node=0)
     with pytest.raises(SpecError, match="--nodes: 3 nodes asked for; allocation 7 has 2"):
         check_allocation(spec, alloc)
@@ -63,26 +65,26 @@ def test_allocation_is_found_outside_steps_only() -> None:
 
 
 def test_the_srun_inside_an_allocation(tmp_path: Path) -> None:
-    spec = SubmitSpec(train=TrainSpec(task="cartpole", num_envs=16), nodes=2, gpus_per_node=0,
-                      tasks_per_node=2)  # fmt: skip
+    spec = SubmitSpec(
+        train=TrainSpec(task="cartpole", num_envs=16), nodes=2, gpus_per_node=0, tasks_per_node=2
+    )
     argv = allocation_srun(spec, resolve(spec.train), tmp_path)
     assert argv[0] == "srun" and argv[2:5] == ["--nodes=2", "--ntasks=4", "--ntasks-per-node=2"]
     # Named after the run (a dry run shows the step that runs), another run another name.
-    assert argv[1].startswith("--job-name=mjlab-ranks-") and argv == allocation_srun(
-        spec, resolve(spec.train), tmp_path)  # fmt: skip
+    assert argv[1].startswith("--job-name=mjlab-ranks-")
+    assert argv == allocation_srun(spec, resolve(spec.train), tmp_path)
     assert allocation_srun(spec, resolve(spec.train), tmp_path / "b")[1] != argv[1]
-    assert argv[argv.index(sys.executable) :][:4] == [sys.executable, "-u", "-m",
-                                                      "mjlab_hpc.cli.train"]  # fmt: skip
+    python = argv[argv.index(sys.executable) :][:4]
+    assert python == [sys.executable, "-u", "-m", "mjlab_hpc.cli.train"]
     assert argv[-2:] == ["--run-dir", str(tmp_path)]
     assert "--signal=USR2@90" in argv  # the allocation's end: a checkpoint in time
     # Two trainings at once in one allocation get ports of their own; a batch job's first
     # step keeps the port it always had.
-    assert derive_master_port("7", 0) != derive_master_port("7", 997)
+    assert derive_master_port("7", restart_count=0) != derive_master_port("7", restart_count=997)
 
 
 def test_the_script_of_a_chained_job_waits_and_knows_its_place(tmp_path: Path) -> None:
-    spec = SubmitSpec(train=TrainSpec(), gpus_per_node=0, after=("41", "42_1"), chain=3,
-                      time="30")  # fmt: skip
+    spec = SubmitSpec(train=TrainSpec(), gpus_per_node=0, after=("41", "42_1"), chain=3, time="30")
     script = render_sbatch(spec, tmp_path)
     assert "#SBATCH --dependency=afterany:41:42_1" in script
     assert "export _MJLAB_HPC_CHAIN=1/3" in script
@@ -107,17 +109,31 @@ def test_a_chain_is_submitted_whole_or_not_at_all() -> None:
 
     with pytest.raises(RuntimeError):
         submit_chain(SubmitSpec(train=TrainSpec(), chain=3, after=("9",)), submit)
-    assert log == ["submit 1 after 9", "submit 2 after 101", "submit 3 after 102",
-                   "cancel 101_0", "cancel 101_1", "cancel 102_0", "cancel 102_1"]  # fmt: skip
+    assert log == [
+        "submit 1 after 9",
+        "submit 2 after 101",
+        "submit 3 after 102",
+        "cancel 101_0",
+        "cancel 101_1",
+        "cancel 102_0",
+        "cancel 102_1",
+    ]
 
 
 def _task(folder: Path, rank: int, node: str, **extra: Any) -> dict[str, Any]:
     """What a task of the doctor's shape probe returns (its result, on this host)."""
-    return {"rank": rank, "node": node, "python": sys.executable, "token": "t0k", "seen": 2,
-            "python_version": ".".join(map(str, sys.version_info[:3])),
-            "folder": str(folder.resolve()), "mjlab_hpc": {"ok": True, "version": __version__},
-            "gpus": {"CUDA_VISIBLE_DEVICES": "0,1", "torch_cuda": None, "torch_devices": 0},
-            **extra}  # fmt: skip
+    return {
+        "rank": rank,
+        "node": node,
+        "python": sys.executable,
+        "token": "t0k",
+        "seen": 2,
+        "python_version": ".".join(map(str, sys.version_info[:3])),
+        "folder": str(folder.resolve()),
+        "mjlab_hpc": {"ok": True, "version": __version__},
+        "gpus": {"CUDA_VISIBLE_DEVICES": "0,1", "torch_cuda": None, "torch_devices": 0},
+        **extra,
+    }
 
 
 def test_the_shape_probes_results_become_checks(tmp_path: Path) -> None:
@@ -125,7 +141,7 @@ def test_the_shape_probes_results_become_checks(tmp_path: Path) -> None:
     folder.mkdir(parents=True)
     broken = {"ok": False, "error": "ModuleNotFoundError: rsl_rl"}
     both = [_task(folder, 0, "node1"), _task(folder, 1, "node2", mjlab_hpc=broken)]
-    checks = {c.name: c for c in shape_checks(folder, "t0k", both, 2, mjlab=False)}
+    checks = {c.name: c for c in shape_checks(folder, "t0k", both, gpus=2, mjlab=False)}
     assert checks["log root shared"].result == "ok"
     assert "2 task(s) on 2 node(s)" in checks["log root shared"].detail
     assert checks["Python on nodes"].result == "ok"
@@ -134,22 +150,25 @@ def test_the_shape_probes_results_become_checks(tmp_path: Path) -> None:
     assert checks["GPUs"].result == "fail" and "a CPU build of torch" in checks["GPUs"].detail
     # Task 1 wrote where this host cannot see it; task 2 read another token and saw one note.
     blind = _task(folder, 2, "node2", token="other", seen=1)
-    shared = shape_checks(folder, "t0k", [both[0], None, blind], 0, mjlab=False)[0]
+    shared = shape_checks(folder, "t0k", [both[0], None, blind], gpus=0, mjlab=False)[0]
     assert shared.result == "fail"
     assert "tasks whose writes this host does not see: [1]" in shared.detail
     assert "nodes that do not see this host's writes: node2" in shared.detail
     assert "task 2 saw 1 of 2 notes" in shared.detail
     # Nothing came back: the nodes see another folder (the only check then).
-    [nothing] = shape_checks(folder, "t0k", [None, None], 0, mjlab=False, nodes="node[1-2]")
+    [nothing] = shape_checks(folder, "t0k", [None, None], gpus=0, mjlab=False, nodes="node[1-2]")
     assert nothing.result == "fail" and "(node[1-2]) see a different folder" in nothing.detail
     assert "shared filesystem" in nothing.fix
     # A task that could not even run the probe: what it said names the problem.
-    said = _said("Traceback (most recent call last):\n  File ...\nModuleNotFoundError: x\n"
-                 "----\nYou can check full logs with 'job.stderr(0)'\n  - /a/b.err")  # fmt: skip
+    said = _said(
+        "Traceback (most recent call last):\n  File ...\nModuleNotFoundError: x\n"
+        "----\nYou can check full logs with 'job.stderr(0)'\n  - /a/b.err"
+    )
     assert said == "ModuleNotFoundError: x"
     srun = "slurmstepd: error: execve(): /nope/python: No such file\nsrun: error: task 0: Exited"
     assert _said(srun) == "slurmstepd: error: execve(): /nope/python: No such file"
-    one = {c.name: c for c in shape_checks(folder, "t0k", [both[0] | {"seen": 1}, said], 0, False)}
+    outcomes = [both[0] | {"seen": 1}, said]
+    one = {c.name: c for c in shape_checks(folder, "t0k", outcomes, gpus=0, mjlab=False)}
     assert one["log root shared"].result == "ok"
     assert one["Python on nodes"].result == "fail"
     assert "tasks [1] could not run" in one["Python on nodes"].detail
@@ -166,19 +185,19 @@ def test_the_gpu_check_counts_what_each_node_sees() -> None:
         return {"node": node, "gpus": gpus}
 
     every = [task("n1", "0,1", 2), task("n1", "0,1", 2), task("n2", "0,1", 2)]
-    assert _gpus_check(2, every).result == "ok"
+    assert _gpus_check(gpus_per_node=2, ran=every).result == "ok"
     # A per-task binding: each task sees its own GPU, the node's tasks all of them.
     per_task = [task("n1", "0", 1), task("n1", "1", 1)]
-    assert _gpus_check(2, per_task).result == "ok"
-    short = _gpus_check(4, every)
+    assert _gpus_check(gpus_per_node=2, ran=per_task).result == "ok"
+    short = _gpus_check(gpus_per_node=4, ran=every)
     assert short.result == "fail" and "n1: 2, n2: 2 GPU(s) visible" in short.detail
     assert "4 per node asked for" in short.detail and "sinfo" in short.fix
     # Slurm numbers each task's one GPU 0: the GPUs it names for the step count.
     renumbered = [task("n1", "0", 1), task("n1", "0", 1)]
-    assert _gpus_check(2, renumbered).result == "fail"
+    assert _gpus_check(gpus_per_node=2, ran=renumbered).result == "fail"
     renumbered[0]["gpus"]["SLURM_STEP_GPUS"], renumbered[1]["gpus"]["SLURM_STEP_GPUS"] = "2", "3"
-    assert _gpus_check(2, renumbered).result == "ok"
-    hidden = _gpus_check(2, [task("n1", "0,1", 1)])
+    assert _gpus_check(gpus_per_node=2, ran=renumbered).result == "ok"
+    hidden = _gpus_check(gpus_per_node=2, ran=[task("n1", "0,1", 1)])
     assert hidden.result == "fail" and "torch sees 1 of the 2 GPU(s)" in hidden.detail
 
 
@@ -187,26 +206,39 @@ def test_a_real_path_that_differs_is_a_warning(tmp_path: Path) -> None:
     folder.mkdir(parents=True)
     # The log root is a symbolic link on this host.
     task = _task(folder, 0, "node1", seen=1) | {"folder": "/gpfs/u/logs/.doctor/p"}
-    shared = shape_checks(folder, "t0k", [task], 0, mjlab=False)[0]
+    shared = shape_checks(folder, "t0k", [task], gpus=0, mjlab=False)[0]
     assert shared.result == "warn" and "/gpfs/u/logs/.doctor/p on a node" in shared.detail
 
 
 def test_a_laptop_dry_run_shows_the_slurm_script_of_a_cluster_request(tmp_path: Path) -> None:
     env = cli_env(path=str(BIN))  # no sbatch on PATH: a laptop
     base = [str(BIN / "mjlab-submit"), "cartpole", "--log-root", str(tmp_path / "logs")]
-    for extra, reason in ((["--nodes", "2", "--gpus-per-node", "4"], "--nodes"),
-                          (["--gpus-per-node", "0", "--partition", "gpu"], "--partition"),
-                          (["--gpus-per-node", "0", "--chain", "2"], "--chain")):  # fmt: skip
-        proc = subprocess.run([*base, *extra, "--dry-run"], env=env, capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
+    for extra, reason in (
+        (["--nodes", "2", "--gpus-per-node", "4"], "--nodes"),
+        (["--gpus-per-node", "0", "--partition", "gpu"], "--partition"),
+        (["--gpus-per-node", "0", "--chain", "2"], "--chain"),
+    ):
+        proc = subprocess.run(
+            [*base, *extra, "--dry-run"], env=env, capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 0, proc.stderr
         assert f"not submitted; Slurm was not found here, {reason} asks for it" in proc.stdout
         assert "#SBATCH --time=60" in proc.stdout
-    local = subprocess.run([*base, "--gpus-per-node", "0", "--dry-run"], env=env,
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    local = subprocess.run(
+        [*base, "--gpus-per-node", "0", "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "# ---- local executor (dry run: not started) ----" in local.stdout
     # Without --dry-run it is still refused: nothing here can run two nodes.
-    real = subprocess.run([*base, "--nodes", "2", "--gpus-per-node", "0"], env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    real = subprocess.run(
+        [*base, "--nodes", "2", "--gpus-per-node", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert real.returncode == 2 and "--nodes" in real.stderr
     assert not (tmp_path / "logs").exists()

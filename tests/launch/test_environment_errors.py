@@ -1,8 +1,11 @@
-"""Environment problems, met as a user meets them: a log root that is a file or read-only, a
-folder of other files as --run-dir, resources this machine does not have, a name too long for
-the filesystem, an unwritable plot, and a disk that fills up during training. Each is one
-clear line naming the flag or path and the fix, no traceback, the documented exit code, and
-nothing half-written left behind (run.json never stuck at "running")."""
+"""Environment problems, met as a user meets them.
+
+The cases: a log root that is a file or read-only, a folder of other files as --run-dir,
+resources this machine does not have, a name too long for the filesystem, an unwritable plot,
+and a disk that fills up during training. Each gives one clear line naming the flag or path
+and the fix, no traceback and the documented exit code. Nothing half-written is left behind
+(run.json never stuck at "running").
+"""
 
 from __future__ import annotations
 
@@ -25,8 +28,9 @@ LOCAL = [BIN / "mjlab-submit", "cartpole", "--executor", "local", "--num-envs", 
 
 def refused(args: list[object], flag: str, words: str, cwd: Path) -> None:
     """Exit 2, one `error: <flag>: ...` line holding `words`, no traceback."""
-    proc = subprocess.run([str(a) for a in args], env=cli_env(), cwd=cwd, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [str(a) for a in args], env=cli_env(), cwd=cwd, capture_output=True, text=True, timeout=120
+    )
     said = " ".join(proc.stderr.split())
     assert proc.returncode == EXIT_BAD_INPUT, proc.stdout[-1000:] + proc.stderr[-2000:]
     assert said.startswith(f"error: {flag}:") and words in said, said
@@ -43,8 +47,12 @@ def test_a_log_root_that_is_a_file(tmp_path: Path) -> None:
 def test_a_read_only_log_root(mount_tmpfs: Callable[[str, str], Path], tmp_path: Path) -> None:
     ro = mount_tmpfs("ro", "ro,size=64k")
     refused([*TRAIN, "--log-root", ro / "logs"], "--log-root", "read-only filesystem", tmp_path)
-    refused([*LOCAL, "--gpus-per-node", "0", "--log-root", ro / "logs"], "--log-root",
-            "read-only filesystem", tmp_path)  # fmt: skip
+    refused(
+        [*LOCAL, "--gpus-per-node", "0", "--log-root", ro / "logs"],
+        "--log-root",
+        "read-only filesystem",
+        tmp_path,
+    )
 
 
 def test_a_folder_of_other_files_is_no_run_directory(tmp_path: Path) -> None:
@@ -59,10 +67,9 @@ def test_a_folder_of_other_files_is_no_run_directory(tmp_path: Path) -> None:
     ("args", "flag", "words"),
     [
         (["--gpus-per-node", "99"], "--gpus-per-node", "99 GPU(s) per node asked for"),
-        (["--gpus-per-node", "0", "--tasks-per-node", "64"], "--tasks-per-node",
-         "--oversubscribe"),
+        (["--gpus-per-node", "0", "--tasks-per-node", "64"], "--tasks-per-node", "--oversubscribe"),
     ],
-)  # fmt: skip
+)
 def test_local_jobs_ask_for_what_this_machine_has(
     tmp_path: Path, args: list[str], flag: str, words: str
 ) -> None:
@@ -76,21 +83,32 @@ def test_local_jobs_ask_for_what_this_machine_has(
 
 def test_more_cpu_ranks_than_cores_and_cuda_without_a_gpu(tmp_path: Path) -> None:
     many = usable_cores() + 1
-    refused([*TRAIN, "--num-procs", many, "--log-root", "logs"], "--num-procs",
-            f"{many} ranks on a machine with {many - 1} usable cores", tmp_path)  # fmt: skip
+    refused(
+        [*TRAIN, "--num-procs", many, "--log-root", "logs"],
+        "--num-procs",
+        f"{many} ranks on a machine with {many - 1} usable cores",
+        tmp_path,
+    )
     if cuda_device_count() == 0:  # the check a GPU machine passes
-        refused([*TRAIN, "--device", "cuda", "--log-root", "logs"], "--device",
-                "use --device cpu", tmp_path)  # fmt: skip
+        refused(
+            [*TRAIN, "--device", "cuda", "--log-root", "logs"],
+            "--device",
+            "use --device cpu",
+            tmp_path,
+        )
     assert not any(tmp_path.iterdir())
 
 
 def test_a_run_name_too_long_for_the_filesystem(tmp_path: Path) -> None:
     """Refused by the real run as by the dry run, before any folder exists."""
     name = "r" * 300
-    refused([*TRAIN, "--run-name", name, "--log-root", "logs"], "--run-name", "too long",
-            tmp_path)  # fmt: skip
-    refused([*LOCAL, "--gpus-per-node", "0", "--run-name", name, "--log-root", "logs"],
-            "--run-name", "too long", tmp_path)  # fmt: skip
+    refused([*TRAIN, "--run-name", name, "--log-root", "logs"], "--run-name", "too long", tmp_path)
+    refused(
+        [*LOCAL, "--gpus-per-node", "0", "--run-name", name, "--log-root", "logs"],
+        "--run-name",
+        "too long",
+        tmp_path,
+    )
     assert not any(tmp_path.iterdir())
 
 
@@ -102,17 +120,26 @@ def test_a_full_disk_before_the_first_iteration_is_named_with_a_run_record(
     starts, in one line naming the full disk, and its record says so (status: FAILED, with
     the cause), instead of `failed at iteration -` and no record."""
     disk = mount_tmpfs("disk", "size=1032k")
-    proc = subprocess.run([str(a) for a in [*TRAIN, "--max-iterations", "5", "--log-root",
-                                            disk / "logs"]],
-                          env=cli_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [str(a) for a in [*TRAIN, "--max-iterations", "5", "--log-root", disk / "logs"]],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("failed before the first iteration: ") and "no space left" in line
     run = only_run(disk / "logs")
     record = read_record(run.path, strict=True)
     assert record["state"] == "failed" and record["failure"]["kind"] == "environment"
-    status = subprocess.run([str(BIN / "mjlab-hpc"), "status", "--json", str(run.path)],
-                            env=cli_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    status = subprocess.run(
+        [str(BIN / "mjlab-hpc"), "status", "--json", str(run.path)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     (row,) = json.loads(status.stdout)
     assert row["state"] == "FAILED" and "no space left on the device" in row["cause"], row
 
@@ -127,8 +154,9 @@ def test_a_full_disk_during_training_ends_in_one_line_and_resumes(
     plot is one line too."""
     disk = mount_tmpfs("disk", "size=1500k")  # the writer's 1 MiB reserve + a few checkpoints
     args = [*TRAIN, "--max-iterations", "40", "--save-interval", "1", "--log-root", disk / "logs"]
-    proc = subprocess.run([str(a) for a in args], env=cli_env(), capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [str(a) for a in args], env=cli_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
@@ -141,16 +169,25 @@ def test_a_full_disk_during_training_ends_in_one_line_and_resumes(
     assert sidecars == {p.name for p in run.checkpoints()}
     done = max(int(p.stem.split("_")[1]) for p in run.checkpoints())
 
-    plot = subprocess.run([BIN / "mjlab-hpc", "plot", str(run.path), "--out",
-                           "/proc/no/such.png"], env=cli_env(), capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    plot = subprocess.run(
+        [BIN / "mjlab-hpc", "plot", str(run.path), "--out", "/proc/no/such.png"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plot.returncode == EXIT_BAD_INPUT and plot.stderr.startswith("error: --out:")
 
     subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True, timeout=30)
     resume = line.split("resume with: ", 1)[1]
-    again = subprocess.run(resume.replace("mjlab-train", str(BIN / "mjlab-train"), 1),
-                           shell=True, env=cli_env(), capture_output=True, text=True,
-                           timeout=300)  # fmt: skip
+    again = subprocess.run(
+        resume.replace("mjlab-train", str(BIN / "mjlab-train"), 1),
+        shell=True,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     record = read_record(run.path)
     assert record["state"] == "completed" and "failure" not in record

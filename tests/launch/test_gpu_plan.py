@@ -1,7 +1,10 @@
-"""Which GPU each rank trains on, decided without a GPU: `--gpu-ids` relative to
-CUDA_VISIBLE_DEVICES mapped to physical ids (`physical_gpu_ids`, `plan_launch`), then the
-variable the rank process gets, then its device (`resolve_device`), for the launch paths a
-GPU job takes. The same mappings run on a real GPU in tests/gpu/test_gpu.py."""
+"""Which GPU each rank trains on, decided without a GPU.
+
+`--gpu-ids` counts within CUDA_VISIBLE_DEVICES and maps to physical ids (`physical_gpu_ids`,
+`plan_launch`). The rank process gets that variable and picks its device (`resolve_device`),
+for each launch path a GPU job takes. The same mappings run on a real GPU in
+tests/gpu/test_gpu.py.
+"""
 
 from __future__ import annotations
 
@@ -78,24 +81,31 @@ def test_physical_gpu_ids_refused(ids: tuple[int, ...], visible: str, message: s
 def test_plan_launch_on_gpus(
     gpu_ids: tuple[int, ...] | str, n: int, visible: str | None, plan: LaunchPlan
 ) -> None:
-    assert plan_launch(TrainSpec(gpu_ids=gpu_ids), "single", count(n), visible) == plan
+    spec = TrainSpec(gpu_ids=gpu_ids)
+    got = plan_launch(spec, launched_by="single", cuda_count=count(n), cuda_visible=visible)
+    assert got == plan
 
 
 @pytest.mark.parametrize("gpu_ids", ["auto", None])
 def test_plan_launch_without_gpu_ids_does_not_ask_cuda(gpu_ids: str | None) -> None:
-    assert plan_launch(TrainSpec(gpu_ids=gpu_ids), "single", never, None) == LaunchPlan()
+    spec = TrainSpec(gpu_ids=gpu_ids)
+    got = plan_launch(spec, launched_by="single", cuda_count=never, cuda_visible=None)
+    assert got == LaunchPlan()
 
 
 def test_plan_launch_refusals() -> None:
     with pytest.raises(SpecError, match="no CUDA device is visible"):
-        plan_launch(TrainSpec(gpu_ids=(0,)), "single", count(0), None)
+        spec = TrainSpec(gpu_ids=(0,))
+        plan_launch(spec, launched_by="single", cuda_count=count(0), cuda_visible=None)
     with pytest.raises(SpecError, match="already one rank of a torchrun launch"):
-        plan_launch(TrainSpec(gpu_ids=(0, 1)), "torchrun", count(2), None)
+        spec = TrainSpec(gpu_ids=(0, 1))
+        plan_launch(spec, launched_by="torchrun", cuda_count=count(2), cuda_visible=None)
 
 
 def test_gpu_id_beyond_the_machine_is_refused() -> None:
     with pytest.raises(SpecError, match="--gpu-ids"):
-        plan_launch(TrainSpec(gpu_ids=(1,)), "single", count(1), None)
+        spec = TrainSpec(gpu_ids=(1,))
+        plan_launch(spec, launched_by="single", cuda_count=count(1), cuda_visible=None)
 
 
 # From the launch to the physical GPU of each rank: (what the launcher gives the rank as

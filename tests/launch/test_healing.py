@@ -1,10 +1,11 @@
-"""Self-healing runs, as users meet them: a rank killed (kill -9), a rank frozen (SIGSTOP)
-with a short --hang-timeout-s, an exception that repeats at the same iteration (no crash
-loop), and a node set DOWN (restarts exhausted: tests/rank/test_preemption.py, with
---max-restarts 0); locally through `mjlab-train --num-procs 2`
-(submitit's local executor under our controller) and on the real Slurm test cluster. Each
-asserts the final state, the iteration count, the fault record, that no process is left, and
-for the healed crash the bit-identical final parameters.
+"""Self-healing runs, locally and on the real Slurm test cluster.
+
+The faults: a rank killed (kill -9), a rank frozen (SIGSTOP) with a short --hang-timeout-s, an
+exception that repeats at the same iteration (no crash loop), a node lost or set DOWN. Local
+runs use `mjlab-train --num-procs 2` (submitit's local executor under our controller). Each
+test asserts the final state, the iteration count, the fault record and that no process is
+left; a healed crash also ends with bit-identical parameters. Restarts exhausted
+(--max-restarts 0) are in tests/rank/test_preemption.py.
 
 Faults are injected with MJLAB_HPC_FAULT (`mjlab_hpc.rank.watchdog`): the rank kills or stops
 itself at the end of a fixed iteration, so the tests do not race the training.
@@ -31,21 +32,23 @@ from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.state import read_record
 from mjlab_hpc.slurm.client import SlurmClient
 
-COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
-          "--save-interval", "5", "--max-iterations", "12"]  # fmt: skip
+CARTPOLE = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1"]
+COMMON = [*CARTPOLE, "--save-interval", "5", "--max-iterations", "12"]
 # The uninterrupted run to compare with: the same training (checkpoints do not change it), so
 # its digests are shared with tests/rank/test_preemption.py's reference.
-REFERENCE = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
-             "--save-interval", "100", "--max-iterations", "12"]  # fmt: skip
+REFERENCE = [*CARTPOLE, "--save-interval", "100", "--max-iterations", "12"]
 TWO = ["--num-procs", "2"]
 
 
 def train(args: list[str], root: Path, fault: str | None, timeout: float = 300):
     extra = {"MJLAB_HPC_FAULT": fault} if fault else {}
     return subprocess.run(
-        [BIN / "mjlab-train", *args, "--log-root", str(root)], env=cli_env(extra),
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        [BIN / "mjlab-train", *args, "--log-root", str(root)],
+        env=cli_env(extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def faults_of(run: RunDir) -> list[dict]:
@@ -76,14 +79,12 @@ def test_local_crash_then_hang_heal_to_the_same_parameters(
     assert elapsed < 240
     run = only_run(tmp_path)
     crash, hang = faults_of(run)
-    assert (crash["reason"], crash["kind"], crash["ranks"], crash["iteration"]) == (
-        "crash", "in-allocation", [1], 6
-    ), crash  # fmt: skip
+    got = (crash["reason"], crash["kind"], crash["ranks"], crash["iteration"])
+    assert got == ("crash", "in-allocation", [1], 6), crash
     assert "killed by a signal" in crash["error"]
     assert crash["resumed_from"] == 4 and crash["recomputed"] == 2, crash
-    assert (hang["reason"], hang["kind"], hang["ranks"], hang["iteration"]) == (
-        "hang", "in-allocation", [1], 10
-    ), hang  # fmt: skip
+    got = (hang["reason"], hang["kind"], hang["ranks"], hang["iteration"])
+    assert got == ("hang", "in-allocation", [1], 10), hang
     assert hang["resumed_from"] == 8 and hang["recomputed"] == 2, hang
     assert all(0 < f["recovery_s"] < 120 for f in (crash, hang))
     log0 = run.rank_log(0).read_text()
@@ -113,8 +114,13 @@ def test_a_repeated_failure_is_not_retried(tmp_path: Path) -> None:
     assert record["state"] == "failed" and record["failure"]["rank"] == 1
     row = hpc_json(run)
     assert row["state"] == "FAILED" and "injected fault at iteration 6" in row["cause"], row
-    logs = subprocess.run([BIN / "mjlab-hpc", "logs", str(run.path)], env=cli_env(),
-                          capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    logs = subprocess.run(
+        [BIN / "mjlab-hpc", "logs", str(run.path)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     assert logs.startswith("cause: rank 1 on") and "not retried (a crash loop" in logs
     assert local_processes(run.path) == []
 
@@ -135,23 +141,46 @@ def test_stragglers_are_left_out_only_for_spares(
     run = RunDir(tmp_path)
 
     def step(
-        exclude: list[str], stragglers: list[str], faults: list[dict], iteration: int,
-        nodes: int = 2, min_nodes: int | None = None,
-    ) -> tuple[Step | None, Healing]:  # fmt: skip
-        run.record.write_text(json.dumps(
-            {"faults": faults, "stragglers": [{"host": h} for h in stragglers]}))  # fmt: skip
-        fault = Fault("crash", "x", (1,), ("node1",), iteration, tuple(exclude))
-        heal = Healing(fault, True, "requeued after a crash (1 of 3)", list(exclude),
-                       {"job_id": "9", "restart_count": 0})  # fmt: skip
-        return next_step(client, run.path, heal, nodes, min_nodes), heal
+        exclude: list[str],
+        stragglers: list[str],
+        faults: list[dict],
+        iteration: int,
+        nodes: int = 2,
+        min_nodes: int | None = None,
+    ) -> tuple[Step | None, Healing]:
+        run.record.write_text(
+            json.dumps({"faults": faults, "stragglers": [{"host": h} for h in stragglers]})
+        )
+        fault = Fault(
+            reason="crash",
+            error="x",
+            ranks=(1,),
+            hosts=("node1",),
+            iteration=iteration,
+            suspect_nodes=tuple(exclude),
+        )
+        heal = Healing(
+            fault,
+            requeue=True,
+            why="requeued after a crash (1 of 3)",
+            exclude=list(exclude),
+            entry={"job_id": "9", "restart_count": 0},
+        )
+        return next_step(client, run.path, heal, step_nodes=nodes, min_nodes=min_nodes), heal
 
     got, heal = step([], ["node2", "node3", "node9"], [], 5)
     assert got == Step(("node2", "node3")) and heal.entry["straggler_nodes"] == ["node2", "node3"]
     assert heal.why.endswith("; straggler node(s) node2, node3 left out for a spare")
     got, heal = step(["node1"], ["node2", "node3"], [], 5)
     assert got == Step(("node1", "node2")), got  # the suspect first, one spare left
-    earlier = {"kind": "in-allocation", "job_id": "9", "restart_count": 0, "iteration": 5,
-               "excluded_nodes": ["node1", "node2"], "straggler_nodes": ["node2"]}  # fmt: skip
+    earlier = {
+        "kind": "in-allocation",
+        "job_id": "9",
+        "restart_count": 0,
+        "iteration": 5,
+        "excluded_nodes": ["node1", "node2"],
+        "straggler_nodes": ["node2"],
+    }
     got, heal = step(["node3"], [], [earlier], 8)
     assert got == Step(("node1", "node3")) and "straggler_nodes" not in heal.entry, got
     got, _ = step([], ["node2"], [earlier], 8, nodes=4)  # no spare: node2 is back
@@ -160,13 +189,19 @@ def test_stragglers_are_left_out_only_for_spares(
     assert got == Step(("node1", "node4"), 2), got  # fewer nodes, but not for a straggler
 
 
-def submit(cluster: SlurmCluster, args: list[str], root: Path, fault: str | None = None,
-           follow: bool = True):  # fmt: skip
+def submit(
+    cluster: SlurmCluster,
+    args: list[str],
+    root: Path,
+    fault: str | None = None,
+    follow: bool = True,
+):
     extra = {"MJLAB_HPC_FAULT": fault} if fault else {}
-    cmd = [BIN / "mjlab-submit", *args, "--gpus-per-node", "0", "--time", "10",
-           "--log-root", str(root)] + (["--follow"] if follow else [])  # fmt: skip
-    return subprocess.run(cmd, env=cli_env(extra, base=cluster.environ()), capture_output=True,
-                          text=True, timeout=400)  # fmt: skip
+    cmd = [BIN / "mjlab-submit", *args, "--gpus-per-node", "0", "--time", "10"]
+    cmd += ["--log-root", str(root)] + (["--follow"] if follow else [])
+    return subprocess.run(
+        cmd, env=cli_env(extra, base=cluster.environ()), capture_output=True, text=True, timeout=400
+    )
 
 
 @pytest.mark.slurm
@@ -176,12 +211,12 @@ def test_slurm_crash_excludes_the_node_and_heals(
     """kill -9 of rank 1 of a 1-node job: the batch script's healer adds the node to the
     job's excluded nodes and requeues it; it resumes on the other node to the same final
     parameters as a run that never crashed."""
-    proc = submit(slurm_cluster, [*COMMON, "--nodes", "1", "--tasks-per-node", "2"], tmp_path,
-                  "kill@8:rank1:once")  # fmt: skip
+    args = [*COMMON, "--nodes", "1", "--tasks-per-node", "2"]
+    proc = submit(slurm_cluster, args, tmp_path, "kill@8:rank1:once")
     assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
     run = only_run(tmp_path)
     (fault,) = faults_of(run)
-    first, second = start_hosts(run.path, 0)
+    first, second = start_hosts(run.path, rank=0)
     assert fault["reason"] == "crash" and fault["excluded_nodes"] == [first], fault
     assert second != first and fault["recomputed"] == 3
     summary = json.loads(run.summary.read_text())
@@ -204,40 +239,58 @@ def test_slurm_hang_then_node_down_on_two_nodes(
     run.json calls it node-lost. While node2 is held out (drained), the requeued job waits, and
     status and logs say after what and node2's state and reason, not a bare PENDING. Back in
     service, the job completes in the same run directory."""
-    args = [*COMMON[:-2], "--max-iterations", "40", "--nodes", "2", "--tasks-per-node", "1",
-            "--hang-timeout-s", "5"]  # fmt: skip
+    args = [*COMMON[:-2], "--max-iterations", "40", "--nodes", "2", "--tasks-per-node", "1"]
+    args += ["--hang-timeout-s", "5"]
     proc = submit(slurm_cluster, args, tmp_path, "stop@8:rank1:once", follow=False)
     assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
     run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
-    wait_for(lambda: len(read_record(run.path).get("starts", [])) >= 2
-             and (run.read_progress() or [{}])[-1].get("iteration", 0) >= 14,
-             240, "the healed start to pass iteration 14")  # fmt: skip
+    wait_for(
+        lambda: (
+            len(read_record(run.path).get("starts", [])) >= 2
+            and (run.read_progress() or [{}])[-1].get("iteration", 0) >= 14
+        ),
+        240,
+        "the healed start to pass iteration 14",
+    )
     (fault,) = faults_of(run)
     assert (fault["reason"], fault["ranks"], fault["hosts"]) == ("hang", [1], ["node2"]), fault
     assert fault["kind"] == "in-allocation", fault
     assert "partition debug would have 1 usable node(s) for a 2-node job" in fault["not_excluded"]
     assert "Thread 0x" in run.rank_log(0).read_text()
-    down = slurm_cluster.run(["scontrol", "update", "nodename=node2", "state=down",
-                              "reason=mjlab-hpc-test"])  # fmt: skip
+    down = slurm_cluster.run(
+        ["scontrol", "update", "nodename=node2", "state=down", "reason=mjlab-hpc-test"]
+    )
     assert down.returncode == 0, down.stderr
     try:
         # A drain keeps node2 out of service (its slurmd registering again would end DOWN
         # within seconds: ReturnToService=2).
-        slurm_cluster.run(["scontrol", "update", "nodename=node2", "state=drain",
-                           "reason=mjlab-hpc-test"])  # fmt: skip
+        slurm_cluster.run(
+            ["scontrol", "update", "nodename=node2", "state=drain", "reason=mjlab-hpc-test"]
+        )
         env = cli_env(base=slurm_cluster.environ())
         row = wait_for(lambda: (r := hpc_json(run, env))["waiting"] and r, 120, "the wait")
         assert row["state"] == "PENDING" and row["active"], row
         # After the stop (node-lost, or a requeue by Slurm where sinfo no longer said node2 was
         # down), naming node2 (that stop, or the hang before it).
-        assert re.search(r"^waits after: .* at iteration \d+: requeued; node2 is drained "
-                         r"\(mjlab-hpc-test\)$", row["waiting"]), row  # fmt: skip
-        logs = subprocess.run([BIN / "mjlab-hpc", "logs", str(run.path)], env=env,
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert re.search(
+            r"^waits after: .* at iteration \d+: requeued; node2 is drained "
+            r"\(mjlab-hpc-test\)$",
+            row["waiting"],
+        ), row
+        logs = subprocess.run(
+            [BIN / "mjlab-hpc", "logs", str(run.path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert row["waiting"] in " ".join(logs.stdout.split()), logs.stdout
         slurm_cluster.run(["scontrol", "update", "nodename=node2", "state=resume"])
-        summary = wait_for(lambda: run.summary.exists() and json.loads(run.summary.read_text()),
-                           300, "the requeued job to finish")  # fmt: skip
+        summary = wait_for(
+            lambda: run.summary.exists() and json.loads(run.summary.read_text()),
+            300,
+            "the requeued job to finish",
+        )
     finally:
         # Usually back to idle by itself already (ReturnToService=2): "Invalid node state".
         slurm_cluster.run(["scontrol", "update", "nodename=node2", "state=resume"], check=False)
@@ -256,8 +309,9 @@ def restarts_of(cluster: SlurmCluster, job: str) -> int:
     return int(shown.split("Restarts=")[1].split()[0])
 
 
-def ended_in_the_allocation(cluster: SlurmCluster, fault: dict, summary: dict, what: str,
-                            timeout: float = 120) -> None:  # fmt: skip
+def ended_in_the_allocation(
+    cluster: SlurmCluster, fault: dict, summary: dict, what: str, timeout: float = 120
+) -> None:
     """The healed run's one job: the fault's, never requeued, COMPLETED (nothing left
     running); prints the fault's seconds to the first resumed iteration."""
     job = summary["job_id"]
@@ -269,9 +323,12 @@ def ended_in_the_allocation(cluster: SlurmCluster, fault: dict, summary: dict, w
 def lose_rank1_node_after_6(cluster: SlurmCluster, run: RunDir) -> str:
     """Once rank 1 has stopped itself after iteration 6, lose its node for real (slurmd and
     rank killed at once, as in a power cut): that node."""
-    wait_for(lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6, 240,
-             "iteration 6 (rank 1 stops itself there)")  # fmt: skip
-    (lost,) = start_hosts(run.path, 1)
+    wait_for(
+        lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6,
+        240,
+        "iteration 6 (rank 1 stops itself there)",
+    )
+    (lost,) = start_hosts(run.path, rank=1)
     killed = cluster.lose_node(lost)
     assert "slurmd" in killed and "slurmstepd" in killed, killed
     return lost
@@ -287,29 +344,21 @@ def test_slurm_crash_restarts_in_the_allocation(
     parameters of a run that never failed; the record has the seconds from the fault to the
     first resumed iteration (docs/performance.md). `mjlab-hpc logs --follow`, started with
     the job, streams the fault and how it was healed as they happen, naming the Slurm node."""
-    cmd = [
-        BIN / "mjlab-submit",
-        *COMMON,
-        "--nodes",
-        "1",
-        "--tasks-per-node",
-        "2",
-        "--gpus-per-node",
-        "0",
-        "--time",
-        "10",
-        "--log-root",
-        str(tmp_path),
-        "--follow",
-    ]
+    cmd = [BIN / "mjlab-submit", *COMMON, "--nodes", "1", "--tasks-per-node", "2"]
+    cmd += ["--gpus-per-node", "0", "--time", "10", "--log-root", str(tmp_path), "--follow"]
     env = cli_env({"MJLAB_HPC_FAULT": "raise@6:rank1:once"}, base=slurm_cluster.environ())
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60,
-                       "the run")  # fmt: skip
-        logs = subprocess.run([BIN / "mjlab-hpc", "logs", str(run.path), "--follow"], env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        run = wait_for(
+            lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "the run"
+        )
+        logs = subprocess.run(
+            [BIN / "mjlab-hpc", "logs", str(run.path), "--follow"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -327,8 +376,8 @@ def test_slurm_crash_restarts_in_the_allocation(
     assert fault["resumed_from"] == 5 and fault["recomputed"] == 1, fault
     assert 0 < fault["recovery_s"] < 120, fault
     summary = json.loads(run.summary.read_text())
-    assert summary["iterations"] == 12 and summary["param_digest_per_rank"] == reference_digests(
-        shared_tmp, REFERENCE, ranks=2)  # fmt: skip
+    assert summary["iterations"] == 12
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
     ended_in_the_allocation(slurm_cluster, fault, summary, "crash", timeout=60)
     job = summary["job_id"]
     steps = slurm_cluster.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID,State"]).stdout
@@ -338,17 +387,19 @@ def test_slurm_crash_restarts_in_the_allocation(
     assert f"{job}.1|COMPLETED" in steps, steps
 
 
-def lose_rank1_node(cluster: SlurmCluster, args: list[str], root: Path, after: str
-                    ) -> tuple[RunDir, str, dict, dict]:  # fmt: skip
+def lose_rank1_node(
+    cluster: SlurmCluster, args: list[str], root: Path, after: str
+) -> tuple[RunDir, str, dict, dict]:
     """Submit a job with --follow whose rank 1 stops itself after iteration 6, then lose its
     node for real (slurmd and rank killed at once, as in a power cut), back once the run has
     finished `after` it; --follow must end with the run's `done` line (exit 0). The run, the
     lost node, the summary and the one fault, a crash healed in the allocation."""
-    cmd = [BIN / "mjlab-submit", *args, "--gpus-per-node", "0", "--time", "10", "--log-root",
-           str(root), "--follow"]  # fmt: skip
+    cmd = [BIN / "mjlab-submit", *args, "--gpus-per-node", "0", "--time", "10"]
+    cmd += ["--log-root", str(root), "--follow"]
     env = cli_env({"MJLAB_HPC_FAULT": "stop@6:rank1:once"}, base=cluster.environ())
-    follow = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)  # fmt: skip
+    follow = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         run = wait_for(lambda: runs_under(root) and RunDir(runs_under(root)[0]), 60, "run")
         lost = lose_rank1_node_after_6(cluster, run)
@@ -362,8 +413,8 @@ def lose_rank1_node(cluster: SlurmCluster, args: list[str], root: Path, after: s
     assert follow.returncode == EXIT_OK and "done: 12 iterations" in out, (after, out, err)
     summary = json.loads(run.summary.read_text())
     (fault,) = faults_of(run)
-    assert (fault["reason"], fault["kind"], fault["hosts"]) == ("crash", "in-allocation",
-                                                                [lost]), fault  # fmt: skip
+    got = (fault["reason"], fault["kind"], fault["hosts"])
+    assert got == ("crash", "in-allocation", [lost]), fault
     return run, lost, summary, fault
 
 
@@ -382,10 +433,11 @@ def test_slurm_hard_node_loss_with_a_spare(
     # Resumed from model_5.pt, or from model_6.pt when the ranks saw a stop on the way out.
     assert fault["excluded_nodes"] == [lost] and fault["resumed_from"] + fault["recomputed"] == 6
     assert 0 < fault["recovery_s"] < 120, fault
-    first, second = start_hosts(run.path, 1)
-    assert first == lost and second not in (lost, start_hosts(run.path, 0)[1]), (first, second)
-    assert summary["iterations"] == 12 and summary["param_digest_per_rank"] == reference_digests(
-        shared_tmp, REFERENCE, ranks=2)  # fmt: skip
+    first, second = start_hosts(run.path, rank=1)
+    assert first == lost, (first, second)
+    assert second not in (lost, start_hosts(run.path, rank=0)[1]), (first, second)
+    assert summary["iterations"] == 12
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
     # The lost node's step ends once its slurmd is back (else after SlurmdTimeout).
     ended_in_the_allocation(cluster, fault, summary, "node lost")
 
@@ -401,16 +453,18 @@ def test_slurm_hard_node_loss_goes_on_with_fewer_nodes(
     cluster = slurm_cluster3
     args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--min-nodes", "1"]
     run, lost, summary, fault = lose_rank1_node(cluster, args, tmp_path, "on one node")
-    kept = start_hosts(run.path, 0)[0]
+    kept = start_hosts(run.path, rank=0)[0]
     assert fault["excluded_nodes"] == [lost] and fault["world_size"] == [2, 1], fault
-    assert fault["action"].endswith("on 1 node(s), 1 rank(s) (--min-nodes 1; no spare left): "
-                                    "the environments of rank(s) 1 dropped"), fault  # fmt: skip
+    assert fault["action"].endswith(
+        "on 1 node(s), 1 rank(s) (--min-nodes 1; no spare left): "
+        "the environments of rank(s) 1 dropped"
+    ), fault
     assert fault["resumed_from"] + fault["recomputed"] == 6 and 0 < fault["recovery_s"] < 120
     record = read_record(run.path)
     start = record["starts"][-1]
     assert start["changed"]["world_size"] == [2, 1] and start["environments"] == "partly restored"
     assert start["resumed_from_iteration"] == fault["resumed_from"], start
-    assert start_hosts(run.path, 0) == [kept, kept]
+    assert start_hosts(run.path, rank=0) == [kept, kept]
     assert "those of rank(s) 1 dropped" in run.rank_log(0).read_text()
     assert summary["iterations"] == 12 and summary["world_size"] == 1, summary
     row = hpc_json(run, cli_env(base=cluster.environ()))
@@ -433,8 +487,8 @@ def test_slurm_crash_with_a_spare_leaves_the_straggler_out(
     assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
     run = only_run(tmp_path)
     (fault,) = faults_of(run)
-    slow, spare = start_hosts(run.path, 1)
-    kept = start_hosts(run.path, 0)
+    slow, spare = start_hosts(run.path, rank=1)
+    kept = start_hosts(run.path, rank=0)
     assert (fault["reason"], fault["kind"], fault["iteration"]) == ("crash", "in-allocation", 11)
     assert fault["straggler_nodes"] == [slow] and fault["excluded_nodes"] == [slow], fault
     assert f"straggler node(s) {slow} left out for a spare" in fault["action"], fault
@@ -442,8 +496,8 @@ def test_slurm_crash_with_a_spare_leaves_the_straggler_out(
     assert f"straggler: rank 1 on {slow} is " in run.rank_log(0).read_text()
     assert fault["resumed_from"] == 10 and fault["recomputed"] == 1, fault
     summary = json.loads(run.summary.read_text())
-    assert summary["iterations"] == 12 and summary["param_digest_per_rank"] == reference_digests(
-        shared_tmp, REFERENCE, ranks=2)  # fmt: skip
+    assert summary["iterations"] == 12
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
     ended_in_the_allocation(cluster, fault, summary, "crash, on the spare,")
 
 
@@ -461,8 +515,8 @@ def test_slurm_node_lost_for_good_past_slurmd_timeout(
     config = cluster.run(["scontrol", "show", "config"]).stdout
     timeout = int(re.search(r"^SlurmdTimeout\s*=\s*(\d+)", config, re.M).group(1))  # type: ignore[union-attr]
     assert timeout == SLURMD_TIMEOUT_S, f"{cluster.state_dir} runs SlurmdTimeout={timeout}"
-    args = [*COMMON[:-2], "--max-iterations", "100000", "--nodes", "2", "--tasks-per-node", "1",
-            "--spare-nodes", "1"]  # fmt: skip
+    args = [*COMMON[:-2], "--max-iterations", "100000", "--nodes", "2", "--tasks-per-node", "1"]
+    args += ["--spare-nodes", "1"]
     proc = submit(cluster, args, tmp_path, "stop@6:rank1:once", follow=False)
     assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
     run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
@@ -479,8 +533,13 @@ def test_slurm_node_lost_for_good_past_slurmd_timeout(
         at = iteration()
         wait_for(lambda: iteration() >= at + 5, 120, "training to go on after the shrink")
         assert hpc_json(run, env)["state"] == "RUNNING"
-        cancel = subprocess.run([BIN / "mjlab-hpc", "cancel", str(run.path)], env=env,
-                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        cancel = subprocess.run(
+            [BIN / "mjlab-hpc", "cancel", str(run.path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert cancel.returncode == 0, cancel.stderr
         assert cluster.wait_job(job, timeout=120) == "CANCELLED"
     finally:

@@ -1,8 +1,9 @@
-"""Hostile and wrong input, property-based: for arbitrary text in every string flag that
-reaches a job script or a path, either a clean refusal (SpecError naming the flag) or scripts
-(the sbatch template and submitit's own) that pass `bash -n`, keep their `#SBATCH` block
-intact, run no injected command when executed with stand-in srun / mjlab-hpc / mjlab-train,
-and put the run under the log root.
+"""Hostile and wrong input, property-based, in every string flag of a job script or a path.
+
+For arbitrary text, each flag gives either a clean refusal (SpecError naming the flag) or
+scripts (the sbatch template and submitit's own) that pass `bash -n` and keep their `#SBATCH`
+block intact. Executed with stand-in srun / mjlab-hpc / mjlab-train, they run no injected
+command and put the run under the log root.
 
 Generated cases are derandomized (the same on every run) and include, besides arbitrary
 Unicode, the payloads that break scripts: newlines and other control characters, quotes,
@@ -31,11 +32,35 @@ from mjlab_hpc.validate import validate_submit
 
 MARKER = "PWNED"
 PAYLOADS = [
-    f"$(touch {MARKER})", f"`touch {MARKER}`", f"; touch {MARKER}", f"\ntouch {MARKER}\n",
-    f"\rtouch {MARKER}", f"' ; touch {MARKER} ; '", f'" ; touch {MARKER} ; "', "../../escape",
-    "/abs/path", "a/b", "..", ".", "", " ", "--requeue", "x --time=1", "#SBATCH --time=1",
-    "\x00", "\x1b[31m", "\t", "ü💥", "${HOME}", "%j", "*", "?", "\\", "'", '"',
-]  # fmt: skip
+    f"$(touch {MARKER})",
+    f"`touch {MARKER}`",
+    f"; touch {MARKER}",
+    f"\ntouch {MARKER}\n",
+    f"\rtouch {MARKER}",
+    f"' ; touch {MARKER} ; '",
+    f'" ; touch {MARKER} ; "',
+    "../../escape",
+    "/abs/path",
+    "a/b",
+    "..",
+    ".",
+    "",
+    " ",
+    "--requeue",
+    "x --time=1",
+    "#SBATCH --time=1",
+    "\x00",
+    "\x1b[31m",
+    "\t",
+    "ü💥",
+    "${HOME}",
+    "%j",
+    "*",
+    "?",
+    "\\",
+    "'",
+    '"',
+]
 TEXT = st.one_of(
     st.sampled_from(PAYLOADS),
     st.lists(st.sampled_from(PAYLOADS), min_size=2, max_size=4).map("".join),
@@ -59,6 +84,8 @@ FLAGS = {
     "--agent.learning_rate": ("override", "overrides"),
 }
 CASES = {"count": 0}
+SLURM_DRY_RUN = [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run"]
+SLURM_DRY_RUN += ["--gpus-per-node", "0"]
 SETTINGS = settings(
     max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "40")),
     deadline=None,
@@ -71,8 +98,13 @@ SETTINGS = settings(
 def spec_with(flag: str, text: str, log_root: Path) -> SubmitSpec:
     where, field = FLAGS[flag]
     train = TrainSpec(task="cartpole", log_root=str(log_root), num_envs=16)
-    submit: dict[str, object] = {"gpus_per_node": 0, "nodes": 2, "time": "30",
-                                 "executor": "slurm", "dry_run": True}  # fmt: skip
+    submit: dict[str, object] = {
+        "gpus_per_node": 0,
+        "nodes": 2,
+        "time": "30",
+        "executor": "slurm",
+        "dry_run": True,
+    }
     if where == "train":
         train = dataclasses.replace(train, **{field: text})
     elif where == "override":
@@ -109,8 +141,11 @@ def run_script(script: str, work: Path, commands_allowed: bool = False) -> None:
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0, script
     record = work / "argv.txt"
     recording_tools(work / "bin", record, ("srun", "mjlab-train", "mjlab-hpc", "module", "python3"))
-    env = {"PATH": f"{work / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(work),
-           "SLURM_JOB_ID": "42"}  # fmt: skip
+    env = {
+        "PATH": f"{work / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin",
+        "HOME": str(work),
+        "SLURM_JOB_ID": "42",
+    }
     subprocess.run(["bash", str(path)], cwd=work, env=env, capture_output=True, timeout=30)
     if not commands_allowed:
         assert not list(work.rglob(f"*{MARKER}*")), script
@@ -118,8 +153,14 @@ def run_script(script: str, work: Path, commands_allowed: bool = False) -> None:
 
 # The flags whose text is accepted run their rendered scripts: two groups of them, so that
 # `make test-fast`'s two workers share them (the file's other tests stay in its group).
-_SPREAD = {"--sbatch-arg": "a", "--setup": "a", "--run-name": "a",
-           "--job-name": "b", "--log-root": "b", "--experiment-name": "b"}  # fmt: skip
+_SPREAD = {
+    "--sbatch-arg": "a",
+    "--setup": "a",
+    "--run-name": "a",
+    "--job-name": "b",
+    "--log-root": "b",
+    "--experiment-name": "b",
+}
 
 
 @pytest.mark.parametrize(
@@ -240,10 +281,11 @@ def test_wrong_values_exit_2_naming_the_flag(
     tmp_path: Path, args: list[str], flag: str, words: str
 ) -> None:
     proc = subprocess.run(
-        [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run",
-         "--gpus-per-node", "0", "--log-root", str(tmp_path / "logs"), *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [*SLURM_DRY_RUN, "--log-root", str(tmp_path / "logs"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     said = " ".join(proc.stderr.split())
     assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr
     assert f"error: {flag}" in said and words in said, said
@@ -272,8 +314,13 @@ def test_wrong_values_exit_2_naming_the_flag(
 def test_mjlab_hpc_subcommands_refuse_what_they_cannot_use(
     tmp_path: Path, args: list[str], flag: str
 ) -> None:
-    proc = subprocess.run([BIN / "mjlab-hpc", *args, "--log-root", str(tmp_path / "logs")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [BIN / "mjlab-hpc", *args, "--log-root", str(tmp_path / "logs")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {flag}:"), proc.stderr
     assert "Traceback" not in proc.stderr and not any(tmp_path.iterdir())
 
@@ -281,15 +328,21 @@ def test_mjlab_hpc_subcommands_refuse_what_they_cannot_use(
 def test_render_fails_cleanly_too(tmp_path: Path) -> None:
     proc = subprocess.run(
         [BIN / "mjlab-hpc", "render", "train", "cartpole", "--run-name", "x\ntouch PWNED"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "--run-name" in proc.stderr and proc.stdout == ""
 
 
 @pytest.mark.mjlab  # the guess is made among mjlab's tasks too
 def test_a_task_typo_is_answered_with_a_guess(tmp_path: Path) -> None:
-    proc = subprocess.run([BIN / "mjlab-train", "cartpol", "--log-root", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [BIN / "mjlab-train", "cartpol", "--log-root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "did you mean 'cartpole'?" in proc.stderr
 
 
@@ -315,10 +368,11 @@ def test_a_task_typo_is_answered_with_a_guess(tmp_path: Path) -> None:
 def test_real_options_are_not_refused(tmp_path: Path, args: list[str]) -> None:
     """What users write on real clusters passes the checks (no false refusals)."""
     proc = subprocess.run(
-        [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run",
-         "--gpus-per-node", "0", "--log-root", str(tmp_path / "logs"), *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [*SLURM_DRY_RUN, "--log-root", str(tmp_path / "logs"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     scripts = proc.stdout[proc.stdout.index("#!/bin/bash") :].split("\n# ---- sbatch script")
     assert len(scripts) == (3 if "--chain" in args else 1), proc.stdout  # every job's

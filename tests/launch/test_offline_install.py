@@ -1,9 +1,11 @@
-"""The install for a GPU node without internet, beside the site's own torch: `make wheelhouse`
-where an index is reachable, then `make install-offline` in a network namespace of its own
-(no index, nothing else reachable), with a Python whose torch comes from outside any venv (a
-folder on PYTHONPATH, as a site's module gives it). The venv trains, and torch is still the
-site's. On a GPU machine the same runs beside the site's CUDA torch (`make gpu-check
-WHEELHOUSE=...`, docs/testing.md)."""
+"""The offline install for a GPU node without internet, beside the site's own torch.
+
+`make wheelhouse` runs where an index is reachable, then `make install-offline` in a network
+namespace of its own (no index, nothing else reachable). Its Python gets torch from outside
+any venv (a folder on PYTHONPATH, as a site's module gives it). The venv trains, and torch is
+still the site's. On a GPU machine the same runs beside the site's CUDA torch
+(`make gpu-check WHEELHOUSE=...`, docs/testing.md).
+"""
 
 from __future__ import annotations
 
@@ -75,19 +77,31 @@ def test_offline_install_beside_the_sites_torch(tmp_path: Path) -> None:
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
     assert "without an index" in installed.stdout and "beside torch" in installed.stdout
     assert (venv / ".installed").exists()
-    where = subprocess.run([venv / "bin" / "python", "-c", "import torch, mjlab_hpc, mjlab; "
-                            "print(torch.__file__); print(mjlab_hpc.__file__)"],
-                           env=node, capture_output=True, text=True, timeout=300)  # fmt: skip
+    where = subprocess.run(
+        [
+            venv / "bin" / "python",
+            "-c",
+            "import torch, mjlab_hpc, mjlab; print(torch.__file__); print(mjlab_hpc.__file__)",
+        ],
+        env=node,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert where.returncode == 0, where.stderr
     torch_file, ours = where.stdout.split()
     assert torch_file.startswith(str(site)), torch_file  # the site's, not a copy in the venv
     assert ours.startswith(str(REPO)), ours  # editable: the checkout's code
     assert not list(venv.glob("lib/python*/site-packages/torch"))
 
+    train = [venv / "bin" / "mjlab-train", "cartpole", "--num-envs", "4", "--max-iterations", "1"]
+    train += ["--torch-threads", "1", "--log-root", str(tmp_path / "logs")]
     trained = subprocess.run(
-        ["unshare", "--net", venv / "bin" / "mjlab-train", "cartpole", "--num-envs", "4",
-         "--max-iterations", "1", "--torch-threads", "1", "--log-root", str(tmp_path / "logs")],
-        env=node, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        ["unshare", "--net", *train],
+        env=node,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
     assert "done: 1 iterations" in trained.stdout

@@ -1,5 +1,8 @@
-"""Training jobs on the real two-node Slurm test cluster: mjlab-submit, the sbatch template,
-GPU allocation, bad specs, preemption with requeue, and the lock across both nodes."""
+"""Training jobs on the real two-node Slurm test cluster.
+
+Covers mjlab-submit, the sbatch template, GPU allocation, bad specs, preemption with requeue
+and the lock across both nodes.
+"""
 
 from __future__ import annotations
 
@@ -29,9 +32,12 @@ def env_for(cluster: SlurmCluster) -> dict[str, str]:
 
 def submit(cluster: SlurmCluster, args: list[str], timeout: float = 300) -> tuple[int, str]:
     proc = subprocess.run(
-        [BIN / "mjlab-submit", *args], env=env_for(cluster), capture_output=True, text=True,
+        [BIN / "mjlab-submit", *args],
+        env=env_for(cluster),
+        capture_output=True,
+        text=True,
         timeout=timeout,
-    )  # fmt: skip
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -47,11 +53,10 @@ def first_lines(run: RunDir, world: int) -> list[str]:
 
 def test_submit_2x2_cpu(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     t0 = time.time()
-    code, out = submit(slurm_cluster, [
-        "cartpole", "--nodes", "2", "--tasks-per-node", "2", "--gpus-per-node", "0",
-        "--num-envs", "64", "--max-iterations", "3", "--torch-threads", "1",
-        "--log-root", str(tmp_path), "--time", "10", "--follow",
-    ])  # fmt: skip
+    args = ["cartpole", "--nodes", "2", "--tasks-per-node", "2", "--gpus-per-node", "0"]
+    args += ["--num-envs", "64", "--max-iterations", "3", "--torch-threads", "1"]
+    args += ["--log-root", str(tmp_path), "--time", "10", "--follow"]
+    code, out = submit(slurm_cluster, args)
     assert code == 0, out
     job = job_id_of(out)
     run = only_run(tmp_path)
@@ -59,9 +64,8 @@ def test_submit_2x2_cpu(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     print(f"[2x2 job] mjlab-submit to first finished iteration: {first_iteration_s:.1f} s")
     heads = first_lines(run, 4)
     # Ranks 0-3 spread over both nodes, the master on node1.
-    assert [("host node1" in h, "host node2" in h) for h in heads] == [
-        (True, False), (True, False), (False, True), (False, True)
-    ]  # fmt: skip
+    on_nodes = [("host node1" in h, "host node2" in h) for h in heads]
+    assert on_nodes == [(True, False), (True, False), (False, True), (False, True)]
     assert all("via slurm" in h and "master node1:" in h for h in heads)
     summary = json.loads(run.summary.read_text())
     assert summary["world_size"] == 4 and summary["ranks_in_sync"]
@@ -69,18 +73,16 @@ def test_submit_2x2_cpu(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     # What `make scale` reads from the rank logs: every rank's rendezvous, the writer's checkpoint.
     logged = rank_log_figures(run.path, 4)
     assert 0 <= logged["rendezvous_s"] < 60 and logged["arrival_spread_s"] >= 0, logged
-    assert [(c["file"], c["bytes"]) for c in logged["checkpoints"]] == [
-        ("model_3.pt", (run.path / "model_3.pt").stat().st_size)
-    ], logged
+    written = [(c["file"], c["bytes"]) for c in logged["checkpoints"]]
+    assert written == [("model_3.pt", (run.path / "model_3.pt").stat().st_size)], logged
     assert slurm_cluster.wait_job(job, timeout=60) == "COMPLETED"
 
 
 def test_gpu_allocation_falls_back_to_cpu(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    code, out = submit(slurm_cluster, [
-        "cartpole", "--nodes", "1", "--gpus-per-node", "4", "--num-envs", "16",
-        "--max-iterations", "1", "--torch-threads", "1", "--log-root", str(tmp_path),
-        "--time", "10", "--follow",
-    ])  # fmt: skip
+    args = ["cartpole", "--nodes", "1", "--gpus-per-node", "4", "--num-envs", "16"]
+    args += ["--max-iterations", "1", "--torch-threads", "1"]
+    args += ["--log-root", str(tmp_path), "--time", "10", "--follow"]
+    code, out = submit(slurm_cluster, args)
     assert code == 0, out
     run = only_run(tmp_path)
     heads = first_lines(run, 4)
@@ -90,13 +92,17 @@ def test_gpu_allocation_falls_back_to_cpu(slurm_cluster: SlurmCluster, tmp_path:
 
 
 def test_rendered_template_with_sbatch(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    cmd = [BIN / "mjlab-hpc", "render", "train", "cartpole", "--nodes", "2"]
+    cmd += ["--tasks-per-node", "1", "--gpus-per-node", "0", "--num-envs", "32"]
+    cmd += ["--max-iterations", "2", "--torch-threads", "1", "--log-root", str(tmp_path)]
+    cmd += ["--run-name", "from template", "--time", "10"]
     render = subprocess.run(
-        [BIN / "mjlab-hpc", "render", "train", "cartpole", "--nodes", "2",
-         "--tasks-per-node", "1", "--gpus-per-node", "0", "--num-envs", "32",
-         "--max-iterations", "2", "--torch-threads", "1", "--log-root", str(tmp_path),
-         "--run-name", "from template", "--time", "10"],
-        env=env_for(slurm_cluster), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cmd,
+        env=env_for(slurm_cluster),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert render.returncode == 0, render.stderr
     script = tmp_path / "job.sbatch"
     script.write_text(render.stdout)
@@ -112,10 +118,15 @@ def test_rendered_template_with_sbatch(slurm_cluster: SlurmCluster, tmp_path: Pa
 def test_bad_spec_submits_nothing(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     name = f"bad-{os.getpid()}"
     # The whole request against the partition (2 nodes): spares too, else it pends for good.
-    for args in (["--nodes", "0"], ["--time", "forever"], ["--container", "/no/such.sif"],
-                 ["--nodes", "2", "--spare-nodes", "1"], ["--nodes", "3"]):  # fmt: skip
-        code, out = submit(slurm_cluster, ["cartpole", "--job-name", name, "--gpus-per-node",
-                                           "0", "--log-root", str(tmp_path), *args])  # fmt: skip
+    for args in (
+        ["--nodes", "0"],
+        ["--time", "forever"],
+        ["--container", "/no/such.sif"],
+        ["--nodes", "2", "--spare-nodes", "1"],
+        ["--nodes", "3"],
+    ):
+        base = ["cartpole", "--job-name", name, "--gpus-per-node", "0", "--log-root", str(tmp_path)]
+        code, out = submit(slurm_cluster, [*base, *args])
         assert code == 2, out
         if "--spare-nodes" in args:
             said = " ".join(out.split())
@@ -129,29 +140,21 @@ def test_bad_spec_submits_nothing(slurm_cluster: SlurmCluster, tmp_path: Path) -
 def test_preempt_requeue_resume_exact(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """scancel --signal=USR2 mid-run -> checkpoint -> requeue -> exactly K iterations in one
     run directory, parameters bit-identical to an uninterrupted run (same seed and world)."""
-    common = ["cartpole", "--num-envs", "64", "--max-iterations", "12", "--seed", "5",
-              "--torch-threads", "1", "--save-interval", "100"]  # fmt: skip
+    common = ["cartpole", "--num-envs", "64", "--max-iterations", "12", "--seed", "5"]
+    common += ["--torch-threads", "1", "--save-interval", "100"]
     ref = subprocess.run(
         [BIN / "mjlab-train", *common, "--num-procs", "2", "--log-root", str(tmp_path / "ref")],
-        env=env_for(slurm_cluster), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env_for(slurm_cluster),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ref.returncode == 0, ref.stderr[-2000:]
     reference = json.loads(only_run(tmp_path / "ref").summary.read_text())
 
-    code, out = submit(
-        slurm_cluster,
-        [
-            *common,
-            "--nodes",
-            "2",
-            "--gpus-per-node",
-            "0",
-            "--log-root",
-            str(tmp_path / "job"),
-            "--time",
-            "10",
-        ],
-    )
+    args = [*common, "--nodes", "2", "--gpus-per-node", "0"]
+    args += ["--log-root", str(tmp_path / "job"), "--time", "10"]
+    code, out = submit(slurm_cluster, args)
     assert code == 0, out
     job = job_id_of(out)
     root = tmp_path / "job" / "cartpole"
@@ -195,12 +198,11 @@ def test_ranks_without_slurm_commands(slurm_cluster: SlurmCluster, tmp_path: Pat
     bare.mkdir()
     (bare / "git").symlink_to(shutil.which("git") or "/usr/bin/git")  # rsl-rl imports GitPython
     outside = [f'{name}() {{ {shutil.which(name)} "$@"; }}' for name in ("srun", "scontrol")]
-    code, out = submit(slurm_cluster, [
-        "cartpole", "--num-envs", "16", "--max-iterations", "8", "--torch-threads", "1",
-        "--save-interval", "100", "--nodes", "2", "--gpus-per-node", "0", "--time", "10",
-        "--log-root", str(tmp_path / "job"), "--setup", f"export PATH={bare}",
-        "--setup", outside[0], "--setup", outside[1],
-    ])  # fmt: skip
+    args = ["cartpole", "--num-envs", "16", "--max-iterations", "8", "--torch-threads", "1"]
+    args += ["--save-interval", "100", "--nodes", "2", "--gpus-per-node", "0", "--time", "10"]
+    args += ["--log-root", str(tmp_path / "job"), "--setup", f"export PATH={bare}"]
+    args += ["--setup", outside[0], "--setup", outside[1]]
+    code, out = submit(slurm_cluster, args)
     assert code == 0, out
     job = job_id_of(out)
     root = tmp_path / "job" / "cartpole"
@@ -243,11 +245,10 @@ def test_lock_contenders_on_both_nodes(slurm_cluster: SlurmCluster, tmp_path: Pa
     worker = tmp_path / "worker.py"
     worker.write_text(LOCK_WORKER)
     record = tmp_path / "record.txt"
-    proc = slurm_cluster.run(
-        ["srun", "-N2", "--ntasks-per-node=4", "--time=5", sys.executable, str(worker),
-         str(tmp_path / "run.lock"), str(record), "10"],
-        env=env_for(slurm_cluster), timeout=240,
-    )  # fmt: skip
+    srun = ["srun", "-N2", "--ntasks-per-node=4", "--time=5"]
+    rounds = "10"
+    cmd = [*srun, sys.executable, str(worker), str(tmp_path / "run.lock"), str(record), rounds]
+    proc = slurm_cluster.run(cmd, env=env_for(slurm_cluster), timeout=240)
     assert proc.returncode == 0, proc.stderr
     lines = [line.split() for line in record.read_text().splitlines()]
     assert len(lines) == 2 * 8 * 10
@@ -262,11 +263,10 @@ def test_lock_contenders_on_both_nodes(slurm_cluster: SlurmCluster, tmp_path: Pa
 def test_bare_scancel_is_not_undone(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """scancel sends SIGTERM, which looks like a preemption to the ranks: they checkpoint,
     but the cancelled job must stay cancelled (no requeue)."""
-    code, out = submit(slurm_cluster, [
-        "cartpole", "--nodes", "1", "--gpus-per-node", "0", "--num-envs", "32",
-        "--max-iterations", "100000", "--torch-threads", "1", "--log-root", str(tmp_path),
-        "--time", "10",
-    ])  # fmt: skip
+    args = ["cartpole", "--nodes", "1", "--gpus-per-node", "0", "--num-envs", "32"]
+    args += ["--max-iterations", "100000", "--torch-threads", "1"]
+    args += ["--log-root", str(tmp_path), "--time", "10"]
+    code, out = submit(slurm_cluster, args)
     assert code == 0, out
     job = job_id_of(out)
     deadline = time.monotonic() + 120

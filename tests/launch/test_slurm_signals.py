@@ -1,10 +1,10 @@
-"""What a cluster does on purpose is not a fault, on the real Slurm test cluster with real
-signals: a job suspended and resumed (`scontrol suspend`, as gang scheduling and
-PreemptMode=SUSPEND do) past the writer's lease and the hang timeout goes on as if nothing
-happened; every signal a user or admin can send (`scancel --signal`, to the steps, the batch
-shell or both; `scontrol requeue`; a time limit cut below the signal delay) has its one
-documented meaning (docs/preemption.md, "Signals"), is recorded with its true cause, and
-never excludes a node.
+"""What a cluster does on purpose is not a fault, on the real Slurm test cluster.
+
+A job suspended and resumed (`scontrol suspend`, as gang scheduling and PreemptMode=SUSPEND
+do) past the writer's lease and the hang timeout goes on as if nothing happened. Every signal
+a user or admin can send has its one documented meaning (docs/preemption.md, "Signals"):
+`scancel --signal` to the steps, the batch shell or both, `scontrol requeue`, a time limit
+cut below the signal delay. Each is recorded with its true cause and never excludes a node.
 """
 
 from __future__ import annotations
@@ -24,21 +24,26 @@ from mjlab_hpc.rundir.state import read_record
 
 pytestmark = pytest.mark.slurm
 
-COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
-          "--save-interval", "5", "--max-iterations", "12"]  # fmt: skip
-REFERENCE = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
-             "--save-interval", "100", "--max-iterations", "12"]  # fmt: skip
+CARTPOLE = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1"]
+COMMON = [*CARTPOLE, "--save-interval", "5", "--max-iterations", "12"]
+REFERENCE = [*CARTPOLE, "--save-interval", "100", "--max-iterations", "12"]
 # Longer than the writer's lease (30 s) and the hang timeout below.
 SUSPEND_S = 32
 
 
-def follow(cluster: SlurmCluster, args: list[str], root: Path,
-           extra: dict[str, str] | None = None) -> subprocess.Popen[str]:  # fmt: skip
+def follow(
+    cluster: SlurmCluster, args: list[str], root: Path, extra: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     """`mjlab-submit ... --follow` in the background."""
-    cmd = [BIN / "mjlab-submit", *args, "--gpus-per-node", "0", "--time", "10", "--log-root",
-           str(root), "--follow"]  # fmt: skip
-    return subprocess.Popen(cmd, env=cli_env(extra, base=cluster.environ()),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    cmd = [BIN / "mjlab-submit", *args, "--gpus-per-node", "0", "--time", "10"]
+    cmd += ["--log-root", str(root), "--follow"]
+    return subprocess.Popen(
+        cmd,
+        env=cli_env(extra, base=cluster.environ()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def the_run(root: Path) -> RunDir:
@@ -77,8 +82,11 @@ def test_a_suspended_job_resumes_as_if_nothing_happened(
     proc = follow(slurm_cluster, args, tmp_path)
     try:
         run = the_run(tmp_path)
-        wait_for(lambda: run.rank_log(0).exists() and "rank 0/2" in run.rank_log(0).read_text(),
-                 120, "rank 0 to start")  # fmt: skip
+        wait_for(
+            lambda: run.rank_log(0).exists() and "rank 0/2" in run.rank_log(0).read_text(),
+            120,
+            "rank 0 to start",
+        )
         job = job_of(run)
         assert iteration(run) == 0
         suspended(slurm_cluster, job, SUSPEND_S)
@@ -103,8 +111,9 @@ def test_a_suspended_job_resumes_as_if_nothing_happened(
 
 def status_row(cluster: SlurmCluster, run: RunDir) -> dict:
     cmd = [BIN / "mjlab-hpc", "status", "--json", str(run.path)]
-    out = subprocess.run(cmd, env=cli_env(base=cluster.environ()), capture_output=True,
-                         text=True, timeout=60).stdout  # fmt: skip
+    out = subprocess.run(
+        cmd, env=cli_env(base=cluster.environ()), capture_output=True, text=True, timeout=60
+    ).stdout
     return json.loads(out)[0]
 
 
@@ -133,8 +142,11 @@ def test_signals_and_admin_actions_mean_what_the_docs_say(
         wait_for(lambda: in_logs(run, "SIGALRM ignored"), 60, "ALRM said and ignored")
         before = run.rank_log(0).read_text().count("asked for by SIGUSR1")
         slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job])  # through the shell
-        wait_for(lambda: run.rank_log(0).read_text().count("asked for by SIGUSR1") > before,
-                 60, "USR1 through the batch shell")  # fmt: skip
+        wait_for(
+            lambda: run.rank_log(0).read_text().count("asked for by SIGUSR1") > before,
+            60,
+            "USR1 through the batch shell",
+        )
         slurm_cluster.run(["scontrol", "requeue", job])
         wait_for(lambda: len(read_record(run.path).get("starts", [])) == 2, 120, "the restart")
         at = iteration(run)
@@ -147,8 +159,8 @@ def test_signals_and_admin_actions_mean_what_the_docs_say(
     record = read_record(run.path)
     assert record.get("faults", []) == [], record["faults"]
     requeue, limit = record["restarts"]
-    assert (requeue["reason"], requeue["kind"], requeue["signal"]) == (
-        "requeue", "requeue", "SIGTERM"), requeue  # fmt: skip
+    got = (requeue["reason"], requeue["kind"], requeue["signal"])
+    assert got == ("requeue", "requeue", "SIGTERM"), requeue
     assert (limit["reason"], limit["kind"]) == ("time-limit", "stop"), limit
     assert limit["why"].startswith(
         "not requeued: the job's time limit (00:01:00) is no longer than --signal-delay-s 90"

@@ -1,8 +1,11 @@
-"""The code snapshot of a submission: what is copied from a git repository (tracked files,
-untracked ones git does not ignore, symlinks, odd names; not ignored files or deleted ones),
-what is refused, and a real local job submitted from a checkout that is edited right after
-submitting: both of its starts (the first, and the one the healer requeues after a crash)
-import the code as it was at submit time, from the copy, not the edited checkout."""
+"""The code snapshot of a submission.
+
+What is copied from a git repository: tracked files, untracked ones git does not ignore,
+symlinks and odd names, not ignored or deleted files; and what is refused. A real local job is
+submitted from a checkout that is edited right after submitting: both of its starts (the
+first, and the one the healer requeues after a crash) import the code as it was at submit
+time, from the copy.
+"""
 
 from __future__ import annotations
 
@@ -25,8 +28,12 @@ MARKER = "SNAPSHOT-MARKER"
 
 
 def _git(repo: Path, *args: str) -> None:
-    subprocess.run(["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t", *args],
-                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t", *args],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
 
 
 def test_what_a_snapshot_copies_and_records(tmp_path: Path) -> None:
@@ -122,12 +129,17 @@ def test_a_job_runs_the_code_of_submit_time_through_a_requeue(tmp_path: Path) ->
     logs = tmp_path / "logs"
     # Rank 0 raises at iteration 2 of the first start: the healer requeues the job.
     env = cli_env({"MJLAB_HPC_FAULT": "raise@2:rank0:once"})
+    cmd = [str(BIN / "mjlab-submit"), "cartpole", "--executor", "local", "--gpus-per-node", "0"]
+    cmd += ["--num-envs", "16", "--max-iterations", "4", "--torch-threads", "1"]
+    cmd += ["--log-root", str(logs)]
     proc = subprocess.run(
-        [str(BIN / "mjlab-submit"), "cartpole", "--executor", "local", "--gpus-per-node", "0",
-         "--num-envs", "16", "--max-iterations", "4", "--torch-threads", "1", "--log-root",
-         str(logs)],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cmd,
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     task.write_text(task.read_text().replace(f"{MARKER} old", f"{MARKER} new"))  # edited now
     run = only_run(logs)
@@ -156,8 +168,8 @@ def test_a_dry_run_shows_the_snapshot_lines_the_job_will_have(tmp_path: Path) ->
     tools.mkdir()
     (tools / "git").symlink_to(shutil.which("git") or "/usr/bin/git")
     env = cli_env(path=f"{BIN}{os.pathsep}{tools}")
-    base = [str(BIN / "mjlab-submit"), "cartpole", "--nodes", "2", "--gpus-per-node", "0",
-            "--log-root", str(tmp_path / "logs"), "--dry-run"]  # fmt: skip
+    base = [str(BIN / "mjlab-submit"), "cartpole", "--nodes", "2", "--gpus-per-node", "0"]
+    base += ["--log-root", str(tmp_path / "logs"), "--dry-run"]
     proc = subprocess.run(base, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -165,6 +177,7 @@ def test_a_dry_run_shows_the_snapshot_lines_the_job_will_have(tmp_path: Path) ->
     assert "/code/src" in path and str(tmp_path / "logs" / "cartpole") in path, path
     assert "export PYTHONSAFEPATH=1" in lines
     assert not (tmp_path / "logs").exists()  # a dry run makes nothing
-    proc = subprocess.run([*base, "--no-snapshot"], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [*base, "--no-snapshot"], cwd=repo, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and "PYTHONPATH" not in proc.stdout, proc.stdout

@@ -1,5 +1,8 @@
-"""mjlab-submit and the sbatch templates, without a cluster: validation, dry runs, golden
-scripts, shell quoting (executed for real), and a real job through the local executor."""
+"""mjlab-submit and the sbatch templates, without a cluster.
+
+Covers validation, dry runs, golden scripts, shell quoting (executed for real) and a real job
+through the local executor.
+"""
 
 from __future__ import annotations
 
@@ -28,17 +31,25 @@ HOSTILE = "my run; $(touch pwned) `touch pwned2` \"q\" 'x'"
 
 @pytest.mark.parametrize(
     ("text", "minutes"),
-    [("90", 90), ("1:30", 2), ("12:00:00", 720), ("1-00", 1440), ("2-03:04", 3064),
-     ("1-00:00:01", 1441)],
-)  # fmt: skip
+    [
+        ("90", 90),
+        ("1:30", 2),
+        ("12:00:00", 720),
+        ("1-00", 1440),
+        ("2-03:04", 3064),
+        ("1-00:00:01", 1441),
+    ],
+)
 def test_slurm_time(text: str, minutes: int) -> None:
     assert slurm_time_minutes(text) == minutes
 
 
 # Written into the #SBATCH line as given: white space, a newline or another script's digits
 # are refused rather than passed on.
-@pytest.mark.parametrize("text", ["", "abc", "1:2:3:4", "0", "-5", "1h", "00:00:00", " 45 ",
-                                  "45\n", "\u0663\u0660", "1_0"])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    ["", "abc", "1:2:3:4", "0", "-5", "1h", "00:00:00", " 45 ", "45\n", "\u0663\u0660", "1_0"],
+)
 def test_slurm_time_errors(text: str) -> None:
     with pytest.raises(SpecError, match="--time"):
         slurm_time_minutes(text)
@@ -67,11 +78,14 @@ def test_slurm_time_errors(text: str) -> None:
     ],
 )
 def test_bad_spec_exits_2_and_submits_nothing(tmp_path: Path, args: list[str], flag: str) -> None:
+    cmd = [BIN / "mjlab-submit", "cartpole", "--log-root", str(tmp_path), "--gpus-per-node", "0"]
     proc = subprocess.run(
-        [BIN / "mjlab-submit", "cartpole", "--log-root", str(tmp_path), "--gpus-per-node", "0",
-         *args],
-        env=cli_env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [*cmd, *args],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert flag in proc.stderr, proc.stderr
     assert not any(tmp_path.iterdir())
@@ -81,8 +95,11 @@ def test_bad_spec_exits_2_and_submits_nothing(tmp_path: Path, args: list[str], f
 def test_unknown_task(tmp_path: Path) -> None:
     proc = subprocess.run(
         [BIN / "mjlab-submit", "nope", "--log-root", str(tmp_path)],
-        env=cli_env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "unknown task 'nope'" in proc.stderr
     assert not any(tmp_path.iterdir())
 
@@ -91,24 +108,37 @@ def test_missing_sbatch(tmp_path: Path) -> None:
     # A login node without Slurm's commands: the slurm executor says so and submits nothing.
     proc = subprocess.run(
         [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--log-root", str(tmp_path)],
-        env=cli_env(path=str(BIN)), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env=cli_env(path=str(BIN)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "sbatch is not on PATH" in proc.stderr
     assert not any(tmp_path.iterdir())
 
 
 def test_dry_run_without_slurm(tmp_path: Path) -> None:
     """A laptop: no sbatch, no srun. The dry run still prints the exact script."""
+    cmd = [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run", "--nodes", "2"]
+    cmd += ["--gpus-per-node", "4", "--time", "12:00:00", "--log-root", str(tmp_path)]
     proc = subprocess.run(
-        [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run", "--nodes", "2",
-         "--gpus-per-node", "4", "--time", "12:00:00", "--log-root", str(tmp_path)],
-        env=cli_env(path=str(BIN)), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cmd,
+        env=cli_env(path=str(BIN)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "world_size: 8" in out
-    expected = ["--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--time=720",
-                "--signal=USR2@90", "--requeue"]  # fmt: skip
+    expected = [
+        "--nodes=2",
+        "--ntasks-per-node=4",
+        "--gpus-per-node=4",
+        "--time=720",
+        "--signal=USR2@90",
+        "--requeue",
+    ]
     for line in expected:
         assert f"#SBATCH {line}" in out
     assert "--kill-on-bad-exit=1" in out
@@ -122,18 +152,28 @@ def golden_spec(**kw: object) -> SubmitSpec:
 
 GOLDEN_SPECS = {
     "gpu_2x4": dict(
-        nodes=2, gpus_per_node=4, time="12:00:00", partition="gpu", account="rl",
-        qos="high", cpus_per_task=8, mem="128G", constraint="a100", exclusive=True,
+        nodes=2,
+        gpus_per_node=4,
+        time="12:00:00",
+        partition="gpu",
+        account="rl",
+        qos="high",
+        cpus_per_task=8,
+        mem="128G",
+        constraint="a100",
+        exclusive=True,
         setup=("module load cuda/12.4", "source ~/venv/bin/activate"),
         sbatch_arg=("mail-type=END", "comment=PPO G1"),
     ),
     "cpu_2x2": dict(nodes=2, gpus_per_node=0, tasks_per_node=2, time="30"),
-}  # fmt: skip
+}
 # The submitit script only: a job with a spare node (sbatch asks for 3, each step runs on 2).
-SPARE = {"cpu_2x2_spare1": dict(nodes=2, gpus_per_node=0, tasks_per_node=2, time="30",
-                                spare_nodes=1),
-         "cpu_3x2_spare1_min1": dict(nodes=3, gpus_per_node=0, tasks_per_node=2, time="30",
-                                     spare_nodes=1, min_nodes=1)}  # fmt: skip
+SPARE = {
+    "cpu_2x2_spare1": dict(nodes=2, gpus_per_node=0, tasks_per_node=2, time="30", spare_nodes=1),
+    "cpu_3x2_spare1_min1": dict(
+        nodes=3, gpus_per_node=0, tasks_per_node=2, time="30", spare_nodes=1, min_nodes=1
+    ),
+}
 
 
 def check_golden(name: str, text: str) -> None:
@@ -188,16 +228,19 @@ def test_golden_submitit_script(name: str) -> None:
 def test_rendered_template_quotes_user_strings(tmp_path: Path) -> None:
     spec = SubmitSpec(
         train=TrainSpec(task="cartpole", log_root=str(tmp_path / "logs"), run_name=HOSTILE),
-        gpus_per_node=0, tasks_per_node=2, job_name=HOSTILE,
-    )  # fmt: skip
+        gpus_per_node=0,
+        tasks_per_node=2,
+        job_name=HOSTILE,
+    )
     script = tmp_path / "job.sbatch"
     script.write_text(render("train", spec))
     record = tmp_path / "argv.txt"
     recording_tools(tmp_path / "bin", record)
     env = cli_env(path=f"{tmp_path / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin")
     env |= {"SLURM_JOB_ID": "42"}
-    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=30)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
     argv = record.read_text().split("\n")
@@ -208,15 +251,17 @@ def test_rendered_template_quotes_user_strings(tmp_path: Path) -> None:
 
 def test_submitit_script_quotes_user_strings(tmp_path: Path) -> None:
     run_dir = tmp_path / "logs" / HOSTILE
-    spec = SubmitSpec(train=TrainSpec(task="cartpole", run_name=HOSTILE), job_name=HOSTILE,
-                      gpus_per_node=0)  # fmt: skip
+    spec = SubmitSpec(
+        train=TrainSpec(task="cartpole", run_name=HOSTILE), job_name=HOSTILE, gpus_per_node=0
+    )
     script = tmp_path / "job.sbatch"
     script.write_text(render_sbatch(spec, run_dir))
     record = tmp_path / "argv.txt"
     recording_tools(tmp_path / "bin", record)
     env = cli_env(path=f"{tmp_path / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin")
-    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=30)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
     assert str(run_dir / "submitit") in record.read_text().split("\n")
@@ -225,9 +270,8 @@ def test_submitit_script_quotes_user_strings(tmp_path: Path) -> None:
 
 def test_train_cli_args_round_trip() -> None:
     spec = TrainSpec(task="ant", num_envs=64, seed=3, run_name="x y", use_graph=False)
-    assert train_cli_args(spec) == [
-        "ant", "--num-envs", "64", "--seed", "3", "--run-name", "x y", "--no-use-graph",
-    ]  # fmt: skip
+    args = ["ant", "--num-envs", "64", "--seed", "3", "--run-name", "x y", "--no-use-graph"]
+    assert train_cli_args(spec) == args
     import tyro
 
     assert tyro.cli(TrainSpec, args=train_cli_args(spec)) == spec
@@ -245,12 +289,16 @@ def test_run_dir_for_key_is_stable_and_distinct(tmp_path: Path) -> None:
 @pytest.mark.training
 def test_local_executor_job(tmp_path: Path) -> None:
     """`mjlab-submit --executor local`: the same job on this machine, two CPU ranks."""
+    cmd = [BIN / "mjlab-submit", "cartpole", "--executor", "local", "--gpus-per-node", "0"]
+    cmd += ["--tasks-per-node", "2", "--num-envs", "64", "--max-iterations", "2"]
+    cmd += ["--torch-threads", "1", "--log-root", str(tmp_path), "--follow"]
     proc = subprocess.run(
-        [BIN / "mjlab-submit", "cartpole", "--executor", "local", "--gpus-per-node", "0",
-         "--tasks-per-node", "2", "--num-envs", "64", "--max-iterations", "2",
-         "--torch-threads", "1", "--log-root", str(tmp_path), "--follow"],
-        env=cli_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cmd,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = " ".join(proc.stdout.split())
     assert "64 per rank x 2 ranks = 128 in total" in out

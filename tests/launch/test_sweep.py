@@ -1,6 +1,8 @@
-"""Sweeps: parsing --sweep flags, the cartesian product with typed values, agent settings as
-overrides, every bad sweep refused before anything is created, and dry runs of the job array
-(no Slurm needed)."""
+"""Sweeps, without Slurm.
+
+Covers parsing --sweep flags, the cartesian product with typed values, agent settings as
+overrides, refusing every bad sweep before anything is created, and dry runs of the job array.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from mjlab_hpc.validate.sweep import sweep_elements
 
 
 def hpc(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([BIN / "mjlab-hpc", *args], env=cli_env(), capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [BIN / "mjlab-hpc", *args], env=cli_env(), capture_output=True, text=True, timeout=120
+    )
 
 
 def test_sweep_is_the_cartesian_product_with_typed_values() -> None:
@@ -85,12 +88,16 @@ def test_bad_sweep_exits_2_and_creates_nothing(
 
 def test_sweep_dry_run_prints_the_job_array(tmp_path: Path) -> None:
     """No Slurm at all (PATH holds only the venv): the elements and the array's script."""
+    cmd = [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run", "--nodes", "2"]
+    cmd += ["--gpus-per-node", "0", "--sweep", "seed=0,1,2", "--sweep", "num-envs=64,128"]
+    cmd += ["--array-parallelism", "2", "--log-root", str(tmp_path)]
     proc = subprocess.run(
-        [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run", "--nodes", "2",
-         "--gpus-per-node", "0", "--sweep", "seed=0,1,2", "--sweep", "num-envs=64,128",
-         "--array-parallelism", "2", "--log-root", str(tmp_path)],
-        env=cli_env(base={"PATH": str(BIN)}), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cmd,
+        env=cli_env(base={"PATH": str(BIN)}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "#SBATCH --array=0-5%2" in out and "#SBATCH --nodes=2" in out
@@ -111,9 +118,10 @@ def test_agent_sweep_of_a_builtin_task_dry_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The issue's own example: a learning-rate sweep of a built-in task."""
-    code = submit_main(["cartpole", "--executor", "slurm", "--dry-run", "--gpus-per-node", "0",
-                        "--log-root", str(tmp_path), "--sweep", "seed=0,1",
-                        "--sweep", "agent.learning_rate=1e-3,3e-4"])  # fmt: skip
+    args = ["cartpole", "--executor", "slurm", "--dry-run", "--gpus-per-node", "0"]
+    args += ["--log-root", str(tmp_path), "--sweep", "seed=0,1"]
+    args += ["--sweep", "agent.learning_rate=1e-3,3e-4"]
+    code = submit_main(args)
     out = capsys.readouterr().out
     assert code == 0, out
     assert out.count("learning_rate=") >= 4  # 2 x 2 elements, each named by its values

@@ -1,9 +1,12 @@
-"""`mjlab-hpc doctor` on the real two-node Slurm test cluster: a request that would run passes
-every check; a log root that the nodes see as a different folder (a tmpfs mounted over it in
-the nodes' mount namespace only, as node-local /tmp or /scratch would be) fails the shared
-log root check; GPUs that Slurm gives but torch cannot use fail the GPU check; with --video,
-a test render on the nodes passes, or fails with a renderer they lack. The five doctors run
-at once (their probe jobs are short and fit the cluster together)."""
+"""`mjlab-hpc doctor` on the real two-node Slurm test cluster.
+
+A request that would run passes every check. A log root that the nodes see as a different
+folder (a tmpfs mounted over it in the nodes' mount namespace only, as node-local /tmp or
+/scratch would be) fails the shared log root check. GPUs that Slurm gives but torch cannot use
+fail the GPU check. With --video, a test render on the nodes passes, or fails with a renderer
+they lack. The five doctors run at once: their probe jobs are short and fit the cluster
+together.
+"""
 
 from __future__ import annotations
 
@@ -47,21 +50,25 @@ def test_doctor_passes_and_finds_a_private_log_root_and_unusable_gpus(
     ns_pid = (slurm_cluster.state_dir / "run" / "tini-node1.pid").read_text().strip()
     # -r: its root too (the 24.11 cluster's nodes run in a root of their own).
     mount = ["nsenter", "-t", ns_pid, "-m", "-r"]
-    subprocess.run([*mount, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(private)],
-                   check=True, timeout=30)  # fmt: skip
+    subprocess.run(
+        [*mount, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(private)],
+        check=True,
+        timeout=30,
+    )
     try:
-        good = _doctor(slurm_cluster, "--log-root", str(shared), "--nodes", "2",
-                       "--tasks-per-node", "2", "--gpus-per-node", "0", "--time", "10")  # fmt: skip
-        bad = _doctor(slurm_cluster, "--log-root", str(private), "--nodes", "2",
-                      "--gpus-per-node", "0", "--time", "10")  # fmt: skip
+        cpu = ["--gpus-per-node", "0", "--time", "10"]
+        good = _doctor(
+            slurm_cluster, "--log-root", str(shared), "--nodes", "2", "--tasks-per-node", "2", *cpu
+        )
+        bad = _doctor(slurm_cluster, "--log-root", str(private), "--nodes", "2", *cpu)
         # The test cluster's GPUs are fake devices and torch is its CPU build here: a GPU
         # job as asked would not run, and the doctor must say which part is missing.
-        gpu = _doctor(slurm_cluster, "--log-root", str(shared), "--gpus-per-node", "2",
-                      "--time", "10")  # fmt: skip
+        gpu = _doctor(
+            slurm_cluster, "--log-root", str(shared), "--gpus-per-node", "2", "--time", "10"
+        )
         # --video: a frame rendered on the nodes, as rank 0 would; then with a renderer the
         # nodes lack (MUJOCO_GL=osmesa without OSMesa).
-        video = ["Mjlab-Cartpole-Balance", "--video", "--log-root", str(shared),
-                 "--gpus-per-node", "0", "--time", "10"]  # fmt: skip
+        video = ["Mjlab-Cartpole-Balance", "--video", "--log-root", str(shared), *cpu]
         renders = _doctor(slurm_cluster, *video)
         no_render = _doctor(slurm_cluster, *video, "--setup", "export MUJOCO_GL=osmesa")
         code, checks = _results(good)
@@ -72,9 +79,19 @@ def test_doctor_passes_and_finds_a_private_log_root_and_unusable_gpus(
     finally:
         subprocess.run([*mount, "umount", "-l", str(private)], timeout=30)
     assert code == 0, checks
-    for name in ("Slurm commands", "partition", "request", "probe job", "log root shared",
-                 "Python on nodes", "mjlab_hpc on nodes", "time-limit signal", "requeue",
-                 "accounting", "job arrays"):  # fmt: skip
+    for name in (
+        "Slurm commands",
+        "partition",
+        "request",
+        "probe job",
+        "log root shared",
+        "Python on nodes",
+        "mjlab_hpc on nodes",
+        "time-limit signal",
+        "requeue",
+        "accounting",
+        "job arrays",
+    ):
         assert checks[name]["result"] == "ok", checks[name]
     assert "4 task(s) on 2 node(s)" in checks["log root shared"]["detail"]
     # Slurm's own limits, as this version shows them (MaxBatchRequeue is a setting since
@@ -117,8 +134,10 @@ def test_doctor_without_slurm_and_with_bad_flags(tmp_path: Path) -> None:
     no_slurm = subprocess.run(
         [str(BIN / "mjlab-hpc"), "doctor", "--json", "--log-root", str(tmp_path)],
         env={k: v for k, v in env.items() if k != "SLURM_CONF"},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     report = json.loads(no_slurm.stdout)
     assert no_slurm.returncode == 1
     assert report["checks"][0]["name"] == "Slurm commands"
@@ -126,8 +145,11 @@ def test_doctor_without_slurm_and_with_bad_flags(tmp_path: Path) -> None:
     assert "--executor local" in report["checks"][0]["fix"]
     bad = subprocess.run(
         [str(BIN / "mjlab-hpc"), "doctor", "--nodes", "0", "--log-root", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2
     assert "--nodes" in bad.stderr
     assert list(tmp_path.iterdir()) == []
@@ -138,11 +160,15 @@ def test_a_sweep_larger_than_the_clusters_job_arrays_is_refused(
 ) -> None:
     # The test cluster's MaxArraySize is Slurm's default, 1001 (indexes 0-1000).
     seeds = ",".join(str(i) for i in range(1002))
+    cmd = [str(BIN / "mjlab-submit"), "cartpole", "--gpus-per-node", "0"]
+    cmd += ["--log-root", str(tmp_path)]
     proc = subprocess.run(
-        [str(BIN / "mjlab-submit"), "cartpole", "--gpus-per-node", "0", "--log-root",
-         str(tmp_path), "--sweep", f"seed={seeds}"],
-        env=cli_env(base=slurm_cluster.environ()), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [*cmd, "--sweep", f"seed={seeds}"],
+        env=cli_env(base=slurm_cluster.environ()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--sweep: 1002 elements; this cluster's job arrays hold at most 1001" in proc.stderr
     assert list(tmp_path.iterdir()) == []

@@ -1,8 +1,9 @@
-"""Hostile use, round 3 (issue 35), on the real two-node Slurm test cluster and the real CLIs:
-user strings in Slurm's filename patterns, a job that fails at launch, pending reasons, a
-healer that must not strand a job that requires its node, truthful states, cancel and restart
-counts with slurmctld stopped for real, a stop signal to `--follow`, and the small ones (a
-closed pipe, sbatch's one-letter keys, bytes vs characters).
+"""Hostile use, round 3 (issue 35), on the real two-node Slurm test cluster and the real CLIs.
+
+The cases: user strings in Slurm's filename patterns, a job that fails at launch, pending
+reasons, a healer that must not strand a job that requires its node, truthful states, cancel
+and restart counts with slurmctld stopped for real, and a stop signal to `--follow`. Then the
+small ones: a closed pipe, sbatch's one-letter keys, bytes vs characters.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ pytestmark = pytest.mark.slurm
 SMALL = ["--num-envs", "4", "--torch-threads", "1", "--gpus-per-node", "0", "--time", "10"]
 
 
-def cli(cluster: SlurmCluster, cwd: Path, *args: str,
-        timeout: float = 180) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def cli(
+    cluster: SlurmCluster, cwd: Path, *args: str, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
     env = cli_env(base=cluster.environ())
-    return subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def submit(cluster: SlurmCluster, cwd: Path, *args: str) -> str:
@@ -49,9 +52,14 @@ def status(cluster: SlurmCluster, cwd: Path, *args: str) -> dict:
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--run-name", "a%j"), ("--experiment-name", "x%x"), ("--run-name", "p%%q"),
-     ("--log-root", "logs%20x"), ("--run-name", "t%t")],
-)  # fmt: skip
+    [
+        ("--run-name", "a%j"),
+        ("--experiment-name", "x%x"),
+        ("--run-name", "p%%q"),
+        ("--log-root", "logs%20x"),
+        ("--run-name", "t%t"),
+    ],
+)
 def test_slurm_filename_patterns_are_refused_everywhere(
     slurm_cluster: SlurmCluster, tmp_path: Path, flag: str, value: str
 ) -> None:
@@ -89,10 +97,10 @@ def test_pending_reasons_are_shown(slurm_cluster: SlurmCluster, tmp_path: Path) 
     try:
         slurm_cluster.run(["scontrol", "hold", job])
         row = wait_for(
-            lambda: (r := status(slurm_cluster, tmp_path, job))["reason"] == "JobHeldAdmin"
-            and r,
-            30, "the hold",
-        )  # fmt: skip
+            lambda: (r := status(slurm_cluster, tmp_path, job))["reason"] == "JobHeldAdmin" and r,
+            30,
+            "the hold",
+        )
         assert row["state"] == "PENDING", row
         logs = cli(slurm_cluster, tmp_path, str(BIN / "mjlab-hpc"), "logs", job)
         assert "PENDING: JobHeldAdmin" in logs.stdout, logs.stdout + logs.stderr
@@ -110,16 +118,21 @@ def test_with_slurmctld_gone_the_records_come_first_and_cancel_marks_nothing(
     from the record, and what Slurm says. A cancel of the waiting job fails and marks nothing;
     a job id no run names is not called unknown to Slurm. Back up, Slurm agrees."""
     running = submit(slurm_cluster, tmp_path, "--max-iterations", "4", "--run-name", "running")
-    waiting = submit(slurm_cluster, tmp_path, "--sbatch-arg", "begin=now+300", "--run-name",
-                     "waiting")  # fmt: skip
+    waiting = submit(
+        slurm_cluster, tmp_path, "--sbatch-arg", "begin=now+300", "--run-name", "waiting"
+    )
     runs = {p.name.rsplit("_", 1)[1]: p for p in list_runs(tmp_path / "logs")}
     try:
         wait_for(lambda: RunDir(runs["running"]).read_progress(), 150, "the first iteration")
         with slurm_cluster.controller_down():
-            wait_for(lambda: read_record(runs["running"]).get("state") == "completed", 150,
-                     "the run's end")  # fmt: skip
-            table = cli(slurm_cluster, tmp_path, str(BIN / "mjlab-hpc"), "status",
-                        str(runs["running"]))  # fmt: skip
+            wait_for(
+                lambda: read_record(runs["running"]).get("state") == "completed",
+                150,
+                "the run's end",
+            )
+            table = cli(
+                slurm_cluster, tmp_path, str(BIN / "mjlab-hpc"), "status", str(runs["running"])
+            )
             assert "COMPLETED (run record; sacct says RUNNING)" in " ".join(table.stdout.split())
             proc = cli(slurm_cluster, tmp_path, str(BIN / "mjlab-hpc"), "cancel", waiting)
             assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -141,11 +154,15 @@ def test_a_stop_signal_to_follow_ends_once_the_ranks_are_done(
     checkpoint, the launcher says so while the job ends, and exits seconds after the
     checkpoint (submitit refreshes its cached state only every half of the job's age, up to a
     minute: the launcher asks Slurm itself once a stop was asked)."""
+    cmd = [str(BIN / "mjlab-submit"), "cartpole", *SMALL, "--max-iterations", "100000"]
     follow = subprocess.Popen(
-        [str(BIN / "mjlab-submit"), "cartpole", *SMALL, "--max-iterations", "100000",
-         "--log-root", "logs", "--follow"], cwd=tmp_path, env=cli_env(base=slurm_cluster.environ()),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [*cmd, "--log-root", "logs", "--follow"],
+        cwd=tmp_path,
+        env=cli_env(base=slurm_cluster.environ()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         run = wait_for(lambda: list_runs(tmp_path / "logs"), 60, "the run")[0]
         wait_for(lambda: RunDir(run).read_progress(), 150, "the first iteration")
@@ -170,8 +187,8 @@ def test_the_healer_keeps_a_node_the_job_requires(
 ) -> None:
     """A rank killed on node2, in a job that requires node2: excluding it would leave the job
     pending for ever (BadConstraints); it starts again on node2 and completes."""
-    job = submit(slurm_cluster, tmp_path, "--max-iterations", "4", "--sbatch-arg",
-                 "nodelist=node2", "--setup", "export MJLAB_HPC_FAULT=kill@2:once")  # fmt: skip
+    args = ["--max-iterations", "4", "--sbatch-arg", "nodelist=node2"]
+    job = submit(slurm_cluster, tmp_path, *args, "--setup", "export MJLAB_HPC_FAULT=kill@2:once")
     assert slurm_cluster.wait_job(job, timeout=300) == "COMPLETED"
     (run,) = list_runs(tmp_path / "logs")
     record = read_record(run, strict=True)
@@ -186,29 +203,32 @@ def test_the_healer_keeps_a_node_the_job_requires(
 
 def test_small_ones(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     # sbatch's one-letter keys are judged as their long options.
+    submit_small = [str(BIN / "mjlab-submit"), "cartpole", *SMALL]
     for key, names in (("o", "output"), ("J", "--job-name"), ("t", "--time")):
-        proc = cli(slurm_cluster, tmp_path, str(BIN / "mjlab-submit"), "cartpole", *SMALL,
-                   "--dry-run", "--sbatch-arg", f"{key}=x")  # fmt: skip
+        proc = cli(slurm_cluster, tmp_path, *submit_small, "--dry-run", "--sbatch-arg", f"{key}=x")
         assert proc.returncode == 2 and names in proc.stderr, proc.stderr
         assert "not an sbatch option" not in proc.stderr
     # A name too long in bytes, not characters: the message counts what the limit counts.
-    proc = cli(slurm_cluster, tmp_path, str(BIN / "mjlab-submit"), "cartpole", *SMALL,
-               "--dry-run", "--run-name", "é" * 200)  # fmt: skip
+    proc = cli(slurm_cluster, tmp_path, *submit_small, "--dry-run", "--run-name", "é" * 200)
     said = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "400 bytes (200 characters) is too long" in said, said
     # CPUs per task beyond a node's: named as the flag that asked for too much.
-    proc = cli(slurm_cluster, tmp_path, str(BIN / "mjlab-submit"), "cartpole", *SMALL,
-               "--cpus-per-task", "99")  # fmt: skip
+    proc = cli(slurm_cluster, tmp_path, *submit_small, "--cpus-per-task", "99")
     assert proc.returncode == 2 and proc.stderr.startswith("error: --cpus-per-task:"), proc.stderr
     # A submission Slurm refuses: its message once, and no folder left behind.
-    proc = cli(slurm_cluster, tmp_path, str(BIN / "mjlab-submit"), "cartpole", *SMALL,
-               "--sbatch-arg", "reservation=nope")  # fmt: skip
+    proc = cli(slurm_cluster, tmp_path, *submit_small, "--sbatch-arg", "reservation=nope")
     assert proc.returncode == 1 and proc.stderr.count("Requested reservation is invalid") == 1
     assert list(tmp_path.iterdir()) == []
     # status --json into a reader that goes away: no BrokenPipeError traceback.
     job = submit(slurm_cluster, tmp_path, "--sbatch-arg", "begin=now+300")
-    piped = subprocess.run(f"{BIN / 'mjlab-hpc'} status --json | head -c 1", shell=True,
-                           cwd=tmp_path, env=cli_env(base=slurm_cluster.environ()),
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    piped = subprocess.run(
+        f"{BIN / 'mjlab-hpc'} status --json | head -c 1",
+        shell=True,
+        cwd=tmp_path,
+        env=cli_env(base=slurm_cluster.environ()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr, piped.stderr
     slurm_cluster.run(["scancel", job])

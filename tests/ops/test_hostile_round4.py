@@ -1,12 +1,15 @@
-"""Hostile use, round 4 (issue 41), as it was found: other users on a team's log root (real
-unprivileged users, a setgid folder), training that must not depend on its console (a real
-`| head -1`, closed descriptors, a pipe nobody reads), an environment left over from elsewhere
-(a fault drill, our internal variables), and the leftovers, each one clear line. (Rank states
-from elsewhere and continuations: tests/rank/test_continuation.py, tests/rundir/test_checkpoint.py.)
+"""Hostile use, round 4 (issue 41): other users, the console, the environment, leftovers.
+
+Other users share a team's log root (real unprivileged users, a setgid folder). Training does
+not depend on its console (a real `| head -1`, closed descriptors, a pipe nobody reads). An
+environment left over from elsewhere (a fault drill, our internal variables) and the leftovers
+each get one clear line. Rank states from elsewhere and continuations are tested in
+tests/rank/test_continuation.py and tests/rundir/test_checkpoint.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -39,9 +42,9 @@ def test_other_users_on_a_team_log_root(team: Team) -> None:
     run goes on); bob trains beside her in the folders she made; what bob may not enter or
     write is one line naming its owner, never a traceback."""
     alice, bob = Team.USERS
-    start = team.run(alice, [BIN / "mjlab-submit", "cartpole", "--executor", "local",
-                             "--gpus-per-node", "0", *SMALL, "--max-iterations", "100000",
-                             "--log-root", "logs"], umask=0o002)  # fmt: skip
+    submit = [BIN / "mjlab-submit", "cartpole", "--executor", "local", "--gpus-per-node", "0"]
+    submit += [*SMALL, "--max-iterations", "100000", "--log-root", "logs"]
+    start = team.run(alice, submit, umask=0o002)
     assert start.returncode == 0, _text(start)
     logs = team.shared / "logs"
     run = wait_for_iteration(logs, 1).path
@@ -56,17 +59,18 @@ def test_other_users_on_a_team_log_root(team: Team) -> None:
         status = team.run(bob, [BIN / "mjlab-hpc", "status", "--json", "--log-root", "logs"])
         assert [r["state"] for r in json.loads(status.stdout)] == ["RUNNING"], _text(status)
 
-        mine = team.run(bob, [BIN / "mjlab-train", "cartpole", *SMALL, "--max-iterations",
-                              "1", "--log-root", "logs"])  # fmt: skip
+        train = [BIN / "mjlab-train", "cartpole", *SMALL, "--max-iterations", "1"]
+        mine = team.run(bob, [*train, "--log-root", "logs"])
         assert mine.returncode == 0 and "done: 1 iterations" in mine.stdout, _text(mine)
         # A folder alice made before with her umask (as older versions did): one line.
         assert team.run(alice, ["mkdir", "logs/old"]).returncode == 0
-        refused = team.run(bob, [BIN / "mjlab-train", "cartpole", "--experiment-name", "old",
-                                 "--log-root", "logs"])  # fmt: skip
+        refused = team.run(
+            bob, [BIN / "mjlab-train", "cartpole", "--experiment-name", "old", "--log-root", "logs"]
+        )
         said = _text(refused)
         assert refused.returncode == EXIT_BAD_INPUT and "Traceback" not in said, said
-        assert (f"error: --log-root: logs/old is not writable by {bob} (it belongs to {alice}, "
-                "drwxr-sr-x)") in said  # fmt: skip
+        why = f"is not writable by {bob} (it belongs to {alice}, drwxr-sr-x)"
+        assert f"error: --log-root: logs/old {why}" in said
         # A run alice keeps to herself (umask 077): left out of bob's status, one line in logs.
         private = logs / "cartpole" / "2026-01-01_00-00-00_private"
         assert team.run(alice, ["mkdir", "-p", private / "logs"], umask=0o077).returncode == 0
@@ -91,22 +95,23 @@ def test_another_users_slurm_job_is_not_claimed_cancelled(
     alice, bob = Team.USERS
     cluster = slurm_cluster.env
     logs = "slurm-logs"  # its own: the team's other tests leave cancelled runs in logs/
-    start = team.run(alice, [BIN / "mjlab-submit", "cartpole", *SMALL, "--gpus-per-node", "0",
-                             "--time", "10", "--max-iterations", "100000", "--log-root", logs],
-                     umask=0o002, extra=cluster)  # fmt: skip
+    submit = [BIN / "mjlab-submit", "cartpole", *SMALL, "--gpus-per-node", "0", "--time", "10"]
+    submit += ["--max-iterations", "100000", "--log-root", logs]
+    start = team.run(alice, submit, umask=0o002, extra=cluster)
     assert start.returncode == 0, _text(start)
     job = next(w for w in start.stdout.split() if w.isdigit() and len(w) > 3)
     try:
         run = wait_for_iteration(team.shared / logs, 1, timeout=180).path
-        cancel = team.run(bob, [BIN / "mjlab-hpc", "cancel", job, "--log-root", logs],
-                          extra=cluster)  # fmt: skip
+        cancel_job = [BIN / "mjlab-hpc", "cancel", job, "--log-root", logs]
+        cancel = team.run(bob, cancel_job, extra=cluster)
         said = _text(cancel)
         assert cancel.returncode == EXIT_FAILED and "nothing was cancelled" in said, said
         assert not (run / CANCEL_RECORD).exists()
         assert slurm_cluster.sacct_state(job) == "RUNNING"
     finally:
-        stop = team.run(alice, [BIN / "mjlab-hpc", "cancel", job, "--log-root", logs],
-                        extra=cluster)  # fmt: skip
+        stop = team.run(
+            alice, [BIN / "mjlab-hpc", "cancel", job, "--log-root", logs], extra=cluster
+        )
     assert stop.returncode == 0 and "CANCELLED" in stop.stdout, _text(stop)
 
 
@@ -120,13 +125,21 @@ def test_training_never_depends_on_its_console(tmp_path: Path) -> None:
     """A reader that goes away (`| head -1`), closed stdout and stderr, and a pipe nobody
     reads: the run completes all the same."""
     train = [str(BIN / "mjlab-train"), "cartpole", *SMALL, "--max-iterations", "3"]
-    piped = subprocess.run(["bash", "-c", '"$@" | head -1; exit "${PIPESTATUS[0]}"', "bash",
-                            *train, "--log-root", str(tmp_path / "head")], env=cli_env(),
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    head = '"$@" | head -1; exit "${PIPESTATUS[0]}"'
+    piped = subprocess.run(
+        ["bash", "-c", head, "bash", *train, "--log-root", str(tmp_path / "head")],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert piped.returncode == 0 and len(piped.stdout.splitlines()) == 1, _text(piped)
     _completed(tmp_path / "head")
-    closed = subprocess.run(["bash", "-c", '"$@" >&- 2>&-', "bash", *train, "--log-root",
-                             str(tmp_path / "closed")], env=cli_env(), timeout=300)  # fmt: skip
+    closed = subprocess.run(
+        ["bash", "-c", '"$@" >&- 2>&-', "bash", *train, "--log-root", str(tmp_path / "closed")],
+        env=cli_env(),
+        timeout=300,
+    )
     assert closed.returncode == 0
     _completed(tmp_path / "closed")
     read, write = os.pipe()  # full before the command starts, and never read
@@ -138,8 +151,13 @@ def test_training_never_depends_on_its_console(tmp_path: Path) -> None:
         pass
     fcntl.fcntl(write, fcntl.F_SETFL, 0)
     try:
-        full = subprocess.run([*train, "--log-root", str(tmp_path / "full")], env=cli_env(),
-                              stdout=write, stderr=write, timeout=300)  # fmt: skip
+        full = subprocess.run(
+            [*train, "--log-root", str(tmp_path / "full")],
+            env=cli_env(),
+            stdout=write,
+            stderr=write,
+            timeout=300,
+        )
     finally:
         os.close(write)
         os.close(read)
@@ -152,17 +170,24 @@ def test_the_environment_is_said_not_obeyed(tmp_path: Path) -> None:
     """A fault drill left exported is said at start, before it kills the run; an internal
     variable a user set is dropped with a line (the run stops at Ctrl-C, which
     _MJLAB_HPC_DETACHED would have made it ignore)."""
-    drill = subprocess.run([BIN / "mjlab-train", "cartpole", *SMALL, "--max-iterations", "3",
-                            "--log-root", str(tmp_path / "drill")],
-                           env=cli_env({"MJLAB_HPC_FAULT": "kill@1"}), capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
+    train = [BIN / "mjlab-train", "cartpole", *SMALL]
+    drill = subprocess.run(
+        [*train, "--max-iterations", "3", "--log-root", str(tmp_path / "drill")],
+        env=cli_env({"MJLAB_HPC_FAULT": "kill@1"}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert drill.returncode == -signal.SIGKILL
     said = "warning: MJLAB_HPC_FAULT=kill@1 is set: this run is a fault drill (kill rank 0 at "
     assert drill.stderr.startswith(said + "iteration 1)"), drill.stderr
-    proc = subprocess.Popen([BIN / "mjlab-train", "cartpole", *SMALL, "--max-iterations",
-                             "100000", "--log-root", str(tmp_path / "detached")],
-                            env=cli_env({"_MJLAB_HPC_DETACHED": "1"}), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [*train, "--max-iterations", "100000", "--log-root", str(tmp_path / "detached")],
+        env=cli_env({"_MJLAB_HPC_DETACHED": "1"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_iteration(tmp_path / "detached", 2)
         proc.send_signal(signal.SIGINT)
@@ -180,16 +205,25 @@ def test_the_leftovers_each_get_one_line(tmp_path: Path) -> None:
     from); a damaged run.json is said at start; a binary `.latest_run` is named as such."""
     run = tmp_path / "cartpole" / "run"
     train = [BIN / "mjlab-train", "cartpole", *SMALL, "--run-dir", run]
-    first = subprocess.Popen([*train, "--max-iterations", "100000"], env=cli_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        [*train, "--max-iterations", "100000"],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_iteration(tmp_path, 1)  # it writes the run
         # A rank of torchrun: no launcher checked before it (as with two commands started at
         # once, both past their launcher's check); it is refused and writes nothing there.
-        second = subprocess.run([BIN / "torchrun", "--nproc_per_node=1",
-                                 f"--master_port={free_port()}", "--no_python", *train,
-                                 "--max-iterations", "100000"], env=cli_env(),
-                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        torchrun = [BIN / "torchrun", "--nproc_per_node=1", f"--master_port={free_port()}"]
+        second = subprocess.run(
+            [*torchrun, "--no_python", *train, "--max-iterations", "100000"],
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert second.returncode != 0 and "another training is writing" in second.stderr
         first.send_signal(signal.SIGINT)
         err = first.communicate(timeout=120)[1]
@@ -202,17 +236,26 @@ def test_the_leftovers_each_get_one_line(tmp_path: Path) -> None:
 
     (run / "run.json").write_text("{torn")
     at = int(err.splitlines()[-1].split()[3])  # stopped at iteration N
-    damaged = subprocess.run([*train, "--max-iterations", str(at + 1)], env=cli_env(),
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    damaged = subprocess.run(
+        [*train, "--max-iterations", str(at + 1)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert damaged.returncode == 0, _text(damaged)
-    assert f"note: {run}/run.json is damaged (it is not JSON): this start keeps it as " in (
-        damaged.stderr)  # fmt: skip
+    note = f"note: {run}/run.json is damaged (it is not JSON): this start keeps it as "
+    assert note in damaged.stderr
     assert read_record(run)["damaged_records"][0].startswith("run.json.damaged-")
 
     (run.parent / ".latest_run").write_bytes(b"\x00\xff\xfe")
-    resume = subprocess.run([BIN / "mjlab-train", "cartpole", "--resume", "--log-root",
-                             tmp_path], env=cli_env(), capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+    resume = subprocess.run(
+        [BIN / "mjlab-train", "cartpole", "--resume", "--log-root", tmp_path],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     said = _text(resume)
     assert resume.returncode == EXIT_BAD_INPUT and "Traceback" not in said, said
     assert ".latest_run is damaged (it holds 3 bytes that are not text" in said, said
@@ -221,12 +264,36 @@ def test_the_leftovers_each_get_one_line(tmp_path: Path) -> None:
 def test_status_says_restarts_and_local_jobs_plainly() -> None:
     """A start no stop or fault came before was resumed by hand (not `1 ()`); a local job is
     its newest controller (not `384,2891 (local)`, read as two ranks)."""
-    row = RunStatus(Path("r"), "local", ("384", "2891"), "COMPLETED", "record", False, 1, None,
-                    2, 6, 6, None, None, 1, (), None)  # fmt: skip
+    row = RunStatus(
+        run_dir=Path("r"),
+        kind="local",
+        job_ids=("384", "2891"),
+        state="COMPLETED",
+        state_source="record",
+        active=False,
+        nodes=1,
+        gpus_per_node=None,
+        ranks=2,
+        iteration=6,
+        total=6,
+        env_steps_per_s=None,
+        mean_reward=None,
+        restarts=1,
+        restart_reasons=(),
+        sweep=None,
+    )
     cells = _row(row)
     assert cells[0] == "2891 (local)" and cells[6] == "1 (resumed)", cells
-    crashed = RunStatus(Path("r"), "slurm", ("7",), "RUNNING", "squeue", True, 1, None, 2,
-                        6, 6, None, None, 2, ("crash",), None)  # fmt: skip
+    crashed = dataclasses.replace(
+        row,
+        kind="slurm",
+        job_ids=("7",),
+        state="RUNNING",
+        state_source="squeue",
+        active=True,
+        restarts=2,
+        restart_reasons=("crash",),
+    )
     assert _row(crashed)[6] == "2 (crash, resumed)"
 
 

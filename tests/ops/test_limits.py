@@ -1,6 +1,8 @@
-"""Slurm's own limits against a job's flags (`mjlab-hpc doctor`'s "Slurm limits" checks), from
-`scontrol show config` as 22.05 and 24.11 print it (the test clusters' own values; the doctor
-test reads them from the real clusters)."""
+"""Slurm's own limits against a job's flags (`mjlab-hpc doctor`'s "Slurm limits" checks).
+
+The limits come from `scontrol show config` as 22.05 and 24.11 print it, with the test
+clusters' own values; the doctor test reads them from the real clusters.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +12,13 @@ from mjlab_hpc.ops.limits import limit_checks
 from mjlab_hpc.spec import SubmitSpec, TrainSpec
 
 # What the test clusters print (22.05 has no MaxBatchRequeue and no PreemptParameters).
-SLURM_22_05 = {"KillWait": "2 sec", "PreemptMode": "OFF", "SlurmctldParameters": "(null)",
-               "SlurmdTimeout": "300 sec", "UnkillableStepTimeout": "60 sec"}  # fmt: skip
+SLURM_22_05 = {
+    "KillWait": "2 sec",
+    "PreemptMode": "OFF",
+    "SlurmctldParameters": "(null)",
+    "SlurmdTimeout": "300 sec",
+    "UnkillableStepTimeout": "60 sec",
+}
 SLURM_24_11 = {**SLURM_22_05, "MaxBatchRequeue": "5", "PreemptParameters": "(null)"}
 
 
@@ -26,8 +33,10 @@ def checks(
     return out
 
 
-@pytest.mark.parametrize(("config", "shown"), [(SLURM_22_05, "5 (built in before 23.02)"),
-                                               (SLURM_24_11, "MaxBatchRequeue 5,")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("config", "shown"),
+    [(SLURM_22_05, "5 (built in before 23.02)"), (SLURM_24_11, "MaxBatchRequeue 5,")],
+)
 def test_the_limits_are_named_and_flags_within_them_pass(
     config: dict[str, str], shown: str
 ) -> None:
@@ -35,8 +44,12 @@ def test_the_limits_are_named_and_flags_within_them_pass(
     assert set(got) == {"Slurm limits"}
     result, detail, _ = got["Slurm limits"]
     assert result == "ok" and shown in detail, detail
-    for part in ("PreemptMode OFF", "KillWait 2 s", "SlurmdTimeout 300 s",
-                 "UnkillableStepTimeout 60 s"):  # fmt: skip
+    for part in (
+        "PreemptMode OFF",
+        "KillWait 2 s",
+        "SlurmdTimeout 300 s",
+        "UnkillableStepTimeout 60 s",
+    ):
         assert part in detail, detail
 
 
@@ -55,8 +68,10 @@ def test_preemption_without_the_user_signal_and_with_a_short_grace_time() -> Non
     assert "62 s" in detail and "send_user_signal" in fix
     # 23.02+ spelling, then 22.05's (SlurmctldParameters): the signal comes, but the grace
     # time is shorter than the checkpoint time the time limit gives.
-    for config in ({**requeue, "PreemptParameters": "send_user_signal"},
-                   {**requeue, "SlurmctldParameters": "preempt_send_user_signal"}):  # fmt: skip
+    for config in (
+        {**requeue, "PreemptParameters": "send_user_signal"},
+        {**requeue, "SlurmctldParameters": "preempt_send_user_signal"},
+    ):
         result, detail, _ = checks(config, grace_s=30, signal_delay_s=120)["preemption"]
         assert result == "warn" and "32 s" in detail and "--signal-delay-s 120" in detail
         assert "preemption" not in checks(config, grace_s=300, signal_delay_s=120)

@@ -1,10 +1,9 @@
-"""mjlab-hpc status, logs, cancel and plot, and mjlab-submit --sweep, with real jobs through
-submitit's local executor (the Slurm versions are in test_slurm_ops.py), plus the parsing of
-sweeps and tracebacks.
+"""mjlab-hpc status, logs, cancel and plot, and mjlab-submit --sweep, through the local executor.
 
-The module's jobs start together (one fixture) and run side by side while the tests look at
-them: a job whose rank 1 raises at iteration 3, a long job to watch and cancel, and a
-two-element sweep to plot.
+The jobs are real and start together (one fixture), then run side by side while the tests
+look at them: a job whose rank 1 raises at iteration 3, a long job to watch and cancel, and
+a two-element sweep to plot. The parsing of sweeps and tracebacks is tested here too. The
+Slurm versions are in test_slurm_ops.py.
 """
 
 from __future__ import annotations
@@ -34,8 +33,13 @@ SMALL = ["--num-envs", "32", "--torch-threads", "1", "--gpus-per-node", "0"]
 
 def hpc(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
     """Run `mjlab-hpc ARGS`; the finished process (text output)."""
-    return subprocess.run([BIN / "mjlab-hpc", *args], env=env or cli_env(), capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [BIN / "mjlab-hpc", *args],
+        env=env or cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def status_json(*args: str, env: dict[str, str] | None = None) -> list[dict]:
@@ -76,27 +80,40 @@ class LocalJobs:
 def local_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalJobs]:
     root = tmp_path_factory.mktemp("ops")
     local = ["cartpole", "--executor", "local", *SMALL]
+    failing = [*local, "--tasks-per-node", "2", "--max-iterations", "50", "--max-restarts", "0"]
+    failing += ["--log-root", str(root / "failing")]
+    long = [*local, "--tasks-per-node", "2", "--max-iterations", "5000"]
+    long += ["--log-root", str(root / "long")]
+    sweep = [*local, "--tasks-per-node", "1", "--max-iterations", "3", "--sweep", "seed=1,2"]
+    sweep += ["--log-root", str(root / "sweep"), "--follow"]
     commands = [
-        ([*local, "--tasks-per-node", "2", "--max-iterations", "50", "--max-restarts", "0",
-          "--log-root", str(root / "failing")], fault_env(root / "fault", rank=1, iteration=3)),
-        ([*local, "--tasks-per-node", "2", "--max-iterations", "5000", "--log-root",
-          str(root / "long")], {}),
-        ([*local, "--tasks-per-node", "1", "--max-iterations", "3", "--sweep", "seed=1,2",
-          "--log-root", str(root / "sweep"), "--follow"], {}),
-    ]  # fmt: skip
+        (failing, fault_env(root / "fault", rank=1, iteration=3)),
+        (long, {}),
+        (sweep, {}),
+    ]
     # Output to files, not pipes: the jobs' processes inherit them and outlive mjlab-submit.
     procs = []
     for n, (args, extra) in enumerate(commands):
         with open(root / f"submit{n}.out", "w") as out:
-            procs.append(subprocess.Popen([BIN / "mjlab-submit", *args], env=cli_env(extra),
-                                          stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [BIN / "mjlab-submit", *args],
+                    env=cli_env(extra),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     for n, proc in enumerate(procs[:2]):  # submitting returns at once: the jobs run on
         assert proc.wait(timeout=120) == 0, (root / f"submit{n}.out").read_text()
     jobs = LocalJobs(
-        root / "failing", root / "long", root / "sweep", procs[2], root / "submit2.out",
-        procs[1].pid,
-    )  # fmt: skip
+        failing=root / "failing",
+        long=root / "long",
+        sweep=root / "sweep",
+        sweep_follow=procs[2],
+        sweep_output=root / "submit2.out",
+        long_group=procs[1].pid,
+    )
     try:
         yield jobs
     finally:
@@ -138,8 +155,10 @@ def test_status_then_cancel_local_job(local_jobs: LocalJobs) -> None:
     with open(followed, "w") as out:
         follower = subprocess.Popen(
             [BIN / "mjlab-hpc", "logs", str(run), "--follow"],
-            env=cli_env(), stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            env=cli_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     wait_for(lambda: "[rank 1] " in followed.read_text(), 60, "followed lines of rank 1")
     proc = hpc("cancel", str(run), "--grace-s", "60")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -147,8 +166,9 @@ def test_status_then_cancel_local_job(local_jobs: LocalJobs) -> None:
     assert follower.wait(timeout=30) == 0
     lines = followed.read_text().splitlines()
     for rank in (0, 1):
-        assert any(line.startswith(f"[rank {rank}] ") and "stopped at iteration" in line
-                   for line in lines), lines[-10:]  # fmt: skip
+        assert any(
+            line.startswith(f"[rank {rank}] ") and "stopped at iteration" in line for line in lines
+        ), lines[-10:]
     assert local_processes(run) == []
     assert not any(alive(pid) for pid in pids)
     # The ranks stopped at an iteration boundary with a checkpoint of that iteration.
@@ -188,8 +208,8 @@ def test_logs_show_the_failing_rank_first(local_jobs: LocalJobs) -> None:
     assert "── rank 0 ·" in out and "── rank 1 ·" in out
     # By job id, one rank, and its task stderr (where submitit printed the same traceback).
     job = row["job_ids"][-1]
-    err = hpc("logs", job, "--log-root", str(local_jobs.failing), "--rank", "1",
-              "--stream", "err", "--lines", "0")  # fmt: skip
+    one_rank = ["--rank", "1", "--stream", "err", "--lines", "0"]
+    err = hpc("logs", job, "--log-root", str(local_jobs.failing), *one_rank)
     assert err.returncode == 0 and cause in err.stdout and "_1_log.err" in err.stdout
     missing = hpc("logs", str(run), "--rank", "7")
     assert missing.returncode == 2 and "--rank" in missing.stderr
@@ -242,12 +262,14 @@ def test_status_watch_redraws_until_interrupted(local_jobs: LocalJobs) -> None:
     import select
 
     leader, follower = pty.openpty()
+    watch = [BIN / "mjlab-hpc", "status", "--watch", "--interval-s", "0.3"]
     proc = subprocess.Popen(
-        [BIN / "mjlab-hpc", "status", "--watch", "--interval-s", "0.3", "--log-root",
-         str(local_jobs.sweep)],
-        env={**cli_env(), "TERM": "xterm", "COLUMNS": "250"}, stdin=follower, stdout=follower,
+        [*watch, "--log-root", str(local_jobs.sweep)],
+        env={**cli_env(), "TERM": "xterm", "COLUMNS": "250"},
+        stdin=follower,
+        stdout=follower,
         stderr=follower,
-    )  # fmt: skip
+    )
     os.close(follower)
     screen = b""
     deadline = time.monotonic() + 60

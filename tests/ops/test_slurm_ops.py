@@ -1,6 +1,7 @@
-"""mjlab-hpc status, logs and cancel, and mjlab-submit --sweep, on the real two-node Slurm test
-cluster: a job whose rank 1 (on node2) raises, a long job watched and cancelled, and a
-three-element job array throttled to two at a time. The jobs start together (one fixture).
+"""mjlab-hpc status, logs and cancel, and sweeps, on the real two-node Slurm test cluster.
+
+The jobs start together (one fixture): a job whose rank 1 (on node2) raises, a long job
+watched and cancelled, and a three-element job array throttled to two at a time.
 
 Accounting switched off is simulated with stand-ins on PATH that fail as Slurm's own clients
 do: `sacct` ("accounting storage is disabled") and, for a job slurmctld has forgotten,
@@ -64,8 +65,9 @@ def hpc(cluster: SlurmCluster, *args: str, path_first: str | None = None, timeou
     env = env_for(cluster)
     if path_first:
         env["PATH"] = f"{path_first}{os.pathsep}{env['PATH']}"
-    return subprocess.run([BIN / "mjlab-hpc", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [BIN / "mjlab-hpc", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def status_json(cluster: SlurmCluster, *args: str, path_first: str | None = None) -> list[dict]:
@@ -86,25 +88,32 @@ def cluster_jobs(
 ) -> Iterator[ClusterJobs]:
     root = tmp_path_factory.mktemp("slurm-ops")
     two_nodes = ["cartpole", "--nodes", "2", "--tasks-per-node", "1", *SMALL]
+    one_node = ["cartpole", "--nodes", "1", *SMALL]
+    sweep = ["--sweep", "seed=0,1,2", "--array-parallelism", "2"]
     commands = {
-        "failing": ([*two_nodes, "--max-iterations", "50", "--max-restarts", "0"],
-                    fault_env(root / "fault", rank=1, iteration=3)),
+        "failing": (
+            [*two_nodes, "--max-iterations", "50", "--max-restarts", "0"],
+            fault_env(root / "fault", rank=1, iteration=3),
+        ),
         "long": ([*two_nodes, "--max-iterations", "5000"], {}),
         # Each element raises once: healed per element (the array's script is ours).
-        "sweep": (["cartpole", "--nodes", "1", *SMALL, "--max-iterations", "3", "--sweep",
-                   "seed=0,1,2", "--array-parallelism", "2"],
-                  {"MJLAB_HPC_FAULT": "raise@2:rank0:once"}),
-    }  # fmt: skip
+        "sweep": (
+            [*one_node, "--max-iterations", "3", *sweep],
+            {"MJLAB_HPC_FAULT": "raise@2:rank0:once"},
+        ),
+    }
     procs = {}
     for name, (args, extra) in commands.items():
         out = open(root / f"{name}.out", "w")  # noqa: SIM115 (closed below)
         procs[name] = (
             subprocess.Popen(
                 [BIN / "mjlab-submit", *args, "--log-root", str(root / name)],
-                env=env_for(slurm_cluster, extra), stdout=out, stderr=subprocess.STDOUT,
+                env=env_for(slurm_cluster, extra),
+                stdout=out,
+                stderr=subprocess.STDOUT,
             ),
             out,
-        )  # fmt: skip
+        )
     ids = {}
     for name, (proc, out) in procs.items():
         code = proc.wait(timeout=120)
@@ -116,16 +125,16 @@ def cluster_jobs(
         ids[name] = m.group(1)
     jobs = ClusterJobs(
         root,
-        (ids["failing"], root / "failing"),
-        (ids["long"], root / "long"),
-        (ids["sweep"], root / "sweep"),
+        failing=(ids["failing"], root / "failing"),
+        long=(ids["long"], root / "long"),
+        sweep=(ids["sweep"], root / "sweep"),
     )
     try:
         yield jobs
     finally:
         # Not a bare scancel: the ranks would answer its SIGTERM with a requeue.
         client = SlurmClient(env=slurm_cluster.environ())
-        cancel_slurm(list(ids.values()), [], client, grace_s=30)
+        cancel_slurm(list(ids.values()), runs=[], slurm=client, grace_s=30)
 
 
 def test_status_then_cancel_on_slurm(

@@ -1,8 +1,10 @@
-"""Out of memory on the real Slurm test cluster (issue 35, class 4): a request whose CPU ranks'
-worlds cannot fit a node (its RealMemory, from sinfo) is refused before anything is
-submitted, naming the flag; a rank the kernel's OOM killer ends on a node (node2's slurmd in a
-memory cgroup, as a job's --mem is enforced with cgroups) is named as such by the healer, its
-node is not blamed, the job is not requeued, and status and logs say so.
+"""Out of memory on the real Slurm test cluster (issue 35, class 4).
+
+A request whose CPU ranks' worlds cannot fit a node (its RealMemory, from sinfo) is refused
+before anything is submitted, naming the flag. A rank the kernel's OOM killer ends on a node
+(node2's slurmd in a memory cgroup, as a job's --mem is enforced with cgroups) is named as
+such by the healer. Its node is not blamed, the job is not requeued, and status and logs say
+so.
 """
 
 from __future__ import annotations
@@ -24,13 +26,19 @@ from mjlab_hpc.validate import resolve
 
 pytestmark = [pytest.mark.slurm, pytest.mark.training]
 
-SUBMIT = [str(BIN / "mjlab-submit"), "cartpole", "--torch-threads", "1", "--gpus-per-node", "0",
-          "--time", "10", "--log-root", "logs"]  # fmt: skip
+SUBMIT = [str(BIN / "mjlab-submit"), "cartpole", "--torch-threads", "1", "--gpus-per-node", "0"]
+SUBMIT += ["--time", "10", "--log-root", "logs"]
 
 
 def cli(cluster: SlurmCluster, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(args), cwd=cwd, env=cli_env(base=cluster.environ()),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        list(args),
+        cwd=cwd,
+        env=cli_env(base=cluster.environ()),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_cpu_ranks_that_cannot_fit_a_node_are_refused(
@@ -56,8 +64,8 @@ def test_a_rank_killed_for_memory_is_named_and_its_node_not_blamed(
     slurmd = (slurm_cluster.state_dir / "run" / "slurmd-node2.pid").read_text().strip()
     with memory_cgroup("mjlab-node2", int(1.25 * 2**30)) as group:
         (group / "cgroup.procs").write_text(slurmd)  # its jobs' steps start inside
-        proc = cli(slurm_cluster, tmp_path, *SUBMIT, "--num-envs", str(envs),
-                   "--max-iterations", "3", "--sbatch-arg", "nodelist=node2")  # fmt: skip
+        args = ["--num-envs", str(envs), "--max-iterations", "3", "--sbatch-arg", "nodelist=node2"]
+        proc = cli(slurm_cluster, tmp_path, *SUBMIT, *args)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         job = next(w for w in proc.stdout.split() if w.isdigit() and len(w) > 3)
         assert slurm_cluster.wait_job(job, timeout=300) == "FAILED"
@@ -68,8 +76,9 @@ def test_a_rank_killed_for_memory_is_named_and_its_node_not_blamed(
     assert not fault.get("excluded_nodes") and fault["hosts"] == ["node2"], fault
     assert record["failure"]["kind"] == "out-of-memory"
     assert "killed by the kernel's OOM killer" in record["failure"]["error"]
-    attempts = slurm_cluster.run(["sacct", "-n", "-P", "-X", "--duplicates", "-j", job, "-o",
-                                  "State"]).stdout.split()  # fmt: skip
+    attempts = slurm_cluster.run(
+        ["sacct", "-n", "-P", "-X", "--duplicates", "-j", job, "-o", "State"]
+    ).stdout.split()
     assert attempts == ["FAILED"], attempts  # not requeued
     shown = slurm_cluster.run(["scontrol", "show", "job", job]).stdout
     assert "ExcNodeList=(null)" in shown

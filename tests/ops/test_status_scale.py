@@ -1,8 +1,9 @@
-"""`mjlab-hpc status` and `cancel` at scale on the real Slurm test cluster (with slurmdbd): a
-200-element sweep (one held job array) and 50 runs of their own (held jobs) cost the same
-number of Slurm calls per refresh as 5 runs: one squeue and one sacct, counted by logging
-stand-ins on PATH that run the real commands. Held jobs use no CPU; they are cancelled at the
-end, by `mjlab-hpc cancel` over all 250 runs (one scontrol update and one scancel for all).
+"""`mjlab-hpc status` and `cancel` at scale on the real Slurm test cluster (with slurmdbd).
+
+A 200-element sweep (one held job array) and 50 runs of their own (held jobs) cost the same
+number of Slurm calls per refresh as 5 runs: one squeue and one sacct. Logging stand-ins on
+PATH that run the real commands count the calls. Held jobs use no CPU. At the end
+`mjlab-hpc cancel` cancels all 250 runs with one scontrol update and one scancel.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ def plain_runs(root: Path, job_ids: list[str]) -> None:
     job starts (run.json names the job)."""
     for i, job in enumerate(job_ids):
         run = root / "scale" / f"2026-01-01_00-00-{i // 60:02d}_run{i:03d}"
-        write_json(run / "run.json", {"launch_mode": "slurm", "starts": [{"job_id": job}],
-                                      "num_nodes": 1, "world_size": 1})  # fmt: skip
+        write_json(
+            run / "run.json",
+            {"launch_mode": "slurm", "starts": [{"job_id": job}], "num_nodes": 1, "world_size": 1},
+        )
 
 
 def sweep_runs(root: Path, array: str, size: int) -> None:
@@ -57,13 +60,19 @@ def sweep_runs(root: Path, array: str, size: int) -> None:
     elements = []
     for i in range(size):
         run = root / "scale" / f"2026-01-01_00-01-00_seed={i}"
-        element = {"sweep_dir": str(sweep_dir), "index": i, "job_id": f"{array}_{i}",
-                   "executor": "slurm", "overrides": {"seed": str(i)}}  # fmt: skip
+        element = {
+            "sweep_dir": str(sweep_dir),
+            "index": i,
+            "job_id": f"{array}_{i}",
+            "executor": "slurm",
+            "overrides": {"seed": str(i)},
+        }
         write_json(run / "sweep_element.json", element)
         elements.append({**element, "run_dir": str(run)})
     axes = {"seed": [str(i) for i in range(size)]}
-    write_json(sweep_dir / "sweep.json", {"array_job_id": array, "axes": axes,
-                                          "elements": elements})  # fmt: skip
+    write_json(
+        sweep_dir / "sweep.json", {"array_job_id": array, "axes": axes, "elements": elements}
+    )
 
 
 def calls(log: Path, seen: list[str] | None = None) -> Counter[str]:
@@ -91,8 +100,11 @@ def test_status_and_cancel_of_250_runs_cost_a_constant_number_of_slurm_calls(
         def status(root: Path, *args: str, path_env: str = path) -> subprocess.CompletedProcess:
             proc = subprocess.run(
                 [BIN / "mjlab-hpc", "status", "--limit", "0", "--log-root", str(root), *args],
-                env={**env, "PATH": path_env}, capture_output=True, text=True, timeout=120,
-            )  # fmt: skip
+                env={**env, "PATH": path_env},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert proc.returncode == 0, proc.stdout + proc.stderr
             return proc
 
@@ -122,8 +134,10 @@ def test_status_and_cancel_of_250_runs_cost_a_constant_number_of_slurm_calls(
         # fresh cluster slurmctld hands new jobs to slurmdbd a few seconds late: wait until
         # accounting knows all of them (the array as one folded row), else they are UNKNOWN.
         def accounted() -> bool:
-            out = slurm_cluster.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-j",
-                                     ",".join([*jobs, array])], check=False).stdout  # fmt: skip
+            out = slurm_cluster.run(
+                ["sacct", "-n", "-X", "-P", "-o", "JobID", "-j", ",".join([*jobs, array])],
+                check=False,
+            ).stdout
             known = {line.split("_")[0] for line in out.split()}
             return known >= {*jobs, array}
 
@@ -144,8 +158,11 @@ def test_status_and_cancel_of_250_runs_cost_a_constant_number_of_slurm_calls(
         # cancel over all 250 runs: one scontrol update, one scancel, status polls after.
         proc = subprocess.run(
             [BIN / "mjlab-hpc", "cancel", str(big), "--grace-s", "20"],
-            env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         done = calls(log)
         assert done["scontrol"] == 1 and done["scancel"] == 1, done

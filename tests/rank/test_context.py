@@ -42,13 +42,8 @@ def srun_env(procid: int, localid: int, nodeid: int, **extra: str) -> dict[str, 
 
 def test_single_process() -> None:
     ctx = DistContext.from_env({})
-    assert (ctx.mode, ctx.rank, ctx.world_size, ctx.is_main, ctx.is_distributed) == (
-        "single",
-        0,
-        1,
-        True,
-        False,
-    )
+    got = (ctx.mode, ctx.rank, ctx.world_size, ctx.is_main, ctx.is_distributed)
+    assert got == ("single", 0, 1, True, False)
 
 
 @pytest.mark.parametrize(
@@ -105,12 +100,8 @@ def test_torchrun() -> None:
     ctx = DistContext.from_env(env)
     assert ctx.mode == "torchrun"
     assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.local_world_size) == (4, 1, 6, 3)
-    assert (ctx.node_rank, ctx.num_nodes, ctx.master_addr, ctx.master_port) == (
-        1,
-        2,
-        "node1",
-        29500,
-    )
+    got = (ctx.node_rank, ctx.num_nodes, ctx.master_addr, ctx.master_port)
+    assert got == (1, 2, "node1", 29500)
     assert ctx.job_id == "abc"
 
 
@@ -148,12 +139,8 @@ def test_submitit_local() -> None:
         "SUBMITIT_LOCAL_JOB_ID": "4242",
     }
     ctx = DistContext.from_env(env, master_port=31000)
-    assert (ctx.mode, ctx.rank, ctx.world_size, ctx.master_addr) == (
-        "submitit-local",
-        1,
-        2,
-        "127.0.0.1",
-    )
+    got = (ctx.mode, ctx.rank, ctx.world_size, ctx.master_addr)
+    assert got == ("submitit-local", 1, 2, "127.0.0.1")
     assert ctx.master_port == 31000
     assert DistContext.from_env(env).master_port == derive_master_port("4242")
 
@@ -262,19 +249,21 @@ def test_tasks_on_node_error() -> None:
 def test_resolve_device(
     choice: str, local_rank: int, local_world: int, count: int, visible: str | None, expected: str
 ) -> None:
-    assert (
-        resolve_device(
-            choice, local_rank, local_world, cuda_count=count, cuda_visible_devices=visible
-        )
-        == expected
+    device = resolve_device(
+        choice, local_rank, local_world, cuda_count=count, cuda_visible_devices=visible
     )
+    assert device == expected
 
 
 def test_resolve_device_errors() -> None:
     with pytest.raises(LaunchError, match="local rank 2 has no GPU"):
-        resolve_device("auto", 2, 4, cuda_count=2, cuda_visible_devices="0,1")
+        resolve_device(
+            "auto", local_rank=2, local_world_size=4, cuda_count=2, cuda_visible_devices="0,1"
+        )
     with pytest.raises(LaunchError, match="no CUDA device is visible"):
-        resolve_device("cuda", 0, 1, cuda_count=0, cuda_visible_devices="")
+        resolve_device(
+            "cuda", local_rank=0, local_world_size=1, cuda_count=0, cuda_visible_devices=""
+        )
 
 
 def test_seed_and_backend() -> None:

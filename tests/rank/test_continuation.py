@@ -1,9 +1,11 @@
-"""What a continuation may change (issue 35, class 3; the rules: docs/preemption.md, "What a
-continuation may change"), through the real CLIs: what a command does not name is the run's
-(issue 41); a setting the run's saved environments fit (--num-envs, --seed, the number of
-ranks) is refused with exit 2 before anything starts, naming the flag and the run's value,
-unless --fresh-envs; every other change is applied, said on the console and recorded in
-run.json; rank states that do not belong make their checkpoint damaged (issue 41)."""
+"""What a continuation may change, through the real CLIs (issue 35, class 3, and issue 41).
+
+The rules are in docs/preemption.md, "What a continuation may change". What a command does
+not name is the run's. A setting the run's saved environments fit (--num-envs, --seed, the
+number of ranks) is refused with exit 2 before anything starts, naming the flag and the run's
+value, unless --fresh-envs. Every other change is applied, said on the console and recorded
+in run.json. Rank states that do not belong make their checkpoint damaged.
+"""
 
 from __future__ import annotations
 
@@ -25,8 +27,13 @@ BASE = ["cartpole", "--num-envs", "16", "--torch-threads", "1", "--save-interval
 
 
 def train(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([BIN / "mjlab-train", *BASE, *args], env=cli_env(),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [BIN / "mjlab-train", *BASE, *args],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.training
@@ -64,9 +71,13 @@ def test_kept_settings_are_refused_and_others_applied(tmp_path: Path) -> None:
 
     # What the command does not name is the run's (2 ranks, --save-interval 1, 16 envs): the
     # new --save-interval and --max-iterations are applied and said, nothing else.
-    more = subprocess.run([BIN / "mjlab-train", "cartpole", "--max-iterations", "5",
-                           "--save-interval", "2", *where], env=cli_env(), capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    more = subprocess.run(
+        [BIN / "mjlab-train", "cartpole", "--max-iterations", "5", "--save-interval", "2", *where],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert more.returncode == 0, more.stderr[-2000:]
     (note,) = [x for x in more.stderr.splitlines() if x.startswith("note: continuing")]
     assert note.endswith(": --max-iterations 4 -> 5; --save-interval 1 -> 2"), note
@@ -116,11 +127,21 @@ def _recorded_run(root: Path, world_size: int, device: str = "cpu") -> Path:
     checkpoint at iteration 4), made without training."""
     run = root / "cartpole" / "2026-01-01_00-00-00"
     run.mkdir(parents=True)
-    spec = TrainSpec(num_envs=16, max_iterations=6, save_interval=2, torch_threads=1,
-                     overrides=("--agent.learning-rate", "0.001", "--agent.gamma=0.9"))  # fmt: skip
+    spec = TrainSpec(
+        num_envs=16,
+        max_iterations=6,
+        save_interval=2,
+        torch_threads=1,
+        overrides=("--agent.learning-rate", "0.001", "--agent.gamma=0.9"),
+    )
     effective = {"experiment_name": "cartpole", "num_envs": 16}
-    record = {"spec": spec.to_dict(), "world_size": world_size, "num_nodes": 1,
-              "device": device, "effective": effective}  # fmt: skip
+    record = {
+        "spec": spec.to_dict(),
+        "world_size": world_size,
+        "num_nodes": 1,
+        "device": device,
+        "effective": effective,
+    }
     (run / "run.json").write_text(json.dumps(record))
     save_checkpoint(run / "model_4.pt", {"iter": 4})
     return run
@@ -131,8 +152,8 @@ def test_a_continuation_keeps_what_it_does_not_name(tmp_path: Path) -> None:
     ranks, its overrides, its log root), what it names is kept as named (then compared), and
     what it names of where the run is must be where it is."""
     run = _recorded_run(tmp_path / "logs", 2)
-    argv = ["cartpole", "--max_iterations=8", "--no-video", "--run-dir", str(run),
-            "--agent.gamma", "0.95"]  # fmt: skip
+    argv = ["cartpole", "--max_iterations=8", "--no-video", "--run-dir", str(run)]
+    argv += ["--agent.gamma", "0.95"]
     spec = TrainSpec(run_dir=str(run), max_iterations=8, overrides=("--agent.gamma", "0.95"))
     assert named_flags(spec, argv) == {"task", "max_iterations", "video", "run_dir"}
     got = continued(spec, named_flags(spec, argv))
@@ -144,18 +165,21 @@ def test_a_continuation_keeps_what_it_does_not_name(tmp_path: Path) -> None:
     assert named.num_procs == 1 and named.max_iterations == 6  # compared, then refused
     assert continued(spec, frozenset({"run_dir"}), rank=True).num_procs == 1  # its launcher's
     job = continued(SubmitSpec(train=TrainSpec(run_dir=str(run))), frozenset({"run_dir"}))
-    assert (job.nodes, job.gpus_per_node, job.ranks_per_node, job.train.max_iterations) == (
-        1, 0, 2, 6)  # fmt: skip
-    for flag, value in (("experiment_name", "other"), ("run_name", "x"),
-                        ("log_root", str(tmp_path / "elsewhere"))):  # fmt: skip
+    shape = (job.nodes, job.gpus_per_node, job.ranks_per_node, job.train.max_iterations)
+    assert shape == (1, 0, 2, 6)
+    for flag, value in (
+        ("experiment_name", "other"),
+        ("run_name", "x"),
+        ("log_root", str(tmp_path / "elsewhere")),
+    ):
         with pytest.raises(SpecError) as refused:
             continued(spec.replace(**{flag: value}), frozenset({flag, "run_dir"}))
         assert refused.value.flag == f"--{flag.replace('_', '-')}"
     # --num-procs 2 on a run of two ranks (a job's --tasks-per-node 2) is no change to say.
     notes: list[str] = []
     given = frozenset({"num_procs", "run_dir", "max_iterations"})
-    resolved = continue_target(resolve(continued(spec.replace(num_procs=2), given)),
-                               (2, "--num-procs"), notes.append)  # fmt: skip
+    target = resolve(continued(spec.replace(num_procs=2), given))
+    resolved = continue_target(target, world=(2, "--num-procs"), say=notes.append)
     assert notes == [f"continuing {run}: --max-iterations 6 -> 8; --agent.gamma 0.9 -> 0.95"]
     assert resolved.train.num_procs == 2
 
@@ -164,9 +188,13 @@ def test_resume_of_nothing_is_an_error(tmp_path: Path) -> None:
     """Issue 41: `--resume --run-dir DIR` where DIR is empty or missing trains nothing new."""
     (tmp_path / "empty").mkdir()
     for name, what in (("empty", "holds no run"), ("missing", "does not exist")):
-        proc = subprocess.run([BIN / "mjlab-train", "cartpole", "--resume", "--run-dir",
-                               str(tmp_path / name)], env=cli_env(), capture_output=True,
-                              text=True, timeout=120)  # fmt: skip
+        proc = subprocess.run(
+            [BIN / "mjlab-train", "cartpole", "--resume", "--run-dir", str(tmp_path / name)],
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         said = " ".join(proc.stderr.split())
         assert proc.returncode == EXIT_BAD_INPUT and said.startswith("error: --resume:"), said
         assert what in said

@@ -1,9 +1,12 @@
-"""Every way a run stops, with real processes and real signals, as a user meets them: Ctrl-C
-(SIGINT to the whole foreground process group, as a terminal sends it), a second Ctrl-C,
-SIGTERM to the launcher, kill -9 of the launcher or of submitit's local controller, and
-resuming (several ranks, damaged checkpoints, another task, a copied log root). Each asserts
-the exit code, the checkpoint, run.json, the closing line and that no process is left.
-(Time limits and preemption: test_preemption.py; Slurm: launch/test_slurm_jobs.py.)"""
+"""Every way a run stops, with real processes and real signals, as a user meets them.
+
+The stops: Ctrl-C (SIGINT to the whole foreground process group, as a terminal sends it), a
+second Ctrl-C, SIGTERM to the launcher, kill -9 of the launcher or of submitit's local
+controller. Then resuming: several ranks, damaged checkpoints, another task, a copied log
+root. Each test asserts the exit code, the checkpoint, run.json, the closing line and that no
+process is left. Time limits and preemption are in test_preemption.py, Slurm in
+launch/test_slurm_jobs.py.
+"""
 
 from __future__ import annotations
 
@@ -27,16 +30,22 @@ from mjlab_hpc.rundir.state import read_record
 
 pytestmark = pytest.mark.training
 
-COMMON = ["cartpole", "--num-envs", "32", "--seed", "3", "--torch-threads", "1",
-          "--save-interval", "100"]  # fmt: skip
+COMMON = ["cartpole", "--num-envs", "32", "--seed", "3", "--torch-threads", "1"]
+COMMON += ["--save-interval", "100"]
 TWO = ["--num-procs", "2"]
 
 
 def start(tmp: Path, args: list[str], prog: str = "mjlab-train") -> subprocess.Popen[str]:
     """A command in a session of its own, as a terminal would run it in the foreground (its
     process group receives the terminal's Ctrl-C)."""
-    return subprocess.Popen([BIN / prog, *args], env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [BIN / prog, *args],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def all_gone(run: RunDir, launcher: int | None = None, timeout: float = 60) -> None:
@@ -78,8 +87,13 @@ def test_ctrl_c_stops_two_ranks_with_a_checkpoint_and_resume_continues_exactly(
     line = closing_line(err)
     assert line.startswith(f"stopped at iteration {stop['iteration']} (interrupt, SIGINT)")
 
-    again = subprocess.run([BIN / "mjlab-train", *args, "--resume"], env=cli_env(),
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    again = subprocess.run(
+        [BIN / "mjlab-train", *args, "--resume"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert only_run(root) == run  # the same run, not a new one
     assert "done: 8 iterations" in again.stdout
@@ -90,8 +104,12 @@ def test_ctrl_c_stops_two_ranks_with_a_checkpoint_and_resume_continues_exactly(
     assert summary["param_digest_per_rank"] == reference
 
 
-REASONS = {"sigterm-launcher": "terminated", "hangup-group": "hangup",
-           "kill-controller": "supervisor-lost", "kill-launcher": "supervisor-lost"}  # fmt: skip
+REASONS = {
+    "sigterm-launcher": "terminated",
+    "hangup-group": "hangup",
+    "kill-controller": "supervisor-lost",
+    "kill-launcher": "supervisor-lost",
+}
 
 
 @pytest.mark.parametrize("how", sorted(REASONS))
@@ -133,10 +151,9 @@ def test_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     job at once (exit 130), says so, no traceback, and leaves nothing running."""
     root = tmp_path / "logs"
     # Iterations long enough (~2 s) that the first Ctrl-C's stop is still pending.
-    proc = start(tmp_path, [*COMMON, "--num-envs", "512", "--executor", "local",
-                            "--gpus-per-node", "0", "--tasks-per-node", "2",
-                            "--max-iterations", "1000", "--log-root", str(root), "--follow"],
-                 prog="mjlab-submit")  # fmt: skip
+    args = [*COMMON, "--num-envs", "512", "--executor", "local", "--gpus-per-node", "0"]
+    args += ["--tasks-per-node", "2", "--max-iterations", "1000", "--log-root", str(root)]
+    proc = start(tmp_path, [*args, "--follow"], prog="mjlab-submit")
     run = wait_for_iteration(root, 1)
     for _ in range(3):  # impatient key presses (signals sent together are delivered as one)
         os.killpg(proc.pid, signal.SIGINT)
@@ -180,8 +197,10 @@ def test_ctrl_c_while_it_starts_and_twice_in_one_process(tmp_path: Path) -> None
         "interrupted: stopped at once (Ctrl-C); nothing was started"
     ]
     assert not run.exists()
-    proc = start(tmp_path, [*COMMON, "--num-envs", "512", "--max-iterations", "1000",
-                            "--log-root", str(root)])  # fmt: skip
+    proc = start(
+        tmp_path,
+        [*COMMON, "--num-envs", "512", "--max-iterations", "1000", "--log-root", str(root)],
+    )
     run = wait_for_iteration(root, 1)
     for _ in range(2):
         os.killpg(proc.pid, signal.SIGINT)
@@ -199,8 +218,11 @@ def _flip(path: Path) -> None:
 
 
 def _snapshot(run: RunDir) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run.path.iterdir()) if p.is_file()}  # fmt: skip
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run.path.iterdir())
+        if p.is_file()
+    }
 
 
 def test_resume_skips_damaged_checkpoints_and_refuses_what_it_cannot_continue(
@@ -212,12 +234,13 @@ def test_resume_skips_damaged_checkpoints_and_refuses_what_it_cannot_continue(
     without changing anything; --restart-from-scratch trains again. A copied log root
     resumes in the copy."""
     root = tmp_path / "logs"
-    base = [BIN / "mjlab-train", "cartpole", "--num-envs", "16", "--torch-threads", "1",
-            "--save-interval", "2", "--log-root", str(root)]  # fmt: skip
+    base = [BIN / "mjlab-train", "cartpole", "--num-envs", "16", "--torch-threads", "1"]
+    base += ["--save-interval", "2", "--log-root", str(root)]
 
     def train(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*base, *extra], env=cli_env(), capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
+        return subprocess.run(
+            [*base, *extra], env=cli_env(), capture_output=True, text=True, timeout=300
+        )
 
     first = train("--max-iterations", "6")
     assert first.returncode == 0, first.stderr[-2000:]
@@ -237,8 +260,11 @@ def test_resume_skips_damaged_checkpoints_and_refuses_what_it_cannot_continue(
     shutil.copytree(root, copy)
     in_copy = subprocess.run(
         [*base[:-1], str(copy), "--max-iterations", "10", "--resume"],
-        env=cli_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert in_copy.returncode == 0, in_copy.stderr[-2000:]
     assert (copy / "cartpole" / run.path.name / "model_10.pt").exists()
     assert not run.checkpoint(10).exists()
@@ -252,8 +278,11 @@ def test_resume_skips_damaged_checkpoints_and_refuses_what_it_cannot_continue(
     assert _snapshot(run) == before
     other_task = subprocess.run(
         [BIN / "mjlab-train", "ant", "--run-dir", str(run.path), "--num-envs", "16"],
-        env=cli_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert other_task.returncode == EXIT_BAD_INPUT
     assert "holds a run of task 'cartpole'" in " ".join(other_task.stderr.split())
     assert _snapshot(run) == before
@@ -262,8 +291,7 @@ def test_resume_skips_damaged_checkpoints_and_refuses_what_it_cannot_continue(
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert read_record(run.path)["starts"][-1]["resumed_from_iteration"] == 0
     assert [r["iteration"] for r in run.read_progress()] == [1, 2]
-    other_shape = train("--max-iterations", "4", "--resume",
-                        "--agent.actor.hidden-dims", "[64,64]")  # fmt: skip
+    other_shape = train("--max-iterations", "4", "--resume", "--agent.actor.hidden-dims", "[64,64]")
     assert other_shape.returncode == EXIT_BAD_INPUT, other_shape.stderr[-2000:]
     assert "network of another shape" in other_shape.stderr
     assert read_record(run.path)["state"] == "completed"  # unchanged by the refusal
@@ -273,12 +301,17 @@ def test_submit_local_resume_continues_on_two_ranks(tmp_path: Path) -> None:
     """`mjlab-submit --executor local --resume` continues the latest run on as many ranks,
     in the same run directory, one progress line per iteration."""
     root = tmp_path / "logs"
-    args = [*COMMON, "--executor", "local", "--gpus-per-node", "0", "--tasks-per-node", "2",
-            "--log-root", str(root), "--follow"]  # fmt: skip
+    args = [*COMMON, "--executor", "local", "--gpus-per-node", "0", "--tasks-per-node", "2"]
+    args += ["--log-root", str(root), "--follow"]
 
     def submit(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([BIN / "mjlab-submit", *args, *extra], env=cli_env(),
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        return subprocess.run(
+            [BIN / "mjlab-submit", *args, *extra],
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     first = submit("--max-iterations", "2")
     assert first.returncode == 0, first.stderr[-2000:]
@@ -303,9 +336,12 @@ def test_a_terminal_shows_the_live_bar_on_several_ranks(tmp_path: Path) -> None:
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
         [BIN / "mjlab-train", *COMMON, *TWO, "--max-iterations", "4", "--log-root", str(root)],
-        env={**cli_env(), "TERM": "xterm", "COLUMNS": "120"}, stdin=follower, stdout=follower,
-        stderr=follower, start_new_session=True,
-    )  # fmt: skip
+        env={**cli_env(), "TERM": "xterm", "COLUMNS": "120"},
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        start_new_session=True,
+    )
     os.close(follower)
     chunks = []
     while True:
@@ -330,16 +366,20 @@ def test_a_refused_resume_on_two_ranks_is_bad_input(tmp_path: Path) -> None:
     anything changes; the launcher says so with exit 2 (not the run's earlier "done")."""
     root = tmp_path / "logs"
     args = [*COMMON, *TWO, "--max-iterations", "2", "--log-root", str(root)]
-    first = subprocess.run([BIN / "mjlab-train", *args], env=cli_env(), capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
+    first = subprocess.run(
+        [BIN / "mjlab-train", *args], env=cli_env(), capture_output=True, text=True, timeout=300
+    )
     assert first.returncode == 0, first.stderr[-2000:]
     run = only_run(root)
     before = _snapshot(run)
+    resume = ["--max-iterations", "4", "--resume", "--agent.actor.hidden-dims", "[64,64]"]
     other = subprocess.run(
-        [BIN / "mjlab-train", *args, "--max-iterations", "4", "--resume",
-         "--agent.actor.hidden-dims", "[64,64]"],
-        env=cli_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [BIN / "mjlab-train", *args, *resume],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert other.returncode == EXIT_BAD_INPUT, other.stdout[-1000:] + other.stderr[-2000:]
     assert "network of another shape" in other.stderr and "done:" not in other.stdout
     assert {k: v for k, v in _snapshot(run).items() if k != "run.json"} == {

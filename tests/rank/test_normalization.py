@@ -1,6 +1,8 @@
-"""Synced observation normalizers on two real processes (gloo): per-step and per-iteration
-agreement give the statistics one process learns from every rank's observations, the same
-bits on every rank, with one collective per step or one per rollout."""
+"""Synced observation normalizers on two real processes (gloo).
+
+Per-step and per-iteration agreement give the statistics one process learns from every rank's
+observations: the same bits on every rank, with one collective per step or one per rollout.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
-"""Out of memory is a named outcome, not a crash (issue 35, class 4), met as a user meets it on
-one machine: a request whose worlds cannot fit is refused before anything starts, naming the
-flag and the most that fits; the largest request that is accepted and still runs out (what
-MuJoCo Warp's worlds take is a lower bound of what a rank takes) ends in one line that says
-so and what to lower, with a run record; a rank the kernel's OOM killer ends inside a memory
-cgroup (a container's limit) is named as such, and not restarted with the same settings.
+"""Out of memory is a named outcome, not a crash, on one machine (issue 35, class 4).
+
+A request whose worlds cannot fit is refused before anything starts, naming the flag and the
+most that fits. The largest request that is accepted and still runs out (what MuJoCo Warp's
+worlds take is a lower bound of what a rank takes) ends in one line that says so and what to
+lower, with a run record. A rank the kernel's OOM killer ends inside a memory cgroup (a
+container's limit) is named as such, and not restarted with the same settings.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ TRAIN = [str(BIN / "mjlab-train"), "cartpole", "--torch-threads", "1", "--log-ro
 
 
 def run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, cwd=cwd, env=cli_env(), capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        args, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def cartpole_world_bytes() -> int:
@@ -50,9 +52,9 @@ def test_a_request_that_cannot_fit_is_refused_before_anything_starts(tmp_path: P
     assert said.startswith("error: --num-envs:") and "bytes per world of cartpole's model" in said
     assert "available: use at most --num-envs " in said and "Traceback" not in said
     # A Slurm job's CPU ranks against its --mem, in the dry run too (nothing asks Slurm).
-    proc = run([str(BIN / "mjlab-submit"), "cartpole", "--executor", "slurm", "--dry-run",
-                "--gpus-per-node", "0", "--tasks-per-node", "2", "--num-envs", "100000",
-                "--mem", "1G"], tmp_path)  # fmt: skip
+    submit = [str(BIN / "mjlab-submit"), "cartpole", "--executor", "slurm", "--dry-run"]
+    submit += ["--gpus-per-node", "0", "--tasks-per-node", "2", "--num-envs", "100000"]
+    proc = run([*submit, "--mem", "1G"], tmp_path)
     said = " ".join(proc.stderr.split())
     assert proc.returncode == EXIT_BAD_INPUT and said.startswith("error: --mem:"), said[-2000:]
     assert "x 2 ranks" in said and "raise --mem to at least" in said
@@ -64,8 +66,10 @@ def test_the_largest_accepted_request_that_runs_out_says_so(tmp_path: Path) -> N
     the largest still runs out, in an allocation, and says so in one line."""
     limit = 3 * 2**30
     envs = limit // cartpole_world_bytes()
-    proc = run(["prlimit", f"--as={limit}", *TRAIN, "--num-envs", str(envs),
-                "--max-iterations", "2"], tmp_path)  # fmt: skip
+    proc = run(
+        ["prlimit", f"--as={limit}", *TRAIN, "--num-envs", str(envs), "--max-iterations", "2"],
+        tmp_path,
+    )
     assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     (line,) = proc.stderr.strip().splitlines()
@@ -85,11 +89,16 @@ def test_a_rank_the_kernel_kills_for_memory_is_named_and_not_restarted(tmp_path:
     limit = 2 * 2**30
     envs = int(0.8 * limit / 2 / cartpole_world_bytes())
     with memory_cgroup("mjlab-oom", limit) as group:
+        in_group = f'echo $$ > {group}/cgroup.procs && exec "$@"'
+        train = [*TRAIN, "--num-procs", "2", "--num-envs", str(envs), "--max-iterations", "3"]
         proc = subprocess.run(
-            ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *TRAIN,
-             "--num-procs", "2", "--num-envs", str(envs), "--max-iterations", "3"],
-            cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=400,
-        )  # fmt: skip
+            ["sh", "-c", in_group, "sh", *train],
+            cwd=tmp_path,
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         kills = int((group / "memory.oom_control").read_text().split("oom_kill ")[1].split()[0])
     assert kills >= 1, proc.stderr[-3000:]
     assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]

@@ -1,7 +1,9 @@
-"""rsl-rl's own PPO on two real processes in a real gloo process group, as our runner drives it:
-each rank updates from its own rollout, and the averaged gradients and the agreed learning rate
-leave both ranks with the same parameters (the KL all-reduce, the learning-rate broadcast and
-the gradient all-reduce of every mini-batch, counted by our collective clock)."""
+"""rsl-rl's own PPO on two real processes in a real gloo process group, as our runner drives it.
+
+Each rank updates from its own rollout. The averaged gradients and the agreed learning rate
+leave both ranks with the same parameters. Our collective clock counts the KL all-reduce, the
+learning-rate broadcast and the gradient all-reduce of every mini-batch.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ NUM_ENVS, OBS_DIM, NUM_ACTIONS = 32, 6, 2
 
 
 def _train_cfg(algorithm: Any, rank: int, adaptive: bool) -> dict[str, Any]:
-    cfg = copy.deepcopy(agent_config(BUILTIN_TASKS["cartpole"], 1000, "t"))
+    agent = agent_config(BUILTIN_TASKS["cartpole"], save_interval=1000, experiment_name="t")
+    cfg = copy.deepcopy(agent)
     cfg["algorithm"]["class_name"] = algorithm
     cfg["num_steps_per_env"] = 16
     if not adaptive:
@@ -70,10 +73,12 @@ def _one_update(algorithm: Any, rank: int, adaptive: bool) -> dict[str, Any]:
 
 def _updates(rank: int) -> dict[str, Any]:
     return {
-        "updates": {adaptive: _one_update("rsl_rl.algorithms.PPO", rank, adaptive)
-                    for adaptive in (True, False)},
+        "updates": {
+            adaptive: _one_update("rsl_rl.algorithms.PPO", rank, adaptive)
+            for adaptive in (True, False)
+        },
         "equivalence": _both_ways(rank),
-    }  # fmt: skip
+    }
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +154,9 @@ def _fresh_ppo(rank: int | None, num_envs: int) -> Any:
         cfg["multi_gpu"] = None
     obs = TensorDict({"policy": torch.zeros(num_envs, OBS_DIM)}, batch_size=[num_envs])
     torch.manual_seed(0)
-    return PPO.construct_algorithm(obs, SimpleNamespace(num_envs=num_envs, num_actions=NUM_ACTIONS),
-                                   cfg, "cpu")  # fmt: skip
+    return PPO.construct_algorithm(
+        obs, SimpleNamespace(num_envs=num_envs, num_actions=NUM_ACTIONS), cfg, "cpu"
+    )
 
 
 @contextlib.contextmanager
@@ -189,8 +195,12 @@ def _recorded(alg: Any, perm: Any) -> Iterator[dict[str, list[float]]]:
 def _params(alg: Any) -> dict[str, list]:
     """The actor's and the critic's parameters and normalizer statistics, as lists."""
     models = {"actor": alg.actor, "critic": alg.critic}
-    return {f"{m}.{k}": v.tolist() for m, model in models.items()
-            for k, v in model.state_dict().items() if v.is_floating_point()}  # fmt: skip
+    return {
+        f"{m}.{k}": v.tolist()
+        for m, model in models.items()
+        for k, v in model.state_dict().items()
+        if v.is_floating_point()
+    }
 
 
 def _iteration(alg: Any, cols: slice, perm: Any, *, agree: bool, per_rank_advantages: bool) -> dict:
@@ -214,8 +224,9 @@ def _iteration(alg: Any, cols: slice, perm: Any, *, agree: bool, per_rank_advant
             alg.transition.actions = actions
             alg.transition.actions_log_prob = alg.actor.get_output_log_prob(actions).detach()
             extras = {"time_outs": data["time_outs"][t, cols]}
-            alg.process_env_step(observe(t + 1), data["rewards"][t, cols], data["dones"][t, cols],
-                                 extras)  # fmt: skip
+            alg.process_env_step(
+                observe(t + 1), data["rewards"][t, cols], data["dones"][t, cols], extras
+            )
         if agree:
             agree_normalizers(alg._raw_actor, alg._raw_critic)
         alg.compute_returns(observe(STEPS))
@@ -245,8 +256,9 @@ def _both_ways(rank: int) -> dict[str, Any]:
     for every in ("step", "iteration"):
         alg = _fresh_ppo(rank, NUM_ENVS)
         sync_normalizers(alg._raw_actor, alg._raw_critic, every=every)
-        out[every] = _iteration(alg, cols, ranks[rank], agree=every == "iteration",
-                                per_rank_advantages=False)  # fmt: skip
+        out[every] = _iteration(
+            alg, cols, ranks[rank], agree=every == "iteration", per_rank_advantages=False
+        )
     if rank == 0:
         import torch
 

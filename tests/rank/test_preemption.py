@@ -1,7 +1,10 @@
-"""Preemption, resume and faults with real processes (the Slurm versions are in
-launch/test_slurm_jobs.py): stop at a boundary, checkpoint, requeue through submitit's local
-executor, exact continuation, kill -9 of a rank named as the cause; the stop machinery on its
-own (what each signal means, agreement, exit codes, a lost supervisor)."""
+"""Preemption, resume and faults with real processes.
+
+Covers a stop at a boundary, the checkpoint, a requeue through submitit's local executor, the
+exact continuation, and kill -9 of a rank named as the cause. The stop machinery is tested on
+its own too: what each signal means, agreement, exit codes, a lost supervisor. The Slurm
+versions are in launch/test_slurm_jobs.py.
+"""
 
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ from mjlab_hpc.rank.signals import (
 from mjlab_hpc.rank.stop import Stopped, Supervision, after_stop, agree, agree_boundary
 from mjlab_hpc.rundir.state import read_record
 
-COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1",
-          "--save-interval", "100"]  # fmt: skip
+COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1"]
+COMMON += ["--save-interval", "100"]
 
 
 @pytest.mark.training
@@ -45,11 +48,15 @@ def test_three_preemptions_local_executor_exact(tmp_path: Path, shared_tmp: Path
     exit for a requeue, the executor restarts them, and the run ends with exactly K
     iterations and the parameters of an uninterrupted run."""
     iters, root = 12, tmp_path / "job"
+    cmd = [BIN / "mjlab-submit", *COMMON, "--max-iterations", str(iters), "--executor", "local"]
+    cmd += ["--gpus-per-node", "0", "--tasks-per-node", "2", "--log-root", str(root), "--follow"]
     proc = subprocess.Popen(
-        [BIN / "mjlab-submit", *COMMON, "--max-iterations", str(iters), "--executor", "local",
-         "--gpus-per-node", "0", "--tasks-per-node", "2", "--log-root", str(root), "--follow"],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cmd,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for n, at in enumerate((2, 5, 8), start=1):
         run = wait_for_iteration(root, at)
         pids = rank_pids(run)
@@ -81,8 +88,9 @@ def test_resume_by_hand_is_exact(tmp_path: Path, shared_tmp: Path) -> None:
     command that resumes it, no traceback; that command continues exactly."""
     iters, root = 8, tmp_path / "job"
     args = [BIN / "mjlab-train", *COMMON, "--max-iterations", str(iters), "--log-root", str(root)]
-    proc = subprocess.Popen(args, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        args, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     wait_for_iteration(root, 3)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -96,8 +104,9 @@ def test_resume_by_hand_is_exact(tmp_path: Path, shared_tmp: Path) -> None:
     assert f"stopped at iteration {stop['iteration']} (terminated, SIGTERM)" in line
     resume = line.split("resume with: ", 1)[1].split()
     assert resume[0] == "mjlab-train" and resume[-2:] == ["--run-dir", str(run.path)]
-    again = subprocess.run([BIN / resume[0], *resume[1:]], env=cli_env(), capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
+    again = subprocess.run(
+        [BIN / resume[0], *resume[1:]], env=cli_env(), capture_output=True, text=True, timeout=300
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     summary = json.loads(only_run(root).summary.read_text())
     assert summary["resumed_from"] == stop["iteration"] and summary["iterations"] == iters
@@ -111,11 +120,15 @@ def test_kill_one_rank_ends_the_job_and_names_it(tmp_path: Path) -> None:
     """kill -9 of rank 1 mid-run with self-healing off (--max-restarts 0): the job ends
     promptly, leaves nothing, and the launcher, `status` and `logs` name rank 1 as the cause,
     not rank 0 that lost its peer. (With healing: tests/launch/test_healing.py.)"""
+    cmd = [BIN / "mjlab-train", *COMMON, "--max-iterations", "1000", "--num-procs", "2"]
+    cmd += ["--log-root", str(tmp_path), "--dist-timeout-s", "300", "--max-restarts", "0"]
     proc = subprocess.Popen(
-        [BIN / "mjlab-train", *COMMON, "--max-iterations", "1000", "--num-procs", "2",
-         "--log-root", str(tmp_path), "--dist-timeout-s", "300", "--max-restarts", "0"],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cmd,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     run = wait_for_iteration(tmp_path, 2)
     pids = rank_pids(run)
     assert len(pids) == 2
@@ -133,12 +146,22 @@ def test_kill_one_rank_ends_the_job_and_names_it(tmp_path: Path) -> None:
     (fault,) = read_record(run.path)["faults"]  # recorded, not healed: restarts exhausted
     assert fault["kind"] == "failed" and "--max-restarts 0" in fault["action"], fault
     assert fault["reason"] == "crash" and fault["ranks"] == [1]
-    status = subprocess.run([BIN / "mjlab-hpc", "status", "--json", str(run.path)],
-                            env=cli_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    status = subprocess.run(
+        [BIN / "mjlab-hpc", "status", "--json", str(run.path)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     row = json.loads(status.stdout)[0]
     assert row["state"] == "FAILED" and row["cause"].startswith("rank 1 on "), row
-    logs = subprocess.run([BIN / "mjlab-hpc", "logs", str(run.path)], env=cli_env(),
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    logs = subprocess.run(
+        [BIN / "mjlab-hpc", "logs", str(run.path)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     first = logs.stdout.splitlines()[0]
     assert first.startswith("cause: rank 1 on ") and "killed" in first, logs.stdout[:500]
 
@@ -158,7 +181,12 @@ def test_kill_one_rank_ends_the_job_and_names_it(tmp_path: Path) -> None:
     ],
 )
 def test_what_each_signal_means(signum: int, mode: str, kind: StopKind, reason: str) -> None:
-    assert classify(signum, mode, "USR2") == (kind, reason)
+    assert classify(signum, mode, time_limit_signal="USR2") == (kind, reason)
+
+
+def _alone(request: StopRequest) -> Stop | None:
+    """What one process on the CPU, in no process group, agrees to stop for."""
+    return agree(request, distributed=False, device="cpu")
 
 
 def test_handlers_record_the_strongest_stop_and_are_restored() -> None:
@@ -167,12 +195,12 @@ def test_handlers_record_the_strongest_stop_and_are_restored() -> None:
     with watch_signals(request):
         os.kill(os.getpid(), signal.SIGUSR2)
         time.sleep(0.01)
-        assert agree(request, False, "cpu") == Stop(StopKind.REQUEUE, "time-limit", signal.SIGUSR2)
+        assert _alone(request) == Stop(StopKind.REQUEUE, "time-limit", signal.SIGUSR2)
         # Ctrl-C reaches the ranks, and SIGTERM through the launcher: the stop says interrupt.
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)
-        assert agree(request, False, "cpu") == Stop(StopKind.FOR_GOOD, "interrupt", signal.SIGINT)
+        assert _alone(request) == Stop(StopKind.FOR_GOOD, "interrupt", signal.SIGINT)
         with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: at once
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)
@@ -190,12 +218,12 @@ def test_signals_that_save_or_are_ignored_stop_nothing() -> None:
         time.sleep(0.01)
         assert request.save == signal.SIGUSR1
         assert request.ignored == [signal.SIGALRM, signal.SIGVTALRM, signal.SIGIO]
-        stop, save, _ = agree_boundary(request, False, "cpu")
+        stop, save, _ = agree_boundary(request, distributed=False, device="cpu")
         assert stop is None and save
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)
-        assert agree(request, False, "cpu") == Stop(StopKind.FOR_GOOD, "interrupt", signal.SIGINT)
+        assert _alone(request) == Stop(StopKind.FOR_GOOD, "interrupt", signal.SIGINT)
     limit = StopRequest("slurm", "USR1")  # USR1 as the time-limit signal: a stop then
     limit.handler(signal.SIGUSR1, None)
     assert limit.code and not limit.save
@@ -206,6 +234,12 @@ def test_signals_that_save_or_are_ignored_stop_nothing() -> None:
 
 _TERM = Stop(StopKind.REQUEUE, "preemption", signal.SIGTERM)
 _USR2 = Stop(StopKind.REQUEUE, "time-limit", signal.SIGUSR2)
+# Slurm's view of a job (`scontrol show job`) when its ranks get a TERM.
+_PREEMPTED = {"JobState": "RUNNING", "PreemptTime": "2026-11-27T16:52:26"}  # GraceTime: it runs
+_REQUEUED = {"JobState": "COMPLETING", "Restarts": "3"}  # scontrol requeue: restarts went up
+_RUNNING = {"JobState": "RUNNING", "Restarts": "2", "PreemptTime": "None"}  # scancel --signal=TERM
+_ENDING = {"JobState": "COMPLETING", "Restarts": "2"}  # scancel (--signal=KILL too): not requeued
+_PAST_LIMIT = {**_ENDING, "TimeLimit": "00:10:00", "RunTime": "00:10:01"}
 
 
 @pytest.mark.parametrize(
@@ -213,26 +247,20 @@ _USR2 = Stop(StopKind.REQUEUE, "time-limit", signal.SIGUSR2)
     [
         (_TERM, None, [], False, StopKind.REQUEUE, "preemption"),  # Slurm did not answer
         (_TERM, {"JobState": "CANCELLED"}, [], False, StopKind.FOR_GOOD, "cancelled"),
-        (_TERM, {"JobState": "RUNNING", "PreemptTime": "2026-11-27T16:52:26"}, [], False,
-         StopKind.REQUEUE, "preemption"),  # GraceTime: the job still runs
-        (_TERM, {"JobState": "COMPLETING", "Restarts": "3"}, [], False, StopKind.REQUEUE,
-         "requeue"),  # scontrol requeue: the restart count went up
-        (_TERM, {"JobState": "COMPLETING", "Restarts": "3"}, ["node2"], False,
-         StopKind.REQUEUE, "node-lost"),
-        (_TERM, {"JobState": "RUNNING", "Restarts": "2", "PreemptTime": "None"}, [], False,
-         StopKind.FOR_GOOD, "terminated"),  # scancel --signal=TERM: a person's stop
-        (_TERM, {"JobState": "COMPLETING", "Restarts": "2"}, [], False, StopKind.FOR_GOOD,
-         "cancelled"),  # scancel (with --signal=KILL too): ending, not requeued
-        (_TERM, {"JobState": "COMPLETING", "Restarts": "2", "TimeLimit": "00:10:00",
-                 "RunTime": "00:10:01"}, [], False, StopKind.REQUEUE, "time-limit"),
+        (_TERM, _PREEMPTED, [], False, StopKind.REQUEUE, "preemption"),
+        (_TERM, _REQUEUED, [], False, StopKind.REQUEUE, "requeue"),
+        (_TERM, _REQUEUED, ["node2"], False, StopKind.REQUEUE, "node-lost"),
+        (_TERM, _RUNNING, [], False, StopKind.FOR_GOOD, "terminated"),  # a person's stop
+        (_TERM, _ENDING, [], False, StopKind.FOR_GOOD, "cancelled"),
+        (_TERM, _PAST_LIMIT, [], False, StopKind.REQUEUE, "time-limit"),
         (_USR2, {"TimeLimit": "00:01:00"}, [], False, StopKind.REQUEUE, "time-limit"),
         (_USR2, {"TimeLimit": "00:01:00"}, [], True, StopKind.FOR_GOOD, "time-limit"),
     ],
-)  # fmt: skip
+)
 def test_why_slurm_signalled(
     stop: Stop, job: dict | None, lost: list, first: bool, kind: StopKind, reason: str
 ) -> None:
-    got = why_signalled(stop, job, 2, lost, first)
+    got = why_signalled(stop, job, restart_count=2, lost=lost, before_first_iteration=first)
     assert (got.kind, got.reason) == (kind, reason), got
     if first:
         assert "came before this start's first iteration (time limit 00:01:00" in got.why
@@ -243,13 +271,14 @@ def test_a_time_limit_that_leaves_no_room_is_not_requeued() -> None:
     trains, so the stop is for good and says why (scontrol update JobId=J TimeLimit=...);
     with room after the signal, the job is requeued."""
     job = {"JobId": "7", "TimeLimit": "00:01:00"}
-    short = why_signalled(_USR2, job, 0, delay_s=90)
+    short = why_signalled(_USR2, job, restart_count=0, delay_s=90)
     assert (short.kind, short.reason) == (StopKind.FOR_GOOD, "time-limit")
     assert short.why.startswith(
         "not requeued: the job's time limit (00:01:00) is no longer than --signal-delay-s 90"
     ), short.why
     assert "scontrol update JobId=7 TimeLimit=" in short.why
-    assert why_signalled(_USR2, {**job, "TimeLimit": "00:02:00"}, 0, delay_s=90) == _USR2
+    roomy = {**job, "TimeLimit": "00:02:00"}
+    assert why_signalled(_USR2, roomy, restart_count=0, delay_s=90) == _USR2
 
 
 def test_a_lost_supervisor_is_a_stop_for_good() -> None:
@@ -258,20 +287,30 @@ def test_a_lost_supervisor_is_a_stop_for_good() -> None:
     env = {"_MJLAB_HPC_SUPERVISOR_PIDS": str(child.pid)}
     with Supervision(request, watch_parent=True, env=env, poll_s=0.05) as watch:
         time.sleep(0.2)
-        assert agree(request, False, "cpu") is None and watch.lost is None
+        assert _alone(request) is None and watch.lost is None
         child.kill()
         child.wait()
         deadline = time.monotonic() + 5
         while watch.lost is None and time.monotonic() < deadline:
             time.sleep(0.05)
     assert watch.lost == f"its launcher (pid {child.pid}) is gone"
-    assert agree(request, False, "cpu") == Stop(StopKind.FOR_GOOD, "supervisor-lost", 0)
+    assert _alone(request) == Stop(StopKind.FOR_GOOD, "supervisor-lost", 0)
 
 
-_SLURM = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
-          "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "9"}  # fmt: skip
-_LOCAL = {"SUBMITIT_LOCAL_GLOBALID": "0", "SUBMITIT_LOCAL_LOCALID": "0",
-          "SUBMITIT_LOCAL_NTASKS": "2"}  # fmt: skip
+_SLURM = {
+    "SLURM_PROCID": "0",
+    "SLURM_STEP_ID": "0",
+    "SLURM_NTASKS": "1",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_NODELIST": "n1",
+    "SLURM_JOB_ID": "9",
+}
+_LOCAL = {
+    "SUBMITIT_LOCAL_GLOBALID": "0",
+    "SUBMITIT_LOCAL_LOCALID": "0",
+    "SUBMITIT_LOCAL_NTASKS": "2",
+}
 _TIME_LIMIT = Stop(StopKind.REQUEUE, "time-limit", signal.SIGUSR2)
 _INTERRUPT = Stop(StopKind.FOR_GOOD, "interrupt", signal.SIGINT)
 
@@ -286,9 +325,10 @@ _INTERRUPT = Stop(StopKind.FOR_GOOD, "interrupt", signal.SIGINT)
         (_SLURM, _TIME_LIMIT, 3, EXIT_FAILED),
         (_SLURM, _INTERRUPT, 0, EXIT_STOPPED),
     ],
-)  # fmt: skip
+)
 def test_after_stop_exit_codes(env: dict, stop: Stop, restarts: int, code: int) -> None:
     ctx = DistContext.from_env(env)
     max_restarts = 3 if env is _SLURM else 10
-    assert after_stop(Stopped(4, stop, ctx, restarts), max_restarts) == code
+    stopped = Stopped(iteration=4, stop=stop, ctx=ctx, restarts=restarts)
+    assert after_stop(stopped, max_restarts) == code
     assert EXIT_OK == 0

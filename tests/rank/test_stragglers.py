@@ -1,8 +1,11 @@
-"""Stragglers named (issue 31): a rank whose iterations are consistently slower than the
-others' is reported in `mjlab-hpc status`, `logs` and the rank logs, with its host and how
-much slower; one slow iteration is not a straggler, and one that keeps up again is no longer
-named. The end-to-end test slows rank 1 of a real two-rank job as a busy node would (it runs
-30 ms of every 100: SIGSTOP and SIGCONT from the test)."""
+"""Stragglers are named (issue 31).
+
+A rank whose iterations are consistently slower than the others' is reported in
+`mjlab-hpc status`, `logs` and the rank logs, with its host and how much slower. One slow
+iteration is not a straggler, and one that keeps up again is no longer named. The end-to-end
+test slows rank 1 of a real two-rank job as a busy node would: it runs 30 ms of every 100
+(SIGSTOP and SIGCONT from the test).
+"""
 
 from __future__ import annotations
 
@@ -65,8 +68,13 @@ def test_the_median_of_the_others_is_the_median_without_each_value() -> None:
 
 
 def status_json(run: RunDir) -> dict:
-    proc = subprocess.run([BIN / "mjlab-hpc", "status", "--json", str(run.path)],
-                          env=cli_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [BIN / "mjlab-hpc", "status", "--json", str(run.path)],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return dict(json.loads(proc.stdout)[0])
 
@@ -74,12 +82,16 @@ def status_json(run: RunDir) -> dict:
 @pytest.mark.training
 def test_a_throttled_rank_is_named_in_status_logs_and_rank_logs(tmp_path: Path) -> None:
     root = tmp_path / "logs"
+    cmd = [BIN / "mjlab-train", "cartpole", "--num-envs", "32", "--torch-threads", "1"]
+    cmd += ["--num-procs", "2", "--max-iterations", "1000", "--log-root", str(root)]
     proc = subprocess.Popen(
-        [BIN / "mjlab-train", "cartpole", "--num-envs", "32", "--torch-threads", "1",
-         "--num-procs", "2", "--max-iterations", "1000", "--log-root", str(root)],
-        env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        cmd,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     stop = threading.Event()
     pid = None
 

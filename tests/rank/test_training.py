@@ -1,5 +1,8 @@
-"""Real PPO training: one process, the built-in multi-process launcher, torchrun (one node and
-two "nodes" on loopback). Every run steps real MuJoCo Warp worlds and real process groups."""
+"""Real PPO training through every launcher.
+
+The launchers: one process, the built-in multi-process launcher, torchrun on one node and on
+two "nodes" over loopback. Every run steps real MuJoCo Warp worlds and real process groups.
+"""
 
 from __future__ import annotations
 
@@ -18,18 +21,8 @@ pytestmark = pytest.mark.training
 
 
 def train_args(log_root: Path, iters: int = 3, envs: int = 64) -> list[str]:
-    return [
-        "--num-envs",
-        str(envs),
-        "--max-iterations",
-        str(iters),
-        "--log-root",
-        str(log_root),
-        "--torch-threads",
-        "1",
-        "--save-interval",
-        "2",
-    ]
+    args = ["--num-envs", str(envs), "--max-iterations", str(iters), "--log-root", str(log_root)]
+    return [*args, "--torch-threads", "1", "--save-interval", "2"]
 
 
 def check_synced_run(run: RunDir, world: int, iters: int) -> dict:
@@ -104,16 +97,9 @@ def test_two_ranks_builtin_launcher(tmp_path: Path) -> None:
 
 
 def test_three_ranks_torchrun(tmp_path: Path) -> None:
+    torchrun = [BIN / "torchrun", "--nproc_per_node=3", f"--master_port={free_port()}"]
     proc = subprocess.run(
-        [
-            BIN / "torchrun",
-            "--nproc_per_node=3",
-            f"--master_port={free_port()}",
-            "--no_python",
-            "mjlab-train",
-            "cartpole",
-            *train_args(tmp_path),
-        ],
+        [*torchrun, "--no_python", "mjlab-train", "cartpole", *train_args(tmp_path)],
         env=cli_env(),
         capture_output=True,
         text=True,
@@ -128,20 +114,11 @@ def test_three_ranks_torchrun(tmp_path: Path) -> None:
 
 def test_two_nodes_torchrun_loopback(tmp_path: Path) -> None:
     port = free_port()
+    per_node = ["--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}"]
+    train = ["--no_python", "mjlab-train", "cartpole", *train_args(tmp_path)]
     procs = [
         subprocess.Popen(
-            [
-                BIN / "torchrun",
-                "--nnodes=2",
-                f"--node_rank={n}",
-                "--nproc_per_node=1",
-                "--rdzv_backend=c10d",
-                f"--rdzv_endpoint=127.0.0.1:{port}",
-                "--no_python",
-                "mjlab-train",
-                "cartpole",
-                *train_args(tmp_path),
-            ],
+            [BIN / "torchrun", "--nnodes=2", f"--node_rank={n}", *per_node, *train],
             env=cli_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -206,10 +183,19 @@ def test_bad_input_exits_2_before_work(
 
 def test_agent_overrides_reach_training(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [BIN / "mjlab-train", "cartpole", *train_args(tmp_path, iters=1, envs=32),
-         "--agent.num-steps-per-env", "8", "--agent.learning_rate=3e-4"],
-        env=cli_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            BIN / "mjlab-train",
+            "cartpole",
+            *train_args(tmp_path, iters=1, envs=32),
+            "--agent.num-steps-per-env",
+            "8",
+            "--agent.learning_rate=3e-4",
+        ],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = only_run(tmp_path)
     assert run.read_progress()[0]["env_steps"] == 8 * 32

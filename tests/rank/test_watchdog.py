@@ -1,5 +1,8 @@
-"""The hang watchdog's pieces without training: its limit, heartbeats and the diagnosis it
-writes, fault injection's syntax, and the healer's decisions on recorded faults."""
+"""The hang watchdog's pieces, without training.
+
+Covers its limit, heartbeats and the diagnosis it writes, fault injection's syntax, and the
+healer's decisions on recorded faults.
+"""
 
 from __future__ import annotations
 
@@ -19,22 +22,27 @@ from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
 
 
 def test_hang_limit_never_below_five_slowest_iterations() -> None:
-    assert hang_limit_s(120, 1.0) == 120
-    assert hang_limit_s(120, 60.0) == 300  # slow iterations are not a hang
-    assert hang_limit_s(5, 0.2) == 5
+    assert hang_limit_s(timeout_s=120, slowest_iteration_s=1.0) == 120
+    assert hang_limit_s(timeout_s=120, slowest_iteration_s=60.0) == 300  # slow is not hung
+    assert hang_limit_s(timeout_s=5, slowest_iteration_s=0.2) == 5
 
 
 @pytest.mark.parametrize(
     ("text", "parsed"),
     [
-        ("kill@12:rank1:once", (FaultInjection("kill", 12, 1, True),)),
-        ("raise@3", (FaultInjection("raise", 3, 0, False),)),
-        ("kill@5:rank1:once, stop@10:rank1:once",
-         (FaultInjection("kill", 5, 1, True), FaultInjection("stop", 10, 1, True))),
-        ("slow@1:rank1:once", (FaultInjection("slow", 1, 1, True),)),
+        ("kill@12:rank1:once", (FaultInjection("kill", 12, rank=1, once=True),)),
+        ("raise@3", (FaultInjection("raise", 3, rank=0, once=False),)),
+        (
+            "kill@5:rank1:once, stop@10:rank1:once",
+            (
+                FaultInjection("kill", 5, rank=1, once=True),
+                FaultInjection("stop", 10, rank=1, once=True),
+            ),
+        ),
+        ("slow@1:rank1:once", (FaultInjection("slow", 1, rank=1, once=True),)),
         ("", ()),
     ],
-)  # fmt: skip
+)
 def test_fault_injection_syntax(text: str, parsed: tuple[FaultInjection, ...]) -> None:
     assert parse_faults({"MJLAB_HPC_FAULT": text}) == parsed
 
@@ -49,15 +57,17 @@ def test_heartbeat_and_diagnosis_name_the_stalled_rank(tmp_path: Path) -> None:
     run = RunDir(tmp_path)
     run.heartbeats.mkdir(parents=True)
     # Rank 1 last beat a minute ago at iteration 7: frozen.
-    run.heartbeat(1).write_text(json.dumps(
-        {"rank": 1, "host": "node2", "pid": 1, "iteration": 7, "t": time.time() - 60}
-    ))  # fmt: skip
+    run.heartbeat(1).write_text(
+        json.dumps({"rank": 1, "host": "node2", "pid": 1, "iteration": 7, "t": time.time() - 60})
+    )
     log = io.StringIO()
-    with Watchdog(run, 0, 2, timeout_s=None, rank_log=log, host="node1", beat_s=0.2) as dog:
+    with Watchdog(
+        run, rank=0, world_size=2, timeout_s=None, rank_log=log, host="node1", beat_s=0.2
+    ) as dog:
         dog.progress(8)
-        beats = read_heartbeats(run, 2)
+        beats = read_heartbeats(run, world_size=2)
         assert beats[0]["host"] == "node1" and beats[0]["pid"] == os.getpid()
-        hang = dog._diagnose(30.0, 20.0)
+        hang = dog._diagnose(waited=30.0, limit=20.0)
     assert hang.stalled == (1,) and hang.hosts == ("node2",)
     assert "rank 1 on node2 (pid 1): iteration 7" in hang.detail and "<- stalled" in hang.detail
 
@@ -72,10 +82,18 @@ def _rank_log(run: RunDir, rank: int, body: str) -> None:
 
 
 def _crash(run: RunDir) -> None:
-    _rank_log(run, 0, "2026-11-23 10:00:09,000 rank0 exit: failed (peer-lost)\nRuntimeError: "
-              "Connection reset by peer\n")  # fmt: skip
-    _rank_log(run, 1, "2026-11-23 10:00:05,000 rank1 exit: failed (exception)\nTraceback\n"
-              "ValueError: reward is nan at step 1234\n")  # fmt: skip
+    _rank_log(
+        run,
+        0,
+        "2026-11-23 10:00:09,000 rank0 exit: failed (peer-lost)\nRuntimeError: "
+        "Connection reset by peer\n",
+    )
+    _rank_log(
+        run,
+        1,
+        "2026-11-23 10:00:05,000 rank1 exit: failed (exception)\nTraceback\n"
+        "ValueError: reward is nan at step 1234\n",
+    )
     run.progress.write_text("".join(json.dumps({"iteration": i}) + "\n" for i in (1, 2, 3)))
 
 
@@ -116,7 +134,7 @@ def test_nothing_to_heal_after_a_stop(tmp_path: Path) -> None:
 def test_the_first_iteration_stands_in_until_one_is_timed(tmp_path: Path) -> None:
     """A slow regime is no hang: the first iteration (compilation included) bounds the limit
     until the second one is timed; from then on the slowest timed iteration does."""
-    dog = Watchdog(RunDir(tmp_path), 0, 1, timeout_s=10, rank_log=io.StringIO())
+    dog = Watchdog(RunDir(tmp_path), rank=0, world_size=1, timeout_s=10, rank_log=io.StringIO())
     dog._last -= 50  # the first iteration took 50 s
     dog.progress(1)
     assert hang_limit_s(10, dog._slowest) == pytest.approx(250, abs=1)
@@ -157,14 +175,15 @@ def test_a_slow_rank_sleeps_its_iteration_from_then_on_and_once_only_in_its_star
     run.heartbeats.mkdir(parents=True)
     slept: list[float] = []
     monkeypatch.setattr("mjlab_hpc.rank.watchdog.time.sleep", slept.append)
-    once = FaultInjection("slow", 3, 1, True)
+    once = FaultInjection("slow", 3, rank=1, once=True)
     for iteration in (2, 3, 4):
-        once.fire_if_due(run, 1, iteration, 0.3)
-        once.fire_if_due(run, 0, iteration, 0.3)  # another rank: never
+        once.fire_if_due(run, rank=1, iteration=iteration, iteration_s=0.3)
+        once.fire_if_due(run, rank=0, iteration=iteration, iteration_s=0.3)  # another rank: never
     assert slept == [0.3, 0.3]  # from iteration 3 on, as long as the iteration took
     monkeypatch.setenv("SLURM_STEP_ID", "1")  # a later start (a new srun step)
-    once.fire_if_due(run, 1, 5, 0.3)
-    FaultInjection("slow", 3, 1, False).fire_if_due(run, 1, 5, 0.01)
+    once.fire_if_due(run, rank=1, iteration=5, iteration_s=0.3)
+    every_start = FaultInjection("slow", 3, rank=1, once=False)
+    every_start.fire_if_due(run, rank=1, iteration=5, iteration_s=0.01)
     assert slept == [0.3, 0.3, 0.05]  # not once: every start, at least 50 ms
 
 
@@ -177,7 +196,7 @@ def test_the_ranks_of_a_start_before_fewer_ranks_are_not_this_starts(tmp_path: P
         "2026-11-23 10:00:20,000 rank0 rank 0/1 (local 0/1, node 0/1) via submitit-local, "
         "master x:1 on cpu, host h0, pid 2, seed 1, 8 envs\n"
         "2026-11-23 10:00:40,000 rank0 exit: completed 12 iterations\n"
-    )  # fmt: skip
+    )
     ends = rank_ends(run.path)
     assert [(e.rank, e.how, e.world_size) for e in ends] == [(0, "completed", 1)]
     assert latest_world_size(ends) == 1 and run_outcome(run.path).state != "failed"
@@ -185,7 +204,7 @@ def test_the_ranks_of_a_start_before_fewer_ranks_are_not_this_starts(tmp_path: P
         "2026-11-23 10:01:00,000 rank1 rank 1/2 (local 0/1, node 1/2) via submitit-local, "
         "master x:1 on cpu, host h1, pid 3, seed 1, 8 envs\n"
         "2026-11-23 10:01:05,000 rank1 exit: failed (exception)\n"
-    )  # fmt: skip
+    )
     assert [(e.rank, e.how) for e in rank_ends(run.path)] == [(0, "completed"), (1, "failed")]
 
 
@@ -205,17 +224,18 @@ def test_a_frozen_rank_is_one_whose_heartbeat_stops_changing_whatever_its_clock(
         n = 0
         while not stop.wait(0.2):
             n += 1
-            run.heartbeat(1).write_text(json.dumps(
-                {"rank": 1, "host": "node2", "pid": 2, "iteration": 7, "t": time.time() - 3600,
-                 "n": n}))  # fmt: skip
+            behind = {"rank": 1, "host": "node2", "pid": 2, "iteration": 7, "t": time.time() - 3600}
+            run.heartbeat(1).write_text(json.dumps({**behind, "n": n}))
 
     beating = threading.Thread(target=alive_behind, daemon=True)
     beating.start()
     try:
-        with Watchdog(run, 0, 3, timeout_s=None, rank_log=io.StringIO(), host="node1",
-                      beat_s=1.0) as dog:  # fmt: skip
+        log = io.StringIO()
+        with Watchdog(
+            run, rank=0, world_size=3, timeout_s=None, rank_log=log, host="node1", beat_s=1.0
+        ) as dog:
             dog.progress(8)
-            hang = dog._diagnose(30.0, 20.0)
+            hang = dog._diagnose(waited=30.0, limit=20.0)
     finally:
         stop.set()
         beating.join()
@@ -263,7 +283,7 @@ def test_this_srun_steps_ranks_are_found_by_its_name_not_by_clocks(tmp_path: Pat
             f"slurm, master x:1 on cpu, host h{rank}, pid 1, seed 1, 8 envs, "
             f"CUDA_VISIBLE_DEVICES=unset, start 42.0.1\n"
             f"2099-01-01 10:00:09,000 rank{rank} exit: stopped at iteration 3\n"
-        )  # fmt: skip
+        )
     assert [e.start_id for e in rank_ends(run.path)] == ["42.0.1", "42.0.1"]
     assert find_fault(run.path, start="42.0.1") is None
     fault = find_fault(run.path, start="42.0.2")  # the next step: its ranks never logged

@@ -1,5 +1,8 @@
-"""Checkpoints: a SIGKILL during writes never leaves a broken newest checkpoint, damaged
-checkpoints (or their ranks' states) are skipped, retention keeps the newest."""
+"""Checkpoints survive kills, damage and retention.
+
+A SIGKILL during writes never leaves a broken newest checkpoint. Damaged checkpoints (or their
+ranks' states) are skipped, and retention keeps the newest.
+"""
 
 from __future__ import annotations
 
@@ -45,8 +48,9 @@ def test_sigkill_during_checkpoint_writes_keeps_a_valid_one(tmp_path: Path) -> N
     for trial in range(6):
         p = subprocess.Popen(
             [sys.executable, str(writer), str(run_dir), str(1000 * (trial + 1))],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert p.stdout is not None and p.stdout.readline() == "ready\n"  # imports done
         time.sleep(rng.uniform(0.05, 0.6))  # into the writes
         p.kill()
@@ -72,8 +76,8 @@ def test_corrupt_newest_checkpoint_is_skipped(tmp_path: Path) -> None:
     path, damaged = Checkpoints(tmp_path).newest_valid()
     assert path is not None and path.name == "model_1.pt"
     assert load_verified(path)["iter"] == 1
-    assert [(d.name, "does not match its checksum" in d.why) for d in damaged] == [
-        ("model_3.pt", True), ("model_2.pt", True)]  # fmt: skip
+    mismatched = [(d.name, "does not match its checksum" in d.why) for d in damaged]
+    assert mismatched == [("model_3.pt", True), ("model_2.pt", True)]
 
 
 def test_keep_last_n_counts_only_checkpoints_that_verify(tmp_path: Path) -> None:
@@ -84,11 +88,8 @@ def test_keep_last_n_counts_only_checkpoints_that_verify(tmp_path: Path) -> None
     deleted = checkpoints.prune(2)
     # Two valid ones are kept (3, 4); the damaged one is neither counted nor deleted.
     assert [p.name for p in deleted] == ["model_1.pt", "model_2.pt"]
-    assert [p.name for p in list_checkpoints(tmp_path)] == [
-        "model_3.pt",
-        "model_4.pt",
-        "model_5.pt",
-    ]
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["model_3.pt", "model_4.pt", "model_5.pt"]
     assert not (tmp_path / "model_1.pt.sha256").exists()
     assert checkpoints.prune(0) == []
     valid, damaged = checkpoints.newest_valid()
@@ -102,8 +103,10 @@ def test_keep_last_n_counts_only_checkpoints_that_verify(tmp_path: Path) -> None
 def _with_rank_states(run_dir: Path, n: int, world_size: int = 2, run: str = "r") -> Path:
     path = run_dir / f"model_{n}.pt"
     belongs = {"run": run, "task": "cartpole", "iteration": n}
-    written = [write_rank_state(path, r, world_size, {"env": torch.full((100 + r,), n + r)},
-                                belongs) for r in range(world_size)]  # fmt: skip
+    written = [
+        write_rank_state(path, r, world_size, {"env": torch.full((100 + r,), n + r)}, belongs)
+        for r in range(world_size)
+    ]
     listed = publish_rank_states(path, written, lambda: None)
     header = {**belongs, "world_size": world_size, "rank_states": listed}
     save_checkpoint(path, {"iter": n}, header=header)
@@ -116,7 +119,8 @@ def test_a_checkpoint_counts_only_with_every_rank_state_verifying(tmp_path: Path
     for n in (1, 2, 3):
         _with_rank_states(tmp_path, n)
     belongs = {"run": "r", "task": "cartpole", "iteration": 3}
-    assert load_rank_state(tmp_path / "model_3.pt", 1, 2, belongs)["env"][0] == 4
+    state = load_rank_state(tmp_path / "model_3.pt", rank=1, world_size=2, belongs=belongs)
+    assert state["env"][0] == 4
     states = tmp_path / "rank_states"
     damaged = states / "model_3" / "rank1-of-2.pt"
     data = bytearray(damaged.read_bytes())
@@ -130,8 +134,8 @@ def test_a_checkpoint_counts_only_with_every_rank_state_verifying(tmp_path: Path
     assert "rank1-of-2.pt does not match its checksum" in bad[0].why
     assert "incomplete" in bad[1].why
     checkpoints.set_aside(bad)
-    assert sorted(p.name for p in states.iterdir()) == ["model_1", "model_2.damaged",
-                                                        "model_3.damaged"]  # fmt: skip
+    kept = sorted(p.name for p in states.iterdir())
+    assert kept == ["model_1", "model_2.damaged", "model_3.damaged"]
     for n in (4, 5):
         _with_rank_states(tmp_path, n)
     assert [p.name for p in Checkpoints(tmp_path).prune(keep=2)] == ["model_1.pt"]
@@ -168,24 +172,24 @@ def test_a_rank_state_counts_only_where_it_belongs(tmp_path: Path) -> None:
     path, bad = checkpoints.newest_valid()
     assert path == tmp_path / "model_2.pt", bad
     why = {d.name: d.why for d in bad}
-    assert "rank0-of-2.pt of model_10.pt is not the state rank 0 saved: it is rank 1's" in why[
-        "model_10.pt"]  # fmt: skip
+    swapped = "rank0-of-2.pt of model_10.pt is not the state rank 0 saved: it is rank 1's"
+    assert swapped in why["model_10.pt"]
     assert "rank1-of-2.pt of model_8.pt" in why["model_8.pt"]
     assert "holds" in why["model_8.pt"] or "another checkpoint's or run's" in why["model_8.pt"]
     assert why["model_6.pt"] == "model_6.pt holds iteration 4 (a file renamed or copied over it)"
-    assert "task 'cartpole', not 'ant'" in Checkpoints(tmp_path, "ant").problem(
-        tmp_path / "model_2.pt")  # fmt: skip
+    problem = Checkpoints(tmp_path, "ant").problem(tmp_path / "model_2.pt")
+    assert "task 'cartpole', not 'ant'" in problem
     # Loading checks the state's own header (what a sidecar cannot vouch for).
     with pytest.raises(ValueError, match="belongs to run 'r', not 'other'"):
-        load_rank_state(tmp_path / "model_2.pt", 0, 2, {"run": "other", "task": "cartpole",
-                                                         "iteration": 2})  # fmt: skip
+        other_run = {"run": "other", "task": "cartpole", "iteration": 2}
+        load_rank_state(tmp_path / "model_2.pt", rank=0, world_size=2, belongs=other_run)
 
 
 @pytest.mark.parametrize("kind", ["dev-zero", "directory", "fifo", "sparse"])
 def test_nothing_but_a_plausible_file_is_read(tmp_path: Path, kind: str) -> None:
     """A rank state (or a model file) that is a symlink to /dev/zero, a directory, a FIFO or
     a file far larger than was saved is refused by name, unread: the checkpoint is damaged,
-    the one before is used (the launcher once read /dev/zero until the kernel killed it)."""
+    the one before is used."""
     import os
     import resource
 
@@ -206,8 +210,12 @@ def test_nothing_but_a_plausible_file_is_read(tmp_path: Path, kind: str) -> None
         started = time.monotonic()
         path, bad = Checkpoints(tmp_path).newest_valid()
         assert path == tmp_path / "model_1.pt" and [d.name for d in bad] == ["model_2.pt"]
-        what = {"dev-zero": "is a character device, not a file", "directory": "is a directory",
-                "fifo": "is a FIFO", "sparse": "bytes, more than"}[kind]  # fmt: skip
+        what = {
+            "dev-zero": "is a character device, not a file",
+            "directory": "is a directory",
+            "fifo": "is a FIFO",
+            "sparse": "bytes, more than",
+        }[kind]
         assert target.name in bad[0].why and what in bad[0].why, bad[0].why
         assert time.monotonic() - started < 5
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB

@@ -1,12 +1,13 @@
-"""Damaged records, met as a user meets them (issue 35, class 2, and the small ones of class 7
-that live in a run directory): a run.json that is valid JSON but not an object, or not JSON; a
-`.latest_run` pointer that is empty or binary; a checksum sidecar that holds no checksum; a
-temporary file of a writer killed mid-write; two trainings into one run directory. One real
-cartpole run (a few iterations) is trained once and copied for each case.
+"""Damaged records in a run directory, met as a user meets them (issue 35, classes 2 and 7).
 
-No command ends in a traceback, a damaged run never hides the others from status, a damaged
-record is named with its path and what to do, and nothing damaged is overwritten without
-being kept.
+The cases: a run.json that is valid JSON but not an object, or not JSON; a `.latest_run`
+pointer that is empty or binary; a checksum sidecar that holds no checksum; a temporary file
+of a writer killed mid-write; two trainings into one run directory. One real cartpole run (a
+few iterations) is trained once and copied for each case.
+
+No command ends in a traceback, and a damaged run never hides the others from status. A
+damaged record is named with its path and what to do, and nothing damaged is overwritten
+without being kept.
 """
 
 from __future__ import annotations
@@ -34,16 +35,17 @@ HPC = str(BIN / "mjlab-hpc")
 
 
 def run(args: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, cwd=cwd, env=cli_env(), capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        args, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A log root holding one completed cartpole run of 2 iterations."""
     root = tmp_path_factory.mktemp("trained")
-    proc = run([*TRAIN, "--max-iterations", "2", "--save-interval", "1", "--log-root", "logs"],
-               root)  # fmt: skip
+    args = ["--max-iterations", "2", "--save-interval", "1", "--log-root", "logs"]
+    proc = run([*TRAIN, *args], root)
     assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
     return root / "logs"
 
@@ -142,15 +144,20 @@ def test_a_second_training_into_a_running_run_is_refused_at_once(
     """Refused whatever the second one's clock says (an hour ahead, faketime): a live writer
     on this machine is never displaced, nor its run resumed."""
     healthy, _ = two_runs(trained, tmp_path)
-    first = subprocess.Popen([*TRAIN, "--max-iterations", "5000", "--run-dir", str(healthy)],
-                             cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        [*TRAIN, "--max-iterations", "5000", "--run-dir", str(healthy)],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: len(RunDir(healthy).read_progress()) > 3, 150, "the first training")
         for ahead in ([], clock_ahead("+1h")):
             began = time.monotonic()
-            second = run([*ahead, *TRAIN, "--max-iterations", "5000", "--run-dir", str(healthy),
-                          "--resume"], tmp_path)  # fmt: skip
+            resume = ["--max-iterations", "5000", "--run-dir", str(healthy), "--resume"]
+            second = run([*ahead, *TRAIN, *resume], tmp_path)
             took = time.monotonic() - began
             said = " ".join(second.stderr.split())
             assert second.returncode == EXIT_BAD_INPUT, second.stderr[-2000:]

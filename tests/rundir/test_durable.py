@@ -1,5 +1,8 @@
-"""The durable-write primitive: whole files or nothing, no temporary file left behind, one
-winner of racing exclusive creations."""
+"""The durable-write primitive.
+
+Whole files or nothing, no temporary file left behind, and one winner of racing exclusive
+creations.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Tests of the single-writer lease lock with real processes (no mocks).
+"""The single-writer lease lock, with real processes (no mocks).
 
-Child processes are forked (multiprocessing "fork" context) so that they start
-in milliseconds on a small machine; each child builds its own LeaseLock. A holder
-"on another node" says a machine id of its own: nobody here may judge it by its
-process, only by its heartbeat seen unchanged for a lease.
+Child processes are forked (multiprocessing "fork" context) so that they start in
+milliseconds on a small machine; each child builds its own LeaseLock. A holder "on another
+node" says a machine id of its own: nobody here may judge it by its process, only by its
+heartbeat seen unchanged for a lease.
 """
 
 from __future__ import annotations
@@ -655,8 +655,10 @@ def test_a_waiter_an_hour_ahead_never_takes_a_live_lock(tmp_path: Path) -> None:
         )
         proc = subprocess.run(
             ["faketime", "-f", "+1h", str(BIN / "python"), "-c", code, str(lock_path)],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert f"pid={holder.pid}" in proc.stdout
         assert holder.is_alive() and int(ready.read_text()) == LeaseLock(lock_path).holder().token

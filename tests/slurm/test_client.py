@@ -1,6 +1,8 @@
-"""The Slurm client with stand-in commands (the fast tier; the real Slurm is used by the
-cluster tests): how squeue and sacct answers merge, when a requeue is refused, and that a
-hanging command is killed and counts as no answer."""
+"""The Slurm client with stand-in commands (the fast tier).
+
+Covers how squeue and sacct answers merge, when a requeue is refused, and that a hanging
+command is killed and counts as no answer. The real Slurm is used by the cluster tests.
+"""
 
 from __future__ import annotations
 
@@ -42,8 +44,11 @@ def test_query_prefers_squeue_while_running_and_sacct_for_the_end(tmp_path: Path
 
 
 def test_query_without_accounting(tmp_path: Path) -> None:
-    env = stand_ins(tmp_path, squeue='echo "7|7|N/A|7|RUNNING|1|node1||None"\n',
-                    sacct='echo "accounting storage is disabled" >&2; exit 1\n')  # fmt: skip
+    env = stand_ins(
+        tmp_path,
+        squeue='echo "7|7|N/A|7|RUNNING|1|node1||None"\n',
+        sacct='echo "accounting storage is disabled" >&2; exit 1\n',
+    )
     rows, accounting = SlurmClient(env=env).query(["7"])
     assert not accounting and rows["7"].state == "RUNNING"
 
@@ -93,8 +98,11 @@ def test_arrays_are_asked_by_their_id_in_chunks_and_folded_rows_unfold(
 
 
 def test_squeue_failing_is_no_answer_but_unknown_ids_are_an_answer(tmp_path: Path) -> None:
-    down = stand_ins(tmp_path, squeue="echo 'Unable to contact slurm controller' >&2; exit 1\n",
-                     sacct='echo "7|7|COMPLETED|1||node1|None"\n')  # fmt: skip
+    down = stand_ins(
+        tmp_path,
+        squeue="echo 'Unable to contact slurm controller' >&2; exit 1\n",
+        sacct='echo "7|7|COMPLETED|1||node1|None"\n',
+    )
     got = SlurmClient(env=down).answer(["7"])
     assert not got.queue and got.accounting and got.rows["7"].source == "sacct"
     forgot = stand_ins(tmp_path, squeue="echo 'Invalid job id specified' >&2; exit 1\n")

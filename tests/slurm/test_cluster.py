@@ -229,11 +229,21 @@ def test_down_leaves_no_process(
             ["bash", str(SCRIPT), "up"], env=env, capture_output=True, text=True, timeout=60
         )
         assert again.returncode == 0 and "already up" in again.stdout, again
-        other = subprocess.run(["bash", str(SCRIPT), "up"], capture_output=True, text=True,
-                               env={**env, "MJLAB_HPC_CLUSTER_NODES": "2"}, timeout=60)  # fmt: skip
+        other = subprocess.run(
+            ["bash", str(SCRIPT), "up"],
+            capture_output=True,
+            text=True,
+            env={**env, "MJLAB_HPC_CLUSTER_NODES": "2"},
+            timeout=60,
+        )
         assert other.returncode == 1 and "with 3 nodes, not 2" in other.stderr, other
-        bad = subprocess.run(["bash", str(SCRIPT), "up"], capture_output=True, text=True,
-                             env={**env, "MJLAB_HPC_CLUSTER_NODES": "0"}, timeout=60)  # fmt: skip
+        bad = subprocess.run(
+            ["bash", str(SCRIPT), "up"],
+            capture_output=True,
+            text=True,
+            env={**env, "MJLAB_HPC_CLUSTER_NODES": "0"},
+            timeout=60,
+        )
         assert bad.returncode == 2 and "a node count from 1 to 64" in bad.stderr, bad
         names = own.run(["srun", "-N3", "bash", "-c", "echo $SLURMD_NODENAME"]).stdout.split()
         assert sorted(names) == ["node1", "node2", "node3"], names

@@ -1,6 +1,8 @@
-"""The rendezvous host: the first host of a Slurm node list, read without scontrol (container
-images often lack it), compared with Slurm's own `scontrol show hostnames` on both Slurm
-versions of the test cluster."""
+"""The rendezvous host: the first host of a Slurm node list, read without scontrol.
+
+Container images often lack scontrol. The result is compared with Slurm's own
+`scontrol show hostnames` on both Slurm versions of the test cluster.
+"""
 
 from __future__ import annotations
 

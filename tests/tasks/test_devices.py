@@ -1,6 +1,8 @@
-"""Every Warp array of a rank's workload lives on the rank's device, checked on the CPU with
-the walker the GPU checks use on `cuda:0` (`warp_devices` in tests/helpers.py,
-tests/gpu/test_gpu.py)."""
+"""Every Warp array of a rank's workload lives on the rank's device.
+
+Checked on the CPU with the walker the GPU checks use on `cuda:0` (`warp_devices` in
+tests/helpers.py, tests/gpu/test_gpu.py).
+"""
 
 from __future__ import annotations
 
@@ -27,7 +29,12 @@ def cpu_workload(tmp_path: Path, task: str, envs: int, *overrides: str) -> Workl
     spec = mjlab_hpc.TrainSpec(task=task, num_envs=envs, log_root=str(tmp_path))
     resolved = mjlab_hpc.resolve(spec.replace(overrides=overrides))
     return build_workload(
-        resolved, DistContext.from_env({}), "cpu", 0, RunDir(tmp_path / "run"), io.StringIO()
+        resolved,
+        DistContext.from_env({}),
+        device="cpu",
+        seed=0,
+        run=RunDir(tmp_path / "run"),
+        quiet=io.StringIO(),
     )
 
 

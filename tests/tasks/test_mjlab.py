@@ -1,8 +1,8 @@
-"""mjlab's registered tasks through mjlab_hpc.mjlab_tasks (skipped when mjlab is not installed,
-except under CI=true, where that fails).
+"""mjlab's registered tasks through mjlab_hpc.mjlab_tasks.
 
-Run with a venv that has the [mjlab] extra. The first run compiles Warp kernels (minutes);
-later runs load them from the kernel cache.
+Skipped when mjlab is not installed, except under CI=true, where that fails. Run with a venv
+that has the [mjlab] extra. The first run compiles Warp kernels (minutes); later runs load
+them from the kernel cache.
 """
 
 from __future__ import annotations
@@ -141,14 +141,14 @@ def test_one_process_training_and_checkpoint_reload(tmp_path: Path) -> None:
         assert "num_envs: 16" in env_yaml.read_text()
         assert "max_iterations: 2" in agent_yaml.read_text()
 
-        runner = make_mjlab_runner(rt, ctx, str(tmp_path))
+        runner = make_mjlab_runner(rt, ctx, log_dir=str(tmp_path))
         assert isinstance(runner, rt.runner_cls) and isinstance(runner, ContextRunnerMixin)
         assert not runner.is_distributed and runner.gpu_world_size == 1
         runner.learn_until(2, hooks=[])
         runner.save(str(tmp_path / "model_2.pt"))  # mjlab's own save
         assert list(tmp_path.glob("events.out.tfevents.*"))
 
-        fresh = make_mjlab_runner(rt, ctx, None)
+        fresh = make_mjlab_runner(rt, ctx, log_dir=None)
         infos = fresh.load(str(tmp_path / "model_2.pt"))
         assert fresh.current_learning_iteration == 2
         assert "env_state" in infos  # mjlab's runner keeps the env's step counter
@@ -216,10 +216,10 @@ def _only_run(root: Path) -> Path:
 
 @pytest.mark.slow
 def test_cartpole_two_ranks_local_executor_in_sync(tmp_path: Path) -> None:
-    proc = _cli([str(BIN / "mjlab-submit"), CARTPOLE, "--executor", "local",
-                 "--gpus-per-node", "0", "--tasks-per-node", "2", "--num-envs", "32",
-                 "--max-iterations", "2", "--torch-threads", "1", "--log-root", str(tmp_path),
-                 "--follow", *TB_ARGS])  # fmt: skip
+    cmd = [str(BIN / "mjlab-submit"), CARTPOLE, "--executor", "local", "--gpus-per-node", "0"]
+    cmd += ["--tasks-per-node", "2", "--num-envs", "32", "--max-iterations", "2"]
+    cmd += ["--torch-threads", "1", "--log-root", str(tmp_path), "--follow", *TB_ARGS]
+    proc = _cli(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = _only_run(tmp_path)
     summary = json.loads((run / "summary.json").read_text())
@@ -235,12 +235,17 @@ def test_mjlabs_default_logger_on_two_ranks(tmp_path: Path) -> None:
     ranks: it trains, and exactly one W&B run exists, made by the writer (wandb >= 0.29
     removed the start_method setting that rsl-rl-lib 5.4.2 passes: constraints.txt pins it)."""
     env = {**cli_env(), "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}
+    cmd = [str(BIN / "mjlab-train"), CARTPOLE, "--num-procs", "2", "--env.scene.num-envs", "16"]
+    cmd += ["--agent.max-iterations", "2", "--torch-threads", "1"]
+    cmd += ["--log-root", str(tmp_path / "logs")]
     proc = subprocess.run(
-        [str(BIN / "mjlab-train"), CARTPOLE, "--num-procs", "2", "--env.scene.num-envs", "16",
-         "--agent.max-iterations", "2", "--torch-threads", "1", "--log-root",
-         str(tmp_path / "logs")],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cmd,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "done: 2 iterations" in proc.stdout
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
@@ -249,8 +254,8 @@ def test_mjlabs_default_logger_on_two_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_g1_velocity_trains_a_few_iterations(tmp_path: Path) -> None:
-    proc = _cli([str(BIN / "mjlab-train"), G1_FLAT, "--num-envs", "2", "--max-iterations", "2",
-                 "--torch-threads", "1", "--log-root", str(tmp_path), *TB_ARGS])  # fmt: skip
+    cmd = [str(BIN / "mjlab-train"), G1_FLAT, "--num-envs", "2", "--max-iterations", "2"]
+    proc = _cli([*cmd, "--torch-threads", "1", "--log-root", str(tmp_path), *TB_ARGS])
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = _only_run(tmp_path)
     assert [r["iteration"] for r in map(json.loads, (run / "progress.jsonl").open())] == [1, 2]
@@ -260,8 +265,8 @@ def test_g1_velocity_trains_a_few_iterations(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_mjlab_task_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    base = [str(BIN / "mjlab-train"), CARTPOLE, "--num-envs", "16", "--torch-threads", "1",
-            "--log-root", str(tmp_path), *TB_ARGS]  # fmt: skip
+    base = [str(BIN / "mjlab-train"), CARTPOLE, "--num-envs", "16", "--torch-threads", "1"]
+    base += ["--log-root", str(tmp_path), *TB_ARGS]
     first = _cli([*base, "--max-iterations", "2"])
     assert first.returncode == 0, first.stderr[-3000:]
     again = _cli([*base, "--max-iterations", "4", "--resume"])
@@ -272,9 +277,8 @@ def test_mjlab_task_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     ckpt = torch.load(run / "model_4.pt", weights_only=False)
     # mjlab's runner saved the environment's step counter; it continued from the resume.
     assert ckpt["infos"]["env_state"]["common_step_counter"] > 0
-    assert [r["iteration"] for r in map(json.loads, (run / "progress.jsonl").open())] == [
-        1, 2, 3, 4
-    ]  # fmt: skip
+    iterations = [r["iteration"] for r in map(json.loads, (run / "progress.jsonl").open())]
+    assert iterations == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize(

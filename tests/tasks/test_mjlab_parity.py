@@ -1,8 +1,10 @@
-"""mjlab users' commands through `mjlab-train`, unchanged: every flag of mjlab's own train is
-accepted and parsed to the same values; one W&B run (offline here) across a preemption with
-its requeue, a crash and a resume, with no step logged twice; a new run started from another
-run's checkpoint through `--wandb-run-path` (a downloaded copy: no network), recording videos
-on the writer only, with mjlab's NaN guard; what cannot work stops before anything exists.
+"""mjlab users' commands through `mjlab-train`, unchanged.
+
+Every flag of mjlab's own train is accepted and parsed to the same values. One W&B run
+(offline here) spans a preemption with its requeue, a crash and a resume, with no step logged
+twice. A new run starts from another run's checkpoint through `--wandb-run-path` (a downloaded
+copy: no network), recording videos on the writer only, with mjlab's NaN guard. What cannot
+work stops before anything exists.
 
 Skipped when mjlab is not installed, except under CI=true, where that fails.
 """
@@ -63,6 +65,15 @@ def _type_name(kind: object) -> str:
     return "None" if kind is type(None) else getattr(kind, "__name__", str(kind))
 
 
+def _ours(args: list[str], keep_overrides: bool = True) -> TrainSpec | int:
+    """What mjlab-train parses from `CARTPOLE *args`, mjlab's own settings kept or dropped."""
+
+    def attach(spec: TrainSpec, overrides: tuple[str, ...]) -> TrainSpec:
+        return spec.replace(overrides=overrides) if keep_overrides else spec
+
+    return parse_with_overrides(TrainSpec, [CARTPOLE, *args], description=None, attach=attach)
+
+
 def test_every_flag_of_mjlabs_train_is_accepted_with_its_value() -> None:
     """Read from mjlab's own TrainConfig, so a flag a new mjlab release adds fails here: each
     one, spelled as mjlab's CLI takes it, parses through ours to the value mjlab's CLI gets."""
@@ -72,39 +83,36 @@ def test_every_flag_of_mjlabs_train_is_accepted_with_its_value() -> None:
     default = TrainConfig.from_task(CARTPOLE)
     flags = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("env", "agent")]
     assert len(flags) >= 10, flags
-    helptext = subprocess.run([BIN / "mjlab-train", "--help"], env=cli_env(), capture_output=True,
-                              text=True, timeout=120).stdout  # fmt: skip
+    helptext = subprocess.run(
+        [BIN / "mjlab-train", "--help"], env=cli_env(), capture_output=True, text=True, timeout=120
+    ).stdout
     for name in flags:
         flag = "--" + name.replace("_", "-")
         kind = _type_name(hints[name])
         assert kind in SAMPLES, f"mjlab's train has {flag} of type {kind}: add it here and to ours"
         args = [flag, *SAMPLES[kind]]
         theirs = tyro.cli(TrainConfig, args=args, default=default, config=mjlab.TYRO_FLAGS)
-        ours = parse_with_overrides(TrainSpec, [CARTPOLE, *args], None,
-                                    lambda s, o: s.replace(overrides=o))  # fmt: skip
+        ours = _ours(args)
         assert isinstance(ours, TrainSpec), f"{flag} is refused by mjlab-train"
         assert hasattr(ours, name), f"{flag} has no field of that name in TrainSpec"
         want, got = getattr(theirs, name), getattr(ours, name)
         assert (list(got) if isinstance(got, tuple) else got) == want, (flag, got, want)
         assert flag in helptext, f"{flag} is not in `mjlab-train --help`"
     # Their env and agent settings go to mjlab's configs, spelled as mjlab spells them.
-    ours = parse_with_overrides(TrainSpec, [CARTPOLE, "--agent.resume", "True", "--video", "True",
-                                            "--env.scene.num-envs", "4"], None,
-                                lambda s, o: s.replace(overrides=o))  # fmt: skip
+    ours = _ours(["--agent.resume", "True", "--video", "True", "--env.scene.num-envs", "4"])
     assert isinstance(ours, TrainSpec) and ours.video
     assert ours.overrides == ("--agent.resume", "True", "--env.scene.num-envs", "4")
     for args in (["--gpu-ids", "0", "1"], ["--gpu-ids=[0,1]"], ["--gpu-ids", "[0,", "1]"]):
-        ours = parse_with_overrides(TrainSpec, [CARTPOLE, *args], None, lambda s, o: s)
+        ours = _ours(args, keep_overrides=False)
         assert isinstance(ours, TrainSpec) and ours.gpu_ids == (0, 1), args
     for value in ("[0]", "all", "None"):
         theirs = tyro.cli(
             TrainConfig, args=["--gpu-ids", value], default=default, config=mjlab.TYRO_FLAGS
         )
-        ours = parse_with_overrides(TrainSpec, [CARTPOLE, "--gpu-ids", value], None, lambda s, o: s)
+        ours = _ours(["--gpu-ids", value], keep_overrides=False)
         assert isinstance(ours, TrainSpec)
-        assert (list(ours.gpu_ids) if isinstance(ours.gpu_ids, tuple) else ours.gpu_ids) == (
-            theirs.gpu_ids
-        ), value
+        got = list(ours.gpu_ids) if isinstance(ours.gpu_ids, tuple) else ours.gpu_ids
+        assert got == theirs.gpu_ids, value
 
 
 def _offline_runs(wandb_dir: Path) -> list[tuple[str, list[int], list[int], list[str]]]:
@@ -135,9 +143,9 @@ def _offline_runs(wandb_dir: Path) -> list[tuple[str, list[int], list[int], list
 
 
 # Small offscreen frames without shadows: Mesa renders them in milliseconds on a CPU.
-SMALL_VIDEO = ["--video", "True", "--video-length", "2", "--env.viewer.width", "64",
-               "--env.viewer.height", "48", "--env.viewer.enable-shadows", "False",
-               "--env.viewer.enable-reflections", "False"]  # fmt: skip
+SMALL_VIDEO = ["--video", "True", "--video-length", "2"]
+SMALL_VIDEO += ["--env.viewer.width", "64", "--env.viewer.height", "48"]
+SMALL_VIDEO += ["--env.viewer.enable-shadows", "False", "--env.viewer.enable-reflections", "False"]
 
 
 @pytest.fixture(scope="module")
@@ -148,15 +156,21 @@ def wandb_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int
     env = cli_env({"WANDB_MODE": "offline", "WANDB_DIR": str(tmp), "MUJOCO_GL": "egl"})
     root = tmp / "logs"
     # 32 env steps per iteration: a video every 2 iterations.
-    common = [CARTPOLE, "--env.scene.num-envs", "16", "--torch-threads", "1", "--save-interval",
-              "100", "--log-root", str(root), *SMALL_VIDEO, "--video-interval", "64"]  # fmt: skip
+    common = [CARTPOLE, "--env.scene.num-envs", "16", "--torch-threads", "1"]
+    common += ["--save-interval", "100", "--log-root", str(root)]
+    common += [*SMALL_VIDEO, "--video-interval", "64"]
     # A time-limit warning (USR2) on the local executor: checkpoint, requeue, the requeued
     # start finishes.
+    cmd = [BIN / "mjlab-submit", *common, "--max-iterations", "6", "--executor", "local"]
+    cmd += ["--gpus-per-node", "0", "--tasks-per-node", "2", "--follow"]
     proc = subprocess.Popen(
-        [BIN / "mjlab-submit", *common, "--max-iterations", "6", "--executor", "local",
-         "--gpus-per-node", "0", "--tasks-per-node", "2", "--follow"],
-        env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cmd,
+        env=env,
+        cwd=tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run = wait_for_iteration(root, 1, timeout=300)
     for pid in rank_pids(run):
         os.kill(pid, signal.SIGUSR2)
@@ -168,11 +182,15 @@ def wandb_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int
     # holding steps the newest checkpoint is behind.
     for name in ("model_6.pt", "model_6.pt.sha256"):
         (run.path / name).unlink()
+    resume = ["--max-iterations", "8", "--num-procs", "2", "--run-dir", str(run.path)]
     again = subprocess.run(
-        [BIN / "mjlab-train", *common, "--max-iterations", "8", "--num-procs", "2",
-         "--run-dir", str(run.path)],
-        env=env, cwd=tmp, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [BIN / "mjlab-train", *common, *resume],
+        env=env,
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     return run.path, tmp / "wandb", int(stop["iteration"])
 
@@ -231,14 +249,19 @@ def test_start_from_a_wandb_checkpoint_with_the_nan_guard(wandb_run, tmp_path: P
     cache = tmp_path / "cartpole" / CHECKPOINT_CACHE / "abcd1234"
     cache.mkdir(parents=True)
     shutil.copy(source / "model_8.pt", cache / "model_8.pt")
+    cmd = [BIN / "mjlab-train", CARTPOLE, "--torch-threads", "1", "--env.scene.num-envs", "16"]
+    cmd += ["--agent.max-iterations", "2", "--agent.logger", "tensorboard"]
+    cmd += ["--agent.resume", "True", "--wandb-run-path", "ent/proj/abcd1234"]
+    cmd += ["--wandb-checkpoint-name", "model_8.pt", "--enable-nan-guard", "True"]
+    cmd += ["--torchrunx-log-dir", "ignored", "--log-root", str(tmp_path)]
     proc = subprocess.run(
-        [BIN / "mjlab-train", CARTPOLE, "--torch-threads", "1", "--env.scene.num-envs", "16",
-         "--agent.max-iterations", "2", "--agent.logger", "tensorboard", "--agent.resume",
-         "True", "--wandb-run-path", "ent/proj/abcd1234", "--wandb-checkpoint-name",
-         "model_8.pt", "--enable-nan-guard", "True", "--torchrunx-log-dir", "ignored",
-         "--log-root", str(tmp_path)],
-        env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cmd,
+        env=cli_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     run = only_run(tmp_path)
     assert f"started from {cache / 'model_8.pt'}" in run.rank_log(0).read_text()
@@ -257,15 +280,19 @@ def test_start_from_a_wandb_checkpoint_with_the_nan_guard(wandb_run, tmp_path: P
 @pytest.mark.parametrize(
     ("args", "flag"),
     [
-        ([CARTPOLE, "--agent.resume", "True", "--wandb-run-path", "ent/proj/nothere"],
-         "--wandb-run-path"),
-        ([CARTPOLE, "--agent.resume", "True", "--agent.load-run", "no-such-run"],
-         "--agent.load-run"),
+        (
+            [CARTPOLE, "--agent.resume", "True", "--wandb-run-path", "ent/proj/nothere"],
+            "--wandb-run-path",
+        ),
+        (
+            [CARTPOLE, "--agent.resume", "True", "--agent.load-run", "no-such-run"],
+            "--agent.load-run",
+        ),
         ([TRACKING], "--env.commands.motion.motion-file"),
         ([TRACKING, "--registry-name", "ent/proj/no-motion"], "--registry-name"),
         (["cartpole", "--video", "True"], "--video"),
     ],
-)  # fmt: skip
+)
 def test_what_cannot_work_stops_before_anything_exists(
     args: list[str],
     flag: str,

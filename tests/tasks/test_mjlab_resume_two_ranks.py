@@ -1,7 +1,9 @@
-"""mjlab runs continue where they stopped, on two ranks (issue 29): a Flat G1 job of
-`mjlab-submit --executor local` requeued at its time limit, then healed after its rank 1 is
-killed (kill -9), ends with both ranks' parameters of a run that never stopped. One rank, and
-why these combinations cover the class: test_mjlab_resume_one_rank.py."""
+"""mjlab runs continue where they stopped, on two ranks (issue 29).
+
+A Flat G1 job of `mjlab-submit --executor local` is requeued at its time limit, then healed
+after its rank 1 is killed (kill -9). It ends with both ranks' parameters of a run that never
+stopped. One rank, and why these combinations cover the class: test_mjlab_resume_one_rank.py.
+"""
 
 from __future__ import annotations
 
@@ -30,9 +32,9 @@ else:
 # Several G1 starts per test (runs, restarts, a reference run): minutes on a loaded 2-core machine.
 pytestmark = [pytest.mark.mjlab, pytest.mark.training, pytest.mark.timeout(1200)]
 
-FLAT = ["Mjlab-Velocity-Flat-Unitree-G1", "--num-envs", "2", "--agent.num-steps-per-env", "4",
-        "--agent.logger", "tensorboard", "--torch-threads", "1", "--seed", "3",
-        "--save-interval", "2", "--max-iterations", "5"]  # fmt: skip
+FLAT = ["Mjlab-Velocity-Flat-Unitree-G1", "--num-envs", "2", "--agent.num-steps-per-env", "4"]
+FLAT += ["--agent.logger", "tensorboard", "--torch-threads", "1", "--seed", "3"]
+FLAT += ["--save-interval", "2", "--max-iterations", "5"]
 
 
 def test_flat_g1_time_limit_then_crash_is_exact(tmp_path: Path, shared_tmp: Path) -> None:
@@ -41,12 +43,15 @@ def test_flat_g1_time_limit_then_crash_is_exact(tmp_path: Path, shared_tmp: Path
     iteration 4 and the controller heals the job from that stop's checkpoint. Every start
     restores both ranks' environments, and the run ends exact."""
     root = tmp_path / "job"
+    cmd = [BIN / "mjlab-submit", *FLAT, "--executor", "local", "--gpus-per-node", "0"]
+    cmd += ["--tasks-per-node", "2", "--log-root", str(root), "--follow"]
     proc = subprocess.Popen(
-        [BIN / "mjlab-submit", *FLAT, "--executor", "local", "--gpus-per-node", "0",
-         "--tasks-per-node", "2", "--log-root", str(root), "--follow"],
-        env=cli_env({"MJLAB_HPC_FAULT": "kill@4:rank1:once"}), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cmd,
+        env=cli_env({"MJLAB_HPC_FAULT": "kill@4:rank1:once"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run = wait_for_iteration(root, 2, timeout=500)
     time_limit_stop(run)
     out, _ = proc.communicate(timeout=900)

@@ -1,7 +1,9 @@
-"""Every registered mjlab task's whole environment state is saved and restored into a freshly
-built env: compared path by path, then stepped on beside the original (the runs that continue
-exactly: test_mjlab_resume_*.py). Skipped when mjlab is not installed, except under CI=true,
-where that fails."""
+"""Every registered mjlab task's whole environment state is saved and restored.
+
+The state is restored into a freshly built env, compared path by path, then stepped on beside
+the original. The runs that continue exactly are in test_mjlab_resume_*.py. Skipped when mjlab
+is not installed, except under CI=true, where that fails.
+"""
 
 from __future__ import annotations
 
@@ -36,9 +38,14 @@ def _build(task: str, motion: Path, num_envs: int = 3):
     overrides = [MOTION_FLAG, str(motion)] if "Tracking" in task else []
     with contextlib.redirect_stdout(io.StringIO()):
         runtime = mt.make_mjlab_runtime(
-            task, num_envs=num_envs, max_iterations=1, seed=5, device="cpu",
-            overrides=overrides, cpu_graph=True,
-        )  # fmt: skip
+            task,
+            num_envs=num_envs,
+            max_iterations=1,
+            seed=5,
+            device="cpu",
+            overrides=overrides,
+            cpu_graph=True,
+        )
     return runtime.env
 
 
@@ -64,8 +71,7 @@ def test_every_task_restores_its_whole_state(task: str, tmp_path: Path) -> None:
     rules = mt.state_rules()
     fresh = envstate.capture(first.unwrapped, rules)
     gen = torch.Generator().manual_seed(1)
-    acts = [2 * torch.rand(first.num_envs, first.num_actions, generator=gen) - 1
-            for _ in range(8)]  # fmt: skip
+    acts = [2 * torch.rand(first.num_envs, first.num_actions, generator=gen) - 1 for _ in range(8)]
     _step(first, acts[:4])
     saved = mt.capture_env(first)
     rng = (torch.get_rng_state(), np.random.get_state(), random.getstate())

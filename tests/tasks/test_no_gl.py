@@ -1,8 +1,10 @@
-"""mjlab's tasks on a node without EGL or OSMesa (containers, minimal GPU images): mjlab makes
-EGL MuJoCo's default and MuJoCo loads it when imported, so without a loader every mjlab task
-failed to import. Here the machine's GL libraries are made unloadable for real (each one
-replaced by an empty file in a private mount namespace, as root): training works without
---video, and --video is one clear line before anything starts."""
+"""mjlab's tasks on a node without EGL or OSMesa (containers, minimal GPU images).
+
+mjlab makes EGL MuJoCo's default and MuJoCo loads it when imported, so without a loader an
+mjlab task would fail to import. Here the machine's GL libraries are made unloadable for real
+(each one replaced by an empty file in a private mount namespace, as root). Training works
+without --video, and --video is one clear line before anything starts.
+"""
 
 from __future__ import annotations
 
@@ -65,6 +67,5 @@ def test_without_gl_libraries_mjlab_tasks_train_and_video_is_refused(tmp_path: P
 
     # A GL asked for by name that does not load: one line, naming it.
     named = without_gl([*args, "--log-root", str(tmp_path / "named")], {**env, "MUJOCO_GL": "egl"})
-    assert (
-        named.returncode == 2 and "MUJOCO_GL" in named.stderr and "Traceback" not in (named.stderr)
-    ), named.stderr
+    assert named.returncode == 2 and "MUJOCO_GL" in named.stderr, named.stderr
+    assert "Traceback" not in named.stderr, named.stderr

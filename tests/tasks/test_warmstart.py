@@ -1,7 +1,9 @@
-"""Where a run started from another run finds its checkpoint (mjlab's --agent.resume True,
---agent.load-run, --agent.load-checkpoint, --wandb-run-path), and mjlab's spelling of
-booleans on our command lines. No mjlab, no training: real folders, the real W&B client
-(without network or login here)."""
+"""Where a run started from another run finds its checkpoint, and mjlab's spelling of booleans.
+
+The flags are mjlab's --agent.resume True, --agent.load-run, --agent.load-checkpoint and
+--wandb-run-path. No mjlab, no training: real folders and the real W&B client (without
+network or login here).
+"""
 
 from __future__ import annotations
 
@@ -30,8 +32,14 @@ def test_the_latest_run_with_a_matching_checkpoint_is_chosen_as_mjlab_chooses(
     tmp_path: Path,
 ) -> None:
     exp = tmp_path / "cartpole"
-    old = _files(exp / "2026-01-01_00-00-00", "model_50.pt", "model_100.pt",
-                 "model_100.pt.sha256", "model_150.pt.damaged", ".model_200.pt.1.tmp")  # fmt: skip
+    old = _files(
+        exp / "2026-01-01_00-00-00",
+        "model_50.pt",
+        "model_100.pt",
+        "model_100.pt.sha256",
+        "model_150.pt.damaged",
+        ".model_200.pt.1.tmp",
+    )
     _files(exp / "2026-01-02_00-00-00_crashed-early", "progress.jsonl")  # no checkpoint yet
     _files(exp / "wandb_checkpoints" / "abc", "model_999.pt")  # mjlab's W&B cache: not a run
     _files(exp / CHECKPOINT_CACHE / "abc", "model_999.pt")
@@ -64,16 +72,15 @@ def test_a_downloaded_wandb_checkpoint_needs_no_network(
 
 
 def test_mjlabs_spelling_of_booleans_is_ours_too() -> None:
-    args = ["T", "--video", "True", "--enable_nan_guard=false", "--agent.resume", "True",
-            "--resume", "--use-graph", "False", "--video-length", "True"]  # fmt: skip
-    assert mjlab_booleans(TrainSpec, args) == [
-        "T", "--video", "--no-enable-nan-guard", "--agent.resume", "True", "--resume",
-        "--no-use-graph", "--video-length", "True",
-    ]  # fmt: skip
+    args = ["T", "--video", "True", "--enable_nan_guard=false", "--agent.resume", "True"]
+    args += ["--resume", "--use-graph", "False", "--video-length", "True"]
+    ours = ["T", "--video", "--no-enable-nan-guard", "--agent.resume", "True", "--resume"]
+    ours += ["--no-use-graph", "--video-length", "True"]
+    assert mjlab_booleans(TrainSpec, args) == ours
     # mjlab-submit: the training flags sit at its top level.
-    assert mjlab_booleans(SubmitSpec, ["T", "--video", "true", "--follow", "False"]) == [
-        "T", "--video", "--no-follow"
-    ]  # fmt: skip
-    command = resume_command("mjlab-train", ["T", "--resume", "True", "--run-dir", "old",
-                                             "--video", "True"], "run")  # fmt: skip
+    submitted = mjlab_booleans(SubmitSpec, ["T", "--video", "true", "--follow", "False"])
+    assert submitted == ["T", "--video", "--no-follow"]
+    command = resume_command(
+        "mjlab-train", ["T", "--resume", "True", "--run-dir", "old", "--video", "True"], "run"
+    )
     assert command == "mjlab-train T --video True --run-dir run"
