@@ -292,8 +292,10 @@ def test_gpu_section_runs_both_sides_and_computes_its_figures(
         rollouts.append((device, n))
         return {"cartpole": {"ratios": [0.5, 0.7]}}
 
-    def state(task: str, n: int, folder: Path, device: str, env: dict, timeout_s: float) -> dict:
-        assert (task, n, device) == ("Mjlab-Velocity-Flat-Unitree-G1", 4096, "cuda:0")
+    def state(
+        task: str, num_envs: int, folder: Path, device: str, env: dict, timeout_s: float
+    ) -> dict:
+        assert (task, num_envs, device) == ("Mjlab-Velocity-Flat-Unitree-G1", 4096, "cuda:0")
         return {"capture_s": 0.5, "write_s": 1.0, "restore_s": 2.0}
 
     monkeypatch.setattr(gpu, "cli", scripts.__getitem__)
