@@ -70,8 +70,9 @@ def imports_of(name: str, path: Path) -> Iterator[tuple[str, bool]]:
                 base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
                 base = f"{base}.{node.module}" if node.module else base
             # `from mjlab_hpc.rundir import record` imports the module mjlab_hpc.rundir.record.
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
-                       for a in node.names]  # fmt: skip
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
         for target in targets:
             if target == "mjlab_hpc" or target.startswith("mjlab_hpc."):
                 yield target, id(node) in nested
@@ -104,8 +105,12 @@ def test_imports_flow_down_the_layers() -> None:
 
 
 def test_own_modules_are_imported_at_the_top() -> None:
-    lazy = {(name, target) for name, path in modules() for target, nested in imports_of(name, path)
-            if nested}  # fmt: skip
+    lazy = {
+        (name, target)
+        for name, path in modules()
+        for target, nested in imports_of(name, path)
+        if nested
+    }
     assert lazy <= LAZY_ALLOWED, sorted(lazy - LAZY_ALLOWED)
 
 
@@ -182,3 +187,23 @@ def test_public_api() -> None:
     assert mjlab_hpc.resolve(mjlab_hpc.TrainSpec()).num_envs == 64
     with pytest.raises(AttributeError):
         _ = mjlab_hpc.no_such_name
+
+
+def test_formatting_is_ruffs() -> None:
+    """The code is formatted as ruff formats it: no `# fmt: skip` keeps a line squeezed."""
+    root = PACKAGE.parent
+    skips = [
+        f"{path.relative_to(root)}:{n}"
+        for folder in ("mjlab_hpc", "tests", "benchmarks", "tools")
+        for path in sorted((root / folder).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if line.rstrip().endswith("# fmt: skip")
+    ]
+    assert len(skips) <= 5, f"{len(skips)} lines skip ruff's formatting: {skips}"
+    ruff = Path(sys.executable).with_name("ruff")
+    if not ruff.exists():
+        pytest.fail(f"ruff is not installed beside {sys.executable}: make install")
+    found = subprocess.run(
+        [str(ruff), "format", "--check", "--quiet", "."], cwd=root, capture_output=True, text=True
+    )
+    assert found.returncode == 0, found.stdout + found.stderr
