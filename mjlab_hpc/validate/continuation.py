@@ -30,6 +30,7 @@ from mjlab_hpc.rundir.state import changed_settings, read_record, resized_by_hea
 from mjlab_hpc.rundir.writer import busy_problem
 from mjlab_hpc.spec import (
     KEPT_ON_CONTINUATION,
+    NOT_RUN_SETTINGS,
     SIMULATOR_PACKAGES,
     ResolvedSpec,
     SubmitSpec,
@@ -43,18 +44,8 @@ __all__ = ["continue_target", "continued", "named_flags", "override_values"]
 
 S = TypeVar("S", TrainSpec, SubmitSpec)
 
-#: How one start of a run begins, never taken from the run.
-_THIS_START = frozenset(
-    (
-        "run_dir",
-        "resume",
-        "restart_from_scratch",
-        "fresh_envs",
-        "wandb_run_path",
-        "wandb_checkpoint_name",
-        "torchrunx_log_dir",
-    )
-)
+#: How one start of a run begins, never taken from the run (where the run lies is checked).
+_THIS_START = frozenset(NOT_RUN_SETTINGS) - {"task", "log_root", "experiment_name", "run_name"}
 #: What names the number of ranks, by command.
 _WORLD = {
     TrainSpec: ("num_procs", "gpu_ids"),
