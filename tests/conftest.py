@@ -2,7 +2,8 @@
 
 `make test` runs the suite on three pytest-xdist workers (`--dist loadgroup`): each test file
 stays on one worker (module fixtures start their jobs once), and every test that needs the
-Slurm test cluster runs on the same worker, which starts the cluster once and stops it.
+two-node Slurm test cluster runs on the same worker, which starts the cluster once and stops
+it; the tests of the three-node cluster (a cluster of its own) run together beside them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
     for item in items:
         if item.get_closest_marker("xdist_group"):
             continue
-        group = "slurm" if item.get_closest_marker("slurm") else str(item.path.relative_to(_ROOT))
+        group = str(item.path.relative_to(_ROOT))
+        if "slurm_cluster3" in getattr(item, "fixturenames", ()):
+            group = "slurm3"
+        elif item.get_closest_marker("slurm"):
+            group = "slurm"
         item.add_marker(pytest.mark.xdist_group(group))
     return (yield)
 

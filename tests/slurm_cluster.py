@@ -245,14 +245,8 @@ def _unavailable(reason: str) -> NoReturn:
     pytest.skip(f"Slurm test cluster unavailable: {reason}")
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[SlurmCluster]:
-    """A running two-node cluster: node1 and node2, with 8 CPUs and 4 fake GPUs each.
-
-    Its Slurm version is the one MJLAB_HPC_SLURM_VERSION names (22.05 by default; 24.11
-    inside its root).
-    """
-    state_dir = default_state_dir()
+def _check_version() -> None:
+    """Fail or skip unless the Slurm that MJLAB_HPC_SLURM_VERSION names can be reached here."""
     version = os.environ.get("MJLAB_HPC_SLURM_VERSION", "22.05")
     if version != "22.05" and os.environ.get("MJLAB_HPC_IN_ROOT") != version:
         # Its clients and daemons live in their own root; 22.05's cannot talk to them.
@@ -260,6 +254,17 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
             f"Slurm {version} runs inside its root: bash tests/cluster/cluster.sh "
             "exec .venv/bin/pytest ..."
         )
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """A running two-node cluster: node1 and node2, with 8 CPUs and 4 fake GPUs each.
+
+    Its Slurm version is the one MJLAB_HPC_SLURM_VERSION names (22.05 by default; 24.11
+    inside its root).
+    """
+    _check_version()
+    state_dir = default_state_dir()
     cluster = running_cluster(state_dir)
     if cluster is None:
         if os.geteuid() != 0:
@@ -284,15 +289,20 @@ SLURMD_TIMEOUT_S = 20
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster3(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+def slurm_cluster3() -> Iterator[SlurmCluster]:
     """A running cluster of three nodes beside the session's, with a short SlurmdTimeout.
 
     Its state directory is the session's with `-3`, and its SlurmdTimeout is SLURMD_TIMEOUT_S
-    (Slurm's default is 300 s). It is stopped at the end of the session.
+    (Slurm's default is 300 s). It is a cluster of its own (its own daemons, munge and
+    ports), so its tests run beside the two-node cluster's. It is stopped at the end of the
+    session.
     """
+    _check_version()
     state_dir = default_state_dir().with_name(default_state_dir().name + "-3")
     cluster = running_cluster(state_dir)
     if cluster is None or cluster.nodes < 3:
+        if os.geteuid() != 0:
+            _unavailable("needs root (starts daemons, mknod, mount namespace)")
         try:
             cluster = start_cluster(state_dir, nodes=3, slurmd_timeout_s=SLURMD_TIMEOUT_S)
         except (OSError, RuntimeError) as exc:
