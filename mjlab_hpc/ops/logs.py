@@ -39,7 +39,6 @@ _RECORD = re.compile(
     r"Warp |\[train\] )"
 )
 _HOST = re.compile(r"\bhost (\S+?),")
-_SUBMITIT_HOST = re.compile(r"hostname=([^,\s)]+)")
 _RANK_LOG = re.compile(r"^rank(\d+)\.log$")
 # Errors of a rank whose peer died or hung: at the same millisecond, the peer's error is first.
 _PEER_LOST = re.compile(
@@ -176,7 +175,8 @@ def rank_host(files: RankFiles, at: dt.datetime | None = None) -> str | None:
     """Return the host the rank ran on at time `at` (a requeued rank may move).
 
     It comes from the `host` lines of its log, else of its task output (the Slurm node, before
-    its log begins), else from submitit's `hostname=` line there (the machine).
+    its log begins). None before the rank has said it: submitit's `hostname=` there is the
+    machine, which need not be the node's name in Slurm.
     """
     hosts: list[tuple[dt.datetime | None, str]] = []
     for line in _read_lines(files.log) if files.log else []:
@@ -186,12 +186,11 @@ def rank_host(files: RankFiles, at: dt.datetime | None = None) -> str | None:
     if hosts:
         before = [h for t, h in hosts if at is None or t is None or t <= at]
         return before[-1] if before else hosts[0][1]
-    for pattern in (_HOST, _SUBMITIT_HOST):  # the Slurm node RankJob names, else the machine
-        for path in reversed(files.outs):
-            for line in _read_lines(path):
-                m = pattern.search(line)
-                if m:
-                    return m.group(1)
+    for path in reversed(files.outs):
+        for line in _read_lines(path):
+            m = _HOST.search(line)
+            if m:
+                return m.group(1)
     return None
 
 
