@@ -24,10 +24,10 @@ PYTEST_ARGS ?= -n 3 --dist loadgroup --durations=25
 # CUDA build (GPU=1), so the CPU venv stays as it is; one test at a time (they share the GPU).
 GPU_VENV ?= .venv-gpu
 
-.PHONY: install install-offline wheelhouse test test-fast test-slurm-24.11 gpu-check lint format demo bench bench-recovery scale cluster-up cluster-down clean help
+.PHONY: install install-offline wheelhouse test test-fast test-slurm-24.11 gpu-check lint format demo bench bench-recovery bench-kernels scale cluster-up cluster-down clean help
 
 help:
-	@echo "make install | install-offline | wheelhouse | test | test-fast | test-slurm-24.11 | gpu-check | lint | format | demo | bench | bench-recovery | scale | cluster-up | cluster-down | clean"
+	@echo "make install | install-offline | wheelhouse | test | test-fast | test-slurm-24.11 | gpu-check | lint | format | demo | bench | bench-recovery | bench-kernels | scale | cluster-up | cluster-down | clean"
 
 install: $(STAMP)
 
@@ -167,13 +167,14 @@ demo: install
 # BENCH_ARGS=--quick for a smoke run. GPU figures where torch sees a GPU: on a GPU machine,
 # make bench VENV=.venv-gpu GPU=1 (torch's CUDA build); without one they are skipped, and said so.
 BENCH_ARGS ?=
-# Then self-healing on Slurm (make bench-recovery; as root only, BENCH_RECOVERY=0 skips it).
+# Then self-healing and a new node's kernels on Slurm (make bench-recovery bench-kernels; as root
+# only, BENCH_RECOVERY=0 skips them).
 BENCH_RECOVERY ?= 1
 bench: install
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 	@if [ "$(BENCH_RECOVERY)" = 0 ]; then :; elif [ "$$(id -u)" != 0 ]; then \
 		echo "self-healing on Slurm not measured: make bench-recovery starts a test cluster, as root"; \
-	else $(MAKE) --no-print-directory bench-recovery; fi
+	else $(MAKE) --no-print-directory bench-recovery bench-kernels; fi
 
 # Self-healing on Slurm (~4 min on 2 cores): its own 3-node Slurm 22.05 test cluster (as root,
 # in RECOVERY_DIR, SlurmdTimeout 20 s, stopped at the end), a crash, a hang and a hard node
@@ -189,6 +190,18 @@ bench-recovery: install
 	bash $(CLUSTER) up || exit 1; \
 	source "$$MJLAB_HPC_CLUSTER_DIR/env.sh"; \
 	$(BIN)/python -m benchmarks.recovery --work "$(RECOVERY_DIR)/runs" $(RECOVERY_ARGS)
+
+# A new node's first iteration (~2 min on 2 cores): its own 3-node Slurm test cluster (as
+# root, in KERNELS_DIR, stopped at the end), a job per node with a home of its own: a cold
+# kernel cache, the cache under the log root on another node, and Warp's per-node cache;
+# bench-results/kernel_cache.json.
+KERNELS_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-kernels
+bench-kernels: install
+	@export MJLAB_HPC_CLUSTER_DIR="$(KERNELS_DIR)/cluster" MJLAB_HPC_CLUSTER_NODES=3; \
+	trap 'bash $(CLUSTER) down' EXIT; \
+	bash $(CLUSTER) up || exit 1; \
+	source "$$MJLAB_HPC_CLUSTER_DIR/env.sh"; \
+	$(BIN)/python -m benchmarks.kernel_cache --work "$(KERNELS_DIR)/runs"
 
 # What grows with the world size (~11 min on 2 cores): its own 8-node Slurm test cluster (as
 # root, in SCALE_DIR, stopped at the end), then jobs of 1-32 CPU ranks through mjlab-submit;

@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 
+from benchmarks.compile import default_kernel_cache
 from benchmarks.stats import median_iteration_s, parse_rsl_rl_log
 from mjlab_hpc import procs
 from mjlab_hpc.rundir.layout import PROGRESS, RESTARTS, RUN_RECORD, SUBMITIT_DIR, read_jsonl
@@ -110,6 +111,8 @@ def bench_env(extra: dict[str, str] | None = None, gpus: bool = False) -> dict[s
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     if not gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    # Warm figures on the machine's warm kernels, not a cold cache under each job's log root.
+    env.setdefault("WARP_CACHE_PATH", str(default_kernel_cache().parent))
     env.update(extra or {})
     return env
 

@@ -61,6 +61,7 @@ NOT_RUN_SETTINGS = (
     "wandb_run_path",
     "wandb_checkpoint_name",
     "torchrunx_log_dir",
+    "kernel_cache",
 )
 
 
@@ -109,6 +110,10 @@ class TrainSpec:
     save_every_min: float | None = None
     """Also save a checkpoint when this many minutes passed since the last one (bounds what a
     lost node costs). `none`: only every --save-interval iterations."""
+    kernel_cache: str = "auto"
+    """Where Warp keeps compiled kernels: `auto` (a folder of yours under --log-root, so the
+    nodes of later jobs start warm; WARP_CACHE_PATH where that is set), `node` (Warp's own
+    default, in each node's home) or a folder (shared with whoever may write it)."""
     use_graph: bool = True
     """Replay physics through a captured Warp graph (faster; bit-identical to plain stepping)."""
     normalizer_sync: Literal["iteration", "step"] = "iteration"

@@ -26,6 +26,14 @@ from slurm_cluster import slurm_cluster, slurm_cluster3  # noqa: F401
 
 _ROOT = Path(__file__).resolve().parent
 
+# Every command the tests start shares Warp's compiled kernels through Warp's own variable (a
+# run's default is a cache under its log root, and each test has a log root of its own: each
+# would compile from nothing). tests/rank/test_kernel_cache.py tests the default.
+os.environ.setdefault(
+    "WARP_CACHE_PATH",
+    str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "warp"),
+)
+
 # A suite started in the background of a script inherits SIGINT ignored (POSIX), and so would
 # every command the tests start: Ctrl-C tests would wait forever. Python's own handler instead
 # (a process starts with SIGINT at its default again).

@@ -1,7 +1,8 @@
 """What runs inside one rank, and `RankJob`, what submitit runs in every task of a job.
 
 `train` is the per-rank entry point; `context` says where the rank stands in the job,
-`resume` where it starts from, `workload` and `runner` what it trains. `signals` and `stop`
+`resume` where it starts from, `workload` and `runner` what it trains, `kernel_cache` where
+Warp keeps its compiled kernels. `signals` and `stop`
 handle stops, `watchdog` hangs, `stragglers` slow ranks, `normalization` what the ranks'
 normalizers exchange. This module imports only light ones (`context`, `signals`): the
 training code (torch, warp, rsl-rl) loads in the rank.

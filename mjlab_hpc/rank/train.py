@@ -39,6 +39,7 @@ from mjlab_hpc.rank.context import (
     seed_for_rank,
     torch_threads,
 )
+from mjlab_hpc.rank.kernel_cache import choose_kernel_cache, use_kernel_cache
 from mjlab_hpc.rank.resume import ResumePlan, ResumeRefused, load_plan, plan_resume
 from mjlab_hpc.rank.runner import IterationHook
 from mjlab_hpc.rank.signals import StopRequest, watch_signals
@@ -283,6 +284,8 @@ def train_rank(
         os.environ["CUDA_VISIBLE_DEVICES"] = mig
     init_warp()
     device = rank_device(spec.device_choice, ctx)
+    kernels = choose_kernel_cache(spec.kernel_cache, spec.log_root, device)
+    use_kernel_cache(kernels)
     torch.set_num_threads(torch_threads(spec.torch_threads, ctx, os.environ))
     if device.startswith("cuda"):
         # Offscreen rendering (videos) on this rank's GPU (its CUDA ordinal, not its local
@@ -309,6 +312,7 @@ def train_rank(
         run = RunDir(agree_run_dir(spec, ctx, resolved.experiment_name))
         _refuse_if_busy(run, ctx)
         with _rank_logging(run, ctx.rank) as rank_log:
+            log.info("kernel cache: %s", kernels.why)
             return _train(
                 resolved,
                 ctx=ctx,

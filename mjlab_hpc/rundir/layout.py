@@ -21,6 +21,7 @@ from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_atomi
 __all__ = [
     "CANCEL_RECORD",
     "ELEMENT_RECORD",
+    "KERNEL_CACHE_DIR",
     "PROGRESS",
     "RUN_RECORD",
     "SUBMITIT_DIR",
@@ -68,6 +69,8 @@ ONCE_DIR = ".once"
 HEARTBEAT_DIR = "heartbeat"
 CHECKSUM_SUFFIX = ".sha256"
 RANK_STATES_DIR = "rank_states"
+# Folders of a log root: Warp's compiled kernels, `<user>/<key>/` (rank/kernel_cache.py).
+KERNEL_CACHE_DIR = ".kernel-cache"
 # Files of an experiment folder.
 KEYS_DIR = ".keys"
 LATEST_RUN = ".latest_run"

@@ -105,7 +105,14 @@ def check_train(spec: TrainSpec) -> TrainSpec:
     no_control("--log-root", spec.log_root)
     if not spec.log_root.strip():
         raise SpecError("--log-root", "must not be empty (default: logs)")
-    for flag, path in (("--log-root", spec.log_root), ("--run-dir", spec.run_dir)):
+    no_control("--kernel-cache", spec.kernel_cache)
+    if not spec.kernel_cache.strip():
+        raise SpecError("--kernel-cache", "must not be empty: auto, node or a folder")
+    for flag, path in (
+        ("--log-root", spec.log_root),
+        ("--run-dir", spec.run_dir),
+        ("--kernel-cache", spec.kernel_cache),
+    ):
         if path is not None and path.startswith("~"):
             # No shell expanded it (it was quoted), and the job script would not either.
             raise SpecError(

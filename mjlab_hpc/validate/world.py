@@ -352,8 +352,9 @@ def check_places(
     """Check that where the run will be written can be written, creating nothing.
 
     That is the run directory, or the log root and the experiment's folder under it (a
-    team's log root may hold one that another member made). With `existing_only` (a dry run,
-    a template, maybe for another machine), only what exists here is checked.
+    team's log root may hold one that another member made), and a --kernel-cache folder.
+    With `existing_only` (a dry run, a template, maybe for another machine), only what exists
+    here is checked.
     """
     if train.run_dir:
         check_run_dir("--run-dir", train.run_dir, existing_only=existing_only)
@@ -361,6 +362,8 @@ def check_places(
         folder = str(Path(train.log_root) / experiment) if experiment else train.log_root
         check_log_root("--log-root", train.log_root, existing_only=existing_only)
         check_log_root("--log-root", folder, existing_only=existing_only)
+    if train.kernel_cache not in ("auto", "node"):
+        check_log_root("--kernel-cache", train.kernel_cache, existing_only=existing_only)
 
 
 def check_after_exists(spec: SubmitSpec) -> None:
