@@ -149,7 +149,23 @@ def check_train(spec: TrainSpec) -> TrainSpec:
             value = arg
         if value.strip().lower().lstrip("+-") in _NOT_FINITE:
             raise SpecError(flag, f"{value!r} is no setting (nan and inf are refused)")
+        if (
+            flag.replace("_", "-").endswith(".learning-rate")
+            and value
+            and not _learning_rate(value)
+        ):
+            # Far above any rate PPO trains at: the weights blow up, or train on at ~1e6.
+            raise SpecError(
+                flag, f"must be > 0 and at most 1 (PPO trains at ~1e-4 to 1e-2), got {value}"
+            )
     return spec
+
+
+def _learning_rate(value: str) -> bool:
+    try:
+        return 0 < float(value) <= 1
+    except ValueError:
+        return True  # not a number: the task's own parser names it
 
 
 def resolve(spec: TrainSpec) -> ResolvedSpec:
