@@ -262,6 +262,8 @@ def test_number_of_generated_cases() -> None:
         (["--nodes", "99999999999"], "--nodes", "at most"),
         (["--agent.learning_rate", "nan"], "--agent.learning_rate", "nan and inf"),
         (["--agent.learning_rate=-inf"], "--agent.learning_rate", "nan and inf"),
+        (["--agent.learning-rate", "1e6"], "--agent.learning-rate", "at most 1"),
+        (["--agent.algorithm.learning_rate=0"], "--agent.algorithm.learning_rate", "> 0"),
         (["--sweep", "seed=4,04"], "--sweep", "the same value"),
         (["--sweep", "device=cuda,cpu"], "--sweep", "cannot be swept"),
         (["--after", "12;rm -rf x"], "--after", "not a Slurm job id"),
