@@ -34,6 +34,7 @@ __all__ = [
     "CollectiveClock",
     "ContextRunnerMixin",
     "DistributedRunner",
+    "Diverged",
     "IterationHook",
     "WandbBook",
     "runner_class",
@@ -45,6 +46,41 @@ WANDB_RECORD = "wandb_run.json"
 
 
 IterationHook = Callable[[Any, IterationStats], None]
+
+
+class Diverged(ArithmeticError):
+    """The training diverged: a loss, a parameter or the action noise is no longer finite.
+
+    Raised after the update and before anything of that iteration is saved, on every rank
+    alike (their parameters are the same), so the newest checkpoint is the last finite one.
+    Nothing heals it: a restart from that checkpoint diverges again.
+    """
+
+    def __init__(self, iteration: int, what: str, learning_rate: float) -> None:
+        super().__init__(
+            f"training diverged at iteration {iteration}: {what}; the newest checkpoint is "
+            f"the last finite one. Most often the learning rate is too high (now "
+            f"{learning_rate:g}): lower --agent.learning-rate (or the algorithm's) and resume"
+        )
+        self.iteration = iteration
+
+
+def _divergence(loss_dict: dict[str, Any], alg: Any) -> str | None:
+    """What is no longer finite after an update (None: all is)."""
+    for name, value in loss_dict.items():
+        if (
+            isinstance(value, (int, float, torch.Tensor))
+            and not torch.isfinite(torch.as_tensor(value)).all()
+        ):
+            return f"the {name} loss is {float(torch.as_tensor(value).float().mean())}"
+    for label, module in (("actor", alg._raw_actor), ("critic", alg._raw_critic)):
+        for name, param in module.named_parameters():
+            if not torch.isfinite(param).all():
+                return f"the {label}'s {name} holds non-finite values"
+    std = getattr(alg.get_policy(), "output_std", None)  # a policy without noise has none
+    if std is not None and not (torch.isfinite(std).all() and (std > 0).all()):
+        return f"the action noise (std) is {torch.as_tensor(std).detach().flatten()[:4].tolist()}"
+    return None
 
 
 class CollectiveClock:
@@ -252,6 +288,8 @@ class ContextRunnerMixin:
                 self.alg.compute_returns(obs)
             loss_dict = self.alg.update()
             t2 = time.perf_counter()
+            if (what := _divergence(loss_dict, self.alg)) is not None:
+                raise Diverged(it + 1, what, float(self.alg.learning_rate))
             self.current_learning_iteration = it + 1
             with contextlib.redirect_stdout(self.quiet):
                 self.logger.log(

@@ -42,6 +42,7 @@ __all__ = [
     "decode_record",
     "encode_record",
     "env_error",
+    "folder_id",
     "holder_gone",
     "link_exclusive",
     "pwrite_all",
@@ -147,6 +148,9 @@ class OwnerInfo:
     """Its kernel's boot and pid namespace (`procs.machine_id`; "": unknown).
 
     A process with the same one can tell whether `pid` lives."""
+    folder: int = 0
+    """The inode of the folder holding the lock file when it was taken (0: unknown). A copy of
+    that folder (`cp -r` of a live run) has another: its copied lock has no holder there."""
 
     @classmethod
     def from_env(cls, rank: int = 0) -> OwnerInfo:
@@ -223,6 +227,7 @@ def encode_record(
         "restart_count": owner.restart_count,
         "rank": owner.rank,
         "machine": owner.machine,
+        "folder": owner.folder,
         "acquired_at": acquired_at,
         "heartbeat_at": heartbeat_at,
         "lease_s": float(lease_s),
@@ -254,6 +259,7 @@ def decode_record(raw: bytes, mtime: float) -> LockRecord:
             restart_count=int(doc["restart_count"]),
             rank=int(doc["rank"]),
             machine=str(doc.get("machine") or ""),
+            folder=int(doc.get("folder") or 0),
         )
         return LockRecord(
             owner=owner,
@@ -403,14 +409,27 @@ class Observer:
         return now - seen[1]
 
 
-def holder_gone(record: LockRecord) -> bool | None:
+def folder_id(lock: Path) -> int:
+    """The inode of the folder holding `lock` (0: it cannot be read)."""
+    try:
+        return os.stat(lock.parent).st_ino
+    except OSError:
+        return 0
+
+
+def holder_gone(record: LockRecord, lock: Path | None = None) -> bool | None:
     """Whether a holder is known to be gone.
 
-    True: its process is gone. False: it lives (a stopped or suspended one too). None: this
-    process cannot know (another machine, a container with other pids, an unknown holder).
+    True: its process is gone, or it holds the lock of another folder (`lock` is a copy of
+    its lock file). False: it lives (a stopped or suspended one too). None: this process
+    cannot know (another machine, a container with other pids, an unknown holder).
     """
     owner = record.owner
-    if owner is None or not owner.machine or owner.machine != machine_id():
+    if owner is None:
+        return None
+    if owner.folder and lock is not None and folder_id(lock) not in (0, owner.folder):
+        return True  # a copied lock file (cp -r of a live run): its holder holds another
+    if not owner.machine or owner.machine != machine_id():
         return None
     return not alive(owner.pid)
 

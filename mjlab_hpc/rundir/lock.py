@@ -17,6 +17,7 @@ the failures it covers: docs/single-writer.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import math
 import os
@@ -43,6 +44,7 @@ from mjlab_hpc.rundir.lease import (
     claim_ticket,
     encode_record,
     env_error,
+    folder_id,
     holder_gone,
     link_exclusive,
     pwrite_all,
@@ -163,7 +165,7 @@ class LeaseLock:
             raise env_error("read the lock file", self.path, exc) from exc
         if first is None or first.record.owner is None or first.record.lease_s is None:
             return None
-        gone = holder_gone(first.record)
+        gone = holder_gone(first.record, self.path)
         if gone is not None:
             return None if gone else first.record
         observer = Observer()
@@ -315,6 +317,7 @@ class LeaseLock:
             return None, snap.record, True
         nonce = uuid.uuid4().hex
         temp = self.path.with_name(f"{self.path.name}.new.{nonce}")
+        self.owner = dataclasses.replace(self.owner, folder=folder_id(self.path))
         now = time.time()
         raw = encode_record(
             self.owner,
@@ -404,7 +407,7 @@ class LeaseLock:
         It may when its process is gone (on this machine), or when we have seen its lock file
         unchanged for its lease (for an unknown holder: for ours).
         """
-        gone = holder_gone(snap.record)
+        gone = holder_gone(snap.record, self.path)
         if gone is not None:
             return gone
         record = snap.record

@@ -163,8 +163,12 @@ def _is_tracking_cfg(env_cfg: Any) -> bool:
     return isinstance(env_cfg.commands.get("motion"), MotionCommandCfg)
 
 
+# A negative number is a value (`--agent.algorithm.entropy-coef -0.01`), as in mjlab's train.
+_NEGATIVE_NUMBER = re.compile(r"^-(\d|\.\d|inf\b|nan\b)", re.IGNORECASE)
+
+
 def _flags(args: Sequence[str]) -> list[str]:
-    return [a.split("=", 1)[0] for a in args if a.startswith("-")]
+    return [a.split("=", 1)[0] for a in args if a.startswith("-") and not _NEGATIVE_NUMBER.match(a)]
 
 
 def _tyro_message(text: str) -> str:
@@ -528,6 +532,8 @@ class MjlabDefaults:
     """agent.save_interval"""
     run_name: str = ""
     """agent.run_name: the run folder's suffix (and the W&B run's name)."""
+    logger: str = "tensorboard"
+    """agent.logger: where rsl-rl logs (mjlab's default: wandb)."""
 
 
 def task_defaults(
@@ -552,4 +558,5 @@ def task_defaults(
         load_checkpoint=str(agent_cfg.load_checkpoint),
         save_interval=int(agent_cfg.save_interval),
         run_name=str(agent_cfg.run_name or ""),
+        logger=str(agent_cfg.logger),
     )

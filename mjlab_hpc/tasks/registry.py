@@ -18,6 +18,7 @@ from mjlab_hpc.tasks.warmstart import (
     fetch_wandb_motion,
     find_run_checkpoint,
     run_checkpoints,
+    wandb_login_problem,
 )
 
 __all__ = ["list_tasks", "resolve"]
@@ -102,6 +103,8 @@ def resolve(spec: TrainSpec) -> ResolvedSpec:
         defaults = mjlab.task_defaults(spec.task, spec.num_envs, spec.max_iterations, overrides)
     except ValueError as exc:
         raise SpecError("--env/--agent", str(exc)) from None
+    if defaults.logger == "wandb" and (problem := wandb_login_problem()):
+        raise SpecError("--agent.logger", problem)  # else a traceback once the run exists
     experiment = spec.experiment_name or defaults.experiment_name
     # mjlab's --agent.save-interval and --agent.run-name mean what our flags of those names do.
     given = {o.partition("=")[0].replace("_", "-") for o in overrides if o.startswith("--agent.")}

@@ -9,6 +9,7 @@ network.
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import os
 import re
@@ -27,6 +28,7 @@ __all__ = [
     "fetch_wandb_motion",
     "find_run_checkpoint",
     "run_checkpoints",
+    "wandb_login_problem",
 ]
 
 #: Folders of the experiment folder that hold W&B downloads (hidden: not runs).
@@ -39,6 +41,35 @@ _NO_WANDB = (
     "it needs network and a W&B login (`wandb login`, or WANDB_API_KEY) on the machine that "
     "starts the run"
 )
+
+
+def wandb_login_problem() -> str | None:
+    """Why W&B would refuse to log a run started here, None when it would log.
+
+    Offline and disabled W&B need no login; otherwise a key (WANDB_API_KEY, an identity token
+    file) or `wandb login`'s entry in the netrc file, as wandb itself looks them up.
+    """
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    settings = configparser.ConfigParser()
+    folder = os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb"
+    with contextlib.suppress(configparser.Error, UnicodeDecodeError):
+        settings.read(Path(folder) / "settings")  # `wandb offline` writes its mode here
+    mode = mode or settings.get("default", "mode", fallback="").lower()
+    if mode in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return None
+    if os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    from wandb.sdk.lib.wbauth import read_netrc_auth
+
+    host = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    with contextlib.suppress(Exception):  # a malformed netrc: wandb says so itself
+        if read_netrc_auth(host=host):
+            return None
+    return (
+        f"mjlab's logger is W&B and this machine has no W&B login for {host}: run `wandb "
+        "login` (or set WANDB_API_KEY), set WANDB_MODE=offline to log locally, or give "
+        "--agent.logger tensorboard"
+    )
 
 
 def _order(name: str) -> str:

@@ -34,6 +34,8 @@ __all__ = [
 
 #: More environments than this on one rank is a typo (Warp indexes worlds with 32 bits).
 MAX_ENVS_PER_RANK = 2**24
+#: The longest duration a flag may give: 30 days, in seconds.
+_MAX_S = 30 * 86400
 _NOT_FINITE = frozenset({"nan", "inf", "infinity"})
 # Signals Slurm can send ahead of the time limit that no library we load relies on, and
 # that mean nothing else to a rank (INT, HUP and TERM are stops by a user or a scheduler).
@@ -67,22 +69,24 @@ def check_train(spec: TrainSpec) -> TrainSpec:
         ("--seed", spec.seed, -(2**62), 2**62),
     ):
         _within(flag, value, low, high)
-    if not math.isfinite(spec.dist_timeout_s) or spec.dist_timeout_s <= 0:
-        raise SpecError("--dist-timeout-s", f"must be > 0 seconds, got {spec.dist_timeout_s}")
-    if spec.hang_timeout_s is not None and (
-        not math.isfinite(spec.hang_timeout_s) or spec.hang_timeout_s <= 0
-    ):
-        raise SpecError(
+    # Durations: at least a second (a process group forms, a checkpoint is written, in no
+    # less), at most 30 days (past what torch's timedelta and the OS timers hold).
+    for flag, value, unit, scale, off in (
+        ("--dist-timeout-s", spec.dist_timeout_s, "seconds", 1.0, ""),
+        (
             "--hang-timeout-s",
-            f"must be > 0 seconds, got {spec.hang_timeout_s} (`none` disables the hang watchdog)",
-        )
-    if spec.save_every_min is not None and (
-        not math.isfinite(spec.save_every_min) or spec.save_every_min <= 0
+            spec.hang_timeout_s,
+            "seconds",
+            1.0,
+            " (`none` disables the hang watchdog)",
+        ),
+        ("--save-every-min", spec.save_every_min, "minutes", 60.0, " (`none`: iterations only)"),
     ):
-        raise SpecError(
-            "--save-every-min",
-            f"must be > 0 minutes, got {spec.save_every_min} (`none`: iterations only)",
-        )
+        if value is not None and not (math.isfinite(value) and 1 <= value * scale <= _MAX_S):
+            low, high = 1 / scale, _MAX_S / scale
+            raise SpecError(
+                flag, f"must be between {low:g} and {high:g} {unit}, got {value:g}{off}"
+            )
     if isinstance(spec.gpu_ids, tuple) and any(i < 0 for i in spec.gpu_ids):
         raise SpecError("--gpu-ids", f"ids must be >= 0, got {list(spec.gpu_ids)}")
     if isinstance(spec.gpu_ids, tuple) and len(set(spec.gpu_ids)) != len(spec.gpu_ids):
@@ -152,7 +156,23 @@ def check_train(spec: TrainSpec) -> TrainSpec:
             value = arg
         if value.strip().lower().lstrip("+-") in _NOT_FINITE:
             raise SpecError(flag, f"{value!r} is no setting (nan and inf are refused)")
+        if (
+            flag.replace("_", "-").endswith(".learning-rate")
+            and value
+            and not _learning_rate(value)
+        ):
+            # Far above any rate PPO trains at: the weights blow up, or train on at ~1e6.
+            raise SpecError(
+                flag, f"must be > 0 and at most 1 (PPO trains at ~1e-4 to 1e-2), got {value}"
+            )
     return spec
+
+
+def _learning_rate(value: str) -> bool:
+    try:
+        return 0 < float(value) <= 1
+    except ValueError:
+        return True  # not a number: the task's own parser names it
 
 
 def resolve(spec: TrainSpec) -> ResolvedSpec:

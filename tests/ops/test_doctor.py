@@ -24,9 +24,10 @@ pytestmark = pytest.mark.slurm
 
 
 def _doctor(cluster: SlurmCluster, *args: str) -> subprocess.Popen[str]:
+    # mjlab's W&B logger without a login here is refused before anything (tests/tasks).
     return subprocess.Popen(
         [str(BIN / "mjlab-hpc"), "doctor", "--json", "--wait-s", "120", *args],
-        env=cli_env(base=cluster.environ()),
+        env=cli_env({"WANDB_MODE": "offline"}, base=cluster.environ()),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -329,3 +329,20 @@ def test_two_ranks_update_as_one_process_with_both_rollouts(got: dict[int, Any])
     shuffle = off(got[0]["equivalence"]["one_reshuffled"])
     for side in ("iteration", "one_union_advantages"):
         assert 1e-3 < off(got[0]["equivalence"][side]) < shuffle / 2, (side, shuffle)
+
+
+def test_a_diverged_update_is_named() -> None:
+    import torch
+
+    from mjlab_hpc.rank.runner import Diverged, _divergence
+
+    alg = _fresh_ppo(None, 4)
+    alg._raw_actor, alg._raw_critic = alg.actor, alg.critic  # as our runner's PPO has them
+    assert _divergence({"surrogate": 0.1, "value": torch.tensor(2.0)}, alg) is None
+    assert "value loss is inf" in str(_divergence({"value": float("inf")}, alg))
+    weight = next(alg.actor.parameters())
+    with torch.no_grad():
+        weight[0] = float("nan")
+    assert "actor's" in str(_divergence({}, alg))
+    message = str(Diverged(7, "the value loss is nan", 3e-4))
+    assert "iteration 7" in message and "learning rate" in message and "0.0003" in message

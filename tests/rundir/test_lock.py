@@ -716,3 +716,17 @@ def test_128_contenders_and_a_killed_holder(tmp_path: Path, capsys: pytest.Captu
     summary = lock_summary(raw)
     with capsys.disabled():
         print(f"\n[lock 128] {summary}")
+
+
+def test_a_copy_of_a_held_lock_has_no_holder(tmp_path: Path) -> None:
+    """`cp -r` of a live run copies its lock file: the copy is not the original's to hold."""
+    (tmp_path / "run").mkdir()
+    with LeaseLock(tmp_path / "run" / "writer.lock", lease_s=30):
+        shutil.copytree(tmp_path / "run", tmp_path / "copy")
+        assert LeaseLock(tmp_path / "run" / "writer.lock").live_holder() is not None
+        copied = LeaseLock(tmp_path / "copy" / "writer.lock", lease_s=30)
+        assert copied.live_holder() is None
+        t0 = time.monotonic()
+        copied.acquire(timeout_s=0)  # at once: no lease to wait out
+        assert time.monotonic() - t0 < 2
+        copied.release()

@@ -114,6 +114,13 @@ def test_overrides_apply_and_bad_ones_are_named() -> None:
     env_cfg, agent_cfg, _, _ = mt.load_mjlab_cfgs(CARTPOLE)
     _, agent = mt.apply_overrides(env_cfg, agent_cfg, ["--agent.actor.hidden-dims", "(32,16)"])
     assert tuple(agent.actor.hidden_dims) == (32, 16)
+    # A negative number after a space is a value, as mjlab's train reads it.
+    _, agent = mt.apply_overrides(
+        env_cfg,
+        agent_cfg,
+        ["--agent.algorithm.entropy-coef", "-0.01", "--agent.clip-actions", "-1e3"],
+    )
+    assert agent.algorithm.entropy_coef == -0.01 and agent.clip_actions == -1000.0
 
     bad = {
         "--env.scene.num-envz": ["--env.scene.num-envz", "4"],

@@ -1,15 +1,18 @@
 """Where a run started from another run finds its checkpoint, and mjlab's spelling of booleans.
 
 The flags are mjlab's --agent.resume True, --agent.load-run, --agent.load-checkpoint and
---wandb-run-path. No mjlab, no training: real folders and the real W&B client (without
-network or login here).
+--wandb-run-path, and mjlab's W&B logger without a login. No training: real folders and the
+real W&B client (without network or login here).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import BIN, cli_env
 
 from mjlab_hpc.cli.common import mjlab_booleans, resume_command
 from mjlab_hpc.errors import SpecError
@@ -18,6 +21,7 @@ from mjlab_hpc.tasks.warmstart import (
     CHECKPOINT_CACHE,
     fetch_wandb_checkpoint,
     find_run_checkpoint,
+    wandb_login_problem,
 )
 
 
@@ -84,3 +88,31 @@ def test_mjlabs_spelling_of_booleans_is_ours_too() -> None:
         "mjlab-train", ["T", "--resume", "True", "--run-dir", "old", "--video", "True"], "run"
     )
     assert command == "mjlab-train T --video True --run-dir run"
+
+
+@pytest.mark.mjlab
+def test_wandb_without_a_login_is_refused_before_the_run_exists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in cli_env().items() if not k.startswith(("WANDB_", "NETRC"))}
+    train = [BIN / "mjlab-train", "Mjlab-Cartpole-Balance", "--agent.max-iterations", "1"]
+    train += ["--env.scene.num-envs", "4", "--log-root", tmp_path / "logs"]
+    proc = subprocess.run(
+        train, env={**env, "HOME": str(home)}, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--agent.logger" in proc.stderr and "wandb login" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "logs").exists()
+    # What wandb itself accepts is enough: `wandb login`'s netrc entry, offline mode, a key.
+    for name in [k for k in os.environ if k.startswith(("WANDB_", "NETRC"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(home))
+    assert wandb_login_problem() is not None
+    (home / ".netrc").write_text(f"machine api.wandb.ai\n  login user\n  password {'k' * 40}\n")
+    (home / ".netrc").chmod(0o600)
+    assert wandb_login_problem() is None
+    (home / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert wandb_login_problem() is None
