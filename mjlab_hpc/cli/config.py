@@ -13,6 +13,7 @@ for `mjlab-hpc doctor --write-profile`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import json
 import os
@@ -23,6 +24,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
+
+import tyro
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.rundir.durable import read_regular, write_atomic
@@ -66,8 +69,6 @@ _NOT_DEFAULTS = frozenset(
         "sweep",
         "after",
         "profile",
-        "train",
-        "overrides",
     }
 )
 _LIMIT = 1 << 20  # a config file larger than this is no config file
@@ -103,18 +104,26 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
 
 
+def _is_flag(kind: Any) -> bool:
+    """Whether a field of type `kind` is a flag: not a nested spec, not hidden from --help."""
+    if typing.get_origin(kind) is typing.Annotated:
+        base, *marks = typing.get_args(kind)
+        return tyro.conf.Suppress not in marks and _is_flag(base)
+    return not dataclasses.is_dataclass(kind)
+
+
 def allowed_keys() -> dict[str, Any]:
     """Every key a config file may hold, by field name, with the field's type.
 
     They are mjlab-submit's flags (TrainSpec's and SubmitSpec's fields) but those of one
-    command (`_NOT_DEFAULTS`) and those hidden from the command line.
+    command (`_NOT_DEFAULTS`).
     """
-    out = {}
-    for cls in (TrainSpec, SubmitSpec):
-        for name, kind in _hints(cls).items():
-            if name not in _NOT_DEFAULTS:
-                out[name] = kind
-    return out
+    return {
+        name: kind
+        for cls in (TrainSpec, SubmitSpec)
+        for name, kind in _hints(cls).items()
+        if name not in _NOT_DEFAULTS and _is_flag(kind)
+    }
 
 
 def _convert(kind: Any, value: object) -> object:
@@ -175,8 +184,12 @@ def _example(name: str) -> str:
     for spec in (TrainSpec(), SubmitSpec()):
         if (value := getattr(spec, name, None)) not in (None, ()):
             return _toml(value)
-    kind = str(allowed_keys()[name])
-    return '["..."]' if "tuple" in kind else "1" if "int" in kind else '"..."'
+    kind = allowed_keys()[name]
+    return next(e for v, e in ((["..."], '["..."]'), (1, "1"), ("", '"..."')) if _fits(kind, v))
+
+
+def _fits(kind: Any, value: object) -> bool:
+    return _convert(kind, value) is not _NO
 
 
 def _key(name: str) -> str:
@@ -236,7 +249,7 @@ def _check(source: Source, values: Mapping[str, object]) -> dict[str, object]:
     for key, value in values.items():
         name = key.replace("-", "_")
         where = f"{source} {key}"
-        if name in _NOT_DEFAULTS and name not in ("train", "overrides"):
+        if name in _NOT_DEFAULTS:
             flag = f"--{_key(name)}"
             raise SpecError(where, f"{flag} says what one command does: type it, not a default")
         if name not in allowed:
@@ -344,9 +357,9 @@ def write_profile(
     if tomllib is None:
         raise SpecError(str(path), "writing it needs Python 3.11 (tomllib), or tomli on 3.10")
     _check(Source(path, f"profile.{name}"), tomllib.loads(table)["profile"][name])
-    old = read_regular(path, _LIMIT).decode() if path.is_file() else ""
+    tables = _load(path) if path.is_file() else {}  # a malformed file: refused, left as it is
+    old = read_regular(path, _LIMIT).decode() if tables else ""
     if old:
-        tables = _load(path)
         if f"profile.{name}" in tables:
             span = _profile_span(old, name)
             if not force:

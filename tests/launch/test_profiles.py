@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from helpers import BIN, cli_env
 
+from mjlab_hpc.cli.config import write_profile
+from mjlab_hpc.errors import SpecError
+
 USER_FILE = """\
 [defaults]
 partition = "user-part"
@@ -145,3 +148,39 @@ def test_a_refused_value_from_a_file_names_the_file(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "--time (set in " in proc.stderr and "config.toml [defaults])" in proc.stderr
     assert not (tmp_path / "logs").exists()
+
+
+def test_write_profile_adds_a_table_and_replaces_one_only_when_forced(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    before = (
+        '# my site\n[defaults]\naccount = "a"  # kept\n\n'
+        '[profile."gpu"]\nnodes = 2\n\n[profile.cpu]\ngpus-per-node = 0\n'
+    )
+    path.write_text(before)
+    write_profile(path, "big", {"nodes": 8, "setup": ['echo "hi"\t\x7f']}, ["a note"])
+    added = path.read_text()
+    assert added.startswith(before) and added.endswith(
+        '[profile.big]\n# a note\nnodes = 8\nsetup = ["echo \\"hi\\"\\t\\u007f"]\n'
+    )
+    with pytest.raises(SpecError, match=r"already has \[profile.gpu\]: pass --force"):
+        write_profile(path, "gpu", {"nodes": 3})
+    assert path.read_text() == added
+    write_profile(path, "gpu", {"nodes": 3, "qos": "high"}, force=True)
+    replaced = path.read_text()
+    assert replaced == added.replace(
+        '[profile."gpu"]\nnodes = 2\n', '[profile.gpu]\nnodes = 3\nqos = "high"\n'
+    )
+    for bad, match in (
+        ({"nodes": "x"}, "nodes: is"),
+        ({"resume": True}, "says what one command does"),
+    ):
+        with pytest.raises(SpecError, match=match):
+            write_profile(path, "other", bad)
+    with pytest.raises(SpecError, match="letters, digits"):
+        write_profile(path, "a.b", {"nodes": 1})
+    assert path.read_text() == replaced
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[defaults\n")
+    with pytest.raises(SpecError, match=r"not valid TOML .*line 1"):
+        write_profile(broken, "x", {"nodes": 1})
+    assert broken.read_text() == "[defaults\n"
