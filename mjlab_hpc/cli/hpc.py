@@ -21,6 +21,7 @@ from mjlab_hpc import console as own_console
 from mjlab_hpc.cli.common import drop_internal_variables, error_line, guarded
 from mjlab_hpc.cli.config import (
     PROJECT_FILE,
+    Setting,
     config_files,
     naming_sources,
     with_site_defaults,
@@ -582,13 +583,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         drop_internal_variables()
         cmd = tyro.cli(Command, args=argv, description=__doc__)  # type: ignore[call-overload]
         # The job's flags that were not typed: from the config files (--write-profile: none).
+        site: Sequence[Setting] = ()
         if isinstance(cmd, Render | Doctor) and not getattr(cmd, "write_profile", None):
-            args = sys.argv[1:] if argv is None else argv
-            spec, site = with_site_defaults(cmd.spec, args)
+            spec, site = with_site_defaults(cmd.spec, sys.argv[1:] if argv is None else argv)
             cmd = replace(cmd, spec=spec)
-            with naming_sources(site):
-                return _COMMANDS[type(cmd)](cmd)
-        return _COMMANDS[type(cmd)](cmd)
+        with naming_sources(site):
+            return _COMMANDS[type(cmd)](cmd)
 
     return guarded(body)
 
