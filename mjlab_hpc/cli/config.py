@@ -18,6 +18,7 @@ import difflib
 import json
 import os
 import re
+import sys
 import types
 import typing
 from collections.abc import Iterator, Mapping, Sequence
@@ -47,6 +48,7 @@ __all__ = [
     "allowed_keys",
     "applied_lines",
     "config_files",
+    "default_log_root",
     "naming_sources",
     "user_file",
     "with_site_defaults",
@@ -306,6 +308,24 @@ def with_site_defaults(
     submit = {n: s.value for n, s in chosen.items() if n not in train}
     spec = spec.replace(train=spec.train.replace(**train), **submit)
     return spec, tuple(chosen.values())
+
+
+def default_log_root(given: str, argv: Sequence[str], cwd: Path | None = None) -> str:
+    """The log root where mjlab-hpc's run commands (status, logs, ...) look for runs.
+
+    That is `given` when `argv` types --log-root, else the files' `[defaults]` log-root, else
+    `given`. A bad file is said in a warning and left out: a run is still found and
+    cancelled.
+    """
+    if "log_root" in named_flags(TrainSpec(), argv):
+        return given
+    try:
+        layers = _layers(None, cwd)
+    except SpecError as exc:
+        print(f"warning: {exc}; its log-root is not used", file=sys.stderr)
+        return given
+    found = [values["log_root"] for _, values in layers if "log_root" in values]
+    return str(found[-1]) if found else given
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from mjlab_hpc.cli.config import (
     PROJECT_FILE,
     Setting,
     config_files,
+    default_log_root,
     naming_sources,
     with_site_defaults,
     write_profile,
@@ -584,9 +585,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = tyro.cli(Command, args=argv, description=__doc__)  # type: ignore[call-overload]
         # The job's flags that were not typed: from the config files (--write-profile: none).
         site: Sequence[Setting] = ()
+        args = sys.argv[1:] if argv is None else argv
         if isinstance(cmd, Render | Doctor) and not getattr(cmd, "write_profile", None):
-            spec, site = with_site_defaults(cmd.spec, sys.argv[1:] if argv is None else argv)
+            spec, site = with_site_defaults(cmd.spec, args)
             cmd = replace(cmd, spec=spec)
+        elif isinstance(cmd, Status | Logs | Cancel | Plot):  # the runs mjlab-submit made
+            cmd = replace(cmd, log_root=default_log_root(cmd.log_root, args))
         with naming_sources(site):
             return _COMMANDS[type(cmd)](cmd)
 

@@ -184,3 +184,31 @@ def test_write_profile_adds_a_table_and_replaces_one_only_when_forced(tmp_path: 
     with pytest.raises(SpecError, match=r"not valid TOML .*line 1"):
         write_profile(broken, "x", {"nodes": 1})
     assert broken.read_text() == "[defaults\n"
+
+
+def test_mjlab_hpc_looks_for_runs_under_the_files_log_root(tmp_path: Path) -> None:
+    _files(tmp_path, user='[defaults]\nlog-root = "/user/runs"\n', project=None)
+
+    def logs(*args: str) -> str:
+        proc = subprocess.run(
+            [str(BIN / "mjlab-hpc"), "logs", "4711", *args],
+            env={
+                k: v
+                for k, v in cli_env({"HOME": str(tmp_path / "home")}, path=str(BIN)).items()
+                if k != "XDG_CONFIG_HOME"
+            },
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        return proc.stderr
+
+    assert "no run directory for job 4711 under --log-root /user/runs " in logs()
+    assert "under --log-root /typed " in logs("--log-root", "/typed")
+    # A bad file: said, and the built-in log root used (a run can still be found, cancelled).
+    (tmp_path / "mjlab-hpc.toml").write_text("[defaults]\nnodes = 'x'\n")
+    said = logs()
+    assert said.startswith(f"warning: {tmp_path / 'mjlab-hpc.toml'} [defaults] nodes: is"), said
+    assert "under --log-root logs " in said
