@@ -29,7 +29,7 @@ from typing import Any, Literal, Union
 import tyro
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.rundir.durable import read_regular, write_atomic
+from mjlab_hpc.rundir.durable import ownership, read_regular, write_atomic
 from mjlab_hpc.spec import SubmitSpec, TrainSpec
 from mjlab_hpc.validate.continuation import named_flags
 
@@ -205,13 +205,28 @@ def user_file() -> Path:
     return base / "mjlab-hpc" / "config.toml"
 
 
-def config_files(cwd: Path | None = None) -> tuple[Path | None, Path]:
-    """The project's file (None: no mjlab-hpc.toml upward of `cwd`) and the user's file."""
-    here = (cwd or Path.cwd()).absolute()
-    project = next(
-        (d / PROJECT_FILE for d in (here, *here.parents) if (d / PROJECT_FILE).is_file()), None
+def _yours(path: Path) -> bool:
+    """Whether `path` is this user's (or root's); else say that it is left out.
+
+    Its setup lines run in every job: one that another user left upward of here (in /tmp,
+    a shared folder) is not taken, as git takes no repository of another user.
+    """
+    if path.stat().st_uid in (os.getuid(), 0):
+        return True
+    print(
+        f"warning: ignored {path}: it is not yours ({ownership(path)}); copy it, or put its "
+        f"tables in {user_file()}",
+        file=sys.stderr,
     )
-    return project, user_file()
+    return False
+
+
+def config_files(cwd: Path | None = None) -> tuple[Path | None, Path]:
+    """The project's file (None: no mjlab-hpc.toml of this user upward of `cwd`) and the
+    user's file."""
+    here = (cwd or Path.cwd()).absolute()
+    found = (d / PROJECT_FILE for d in (here, *here.parents) if (d / PROJECT_FILE).is_file())
+    return next((p for p in found if _yours(p)), None), user_file()
 
 
 def _load(path: Path) -> dict[str, Any]:

@@ -7,11 +7,12 @@ with exit 2 before anything is made or submitted.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env
+from helpers import BIN, Team, cli_env
 
 from mjlab_hpc.cli.config import write_profile
 from mjlab_hpc.errors import SpecError
@@ -212,3 +213,24 @@ def test_mjlab_hpc_looks_for_runs_under_the_files_log_root(tmp_path: Path) -> No
     said = logs()
     assert said.startswith(f"warning: {tmp_path / 'mjlab-hpc.toml'} [defaults] nodes: is"), said
     assert "under --log-root logs " in said
+
+
+def test_a_project_file_of_another_user_is_left_out(team: Team) -> None:
+    """Setup lines run in every job: a mjlab-hpc.toml that bob left upward of alice's folder
+    (a shared folder, /tmp) is not alice's project file."""
+    alice, bob = Team.USERS
+    planted = team.shared / "mjlab-hpc.toml"
+    planted.write_text('[defaults]\nsetup = ["touch PWNED"]\n')
+    shutil.chown(planted, user=bob)
+    work = team.shared / f"work-{alice}"
+    work.mkdir()
+    shutil.chown(work, user=alice)
+    try:
+        submit = [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run"]
+        proc = team.run(alice, ["bash", "-c", f'cd {work} && exec "$@"', "bash", *submit])
+        assert proc.returncode == 0, proc.stderr
+        assert f"warning: ignored {planted}: it is not yours (it belongs to {bob}" in proc.stderr
+        assert "PWNED" not in proc.stdout and "site defaults" not in proc.stdout
+    finally:
+        planted.unlink()
+        shutil.rmtree(work)
