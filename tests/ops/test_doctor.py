@@ -231,6 +231,10 @@ def test_write_profile_from_the_clusters_accounts_qos_and_partition(
         again = team.run(alice, doctor, extra=slurm_env, timeout=60)
         assert again.returncode == 2 and "--force" in again.stderr, again.stderr
         assert config.read_text() == text
+        nowhere = team.run(alice, [*doctor[:-1], "nope", "--force"], extra=slurm_env)
+        assert nowhere.returncode == 2, nowhere.stderr
+        assert f"--partition: no partition 'nope' here; there are: debug, {part}" in nowhere.stderr
+        assert config.read_text() == text
         forced = team.run(alice, [*doctor, "--force", "--account", other], extra=slurm_env)
         assert forced.returncode == 0, forced.stderr
         assert f'account = "{other}"' in config.read_text()
