@@ -5,9 +5,10 @@ directory) and the user's `$XDG_CONFIG_HOME/mjlab-hpc/config.toml` (`~/.config/.
 holds a `[defaults]` table and `[profile.NAME]` tables whose keys are mjlab-submit's flags
 (`gpus-per-node = 4`). From lowest to highest: the built-in defaults, the user's [defaults],
 the project's [defaults], the profile `--profile` names (the project's over the user's), and
-the flags typed on the command line. The CLIs read these files (mjlab-submit, and mjlab-hpc's
-doctor and render, which take its flags), so they live here; `write_profile` adds a table
-for `mjlab-hpc doctor --write-profile`.
+the flags typed on the command line. The CLIs read these files (mjlab-submit; mjlab-hpc's
+doctor and render, which take its flags; its run commands, for the log root), so they live
+here; `write_profile` adds a table for `mjlab-hpc doctor --write-profile`. mjlab-train reads
+none: the ranks run it with the values that were submitted.
 """
 
 from __future__ import annotations
@@ -229,8 +230,9 @@ def config_files(cwd: Path | None = None) -> tuple[Path | None, Path]:
     return next((p for p in found if _yours(p)), None), user_file()
 
 
-def _load(path: Path) -> dict[str, Any]:
-    """Read a config file's tables; SpecError (exit 2) naming the file when it is not one."""
+def _load(path: Path) -> dict[str, dict[str, object]]:
+    """Read a config file's tables, values by field name; SpecError (exit 2) naming the file,
+    table and key of the first thing that is wrong."""
     if tomllib is None:
         raise SpecError(
             str(path), "reading it needs Python 3.11 (tomllib), or `pip install tomli` on 3.10"
@@ -255,8 +257,7 @@ def _load(path: Path) -> dict[str, Any]:
     for table, values in tables.items():
         if not isinstance(values, dict):
             raise SpecError(f"{path} [{table}]", "must be a table of flag = value lines")
-        _check(Source(path, table), values)
-    return tables
+    return {table: _check(Source(path, table), values) for table, values in tables.items()}
 
 
 def _check(source: Source, values: Mapping[str, object]) -> dict[str, object]:
@@ -288,7 +289,7 @@ def _layers(profile: str | None, cwd: Path | None) -> list[tuple[Source, dict[st
     files = [(p, _load(p)) for p in (user, project) if p is not None and p.is_file()]
     layers = [(Source(p, "defaults"), t["defaults"]) for p, t in files]
     if profile is None:
-        return [(s, _check(s, v)) for s, v in layers]
+        return layers
     table = f"profile.{profile}"
     found = [(Source(p, table), t[table]) for p, t in files if table in t]
     if not found:
@@ -302,7 +303,7 @@ def _layers(profile: str | None, cwd: Path | None) -> list[tuple[Source, dict[st
             else "there are none (mjlab-hpc doctor --write-profile NAME writes one)"
         )
         raise SpecError("--profile", f"no profile {profile!r} in {where}; {there}")
-    return [(s, _check(s, v)) for s, v in [*layers, *found]]
+    return [*layers, *found]
 
 
 def with_site_defaults(
