@@ -85,10 +85,10 @@ SLURM_2411_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-cluster-24.11
 # commands, crash and hang healing with node exclusion, restart inside the allocation, node
 # loss, a node lost for good past SlurmdTimeout with a spare (3 nodes), a chain across time
 # limits (requeue), salloc allocations, the dry run against what is submitted, a sweep,
-# status/cancel of 250 runs, doctor, fake GPUs under ConstrainDevices, a requeue from inside a
-# job, the rendezvous host, a job suspended (the cgroup freezer there) and the signals and
-# admin actions (scontrol's fields). The rest (hostile input, the other 3-node tests, ...) run
-# on 22.05 only.
+# status/cancel of 250 runs, doctor (and --write-profile from slurmdbd's accounts), fake GPUs
+# under ConstrainDevices, a requeue from inside a job, the rendezvous host, a job suspended
+# (the cgroup freezer there) and the signals and admin actions (scontrol's fields). The rest
+# (hostile input, the other 3-node tests, ...) run on 22.05 only.
 T := tests/launch/test_slurm_jobs.py::test_
 H := tests/launch/test_healing.py::test_slurm_
 C := tests/launch/test_chain_and_allocation.py::test_
@@ -105,6 +105,7 @@ SLURM_2411_ARGS ?= -m slurm -p no:xdist --durations=15 \
 	tests/ops/test_slurm_ops.py::test_sweep_is_one_throttled_job_array \
 	tests/ops/test_status_scale.py \
 	tests/ops/test_doctor.py::test_doctor_passes_and_finds_a_private_log_root_and_unusable_gpus \
+	tests/ops/test_doctor.py::test_write_profile_from_the_clusters_accounts_qos_and_partition \
 	tests/slurm/test_cluster.py::test_fake_gpus \
 	tests/slurm/test_cluster.py::test_each_task_trains_on_a_gpu_it_may_open \
 	tests/slurm/test_cluster.py::test_requeue_from_inside_job \

@@ -252,6 +252,9 @@ class SubmitSpec:
 
     train: Annotated[TrainSpec, tyro.conf.OmitArgPrefixes] = field(default_factory=TrainSpec)
     """What every rank trains (the flags of mjlab-train)."""
+    profile: str | None = None
+    """Take the flags of [profile.NAME] in mjlab-hpc.toml or ~/.config/mjlab-hpc/config.toml
+    (site defaults: docs/submit.md); flags typed here win over it."""
     nodes: int = 1
     """Nodes of the job."""
     spare_nodes: int = 0

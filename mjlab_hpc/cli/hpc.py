@@ -8,7 +8,7 @@ import getpass
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,12 +18,21 @@ from rich.markup import escape
 from rich.table import Table
 
 from mjlab_hpc import console as own_console
-from mjlab_hpc.cli.common import drop_internal_variables, guarded
+from mjlab_hpc.cli.common import drop_internal_variables, error_line, guarded
+from mjlab_hpc.cli.config import (
+    PROJECT_FILE,
+    Setting,
+    config_files,
+    default_log_root,
+    naming_sources,
+    with_site_defaults,
+    write_profile,
+)
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_INTERRUPTED, SpecError
 from mjlab_hpc.launch.heal_slurm import heal_job
 from mjlab_hpc.launch.slurm import render
 from mjlab_hpc.ops.cancel import cancel as cancel_runs
-from mjlab_hpc.ops.doctor import diagnose
+from mjlab_hpc.ops.doctor import cluster_profile, diagnose
 from mjlab_hpc.ops.logs import find_tracebacks, follow, rank_files, rank_host, tail
 from mjlab_hpc.ops.runs import list_runs, resolve_target, run_jobs
 from mjlab_hpc.ops.status import (
@@ -190,6 +199,15 @@ class Doctor:
     """Print the checks as JSON instead of a table."""
     keep: bool = False
     """Keep the probe folder (<log-root>/.doctor/...) for a look at what the nodes wrote."""
+    write_profile: str | None = None
+    """Instead of the checks, write [profile.NAME] from what the cluster says (a partition with
+    GPUs, its GPUs per node and MaxTime, your account and QOS) into your config file, for
+    mjlab-submit --profile NAME; --partition, --account and --qos choose among them."""
+    project: bool = False
+    """With --write-profile: into the project's mjlab-hpc.toml (the nearest one upward, else
+    one here) instead of ~/.config/mjlab-hpc/config.toml."""
+    force: bool = False
+    """With --write-profile: replace a profile of that name."""
 
 
 @dataclass(frozen=True)
@@ -470,8 +488,30 @@ def run_dir(cmd: RunDirCommand) -> int:
     return 0
 
 
+def write_profile_cmd(cmd: Doctor) -> int:
+    """`mjlab-hpc doctor --write-profile NAME`: a profile of what the cluster says."""
+    assert cmd.write_profile is not None
+    project, user = config_files()
+    path = (project or Path.cwd() / PROJECT_FILE) if cmd.project else user
+    found = cluster_profile(cmd.spec, getpass.getuser())
+    if found is None:
+        error_line("error", "sinfo did not answer: run on the cluster's login node")
+        return 1
+    values, notes = found
+    table = write_profile(path, cmd.write_profile, values, notes, force=cmd.force)
+    print(table, end="")
+    print(
+        f"wrote profile {cmd.write_profile} to {path}: use it with mjlab-submit --profile "
+        f"{cmd.write_profile}; check it with mjlab-hpc doctor --profile {cmd.write_profile}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def doctor(cmd: Doctor) -> int:
     """`mjlab-hpc doctor`."""
+    if cmd.write_profile is not None:
+        return write_profile_cmd(cmd)
     positive_seconds("--wait-s", cmd.wait_s, minimum=1.0)
     spec = cmd.spec.replace(executor="slurm", dry_run=True, follow=False)
     resolved = validate_submit(spec, warn=lambda _: None)  # bad flags: exit 2
@@ -543,7 +583,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> int:
         drop_internal_variables()
         cmd = tyro.cli(Command, args=argv, description=__doc__)  # type: ignore[call-overload]
-        return _COMMANDS[type(cmd)](cmd)
+        # The job's flags that were not typed: from the config files (--write-profile: none).
+        site: Sequence[Setting] = ()
+        args = sys.argv[1:] if argv is None else argv
+        if isinstance(cmd, Render | Doctor) and not getattr(cmd, "write_profile", None):
+            spec, site = with_site_defaults(cmd.spec, args)
+            cmd = replace(cmd, spec=spec)
+        elif isinstance(cmd, Status | Logs | Cancel | Plot):  # the runs mjlab-submit made
+            cmd = replace(cmd, log_root=default_log_root(cmd.log_root, args))
+        with naming_sources(site):
+            return _COMMANDS[type(cmd)](cmd)
 
     return guarded(body)
 

@@ -22,6 +22,7 @@ from mjlab_hpc.cli.common import (
     parse_with_overrides,
     resume_command,
 )
+from mjlab_hpc.cli.config import Setting, applied_lines, naming_sources, with_site_defaults
 from mjlab_hpc.errors import EXIT_INTERRUPTED
 from mjlab_hpc.launch.follow import Closing, follow_to_end
 from mjlab_hpc.launch.local import LocalControls, local_processes, rank_outcomes
@@ -234,22 +235,30 @@ def follow_sweep(s: SubmittedSweep, console: Console) -> int:
     return 1 if failed else 0
 
 
-def run(spec: SubmitSpec, argv: Sequence[str] = ()) -> int:
+def run(spec: SubmitSpec, argv: Sequence[str] = (), site: Sequence[Setting] = ()) -> int:
     """Validate and submit `spec` (or print it, with --dry-run), and return the exit code.
 
-    `argv` is the command's arguments, for the command that resumes the run.
+    `argv` is the command's arguments, for the command that resumes the run; `site` the
+    values config files gave it (said on the console).
     """
-    return guarded(lambda: _run(spec, argv))
+
+    def body() -> int:
+        with naming_sources(site):
+            return _run(spec, argv, site)
+
+    return guarded(body)
 
 
-def _run(spec: SubmitSpec, argv: Sequence[str]) -> int:
+def _run(spec: SubmitSpec, argv: Sequence[str], site: Sequence[Setting] = ()) -> int:
     drop_internal_variables()
     if not spec.sweep:  # a sweep makes new runs
         spec = continued(spec, named_flags(spec, argv))
     console = Console()
     if spec.dry_run:
-        dry_run(spec, validate_submit(spec))
+        dry_run(spec, validate_submit(spec), site)
         return 0
+    for line in applied_lines(site):
+        print(f"site default: {line}", file=sys.stderr)
     if executor_for(spec) == "allocation":
         return in_allocation(spec, argv)
     step = interactive_step(os.environ) if spec.executor == "auto" else None
@@ -304,16 +313,20 @@ def in_allocation(spec: SubmitSpec, argv: Sequence[str]) -> int:
     return ended.code
 
 
-def dry_run(spec: SubmitSpec, resolved: ResolvedSpec) -> None:
+def dry_run(spec: SubmitSpec, resolved: ResolvedSpec, site: Sequence[Setting] = ()) -> None:
     """Print what a submission would do, submitting nothing.
 
-    That is the resolved spec, a sweep's elements with their planned run directories, and
+    That is the resolved spec, where each value a config file gave came from (`site`), a
+    sweep's elements with their planned run directories, and
     the exact sbatch script of every job, or the srun command, or what would start locally.
     A --chain's later jobs wait for `JOB<K>`, the id the job before gets. The text is plain
     and uncropped: users copy the script from here.
     """
     out = sys.stdout
     out.write("# ---- resolved spec ----\n" + spec_yaml(spec, resolved))
+    if site:
+        out.write("# ---- site defaults: values from config files, not typed ----\n")
+        out.writelines(f"# {line}\n" for line in applied_lines(site))
     elements = sweep_elements(spec.train, spec.sweep) if spec.sweep else []
     if elements:
         folder, run_dirs = planned_sweep(spec, resolved)
@@ -373,7 +386,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         __doc__,
         lambda s, overrides: s.replace(train=s.train.replace(overrides=overrides)),
     )
-    return spec if isinstance(spec, int) else run(spec, args)
+    if isinstance(spec, int):
+        return spec
+    # What the config files say for the flags not typed (a bad file: exit 2, nothing done).
+    found = guarded(lambda: with_site_defaults(spec, args))
+    return found if isinstance(found, int) else run(found[0], args, found[1])
 
 
 if __name__ == "__main__":

@@ -33,14 +33,14 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.slurm import container_python, render_sbatch, slurm_parameters
 from mjlab_hpc.ops.limits import limit_checks, partition_grace_s
-from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient
+from mjlab_hpc.slurm.client import FINAL_STATES, Partition, SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
 from mjlab_hpc.tasks.video import rendering_problem
 from mjlab_hpc.validate.sweep import sweep_elements
 from mjlab_hpc.validate.world import check_log_root, check_partition
 
-__all__ = ["PROBE_DIR", "Check", "DoctorReport", "diagnose", "shape_checks"]
+__all__ = ["PROBE_DIR", "Check", "DoctorReport", "cluster_profile", "diagnose", "shape_checks"]
 
 # The probe jobs' folder under the log root (hidden: run listings skip it).
 PROBE_DIR = ".doctor"
@@ -463,6 +463,69 @@ def _check_requeue(report: DoctorReport, job: Any, slurm: SlurmClient, wait_s: f
         detail = f"the probe could not run: {got or 'nothing of it came back'}"
         fix = f"see the {'Python on nodes' if got else 'log root shared'} check"
         report.add("time-limit signal", "fail", detail, fix)
+
+
+def _limit(minutes: int) -> str:
+    """Minutes as Slurm's D-HH:MM:SS."""
+    days, rest = divmod(minutes, 24 * 60)
+    return f"{days}-{rest // 60:02d}:{rest % 60:02d}:00"
+
+
+def _gpu_partition(parts: dict[str, Partition], asked: str | None) -> Partition:
+    """The partition asked for; else the default one with GPUs, or the one with the most."""
+    if asked is not None:
+        if asked not in parts or not asked:
+            there = ", ".join(sorted(p for p in parts if p))
+            raise SpecError("--partition", f"no partition {asked!r} here; there are: {there}")
+        return parts[asked]
+    named = [p for name, p in parts.items() if name]
+    gpus = sorted((p for p in named if p.gpus_per_node), key=lambda p: -p.gpus_per_node)
+    default = parts.get("")
+    if default is not None and (default.gpus_per_node or not gpus):
+        return default
+    if not gpus:
+        raise SpecError("--partition", "sinfo lists no partition")
+    return gpus[0]
+
+
+def cluster_profile(
+    spec: SubmitSpec, user: str, slurm: SlurmClient | None = None
+) -> tuple[dict[str, object], list[str]] | None:
+    """What the cluster says a job of `user` asks for: flag values and notes on them.
+
+    The values: the partition (`spec.partition`, else the default one with GPUs, else the
+    one with the most GPUs per node), its GPUs per node and MaxTime, and the account and QOS
+    of the user's associations (`spec.account` / `spec.qos` where given, else the default
+    ones). The notes say what else there is. None when sinfo does not answer.
+    """
+    slurm = slurm or SlurmClient(timeout_s=30)
+    if (parts := slurm.partitions()) is None:
+        return None
+    part = _gpu_partition(parts, spec.partition)
+    values: dict[str, object] = {"partition": part.name, "gpus-per-node": part.gpus_per_node}
+    gres = f"gres {part.gres}" if part.gres else "no GPUs"
+    limit = _limit(part.max_minutes) if part.max_minutes else "no time limit"
+    notes = [f"partition {part.name}: {part.nodes} node(s), {gres}, {limit}"]
+    if part.max_minutes:
+        values["time"] = _limit(part.max_minutes)
+    if others := [p.name for n, p in parts.items() if n and p.gpus_per_node and p != part]:
+        notes.append(f"other partitions with GPUs: {', '.join(sorted(others))}")
+    assocs = slurm.associations(user)
+    if not assocs:
+        why = "sacctmgr did not answer (no accounting?)" if assocs is None else "none"
+        notes.append(f"{user}'s accounts: {why}; account and qos left to Slurm")
+        return values, notes
+    usable = [a for a in assocs if a.partition in ("", part.name)] or assocs
+    mine = [a for a in usable if a.account == spec.account] if spec.account else []
+    assoc = (mine or [a for a in usable if a.default_account] or usable)[0]
+    values["account"] = assoc.account
+    if spec.qos or assoc.default_qos or len(assoc.qos) == 1:
+        values["qos"] = spec.qos or assoc.default_qos or assoc.qos[0]
+    accounts = sorted({a.account for a in usable})
+    notes.append(f"{user}'s accounts here: {', '.join(accounts)}")
+    if assoc.qos:
+        notes.append(f"QOS under {assoc.account}: {', '.join(assoc.qos)}")
+    return values, notes
 
 
 def diagnose(

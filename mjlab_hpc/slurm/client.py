@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "FINAL_STATES",
     "QUERY_CHUNK",
+    "Association",
     "Partition",
     "SlurmAnswer",
     "SlurmClient",
@@ -166,6 +167,23 @@ class Partition:
     """The most memory a node of it has, in MB (its RealMemory; None: unknown)."""
     max_nodes: int | None = None
     """Its MaxNodes: the most nodes one job may have (None: unlimited or unknown)."""
+    gres: str = ""
+    """Its nodes' generic resources as sinfo says them (`gpu:a100:4`; several: `,`-joined)."""
+
+
+@dataclass(frozen=True)
+class Association:
+    """An account a user may charge jobs to (sacctmgr's association), with its QOS."""
+
+    account: str
+    partition: str
+    """The partition it is limited to ("": every partition)."""
+    qos: tuple[str, ...]
+    """The QOS the user may ask for under it."""
+    default_qos: str
+    """The QOS a job gets without --qos ("": Slurm's own default)."""
+    default_account: bool
+    """Whether it is the user's default account (the one a job without --account charges)."""
 
 
 def _minutes(limit: str) -> int | None:
@@ -469,6 +487,7 @@ class SlurmClient:
                 max_minutes=_minutes(group[0][4]),
                 mem_mb_per_node=max(mems) if mems else None,
                 max_nodes=_int(group[0][6].rpartition("-")[2]),  # `1-infinite`, `1-4`
+                gres=",".join(sorted({r[3] for r in group if r[3] not in ("", "(null)")})),
             )
         if default is not None:
             out[""] = out[default]
@@ -530,6 +549,20 @@ class SlurmClient:
             key, sep, value = line.partition("=")
             if sep and key.strip() and " " not in key.strip():
                 out[key.strip()] = value.strip()
+        return out
+
+    def associations(self, user: str) -> list[Association] | None:
+        """The user's accounts and QOS in slurmdbd (None: sacctmgr does not answer)."""
+        fields = "format=DefaultAccount,Account,Partition,QOS,DefaultQOS"
+        proc = self.run(["sacctmgr", "-n", "-P", "show", "user", user, "withassoc", fields])
+        if proc is None or proc.returncode != 0:
+            return None
+        out = []
+        for line in proc.stdout.splitlines():
+            if len(parts := line.strip().split("|")) == 5 and parts[1]:
+                default, account, partition, qos, default_qos = parts
+                listed = tuple(q for q in qos.split(",") if q)
+                out.append(Association(account, partition, listed, default_qos, account == default))
         return out
 
     def sbatch(self, args: Sequence[str]) -> tuple[str | None, str]:

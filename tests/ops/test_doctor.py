@@ -11,11 +11,12 @@ together.
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env
+from helpers import BIN, Team, cli_env
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.ops.doctor import PROBE_DIR
@@ -173,3 +174,78 @@ def test_a_sweep_larger_than_the_clusters_job_arrays_is_refused(
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--sweep: 1002 elements; this cluster's job arrays hold at most 1001" in proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_write_profile_from_the_clusters_accounts_qos_and_partition(
+    slurm_cluster: SlurmCluster, team: Team
+) -> None:
+    """A user who is not root, with two accounts and two QOS in slurmdbd: the doctor writes a
+    profile of a GPU partition with a time limit into their own config, which mjlab-submit's
+    dry run then uses; a second write of that name is refused without --force."""
+    alice = Team.USERS[0]
+    tag = secrets.token_hex(3)
+    acct, other, qos, part = f"phys{tag}", f"chem{tag}", f"high{tag}", f"gpu{tag}"
+    sacctmgr = ["sacctmgr", "-i"]
+    made = [
+        [*sacctmgr, "add", "qos", qos],
+        [*sacctmgr, "add", "account", acct, other],
+        [
+            *sacctmgr,
+            "add",
+            "user",
+            alice,
+            f"account={acct}",
+            f"qos=normal,{qos}",
+            f"defaultqos={qos}",
+        ],
+        [*sacctmgr, "add", "user", alice, f"account={other}"],
+        ["scontrol", "create", f"PartitionName={part}", "Nodes=ALL", "MaxTime=2-00:00:00"],
+    ]
+    slurm_env = {"SLURM_CONF": slurm_cluster.env["SLURM_CONF"]}
+    try:
+        for cmd in made:
+            slurm_cluster.run(cmd)
+        doctor = [BIN / "mjlab-hpc", "doctor", "--write-profile", "site", "--partition", part]
+        wrote = team.run(alice, doctor, extra=slurm_env, timeout=60)
+        assert wrote.returncode == 0, wrote.stdout + wrote.stderr
+        config = team.base / "home" / alice / ".config" / "mjlab-hpc" / "config.toml"
+        assert f"wrote profile site to {config}" in wrote.stderr
+        text = config.read_text()
+        for line in (
+            f'partition = "{part}"',
+            "gpus-per-node = 4",
+            'time = "2-00:00:00"',
+            f'account = "{acct}"',  # the default account (the first added), not {other}
+            f'qos = "{qos}"',  # its default QOS
+            f"# {alice}'s accounts here: {', '.join(sorted([acct, other]))}",
+        ):
+            assert line in text, text
+        assert config.stat().st_uid != 0  # the user's own file
+
+        submit = [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run"]
+        shown = team.run(alice, [*submit, "--profile", "site", "--nodes", "2"], extra=slurm_env)
+        assert shown.returncode == 0, shown.stderr
+        for option in (f"partition={part}", f"account={acct}", f"qos={qos}", "time=2880"):
+            assert f"#SBATCH --{option}\n" in shown.stdout, shown.stdout
+        assert f'# account = "{acct}"  ({config} [profile.site])' in shown.stdout
+
+        again = team.run(alice, doctor, extra=slurm_env, timeout=60)
+        assert again.returncode == 2 and "--force" in again.stderr, again.stderr
+        assert config.read_text() == text
+        nowhere = team.run(alice, [*doctor[:-1], "nope", "--force"], extra=slurm_env)
+        assert nowhere.returncode == 2, nowhere.stderr
+        assert f"--partition: no partition 'nope' here; there are: debug, {part}" in nowhere.stderr
+        assert config.read_text() == text
+        forced = team.run(alice, [*doctor, "--force", "--account", other], extra=slurm_env)
+        assert forced.returncode == 0, forced.stderr
+        assert f'account = "{other}"' in config.read_text()
+        assert config.read_text().count("[profile.site]") == 1
+    finally:
+        undo = [
+            ["scontrol", "delete", f"PartitionName={part}"],
+            [*sacctmgr, "delete", "user", alice],
+            [*sacctmgr, "delete", "account", acct, other],
+            [*sacctmgr, "delete", "qos", qos],
+        ]
+        for cmd in undo:
+            slurm_cluster.run(cmd, check=False)
