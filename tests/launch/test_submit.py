@@ -208,7 +208,8 @@ def test_golden_pyxis() -> None:
     srun = shlex.split(next(line for line in lines if line.startswith("srun ")))
     assert f"--container-image={image}" in srun
     assert srun[-6:-4] == ["python3", "-u"] and srun[-1] == "&"  # in the background
-    heal = shlex.split(next(line for line in lines if " heal " in line).removeprefix("options=$("))
+    heal_line = next(line for line in lines if " heal " in line)
+    heal = shlex.split(heal_line.removeprefix("options=$(").removesuffix(" \\"))
     assert heal[:4] == ["srun", "--nodes=1", "--ntasks=1", f"--container-image={image}"]
     # Inside a salloc allocation too: srun starts the ranks in the image.
     argv = allocation_srun(spec, resolve(spec.train), Path("/shared/logs/cartpole/run"))
