@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, only_run, reference_digests, runs_under, wait_for
+from helpers import BIN, cli_env, clock_ahead, only_run, reference_digests, runs_under, wait_for
 from slurm_cluster import SLURMD_TIMEOUT_S, SlurmCluster
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
@@ -562,8 +563,9 @@ def test_rendered_template_heals_a_crash_and_a_lost_node(
     submitted job does (the same loop): an exception in rank 1 after iteration 6 starts a new
     srun step in the allocation; rank 1's node lost after iteration 9 (its slurmd and rank
     killed at once) is left out for the spare once the step is ended by the loop's watcher.
-    The run ends with the parameters of a run that never failed, in the one job, and the
-    job's log has no "ignored" warning: the script's own variables are its own."""
+    The ranks' clocks are an hour behind the batch host's. The run ends with the parameters of
+    a run that never failed, in the one job, and the job's log has no "ignored" warning: the
+    script's own variables are its own."""
     cluster = slurm_cluster3
     args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--spare-nodes", "1"]
     args += ["--gpus-per-node", "0", "--time", "10", "--log-root", str(tmp_path)]
@@ -579,7 +581,10 @@ def test_rendered_template_heals_a_crash_and_a_lost_node(
     )
     assert render.returncode == 0, render.stderr
     script = tmp_path / "job.sbatch"
-    script.write_text(render.stdout)
+    # The ranks' clocks an hour behind the batch host's: the healer finds their step by its
+    # name (the script's _MJLAB_HPC_START), never by comparing clocks.
+    behind = shlex.join(clock_ahead("-1h"))
+    script.write_text(render.stdout.replace("train=(mjlab-train ", f"train=({behind} mjlab-train "))
     job = cluster.sbatch([str(script)], env=env, cwd=tmp_path)
     run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
     lost = lose_rank1_node_after_6(cluster, run, after=9)
@@ -593,6 +598,7 @@ def test_rendered_template_heals_a_crash_and_a_lost_node(
         cluster.start_node(lost)
     crash, loss = faults_of(run)
     assert (crash["reason"], crash["kind"], crash["iteration"]) == ("crash", "in-allocation", 6)
+    assert crash["ranks"] == [1], crash
     assert (loss["kind"], loss["hosts"], loss["excluded_nodes"]) == (
         "in-allocation",
         [lost],

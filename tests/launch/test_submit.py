@@ -269,6 +269,34 @@ def test_submitit_script_quotes_user_strings(tmp_path: Path) -> None:
     assert f"#SBATCH --job-name={shlex.quote(HOSTILE)}" in script.read_text()
 
 
+def test_our_scripts_variables_are_ours_and_a_persons_are_dropped() -> None:
+    """What our batch script exports for its own commands (the heal step's srun step name,
+    the signal delay) is kept silently where its mark names this job and start; a person's
+    (left exported, or copied from another job or from before a requeue) is dropped, said."""
+    person = {"_MJLAB_HPC_START": "42.0.1", "_MJLAB_HPC_SIGNAL_DELAY": "5"}
+
+    def said(extra: dict[str, str]) -> str:
+        proc = subprocess.run(
+            [BIN / "mjlab-hpc", "--help"],
+            env=cli_env(extra),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr
+
+    ours = {**person, "_MJLAB_HPC_SCRIPT": "42.0", "SLURM_JOB_ID": "42"}
+    assert said(ours) == ""
+    assert said({**ours, "SLURM_RESTART_COUNT": "0"}) == ""
+    dropped = "warning: ignored _MJLAB_HPC_SIGNAL_DELAY, _MJLAB_HPC_START: internal variable"
+    assert said(person).startswith(dropped)
+    for other in ({"SLURM_JOB_ID": "43"}, {"SLURM_RESTART_COUNT": "1"}):
+        assert "_MJLAB_HPC_START" in said({**ours, **other})
+    # Not one of the script's: dropped even beside a valid mark.
+    assert "ignored _MJLAB_HPC_DETACHED:" in said({**ours, "_MJLAB_HPC_DETACHED": "1"})
+
+
 def test_train_cli_args_round_trip() -> None:
     spec = TrainSpec(task="ant", num_envs=64, seed=3, run_name="x y", use_graph=False)
     args = ["ant", "--num-envs", "64", "--seed", "3", "--run-name", "x y", "--no-use-graph"]
