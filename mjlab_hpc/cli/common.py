@@ -30,6 +30,7 @@ from mjlab_hpc.errors import (
     SpecError,
     SubmitError,
 )
+from mjlab_hpc.rank.context import SCRIPT_ENVS, set_by_our_script
 from mjlab_hpc.rundir.durable import ownership
 from mjlab_hpc.spec import split_overrides
 
@@ -58,11 +59,13 @@ def error_line(label: str, message: object) -> None:
 def drop_internal_variables() -> None:
     """Drop the `_MJLAB_HPC_*` variables from a command a person started, saying so.
 
-    Our launchers set them for the ranks they start. Anywhere else nobody of ours set them
-    (left exported, copied from a job's environment), and they would change how the command
-    runs (a run that ignores Ctrl-C).
+    Our launchers set them for the ranks they start, and our batch scripts for the commands
+    they run (those are kept: the script's mark says so). Anywhere else nobody of ours set
+    them (left exported, copied from a job's environment), and they would change how the
+    command runs (a run that ignores Ctrl-C).
     """
-    found = sorted(k for k in os.environ if k.startswith("_MJLAB_HPC_"))
+    ours = SCRIPT_ENVS if set_by_our_script(os.environ) else ()
+    found = sorted(k for k in os.environ if k.startswith("_MJLAB_HPC_") and k not in ours)
     for key in found:
         del os.environ[key]
     if found:

@@ -1,7 +1,8 @@
 """Our submitit executors: every use of submitit beyond its public API, in one place.
 
 That is its script text and its local controller; tests/test_upstream.py names what a
-submitit upgrade removes. `SlurmJobExecutor`'s batch script ends with our heal loop.
+submitit upgrade removes. `SlurmJobExecutor`'s batch script ends with our heal loop
+(`launch/batch_loop.py`).
 `LocalJobExecutor` runs its jobs under `HealingController`, which does locally what srun and
 the batch script do on Slurm.
 """
@@ -33,14 +34,11 @@ from mjlab_hpc.errors import (
     EXIT_INTERRUPTED,
     EXIT_LOCAL_REQUEUE,
     EXIT_OK,
-    EXIT_REQUEUE,
-    EXIT_RESTART,
     EXIT_STOPPED,
 )
+from mjlab_hpc.launch.batch_loop import heal_loop, heal_options
 from mjlab_hpc.launch.heal import decide, record_healing, restart_here
-from mjlab_hpc.rank.context import START_ENV
-from mjlab_hpc.rank.signals import FORWARDED
-from mjlab_hpc.rundir.layout import HEARTBEAT_DIR, LOGS_DIR, SWEEP_ELEMENTS
+from mjlab_hpc.rundir.layout import LOGS_DIR, SWEEP_ELEMENTS
 
 __all__ = [
     "CONTROLLER_MODULE",
@@ -63,70 +61,6 @@ _KILL_GRACE_S = 5.0
 _MAX_STARTS = 1000
 # Exit codes of a rank that ended on purpose (all ranks end alike): no reason to end others.
 _ON_PURPOSE = (EXIT_OK, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_LOCAL_REQUEUE)
-
-
-# The batch script's end, after submitit's setup: `{srun}` is submitit's srun line, `{heal}`
-# the heal step. A lost node never answers srun (it waits until SlurmdTimeout, 300 s by
-# default, marks the node dead; its own abort, two SIGINTs, waits MessageTimeout per signal):
-# once a rank failed (its submitit result is an error, or a hang report) and srun still waits
-# after _STUCK_S, the watcher kills srun (and its child). The step's tasks on the other nodes
-# were already ended by --kill-on-bad-exit; the step itself stays until its nodes answer (a
-# lost one: SlurmdTimeout), so the next one shares the nodes it held (--overlap: else "Requested
-# nodes are busy" until then).
-_LOOP = """\
-# Self-healing (mjlab_hpc): when a rank crashed or hung, record the fault in run.json and
-# start the ranks again from the newest valid checkpoint while restarts remain and the failure
-# is not a repeat: a new srun step in this allocation (exit {restart}; the healer prints its
-# srun options: the nodes it leaves out, whose place spare nodes take, or with --min-nodes a
-# step on fewer nodes), else a requeue (excluding a node the fault is attributed to); nothing
-# happens after a completed or stopped run. The requeue sends this shell SIGTERM: ignored, so
-# the healer can still exclude the node (the job's processes end with it under
-# proctrack/cgroup).
-key=${{SLURM_ARRAY_JOB_ID:+${{SLURM_ARRAY_JOB_ID}}_$SLURM_ARRAY_TASK_ID}}
-watch_step() {{
-  local ended=
-  while sleep 1; do
-    if [ -z "$ended" ] && {{ grep -qsa Traceback {folder}/"${{key:-$SLURM_JOB_ID}}"_*_result.pkl ||
-      compgen -G {heartbeats}/'hang-rank*.json'; }} >/dev/null; then ended=$SECONDS; fi
-    if [ -n "$ended" ] && [ $((SECONDS - ended)) -ge {stuck} ]; then
-      for p in $(pgrep -P $$ -x srun); do pkill -KILL -P "$p"; kill -KILL "$p"; done
-    fi
-  done
-}}
-# A signal to this shell (scancel --batch, or --full) means what it means to the ranks: it
-# goes on to the job's steps (docs/preemption.md, "Signals"); the shell waits on.
-forward() {{
-  for sig in {signals}; do trap "scancel --signal=$sig $SLURM_JOB_ID 2>/dev/null" $sig; done
-}}
-again=
-n=0
-while :; do
-  began=$SECONDS
-  forward
-  # This srun step's name, in its ranks' first log line: the healer finds them by it.
-  export {start_env}=$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}.$((n += 1))
-  watch_step &
-  watcher=$!
-  srun {srun_options} $again {command} &
-  step=$!
-  while kill -0 $step 2>/dev/null; do wait $step; done
-  wait $step
-  ranks=$?
-  kill $watcher 2>/dev/null
-  trap '' TERM
-  options=$({heal})
-  status=$?
-  [ "$status" -eq {restart} ] || break
-  again="--overlap $options"
-done
-# A requeue that the ranks or the healer asked for where Slurm's commands are missing (exit
-# {requeue}: a container image without them) is done here, in the batch shell, which has them.
-if [ "$status" -eq {requeue} ]; then scontrol requeue "$SLURM_JOB_ID" && status=0; fi
-exit "$status"
-"""
-# Seconds srun may wait for the other ranks after one failed (--kill-on-bad-exit ends them
-# within seconds).
-_STUCK_S = 5
 
 
 class SlurmJobExecutor(submitit.SlurmExecutor):
@@ -176,27 +110,16 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
         # on fewer nodes than a spare job's --nodes).
         assert srun.endswith(command), srun
         run_dir = shlex.quote(str(Path(self.folder).parent))
-        nodes = f" --nodes {self.step_nodes}" if self.step_nodes else ""
-        if self.min_nodes is not None:
-            nodes += f" --min-nodes {self.min_nodes} --tasks-per-node {self.tasks_per_node}"
-        heal = (
-            f"{self.heal_python} -m mjlab_hpc.cli.hpc heal --run-dir {run_dir} --exit-code $ranks "
-            f"--elapsed-s $((SECONDS - began)) --max-restarts {self.max_restarts}{nodes}"
-        )
-        # A sweep's hang files are in its element's run directory, linked from the sweep's.
+        # A sweep's rank logs are in its element's run directory, linked from the sweep's.
         element = f'/{SWEEP_ELEMENTS}/"$SLURM_ARRAY_TASK_ID"' if self.sweep else ""
-        heartbeats = f"{run_dir}{element}/{LOGS_DIR}/{HEARTBEAT_DIR}"
-        loop = _LOOP.format(
+        loop = heal_loop(
             srun_options=srun.removesuffix(command).rstrip(),
             command=command,
-            heal=heal,
-            folder=shlex.quote(str(self.folder)),
-            heartbeats=heartbeats,
-            stuck=_STUCK_S,
-            restart=EXIT_RESTART,
-            requeue=EXIT_REQUEUE,
-            start_env=START_ENV,
-            signals=" ".join(FORWARDED),
+            hpc=f"{self.heal_python} -m mjlab_hpc.cli.hpc",
+            run_dir=run_dir,
+            logs=f"{run_dir}{element}/{LOGS_DIR}",
+            max_restarts=self.max_restarts,
+            heal_options=heal_options(self.step_nodes, self.min_nodes, self.tasks_per_node),
         )
         return f"{head}\n{loop}"
 

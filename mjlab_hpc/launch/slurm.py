@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import SpecError
+from mjlab_hpc.launch.batch_loop import heal_loop, heal_options
 from mjlab_hpc.launch.executors import SlurmJobExecutor
 from mjlab_hpc.launch.follow import Closing, follow_to_end
 from mjlab_hpc.rank.context import ALLOCATION_ENV, CHAIN_ENV, SIGNAL_DELAY_ENV, Allocation
@@ -288,7 +289,7 @@ def template_context(spec: SubmitSpec, resolved: ResolvedSpec) -> dict[str, str 
     ]
     return {
         "JOB_NAME": q(spec.name),
-        "NODES": str(spec.nodes),
+        "NODES": str(spec.nodes + spec.spare_nodes),
         "TASKS_PER_NODE": str(spec.ranks_per_node),
         "GPUS_PER_NODE": str(spec.gpus_per_node) if spec.gpus_per_node > 0 else None,
         "CPUS_PER_TASK": opt(spec.cpus_per_task),
@@ -298,6 +299,7 @@ def template_context(spec: SubmitSpec, resolved: ResolvedSpec) -> dict[str, str 
         "QOS": opt(spec.qos),
         "CONSTRAINT": opt(spec.constraint),
         "EXCLUSIVE": "--exclusive" if spec.exclusive else None,
+        "NO_KILL": "--no-kill" if spec.spare_nodes or spec.min_nodes is not None else None,
         "TIME": q(spec.time),
         "SIGNAL": f"{spec.preempt_signal}@{spec.signal_delay_s}",
         "SIGNAL_DELAY_S": str(spec.signal_delay_s),
@@ -311,7 +313,24 @@ def template_context(spec: SubmitSpec, resolved: ResolvedSpec) -> dict[str, str 
         "MAX_RESTARTS": str(spec.train.max_restarts),
         "IMAGE": opt(Path(spec.container).resolve() if spec.container else None),
         "NV": "--nv" if spec.gpus_per_node > 0 else "",
+        "HEAL_LOOP": _template_loop(spec),
     }
+
+
+def _template_loop(spec: SubmitSpec) -> str:
+    """The heal loop of a template: its ranks run `${train[@]}`, its healer `${hpc[@]}`."""
+    output = '--output="$RUN_DIR/logs/task-%j-%t.out"'
+    return heal_loop(
+        srun_options=" ".join(["--kill-on-bad-exit=1", "--unbuffered", output, *step_shape(spec)]),
+        command='"${train[@]}"',
+        hpc='"${hpc[@]}"',
+        run_dir='"$RUN_DIR"',
+        logs='"$RUN_DIR"/logs',
+        max_restarts=spec.train.max_restarts,
+        heal_options=heal_options(
+            spec.nodes if spec.spare_nodes else None, spec.min_nodes, spec.ranks_per_node
+        ),
+    ).rstrip("\n")
 
 
 def render_template(text: str, context: dict[str, str | None]) -> str:
@@ -336,13 +355,6 @@ def render(template: str, spec: SubmitSpec) -> str:
     """
     spec = dataclasses.replace(spec, executor="slurm", dry_run=True)
     resolved = validate_submit(spec)
-    for flag, given in (("--spare-nodes", spec.spare_nodes), ("--min-nodes", spec.min_nodes)):
-        if given:
-            raise SpecError(
-                flag,
-                f"the templates run one srun step on every node: submit with mjlab-submit {flag} "
-                "instead",
-            )
     text = read_template(template)
     if "{{IMAGE}}" in text and spec.container is None:
         raise SpecError("--container", f"template {template!r} needs an image: --container IMAGE")

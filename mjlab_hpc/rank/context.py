@@ -26,6 +26,8 @@ __all__ = [
     "DETACHED_ENV",
     "PORT_BASE",
     "PORT_SPAN",
+    "SCRIPT_ENVS",
+    "SCRIPT_MARK_ENV",
     "SIGNAL_DELAY_ENV",
     "START_ENV",
     "SUPERVISOR_ENV",
@@ -45,6 +47,7 @@ __all__ = [
     "rank_device",
     "resolve_device",
     "seed_for_rank",
+    "set_by_our_script",
     "tasks_on_node",
     "torch_threads",
 ]
@@ -72,6 +75,23 @@ START_ENV = "_MJLAB_HPC_START"
 #: Set in a job's script to its --signal-delay-s: how long before the time limit the
 #: time-limit signal comes (a time limit that leaves no start-up is not requeued).
 SIGNAL_DELAY_ENV = "_MJLAB_HPC_SIGNAL_DELAY"
+#: Set by our batch scripts to `<job>.<restart>` of the job running them: it says that the
+#: script's own variables (SCRIPT_ENVS) are ours, for the commands the script runs (the heal
+#: step, `mjlab-hpc run-dir`); anywhere else they are a person's, and dropped.
+SCRIPT_MARK_ENV = "_MJLAB_HPC_SCRIPT"
+#: The variables our batch scripts set for the commands they run.
+SCRIPT_ENVS = (START_ENV, SIGNAL_DELAY_ENV, CHAIN_ENV, SCRIPT_MARK_ENV)
+
+
+def set_by_our_script(env: Mapping[str, str]) -> bool:
+    """True where SCRIPT_ENVS were set by our batch script running in this very job start.
+
+    The mark names the job and its restart: one left exported, or copied from another job's
+    environment (or from before a requeue), names another or none.
+    """
+    job = env.get("SLURM_JOB_ID", "")
+    restart = env.get("SLURM_RESTART_COUNT") or "0"
+    return bool(job) and env.get(SCRIPT_MARK_ENV) == f"{job}.{restart}"
 
 
 def chain_link(env: Mapping[str, str]) -> tuple[int, int] | None:

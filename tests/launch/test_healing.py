@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, only_run, reference_digests, runs_under, wait_for
+from helpers import BIN, cli_env, clock_ahead, only_run, reference_digests, runs_under, wait_for
 from slurm_cluster import SLURMD_TIMEOUT_S, SlurmCluster
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
@@ -320,15 +321,15 @@ def ended_in_the_allocation(
     print(f"{what} to the first resumed iteration: {fault['recovery_s']} s")
 
 
-def lose_rank1_node_after_6(cluster: SlurmCluster, run: RunDir) -> str:
-    """Once rank 1 has stopped itself after iteration 6, lose its node for real (slurmd and
-    rank killed at once, as in a power cut): that node."""
+def lose_rank1_node_after_6(cluster: SlurmCluster, run: RunDir, after: int = 6) -> str:
+    """Once rank 1 has stopped itself after iteration 6 (or `after`), lose its node for real
+    (slurmd and rank killed at once, as in a power cut): that node."""
     wait_for(
-        lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6,
+        lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= after,
         240,
-        "iteration 6 (rank 1 stops itself there)",
+        f"iteration {after} (rank 1 stops itself there)",
     )
-    (lost,) = start_hosts(run.path, rank=1)
+    lost = start_hosts(run.path, rank=1)[-1]
     killed = cluster.lose_node(lost)
     assert "slurmd" in killed and "slurmstepd" in killed, killed
     return lost
@@ -552,3 +553,60 @@ def test_slurm_node_lost_for_good_past_slurmd_timeout(
     assert restarts_of(cluster, job) == 0
     (fault,) = faults_of(run)
     assert fault["kind"] == "in-allocation" and fault["excluded_nodes"] == [lost], fault
+
+
+@pytest.mark.slurm
+def test_rendered_template_heals_a_crash_and_a_lost_node(
+    slurm_cluster3: SlurmCluster, tmp_path: Path, shared_tmp: Path
+) -> None:
+    """`mjlab-hpc render train` with --spare-nodes 1, submitted with plain sbatch, heals as a
+    submitted job does (the same loop): an exception in rank 1 after iteration 6 starts a new
+    srun step in the allocation; rank 1's node lost after iteration 9 (its slurmd and rank
+    killed at once) is left out for the spare once the step is ended by the loop's watcher.
+    The ranks' clocks are an hour behind the batch host's. The run ends with the parameters of
+    a run that never failed, in the one job, and the job's log has no "ignored" warning: the
+    script's own variables are its own."""
+    cluster = slurm_cluster3
+    args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--spare-nodes", "1"]
+    args += ["--gpus-per-node", "0", "--time", "10", "--log-root", str(tmp_path)]
+    env = cli_env(
+        {"MJLAB_HPC_FAULT": "raise@6:rank1:once,stop@9:rank1:once"}, base=cluster.environ()
+    )
+    render = subprocess.run(
+        [BIN / "mjlab-hpc", "render", "train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert render.returncode == 0, render.stderr
+    script = tmp_path / "job.sbatch"
+    # The ranks' clocks an hour behind the batch host's: the healer finds their step by its
+    # name (the script's _MJLAB_HPC_START), never by comparing clocks.
+    behind = shlex.join(clock_ahead("-1h"))
+    script.write_text(render.stdout.replace("train=(mjlab-train ", f"train=({behind} mjlab-train "))
+    job = cluster.sbatch([str(script)], env=env, cwd=tmp_path)
+    run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
+    lost = lose_rank1_node_after_6(cluster, run, after=9)
+    try:
+        summary = wait_for(
+            lambda: run.summary.exists() and json.loads(run.summary.read_text()),
+            300,
+            "the healed run to finish",
+        )
+    finally:
+        cluster.start_node(lost)
+    crash, loss = faults_of(run)
+    assert (crash["reason"], crash["kind"], crash["iteration"]) == ("crash", "in-allocation", 6)
+    assert crash["ranks"] == [1], crash
+    assert (loss["kind"], loss["hosts"], loss["excluded_nodes"]) == (
+        "in-allocation",
+        [lost],
+        [lost],
+    )
+    assert summary["iterations"] == 12 and summary["world_size"] == 2, summary
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
+    assert str(summary["job_id"]) == str(job) and restarts_of(cluster, str(job)) == 0
+    assert cluster.wait_job(job, timeout=120) == "COMPLETED"
+    (log,) = tmp_path.glob(f"slurm-*-{job}.out")
+    assert "ignored" not in log.read_text(), log.read_text()[-3000:]

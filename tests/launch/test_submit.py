@@ -208,7 +208,8 @@ def test_golden_pyxis() -> None:
     srun = shlex.split(next(line for line in lines if line.startswith("srun ")))
     assert f"--container-image={image}" in srun
     assert srun[-6:-4] == ["python3", "-u"] and srun[-1] == "&"  # in the background
-    heal = shlex.split(next(line for line in lines if " heal " in line).removeprefix("options=$("))
+    heal_line = next(line for line in lines if " heal " in line)
+    heal = shlex.split(heal_line.removeprefix("options=$(").removesuffix(" \\"))
     assert heal[:4] == ["srun", "--nodes=1", "--ntasks=1", f"--container-image={image}"]
     # Inside a salloc allocation too: srun starts the ranks in the image.
     argv = allocation_srun(spec, resolve(spec.train), Path("/shared/logs/cartpole/run"))
@@ -266,6 +267,34 @@ def test_submitit_script_quotes_user_strings(tmp_path: Path) -> None:
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
     assert str(run_dir / "submitit") in record.read_text().split("\n")
     assert f"#SBATCH --job-name={shlex.quote(HOSTILE)}" in script.read_text()
+
+
+def test_our_scripts_variables_are_ours_and_a_persons_are_dropped() -> None:
+    """What our batch script exports for its own commands (the heal step's srun step name,
+    the signal delay) is kept silently where its mark names this job and start; a person's
+    (left exported, or copied from another job or from before a requeue) is dropped, said."""
+    person = {"_MJLAB_HPC_START": "42.0.1", "_MJLAB_HPC_SIGNAL_DELAY": "5"}
+
+    def said(extra: dict[str, str]) -> str:
+        proc = subprocess.run(
+            [BIN / "mjlab-hpc", "--help"],
+            env=cli_env(extra),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr
+
+    ours = {**person, "_MJLAB_HPC_SCRIPT": "42.0", "SLURM_JOB_ID": "42"}
+    assert said(ours) == ""
+    assert said({**ours, "SLURM_RESTART_COUNT": "0"}) == ""
+    dropped = "warning: ignored _MJLAB_HPC_SIGNAL_DELAY, _MJLAB_HPC_START: internal variable"
+    assert said(person).startswith(dropped)
+    for other in ({"SLURM_JOB_ID": "43"}, {"SLURM_RESTART_COUNT": "1"}):
+        assert "_MJLAB_HPC_START" in said({**ours, **other})
+    # Not one of the script's: dropped even beside a valid mark.
+    assert "ignored _MJLAB_HPC_DETACHED:" in said({**ours, "_MJLAB_HPC_DETACHED": "1"})
 
 
 def test_train_cli_args_round_trip() -> None:

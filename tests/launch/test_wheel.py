@@ -103,6 +103,7 @@ def test_render_list_tasks_and_dry_run(wheel_env: Path, tmp_path: Path) -> None:
     script = tmp_path / "job.sbatch"
     script.write_text(render.stdout)
     assert "#SBATCH --signal=USR2@90" in render.stdout
+    assert "watch_step &" in render.stdout and "{{" not in render.stdout  # the heal loop
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     tasks = run(wheel_env, "mjlab-hpc", "list-tasks", cwd=tmp_path)
     assert tasks.returncode == 0 and "cartpole" in tasks.stdout and "ant" in tasks.stdout

@@ -1,0 +1,143 @@
+"""The heal loop that ends every batch script of ours: one text, rendered from parameters.
+
+The script submitit submits (`launch/executors.py`) and both plain-sbatch templates
+(`slurm_templates/`, filled by `mjlab-hpc render`) end with `heal_loop(...)`. It starts the
+ranks' srun step, watches it, forwards signals to the job's steps, calls the healer after it
+and starts the next step while the healer asks for one (exit codes from `errors.py`, the
+signals from `rank/signals.py`).
+"""
+
+from __future__ import annotations
+
+from mjlab_hpc.errors import EXIT_REQUEUE, EXIT_RESTART
+from mjlab_hpc.rank.context import SCRIPT_MARK_ENV, START_ENV
+from mjlab_hpc.rank.signals import FORWARDED
+
+__all__ = ["STUCK_S", "heal_loop", "heal_options"]
+
+# Seconds srun may wait for the other ranks after one failed (--kill-on-bad-exit ends them
+# within seconds).
+STUCK_S = 5
+# The exit line of a rank that failed or hung (rank/train.py, rank/watchdog.py).
+_FAILED = "exit: (failed|hung)"
+
+# A lost node never answers srun (it waits until SlurmdTimeout, 300 s by default, marks the
+# node dead; its own abort, two SIGINTs, waits MessageTimeout per signal): once a rank of this
+# step wrote that it failed or hung (its log, past where it stood when the step began) and srun
+# still waits after {stuck} s, the watcher kills srun (and its child). The step's tasks on the
+# other nodes were already ended by --kill-on-bad-exit; the step itself stays until its nodes
+# answer (a lost one: SlurmdTimeout), so the next one shares the nodes it held (--overlap: else
+# "Requested nodes are busy" until then). Safe under `set -euo pipefail`.
+_LOOP = """\
+# Self-healing (mjlab_hpc): when a rank crashed or hung, record the fault in run.json and
+# start the ranks again from the newest valid checkpoint while restarts remain and the failure
+# is not a repeat: a new srun step in this allocation (exit {restart}; the healer prints its
+# srun options: the nodes it leaves out, whose place spare nodes take, or with --min-nodes a
+# step on fewer nodes), else a requeue (excluding a node the fault is attributed to); nothing
+# happens after a completed or stopped run. The requeue sends this shell SIGTERM: ignored, so
+# the healer can still exclude the node (the job's processes end with it under
+# proctrack/cgroup).
+watch_step() {{
+  local ended= log size
+  local -A seen=()
+  for log in {logs}/rank*.log; do
+    if [ -f "$log" ]; then seen[$log]=$(stat -c %s "$log"); fi
+  done
+  while sleep 1; do
+    for log in {logs}/rank*.log; do
+      if [ -n "$ended" ] || [ ! -f "$log" ]; then continue; fi
+      size=$(stat -c %s "$log")
+      if [ "$size" -lt "${{seen[$log]:-0}}" ]; then seen[$log]=0; fi
+      if grep -qaE '{failed}' < <(tail -c "+$((${{seen[$log]:-0}} + 1))" "$log"); then
+        ended=$SECONDS
+      fi
+      seen[$log]=$size
+    done
+    if [ -n "$ended" ] && [ $((SECONDS - ended)) -ge {stuck} ]; then
+      for p in $(pgrep -P $$ -x srun); do pkill -KILL -P "$p" || :; kill -KILL "$p" || :; done
+    fi
+  done
+}}
+# A signal to this shell (scancel --batch, or --full) means what it means to the ranks: it
+# goes on to the job's steps (docs/preemption.md, "Signals"); the shell waits on.
+forward() {{
+  for sig in {signals}; do trap "scancel --signal=$sig $SLURM_JOB_ID 2>/dev/null || :" $sig; done
+}}
+# Our commands below keep the _MJLAB_HPC_* variables this script sets, and drop a person's.
+export {mark}="$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"
+again=
+n=0
+while :; do
+  began=$SECONDS
+  forward
+  # This srun step's name, in its ranks' first log line: the healer finds them by it.
+  export {start_env}="$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}.$((n += 1))"
+  watch_step &
+  watcher=$!
+  ranks=0
+  # shellcheck disable=SC2086 # $again: srun options, or nothing
+  srun {srun_options} $again {command} &
+  step=$!
+  while kill -0 $step 2>/dev/null; do wait $step || :; done
+  wait $step || ranks=$?
+  kill $watcher 2>/dev/null || :
+  trap '' TERM
+  status=0
+  options=$({hpc} heal --run-dir {run_dir} --exit-code $ranks \\
+    --elapsed-s $((SECONDS - began)) --max-restarts {max_restarts}{heal_options}) || status=$?
+  [ "$status" -eq {restart} ] || break
+  again="--overlap $options"
+done
+# A requeue that the ranks or the healer asked for where Slurm's commands are missing (exit
+# {requeue}: a container image without them) is done here, in the batch shell, which has them.
+if [ "$status" -eq {requeue} ]; then scontrol requeue "$SLURM_JOB_ID" && status=0; fi
+exit "$status"
+"""
+
+
+def heal_options(step_nodes: int | None, min_nodes: int | None, tasks_per_node: int) -> str:
+    """Return the healer's options for the shape of a step: a spare's or --min-nodes's.
+
+    `step_nodes`: the nodes of a step (None: all of the allocation's); `min_nodes`: the fewest
+    it may go on with, `tasks_per_node` ranks each.
+    """
+    options = f" --nodes {step_nodes}" if step_nodes else ""
+    if min_nodes is not None:
+        options += f" --min-nodes {min_nodes} --tasks-per-node {tasks_per_node}"
+    return options
+
+
+def heal_loop(
+    *,
+    srun_options: str,
+    command: str,
+    hpc: str,
+    run_dir: str,
+    logs: str,
+    max_restarts: int,
+    heal_options: str = "",
+) -> str:
+    """Return the loop that ends a batch script, as shell text.
+
+    Every argument is shell text, already quoted: `srun_options` and `command` start the
+    ranks (`srun {srun_options} {the healer's options} {command}`); `hpc` runs `mjlab-hpc`
+    where the healer runs (plain, in the Apptainer image, a pyxis step); `run_dir` is the
+    run directory given to the healer, `logs` the directory of the ranks' logs; `heal_options`
+    the healer's options for the step's shape (`heal_options()`).
+    """
+    return _LOOP.format(
+        srun_options=srun_options,
+        command=command,
+        hpc=hpc,
+        run_dir=run_dir,
+        logs=logs,
+        max_restarts=max_restarts,
+        heal_options=heal_options,
+        failed=_FAILED,
+        stuck=STUCK_S,
+        restart=EXIT_RESTART,
+        requeue=EXIT_REQUEUE,
+        mark=SCRIPT_MARK_ENV,
+        start_env=START_ENV,
+        signals=" ".join(FORWARDED),
+    )
