@@ -214,9 +214,11 @@ def _weights_only(names: Iterable[str]) -> Iterator[None]:
 
 def _refusal(path: Path, exc: BaseException) -> ValueError:
     """Why torch's weights-only unpickler refused `path`, in one line naming it."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    reason = next((line for line in lines if not line.startswith(_ADVICE)), type(exc).__name__)
-    reason = reason.split(". Please use")[0].rstrip(".")
+    text = str(exc)
+    found = re.search(r"WeightsUnpickler error:\s*(\S.*)", text)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    reason = found[1] if found else next((x for x in lines if not x.startswith(_ADVICE)), "")
+    reason = reason.split(". Please use")[0].rstrip(".") or type(exc).__name__
     return ValueError(f"{path.name} holds more than weights ({reason}): refused, not loaded")
 
 
