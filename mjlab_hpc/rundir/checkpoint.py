@@ -32,6 +32,7 @@ import pickle
 import re
 import shutil
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,26 +213,40 @@ def _weights_only(names: Iterable[str]) -> Iterator[None]:
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
 
 
-def _refusal(path: Path, exc: BaseException) -> ValueError:
-    """Why torch's weights-only unpickler refused `path`, in one line naming it."""
+def _refusal(path: Path, exc: BaseException, raw: bool) -> ValueError:
+    """Why torch's weights-only unpickler refused `path`, in one line naming it.
+
+    `raw`: the file is not torch.save's archive (a pickle written otherwise).
+    """
     text = str(exc)
     found = re.search(r"WeightsUnpickler error:\s*(\S.*)", text)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     reason = found[1] if found else next((x for x in lines if not x.startswith(_ADVICE)), "")
     reason = reason.split(". Please use")[0].rstrip(".") or type(exc).__name__
-    return ValueError(f"{path.name} holds more than weights ({reason}): refused, not loaded")
+    what = "is a raw pickle, not a torch.save archive" if raw else "holds more than weights"
+    return ValueError(f"{path.name} {what} ({reason}): refused, not loaded")
+
+
+def _load_safely(path: Path, data: bytes, load: Callable[[IO[bytes]], _T]) -> _T:
+    """`load(file of data)` (the bytes of `path`), where torch.load builds what we save only."""
+    f = io.BytesIO(data)
+    names = _named_globals(f)
+    try:
+        with _weights_only(names or ()), warnings.catch_warnings():
+            # A raw pickle's protocol is said as a warning: it is refused or loaded anyway.
+            warnings.filterwarnings("ignore", "Detected pickle protocol")
+            return load(f)
+    except (pickle.UnpicklingError, TypeError) as exc:  # TypeError: an `_Outer` called
+        raise _refusal(path, exc, raw=names is None) from None
 
 
 def _unpickle(path: Path, data: bytes, map_location: str | None) -> Any:
     """Load `data` (the bytes of `path`) weights-only: nothing but what we save is built."""
     import torch  # heavy: only where a checkpoint is read
 
-    f = io.BytesIO(data)
-    try:
-        with _weights_only(_named_globals(f) or ()):
-            return torch.load(f, map_location=map_location, weights_only=True)
-    except (pickle.UnpicklingError, TypeError) as exc:  # TypeError: an `_Outer` called
-        raise _refusal(path, exc) from None
+    return _load_safely(
+        path, data, lambda f: torch.load(f, map_location=map_location, weights_only=True)
+    )
 
 
 def load_with(load: Callable[[IO[bytes]], _T], path: Path) -> _T:
@@ -242,12 +257,7 @@ def load_with(load: Callable[[IO[bytes]], _T], path: Path) -> _T:
     """
     data = read_regular(path, MODEL_LIMIT)
     _check_bytes(path, data)
-    f = io.BytesIO(data)
-    try:
-        with _weights_only(_named_globals(f) or ()):
-            return load(f)
-    except pickle.UnpicklingError as exc:
-        raise _refusal(path, exc) from None
+    return _load_safely(path, data, load)
 
 
 def _sidecar(path: Path) -> Path:
