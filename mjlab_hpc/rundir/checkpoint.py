@@ -15,7 +15,7 @@ only to write or read one.
 
 A run directory may be shared, so what is read from it is data, never code: every file is
 unpickled with torch's weights-only unpickler, which builds nothing but what we save
-(`SAVED_GLOBALS`: tensors, numpy's arrays, scalars and dtypes, the environment's enum
+(`_saved_globals`: tensors, numpy's arrays, scalars and dtypes, the environment's enum
 values). A file that names anything else is refused by name, like a damaged one.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+import importlib
 import io
 import json
 import logging
@@ -100,6 +101,8 @@ _NUMPY_GLOBALS = {
     "numpy.ndarray": ("numpy", "ndarray"),
     "numpy.dtype": ("numpy", "dtype"),
 }
+# The simulator's packages, whose enum classes an environment's saved settings name.
+_ENUM_PACKAGES = frozenset({"mjlab", "mujoco_warp", "mujoco", "warp"})
 # torch's advice around why it refused a file (not said: we never load it otherwise).
 _ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation")
 
@@ -124,16 +127,29 @@ def _enum_member(obj: object, name: str) -> Any:
     raise pickle.UnpicklingError(f"getattr({obj!r}, {name!r}) is no enum member")
 
 
+def _module(name: str) -> Any:
+    """The module `name` when it is imported, or one of the simulator's that imports (else None).
+
+    Only the simulator's packages are imported by a name a file gives: their enums are what an
+    environment's settings hold, and importing them is what training does anyway.
+    """
+    if name in sys.modules or name.split(".")[0] not in _ENUM_PACKAGES:
+        return sys.modules.get(name)
+    try:
+        return importlib.import_module(name)
+    except Exception:  # no such module (a class's name), or one that cannot load here
+        return None
+
+
 def _enums_named(name: str) -> dict[str, Any]:
-    """The enum class `name` (module.qualname) of a module already imported, by its name.
+    """The enum class `name` (module.qualname) names, by its name (empty: none).
 
     A class that holds enum classes (protocol 2 pickles a nested class through it) comes as
-    an `_Outer`, with those enum classes. Empty: `name` is no such class. Nothing is
-    imported: the classes an environment's state holds came with its code.
+    an `_Outer`, with those enum classes.
     """
     parts = name.split(".")
     for i in range(len(parts) - 1, 0, -1):
-        obj: Any = sys.modules.get(".".join(parts[:i]))
+        obj: Any = _module(".".join(parts[:i]))
         if obj is None:
             continue
         for attr in parts[i:]:
@@ -145,14 +161,13 @@ def _enums_named(name: str) -> dict[str, Any]:
     return {}
 
 
-def saved_globals(names: Iterable[str]) -> dict[str, Any]:
+def _saved_globals(names: Iterable[str]) -> dict[str, Any]:
     """What, of the globals `names` a saved file names beyond torch's own, we save.
 
-    numpy's arrays, scalars and dtypes, an enum member's lookup, and enum classes of
-    modules already imported (an environment's settings); by the name the file uses.
+    numpy's arrays, scalars and dtypes, an enum member's lookup, and enum classes (an
+    environment's settings) of the simulator's packages or of modules already imported; by
+    the name the file uses.
     """
-    import importlib
-
     allowed: dict[str, Any] = {}
     for name in names:
         if name in _NUMPY_GLOBALS:
@@ -188,7 +203,7 @@ def _named_globals(f: IO[bytes]) -> list[str] | None:
 def _unsaved_globals(f: IO[bytes]) -> list[str] | None:
     """The globals a `torch.save` file names that we never save (None: not torch's format)."""
     names = _named_globals(f)
-    return None if names is None else [n for n in names if n not in saved_globals(names)]
+    return None if names is None else [n for n in names if n not in _saved_globals(names)]
 
 
 @contextlib.contextmanager
@@ -200,7 +215,7 @@ def _weights_only(names: Iterable[str]) -> Iterator[None]:
     """
     import torch
 
-    allowed = [(obj, name) for name, obj in saved_globals(names).items()]
+    allowed = [(obj, name) for name, obj in _saved_globals(names).items()]
     before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
