@@ -451,16 +451,18 @@ def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | N
         expected = int(listed[rank][1]) if listed else _STATE_LIMIT
         try:
             digest, size = _file_digest(path, expected)
+            # Another rank's state (of another size, when the writer's statistics differ).
+            if listed and digest != digests[rank] and digest in digests:
+                whose = f"rank {digests.index(digest)}'s state of this checkpoint"
+                return (
+                    f"{name} of {checkpoint.name} is not the state rank {rank} saved: it is {whose}"
+                )
             if listed and size != expected:
                 return f"{name} of {checkpoint.name} holds {size:,} bytes; {expected:,} were saved"
             if not _check_digest(path, digest) and not listed:
                 return f"{name} of {checkpoint.name} has no checksum"
             if listed and digest != digests[rank]:
-                whose = (
-                    f"rank {digests.index(digest)}'s state of this checkpoint"
-                    if digest in digests
-                    else "another checkpoint's or run's"
-                )
+                whose = "another checkpoint's or run's"
                 return (
                     f"{name} of {checkpoint.name} is not the state rank {rank} saved: it is {whose}"
                 )
