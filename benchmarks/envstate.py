@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,7 +39,7 @@ def _measure(task: str, num_envs: int, folder: Path, device: str = "cpu") -> dic
     import torch
     import warp as wp
 
-    from mjlab_hpc.rundir.checkpoint import write_rank_state
+    from mjlab_hpc.rundir.checkpoint import load_rank_state, publish_rank_states, write_rank_state
     from mjlab_hpc.tasks import mjlab as mt
     from mjlab_hpc.tasks.memory import init_warp
 
@@ -72,17 +72,19 @@ def _measure(task: str, num_envs: int, folder: Path, device: str = "cpu") -> dic
     capture_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     belongs = {"run": "bench", "task": task, "iteration": 1}
-    tmp, _, _ = write_rank_state(folder / "model_1.pt", 0, 1, state, belongs)
+    checkpoint = folder / "model_1.pt"
+    written = write_rank_state(checkpoint, 0, 1, state, belongs)
     write_s = time.perf_counter() - t0
-    size = os.path.getsize(tmp)
+    publish_rank_states(checkpoint, [written], lambda: None)
+    size = written[2]
     del env, state
     fresh = build()
     t0 = time.perf_counter()
-    loaded = torch.load(tmp, map_location="cpu", weights_only=False)
+    loaded = load_rank_state(checkpoint, 0, 1, belongs)  # as a resume loads it: weights only
     problems = mt.restore_env(fresh, loaded["env"], device)
     sync()
     restore_s = time.perf_counter() - t0
-    Path(tmp).unlink()
+    shutil.rmtree(folder / "rank_states")
     return {
         "num_envs": num_envs,
         "bytes": size,

@@ -231,12 +231,11 @@ def reference_digests(shared: Path, args: list[str], ranks: int = 1) -> list[str
     `shared` is a folder all of them see (`tmp_path_factory.getbasetemp().parent`).
     """
     import fcntl
-    import hashlib
     import json
     import subprocess
 
     command = [*args, "--num-procs", str(ranks)] if ranks > 1 else list(args)
-    key = hashlib.sha256(json.dumps(command).encode()).hexdigest()[:16]
+    key = _reference_key(command)
     folder = shared / "reference-runs"
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"{key}.lock", "w") as lock:
@@ -256,6 +255,29 @@ def reference_digests(shared: Path, args: list[str], ranks: int = 1) -> list[str
         digests = json.loads(only_run(root).summary.read_text())["param_digest_per_rank"]
         done.write_text(json.dumps(digests))
         return list(digests)
+
+
+def episode_metrics(run: RunDir) -> list[tuple[int, float | None, float | None]]:
+    """(iteration, mean reward, mean episode length) of each line of a run's progress.jsonl."""
+    return [
+        (r["iteration"], r["mean_reward"], r["mean_episode_length"]) for r in run.read_progress()
+    ]
+
+
+def reference_metrics(
+    shared: Path, args: list[str], ranks: int = 1
+) -> list[tuple[int, float | None, float | None]]:
+    """`episode_metrics` of the uninterrupted run `reference_digests` made (and makes)."""
+    reference_digests(shared, args, ranks)
+    command = [*args, "--num-procs", str(ranks)] if ranks > 1 else list(args)
+    return episode_metrics(only_run(shared / "reference-runs" / _reference_key(command)))
+
+
+def _reference_key(command: list[str]) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(command).encode()).hexdigest()[:16]
 
 
 def recording_tools(

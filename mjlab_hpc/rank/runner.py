@@ -47,6 +47,12 @@ WANDB_RECORD = "wandb_run.json"
 
 IterationHook = Callable[[Any, IterationStats], None]
 
+# rsl-rl's logger's episode statistics: the returns and lengths of the last 100 finished
+# episodes (RND's two parts too), each env's sums so far, and the steps taken in all.
+_EPISODE_BUFFERS = ("rewbuffer", "lenbuffer", "erewbuffer", "irewbuffer")
+_EPISODE_SUMS = ("cur_reward_sum", "cur_episode_length", "cur_ereward_sum", "cur_ireward_sum")
+_EPISODE_TOTALS = ("tot_timesteps",)
+
 
 class Diverged(ArithmeticError):
     """The training diverged: a loss, a parameter or the action noise is no longer finite.
@@ -319,6 +325,44 @@ class ContextRunnerMixin:
             )
             for hook in hooks:
                 hook(self, stats)
+
+    def episode_state(self) -> dict[str, Any]:
+        """The logger's episode statistics, which progress.jsonl's mean reward and length are.
+
+        Each rank saves them with its environments: a continuation then logs what a run that
+        never stopped logs (only the writer's logger keeps any).
+        """
+        logger = self.logger
+        state: dict[str, Any] = {}
+        for name in (*_EPISODE_BUFFERS, *_EPISODE_SUMS, *_EPISODE_TOTALS):
+            value = getattr(logger, name, None)
+            if isinstance(value, torch.Tensor):
+                state[name] = value.detach().cpu().clone()
+            elif value is not None:
+                state[name] = list(value) if name in _EPISODE_BUFFERS else value
+        return state
+
+    def restore_episode_state(self, state: dict[str, Any]) -> list[str]:
+        """Put back what `episode_state` saved; what could not be put back.
+
+        Statistics it lacks (a state saved before they were) stay empty.
+        """
+        logger, problems = self.logger, []
+        for name, value in state.items():
+            here = getattr(logger, name, None)
+            if name in _EPISODE_BUFFERS and here is not None:
+                here.clear()
+                here.extend(float(x) for x in value)
+            elif name in _EPISODE_SUMS and isinstance(here, torch.Tensor):
+                if here.shape != value.shape:
+                    problems.append(
+                        f"logger.{name}: saved {tuple(value.shape)}, here {tuple(here.shape)}"
+                    )
+                    continue
+                here.copy_(value)
+            elif name in _EPISODE_TOTALS and here is not None:
+                setattr(logger, name, value)
+        return problems
 
     def training_state(self, infos: dict | None = None) -> dict[str, Any]:
         """rsl-rl's checkpoint content: models (normalizers included), optimizer, iteration."""

@@ -31,7 +31,7 @@ import yaml
 from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.normalization import NormalizerSync
 from mjlab_hpc.rank.runner import DistributedRunner, runner_class
-from mjlab_hpc.rundir.checkpoint import publish_file
+from mjlab_hpc.rundir.checkpoint import load_with, publish_file
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.state import versions
 from mjlab_hpc.rundir.writer import RunWriter
@@ -105,10 +105,11 @@ def rank_state(work: Workload, device: str) -> dict[str, Any]:
 
     That is its environments' whole state and its random number generators: torch's on the
     CPU and on the rank's GPU, numpy's and Python's. Warp has no global generator: its seeds
-    are in the environments' state.
+    are in the environments' state. Its logger's episode statistics go with them.
     """
     state: dict[str, Any] = {
         "env": work.env_state(),
+        "episodes": work.runner.episode_state(),
         "torch_rng": torch.get_rng_state(),
         "numpy_rng": np.random.get_state(),
         "python_rng": random.getstate(),
@@ -121,6 +122,7 @@ def rank_state(work: Workload, device: str) -> dict[str, Any]:
 def restore_rank_state(work: Workload, state: dict[str, Any], device: str) -> list[str]:
     """Put back what `rank_state` saved; what of the environments could not be put back."""
     problems = work.restore_env(state["env"])
+    problems += work.runner.restore_episode_state(state.get("episodes") or {})  # older: none
     torch.set_rng_state(state["torch_rng"])
     np.random.set_state(state["numpy_rng"])
     random.setstate(state["python_rng"])
@@ -287,7 +289,7 @@ def _mjlab_workload(
         )
 
     def load(path: Path, ckpt: dict[str, Any], other_run: bool) -> None:
-        runner.load(str(path), map_location=device)
+        load_with(lambda f: runner.load(f, map_location=device), path)  # weights only
         runner.current_learning_iteration = 0 if other_run else int(ckpt["iter"])
         if runtime.recorder is not None:  # videos go on where the last start stopped
             steps = runner.current_learning_iteration * runtime.agent_cfg.num_steps_per_env

@@ -12,21 +12,32 @@ regular file of a plausible size is read. Resuming takes the newest that verifie
 keeps the newest N that do, and a damaged one is set aside (`.damaged`), never preferred. The
 files stay plain `torch.save` archives that rsl-rl's and mjlab's `load()` read; torch loads
 only to write or read one.
+
+A run directory may be shared, so what is read from it is data, never code: every file is
+unpickled with torch's weights-only unpickler, which builds nothing but what we save
+(`_saved_globals`: tensors, numpy's arrays, scalars and dtypes, the environment's enum
+values). A file that names anything else is refused by name, like a damaged one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import hashlib
+import importlib
 import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
-from collections.abc import Callable, Mapping
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypeVar
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.rundir.durable import (
@@ -57,6 +68,7 @@ __all__ = [
     "cannot_continue",
     "load_rank_state",
     "load_verified",
+    "load_with",
     "publish_file",
     "publish_rank_states",
     "rank_state_world_size",
@@ -76,6 +88,191 @@ _RANK_FILE = re.compile(r"rank(\d+)-of-(\d+)\.pt")
 MODEL_LIMIT = 4 << 30
 # The largest rank state of a checkpoint that does not list its size (older mjlab_hpc).
 _STATE_LIMIT = 64 << 30
+
+
+_T = TypeVar("_T")
+# numpy's array, scalar and dtype rebuilders (numpy's RNG state, an environment's numpy
+# values), under numpy 2's names and numpy 1's.
+_NUMPY_GLOBALS = {
+    "numpy._core.multiarray._reconstruct": ("numpy._core.multiarray", "_reconstruct"),
+    "numpy.core.multiarray._reconstruct": ("numpy._core.multiarray", "_reconstruct"),
+    "numpy._core.multiarray.scalar": ("numpy._core.multiarray", "scalar"),
+    "numpy.core.multiarray.scalar": ("numpy._core.multiarray", "scalar"),
+    "numpy.ndarray": ("numpy", "ndarray"),
+    "numpy.dtype": ("numpy", "dtype"),
+}
+# The simulator's packages, whose enum classes an environment's saved settings name.
+_ENUM_PACKAGES = frozenset({"mjlab", "mujoco_warp", "mujoco", "warp"})
+# torch's advice around why it refused a file (not said: we never load it otherwise).
+_ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation")
+
+
+def _is_enum(obj: object) -> bool:
+    return isinstance(obj, type) and issubclass(obj, enum.Enum)
+
+
+@dataclass(frozen=True)
+class _Outer:
+    """A class that holds enum classes, as a pickle of one of them names it: only that."""
+
+    cls: type
+
+
+def _enum_member(obj: object, name: str) -> Any:
+    """`getattr(obj, name)` as an enum's pickle calls it: a member, or a nested enum class."""
+    if _is_enum(obj) and name in obj.__members__:  # type: ignore[union-attr]
+        return obj.__members__[name]  # type: ignore[union-attr]
+    if isinstance(obj, _Outer) and _is_enum(inner := getattr(obj.cls, name, None)):
+        return inner
+    raise pickle.UnpicklingError(f"getattr({obj!r}, {name!r}) is no enum member")
+
+
+def _module(name: str) -> Any:
+    """The module `name` when it is imported, or one of the simulator's that imports (else None).
+
+    Only the simulator's packages are imported by a name a file gives: their enums are what an
+    environment's settings hold, and importing them is what training does anyway.
+    """
+    if name in sys.modules or name.split(".")[0] not in _ENUM_PACKAGES:
+        return sys.modules.get(name)
+    try:
+        return importlib.import_module(name)
+    except Exception:  # no such module (a class's name), or one that cannot load here
+        return None
+
+
+def _enums_named(name: str) -> dict[str, Any]:
+    """The enum class `name` (module.qualname) names, by its name (empty: none).
+
+    A class that holds enum classes (protocol 2 pickles a nested class through it) comes as
+    an `_Outer`, with those enum classes.
+    """
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        obj: Any = _module(".".join(parts[:i]))
+        if obj is None:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr, None)
+        if _is_enum(obj):
+            return {name: obj}
+        inner = {f"{name}.{k}": v for k, v in vars(obj).items() if _is_enum(v)}
+        return {name: _Outer(obj), **inner} if isinstance(obj, type) and inner else {}
+    return {}
+
+
+def _saved_globals(names: Iterable[str]) -> dict[str, Any]:
+    """What, of the globals `names` a saved file names beyond torch's own, we save.
+
+    numpy's arrays, scalars and dtypes, an enum member's lookup, and enum classes (an
+    environment's settings) of the simulator's packages or of modules already imported; by
+    the name the file uses.
+    """
+    allowed: dict[str, Any] = {}
+    for name in names:
+        if name in _NUMPY_GLOBALS:
+            module, attr = _NUMPY_GLOBALS[name]
+            allowed[name] = getattr(importlib.import_module(module), attr)
+            if name == "numpy.dtype":  # a dtype is rebuilt as an instance of its class
+                dtypes = importlib.import_module("numpy.dtypes")
+                for cls in vars(dtypes).values():
+                    if isinstance(cls, type) and issubclass(cls, allowed[name]):
+                        allowed[f"numpy.dtypes.{cls.__name__}"] = cls
+        elif name == "builtins.getattr":
+            allowed[name] = _enum_member
+        else:
+            allowed.update(_enums_named(name))
+    return allowed
+
+
+def _named_globals(f: IO[bytes]) -> list[str] | None:
+    """The globals beyond torch's own that a `torch.save` file names (read, not built).
+
+    None: the file is not torch's zip format (a raw pickle, or torch's legacy format).
+    """
+    import torch
+
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(f))
+    except Exception:
+        return None
+    finally:
+        f.seek(0)
+
+
+def _unsaved_globals(f: IO[bytes]) -> list[str] | None:
+    """The globals a `torch.save` file names that we never save (None: not torch's format)."""
+    names = _named_globals(f)
+    return None if names is None else [n for n in names if n not in _saved_globals(names)]
+
+
+@contextlib.contextmanager
+def _weights_only(names: Iterable[str]) -> Iterator[None]:
+    """Make every torch.load in this block weights-only, with what we save of `names`.
+
+    torch.load obeys TORCH_FORCE_WEIGHTS_ONLY_LOAD on each call, also where other code (rsl-rl,
+    mjlab) asks for weights_only=False.
+    """
+    import torch
+
+    allowed = [(obj, name) for name, obj in _saved_globals(names).items()]
+    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(allowed):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
+
+
+def _refusal(path: Path, exc: BaseException, raw: bool) -> ValueError:
+    """Why torch's weights-only unpickler refused `path`, in one line naming it.
+
+    `raw`: the file is not torch.save's archive (a pickle written otherwise).
+    """
+    text = str(exc)
+    found = re.search(r"WeightsUnpickler error:\s*(\S.*)", text)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    reason = found[1] if found else next((x for x in lines if not x.startswith(_ADVICE)), "")
+    reason = reason.split(". Please use")[0].rstrip(".") or type(exc).__name__
+    what = "is a raw pickle, not a torch.save archive" if raw else "holds more than weights"
+    return ValueError(f"{path.name} {what} ({reason}): refused, not loaded")
+
+
+def _load_safely(path: Path, data: bytes, load: Callable[[IO[bytes]], _T]) -> _T:
+    """`load(file of data)` (the bytes of `path`), where torch.load builds what we save only."""
+    f = io.BytesIO(data)
+    names = _named_globals(f)
+    try:
+        with _weights_only(names or ()), warnings.catch_warnings():
+            # A raw pickle's protocol is said as a warning: it is refused or loaded anyway.
+            warnings.filterwarnings("ignore", "Detected pickle protocol")
+            return load(f)
+    except (pickle.UnpicklingError, TypeError) as exc:  # TypeError: an `_Outer` called
+        raise _refusal(path, exc, raw=names is None) from None
+
+
+def _unpickle(path: Path, data: bytes, map_location: str | None) -> Any:
+    """Load `data` (the bytes of `path`) weights-only: nothing but what we save is built."""
+    import torch  # heavy: only where a checkpoint is read
+
+    return _load_safely(
+        path, data, lambda f: torch.load(f, map_location=map_location, weights_only=True)
+    )
+
+
+def load_with(load: Callable[[IO[bytes]], _T], path: Path) -> _T:
+    """Let other code's `load` (mjlab's runner.load) read checkpoint `path` safely.
+
+    It gets the bytes that verify, not the path (which another user may replace meanwhile),
+    and its torch.load is weights-only, with what we save.
+    """
+    data = read_regular(path, MODEL_LIMIT)
+    _check_bytes(path, data)
+    return _load_safely(path, data, load)
 
 
 def _sidecar(path: Path) -> Path:
@@ -187,13 +384,11 @@ def load_rank_state(
     It must have been saved for what `belongs` says (run, task, iteration) and for this rank
     and world size; a ValueError names what does not fit.
     """
-    import torch
-
     path = rank_state_file(checkpoint, rank, world_size)
     data = read_regular(path, _STATE_LIMIT)
     if not _check_bytes(path, data):
         raise ValueError(f"{path.name} has no checksum")
-    state = dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=False))
+    state = dict(_unpickle(path, data, "cpu"))
     theirs = state.pop("belongs", None)  # None: written before states carried it
     mine = {**belongs, "rank": rank, "world_size": world_size}
     wrong = [k for k in mine if theirs is not None and theirs.get(k) != mine[k]]
@@ -212,6 +407,20 @@ def _file_digest(path: Path, limit: int) -> tuple[str, int]:
     with open_regular(path, limit) as f:
         digest = hashlib.file_digest(f, "sha256")
         return digest.hexdigest(), f.tell()
+
+
+def _weights_problem(path: Path, limit: int) -> str | None:
+    """Why a rank state would be refused when loaded: it names what we never save.
+
+    Only its pickle is read (its tensors' bytes are not), and nothing is built.
+    """
+    with open_regular(path, limit) as f:
+        unsaved = _unsaved_globals(f)
+    if unsaved is None:
+        return f"{path.name} is no torch.save archive: refused"
+    if unsaved:
+        return f"{path.name} holds more than weights (GLOBAL {unsaved[0]}): refused, not loaded"
+    return None
 
 
 def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | None:
@@ -242,19 +451,26 @@ def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | N
         expected = int(listed[rank][1]) if listed else _STATE_LIMIT
         try:
             digest, size = _file_digest(path, expected)
+            # Another rank's state (of another size, when the writer's statistics differ).
+            if listed and digest != digests[rank] and digest in digests:
+                whose = f"rank {digests.index(digest)}'s state of this checkpoint"
+                return (
+                    f"{name} of {checkpoint.name} is not the state rank {rank} saved: it is {whose}"
+                )
             if listed and size != expected:
                 return f"{name} of {checkpoint.name} holds {size:,} bytes; {expected:,} were saved"
             if not _check_digest(path, digest) and not listed:
                 return f"{name} of {checkpoint.name} has no checksum"
+            if listed and digest != digests[rank]:
+                whose = "another checkpoint's or run's"
+                return (
+                    f"{name} of {checkpoint.name} is not the state rank {rank} saved: it is {whose}"
+                )
+            unsafe = _weights_problem(path, expected)
         except ValueError as exc:
             return f"{exc} ({checkpoint.name}'s rank state)"
-        if listed and digest != digests[rank]:
-            whose = (
-                f"rank {digests.index(digest)}'s state of this checkpoint"
-                if digest in digests
-                else "another checkpoint's or run's"
-            )
-            return f"{name} of {checkpoint.name} is not the state rank {rank} saved: it is {whose}"
+        if unsafe is not None:
+            return f"{unsafe} ({checkpoint.name}'s rank state)"
     return None
 
 
@@ -334,10 +550,10 @@ def _belongs_problem(path: Path, header: Mapping[str, Any], task: str | None) ->
 
 
 def _parse(path: Path, data: bytes, map_location: str | None) -> dict[str, Any]:
-    import torch  # heavy: only where a checkpoint is read
-
     try:
-        loaded = torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
+        loaded = _unpickle(path, data, map_location)
+    except ValueError:
+        raise
     except Exception as exc:
         raise ValueError(f"{path.name} cannot be read: {exc}") from None
     if not isinstance(loaded, dict) or "iter" not in loaded:
@@ -425,12 +641,13 @@ class Checkpoints:
             try:
                 data = read_regular(path, MODEL_LIMIT)
                 digest, header = _read_sidecar(path)
-                if digest is None:
-                    _parse(path, data, "cpu")  # no sidecar: written by other code
-                elif hashlib.sha256(data).hexdigest() != digest:
+                if digest is not None and hashlib.sha256(data).hexdigest() != digest:
                     raise ValueError(
                         f"{path.name} does not match its checksum (damaged or truncated)"
                     )
+                # Loaded even when its checksum matches: whoever wrote it may have written
+                # the sidecar too, and a file that holds more than weights is refused.
+                _parse(path, data, "cpu")
                 verdict = _belongs_problem(path, header, self.task)
                 verdict = verdict or _rank_states_problem(path, header)
             except ValueError as exc:

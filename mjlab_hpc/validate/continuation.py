@@ -281,7 +281,10 @@ def continue_target(
                 f"{exc.path} is damaged ({exc.problem}): this start keeps it as "
                 f"{RUN_RECORD}.damaged-<time> and begins a new record"
             )
-    valid, _ = checkpoints.newest_valid()  # verified above: no second read
+    valid, damaged = checkpoints.newest_valid()  # verified above: no second read
+    if launcher and valid is not None:
+        for d in damaged:  # a rank sets them aside when it starts
+            say(f"skipping damaged checkpoint {d.name}: {d.why}")
     if valid is not None and not train.restart_from_scratch:
         done = checkpoint_iteration(valid) or 0
         if resolved.max_iterations < done:

@@ -39,6 +39,7 @@ import mjlab_hpc
 from mjlab_hpc.launch.local import free_port
 from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.workload import Workload, build_workload
+from mjlab_hpc.rundir.checkpoint import load_rank_state, load_verified
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.tasks.memory import init_warp
 
@@ -159,7 +160,7 @@ def check_gpu_run(run: RunDir, iterations: int, world: int = 1) -> dict[str, Any
 
 def checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
     """The models' tensors of a checkpoint (every `*state_dict` but the optimizer's)."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_verified(path, map_location="cpu")  # weights only, as a resume loads it
     params = {
         f"{key}.{name}": t
         for key, state in ckpt.items()
@@ -199,11 +200,7 @@ def test_builtin_task_trains_on_gpu(task: str, tmp_path: Path) -> None:
     if task == "cartpole":  # poles fall within the first iteration: episodes have ended
         assert all(r["mean_reward"] is not None for r in run.read_progress())
     # The final checkpoint holds what an exact resume on the GPU needs: the CUDA generator.
-    state = torch.load(
-        run.path / "rank_states" / "model_3" / "rank0-of-1.pt",
-        map_location="cpu",
-        weights_only=False,
-    )
+    state = load_rank_state(run.checkpoint(3), 0, 1, {})  # weights only, as a resume loads it
     assert state["cuda_rng"].numel() > 0 and state["env"]["qpos"].shape[0] == 1024
 
 

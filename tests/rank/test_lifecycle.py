@@ -20,7 +20,16 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, only_run, reference_digests, wait_for, wait_for_iteration
+from helpers import (
+    BIN,
+    cli_env,
+    episode_metrics,
+    only_run,
+    reference_digests,
+    reference_metrics,
+    wait_for,
+    wait_for_iteration,
+)
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED
 from mjlab_hpc.launch.local import local_processes
@@ -71,7 +80,8 @@ def test_ctrl_c_stops_two_ranks_with_a_checkpoint_and_resume_continues_exactly(
     """Ctrl-C at iteration 3 of `mjlab-train --num-procs 2`: every rank stops at the next
     boundary with a checkpoint, exit 3, one closing line naming the resume command, no
     traceback, nothing left running; `--resume` on two ranks continues that same run to the
-    end, one progress line per iteration, with an uninterrupted run's parameters."""
+    end, one progress line per iteration, with an uninterrupted run's parameters and logged
+    mean reward and episode length."""
     root, iters = tmp_path / "logs", 8
     args = [*COMMON, *TWO, "--max-iterations", str(iters), "--log-root", str(root)]
     proc = start(tmp_path, args)
@@ -100,8 +110,10 @@ def test_ctrl_c_stops_two_ranks_with_a_checkpoint_and_resume_continues_exactly(
     summary = json.loads(run.summary.read_text())
     assert summary["resumed_from"] == stop["iteration"] and summary["ranks_in_sync"]
     assert [r["iteration"] for r in run.read_progress()] == list(range(1, iters + 1))
-    reference = reference_digests(shared_tmp, [*COMMON, "--max-iterations", str(iters)], 2)
-    assert summary["param_digest_per_rank"] == reference
+    uninterrupted = [*COMMON, "--max-iterations", str(iters)]
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, uninterrupted, 2)
+    # Rank 0's episode statistics came back with its state: the same metrics are logged.
+    assert episode_metrics(run) == reference_metrics(shared_tmp, uninterrupted, 2)
 
 
 REASONS = {

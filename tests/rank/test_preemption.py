@@ -19,9 +19,11 @@ import pytest
 from helpers import (
     BIN,
     cli_env,
+    episode_metrics,
     only_run,
     rank_pids,
     reference_digests,
+    reference_metrics,
     wait_for_iteration,
 )
 
@@ -85,7 +87,8 @@ def test_three_preemptions_local_executor_exact(tmp_path: Path, shared_tmp: Path
 @pytest.mark.training
 def test_resume_by_hand_is_exact(tmp_path: Path, shared_tmp: Path) -> None:
     """SIGTERM to a plain process (a `kill`, not a scheduler): checkpoint, exit 3 with the
-    command that resumes it, no traceback; that command continues exactly."""
+    command that resumes it, no traceback; that command continues exactly, its logged
+    metrics included."""
     iters, root = 8, tmp_path / "job"
     args = [BIN / "mjlab-train", *COMMON, "--max-iterations", str(iters), "--log-root", str(root)]
     proc = subprocess.Popen(
@@ -110,9 +113,13 @@ def test_resume_by_hand_is_exact(tmp_path: Path, shared_tmp: Path) -> None:
     assert again.returncode == 0, again.stderr[-2000:]
     summary = json.loads(only_run(root).summary.read_text())
     assert summary["resumed_from"] == stop["iteration"] and summary["iterations"] == iters
-    assert summary["param_digest_per_rank"] == reference_digests(
-        shared_tmp, [*COMMON, "--max-iterations", str(iters)]
-    )
+    reference = [*COMMON, "--max-iterations", str(iters)]
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, reference)
+    # The mean reward and episode length logged after the resume are the uninterrupted run's
+    # (the episode statistics were saved with the rank's state), not those of a fresh start.
+    logged = episode_metrics(only_run(root))
+    assert logged == reference_metrics(shared_tmp, reference)
+    assert logged[stop["iteration"]][1] is not None  # episodes had ended: it says something
 
 
 @pytest.mark.training

@@ -15,6 +15,7 @@ import torch
 from helpers import BIN, cli_env, only_run
 
 from mjlab_hpc.launch.local import free_port
+from mjlab_hpc.rundir.checkpoint import load_verified
 from mjlab_hpc.rundir.layout import RunDir
 
 pytestmark = pytest.mark.training
@@ -44,7 +45,7 @@ def check_synced_run(run: RunDir, world: int, iters: int) -> dict:
 
 
 def load_params(path: Path) -> dict[str, torch.Tensor]:
-    ckpt = torch.load(path, weights_only=False)
+    ckpt = load_verified(path)  # weights only, as a resume loads it
     return {**ckpt["actor_state_dict"], **ckpt["critic_state_dict"]}
 
 

@@ -1,19 +1,26 @@
-"""Checkpoints survive kills, damage and retention.
+"""Checkpoints survive kills, damage, hostile files and retention.
 
 A SIGKILL during writes never leaves a broken newest checkpoint. Damaged checkpoints (or their
-ranks' states) are skipped, and retention keeps the newest.
+ranks' states) are skipped, and retention keeps the newest. A checkpoint or rank state that
+holds code (another user of a shared run directory wrote it) is refused by name, never run.
 """
 
 from __future__ import annotations
 
+import enum
+import hashlib
+import json
+import pickle
 import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from helpers import BIN, cli_env, only_run
 
 from mjlab_hpc.rundir.checkpoint import (
     Checkpoints,
@@ -24,6 +31,42 @@ from mjlab_hpc.rundir.checkpoint import (
     write_rank_state,
 )
 from mjlab_hpc.rundir.layout import list_checkpoints
+from mjlab_hpc.rundir.state import read_record
+
+
+class Kind(enum.Enum):
+    ONE = 1
+
+
+class Settings:
+    """A config class with an enum class inside (pickled through the outer class)."""
+
+    class Mode(enum.Flag):
+        A = 1
+        B = 2
+
+
+class RunsCommand:
+    """What another user slips into a checkpoint: unpickling it runs `touch MARKER`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (subprocess.call, (["touch", str(self.marker)],))
+
+
+def _poison(path: Path, marker: Path) -> None:
+    """Add an object that runs a command to a torch.save file, and a matching checksum
+    (the same sidecar header: whoever can write the file can write its sidecar)."""
+    state = torch.load(path, weights_only=True, map_location="cpu")  # a file we wrote
+    buf = __import__("io").BytesIO()
+    torch.save({**state, "extra": RunsCommand(marker)}, buf)
+    path.write_bytes(buf.getvalue())
+    sidecar = path.with_name(path.name + ".sha256")
+    lines = sidecar.read_text().splitlines() if sidecar.exists() else [""]
+    lines[0] = hashlib.sha256(buf.getvalue()).hexdigest()
+    sidecar.write_text("\n".join(lines) + "\n")
 
 
 @pytest.mark.training
@@ -219,3 +262,114 @@ def test_nothing_but_a_plausible_file_is_read(tmp_path: Path, kind: str) -> None
         assert target.name in bad[0].why and what in bad[0].why, bad[0].why
         assert time.monotonic() - started < 5
         assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB
+
+
+def test_a_file_that_holds_code_is_refused_by_name_and_never_run(tmp_path: Path) -> None:
+    """A model file or a rank state with an object that runs a command, and a checksum that
+    matches, is refused by name (set aside as damaged; the one before is used), and loading
+    it directly refuses too: the command never runs. So is a raw pickle without a sidecar.
+    What we save (numpy's RNG state, arrays and scalars, enums) loads."""
+    marker = tmp_path / "MARKER"
+    for n in (1, 2, 3):
+        _with_rank_states(tmp_path, n)
+    _poison(tmp_path / "model_3.pt", marker)
+    state = tmp_path / "rank_states" / "model_2" / "rank1-of-2.pt"
+    _poison(state, marker)
+    sidecar = tmp_path / "model_2.pt.sha256"  # the model's header lists it as saved
+    digest, header = sidecar.read_text().splitlines()
+    listed = json.loads(header)
+    listed["rank_states"][1] = [
+        hashlib.sha256(state.read_bytes()).hexdigest(),
+        state.stat().st_size,
+    ]
+    sidecar.write_text(f"{digest}\n{json.dumps(listed)}\n")
+    with open(tmp_path / "model_4.pt", "wb") as f:
+        pickle.dump({"iter": 4, "extra": RunsCommand(marker)}, f)
+    checkpoints = Checkpoints(tmp_path)
+    path, damaged = checkpoints.newest_valid()
+    assert path is not None and path.name == "model_1.pt"
+    why = {d.name: d.why for d in damaged}
+    assert list(why) == ["model_4.pt", "model_3.pt", "model_2.pt"]
+    assert why["model_3.pt"].startswith("model_3.pt holds more than weights"), why
+    assert "GLOBAL" in why["model_3.pt"] and ".call" in why["model_3.pt"]
+    assert "rank1-of-2.pt holds more than weights (GLOBAL " in why["model_2.pt"]
+    assert "model_4.pt" in why["model_4.pt"] and "refused" in why["model_4.pt"]
+    for load in (
+        lambda: load_verified(tmp_path / "model_3.pt"),
+        lambda: load_verified(tmp_path / "model_4.pt"),
+        lambda: load_rank_state(tmp_path / "model_2.pt", 1, 2, {}),
+    ):
+        with pytest.raises(ValueError, match="refused"):
+            load()
+    assert not marker.exists()
+    checkpoints.set_aside(damaged)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["model_1.pt"]
+
+    state = {
+        "numpy_rng": np.random.get_state(),
+        "values": (np.int64(3), np.bool_(True), np.float32(0.5), {1, 2}, 2j, b"x"),
+        "enums": [Kind.ONE, Settings.Mode.A | Settings.Mode.B],  # as mjlab's configs hold
+    }
+    path = tmp_path / "model_5.pt"
+    belongs = {"run": "r", "task": "cartpole", "iteration": 5}
+    written = [write_rank_state(path, 0, 1, state, belongs)]
+    listed = publish_rank_states(path, written, lambda: None)
+    save_checkpoint(path, {"iter": 5}, header={**belongs, "rank_states": listed})
+    assert Checkpoints(tmp_path).problem(path) is None
+    loaded = load_rank_state(path, 0, 1, belongs)
+    assert loaded["numpy_rng"][0] == "MT19937"
+    assert np.array_equal(loaded["numpy_rng"][1], state["numpy_rng"][1])
+    assert loaded["values"] == state["values"] and loaded["enums"] == state["enums"]
+
+
+@pytest.mark.training
+def test_resume_and_dry_run_refuse_a_checkpoint_that_holds_code(tmp_path: Path) -> None:
+    """Another user adds an object that runs a command to model_4.pt (with a checksum that
+    matches) and a raw pickled model_99.pt: `mjlab-submit --dry-run` and `mjlab-train
+    --resume` name both, set them aside and resume from model_2.pt; the command never ran."""
+    root, marker = tmp_path / "logs", tmp_path / "MARKER"
+    args = ["cartpole", "--num-envs", "16", "--torch-threads", "1", "--save-interval", "2"]
+    args += ["--log-root", str(root)]
+    first = subprocess.run(
+        [BIN / "mjlab-train", *args, "--max-iterations", "4"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    run = only_run(root)
+    _poison(run.checkpoint(4), marker)
+    with open(run.checkpoint(99), "wb") as f:
+        pickle.dump({"iter": 99, "extra": RunsCommand(marker)}, f)
+
+    dry = subprocess.run(
+        [BIN / "mjlab-submit", *args, "--max-iterations", "6", "--resume", "--dry-run"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    said = " ".join((dry.stdout + dry.stderr).split())
+    assert not marker.exists(), said
+    assert dry.returncode == 0, said[-2000:]
+    assert "skipping damaged checkpoint model_99.pt: model_99.pt" in said
+    assert "skipping damaged checkpoint model_4.pt: model_4.pt holds more than weights" in said
+    assert "Detected pickle protocol" not in said
+    resumed = subprocess.run(
+        [BIN / "mjlab-train", *args, "--max-iterations", "6", "--resume"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert not marker.exists()
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    said = " ".join(resumed.stderr.split())
+    assert "skipped damaged checkpoint model_4.pt: model_4.pt holds more than weights" in said
+    assert "skipped damaged checkpoint model_99.pt: model_99.pt" in said
+    record = read_record(run.path)
+    assert record["starts"][-1]["resumed_from_iteration"] == 2
+    assert {s["name"] for s in record["skipped_checkpoints"]} == {"model_4.pt", "model_99.pt"}
+    assert (run.path / "model_4.pt.damaged").exists() and run.checkpoint(6).exists()
+    assert json.loads(run.summary.read_text())["iterations"] == 6

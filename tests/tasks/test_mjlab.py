@@ -21,11 +21,13 @@ else:
     pytest.importorskip("mjlab", reason="mjlab is not installed (pip install 'mjlab-hpc[mjlab]')")
 
 import torch
-from helpers import BIN, cli_env, only_run
+from helpers import BIN, cli_env, episode_metrics, only_run
+from rsl_rl.runners import OnPolicyRunner
 
 from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.runner import ContextRunnerMixin, runner_class
 from mjlab_hpc.rank.workload import make_mjlab_runner
+from mjlab_hpc.rundir.checkpoint import Checkpoints, load_verified, load_with
 from mjlab_hpc.tasks import mjlab as mt
 
 pytestmark = pytest.mark.mjlab
@@ -152,11 +154,15 @@ def test_one_process_training_and_checkpoint_reload(tmp_path: Path) -> None:
         assert isinstance(runner, rt.runner_cls) and isinstance(runner, ContextRunnerMixin)
         assert not runner.is_distributed and runner.gpu_world_size == 1
         runner.learn_until(2, hooks=[])
-        runner.save(str(tmp_path / "model_2.pt"))  # mjlab's own save
+        runner.save(str(tmp_path / "model_2.pt"))  # mjlab's own save, as its train script's
+        OnPolicyRunner.save(runner, str(tmp_path / "model_1.pt"))  # rsl-rl's plain format
         assert list(tmp_path.glob("events.out.tfevents.*"))
 
+        # Both verify and load weights-only, as a resume or --agent.resume True reads them.
+        assert Checkpoints(tmp_path).valid() == [tmp_path / "model_1.pt", tmp_path / "model_2.pt"]
+        assert load_verified(tmp_path / "model_1.pt")["iter"] == 2
         fresh = make_mjlab_runner(rt, ctx, log_dir=None)
-        infos = fresh.load(str(tmp_path / "model_2.pt"))
+        infos = load_with(fresh.load, tmp_path / "model_2.pt")
         assert fresh.current_learning_iteration == 2
         assert "env_state" in infos  # mjlab's runner keeps the env's step counter
         for a, b in zip(
@@ -272,20 +278,28 @@ def test_g1_velocity_trains_a_few_iterations(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_mjlab_task_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    base = [str(BIN / "mjlab-train"), CARTPOLE, "--num-envs", "16", "--torch-threads", "1"]
-    base += ["--log-root", str(tmp_path), *TB_ARGS]
+    common = [str(BIN / "mjlab-train"), CARTPOLE, "--num-envs", "16", "--torch-threads", "1"]
+    common += TB_ARGS
+    base = [*common, "--log-root", str(tmp_path / "logs")]
     first = _cli([*base, "--max-iterations", "2"])
     assert first.returncode == 0, first.stderr[-3000:]
     again = _cli([*base, "--max-iterations", "4", "--resume"])
     assert again.returncode == 0, again.stderr[-3000:]
-    run = _only_run(tmp_path)
+    run = _only_run(tmp_path / "logs")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == 2 and summary["iterations"] == 4
-    ckpt = torch.load(run / "model_4.pt", weights_only=False)
+    ckpt = load_verified(run / "model_4.pt")  # weights only
     # mjlab's runner saved the environment's step counter; it continued from the resume.
     assert ckpt["infos"]["env_state"]["common_step_counter"] > 0
     iterations = [r["iteration"] for r in map(json.loads, (run / "progress.jsonl").open())]
     assert iterations == [1, 2, 3, 4]
+    # The metrics logged after the resume are those of a run that never stopped.
+    root = tmp_path / "uninterrupted"
+    whole = _cli([*common, "--log-root", str(root), "--max-iterations", "4"])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    logged = episode_metrics(only_run(tmp_path / "logs"))
+    assert logged == episode_metrics(only_run(root))
+    assert any(reward is not None for _, reward, _ in logged[2:]), logged
 
 
 @pytest.mark.parametrize(
