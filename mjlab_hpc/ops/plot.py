@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mjlab_hpc.console import inert
+
 __all__ = ["RunSeries", "Series", "load_run", "plot_runs"]
 
 REWARD_TAG = "Train/mean_reward"
@@ -90,8 +92,8 @@ def plot_runs(runs: Sequence[RunSeries], out: Path, title: str | None = None) ->
                 continue
             start = min(s.wall_times)
             wall = [(t - start) / seconds for t in s.wall_times]
-            axes[row][0].plot(s.iterations, s.values, label=run.label)
-            axes[row][1].plot(wall, s.values, label=run.label)
+            axes[row][0].plot(s.iterations, s.values, label=_literal(run.label))
+            axes[row][1].plot(wall, s.values, label=_literal(run.label))
             entry["series"][tag] = {
                 "points": len(s.values),
                 "first_iteration": s.iterations[0],
@@ -108,13 +110,18 @@ def plot_runs(runs: Sequence[RunSeries], out: Path, title: str | None = None) ->
     handles, labels = axes[0][0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize="small")
-    # Shown as typed: a `$` would otherwise start matplotlib's math notation.
-    fig.suptitle((title or ", ".join(r.label for r in runs)[:120]).replace("$", r"\$"))
+    fig.suptitle(_literal(title or ", ".join(r.label for r in runs)[:120]))
     fig.tight_layout(rect=(0, 0.06 if handles else 0, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100, metadata={METADATA_KEY: json.dumps(drawn)})
     plt.close(fig)
     return drawn
+
+
+def _literal(text: str) -> str:
+    """`text` (a run's name, a title) drawn as typed: inert, and a `$` is a dollar sign, not
+    the start of matplotlib's math notation (which a name like `a$_$` would crash)."""
+    return inert(text).replace("$", r"\$")
 
 
 def _wall_unit(runs: Sequence[RunSeries]) -> tuple[str, float]:
