@@ -215,3 +215,34 @@ def test_a_resume_cuts_progress_back_without_holding_it(tmp_path: Path) -> None:
     (run / "progress.jsonl").symlink_to(elsewhere)
     assert _cut(run, 5)[0] == "None" and elsewhere.read_bytes() == before
     assert not (run / "progress.jsonl").is_symlink()
+
+
+def test_a_sweep_elements_task_output_is_read_a_link_elsewhere_is_not(tmp_path: Path) -> None:
+    """The one link we make (a sweep element's `submitit` to its sweep's folder) is followed;
+    the same link to a folder elsewhere is not."""
+    root = tmp_path / "logs"
+    sweep = root / "cartpole" / ".sweeps" / "2026-01-01_00-00-00"
+    (sweep / "submitit").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for folder, said in ((sweep / "submitit", "the sweep's"), (elsewhere, "not the run's")):
+        (folder / "123_0_0_log.err").write_text(f"{said} task output\n")
+    for name, target in (("element", sweep / "submitit"), ("hostile", elsewhere)):
+        run = _run(root, f"2026-01-01_00-00-00_{name}")
+        (run / "submitit").symlink_to(os.path.relpath(target, run))
+        element = {"sweep_dir": str(sweep), "index": 0, "job_id": "123_0", "executor": "local"}
+        (run / "sweep_element.json").write_text(json.dumps({**element, "overrides": {}}))
+    shown = _hpc(
+        "logs",
+        root / "cartpole" / "2026-01-01_00-00-00_element",
+        "--rank",
+        "0",
+        "--stream",
+        "err",
+        cwd=tmp_path,
+    )
+    assert "the sweep's task output" in shown.stdout, shown.stdout + shown.stderr
+    hidden = _hpc(
+        "logs", root / "cartpole" / "2026-01-01_00-00-00_hostile", "--rank", "0", cwd=tmp_path
+    )
+    assert hidden.returncode == 2 and "no files of rank 0" in hidden.stderr, hidden.stderr
