@@ -433,7 +433,11 @@ def plot(cmd: Plot) -> int:
     series = [load_run(r, label) for r, label in zip(runs, labels, strict=True)]
     empty = [s.run_dir for s in series if not s.series]
     if len(empty) == len(series):
-        raise SpecError("RUN", f"no tensorboard scalars in {', '.join(map(str, empty))}")
+        why = "; ".join(f"{s.run_dir}: {s.unread}" for s in series if s.unread)
+        raise SpecError(
+            "RUN",
+            f"no tensorboard scalars in {', '.join(map(str, empty))}" + (f" ({why})" * bool(why)),
+        )
     no_control("--out", cmd.out)
     if cmd.title is not None:
         no_control("--title", cmd.title)
@@ -441,9 +445,11 @@ def plot(cmd: Plot) -> int:
         drawn = plot_runs(series, Path(cmd.out), cmd.title)
     except OSError as exc:
         raise SpecError("--out", f"cannot write {cmd.out}: {exc.strerror or exc}") from None
+    unread = {s.label: s.unread for s in series}
     for entry in drawn["runs"]:
         points = ", ".join(f"{t} {v['points']} points" for t, v in entry["series"].items())
-        print(f"{inert(entry['label'])}: {points or 'no scalars'}")
+        why = f"{unread[entry['label']]}: skipped" if unread[entry["label"]] else "no scalars"
+        print(f"{inert(entry['label'])}: {points or inert(why)}")
     print(f"wrote {inert(cmd.out)}")
     return 0
 

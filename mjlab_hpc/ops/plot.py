@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.console import inert
+from mjlab_hpc.rundir.durable import open_regular
 
 __all__ = ["RunSeries", "Series", "load_run", "plot_runs"]
 
@@ -43,15 +44,40 @@ class RunSeries:
     run_dir: Path
     label: str
     series: dict[str, Series]
+    unread: str | None = None
+    """Why the run's events were not read (an event file that is a FIFO, a device, a link
+    out of the run)."""
+
+
+def _unreadable_events(run_dir: Path) -> str | None:
+    """Why tensorboard must not read the run's event files (None: it may).
+
+    tensorboard opens every `*tfevents*` file as it is: a FIFO would never end, so each must
+    be a regular file of the run first.
+    """
+    for path in run_dir.iterdir():
+        if "tfevents" not in path.name:
+            continue
+        try:
+            with open_regular(path, None, run_dir):
+                pass
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            return str(exc)
+    return None
 
 
 def load_run(run_dir: Path, label: str | None = None) -> RunSeries:
     """Read the reward and throughput scalars of a run's tensorboard events.
 
-    Every event file in the run directory is read, in order.
+    Every event file in the run directory is read, in order; none when one of them is no
+    regular file of the run (`unread` says why).
     """
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    if (unread := _unreadable_events(run_dir)) is not None:
+        return RunSeries(run_dir, label or run_dir.name, {}, unread)
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0: keep every point
     acc.Reload()
     available = set(acc.Tags().get("scalars", []))

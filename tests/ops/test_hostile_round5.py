@@ -133,7 +133,7 @@ def test_what_a_run_says_reaches_the_terminal_inert(tmp_path: Path) -> None:
 
 def test_a_run_named_with_a_dollar_is_plotted(tmp_path: Path) -> None:
     """`$` in a run's name is a dollar sign in the plot, not matplotlib's math (which
-    crashed on `$_$`); the line printed for it is inert."""
+    crashed on `$_$`); a run whose event file is a FIFO is named and skipped."""
     run = _run(tmp_path / "logs", "2026-01-01_00-00-00_a$_$b")
     events = textwrap.dedent(
         """
@@ -147,10 +147,13 @@ def test_a_run_named_with_a_dollar_is_plotted(tmp_path: Path) -> None:
         """
     )
     subprocess.run([sys.executable, "-c", events, run], check=True, timeout=120)
+    fifo = _run(tmp_path / "logs", "2026-01-01_00-00-00_fifo")
+    os.mkfifo(fifo / "events.out.tfevents.1.host")  # tensorboard would wait on it forever
     png = tmp_path / "x.png"
-    plot = _hpc("plot", run, "--out", png, cwd=tmp_path, timeout=120)
+    plot = _hpc("plot", run, fifo, "--out", png, cwd=tmp_path, timeout=120)
     assert plot.returncode == 0, plot.stderr
     assert "a$_$b: Train/mean_reward 5 points" in plot.stdout and png.stat().st_size > 0
+    assert "fifo: events.out.tfevents.1.host is a FIFO, not a file: skipped" in plot.stdout
 
 
 def test_inert() -> None:
