@@ -446,7 +446,7 @@ def _row(s: RunStatus) -> list[str | Text]:
             ),
             style=STATE_STYLES.get(s.state, ""),
         ),
-        _size(s),
+        inert(_size(s), markup=True),
         f"{iteration}/{total}",
         _number(s.env_steps_per_s, ",.0f"),
         _number(s.mean_reward, ".2f"),

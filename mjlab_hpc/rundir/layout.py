@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import stat
 from dataclasses import dataclass
@@ -276,15 +277,22 @@ class ProgressSummary:
     """Why progress.jsonl was not read (a FIFO, a device, a link out of the run)."""
 
 
+def _number(value: object) -> float | None:
+    """A number of a record (None: none, or text where a number belongs: not ours)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if ok and math.isfinite(value) else None  # type: ignore[arg-type]
+
+
 def progress_summary(run: RunDir, window: int = 10) -> ProgressSummary:
     """Summarize where a run is from the last `window` iterations of its progress.jsonl."""
     tail, unread = _progress_tail(run, window)
     last = tail[-1] if tail else {}
-    rates = [float(r["env_steps_per_s"]) for r in tail if r.get("env_steps_per_s")]
-    rewards = [float(r["mean_reward"]) for r in tail if r.get("mean_reward") is not None]
+    rates = [v for r in tail if (v := _number(r.get("env_steps_per_s")))]
+    rewards = [v for r in tail if (v := _number(r.get("mean_reward"))) is not None]
+    iteration, total = _number(last.get("iteration")), _number(last.get("total"))
     return ProgressSummary(
-        iteration=last.get("iteration"),
-        total=last.get("total"),
+        iteration=None if iteration is None else int(iteration),
+        total=None if total is None else int(total),
         env_steps_per_s=round(sum(rates) / len(rates), 1) if rates else None,
         mean_reward=rewards[-1] if rewards else None,
         recent_rewards=tuple(rewards),

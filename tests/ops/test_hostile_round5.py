@@ -74,6 +74,10 @@ def test_status_of_a_team_root_never_waits_or_follows_a_link_out(tmp_path: Path)
     failed = _run(root, "2026-01-01_00-00-05_failed", state="failed")
     os.mkfifo(failed / "logs" / "rank0.log")
     (failed / "logs" / "rank1.log").symlink_to("/dev/zero")
+    words = _run(root, "2026-01-01_00-00-07_words", num_nodes="[/n]")  # text for numbers
+    (words / "progress.jsonl").write_text(
+        json.dumps({"iteration": "[/x]", "env_steps_per_s": "y", "mean_reward": "z"}) + "\n"
+    )
     record = _run(root, "2026-01-01_00-00-06_record")
     (record / "run.json").unlink()
     (record / "run.json").symlink_to("/dev/zero")
@@ -81,7 +85,7 @@ def test_status_of_a_team_root_never_waits_or_follows_a_link_out(tmp_path: Path)
     status = _hpc("status", "--log-root", root, cwd=tmp_path)
     text = " ".join(status.stdout.split())
     assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
-    for run in (fifo, zero, out, locked, failed, record):
+    for run in (fifo, zero, out, locked, failed, record, words):
         assert run.name in text, text
     assert "progress.jsonl is a FIFO, not a file: not read" in text, text
     assert "progress.jsonl is a character device, not a file: not read" in text, text
