@@ -278,7 +278,7 @@ def follow(
     if start_at_end:
         for path in files().values():
             positions[path] = path.stat().st_size if path.exists() else 0
-    partial: dict[Path, str] = {}
+    partial: dict[Path, bytes] = {}
     skipped: set[Path] = set()
     while True:
         running = active()
@@ -291,27 +291,26 @@ def follow(
             try:
                 with open_regular(path, None, _within(path)) as f:
                     f.seek(positions.get(path, 0))
-                    chunk = f.read(LOG_LIMIT).decode(errors="replace")
+                    chunk = f.read(LOG_LIMIT)
                     positions[path] = f.tell()
             except ValueError as exc:  # a FIFO, a device, a link out: named once
                 skipped.add(path)
-                out.write(f"{inert(prefix)}{inert(exc)}: skipped\n")
+                out.write(f"{prefix}{inert(exc)}: skipped\n")
                 continue
             except OSError:
                 continue
             if not chunk:
                 continue
-            text = partial.pop(path, "") + chunk
-            complete, _, rest = text.rpartition("\n")
+            data = partial.pop(path, b"") + chunk
+            complete, _, rest = data.rpartition(b"\n")
             if rest:
                 partial[path] = rest  # print whole lines only, so prefixes stay aligned
-            for line in complete.splitlines() if complete else []:
-                shown = inert(line)
-                out.write(f"{inert(prefix)}{shown}\n" if len(current) > 1 else f"{shown}\n")
+            for line in complete.decode(errors="replace").splitlines() if complete else []:
+                out.write(f"{prefix}{inert(line)}\n" if len(current) > 1 else f"{inert(line)}\n")
             out.flush()
         if not running:
             for rest in partial.values():
-                out.write(inert(rest) + "\n")
+                out.write(inert(rest.decode(errors="replace")) + "\n")
             out.flush()
             return
         time.sleep(poll_s)
