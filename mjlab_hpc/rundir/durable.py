@@ -64,6 +64,20 @@ def _inside(real: str, root: str) -> bool:
     return real == root or real.startswith(root.rstrip("/") + "/")
 
 
+def _real(path: Path) -> str:
+    """Where `path` really is, as the kernel resolves it (cheaper than os.path.realpath)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return os.path.realpath(path)
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return os.path.realpath(path)
+    finally:
+        os.close(fd)
+
+
 def _confined(path: Path, within: Path) -> str:
     """The real path of `path`, if it lies in `within` (ValueError naming it if not).
 
@@ -71,7 +85,7 @@ def _confined(path: Path, within: Path) -> str:
     from a stat of its target, a link to a file elsewhere as a link out.
     """
     real = os.path.realpath(path)
-    if _inside(real, os.path.realpath(within)):
+    if _inside(real, _real(within)):
         return real
     with contextlib.suppress(OSError):
         mode = os.stat(real).st_mode
@@ -90,10 +104,16 @@ def open_regular(path: Path, limit: int | None, within: Path | None = None) -> I
     never ends, would take the reader (a login node) down with it. OSError comes as open(2)
     gives it (a missing file, no permission).
     """
-    root = Path(within) if within is not None else Path(path).parent
-    real = _confined(Path(path), root)
-    # The real path, not followed (O_NOFOLLOW), and a FIFO opens without a writer.
-    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    root = within if within is not None else path.parent
+    # A FIFO opens without a writer (O_NONBLOCK); a link is not followed blindly (O_NOFOLLOW):
+    # it is followed only to where it leads inside `root`.
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        fd = os.open(_confined(path, root), flags)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -102,8 +122,10 @@ def open_regular(path: Path, limit: int | None, within: Path | None = None) -> I
             raise ValueError(
                 f"{path.name} holds {st.st_size:,} bytes, more than such a file can ({limit:,})"
             )
-        with contextlib.suppress(OSError):  # a folder on the way swapped for a link meanwhile
-            if not _inside(os.readlink(f"/proc/self/fd/{fd}"), os.path.realpath(root)):
+        with contextlib.suppress(OSError):  # where it is: a folder on the way may be a link
+            real = os.readlink(f"/proc/self/fd/{fd}")
+            # A real path holds no link: one under `root` as written is under `root`.
+            if not _inside(real, str(root.absolute())) and not _inside(real, _real(root)):
                 raise ValueError(f"{path.name} is a link out of {root.name or root}")
     except BaseException:
         os.close(fd)

@@ -228,6 +228,8 @@ class RunDir:
         Its own `submitit/`, or a sweep element's link to its sweep's shared folder
         (`<experiment>/.sweeps/<sweep>/submitit`); None for none, or a link elsewhere.
         """
+        if not self.submitit.is_symlink():
+            return self.submitit if self.submitit.is_dir() else None
         real = Path(os.path.realpath(self.submitit))
         if not real.is_dir():
             return None
