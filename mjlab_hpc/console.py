@@ -9,6 +9,10 @@ takes them again), and one whose reader is gone is written to no more.
 
 Python's own streams cannot do this: a full pipe blocks the writer, and a closed one raises
 BrokenPipeError in the middle of training.
+
+`inert()` is the one way text from a run (its logs, records, host and run names, what Slurm
+says of it) reaches a terminal: a run directory may be shared, and what another user wrote
+there must not clear the screen, set the title, or crash a command with rich markup.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ import collections
 import contextlib
 import io
 import os
+import re
 import sys
 import threading
 
-__all__ = ["detach", "reopen", "settle"]
+from rich.markup import escape
+
+__all__ = ["detach", "inert", "reopen", "settle"]
 
 # Lines the console may fall behind by before more are dropped.
 _BACKLOG = 10_000
@@ -153,3 +160,26 @@ def settle(timeout_s: float = 5.0) -> None:
     """Wait (at most `timeout_s`) until the console took what was written (before an exit)."""
     if _pump:
         _pump[0].drain(timeout_s)
+
+
+# Colours (SGR sequences): styling only, dropped.
+_SGR = re.compile(r"\x1b\[[0-9;:]*m")
+# C0 and C1 controls but newline and tab, DEL, and the bidirectional overrides that reorder
+# what a line shows: each becomes its visible escape (`\x1b`).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _visible(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def inert(text: object, *, markup: bool = False) -> str:
+    """`text` as it may reach a terminal: no control character or escape sequence acts.
+
+    Colours are dropped, any other control is shown as its escape (`ESC[2J` prints as
+    `\x1b[2J`). With `markup`, rich markup is escaped too, for text put into a rich markup
+    string (a host named `[/oops]`).
+    """
+    shown = _CONTROL.sub(_visible, _SGR.sub("", str(text).replace("\r\n", "\n")))
+    return escape(shown) if markup else shown

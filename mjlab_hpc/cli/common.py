@@ -19,8 +19,8 @@ from typing import TypeVar
 
 import tyro
 from rich.console import Console
-from rich.markup import escape
 
+from mjlab_hpc.console import inert
 from mjlab_hpc.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -52,7 +52,7 @@ _BOOL_WORDS = {"true": True, "false": False}
 def error_line(label: str, message: object) -> None:
     """Print `label: message` on stderr (markup in the message is shown as typed)."""
     Console(stderr=True, highlight=False, soft_wrap=True).print(
-        f"[bold red]{label}:[/] {escape(str(message))}"
+        f"[bold red]{label}:[/] {inert(message, markup=True)}"
     )
 
 

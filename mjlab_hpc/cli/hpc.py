@@ -14,10 +14,8 @@ from typing import Annotated, Any, Literal
 
 import tyro
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from mjlab_hpc import console as own_console
 from mjlab_hpc.cli.common import drop_internal_variables, error_line, guarded
 from mjlab_hpc.cli.config import (
     PROJECT_FILE,
@@ -28,12 +26,13 @@ from mjlab_hpc.cli.config import (
     with_site_defaults,
     write_profile,
 )
+from mjlab_hpc.console import inert, reopen
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_INTERRUPTED, SpecError
 from mjlab_hpc.launch.heal_slurm import heal_job
 from mjlab_hpc.launch.slurm import render
 from mjlab_hpc.ops.cancel import cancel as cancel_runs
 from mjlab_hpc.ops.doctor import cluster_profile, diagnose
-from mjlab_hpc.ops.logs import find_tracebacks, follow, rank_files, rank_host, tail
+from mjlab_hpc.ops.logs import find_tracebacks, follow, rank_files, rank_host, tail, unreadable
 from mjlab_hpc.ops.runs import list_runs, resolve_target, run_jobs
 from mjlab_hpc.ops.status import (
     FAILED_STATES,
@@ -248,7 +247,7 @@ def list_tasks() -> int:
         table.add_column(col, no_wrap=True, justify="right" if col != "source" else "left")
     tasks = all_tasks()
     for t in tasks:
-        table.add_row(t.name, t.source, str(t.num_envs), str(t.max_iterations))
+        table.add_row(inert(t.name, markup=True), t.source, str(t.num_envs), str(t.max_iterations))
     Console().print(table)
     if not any(t.source == "mjlab" for t in tasks):
         Console().print("mjlab tasks: install the [mjlab] extra (pip install 'mjlab-hpc[mjlab]')")
@@ -263,7 +262,7 @@ def _runs_of(targets: Sequence[str], log_root: str) -> list[Path]:
         if unreadable:
             print(
                 f"note: {len(unreadable)} folder(s) under {log_root} not readable by "
-                f"{getpass.getuser()}, left out: {', '.join(map(str, unreadable[:5]))}"
+                f"{getpass.getuser()}, left out: {inert(', '.join(map(str, unreadable[:5])))}"
                 + (" ..." if len(unreadable) > 5 else ""),
                 file=sys.stderr,
             )
@@ -325,21 +324,22 @@ def logs(cmd: Logs) -> int:
         path = chosen[0].stream(cmd.stream)
         if path is None:
             raise SpecError("--stream", f"rank {cmd.rank} has no {cmd.stream} file in {run}")
-        out.print(f"[bold]── rank {cmd.rank} · {rank_host(chosen[0]) or '?'} · {escape(str(path))}")
-        sys.stdout.write(tail(path, cmd.lines) + "\n")
+        host = rank_host(chosen[0]) or "?"
+        out.print(f"[bold]── rank {cmd.rank} · {inert(host, markup=True)} · {_shown(path)}")
+        _print_file(path, cmd.lines)
         targets = {"": path}
     else:
         row = collect([run]).rows[0]
         cause = row.cause
         tracebacks = find_tracebacks(ranks)
         if row.reason and row.active:
-            out.print(f"[yellow]{row.state}: {escape(row.reason)} (Slurm's reason)[/]")
+            out.print(f"[yellow]{row.state}: {inert(row.reason, markup=True)} (Slurm's reason)[/]")
         if row.waiting:
-            out.print(f"[yellow]{escape(row.waiting)}[/]")
+            out.print(f"[yellow]{inert(row.waiting, markup=True)}[/]")
         for text in row.stragglers:
-            out.print(f"[yellow]straggler: {escape(text)}[/]")
+            out.print(f"[yellow]straggler: {inert(text, markup=True)}[/]")
         if cause is not None:
-            out.print(f"[bold red]cause: {escape(cause)}[/]")
+            out.print(f"[bold red]cause: {inert(cause, markup=True)}[/]")
         if cause is not None and cause.startswith("rank "):
             culprit = int(cause.split()[1])  # "rank <k> on ..."
             # The cause's own traceback first; the others' are consequences.
@@ -347,14 +347,14 @@ def logs(cmd: Logs) -> int:
         if tracebacks:
             first = tracebacks[0]
             out.print(
-                f"[bold red]first traceback: {escape(first.where())}[/] "
-                f"({escape(str(first.source))})"
+                f"[bold red]first traceback: {inert(first.where(), markup=True)}[/] "
+                f"({_shown(first.source)})"
             )
-            sys.stdout.write(first.text + "\n")
+            sys.stdout.write(inert(first.text) + "\n")
             for tb in tracebacks[1:]:
                 out.print(
-                    f"[yellow]later traceback: {escape(tb.where())}: "
-                    f"{escape(tb.last_line)}[/] ({escape(str(tb.source))})"
+                    f"[yellow]later traceback: {inert(tb.where(), markup=True)}: "
+                    f"{inert(tb.last_line, markup=True)}[/] ({_shown(tb.source)})"
                 )
         elif row.state in FAILED_STATES:
             out.print(
@@ -364,16 +364,16 @@ def logs(cmd: Logs) -> int:
         else:
             out.print("[green]no traceback in any rank's log or task output[/]")
         for event in row.interruptions:  # every stop and fault, and how the run came back
-            out.print(f"[yellow]{escape(interruption_line(event))}[/]")
+            out.print(f"[yellow]{inert(interruption_line(event), markup=True)}[/]")
         for files in ranks:
             path = files.log or files.stream("err")
             if path is None:
                 continue
             out.print(
-                f"\n[bold]── rank {files.rank} · {escape(rank_host(files) or '?')} · "
-                f"{escape(str(path))}"
+                f"\n[bold]── rank {files.rank} · {inert(rank_host(files) or '?', markup=True)} · "
+                f"{_shown(path)}"
             )
-            sys.stdout.write(tail(path, cmd.lines) + "\n")
+            _print_file(path, cmd.lines)
         targets = {f"[rank {f.rank}] ": f.log for f in ranks if f.log is not None}
     sys.stdout.flush()
     if cmd.follow:
@@ -409,6 +409,18 @@ def logs(cmd: Logs) -> int:
     return EXIT_FAILED if failed else 0
 
 
+def _shown(path: Path) -> str:
+    """A path of a run in a rich markup string."""
+    return inert(str(path), markup=True)
+
+
+def _print_file(path: Path, lines: int) -> None:
+    """The last `lines` lines of a rank's file, inert; or why it is not read."""
+    why = unreadable(path)
+    text = f"({why}: skipped)" if why else tail(path, lines)
+    sys.stdout.write(inert(text) + "\n")
+
+
 def cancel(cmd: Cancel) -> int:
     """`mjlab-hpc cancel`."""
     positive_seconds("--grace-s", cmd.grace_s, minimum=0.0)
@@ -419,7 +431,10 @@ def cancel(cmd: Cancel) -> int:
         ids = ",".join(o.job_ids) or "-"
         runs = ", ".join(str(r) for r in o.runs[:3]) + (" ..." if len(o.runs) > 3 else "")
         style = "green" if o.ok else "bold red"
-        out.print(f"[{style}]{o.kind} job {ids}[/]: {o.message}\n  run: {runs}")
+        out.print(
+            f"[{style}]{inert(o.kind, markup=True)} job {inert(ids, markup=True)}[/]: "
+            f"{inert(o.message, markup=True)}\n  run: {inert(runs, markup=True)}"
+        )
     return 0 if outcomes and all(o.ok for o in outcomes) else 1
 
 
@@ -436,7 +451,11 @@ def plot(cmd: Plot) -> int:
     series = [load_run(r, label) for r, label in zip(runs, labels, strict=True)]
     empty = [s.run_dir for s in series if not s.series]
     if len(empty) == len(series):
-        raise SpecError("RUN", f"no tensorboard scalars in {', '.join(map(str, empty))}")
+        why = "; ".join(f"{s.run_dir}: {s.unread}" for s in series if s.unread)
+        raise SpecError(
+            "RUN",
+            f"no tensorboard scalars in {', '.join(map(str, empty))}" + (f" ({why})" * bool(why)),
+        )
     no_control("--out", cmd.out)
     if cmd.title is not None:
         no_control("--title", cmd.title)
@@ -444,10 +463,12 @@ def plot(cmd: Plot) -> int:
         drawn = plot_runs(series, Path(cmd.out), cmd.title)
     except OSError as exc:
         raise SpecError("--out", f"cannot write {cmd.out}: {exc.strerror or exc}") from None
+    unread = {s.label: s.unread for s in series}
     for entry in drawn["runs"]:
         points = ", ".join(f"{t} {v['points']} points" for t, v in entry["series"].items())
-        print(f"{entry['label']}: {points or 'no scalars'}")
-    print(f"wrote {cmd.out}")
+        why = f"{unread[entry['label']]}: skipped" if unread[entry["label"]] else "no scalars"
+        print(f"{inert(entry['label'])}: {points or inert(why)}")
+    print(f"wrote {inert(cmd.out)}")
     return 0
 
 
@@ -515,7 +536,7 @@ def doctor(cmd: Doctor) -> int:
     positive_seconds("--wait-s", cmd.wait_s, minimum=1.0)
     spec = cmd.spec.replace(executor="slurm", dry_run=True, follow=False)
     resolved = validate_submit(spec, warn=lambda _: None)  # bad flags: exit 2
-    say = (lambda _: None) if cmd.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    say = (lambda _: None) if cmd.json else (lambda m: print(inert(m), file=sys.stderr, flush=True))
     try:
         report = diagnose(spec, resolved, wait_s=cmd.wait_s, keep=cmd.keep, progress=say)
     except KeyboardInterrupt:  # the probe jobs are cancelled and their folder removed
@@ -530,10 +551,10 @@ def doctor(cmd: Doctor) -> int:
         style = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
         for c in report.checks:
             table.add_row(
-                c.name,
+                inert(c.name, markup=True),
                 f"[{style[c.result]}]{c.result}[/]",
-                escape(c.detail),
-                escape(c.fix) if c.result != "ok" else "",
+                inert(c.detail, markup=True),
+                inert(c.fix, markup=True) if c.result != "ok" else "",
             )
         # Piped (a log, CI), rich would wrap the fixes at 80 columns.
         out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -578,7 +599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     A Ctrl-C while the command loads is one line too.
     """
     if argv is None:  # a viewer: it ends when its reader does (`status --watch | head`)
-        own_console.reopen()
+        reopen()
 
     def body() -> int:
         drop_internal_variables()

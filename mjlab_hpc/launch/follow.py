@@ -20,7 +20,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from mjlab_hpc.console import inert
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED
+from mjlab_hpc.rundir.durable import LOG_LIMIT, open_regular
 from mjlab_hpc.rundir.ends import memory_advice, run_outcome
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
@@ -101,13 +103,13 @@ def _read_lines(path: Path, pos: int) -> tuple[list[str], int]:
     its first iteration): what it holds was shown already, so reading goes on from its end.
     """
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, None) as f:  # a FIFO, a link out: nothing to show
             size = os.fstat(f.fileno()).st_size
             if size < pos:
                 return [], size
             f.seek(pos)
-            chunk = f.read()
-    except OSError:
+            chunk = f.read(LOG_LIMIT)
+    except (OSError, ValueError):
         return [], pos
     end = chunk.rfind(b"\n") + 1
     return chunk[:end].decode(errors="replace").splitlines(), pos + end
@@ -133,7 +135,7 @@ def follow_progress(
             starts = read_record(run_dir).get("starts", [])
             for started in starts[starts_seen:]:
                 for line in _start_news(started):
-                    display.note(line)
+                    display.note(inert(line))
             starts_seen = max(starts_seen, len(starts))
             lines, pos = _read_lines(progress, pos)
             for line in lines:
@@ -171,7 +173,8 @@ class Closing:
 
     def say(self) -> None:
         """Print the line: on stdout when the run completed, else on stderr."""
-        print(self.line, file=sys.stdout if self.code == EXIT_OK else sys.stderr, flush=True)
+        out = sys.stdout if self.code == EXIT_OK else sys.stderr
+        print(inert(self.line), file=out, flush=True)  # it names the run, its logs' errors
 
 
 def _rate(value: float | None) -> str:

@@ -4,6 +4,9 @@ Every rank writes `logs/rank<k>.log` (its first line names its host: `... host n
 and submitit captures each task's stdout and stderr in `submitit/<job>_<k>_log.out/.err`,
 where an uncaught exception's traceback lands. The first traceback in time is usually the
 cause; the others (peers that lost their connection to the failed rank) are consequences.
+
+A file is read only as a regular file in its run (or its sweep's submitit folder), at most
+its last `LOG_LIMIT`: a FIFO, a device or a link out is named and skipped.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TextIO
 
+from mjlab_hpc.console import inert
 from mjlab_hpc.ops.runs import run_jobs
-from mjlab_hpc.rundir.layout import LOGS_DIR, SUBMITIT_DIR
+from mjlab_hpc.rundir.durable import LOG_LIMIT, open_regular, read_tail
+from mjlab_hpc.rundir.layout import LOGS_DIR, RunDir
 
 __all__ = [
     "RankFiles",
@@ -28,6 +33,7 @@ __all__ = [
     "rank_host",
     "tail",
     "tracebacks_in",
+    "unreadable",
 ]
 
 Stream = Literal["log", "out", "err"]
@@ -101,8 +107,8 @@ def rank_files(run_dir: Path) -> list[RankFiles]:
             if m:
                 logs[int(m.group(1))] = entry
     task: dict[int, dict[str, list[tuple[int, Path]]]] = {}
-    folder = run_dir / SUBMITIT_DIR
-    if folder.is_dir():
+    folder = RunDir(run_dir).task_folder()
+    if folder is not None:
         for entry in folder.iterdir():
             m = _TASK_FILE.match(entry.name)
             # A sweep's folder is shared: only this element's job files belong to the run.
@@ -135,11 +141,28 @@ def _stamp(line: str) -> dt.datetime | None:
     return when.replace(microsecond=int(m.group(2)) * 1000)
 
 
+def _within(path: Path) -> Path:
+    """The folder a rank's file may not lead out of: its run (or its sweep, whose submitit
+    folder a sweep element's run links to)."""
+    return path.parent.parent
+
+
 def _read_lines(path: Path) -> list[str]:
     try:
-        return path.read_text(errors="replace").splitlines()
-    except OSError:
+        return read_tail(path, LOG_LIMIT, _within(path)).decode(errors="replace").splitlines()
+    except (OSError, ValueError):
         return []
+
+
+def unreadable(path: Path) -> str | None:
+    """Why a rank's file is not read (a FIFO, a device, a link out of the run); None: it is."""
+    try:
+        with open_regular(path, None, _within(path)):
+            return None
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return str(exc)
 
 
 def tracebacks_in(path: Path) -> list[tuple[dt.datetime | None, str]]:
@@ -255,31 +278,39 @@ def follow(
     if start_at_end:
         for path in files().values():
             positions[path] = path.stat().st_size if path.exists() else 0
-    partial: dict[Path, str] = {}
+    partial: dict[Path, bytes] = {}
+    skipped: set[Path] = set()
     while True:
         running = active()
         current = files()
         for line in news() if news is not None else []:
-            out.write(f"{line}\n")
+            out.write(f"{inert(line)}\n")
         for prefix, path in current.items():
-            if not path.exists():
+            if path in skipped or not path.exists():
                 continue
-            with open(path, errors="replace") as f:
-                f.seek(positions.get(path, 0))
-                chunk = f.read()
-                positions[path] = f.tell()
+            try:
+                with open_regular(path, None, _within(path)) as f:
+                    f.seek(positions.get(path, 0))
+                    chunk = f.read(LOG_LIMIT)
+                    positions[path] = f.tell()
+            except ValueError as exc:  # a FIFO, a device, a link out: named once
+                skipped.add(path)
+                out.write(f"{prefix}{inert(exc)}: skipped\n")
+                continue
+            except OSError:
+                continue
             if not chunk:
                 continue
-            text = partial.pop(path, "") + chunk
-            complete, _, rest = text.rpartition("\n")
+            data = partial.pop(path, b"") + chunk
+            complete, _, rest = data.rpartition(b"\n")
             if rest:
                 partial[path] = rest  # print whole lines only, so prefixes stay aligned
-            for line in complete.splitlines() if complete else []:
-                out.write(f"{prefix}{line}\n" if len(current) > 1 else f"{line}\n")
+            for line in complete.decode(errors="replace").splitlines() if complete else []:
+                out.write(f"{prefix}{inert(line)}\n" if len(current) > 1 else f"{inert(line)}\n")
             out.flush()
         if not running:
             for rest in partial.values():
-                out.write(rest + "\n")
+                out.write(inert(rest.decode(errors="replace")) + "\n")
             out.flush()
             return
         time.sleep(poll_s)

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mjlab_hpc.console import inert
+from mjlab_hpc.rundir.durable import open_regular
+
 __all__ = ["RunSeries", "Series", "load_run", "plot_runs"]
 
 REWARD_TAG = "Train/mean_reward"
@@ -41,15 +44,40 @@ class RunSeries:
     run_dir: Path
     label: str
     series: dict[str, Series]
+    unread: str | None = None
+    """Why the run's events were not read (an event file that is a FIFO, a device, a link
+    out of the run)."""
+
+
+def _unreadable_events(run_dir: Path) -> str | None:
+    """Why tensorboard must not read the run's event files (None: it may).
+
+    tensorboard opens every `*tfevents*` file as it is: a FIFO would never end, so each must
+    be a regular file of the run first.
+    """
+    for path in run_dir.iterdir():
+        if "tfevents" not in path.name:
+            continue
+        try:
+            with open_regular(path, None, run_dir):
+                pass
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            return str(exc)
+    return None
 
 
 def load_run(run_dir: Path, label: str | None = None) -> RunSeries:
     """Read the reward and throughput scalars of a run's tensorboard events.
 
-    Every event file in the run directory is read, in order.
+    Every event file in the run directory is read, in order; none when one of them is no
+    regular file of the run (`unread` says why).
     """
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    if (unread := _unreadable_events(run_dir)) is not None:
+        return RunSeries(run_dir, label or run_dir.name, {}, unread)
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0: keep every point
     acc.Reload()
     available = set(acc.Tags().get("scalars", []))
@@ -90,8 +118,8 @@ def plot_runs(runs: Sequence[RunSeries], out: Path, title: str | None = None) ->
                 continue
             start = min(s.wall_times)
             wall = [(t - start) / seconds for t in s.wall_times]
-            axes[row][0].plot(s.iterations, s.values, label=run.label)
-            axes[row][1].plot(wall, s.values, label=run.label)
+            axes[row][0].plot(s.iterations, s.values, label=_literal(run.label))
+            axes[row][1].plot(wall, s.values, label=_literal(run.label))
             entry["series"][tag] = {
                 "points": len(s.values),
                 "first_iteration": s.iterations[0],
@@ -108,13 +136,18 @@ def plot_runs(runs: Sequence[RunSeries], out: Path, title: str | None = None) ->
     handles, labels = axes[0][0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize="small")
-    # Shown as typed: a `$` would otherwise start matplotlib's math notation.
-    fig.suptitle((title or ", ".join(r.label for r in runs)[:120]).replace("$", r"\$"))
+    fig.suptitle(_literal(title or ", ".join(r.label for r in runs)[:120]))
     fig.tight_layout(rect=(0, 0.06 if handles else 0, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100, metadata={METADATA_KEY: json.dumps(drawn)})
     plt.close(fig)
     return drawn
+
+
+def _literal(text: str) -> str:
+    """`text` (a run's name, a title) drawn as typed: inert, and a `$` is a dollar sign, not
+    the start of matplotlib's math notation (which a name like `a$_$` would crash)."""
+    return inert(text).replace("$", r"\$")
 
 
 def _wall_unit(runs: Sequence[RunSeries]) -> tuple[str, float]:

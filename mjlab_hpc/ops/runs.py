@@ -20,10 +20,10 @@ from typing import Literal
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.rundir.layout import (
-    SUBMITIT_DIR,
     SWEEP_RECORD,
     TIMESTAMP_FORMAT,
     ElementRecord,
+    RunDir,
     is_run_dir,
     read_element,
     read_sweep,
@@ -114,13 +114,13 @@ class RunJobs:
         return self.job_ids[-1] if self.job_ids else None
 
 
-def _folder_jobs(folder: Path) -> tuple[list[str], bool]:
+def _folder_jobs(folder: Path | None) -> tuple[list[str], bool]:
     """Return the job ids that a submitit folder's files name, oldest first.
 
     The second value tells whether they are Slurm jobs: submitit writes a submission script
     only for those.
     """
-    if not folder.is_dir():
+    if folder is None:
         return [], False
     seen: dict[str, float] = {}
     slurm = False
@@ -146,7 +146,7 @@ def run_jobs(run_dir: Path) -> RunJobs:
         job_ids = (element.job_id, *element.chain)
         return RunJobs(run_dir=run_dir, kind=kind, job_ids=job_ids, element=element)
     record = read_record(run_dir)
-    ids, slurm = _folder_jobs(run_dir / SUBMITIT_DIR)
+    ids, slurm = _folder_jobs(RunDir(run_dir).task_folder())  # not a link out of the run
     found: JobKind | None = None
     if ids:
         found = "slurm" if slurm else "local"

@@ -22,6 +22,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from mjlab_hpc.console import inert
 from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.runs import JobKind, RunJobs, run_jobs
@@ -107,6 +108,8 @@ class RunStatus:
     disagrees: str | None = None
     """What Slurm says where the run's own record says otherwise and wins (sacct's last word
     on a job while slurmctld is down: `sacct says RUNNING`)."""
+    unread: tuple[str, ...] = ()
+    """Files of the run that were not read, and why (a FIFO, a device, a link out of it)."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values, for `status --json`."""
@@ -166,6 +169,7 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         reason=state.reason,
         stragglers=tuple(stragglers) if state.active else (),
         disagrees=state.disagrees,
+        unread=(progress.unread,) if progress.unread else (),
     )
 
 
@@ -427,23 +431,27 @@ def _row(s: RunStatus) -> list[str | Text]:
     job = ",".join(s.job_ids) or "-"
     if s.kind == "local":  # the controller's pid of each start: the newest is the job now
         job = f"{s.job_ids[-1]} (local)" if s.job_ids else "- (local)"
+    # What a run's files and Slurm say is inert (and plain strings are markup, escaped).
     return [
-        job,
+        inert(job, markup=True),
         Text(
-            s.state
-            + (f" ({s.reason})" if s.reason else "")
-            + (f" (run record; {s.disagrees})" if s.disagrees else "")
-            + (f"\n{s.cause}" if s.cause else "")
-            + (f"\n{s.waiting}" if s.waiting else "")
-            + "".join(f"\nstraggler: {t}" for t in s.stragglers),
+            inert(
+                s.state
+                + (f" ({s.reason})" if s.reason else "")
+                + (f" (run record; {s.disagrees})" if s.disagrees else "")
+                + (f"\n{s.cause}" if s.cause else "")
+                + (f"\n{s.waiting}" if s.waiting else "")
+                + "".join(f"\nstraggler: {t}" for t in s.stragglers)
+                + "".join(f"\n{u}: not read" for u in s.unread)
+            ),
             style=STATE_STYLES.get(s.state, ""),
         ),
-        _size(s),
+        inert(_size(s), markup=True),
         f"{iteration}/{total}",
         _number(s.env_steps_per_s, ",.0f"),
         _number(s.mean_reward, ".2f"),
-        restarts,
-        _display_path(s.run_dir),
+        inert(restarts, markup=True),
+        inert(_display_path(s.run_dir), markup=True),
     ]
 
 
@@ -477,14 +485,14 @@ def _sweep_header(sweep_dir: Path, members: list[RunStatus]) -> list[str | Text]
     summary = ", ".join(f"{n} {state}" for state, n in counts.items())
     name = f"sweep {array}" if array else f"sweep {sweep_dir.name}"
     return [
-        Text(name, style="bold"),
-        Text(summary, style="bold"),
+        Text(inert(name), style="bold"),
+        Text(inert(summary), style="bold"),
         "",
         "",
         "",
         "",
         "",
-        Text(f"{label}  ({_display_path(sweep_dir)})", style="bold"),
+        Text(inert(f"{label}  ({_display_path(sweep_dir)})"), style="bold"),
     ]
 
 
@@ -517,7 +525,7 @@ def render(report: StatusReport, hidden: int = 0) -> Group | Table:
     """The table, and notes below it: fallbacks used, runs left out by --limit."""
     if not report.rows:
         return Group(Text("no runs"))
-    notes = [report.note] if report.note else []
+    notes = [inert(report.note)] if report.note else []
     if hidden:
         notes.append(f"{hidden} older run(s) not shown (--limit)")
     table = status_table(report.rows)

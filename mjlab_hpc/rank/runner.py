@@ -26,7 +26,7 @@ from rsl_rl.utils import check_nan
 from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.normalization import NormalizerSync, agree_normalizers, sync_normalizers
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
-from mjlab_hpc.rundir.durable import create_exclusive, write_atomic
+from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_atomic
 from mjlab_hpc.rundir.progress import IterationStats
 
 __all__ = [
@@ -418,7 +418,7 @@ class WandbBook:
         path = run_dir / WANDB_RECORD
         new_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         create_exclusive(path, json.dumps({"id": new_id, "last_step": -1}).encode())
-        data = json.loads(path.read_text())
+        data = json.loads(read_regular(path))
         return cls(path, str(data["id"]), int(data.get("last_step", -1)))
 
     def handing(self, step: int) -> bool:

@@ -210,18 +210,13 @@ def _begin(
             if ctx.mode == "single":  # other launchers show it from run.json
                 print(f"warning: skipped damaged checkpoint {d.name}: {d.why}", file=sys.stderr)
         checkpoints.set_aside(list(plan.damaged), before=writer.check)
-    written = run.read_progress()
-    kept = [r for r in written if int(r.get("iteration", 0)) <= start]
-    raw = run.progress.read_bytes() if run.progress.exists() else b""
-    torn = bool(raw) and not raw.endswith(b"\n")
-    if len(kept) != len(written) or torn:  # iterations after the checkpoint, a torn last line
-        writer.write_text(run.progress, "".join(json.dumps(r) + "\n" for r in kept))
+    written = writer.cut_progress(start)  # streamed: a long run's file is never held whole
     before = read_record(run.path, set_aside=True)
     if ctx.mode == "slurm" and ctx.job_id and ctx.restart_count >= 1:
         # The previous run of a requeued job ended because a node failed (sacct: NODE_FAIL).
         runs = SlurmClient().attempts(ctx.job_id) or []
         if len(runs) >= 2 and runs[-2][0] == "NODE_FAIL":
-            last = int(written[-1].get("iteration", start)) if written else start
+            last = start if written is None else written
             _, nodes, ended = runs[-2]
             before = on_node_failed(
                 before,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from mjlab_hpc.errors import EXIT_HUNG
+from mjlab_hpc.rundir.durable import read_regular
 from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
 
 __all__ = ["FAULT_ENV", "FaultInjection", "Hang", "Watchdog", "hang_limit_s", "parse_faults"]
@@ -224,8 +225,8 @@ class Watchdog:
             if r == self.rank:
                 continue
             try:
-                text = self.run.heartbeat(r).read_text()
-            except OSError:
+                text = read_regular(self.run.heartbeat(r), within=self.run.path).decode("latin-1")
+            except (OSError, ValueError):  # missing, or no file of the run (a FIFO, a link)
                 text = ""
             if self._peers.get(r, (None,))[0] != text:
                 self._peers[r] = (text, now)

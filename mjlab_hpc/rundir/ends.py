@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mjlab_hpc.procs import OomCount
+from mjlab_hpc.rundir.durable import LOG_LIMIT, read_tail
 from mjlab_hpc.rundir.layout import LOGS_DIR, RunDir, progress_summary
 from mjlab_hpc.rundir.state import read_record
 
@@ -137,11 +138,16 @@ def _stamp(match: re.Match[str]) -> dt.datetime:
     return when.replace(microsecond=int(match.group(2)) * 1000)
 
 
-def _rank_end(rank: int, path: Path) -> RankEnd | None:
+def _log_lines(run_dir: Path, rank: int) -> list[str]:
+    """The lines of a rank's log (its end, bounded); none for a FIFO, a link out, a device."""
+    path = run_dir / LOGS_DIR / f"rank{rank}.log"
     try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
+        return read_tail(path, LOG_LIMIT, run_dir).decode(errors="replace").splitlines()
+    except (OSError, ValueError):
+        return []
+
+
+def _rank_end(rank: int, lines: list[str]) -> RankEnd | None:
     start, size = None, None
     for i, line in enumerate(lines):
         m = _STAMP.match(line)
@@ -218,7 +224,8 @@ def rank_ends(run_dir: Path) -> list[RankEnd]:
     if logs.is_dir():
         for entry in sorted(logs.iterdir()):
             m = _RANK_LOG.match(entry.name)
-            if m and (end := _rank_end(int(m.group(1)), entry)) is not None:
+            rank = int(m.group(1)) if m else -1
+            if m and (end := _rank_end(rank, _log_lines(run_dir, rank))) is not None:
                 found.append(end)
     size = latest_world_size(found)
     return sorted((e for e in found if size is None or e.rank < size), key=lambda e: e.rank)
@@ -226,10 +233,7 @@ def rank_ends(run_dir: Path) -> list[RankEnd]:
 
 def start_hosts(run_dir: Path, rank: int) -> list[str]:
     """The host of each start of `rank`, in order (its log's first lines)."""
-    try:
-        lines = (run_dir / LOGS_DIR / f"rank{rank}.log").read_text(errors="replace").splitlines()
-    except OSError:
-        return []
+    lines = _log_lines(run_dir, rank)
     starts = [
         m.group(4) for line in lines if (m := _STAMP.match(line)) and _START.match(m.group(4))
     ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import stat
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import DamagedRecord
-from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_atomic
+from mjlab_hpc.rundir.durable import create_exclusive, read_regular, read_tail, write_atomic
 
 __all__ = [
     "CANCEL_RECORD",
@@ -133,7 +134,7 @@ def read_heartbeats(run: RunDir, world_size: int) -> dict[int, dict[str, Any]]:
     beats: dict[int, dict[str, Any]] = {}
     for rank in range(world_size):
         try:
-            value = json.loads(read_regular(run.heartbeat(rank)))
+            value = json.loads(read_regular(run.heartbeat(rank), within=run.path))
         except (OSError, ValueError):
             continue
         if isinstance(value, dict):
@@ -146,7 +147,7 @@ def read_hangs(run: RunDir) -> list[dict[str, Any]]:
     found = []
     for path in sorted(run.heartbeats.glob("hang-rank*.json")):
         try:
-            value = json.loads(read_regular(path))
+            value = json.loads(read_regular(path, within=run.path))
         except (OSError, ValueError):
             continue
         if isinstance(value, dict):
@@ -222,21 +223,44 @@ class RunDir:
 
     def progress_tail(self, lines: int = 10) -> list[dict[str, Any]]:
         """The last `lines` records of progress.jsonl, read from the end of the file."""
+        return _progress_tail(self, lines)[0]
+
+    def task_folder(self) -> Path | None:
+        """The submitit folder of the run's task output, if it is one of ours.
+
+        Its own `submitit/`, or a sweep element's link to its sweep's shared folder
+        (`<experiment>/.sweeps/<sweep>/submitit`); None for none, or a link elsewhere.
+        """
+        if not self.submitit.is_symlink():
+            return self.submitit if self.submitit.is_dir() else None
+        real = Path(os.path.realpath(self.submitit))
+        if not real.is_dir():
+            return None
+        if real.parent == Path(os.path.realpath(self.path)):
+            return self.submitit
+        sweeps = Path(os.path.realpath(self.path.parent / SWEEPS_DIR))
+        return real if real.name == SUBMITIT_DIR and real.parent.parent == sweeps else None
+
+
+# Bytes of progress.jsonl's end read per record asked for (a record is about 300).
+_RECORD_BYTES = 512
+
+
+def _progress_tail(run: RunDir, lines: int) -> tuple[list[dict[str, Any]], str | None]:
+    """The last `lines` records of progress.jsonl, and why it was not read (None: it was)."""
+    try:
+        chunk = read_tail(run.progress, _RECORD_BYTES * (lines + 1), run.path)
+    except FileNotFoundError:
+        return [], None
+    except (OSError, ValueError) as exc:
+        return [], str(exc)
+    records = []
+    for line in chunk.decode(errors="replace").splitlines()[-(lines + 1) :]:
         try:
-            with open(self.progress, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - 512 * (lines + 1)))
-                chunk = f.read().decode(errors="replace")
-        except OSError:
-            return []
-        records = []
-        for line in chunk.splitlines()[-(lines + 1) :]:
-            try:
-                records.append(dict(json.loads(line)))
-            except (ValueError, TypeError):
-                continue  # the first, partial line of the chunk, or a torn last line
-        return records[-lines:]
+            records.append(dict(json.loads(line)))
+        except (ValueError, TypeError):
+            continue  # a torn last line
+    return records[-lines:], None
 
 
 @dataclass(frozen=True)
@@ -254,20 +278,30 @@ class ProgressSummary:
     recent_rewards: tuple[float, ...] = ()
     """The mean episode rewards of the last few iterations (whether the reward stayed where
     it ended)."""
+    unread: str | None = None
+    """Why progress.jsonl was not read (a FIFO, a device, a link out of the run)."""
+
+
+def _number(value: object) -> float | None:
+    """A number of a record (None: none, or text where a number belongs: not ours)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if ok and math.isfinite(value) else None  # type: ignore[arg-type]
 
 
 def progress_summary(run: RunDir, window: int = 10) -> ProgressSummary:
     """Summarize where a run is from the last `window` iterations of its progress.jsonl."""
-    tail = run.progress_tail(window)
+    tail, unread = _progress_tail(run, window)
     last = tail[-1] if tail else {}
-    rates = [float(r["env_steps_per_s"]) for r in tail if r.get("env_steps_per_s")]
-    rewards = [float(r["mean_reward"]) for r in tail if r.get("mean_reward") is not None]
+    rates = [v for r in tail if (v := _number(r.get("env_steps_per_s")))]
+    rewards = [v for r in tail if (v := _number(r.get("mean_reward"))) is not None]
+    iteration, total = _number(last.get("iteration")), _number(last.get("total"))
     return ProgressSummary(
-        iteration=last.get("iteration"),
-        total=last.get("total"),
+        iteration=None if iteration is None else int(iteration),
+        total=None if total is None else int(total),
         env_steps_per_s=round(sum(rates) / len(rates), 1) if rates else None,
         mean_reward=rewards[-1] if rewards else None,
         recent_rewards=tuple(rewards),
+        unread=unread,
     )
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mjlab_hpc.procs import alive, machine_id
-from mjlab_hpc.rundir.durable import fsync_dir
+from mjlab_hpc.rundir.durable import fsync_dir, open_regular
 
 __all__ = [
     "Held",
@@ -282,21 +282,20 @@ class Snapshot:
 
 
 def read_snapshot(path: Path) -> Snapshot | None:
-    """Read the lock file; None if it does not exist (other OSErrors propagate)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
+    """Read the lock file; None if it does not exist (other OSErrors propagate).
+
+    Anything but a small regular file in its folder (a FIFO, a link out) is an OSError.
+    """
     try:
         # Read through a fresh open: NFS close-to-open consistency revalidates the
         # content on open, which is why the heartbeat lives in the content, not mtime.
-        chunks = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-        mtime = os.fstat(fd).st_mtime
-    finally:
-        os.close(fd)
-    raw = b"".join(chunks)
+        with open_regular(Path(path), 1 << 20) as f:
+            raw = f.read(1 << 20)
+            mtime = os.fstat(f.fileno()).st_mtime
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise OSError(errno.EINVAL, str(exc), str(path)) from None
     return Snapshot(raw=raw, record=decode_record(raw, mtime))
 
 

@@ -25,6 +25,7 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 
@@ -506,8 +507,10 @@ class LeaseLock:
         )
 
 
-def write_fenced(lock: LeaseLock, path: str | os.PathLike[str], data: bytes) -> None:
-    """Atomically replace `path` with `data`, only while `lock` is still held.
+def write_fenced(
+    lock: LeaseLock, path: str | os.PathLike[str], data: bytes | Iterable[bytes]
+) -> None:
+    """Atomically replace `path` with `data` (or its chunks), only while `lock` is still held.
 
     Steps: write a temporary file in the same directory and fsync it; `LeaseLock.check`
     (the token is current, and the lease has not expired from our own point of view, minus

@@ -8,25 +8,30 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.procs import alive, machine_id
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
-from mjlab_hpc.rundir.durable import read_regular
+from mjlab_hpc.rundir.durable import open_regular, read_regular
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.lock import LeaseLock, LockError, OwnerInfo, write_fenced
 
 __all__ = ["RESERVE_BYTES", "RunWriter", "busy_problem", "once"]
 
+log = logging.getLogger("mjlab_hpc")
+
 # durable.temp_path's names: `.<name>.<tag><pid>.<8 hex>.tmp`.
 _TEMP = re.compile(r"(\d+)\.[0-9a-f]{8}\.tmp$")
 #: Disk space the writer keeps for a run's last records (run.json and friends).
 RESERVE_BYTES = 1 << 20
+# Longer than any line of progress.jsonl: a longer one is no record of ours.
+_LINE_LIMIT = 1 << 16
 
 
 def busy_problem(run: RunDir) -> str | None:
@@ -132,6 +137,34 @@ class RunWriter:
         """Publish a JSON file (indented, keys sorted)."""
         self.write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
+    def cut_progress(self, iteration: int) -> int | None:
+        """Cut progress.jsonl back to `iteration`, the checkpoint a start resumes from.
+
+        Later iterations, a torn last line and lines that are no record of ours go. The file
+        is streamed twice (looked at, then copied if anything goes), never held whole.
+        Returns the last iteration it held (None: none). One that is no file of the run (a
+        FIFO, a link out of it) is begun anew.
+        """
+        path, last, cut = self.run.progress, None, False
+        try:
+            for line, at in _progress_lines(self.run):
+                last = at if at is not None else last
+                cut = cut or at is None or at > iteration or not line.endswith(b"\n")
+        except FileNotFoundError:
+            return None
+        except ValueError as exc:
+            log.warning("%s: begun anew", exc)
+            self.write_text(path, "")
+            return None
+        if cut:
+            kept = (
+                line.rstrip(b"\n") + b"\n"
+                for line, at in _progress_lines(self.run)
+                if at is not None and at <= iteration
+            )
+            write_fenced(self.lock, path, kept)
+        return last
+
     def append_line(self, path: Path, line: str) -> None:
         """Append one line to a log-like file (progress.jsonl, restarts.jsonl)."""
         self.check()
@@ -153,6 +186,21 @@ class RunWriter:
             self.run.writer_reserve.unlink(missing_ok=True)
         with contextlib.suppress(LockError):  # lost already: nothing of ours to release
             self.lock.release()
+
+
+def _progress_lines(run: RunDir) -> Iterator[tuple[bytes, int | None]]:
+    """Each line of progress.jsonl and the iteration it records (None: no record of ours).
+
+    A line longer than any record comes in pieces, none of them a record.
+    """
+    with open_regular(run.progress, None, run.path) as f:
+        while line := f.readline(_LINE_LIMIT):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                value = None
+            at = value.get("iteration") if isinstance(value, dict) else None
+            yield line, at if isinstance(at, int) and not isinstance(at, bool) else None
 
 
 def once(
