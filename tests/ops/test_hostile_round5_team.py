@@ -27,7 +27,14 @@ from mjlab_hpc.rundir.running import run_processes
 from mjlab_hpc.rundir.state import read_record
 
 SMALL = ["--num-envs", "16", "--torch-threads", "1"]
-TRAIN = [BIN / "mjlab-train", "cartpole", *SMALL, "--log-root", "logs"]
+
+
+def _train(logs: str) -> list[object]:
+    """mjlab-train of a small cartpole into the team's log root `logs` (one per test: the
+    team's folder is the session's)."""
+    return [BIN / "mjlab-train", "cartpole", *SMALL, "--log-root", logs]
+
+
 SECRET = b"# alice's own file: never written by a run\n" * 3
 
 
@@ -106,7 +113,7 @@ print("temp", d.temp_path(run / "x").name, d.temp_path(run / "x").name)
     first, second = said[6].split()[1:]
     assert first != second and len(first.rsplit(".", 2)[-2]) == 16  # 64 random bits
     assert bashrc.read_bytes() == SECRET
-    assert sorted(p.name for p in bashrc.parent.iterdir()) == [".bashrc"]
+    assert not list(bashrc.parent.glob(".*.tmp"))
 
 
 @pytest.mark.training
@@ -117,9 +124,10 @@ def test_a_continuation_writes_nothing_through_planted_links(team: Team) -> None
     progress.jsonl (written in place) stop the next start with a line naming the link."""
     alice, bob = Team.USERS
     opt_in = {GROUP_WRITABLE_ENV: "1"}
-    first = team.run(alice, [*TRAIN, "--max-iterations", "1"], umask=0o002, extra=opt_in)
+    logs, train = team.shared / "kept-open", _train("kept-open")
+    first = team.run(alice, [*train, "--max-iterations", "1"], umask=0o002, extra=opt_in)
     assert first.returncode == 0, _text(first)
-    (run,) = runs_under(team.shared / "logs")
+    (run,) = runs_under(logs)
     assert run.stat().st_mode & stat.S_IWGRP  # as her umask says: she opted in
     bashrc = _secret(team, ".bashrc")
     planted = {
@@ -131,7 +139,7 @@ def test_a_continuation_writes_nothing_through_planted_links(team: Team) -> None
     }
     for name, target in planted.items():
         _as(team, bob, "rm -f", run / name, "&& ln -s", target, run / name)
-    resume = [*TRAIN, "--max-iterations", "2", "--resume"]
+    resume = [*train, "--max-iterations", "2", "--resume"]
     second = team.run(alice, resume, umask=0o002, extra=opt_in)
     assert second.returncode == 0 and "done: 2 iterations" in second.stdout, _text(second)
     log = (run / "logs" / "rank0.log").read_text()
@@ -142,7 +150,7 @@ def test_a_continuation_writes_nothing_through_planted_links(team: Team) -> None
 
     for name in ("logs/rank0.log", "progress.jsonl"):
         _as(team, bob, "mv", run / name, run / f"{name}.old", "&& ln -s", bashrc, run / name)
-    third = team.run(alice, [*TRAIN, "--max-iterations", "3", "--resume"], extra=opt_in)
+    third = team.run(alice, [*train, "--max-iterations", "3", "--resume"], extra=opt_in)
     said = _text(third)
     assert third.returncode != EXIT_OK and "Traceback" not in said, said
     assert f"{run}/logs/rank0.log: is a symbolic link of {bob} (-> {bashrc}): refused" in said
@@ -156,9 +164,10 @@ def test_a_team_log_root_keeps_each_run_its_users(team: Team) -> None:
     run is not what her --resume continues; a key bob planted, or one naming his run, is
     refused to her with a line."""
     alice, bob = Team.USERS
-    mine = team.run(alice, [*TRAIN, "--max-iterations", "1"], umask=0o002)
+    logs, train = team.shared / "own", _train("own")
+    mine = team.run(alice, [*train, "--max-iterations", "1"], umask=0o002)
     assert mine.returncode == 0, _text(mine)
-    (run,) = runs_under(team.shared / "logs")
+    (run,) = runs_under(logs)
     experiment = run.parent
     for folder in (experiment, experiment / ".keys"):
         if folder.exists():
@@ -175,17 +184,20 @@ def test_a_team_log_root_keeps_each_run_its_users(team: Team) -> None:
         assert "Operation not permitted" in err or "Permission denied" in err, err
     assert run.is_dir() and record.exists()
 
-    theirs = team.run(bob, [*TRAIN, "--max-iterations", "1"], umask=0o002)
+    theirs = team.run(bob, [*train, "--max-iterations", "1"], umask=0o002)
     assert theirs.returncode == 0, _text(theirs)
-    (bobs,) = [r for r in runs_under(team.shared / "logs") if r != run]
+    (bobs,) = [r for r in runs_under(logs) if r != run]
     record.unlink()  # even without her record: her newest run, never bob's
-    resumed = team.run(alice, [*TRAIN, "--max-iterations", "2", "--resume"], umask=0o002)
+    resumed = team.run(alice, [*train, "--max-iterations", "2", "--resume"], umask=0o002)
     assert resumed.returncode == 0, _text(resumed)
     assert read_record(run)["iterations"] == 2 and read_record(bobs)["iterations"] == 1
 
-    key = [BIN / "mjlab-hpc", "run-dir", "--log-root", "logs", "--experiment", "cartpole"]
+    key = [BIN / "mjlab-hpc", "run-dir", "--log-root", logs, "--experiment", "cartpole"]
     keys = experiment / ".keys"
-    _as(team, bob, "mkdir -p", keys, "&& echo", bobs.name, ">", keys / "slurm-41")
+    first = team.run(alice, [*key, "--key", "slurm-40"])  # her own key: the team's folder
+    assert first.returncode == EXIT_OK and first.stdout.strip().startswith(str(experiment))
+    assert keys.stat().st_mode & stat.S_ISVTX and keys.stat().st_mode & stat.S_IWGRP
+    _as(team, bob, "&& echo", bobs.name, ">", keys / "slurm-41")
     _as(team, alice, "echo", bobs.name, ">", experiment / ".keys/slurm-42")
     for job, why in (("41", f"it was written by {bob}"), ("42", f"it names a run of {bob}")):
         lookup = team.run(alice, [*key, "--key", f"slurm-{job}"])
@@ -202,10 +214,10 @@ def test_cancel_signals_only_the_runs_recorded_processes(team: Team) -> None:
     cancel afterwards does not touch bob's process either."""
     alice, bob = Team.USERS
     submit = [BIN / "mjlab-submit", "cartpole", "--executor", "local", "--gpus-per-node", "0"]
-    submit += [*SMALL, "--max-iterations", "100000", "--log-root", "logs"]
+    submit += [*SMALL, "--max-iterations", "100000", "--log-root", "cancelled"]
     start = team.run(alice, submit, umask=0o002)
     assert start.returncode == 0, _text(start)
-    run = wait_for_iteration(team.shared / "logs", 1).path
+    run = wait_for_iteration(team.shared / "cancelled", 1, timeout=400).path
     recorded = run_processes(run)
     assert sorted(p.role for p in recorded) == ["controller", "rank"], recorded
     folder = str(run / "submitit")
