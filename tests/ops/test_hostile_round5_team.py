@@ -197,7 +197,7 @@ def test_a_team_log_root_keeps_each_run_its_users(team: Team) -> None:
     first = team.run(alice, [*key, "--key", "slurm-40"])  # her own key: the team's folder
     assert first.returncode == EXIT_OK and first.stdout.strip().startswith(str(experiment))
     assert keys.stat().st_mode & stat.S_ISVTX and keys.stat().st_mode & stat.S_IWGRP
-    _as(team, bob, "&& echo", bobs.name, ">", keys / "slurm-41")
+    _as(team, bob, "echo", bobs.name, ">", keys / "slurm-41")
     _as(team, alice, "echo", bobs.name, ">", experiment / ".keys/slurm-42")
     for job, why in (("41", f"it was written by {bob}"), ("42", f"it names a run of {bob}")):
         lookup = team.run(alice, [*key, "--key", f"slurm-{job}"])
