@@ -19,7 +19,7 @@ from rich.table import Table
 
 from mjlab_hpc import console as own_console
 from mjlab_hpc.cli.common import drop_internal_variables, guarded
-from mjlab_hpc.errors import EXIT_FAILED, EXIT_INTERRUPTED, SpecError
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_INTERRUPTED, DamagedRecord, SpecError
 from mjlab_hpc.launch.heal_slurm import heal_job
 from mjlab_hpc.launch.slurm import render
 from mjlab_hpc.ops.cancel import cancel as cancel_runs
@@ -465,7 +465,7 @@ def run_dir(cmd: RunDirCommand) -> int:
         run_name("--run-name", cmd.run_name)
     try:
         print(run_dir_for_key(cmd.log_root, cmd.experiment, cmd.run_name, cmd.key))
-    except ValueError as exc:
+    except (ValueError, DamagedRecord) as exc:  # DamagedRecord: another user's key or run
         raise SpecError("--key", str(exc)) from None
     return 0
 
