@@ -26,7 +26,10 @@ import psutil
 __all__ = [
     "OomCount",
     "ProcessEntry",
+    "ProcessId",
     "alive",
+    "descendants",
+    "environ_value",
     "kill_group",
     "machine_id",
     "memory_room",
@@ -49,6 +52,67 @@ class ProcessEntry:
 
     pid: int
     argv: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """One process, told apart from a later one that reuses its pid."""
+
+    pid: int
+    started: float
+    """When it started (seconds since the epoch, from the kernel's start tick): a later
+    process with the same pid started later."""
+    machine: str
+    """`machine_id()` of the kernel and pid namespace it runs in."""
+
+    @classmethod
+    def of(cls, pid: int | None = None) -> ProcessId | None:
+        """This process (or `pid`) as it runs now; None when it is gone."""
+        try:
+            started = psutil.Process(pid).create_time()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+        return cls(pid=pid or os.getpid(), started=started, machine=machine_id())
+
+    @classmethod
+    def parse(cls, data: Mapping[str, object]) -> ProcessId | None:
+        """Read back `as_dict`'s fields (None when they are missing or not of their kind)."""
+        pid, started, machine = data.get("pid"), data.get("started"), data.get("machine")
+        if type(pid) is not int or not isinstance(started, float | int) or not machine:
+            return None
+        return cls(pid=pid, started=float(started), machine=str(machine))
+
+    def as_dict(self) -> dict[str, object]:
+        """The fields, for a JSON record."""
+        return {"pid": self.pid, "started": self.started, "machine": self.machine}
+
+    def running(self) -> bool:
+        """Whether this very process still runs: on this machine, its pid alive and started
+        when it did (not a later process that was given the pid)."""
+        if self.machine != machine_id() or not alive(self.pid):
+            return False
+        now = ProcessId.of(self.pid)
+        return now is not None and abs(now.started - self.started) < 0.05
+
+
+def environ_value(pid: int, name: str) -> str | None:
+    """The variable `name` in a process's environment ('' when unset).
+
+    None where it cannot be read: another user's process (only root reads those), or one
+    that is gone.
+    """
+    try:
+        return str(psutil.Process(pid).environ().get(name, ""))
+    except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process that `pid` started, and those they started ([] when it is gone)."""
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
 
 
 def alive(pid: int) -> bool:

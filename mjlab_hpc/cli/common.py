@@ -31,7 +31,8 @@ from mjlab_hpc.errors import (
     SubmitError,
 )
 from mjlab_hpc.rank.context import SCRIPT_ENVS, set_by_our_script
-from mjlab_hpc.rundir.durable import ownership
+from mjlab_hpc.rundir.durable import LinkRefused, ownership
+from mjlab_hpc.rundir.layout import keep_runs_private
 from mjlab_hpc.spec import split_overrides
 
 __all__ = [
@@ -94,9 +95,11 @@ def _permission_problem(exc: PermissionError) -> str:
 def guarded(body: Callable[[], T]) -> T | int:
     """Run a command body, turning its errors into one line and an exit code.
 
-    Bad input (SpecError, LaunchError) exits 2, a refused submission 1, and a Ctrl-C that
-    reached no handler of ours 130.
+    Bad input (SpecError, LaunchError) exits 2, a refused submission 1, a link planted in a
+    run 1, and a Ctrl-C that reached no handler of ours 130. What the command creates is its
+    user's alone (`keep_runs_private`).
     """
+    keep_runs_private()
     try:
         return body()
     except (SpecError, LaunchError) as exc:
@@ -108,6 +111,9 @@ def guarded(body: Callable[[], T]) -> T | int:
     except KeyboardInterrupt:  # Ctrl-C before the work began (or after it ended)
         error_line("interrupted", "stopped at once (Ctrl-C); nothing was started")
         return EXIT_INTERRUPTED
+    except LinkRefused as exc:  # a write would have followed a link out of the run
+        error_line("error", exc)
+        return EXIT_FAILED
     except PermissionError as exc:  # another user's file or folder (a team's log root)
         error_line("error", _permission_problem(exc))
         return EXIT_FAILED

@@ -27,7 +27,7 @@ from mjlab_hpc.cli.config import (
     write_profile,
 )
 from mjlab_hpc.console import inert, reopen
-from mjlab_hpc.errors import EXIT_FAILED, EXIT_INTERRUPTED, SpecError
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_INTERRUPTED, DamagedRecord, SpecError
 from mjlab_hpc.launch.heal_slurm import heal_job
 from mjlab_hpc.launch.slurm import render
 from mjlab_hpc.ops.cancel import cancel as cancel_runs
@@ -504,7 +504,7 @@ def run_dir(cmd: RunDirCommand) -> int:
         run_name("--run-name", cmd.run_name)
     try:
         print(run_dir_for_key(cmd.log_root, cmd.experiment, cmd.run_name, cmd.key))
-    except ValueError as exc:
+    except (ValueError, DamagedRecord) as exc:  # DamagedRecord: another user's key or run
         raise SpecError("--key", str(exc)) from None
     return 0
 

@@ -39,6 +39,7 @@ from mjlab_hpc.errors import (
 from mjlab_hpc.launch.batch_loop import heal_loop, heal_options
 from mjlab_hpc.launch.heal import decide, record_healing, restart_here
 from mjlab_hpc.rundir.layout import LOGS_DIR, SWEEP_ELEMENTS
+from mjlab_hpc.rundir.running import RUN_ENV, record_controller
 
 __all__ = [
     "CONTROLLER_MODULE",
@@ -270,8 +271,10 @@ class LocalJobExecutor(submitit.LocalExecutor):  # type: ignore[misc]
             CUDA_VISIBLE_DEVICES=",".join(self.gpus),
             SUBMITIT_LOCAL_WITH_SHELL="",
         )
+        env[RUN_ENV] = str(Path(self.folder).parent)  # the run its processes work for
         argv = [sys.executable, "-m", CONTROLLER_MODULE, str(self.folder), str(self.max_restarts)]
         process = subprocess.Popen(argv, env=env)  # outlives this call, as submitit's does
+        record_controller(Path(self.folder), process.pid)  # how `mjlab-hpc cancel` knows it
         return LocalJob(
             folder=self.folder, job_id=str(process.pid), process=process, tasks=list(range(ntasks))
         )

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.runs import JobKind, Target, run_jobs
-from mjlab_hpc.procs import owner, send_signal, user_name, wait_gone
+from mjlab_hpc.procs import descendants, owner, send_signal, user_name, wait_gone
 from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import CANCEL_RECORD
+from mjlab_hpc.rundir.running import run_processes
 from mjlab_hpc.rundir.state import now_iso, read_record
 from mjlab_hpc.slurm.client import SlurmClient
 
@@ -122,13 +122,15 @@ def cancel_slurm(
 def cancel_local(run_dir: Path, grace_s: float = 30.0) -> CancelOutcome:
     """Stop a local-executor run and leave no process behind.
 
-    The controller is killed first (SIGKILL): on SIGTERM it would forward the signal and then
-    restart the ranks, which exit for a requeue after a stop. The ranks get SIGTERM, save a
+    Only the run's own processes are signalled: those it recorded (`run_processes`: pid and
+    start time, never a command line) and what its controller started. The controller is
+    stopped, its children taken, then killed (on SIGTERM it would forward the signal and then
+    restart the ranks, which exit for a requeue after a stop). The ranks get SIGTERM, save a
     checkpoint at the next iteration boundary and exit; any rank still alive after `grace_s`
     gets SIGKILL.
     """
     jobs = run_jobs(run_dir)
-    procs = local_processes(run_dir)
+    procs = run_processes(run_dir)
 
     def outcome(ok: bool, message: str, remaining: Sequence[int] = ()) -> CancelOutcome:
         return CancelOutcome(
@@ -143,7 +145,7 @@ def cancel_local(run_dir: Path, grace_s: float = 30.0) -> CancelOutcome:
     if not procs:
         return outcome(True, "no process left to stop")
     me = os.geteuid()
-    others = {u for p in procs if (u := owner(p.pid)) is not None and u != me}
+    others = {p.uid for p in procs if p.uid != me}
     if others and me != 0:  # a signal would be refused (EPERM): claim nothing, do nothing
         who = ", ".join(sorted(map(user_name, others)))
         pids = ", ".join(str(p.pid) for p in procs)
@@ -154,18 +156,19 @@ def cancel_local(run_dir: Path, grace_s: float = 30.0) -> CancelOutcome:
         )
     if (why := _marked(run_dir, jobs.job_ids)) is not None:
         return outcome(False, why)
+    # A stopped controller starts nothing more: what it started so far is all there is.
+    controllers = [p.pid for p in procs if p.role == "controller"]
+    uid = procs[0].uid
+    stopped = [pid for pid in controllers if send_signal(pid, signal.SIGSTOP)]
+    started = [c for pid in stopped for c in descendants(pid) if owner(c) == uid]
     # Only what a signal reached is counted (a process gone by now was not stopped by us).
-    controllers = [p.pid for p in procs if p.role != "rank" and send_signal(p.pid, signal.SIGKILL)]
-    ranks = [p.pid for p in procs if p.role == "rank" and send_signal(p.pid, signal.SIGTERM)]
+    controllers = [pid for pid in controllers if send_signal(pid, signal.SIGKILL)]
+    ranks = dict.fromkeys([*started, *(p.pid for p in procs if p.role == "rank")])
+    ranks = [pid for pid in ranks if send_signal(pid, signal.SIGTERM)]
     killed = wait_gone(ranks + controllers, grace_s)  # still alive after the grace period
     for pid in killed:
         send_signal(pid, signal.SIGKILL)
     left = wait_gone(killed, 10.0)
-    # A rank started between our scan and the kill of its controller: stop it too.
-    late = [p.pid for p in local_processes(run_dir)]
-    for pid in late:
-        send_signal(pid, signal.SIGKILL)
-    left = wait_gone(left + late, 10.0)
     parts = [f"controller {', '.join(map(str, controllers)) or '-'} killed"]
     parts.append(
         f"{len(ranks) - len([p for p in killed if p in ranks])} rank(s) stopped by SIGTERM"

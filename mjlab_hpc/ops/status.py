@@ -24,10 +24,10 @@ from rich.text import Text
 
 from mjlab_hpc.console import inert
 from mjlab_hpc.errors import DamagedRecord
-from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.runs import JobKind, RunJobs, run_jobs
 from mjlab_hpc.rundir.ends import rank_ends, recorded_cause
 from mjlab_hpc.rundir.layout import ElementRecord, RunDir, progress_summary, read_sweep
+from mjlab_hpc.rundir.running import run_processes
 from mjlab_hpc.rundir.state import (
     RESTARTED,
     JobState,
@@ -289,7 +289,7 @@ def job_states(
         row = _current_row(run, rows) if run.kind == "slurm" else None
         if row is not None:
             out[run.run_dir] = _record_first(run.run_dir, row)
-        elif run.kind == "local" and local_processes(run.run_dir):
+        elif run.kind == "local" and run_processes(run.run_dir):  # recorded, not by argv
             out[run.run_dir] = JobState(state="RUNNING", source="process", active=True, nodes=1)
         else:
             out[run.run_dir] = record_state(run.run_dir)

@@ -26,7 +26,13 @@ from rsl_rl.utils import check_nan
 from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.normalization import NormalizerSync, agree_normalizers, sync_normalizers
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
-from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_atomic
+from mjlab_hpc.rundir.durable import (
+    create_exclusive,
+    read_regular,
+    temp_path,
+    write_atomic,
+    write_new,
+)
 from mjlab_hpc.rundir.progress import IterationStats
 
 __all__ = [
@@ -380,7 +386,8 @@ class ContextRunnerMixin:
         temporary file beside `path`, which `publish(tmp)` renames to `path`. Its W&B upload
         waits for the real name (W&B runs are searched for model_<n>.pt).
         """
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = temp_path(path)
+        write_new(tmp, b"", sync=False)  # ours (O_EXCL): the runner's save cannot follow a link
         upload, uploads = self.logger.save_model, []
         self.logger.save_model = lambda _path, it: uploads.append(it)
         try:

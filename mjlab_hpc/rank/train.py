@@ -54,6 +54,7 @@ from mjlab_hpc.rank.stragglers import StragglerWatch
 from mjlab_hpc.rank.watchdog import Watchdog, parse_faults
 from mjlab_hpc.rank.workload import Workload, build_workload
 from mjlab_hpc.rundir.checkpoint import CheckpointPolicy, Checkpoints
+from mjlab_hpc.rundir.durable import open_append
 from mjlab_hpc.rundir.ends import failure_kind
 from mjlab_hpc.rundir.layout import RunDir, create_run_dir, latest_run, record_latest_run
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
@@ -173,7 +174,7 @@ def _thread_excepthook(run: RunDir) -> Callable[[threading.ExceptHookArgs], None
 def _rank_logging(run: RunDir, rank: int) -> Iterator[TextIO]:
     run.logs.mkdir(parents=True, exist_ok=True)
     saved_hook = threading.excepthook
-    with open(run.rank_log(rank), "a", buffering=1) as stream:
+    with open_append(run.rank_log(rank)) as stream:  # never through a planted link
         handler = _RankLogHandler(stream)
         handler.setFormatter(logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s"))
         log.addHandler(handler)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from mjlab_hpc.errors import EXIT_HUNG
-from mjlab_hpc.rundir.durable import read_regular
+from mjlab_hpc.procs import ProcessId
+from mjlab_hpc.rundir.durable import read_regular, write_atomic
 from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
 
 __all__ = ["FAULT_ENV", "FaultInjection", "Hang", "Watchdog", "hang_limit_s", "parse_faults"]
@@ -167,20 +168,19 @@ class Watchdog:
         self._armed_at = None
 
     def _beat(self) -> None:
+        # pid, start time and machine: what `mjlab-hpc cancel` knows this rank by.
+        me = ProcessId.of()
         beat = {
             "rank": self.rank,
             "host": self.host,
             "pid": os.getpid(),
+            **(me.as_dict() if me is not None else {}),
             "iteration": self.iteration,
             "t": time.time(),
         }
-        path = self.run.heartbeat(self.rank)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        try:  # liveness only: no fsync; a failed beat is retried at the next one
-            tmp.write_text(json.dumps(beat))
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        # Liveness only: no fsync; a failed beat is retried at the next one.
+        with contextlib.suppress(OSError):
+            write_atomic(self.run.heartbeat(self.rank), json.dumps(beat).encode(), sync=False)
 
     def _loop(self) -> None:
         tick = min(self.beat_s, 0.5)
@@ -299,8 +299,9 @@ class Watchdog:
         except (OSError, ValueError):
             pass
         with contextlib.suppress(OSError):
-            (self.run.heartbeats / f"hang-rank{self.rank}.json").write_text(
-                json.dumps(hang.as_dict())
+            write_atomic(
+                self.run.heartbeats / f"hang-rank{self.rank}.json",
+                json.dumps(hang.as_dict()).encode(),
             )
         # The other live ranks fire within moments (they wait for the same peer): give them
         # the time to write their stacks before this exit ends the job's other ranks.
@@ -377,7 +378,7 @@ class FaultInjection:
             except OSError:
                 first = me
                 with contextlib.suppress(OSError):
-                    marker.write_text(me)
+                    write_atomic(marker, me.encode())
                 log.warning(
                     "injecting a fault (%s=slow@%d): every iteration from %d on takes "
                     "twice as long",

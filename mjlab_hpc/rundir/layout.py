@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.errors import DamagedRecord
+from mjlab_hpc.procs import user_name
 from mjlab_hpc.rundir.durable import create_exclusive, read_regular, read_tail, write_atomic
 
 __all__ = [
     "CANCEL_RECORD",
     "ELEMENT_RECORD",
+    "GROUP_WRITABLE_ENV",
     "KERNEL_CACHE_DIR",
     "PROGRESS",
     "RUN_RECORD",
@@ -36,7 +38,9 @@ __all__ = [
     "checkpoint_iteration",
     "create_run_dir",
     "is_run_dir",
+    "keep_runs_private",
     "latest_run",
+    "latest_run_record",
     "list_checkpoints",
     "progress_summary",
     "rank_state_dir",
@@ -53,6 +57,9 @@ __all__ = [
 ]
 
 TIMESTAMP_FORMAT = "%Y-%m-%d_%H-%M-%S"
+#: `1`: a user's runs are writable by the group as the umask says (a team that works on each
+#: other's runs). Unset, what our commands create is writable by its user alone.
+GROUP_WRITABLE_ENV = "MJLAB_HPC_GROUP_WRITABLE_RUNS"
 
 # Files of a run directory.
 PARAMS_DIR = "params"
@@ -74,6 +81,7 @@ RANK_STATES_DIR = "rank_states"
 KERNEL_CACHE_DIR = ".kernel-cache"
 # Files of an experiment folder.
 KEYS_DIR = ".keys"
+#: `<experiment>/.latest_run.<uid>`: each user's own latest run (a team shares the folder).
 LATEST_RUN = ".latest_run"
 SWEEPS_DIR = ".sweeps"
 SWEEP_RECORD = "sweep.json"
@@ -310,19 +318,36 @@ def is_run_dir(path: Path) -> bool:
     return path.is_dir() and any((path / name).exists() for name in _RUN_MARKERS)
 
 
+def keep_runs_private() -> None:
+    """Make what this process (and what it starts) creates writable by its user alone.
+
+    A umask that lets the group write (002, common on team accounts) would let a teammate
+    rename, delete or plant links in a user's run. `GROUP_WRITABLE_ENV=1` keeps the umask.
+    """
+    if os.environ.get(GROUP_WRITABLE_ENV) != "1":
+        os.umask(os.umask(0o022) | 0o022)
+
+
 def shared_mkdir(path: Path) -> None:
     """Make the folder `path` and its missing parents.
 
     A folder made in a group-shared one (setgid: a team's log root) is writable by the group
     too, whatever this user's umask: it is where every member's runs go (an experiment
-    folder, its `.keys` and `.sweeps`).
+    folder, its `.keys` and `.sweeps`). It is sticky, as /tmp: only an entry's owner may
+    rename or delete it, so nobody moves a teammate's run or record away. Such a folder of
+    this user made by an older version gets the sticky bit too.
     """
     missing = [p for p in (path, *path.parents) if not p.exists()]
     path.mkdir(parents=True, exist_ok=True)
     for folder in reversed(missing):
         with contextlib.suppress(OSError):
             if folder.parent.stat().st_mode & stat.S_ISGID:
-                os.chmod(folder, folder.stat().st_mode | stat.S_IRWXG)
+                os.chmod(folder, folder.stat().st_mode | stat.S_IRWXG | stat.S_ISVTX)
+    with contextlib.suppress(OSError):
+        st = path.stat()
+        shared = st.st_mode & stat.S_IWGRP and not st.st_mode & stat.S_ISVTX
+        if shared and st.st_uid == os.geteuid():
+            os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_ISVTX)
 
 
 def create_run_dir(
@@ -342,6 +367,8 @@ def create_run_dir(
             candidate.mkdir()
         except FileExistsError:
             continue
+        if os.environ.get(GROUP_WRITABLE_ENV) != "1":  # the user's alone, whatever the umask
+            os.chmod(candidate, stat.S_IMODE(candidate.stat().st_mode) & ~0o022)
         return candidate.resolve()
     raise FileExistsError(f"no free run directory name under {parent} for {base}")
 
@@ -351,7 +378,9 @@ def run_dir_for_key(log_root: str | Path, experiment: str, run_name: str, key: s
 
     Every rank and every restart of one job asks with the same key and gets the same
     directory; a different job gets its own. Of two racing callers exactly one publishes its
-    record (`create_exclusive`), the other reads the winner's answer.
+    record (`create_exclusive`), the other reads the winner's answer. A record another user
+    wrote, or one naming another user's run, is refused (DamagedRecord): a teammate's key
+    never sends a job into their run.
     """
     if not key or "/" in key or key.startswith("."):
         raise ValueError(f"run directory key must be a plain name, got {key!r}")
@@ -359,11 +388,27 @@ def run_dir_for_key(log_root: str | Path, experiment: str, run_name: str, key: s
     shared_mkdir(keys)
     record = keys / key
     if record.exists():
-        return _recorded_run(record)
+        return _own_run(record)
     run = create_run_dir(log_root, experiment, run_name)
     if not create_exclusive(record, f"{run.name}\n".encode()):
         run.rmdir()  # another caller won the race; its directory is the run's
-        return _recorded_run(record)
+        return _own_run(record)
+    return run
+
+
+def _own_run(record: Path) -> Path:
+    """The run a key record names, when both are this user's (else DamagedRecord)."""
+    run = _recorded_run(record)
+    me = os.geteuid()
+    for path, what in ((record, "it was written by"), (run, "it names a run of")):
+        with contextlib.suppress(FileNotFoundError):
+            if (uid := path.lstat().st_uid) != me:
+                raise DamagedRecord(
+                    record,
+                    f"{what} {user_name(uid)}, not {user_name(me)}",
+                    "a key is its user's: name your run with --run-dir, or ask "
+                    f"{user_name(uid)} to delete the record",
+                )
     return run
 
 
@@ -393,24 +438,40 @@ def _recorded_run(record: Path) -> Path:
     return (record.parent.parent / name) if record.parent.name == KEYS_DIR else record.parent / name
 
 
+def latest_run_record(experiment_dir: Path) -> Path:
+    """`<experiment>/.latest_run.<uid>`: this user's latest run (each member of a team has
+    their own in a shared experiment folder)."""
+    return experiment_dir / f"{LATEST_RUN}.{os.geteuid()}"
+
+
 def record_latest_run(run: Path) -> None:
-    """`<experiment>/.latest_run`: the newest run, for tools and `--resume`."""
-    write_atomic(run.parent / LATEST_RUN, f"{run.name}\n".encode())
+    """Record `run` as this user's latest, for tools and `--resume`.
+
+    A record of that name that another user made first (a sticky folder keeps it theirs) is
+    left: `latest_run` ignores it.
+    """
+    with contextlib.suppress(PermissionError):
+        write_atomic(latest_run_record(run.parent), f"{run.name}\n".encode())
 
 
 def latest_run(log_root: str | Path, experiment: str) -> Path | None:
-    """The run `.latest_run` names, else the newest run directory of the experiment."""
+    """This user's latest run of the experiment: the one their record names, else their
+    newest run directory. Another user's run is never the answer (a team's log root)."""
     parent = Path(log_root) / experiment
-    marker = parent / LATEST_RUN
-    if marker.exists():
-        try:
-            path: Path | None = _recorded_run(marker)
-        except PermissionError:  # another user's record (a team's log root): the newest run
-            path = None
-        if path is not None and path.is_dir():
-            return path.resolve()
-    runs = sorted(p for p in parent.glob("*") if p.is_dir() and not p.name.startswith("."))
-    return runs[-1].resolve() if runs else None
+    marker = latest_run_record(parent)
+    me = os.geteuid()
+    with contextlib.suppress(FileNotFoundError):
+        if marker.lstat().st_uid == me:
+            path = _recorded_run(marker)
+            with contextlib.suppress(OSError):
+                if path.is_dir() and path.stat().st_uid == me:
+                    return path.resolve()
+    runs = []
+    for p in parent.glob("*"):
+        with contextlib.suppress(OSError):
+            if not p.name.startswith(".") and p.is_dir() and p.stat().st_uid == me:
+                runs.append(p)
+    return max(runs).resolve() if runs else None
 
 
 @dataclass(frozen=True)

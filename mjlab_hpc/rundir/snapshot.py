@@ -23,7 +23,7 @@ from typing import Any
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.procs import run_command
-from mjlab_hpc.rundir.durable import read_regular, write_json_atomic
+from mjlab_hpc.rundir.durable import read_regular, write_atomic, write_json_atomic
 from mjlab_hpc.rundir.layout import read_element
 from mjlab_hpc.rundir.state import now_iso
 
@@ -180,7 +180,7 @@ def write_snapshot(plan: Snapshot, dest: Path) -> dict[str, Any]:
             shutil.copy2(source, target)
     diff = _git(plan.root, "diff", "--binary", "HEAD") if plan.commit else None
     if diff:
-        (code / "changes.diff").write_text(diff)
+        write_atomic(code / "changes.diff", diff.encode())
     record = {
         "repository": str(plan.root),
         "commit": plan.commit,

@@ -18,7 +18,7 @@ from typing import Any
 
 from mjlab_hpc.procs import alive, machine_id
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
-from mjlab_hpc.rundir.durable import open_regular, read_regular
+from mjlab_hpc.rundir.durable import LinkRefused, append, open_regular, read_regular, reserve
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.lock import LeaseLock, LockError, OwnerInfo, write_fenced
 
@@ -26,8 +26,8 @@ __all__ = ["RESERVE_BYTES", "RunWriter", "busy_problem", "once"]
 
 log = logging.getLogger("mjlab_hpc")
 
-# durable.temp_path's names: `.<name>.<tag><pid>.<8 hex>.tmp`.
-_TEMP = re.compile(r"(\d+)\.[0-9a-f]{8}\.tmp$")
+# durable.temp_path's names: `.<name>.<tag><pid>.<16 hex>.tmp`.
+_TEMP = re.compile(r"(\d+)\.[0-9a-f]{16}\.tmp$")
 #: Disk space the writer keeps for a run's last records (run.json and friends).
 RESERVE_BYTES = 1 << 20
 # Longer than any line of progress.jsonl: a longer one is no record of ours.
@@ -104,13 +104,13 @@ class RunWriter:
     def _reserve(self) -> None:
         # Space set aside while the disk has it, so that the run's last records (failed,
         # stopped) can still be written when the disk fills up during training.
-        path = self.run.writer_reserve
-        with contextlib.suppress(OSError):
-            if not path.exists() or path.stat().st_size < RESERVE_BYTES:
-                with open(path, "wb") as f:
-                    f.write(b"\0" * RESERVE_BYTES)
-                    f.flush()
-                    os.fsync(f.fileno())
+        # A link planted in its place is refused, and said (the run goes on without it).
+        try:
+            reserve(self.run.writer_reserve, RESERVE_BYTES)
+        except LinkRefused as exc:
+            log.warning("no space reserved for the run's last records: %s", exc)
+        except OSError:
+            pass  # a full disk already: nothing to set aside
 
     def last_records(self, write: Callable[[], None]) -> None:
         """Write the run's last records (`write`), even on a full disk.
@@ -168,8 +168,7 @@ class RunWriter:
     def append_line(self, path: Path, line: str) -> None:
         """Append one line to a log-like file (progress.jsonl, restarts.jsonl)."""
         self.check()
-        with open(path, "a") as f:
-            f.write(line.rstrip("\n") + "\n")
+        append(path, (line.rstrip("\n") + "\n").encode())
 
     def save_checkpoint(
         self, path: Path, state: dict[str, Any], header: dict[str, Any] | None = None

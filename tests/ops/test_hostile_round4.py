@@ -26,7 +26,7 @@ from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED
 from mjlab_hpc.launch.local import free_port, local_processes
 from mjlab_hpc.ops.cancel import _marked
 from mjlab_hpc.ops.status import RunStatus, _row
-from mjlab_hpc.rundir.layout import CANCEL_RECORD
+from mjlab_hpc.rundir.layout import CANCEL_RECORD, latest_run_record
 from mjlab_hpc.rundir.state import read_record
 
 SMALL = ["--num-envs", "16", "--torch-threads", "1"]
@@ -248,7 +248,7 @@ def test_the_leftovers_each_get_one_line(tmp_path: Path) -> None:
     assert note in damaged.stderr
     assert read_record(run)["damaged_records"][0].startswith("run.json.damaged-")
 
-    (run.parent / ".latest_run").write_bytes(b"\x00\xff\xfe")
+    latest_run_record(run.parent).write_bytes(b"\x00\xff\xfe")
     resume = subprocess.run(
         [BIN / "mjlab-train", "cartpole", "--resume", "--log-root", tmp_path],
         env=cli_env(),
@@ -258,7 +258,7 @@ def test_the_leftovers_each_get_one_line(tmp_path: Path) -> None:
     )
     said = _text(resume)
     assert resume.returncode == EXIT_BAD_INPUT and "Traceback" not in said, said
-    assert ".latest_run is damaged (it holds 3 bytes that are not text" in said, said
+    assert ".latest_run.0 is damaged (it holds 3 bytes that are not text" in said, said
 
 
 def test_status_says_restarts_and_local_jobs_plainly() -> None:

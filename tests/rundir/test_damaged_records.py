@@ -24,7 +24,7 @@ from helpers import BIN, cli_env, clock_ahead, wait_for
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_OK
 from mjlab_hpc.rundir.checkpoint import Checkpoints
-from mjlab_hpc.rundir.layout import LATEST_RUN, RunDir
+from mjlab_hpc.rundir.layout import RunDir, latest_run_record
 from mjlab_hpc.rundir.lock import LeaseLock
 from mjlab_hpc.rundir.state import read_record
 
@@ -105,13 +105,14 @@ def test_a_damaged_latest_run_pointer_is_refused_naming_it(
     trained: Path, tmp_path: Path, content: bytes
 ) -> None:
     shutil.copytree(trained, tmp_path / "logs")
-    pointer = tmp_path / "logs" / "cartpole" / LATEST_RUN
+    pointer = latest_run_record(tmp_path / "logs" / "cartpole")
     pointer.write_bytes(content)
     entries = sorted(p.name for p in pointer.parent.iterdir())
     proc = run([*TRAIN, "--max-iterations", "3", "--resume", "--log-root", "logs"], tmp_path)
     said = " ".join(proc.stderr.split())
     assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-2000:]
-    assert said.startswith("error: --resume:") and "logs/cartpole/.latest_run is damaged" in said
+    assert said.startswith("error: --resume:"), said
+    assert f"logs/cartpole/{pointer.name} is damaged" in said
     assert "--run-dir" in said
     assert "Traceback" not in proc.stderr
     # Nothing trained in the experiment folder itself, nothing new beside the runs.

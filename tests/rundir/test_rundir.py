@@ -15,6 +15,7 @@ from mjlab_hpc.rundir.layout import (
     RunDir,
     create_run_dir,
     latest_run,
+    latest_run_record,
     record_latest_run,
     run_dir_for_key,
 )
@@ -136,7 +137,7 @@ def test_run_records_name_runs_so_a_copied_log_root_resolves_in_the_copy(tmp_pat
     assert run_dir_for_key(tmp_path / "b", "exp", "r", "slurm-5") == copy
     assert latest_run(tmp_path / "b", "exp") == copy.resolve()
     # A record written by 0.1.0 held the absolute path: it resolves in the copy too.
-    (tmp_path / "b" / "exp" / ".latest_run").write_text(f"{run}\n")
+    latest_run_record(tmp_path / "b" / "exp").write_text(f"{run}\n")
     assert latest_run(tmp_path / "b", "exp") == copy.resolve()
 
 
