@@ -26,8 +26,8 @@ __all__ = ["RESERVE_BYTES", "RunWriter", "busy_problem", "once"]
 
 log = logging.getLogger("mjlab_hpc")
 
-# durable.temp_path's names: `.<name>.<tag><pid>.<16 hex>.tmp`.
-_TEMP = re.compile(r"(\d+)\.[0-9a-f]{16}\.tmp$")
+# durable.temp_path's names: `.<name>.<tag><pid>.<16 hex>.tmp` (8 hex before: older runs).
+_TEMP = re.compile(r"(\d+)\.(?:[0-9a-f]{8}){1,2}\.tmp$")
 #: Disk space the writer keeps for a run's last records (run.json and friends).
 RESERVE_BYTES = 1 << 20
 # Longer than any line of progress.jsonl: a longer one is no record of ours.
