@@ -370,15 +370,19 @@ class SubmitSpec:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-def train_cli_args(spec: TrainSpec) -> list[str]:
-    """Return `mjlab-train` arguments that reproduce `spec`: its task and non-default flags."""
+def train_cli_args(spec: TrainSpec, every: bool = False) -> list[str]:
+    """Return `mjlab-train` arguments that reproduce `spec`: its task and non-default flags.
+
+    `every`: every flag, default or not. Ranks started with them set every setting, so a
+    continuation takes none from the run: what it keeps was decided by their launcher.
+    """
     args = [spec.task]
     defaults = TrainSpec()
     for f in dataclasses.fields(TrainSpec):
         if f.name in ("task", "run_dir", "gpu_ids", "num_procs", "overrides"):
             continue
         value = getattr(spec, f.name)
-        if value == getattr(defaults, f.name):
+        if value == getattr(defaults, f.name) and not every:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):

@@ -77,8 +77,9 @@ def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec
     """Check a training spec and resolve its task.
 
     The run target (new, continued or restarted, and its directory) is decided here, in
-    `continue_target`: the resolved spec carries it. `launched_by` is the launcher that started this process; a torchrun or
-    srun rank starts no other rank, and its launcher checked what this machine holds.
+    `continue_target`: the resolved spec carries it. `launched_by` is the launcher that
+    started this process; a torchrun or srun rank starts no other rank, and its launcher
+    checked what this machine holds.
     """
     single = launched_by == "single"
     _check_faults(_warn if single else lambda _: None)

@@ -129,7 +129,7 @@ def _task(folder: Path, rank: int, node: str, **extra: Any) -> dict[str, Any]:
         "token": "t0k",
         "seen": 2,
         "python_version": ".".join(map(str, sys.version_info[:3])),
-        "folder": str(folder.resolve_task()),
+        "folder": str(folder.resolve()),
         "mjlab_hpc": {"ok": True, "version": __version__},
         "gpus": {"CUDA_VISIBLE_DEVICES": "0,1", "torch_cuda": None, "torch_devices": 0},
         **extra,
