@@ -89,17 +89,18 @@ def _run(spec: TrainSpec, argv: Sequence[str], named: frozenset[str]) -> int:
             file=sys.stderr,
             flush=True,
         )
-    if resolved.target.path is None and single:
-        # Made here, so the closing line can name it whatever happens to the ranks (rank 0
-        # of torchrun or srun makes it and tells the others: rank.train.agree_run_dir).
-        resolved = realise_target(resolved)
-        run_dir = Path(str(resolved.target.path))
-        try:
-            return _run_planned(resolved, plan, argv)
-        finally:  # stopped before any rank wrote to it (a Ctrl-C while torch loads)
+    if not single:  # its rank 0 realises the target and tells the others (agree_run_dir)
+        return _run_planned(resolved, plan, argv)
+    # Realised here, so the closing line can name the run whatever happens to the ranks.
+    made = resolved.target.path is None
+    resolved = realise_target(resolved)
+    run_dir = Path(str(resolved.target.path))
+    try:
+        return _run_planned(resolved, plan, argv)
+    finally:  # a new run stopped before any rank wrote to it (a Ctrl-C while torch loads)
+        if made:
             with contextlib.suppress(OSError):
                 run_dir.rmdir()
-    return _run_planned(resolved, plan, argv)
 
 
 def _run_planned(resolved: ResolvedSpec, plan: LaunchPlan, argv: Sequence[str]) -> int:
