@@ -2,9 +2,9 @@
 
 `TrainSpec` holds the flags of `mjlab-train`, `SubmitSpec` those of `mjlab-submit`, and
 `ResolvedSpec` a training spec whose task was looked up once, with the values every later
-stage uses. Specs flow one way, CLI -> launcher -> every rank: they are pickled to ranks and
-dumped as YAML and JSON into the run directory. `mjlab_hpc.validate` checks what a value may
-hold.
+stage uses and its `RunTarget`: the run it trains, decided once in validation. Specs flow one
+way, CLI -> launcher -> every rank: they are pickled to ranks and dumped as YAML and JSON
+into the run directory. `mjlab_hpc.validate` checks what a value may hold.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ __all__ = [
     "ExecutorChoice",
     "GpuIds",
     "ResolvedSpec",
+    "RunKind",
+    "RunTarget",
     "SubmitSpec",
     "TrainSpec",
     "split_overrides",
@@ -34,6 +36,7 @@ __all__ = [
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 ExecutorChoice = Literal["slurm", "local", "allocation", "auto"]
 GpuIds = tuple[int, ...] | Literal["all", "auto"] | None
+RunKind = Literal["new", "continue", "restart"]
 
 
 #: TrainSpec fields that a continuation keeps: its saved environments fit only the run's values
@@ -194,11 +197,28 @@ def split_overrides(unknown: list[str]) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class RunTarget:
+    """The run a command trains: whether it is new, continued or restarted, and where.
+
+    Decided once, in validation (`mjlab_hpc.validate`); launchers and ranks receive it.
+    """
+
+    kind: RunKind = "new"
+    """new: a run with no checkpoint of its own, trained from iteration 0 (a new directory,
+    or a --run-dir that holds no checkpoint); continue: an existing run, trained on from its
+    newest valid checkpoint (--resume, or --run-dir of a run); restart: an existing run whose
+    every checkpoint is damaged, trained again from iteration 0 (--restart-from-scratch)."""
+    path: str | None = None
+    """The run directory. None only for a new run whose directory is not made yet: it is
+    made once, when the target is realised (`mjlab_hpc.rundir.layout.realise_target`)."""
+
+
+@dataclass(frozen=True)
 class ResolvedSpec:
     """A TrainSpec whose task was looked up once, with the effective values.
 
     Every later stage uses these values instead of merging the task's defaults again
-    (`mjlab_hpc.tasks.registry.resolve`).
+    (`mjlab_hpc.tasks.registry.resolve_task`).
     """
 
     train: TrainSpec
@@ -217,11 +237,18 @@ class ResolvedSpec:
     count starts at 0."""
     motion_file: str | None = None
     """Tracking tasks: the motion fetched for --registry-name (None: the env config's)."""
+    target: RunTarget = field(default_factory=RunTarget)
+    """The run this spec trains (validation decides it; its path is `train.run_dir` too)."""
 
     @property
     def task(self) -> str:
         """The task's name."""
         return self.train.task
+
+    def aimed(self, target: RunTarget) -> ResolvedSpec:
+        """A copy that trains `target`: its path becomes the run directory every rank uses."""
+        train = self.train.replace(run_dir=target.path) if target.path else self.train
+        return dataclasses.replace(self, train=train, target=target)
 
     def replace_train(self, **changes: object) -> ResolvedSpec:
         """A copy with TrainSpec fields changed that do not affect the resolution.
@@ -351,15 +378,19 @@ class SubmitSpec:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-def train_cli_args(spec: TrainSpec) -> list[str]:
-    """Return `mjlab-train` arguments that reproduce `spec`: its task and non-default flags."""
+def train_cli_args(spec: TrainSpec, every: bool = False) -> list[str]:
+    """Return `mjlab-train` arguments that reproduce `spec`: its task and non-default flags.
+
+    `every`: every flag, default or not. Ranks started with them set every setting, so a
+    continuation takes none from the run: what it keeps was decided by their launcher.
+    """
     args = [spec.task]
     defaults = TrainSpec()
     for f in dataclasses.fields(TrainSpec):
         if f.name in ("task", "run_dir", "gpu_ids", "num_procs", "overrides"):
             continue
         value = getattr(spec, f.name)
-        if value == getattr(defaults, f.name):
+        if value == getattr(defaults, f.name) and not every:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):

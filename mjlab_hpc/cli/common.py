@@ -40,6 +40,7 @@ __all__ = [
     "error_line",
     "guarded",
     "mjlab_booleans",
+    "parse_command",
     "parse_with_overrides",
     "python_lists",
     "resume_command",
@@ -134,15 +135,88 @@ def parse_with_overrides(
 
     Arguments tyro does not know are `--env.*`/`--agent.*` overrides, given to `attach`.
     """
+    parsed = parse_command(cls, argv, description, attach)
+    return parsed if isinstance(parsed, int) else parsed[0]
+
+
+def parse_command(
+    cls: type[T],
+    argv: Sequence[str] | None,
+    description: str | None,
+    attach: Callable[[T, tuple[str, ...]], T],
+) -> tuple[T, frozenset[str]] | int:
+    """Parse `argv` into `cls` and say which fields it set, or return an exit code.
+
+    The fields set are found from the parse, not the text: the arguments are parsed again
+    against defaults that differ from the real ones in every field, and a field that comes
+    out alike both times was set by the command (`--seed 42` sets seed, though 42 is its
+    default; `--no-video`, `--max_iterations=3` and mjlab's `--video True` count as typed).
+    Fields of a nested spec (SubmitSpec's `train`) are named without prefix; `overrides`
+    and repeatable flags count as set when not empty.
+    """
     given = list(argv) if argv is not None else sys.argv[1:]
 
-    def parse() -> T:
+    def parse() -> tuple[T, frozenset[str]]:
         args = mjlab_booleans(cls, python_lists(_none_values(given)))
         spec, unknown = tyro.cli(cls, args=args, description=description, return_unknown_args=True)
-        return attach(spec, split_overrides(unknown))
+        other, _ = tyro.cli(
+            cls, args=args, default=_shifted(cls), return_unknown_args=True, add_help=False
+        )
+        return attach(spec, split_overrides(unknown)), _set_fields(spec, other, cls())
 
     # A Ctrl-C while it loads, or a list that names nothing: one line.
     return guarded(parse)
+
+
+def _set_fields(a: object, b: object, default: object) -> frozenset[str]:
+    """The fields that parsed alike against two different defaults: the command set them."""
+    named: set[str] = set()
+    for f in dataclasses.fields(a):  # type: ignore[arg-type]
+        x, y, d = (getattr(o, f.name) for o in (a, b, default))
+        if dataclasses.is_dataclass(x):
+            named |= _set_fields(x, y, d)
+        elif x != d if isinstance(d, tuple) else x == y:
+            named.add(f.name)
+    return frozenset(named)
+
+
+def _shifted(cls: type[T]) -> T:
+    """An instance of a spec dataclass whose every field differs from its default.
+
+    Tuple-valued fields (repeatable flags, which tyro appends to the default) keep theirs.
+    """
+    default = cls()
+    hints = typing.get_type_hints(cls, include_extras=True)
+    changes = {}
+    for f in dataclasses.fields(default):  # type: ignore[arg-type]
+        value = getattr(default, f.name)
+        if dataclasses.is_dataclass(value):
+            changes[f.name] = _shifted(type(value))
+        elif not isinstance(value, tuple):
+            changes[f.name] = _other(value, hints[f.name])
+    return dataclasses.replace(default, **changes)  # type: ignore[type-var]
+
+
+def _other(value: object, hint: object) -> object:
+    """A value of type `hint` other than `value`."""
+    if typing.get_origin(hint) is typing.Annotated:
+        return _other(value, typing.get_args(hint)[0])
+    arms = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return next(a for a in typing.get_args(hint) if a != value)
+    if arms and typing.get_origin(hint) is not tuple:  # a union: the arm `value` is of
+        literals = [a for a in arms if typing.get_origin(a) is typing.Literal]
+        if any(value in typing.get_args(a) for a in literals):
+            return _other(value, next(a for a in literals if value in typing.get_args(a)))
+        plain = [a for a in arms if isinstance(a, type) and a is not tuple]
+        return _other(value, plain[0] if plain else arms[0])
+    if hint is bool:
+        return not value
+    if hint in (int, float):
+        return hint((value or 0) + 1)  # type: ignore[operator]
+    if hint is str:
+        return f"{value or ''}~"
+    return (*(value if isinstance(value, tuple) else ()), 0)  # tuple[int, ...]
 
 
 def _bool_flags(cls: type) -> set[str]:

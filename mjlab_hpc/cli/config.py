@@ -32,7 +32,6 @@ import tyro
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.rundir.durable import ownership, read_regular, write_atomic
 from mjlab_hpc.spec import SubmitSpec, TrainSpec
-from mjlab_hpc.validate.continuation import named_flags
 
 try:
     import tomllib
@@ -51,6 +50,7 @@ __all__ = [
     "config_files",
     "default_log_root",
     "naming_sources",
+    "typed_fields",
     "user_file",
     "with_site_defaults",
     "write_profile",
@@ -306,15 +306,28 @@ def _layers(profile: str | None, cwd: Path | None) -> list[tuple[Source, dict[st
     return [*layers, *found]
 
 
+def typed_fields(argv: Sequence[str]) -> frozenset[str]:
+    """The fields of mjlab-submit's flags that mjlab-hpc's `argv` types (`--no-video` too).
+
+    mjlab-submit knows its own from its parse (`cli.common.parse_command`); mjlab-hpc's
+    commands hold the same flags in other dataclasses, so their long flags are read here.
+    """
+    fields = {*_hints(SubmitSpec), *_hints(TrainSpec)}
+    typed = set()
+    for arg in argv:
+        name = arg[2:].partition("=")[0].replace("-", "_") if arg.startswith("--") else ""
+        typed.add(name[3:] if name.startswith("no_") and name[3:] in fields else name)
+    return frozenset(typed & fields)
+
+
 def with_site_defaults(
-    spec: SubmitSpec, argv: Sequence[str], cwd: Path | None = None
+    spec: SubmitSpec, named: frozenset[str], cwd: Path | None = None
 ) -> tuple[SubmitSpec, tuple[Setting, ...]]:
-    """Return `spec` with the config files' values for every flag `argv` does not name.
+    """Return `spec` with the config files' values for every field the command did not set.
 
     Also returns those values with where each came from. SpecError (exit 2, nothing done)
     for a malformed file, an unknown key, a wrong type or a --profile that no file has.
     """
-    named = named_flags(spec, argv)
     chosen: dict[str, Setting] = {}
     for source, values in _layers(spec.profile, cwd):
         for name, value in values.items():
@@ -326,14 +339,14 @@ def with_site_defaults(
     return spec, tuple(chosen.values())
 
 
-def default_log_root(given: str, argv: Sequence[str], cwd: Path | None = None) -> str:
+def default_log_root(given: str, named: frozenset[str], cwd: Path | None = None) -> str:
     """The log root where mjlab-hpc's run commands (status, logs, ...) look for runs.
 
-    That is `given` when `argv` types --log-root, else the files' `[defaults]` log-root, else
-    `given`. A bad file is said in a warning and left out: a run is still found and
-    cancelled.
+    That is `given` when --log-root was typed (`named`), else the files' `[defaults]`
+    log-root, else `given`. A bad file is said in a warning and left out: a run is still
+    found and cancelled.
     """
-    if "log_root" in named_flags(TrainSpec(), argv):
+    if "log_root" in named:
         return given
     try:
         layers = _layers(None, cwd)

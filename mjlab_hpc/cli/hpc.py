@@ -23,6 +23,7 @@ from mjlab_hpc.cli.config import (
     config_files,
     default_log_root,
     naming_sources,
+    typed_fields,
     with_site_defaults,
     write_profile,
 )
@@ -608,10 +609,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         site: Sequence[Setting] = ()
         args = sys.argv[1:] if argv is None else argv
         if isinstance(cmd, Render | Doctor) and not getattr(cmd, "write_profile", None):
-            spec, site = with_site_defaults(cmd.spec, args)
+            spec, site = with_site_defaults(cmd.spec, typed_fields(args))
             cmd = replace(cmd, spec=spec)
         elif isinstance(cmd, Status | Logs | Cancel | Plot):  # the runs mjlab-submit made
-            cmd = replace(cmd, log_root=default_log_root(cmd.log_root, args))
+            cmd = replace(cmd, log_root=default_log_root(cmd.log_root, typed_fields(args)))
         with naming_sources(site):
             return _COMMANDS[type(cmd)](cmd)
 

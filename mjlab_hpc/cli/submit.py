@@ -19,7 +19,7 @@ from mjlab_hpc import console as own_console
 from mjlab_hpc.cli.common import (
     drop_internal_variables,
     guarded,
-    parse_with_overrides,
+    parse_command,
     resume_command,
 )
 from mjlab_hpc.cli.config import Setting, applied_lines, naming_sources, with_site_defaults
@@ -36,7 +36,6 @@ from mjlab_hpc.launch.slurm import (
 from mjlab_hpc.launch.submit import (
     Submitted,
     SubmittedSweep,
-    make_run_dir,
     planned_run_dir,
     planned_sweep,
     submit,
@@ -48,12 +47,13 @@ from mjlab_hpc.ops.status import console as wide_console
 from mjlab_hpc.procs import wait_gone
 from mjlab_hpc.rank.context import current_allocation, interactive_step
 from mjlab_hpc.rundir.ends import latest_world_size, rank_ends
+from mjlab_hpc.rundir.layout import realise_target
 from mjlab_hpc.rundir.snapshot import plan_snapshot, planned_record, record_code
 from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
 from mjlab_hpc.validate import executor_for, slurm_only, validate_submit
-from mjlab_hpc.validate.continuation import continued, named_flags
+from mjlab_hpc.validate.continuation import continued
 from mjlab_hpc.validate.sweep import sweep_elements
 
 __all__ = ["main", "run"]
@@ -235,24 +235,32 @@ def follow_sweep(s: SubmittedSweep, console: Console) -> int:
     return 1 if failed else 0
 
 
-def run(spec: SubmitSpec, argv: Sequence[str] = (), site: Sequence[Setting] = ()) -> int:
+def run(
+    spec: SubmitSpec,
+    argv: Sequence[str] = (),
+    named: frozenset[str] = frozenset(),
+    site: Sequence[Setting] = (),
+) -> int:
     """Validate and submit `spec` (or print it, with --dry-run), and return the exit code.
 
-    `argv` is the command's arguments, for the command that resumes the run; `site` the
-    values config files gave it (said on the console).
+    `argv` is the command's arguments, for the command that resumes the run; `named` the
+    fields they set (`parse_command`): a continuation takes every other from the run; `site`
+    the values config files gave it (said on the console).
     """
 
     def body() -> int:
         with naming_sources(site):
-            return _run(spec, argv, site)
+            return _run(spec, argv, named, site)
 
     return guarded(body)
 
 
-def _run(spec: SubmitSpec, argv: Sequence[str], site: Sequence[Setting] = ()) -> int:
+def _run(
+    spec: SubmitSpec, argv: Sequence[str], named: frozenset[str], site: Sequence[Setting] = ()
+) -> int:
     drop_internal_variables()
     if not spec.sweep:  # a sweep makes new runs
-        spec = continued(spec, named_flags(spec, argv))
+        spec = continued(spec, named)  # once, here: the ranks receive the result
     console = Console()
     if spec.dry_run:
         dry_run(spec, validate_submit(spec), site)
@@ -297,7 +305,8 @@ def in_allocation(spec: SubmitSpec, argv: Sequence[str]) -> int:
     alloc = current_allocation(os.environ)
     assert alloc is not None  # validate_submit refuses --executor allocation outside one
     code = plan_snapshot(Path.cwd(), off=not spec.snapshot)  # too large: refused, nothing made
-    run_dir = make_run_dir(spec, resolved)
+    resolved = realise_target(resolved)
+    run_dir = Path(str(resolved.target.path))
     record_code(code, run_dir)
     console = Console(stderr=True)
     console.print(
@@ -380,17 +389,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
         own_console.detach()
     args = list(sys.argv[1:] if argv is None else argv)
-    spec = parse_with_overrides(
+    parsed = parse_command(
         SubmitSpec,
         args,
         __doc__,
         lambda s, overrides: s.replace(train=s.train.replace(overrides=overrides)),
     )
-    if isinstance(spec, int):
-        return spec
+    if isinstance(parsed, int):
+        return parsed
+    spec, named = parsed
     # What the config files say for the flags not typed (a bad file: exit 2, nothing done).
-    found = guarded(lambda: with_site_defaults(spec, args))
-    return found if isinstance(found, int) else run(found[0], args, found[1])
+    found = guarded(lambda: with_site_defaults(spec, named))
+    return found if isinstance(found, int) else run(found[0], args, named, found[1])
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from mjlab_hpc import console
 from mjlab_hpc.cli.common import (
     drop_internal_variables,
     guarded,
-    parse_with_overrides,
+    parse_command,
     resume_command,
 )
 from mjlab_hpc.errors import (
@@ -34,31 +34,34 @@ from mjlab_hpc.rank.context import (
     detect_mode,
 )
 from mjlab_hpc.rundir.ends import failure_kind
-from mjlab_hpc.rundir.layout import create_run_dir
+from mjlab_hpc.rundir.layout import realise_target
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks.video import rendering_problem
 from mjlab_hpc.validate import validate_train
-from mjlab_hpc.validate.continuation import continued, named_flags
+from mjlab_hpc.validate.continuation import continued
 
 __all__ = ["cli", "main", "run"]
 
 PROG = "mjlab-train"
 
 
-def run(spec: TrainSpec, argv: Sequence[str] = ()) -> int:
+def run(spec: TrainSpec, argv: Sequence[str] = (), named: frozenset[str] = frozenset()) -> int:
     """Validate, plan and run `spec`, and return the exit code.
 
-    `argv` is the command's arguments, for the command that resumes the run.
+    `argv` is the command's arguments, for the command that resumes the run; `named` the
+    fields they set (`parse_command`): a continuation takes every other from the run.
     """
-    return guarded(lambda: _run(spec, argv))
+    return guarded(lambda: _run(spec, argv, named))
 
 
-def _run(spec: TrainSpec, argv: Sequence[str]) -> int:
+def _run(spec: TrainSpec, argv: Sequence[str], named: frozenset[str]) -> int:
     launched_by = detect_mode(os.environ)
     single = launched_by == "single"  # not a rank of torchrun, srun or submitit
     if single:  # a rank keeps what its launcher set
         drop_internal_variables()
-    spec = continued(spec, named_flags(spec, argv), rank=not single)
+    # A rank of torchrun or srun decides this as every other rank does: from the same
+    # arguments and the same run.json, which no rank writes before all have joined.
+    spec = continued(spec, named, rank=not single)
     resolved = validate_train(spec, launched_by)
     if not single:
         DistContext.from_env()  # inconsistent launcher variables: fail before any work
@@ -86,17 +89,18 @@ def _run(spec: TrainSpec, argv: Sequence[str]) -> int:
             file=sys.stderr,
             flush=True,
         )
-    if not resolved.train.run_dir and single:
-        # Decided here, so the closing line can name it whatever happens to the ranks
-        # (ranks of torchrun or srun agree on it among themselves).
-        run_dir = create_run_dir(spec.log_root, resolved.experiment_name, resolved.train.run_name)
-        resolved = resolved.replace_train(run_dir=str(run_dir))
-        try:
-            return _run_planned(resolved, plan, argv)
-        finally:  # stopped before any rank wrote to it (a Ctrl-C while torch loads)
+    if not single:  # its rank 0 realises the target and tells the others (agree_run_dir)
+        return _run_planned(resolved, plan, argv)
+    # Realised here, so the closing line can name the run whatever happens to the ranks.
+    made = resolved.target.path is None
+    resolved = realise_target(resolved)
+    run_dir = Path(str(resolved.target.path))
+    try:
+        return _run_planned(resolved, plan, argv)
+    finally:  # a new run stopped before any rank wrote to it (a Ctrl-C while torch loads)
+        if made:
             with contextlib.suppress(OSError):
                 run_dir.rmdir()
-    return _run_planned(resolved, plan, argv)
 
 
 def _run_planned(resolved: ResolvedSpec, plan: LaunchPlan, argv: Sequence[str]) -> int:
@@ -155,10 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with mjlab's own train.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    spec = parse_with_overrides(
+    parsed = parse_command(
         TrainSpec, args, __doc__, lambda s, overrides: s.replace(overrides=overrides)
     )
-    return spec if isinstance(spec, int) else run(spec, args)
+    return parsed if isinstance(parsed, int) else run(parsed[0], args, parsed[1])
 
 
 def cli() -> NoReturn:

@@ -1,8 +1,8 @@
 """Start the ranks of one job on this machine, through submitit's local executor.
 
 Used by `mjlab-train --num-procs N` (N CPU ranks) and `--gpu-ids 0 1 ...` (one rank per GPU).
-The launcher decides the run directory and the rendezvous port once and hands both to every
-rank; each rank runs the same `train_rank` as any other launch path.
+The launcher hands the run directory it was given (the realised run target) and a rendezvous
+port it picks once to every rank; each rank runs the same `train_rank` as any other launch path.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from mjlab_hpc.launch.follow import Closing, follow_to_end
 from mjlab_hpc.procs import processes, send_signal, wait_gone
 from mjlab_hpc.rank import RankJob
 from mjlab_hpc.rank.context import DETACHED_ENV, SUPERVISOR_ENV
-from mjlab_hpc.rundir.layout import SUBMITIT_DIR, create_run_dir
+from mjlab_hpc.rundir.layout import SUBMITIT_DIR
 from mjlab_hpc.rundir.snapshot import import_path, snapshot_for
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 
@@ -210,21 +210,18 @@ def submit_local(
     process stays and supervises the job (its death stops the ranks); else the job runs in
     the background, untouched by this terminal's signals.
     """
-    train = spec.train
-    run_dir = (
-        Path(train.run_dir)
-        if train.run_dir
-        else create_run_dir(train.log_root, spec.experiment_name, train.run_name)
-    )
+    if spec.target.path is None:
+        raise ValueError("submit_local needs a realised run target (rundir.layout.realise_target)")
+    run_dir = Path(spec.target.path)
     executor = LocalJobExecutor(
-        folder=run_dir / SUBMITIT_DIR, max_restarts=train.max_restarts, gpus=tuple(gpus)
+        folder=run_dir / SUBMITIT_DIR, max_restarts=spec.train.max_restarts, gpus=tuple(gpus)
     )
     executor.update_parameters(
         tasks_per_node=ranks, timeout_min=timeout_min, signal_delay_s=signal_delay_s
     )
     code = snapshot_for(run_dir)
     with _controller_environment(foreground, import_path(code) if code else None):
-        job = executor.submit(RankJob(spec.replace_train(run_dir=str(run_dir)), free_port()))
+        job = executor.submit(RankJob(spec, free_port()))
     return LocalJob(job=job, run_dir=run_dir, ranks=ranks)
 
 

@@ -390,7 +390,7 @@ def allocation_srun(spec: SubmitSpec, resolved: ResolvedSpec, run_dir: Path) -> 
         argv.append(f"--cpus-per-task={spec.cpus_per_task}")
     argv += pyxis_args(spec)
     run = [*shlex.split(python), "-u"] if python else [sys.executable, "-u"]
-    train = train_cli_args(resolved.train)
+    train = train_cli_args(resolved.train, every=True)  # what a continuation keeps: decided
     return [*argv, *run, "-m", "mjlab_hpc.cli.train", *train, "--run-dir", str(run_dir)]
 
 

@@ -9,6 +9,7 @@ flag.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import os
 import shutil
@@ -28,7 +29,8 @@ from mjlab_hpc.rundir.layout import (
     SWEEP_ELEMENTS,
     SWEEP_RECORD,
     SWEEPS_DIR,
-    create_run_dir,
+    create_sweep_dir,
+    realise_target,
     run_dir_name,
 )
 from mjlab_hpc.rundir.snapshot import plan_snapshot, record_code, write_code_record
@@ -42,7 +44,6 @@ __all__ = [
     "Submitted",
     "SubmittedSweep",
     "element_spec",
-    "make_run_dir",
     "planned_run_dir",
     "planned_sweep",
     "submit",
@@ -89,10 +90,10 @@ class Submitted:
 def planned_run_dir(spec: SubmitSpec, resolved: ResolvedSpec) -> Path:
     """Return where a dry run would put the run; nothing is created.
 
-    That is --run-dir, the run --resume continues, or a new one.
+    That is the run target's directory (--run-dir, the run --resume continues), or a new one.
     """
-    if resolved.train.run_dir:
-        return Path(resolved.train.run_dir)
+    if resolved.target.path is not None:
+        return Path(resolved.target.path)
     # The resolved run name: mjlab's --agent.run-name sets it too.
     name = run_dir_name(dt.datetime.now(), resolved.train.run_name)
     return (Path(spec.train.log_root) / resolved.experiment_name / name).resolve()
@@ -121,19 +122,19 @@ def submit_chain(
 
 
 def submit_run(
-    spec: SubmitSpec, resolved: ResolvedSpec, kind: Literal["slurm", "local"], run_dir: Path
+    spec: SubmitSpec, resolved: ResolvedSpec, kind: Literal["slurm", "local"]
 ) -> list[Any]:
-    """Submit the ranks of one run that trains `resolved` in `run_dir`.
+    """Submit the ranks of one run that trains `resolved` in its realised target's directory.
 
     That is its job, or the jobs of its --chain in order.
     """
-    train = resolved.replace_train(run_dir=str(run_dir))
+    run_dir = Path(str(resolved.target.path))
     if kind == "local":
         # One GPU per rank, counted within this shell's CUDA_VISIBLE_DEVICES (as mjlab-train's
         # --gpu-ids): the ranks see these, local rank k trains on the k-th.
         gpus = physical_gpu_ids(range(spec.gpus_per_node), os.environ.get("CUDA_VISIBLE_DEVICES"))
         local = submit_local(
-            train,
+            resolved,
             ranks=spec.ranks_per_node,
             gpus=tuple(gpus),
             timeout_min=slurm_time_minutes(spec.time),
@@ -144,25 +145,10 @@ def submit_run(
     links = submit_chain(
         spec,
         lambda link, after: [
-            make_slurm_executor(spec, run_dir, link=link, after=after).submit(RankJob(train))
+            make_slurm_executor(spec, run_dir, link=link, after=after).submit(RankJob(resolved))
         ],
     )
     return [jobs[0] for jobs in links]
-
-
-def make_run_dir(spec: SubmitSpec, resolved: ResolvedSpec) -> Path:
-    """Decide the run directory once: --run-dir, the run --resume continues, or a new one.
-
-    A new one is made here.
-    """
-    if resolved.train.run_dir:
-        run_dir = Path(str(resolved.train.run_dir)).resolve()
-    else:
-        run_dir = create_run_dir(
-            spec.train.log_root, resolved.experiment_name, resolved.train.run_name
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
 
 
 def submit(spec: SubmitSpec) -> Submitted:
@@ -170,14 +156,15 @@ def submit(spec: SubmitSpec) -> Submitted:
     and no run directory is left behind when the scheduler refuses the job."""
     resolved = validate_submit(spec)
     kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
-    made_here = not resolved.train.run_dir  # --run-dir, or the run --resume continues
+    made_here = resolved.target.path is None  # else --run-dir, or the run --resume continues
     code = plan_snapshot(Path.cwd(), not spec.snapshot)  # too large: refused, nothing made
     root = Path(spec.train.log_root)
     new = [p for p in (root / resolved.experiment_name, root) if not p.exists()]
-    run_dir = make_run_dir(spec, resolved)
+    resolved = realise_target(resolved)
+    run_dir = Path(str(resolved.target.path))
     try:
         record_code(code, run_dir)
-        jobs = submit_run(spec, resolved, kind, run_dir)
+        jobs = submit_run(spec, resolved, kind)
     except Exception as exc:
         if made_here:  # nothing ran: leave no empty run (nor folders made for it) behind
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -228,17 +215,17 @@ def _submit_elements(
     kind: Literal["slurm", "local"],
     sweep_dir: Path,
     elements: list[SweepElement],
-    run_dirs: list[Path],
 ) -> list[list[Any]]:
     """Submit one job per element (local), or one job array per link of the --chain (Slurm).
 
-    Returns the jobs of each link of the chain, in element order.
+    Every element's run target is realised. Returns the jobs of each link of the chain, in
+    element order.
     """
     if kind == "local":
         jobs: list[Any] = []
         try:
-            for element, run_dir in zip(elements, run_dirs, strict=True):
-                jobs.extend(submit_run(spec, element.resolved, kind, run_dir))
+            for element in elements:
+                jobs.extend(submit_run(spec, element.resolved, kind))
         except Exception:
             for job in jobs:  # all or nothing: stop what already started
                 job.cancel(check=False)
@@ -248,16 +235,14 @@ def _submit_elements(
     # each run directory links to it, so `<run>/submitit` works as for single jobs.
     folder = sweep_dir / SUBMITIT_DIR
     folder.mkdir()
-    for run_dir in run_dirs:
+    for element in elements:
+        run_dir = Path(str(element.resolved.target.path))
         (run_dir / SUBMITIT_DIR).symlink_to(os.path.relpath(folder, run_dir))
 
     def submit_array(link: int, after: tuple[str, ...]) -> list[Any]:
         executor = array_executor(spec, sweep_dir, link=link, after=after)
         with executor.batch():
-            jobs = [
-                executor.submit(RankJob(e.resolved.replace_train(run_dir=str(d))))
-                for e, d in zip(elements, run_dirs, strict=True)
-            ]
+            jobs = [executor.submit(RankJob(e.resolved)) for e in elements]
         return jobs
 
     return submit_chain(spec, submit_array)
@@ -274,21 +259,21 @@ def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
     kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
     log_root, experiment = spec.train.log_root, resolved.experiment_name
     code = plan_snapshot(Path.cwd(), not spec.snapshot)  # too large: refused, nothing made
-    sweep_dir = create_run_dir(Path(log_root) / experiment, SWEEPS_DIR, spec.train.run_name)
+    sweep_dir = create_sweep_dir(log_root, experiment, spec.train.run_name)
     run_dirs: list[Path] = []
     try:
         code_record = record_code(code, sweep_dir)  # one copy for every element
         (sweep_dir / SWEEP_ELEMENTS).mkdir()
-        for element in elements:
-            run_dirs.append(create_run_dir(log_root, experiment, element.train.run_name))
+        for n, element in enumerate(elements):  # one run directory each, made before submitting
+            element = dataclasses.replace(element, resolved=realise_target(element.resolved))
+            elements[n] = element
+            run_dirs.append(Path(str(element.resolved.target.path)))
             write_code_record(run_dirs[-1], code_record)
             # Each element's job finds its run by its array index (its batch script: its
             # hang files; the healer), before the sweep's record is written.
             element_link = sweep_dir / SWEEP_ELEMENTS / str(element.index)
             element_link.symlink_to(os.path.relpath(run_dirs[-1], element_link.parent))
-        links = _submit_elements(
-            spec, kind, sweep_dir=sweep_dir, elements=elements, run_dirs=run_dirs
-        )
+        links = _submit_elements(spec, kind, sweep_dir=sweep_dir, elements=elements)
     except Exception as exc:
         for path in [*run_dirs, sweep_dir]:  # nothing ran: leave no empty runs behind
             shutil.rmtree(path, ignore_errors=True)

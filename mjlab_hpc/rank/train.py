@@ -56,7 +56,7 @@ from mjlab_hpc.rank.workload import Workload, build_workload
 from mjlab_hpc.rundir.checkpoint import CheckpointPolicy, Checkpoints
 from mjlab_hpc.rundir.durable import open_append
 from mjlab_hpc.rundir.ends import failure_kind
-from mjlab_hpc.rundir.layout import RunDir, create_run_dir, latest_run, record_latest_run
+from mjlab_hpc.rundir.layout import RunDir, realise_target, record_latest_run
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
 from mjlab_hpc.rundir.snapshot import code_record, imported_from
 from mjlab_hpc.rundir.state import (
@@ -71,7 +71,7 @@ from mjlab_hpc.rundir.state import (
 )
 from mjlab_hpc.rundir.writer import RunWriter, busy_problem
 from mjlab_hpc.slurm.client import SlurmClient
-from mjlab_hpc.spec import ResolvedSpec, TrainSpec
+from mjlab_hpc.spec import ResolvedSpec
 from mjlab_hpc.tasks.memory import init_warp
 
 __all__ = [
@@ -97,28 +97,18 @@ class RankResult:
     first_obs_digest: str
 
 
-def agree_run_dir(spec: TrainSpec, ctx: DistContext, experiment: str) -> Path:
-    """Return the one run directory of this run, the same on every rank.
+def agree_run_dir(resolved: ResolvedSpec, ctx: DistContext) -> ResolvedSpec:
+    """Return `resolved` aimed at the one run directory of this run, the same on every rank.
 
-    It is the one the launcher (or --run-dir) gives, else the latest run with --resume, else
-    a new one made by rank 0; rank 0 sends it to the others through the process group.
+    Rank 0 realises the run target validation decided (`realise_target`: a new run's
+    directory is made there, once per job) and sends it to the others, which take it as
+    theirs. Ranks of a launcher of ours receive the realised target already; ranks that
+    torchrun or srun started alone decided theirs alike, from the same arguments.
     """
-    if spec.run_dir:
-        path = Path(spec.run_dir)
-        path.mkdir(parents=True, exist_ok=True)
-        return path.resolve()
-    made = [""]
-    if ctx.is_main:
-        found = latest_run(spec.log_root, experiment) if spec.resume else None
-        if not spec.resume or found is not None:
-            made = [str(found or create_run_dir(spec.log_root, experiment, spec.run_name))]
+    target = [realise_target(resolved).target if ctx.is_main else None]
     if ctx.is_distributed:
-        dist.broadcast_object_list(made, src=0)
-    if not made[0]:  # every rank refuses alike
-        raise ResumeRefused(
-            "--resume", f"no earlier run of {experiment} under {spec.log_root} to continue"
-        )
-    return Path(made[0])
+        dist.broadcast_object_list(target, src=0)
+    return resolved.aimed(target[0])
 
 
 def _refuse_if_busy(run: RunDir, ctx: DistContext) -> None:
@@ -305,7 +295,8 @@ def train_rank(
         joined = time.time()
         for signum in list(early_signals):  # our handlers are in place: none is lost now
             request.early(signum)
-        run = RunDir(agree_run_dir(spec, ctx, resolved.experiment_name))
+        resolved = agree_run_dir(resolved, ctx)
+        run = RunDir(Path(str(resolved.target.path)))
         _refuse_if_busy(run, ctx)
         with _rank_logging(run, ctx.rank) as rank_log:
             log.info("kernel cache: %s", kernels.why)

@@ -1,12 +1,14 @@
 """The run directory's layout: every file name the toolkit reads or writes, in one place.
 
-A run directory is decided once per run and shared by every rank and every restart.
+A run directory is decided once per run (validation decides the `RunTarget`; a new one is made
+here, by `realise_target`) and shared by every rank and every restart.
 docs/launching.md ("The run directory") shows the tree.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -19,6 +21,7 @@ from typing import Any
 from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.procs import user_name
 from mjlab_hpc.rundir.durable import create_exclusive, read_regular, read_tail, write_atomic
+from mjlab_hpc.spec import ResolvedSpec
 
 __all__ = [
     "CANCEL_RECORD",
@@ -37,6 +40,7 @@ __all__ = [
     "RunDir",
     "checkpoint_iteration",
     "create_run_dir",
+    "create_sweep_dir",
     "is_run_dir",
     "keep_runs_private",
     "latest_run",
@@ -50,6 +54,7 @@ __all__ = [
     "read_heartbeats",
     "read_jsonl",
     "read_sweep",
+    "realise_target",
     "record_latest_run",
     "run_dir_for_key",
     "run_dir_name",
@@ -356,11 +361,42 @@ def create_run_dir(
     """Make a new, empty run directory and return it.
 
     The final mkdir is atomic, so two launches in the same second cannot share a directory:
-    the one that loses gets a `-2`, `-3`, ... suffix.
+    the one that loses gets a `-2`, `-3`, ... suffix. Launchers realise a target
+    (`realise_target`) instead of calling this.
     """
-    parent = Path(log_root) / experiment
+    return _new_folder(
+        Path(log_root) / experiment, run_dir_name(now or dt.datetime.now(), run_name)
+    )
+
+
+def create_sweep_dir(log_root: str | Path, experiment: str, run_name: str = "") -> Path:
+    """Make a new sweep's folder, `<experiment>/.sweeps/<timestamp>[_<run-name>]`."""
+    parent = Path(log_root) / experiment / SWEEPS_DIR
+    return _new_folder(parent, run_dir_name(dt.datetime.now(), run_name))
+
+
+def realise_target(resolved: ResolvedSpec) -> ResolvedSpec:
+    """Return `resolved` with the directory of its run made: where every new run's is made.
+
+    A new run's target without a path gets a new directory (`create_run_dir`); a new run in
+    a --run-dir gets that folder made. An existing run's target is returned as it is. A spec
+    resolved without validation (a library caller's) trains in its --run-dir, if any.
+    """
+    target = resolved.target
+    if target.path is None and resolved.train.run_dir:
+        target = dataclasses.replace(target, path=resolved.train.run_dir)
+    if target.path is None:
+        train = resolved.train
+        path = create_run_dir(train.log_root, resolved.experiment_name, train.run_name)
+        return resolved.aimed(dataclasses.replace(target, path=str(path)))
+    if target.kind == "new":
+        Path(target.path).mkdir(parents=True, exist_ok=True)
+    return resolved.aimed(target)
+
+
+def _new_folder(parent: Path, base: str) -> Path:
+    """Make `parent/base` (or `base-2`, `base-3`, ... when taken) atomically and return it."""
     shared_mkdir(parent)
-    base = run_dir_name(now or dt.datetime.now(), run_name)
     for n in range(1, 10_000):
         candidate = parent / (base if n == 1 else f"{base}-{n}")
         try:

@@ -32,12 +32,12 @@ __all__ = [
     "Held",
     "LockError",
     "LockLost",
+    "LockRead",
     "LockRecord",
     "LockTimeout",
     "LockUsageError",
     "Observer",
     "OwnerInfo",
-    "Snapshot",
     "claim_ticket",
     "decode_record",
     "encode_record",
@@ -46,7 +46,7 @@ __all__ = [
     "holder_gone",
     "link_exclusive",
     "pwrite_all",
-    "read_snapshot",
+    "read_lock",
     "remove_if_ours",
     "take_over",
     "unlink_quietly",
@@ -274,14 +274,14 @@ def decode_record(raw: bytes, mtime: float) -> LockRecord:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class LockRead:
     """A lock file as read: its raw bytes (compared byte for byte on takeover), parsed."""
 
     raw: bytes
     record: LockRecord
 
 
-def read_snapshot(path: Path) -> Snapshot | None:
+def read_lock(path: Path) -> LockRead | None:
     """Read the lock file; None if it does not exist (other OSErrors propagate).
 
     Anything but a small regular file in its folder (a FIFO, a link out) is an OSError.
@@ -296,7 +296,7 @@ def read_snapshot(path: Path) -> Snapshot | None:
         return None
     except ValueError as exc:
         raise OSError(errno.EINVAL, str(exc), str(path)) from None
-    return Snapshot(raw=raw, record=decode_record(raw, mtime))
+    return LockRead(raw=raw, record=decode_record(raw, mtime))
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -450,7 +450,7 @@ class Held:
 
 
 def take_over(
-    path: Path, stale: Snapshot, temp: Path, fd: int, lease_s: float, observer: Observer
+    path: Path, stale: LockRead, temp: Path, fd: int, lease_s: float, observer: Observer
 ) -> bool:
     """Replace a stale lock file atomically; True if we now own the lock name.
 
@@ -479,7 +479,7 @@ def take_over(
             if observer.unchanged_for(breaker.name, b"") > lease_s:
                 unlink_quietly(breaker)
             return False
-        current = read_snapshot(path)
+        current = read_lock(path)
         if current is None or current.raw != stale.raw:
             return False
         tomb = path.with_name(f"{path.name}.tomb.{uuid.uuid4().hex}")
@@ -488,7 +488,7 @@ def take_over(
         except FileNotFoundError:
             return False  # another process renamed it first
         try:
-            moved = read_snapshot(tomb)
+            moved = read_lock(tomb)
             if moved is None or moved.raw != stale.raw:
                 with contextlib.suppress(FileExistsError):
                     os.link(tomb, path)
@@ -504,7 +504,7 @@ def take_over(
 def remove_if_ours(path: Path, nonce: str) -> str | None:
     """Remove the lock file if it carries `nonce`; else return why not (None: removed)."""
     try:
-        snap = read_snapshot(path)
+        snap = read_lock(path)
         if snap is None:
             return "the lock file was removed (taken over or deleted)"
         if snap.record.nonce != nonce:
@@ -515,7 +515,7 @@ def remove_if_ours(path: Path, nonce: str) -> str | None:
         except FileNotFoundError:
             return "the lock file was removed (taken over) during release"
         try:
-            moved = read_snapshot(tomb)
+            moved = read_lock(tomb)
             if moved is None or moved.record.nonce != nonce:
                 # Taken over between our read and our rename: give it back.
                 with contextlib.suppress(FileExistsError):

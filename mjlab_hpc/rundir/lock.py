@@ -36,12 +36,12 @@ from mjlab_hpc.rundir.lease import (
     Held,
     LockError,
     LockLost,
+    LockRead,
     LockRecord,
     LockTimeout,
     LockUsageError,
     Observer,
     OwnerInfo,
-    Snapshot,
     claim_ticket,
     encode_record,
     env_error,
@@ -49,7 +49,7 @@ from mjlab_hpc.rundir.lease import (
     holder_gone,
     link_exclusive,
     pwrite_all,
-    read_snapshot,
+    read_lock,
     remove_if_ours,
     take_over,
     unlink_quietly,
@@ -148,7 +148,7 @@ class LeaseLock:
     def holder(self) -> LockRecord | None:
         """Read who holds the lock now (None: nobody)."""
         try:
-            snap = read_snapshot(self.path)
+            snap = read_lock(self.path)
         except OSError as exc:
             raise env_error("read the lock file", self.path, exc) from exc
         return None if snap is None else snap.record
@@ -161,7 +161,7 @@ class LeaseLock:
         lease of waiting may replace it).
         """
         try:
-            first = read_snapshot(self.path)
+            first = read_lock(self.path)
         except OSError as exc:
             raise env_error("read the lock file", self.path, exc) from exc
         if first is None or first.record.owner is None or first.record.lease_s is None:
@@ -174,7 +174,7 @@ class LeaseLock:
         while observer.clock() < first.record.lease_s / 4 + 1.0:
             time.sleep(0.5)
             with contextlib.suppress(OSError):
-                now = read_snapshot(self.path)
+                now = read_lock(self.path)
                 if now is None or now.record.nonce != first.record.nonce:
                     return None
                 if observer.unchanged_for("lock", now.raw) == 0.0:
@@ -311,7 +311,7 @@ class LeaseLock:
         # Look first: waiting on a live holder then costs one read per poll, not a temp file,
         # fsync and link.
         try:
-            snap = read_snapshot(self.path)
+            snap = read_lock(self.path)
         except OSError as exc:
             raise env_error("read the lock file", self.path, exc) from exc
         if snap is not None and not self._is_stale(snap, observer):
@@ -343,7 +343,7 @@ class LeaseLock:
                     if link_exclusive(temp, self.path, fd):
                         snap = None  # won an empty name: nobody displaced
                     else:
-                        snap = read_snapshot(self.path)
+                        snap = read_lock(self.path)
                         if snap is None:
                             return None, None, False  # vacant again: released just now
                         if not self._is_stale(snap, observer):
@@ -384,7 +384,7 @@ class LeaseLock:
             )
             pwrite_all(fd, raw)
             os.fsync(fd)
-            snap = read_snapshot(self.path)
+            snap = read_lock(self.path)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 remove_if_ours(self.path, nonce)
@@ -402,7 +402,7 @@ class LeaseLock:
             hb_mono=heartbeat_mono,
         )
 
-    def _is_stale(self, snap: Snapshot, observer: Observer) -> bool:
+    def _is_stale(self, snap: LockRead, observer: Observer) -> bool:
         """Whether the holder may be replaced.
 
         It may when its process is gone (on this machine), or when we have seen its lock file
@@ -463,7 +463,7 @@ class LeaseLock:
         """Return why the lock file is not ours (None: it carries our nonce and token)."""
         try:
             with held.io_lock:  # no torn read of our own concurrent heartbeat
-                snap = read_snapshot(self.path)
+                snap = read_lock(self.path)
         except OSError as exc:
             return f"cannot read the lock file to verify ownership: {exc}"
         if snap is None:

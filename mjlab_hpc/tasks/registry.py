@@ -21,7 +21,7 @@ from mjlab_hpc.tasks.warmstart import (
     wandb_login_problem,
 )
 
-__all__ = ["list_tasks", "resolve"]
+__all__ = ["experiment_of", "list_tasks", "resolve_task"]
 
 
 def list_tasks() -> list[TaskInfo]:
@@ -46,7 +46,7 @@ def list_tasks() -> list[TaskInfo]:
     return tasks
 
 
-def resolve(spec: TrainSpec) -> ResolvedSpec:
+def resolve_task(spec: TrainSpec) -> ResolvedSpec:
     """Look the spec's task up once and apply its flags and overrides.
 
     The result holds the effective values every later stage uses. The task is built-in or
@@ -83,22 +83,7 @@ def resolve(spec: TrainSpec) -> ResolvedSpec:
             ),
         )
     if not mjlab.is_mjlab_task(spec.task):
-        known = mjlab.list_mjlab_tasks()
-        close = difflib.get_close_matches(spec.task, [*BUILTIN_TASKS, *known], n=1, cutoff=0.6)
-        if not close:  # case and dashes: "mjlab-cartpole-balance", "Cartpole"
-            folded = {t.lower().replace("_", "-"): t for t in [*BUILTIN_TASKS, *known]}
-            close = [folded[k] for k in folded if k == spec.task.lower().replace("_", "-")]
-        guess = f"did you mean {close[0]!r}? " if close else ""
-        hint = (
-            f"; mjlab tasks: {', '.join(known)}"
-            if known
-            else "; mjlab tasks need the [mjlab] extra (pip install 'mjlab-hpc[mjlab]')"
-        )
-        raise SpecError(
-            "TASK",
-            f"unknown task {spec.task!r}; {guess}built-in tasks: "
-            f"{', '.join(sorted(BUILTIN_TASKS))}" + hint,
-        )
+        raise _unknown_task(spec.task)
     try:
         defaults = mjlab.task_defaults(spec.task, spec.num_envs, spec.max_iterations, overrides)
     except ValueError as exc:
@@ -160,3 +145,43 @@ def _start_checkpoint(
         exclude = Path(spec.run_dir) if spec.run_dir else None
         path = find_run_checkpoint(folder, load_run, load_checkpoint, exclude)
     return str(path.resolve())
+
+
+def _unknown_task(task: str) -> SpecError:
+    """The error for a task neither built in nor registered in mjlab, with the known ones."""
+    known = mjlab.list_mjlab_tasks()
+    close = difflib.get_close_matches(task, [*BUILTIN_TASKS, *known], n=1, cutoff=0.6)
+    if not close:  # case and dashes: "mjlab-cartpole-balance", "Cartpole"
+        folded = {t.lower().replace("_", "-"): t for t in [*BUILTIN_TASKS, *known]}
+        close = [folded[k] for k in folded if k == task.lower().replace("_", "-")]
+    guess = f"did you mean {close[0]!r}? " if close else ""
+    hint = (
+        f"; mjlab tasks: {', '.join(known)}"
+        if known
+        else "; mjlab tasks need the [mjlab] extra (pip install 'mjlab-hpc[mjlab]')"
+    )
+    return SpecError(
+        "TASK",
+        f"unknown task {task!r}; {guess}built-in tasks: {', '.join(sorted(BUILTIN_TASKS))}" + hint,
+    )
+
+
+def experiment_of(spec: TrainSpec) -> str:
+    """Return the experiment folder of the spec's runs: --experiment-name, else the task's.
+
+    Only the name (no download, no check of the overrides): how `--resume` finds the run it
+    continues before the task is resolved with that run's settings.
+    """
+    if spec.experiment_name:
+        return spec.experiment_name
+    if spec.task in BUILTIN_TASKS:
+        return BUILTIN_TASKS[spec.task].experiment_name
+    if not mjlab.is_mjlab_task(spec.task):
+        raise _unknown_task(spec.task)
+    try:
+        defaults = mjlab.task_defaults(
+            spec.task, spec.num_envs, spec.max_iterations, spec.overrides
+        )
+    except ValueError as exc:
+        raise SpecError("--env/--agent", str(exc)) from None
+    return defaults.experiment_name

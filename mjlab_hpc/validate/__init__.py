@@ -76,9 +76,10 @@ def _check_faults(warn: Callable[[str], None]) -> None:
 def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec:
     """Check a training spec and resolve its task.
 
-    With --resume, the run it continues is decided here: the resolved spec names it as its
-    run directory. `launched_by` is the launcher that started this process; a torchrun or
-    srun rank starts no other rank, and its launcher checked what this machine holds.
+    The run target (new, continued or restarted, and its directory) is decided here, in
+    `continue_target`: the resolved spec carries it. `launched_by` is the launcher that
+    started this process; a torchrun or srun rank starts no other rank, and its launcher
+    checked what this machine holds.
     """
     single = launched_by == "single"
     _check_faults(_warn if single else lambda _: None)

@@ -1,10 +1,11 @@
 """What a command that continues a run means, and what it may change.
 
 `continued` fills every setting the command does not name from the run (run.json); what it
-names of where the run is must be where the run is. `continue_target` then finds the run
---resume continues and says each change of the run's settings, or refuses one that its saved
-environments do not fit (docs/preemption.md, "What a continuation may change"). Only the CLIs
-know what a command named (`named_flags`): the specs hold every field, given or default.
+names of where the run is must be where the run is. Which fields a command named comes from
+how it parsed (`mjlab_hpc.cli.common.parse_command`), not from its text. `continue_target`
+then decides the run target (`RunTarget`: new, continue or restart, and where) and says each
+change of the run's settings, or refuses one that its saved environments do not fit
+(docs/preemption.md, "What a continuation may change").
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ from mjlab_hpc.spec import (
     NOT_RUN_SETTINGS,
     SIMULATOR_PACKAGES,
     ResolvedSpec,
+    RunKind,
+    RunTarget,
     SubmitSpec,
     TrainSpec,
 )
 from mjlab_hpc.tasks.mjlab import configured_cfgs
-from mjlab_hpc.validate.rules import resolve
+from mjlab_hpc.tasks.registry import experiment_of
 from mjlab_hpc.validate.world import check_run_dir
 
-__all__ = ["continue_target", "continued", "named_flags", "override_values"]
+__all__ = ["continue_target", "continued", "override_values"]
 
 S = TypeVar("S", TrainSpec, SubmitSpec)
 
@@ -51,35 +54,6 @@ _WORLD = {
     TrainSpec: ("num_procs", "gpu_ids"),
     SubmitSpec: ("nodes", "tasks_per_node", "gpus_per_node"),
 }
-
-
-def _fields(cls: type) -> set[str]:
-    names = set()
-    for f in dataclasses.fields(cls):
-        if f.name == "train" and cls is SubmitSpec:
-            names |= _fields(TrainSpec)  # its flags carry no prefix
-        else:
-            names.add(f.name)
-    return names
-
-
-def named_flags(spec: TrainSpec | SubmitSpec, argv: Sequence[str]) -> frozenset[str]:
-    """Return the fields a command's arguments name.
-
-    `--max-iterations 3`, `--no-video` and `--save_interval=2` name their fields; TASK names
-    `task`. `overrides` are named by themselves.
-    """
-    fields = _fields(type(spec))
-    train = spec.train if isinstance(spec, SubmitSpec) else spec
-    named = {"task"} if train.task in argv else set()
-    for arg in argv:
-        if not arg.startswith("--"):
-            continue
-        name = arg[2:].partition("=")[0].replace("-", "_")
-        name = name[3:] if name.startswith("no_") and name[3:] in fields else name
-        if name in fields:
-            named.add(name)
-    return frozenset(named)
 
 
 def _override_key(arg: str) -> str:
@@ -133,18 +107,22 @@ def _fits_type(value: object, hint: object) -> bool:
     return isinstance(hint, type) and isinstance(value, hint)
 
 
-def _run_of(train: TrainSpec) -> Path | None:
-    """Return the existing run a command continues (--run-dir, or the one --resume finds)."""
-    if train.run_dir:
-        path = Path(train.run_dir)
-        return path if path.is_dir() else None
-    if not train.resume:
-        return None
-    experiment = train.experiment_name or resolve(train).experiment_name
+def _found_run(train: TrainSpec, experiment: str) -> Path:
+    """Return the run --resume continues: the latest of `experiment` under --log-root.
+
+    SpecError names --resume when there is none, or when the record naming it is damaged.
+    """
     try:
-        return latest_run(train.log_root, experiment)
-    except DamagedRecord:
-        return None  # refused, naming the record, where --resume is checked
+        run = latest_run(train.log_root, experiment)
+    except DamagedRecord as exc:
+        raise SpecError("--resume", str(exc)) from None
+    if run is None:
+        raise SpecError(
+            "--resume",
+            f"no earlier run of {experiment} under {train.log_root} to continue; drop "
+            "--resume to start one, or name it with --run-dir",
+        )
+    return run
 
 
 def _check_place(
@@ -153,8 +131,12 @@ def _check_place(
     before: dict[str, Any],
     named: frozenset[str],
     effective: dict[str, Any],
+    found: bool,
 ) -> None:
-    """Refuse an experiment, run name or log root the command names that the run is not in."""
+    """Refuse an experiment, run name or log root the command names that the run is not in.
+
+    `found`: --resume found the run (under --log-root, in its experiment).
+    """
     experiment = effective.get("experiment_name") or before.get("experiment_name")
     for field, what, were, ours in (
         ("experiment_name", "experiment", experiment, train.experiment_name),
@@ -167,7 +149,7 @@ def _check_place(
                 f"{run} is a run of {what} {were!r}, not {ours!r}: drop {flag} to continue it "
                 "there, or give another run directory",
             )
-    if "log_root" in named and train.run_dir:
+    if "log_root" in named and not found:
         root = Path(train.log_root).resolve()
         if root not in run.resolve().parents:
             raise SpecError(
@@ -179,22 +161,28 @@ def _check_place(
 def continued(spec: S, named: frozenset[str], rank: bool = False) -> S:
     """Return `spec` with every setting the command did not name taken from the run it continues.
 
-    The settings are the run's as recorded in run.json; `spec` is unchanged when it continues
-    no run. `rank`: a rank of torchrun or srun, whose number of ranks its launcher says.
+    The run is --run-dir, or the one --resume finds, which becomes the spec's run directory
+    (found once). The settings are the run's as recorded in run.json; `spec` is otherwise
+    unchanged when it continues no run. `named`: the fields the command set. `rank`: a rank
+    of torchrun or srun, whose number of ranks its launcher says.
     """
     train = spec.train if isinstance(spec, SubmitSpec) else spec
-    run = _run_of(train)
+    found = train.resume and not train.run_dir  # else --run-dir names it
+    if found:
+        train = train.replace(run_dir=str(_found_run(train, experiment_of(train))))
+        spec = spec.replace(train=train) if isinstance(spec, SubmitSpec) else train  # type: ignore[assignment]
+    run = Path(train.run_dir) if train.run_dir and Path(train.run_dir).is_dir() else None
     record = read_record(run) if run is not None else {}
     before = record.get("spec") or {}
     if run is None or not before:
         return spec
     effective = record.get("effective") or {}
-    _check_place(run, train, before, named, effective)
+    _check_place(run, train, before, named, effective, found)
     hints = typing.get_type_hints(TrainSpec, include_extras=True)
     world = _WORLD[type(spec)]
     keep_world = not rank and not named & set(world)
     # What --resume found the run by stays what the command says.
-    found_by = {"log_root"} if train.run_dir else {"log_root", "experiment_name"}
+    found_by = {"log_root", "experiment_name"} if found else {"log_root"}
     changes: dict[str, Any] = {}
     for name, value in before.items():
         if name not in hints or name in named or name in {*_THIS_START, *found_by, "overrides"}:
@@ -204,7 +192,7 @@ def continued(spec: S, named: frozenset[str], rank: bool = False) -> S:
         value = tuple(value) if name == "gpu_ids" and isinstance(value, list) else value
         if _fits_type(value, hints[name]):
             changes[name] = value
-    if "log_root" not in named and train.run_dir and run.parent.parent != run.parent:
+    if "log_root" not in named and not found and run.parent.parent != run.parent:
         changes["log_root"] = str(run.parent.parent)  # where the run is, wherever it ran from
     changes["overrides"] = _merged_overrides(before.get("overrides") or (), train.overrides)
     size, device = record.get("world_size"), str(record.get("device") or "")
@@ -233,40 +221,37 @@ def continue_target(
     say: Callable[[str], None] = lambda line: None,
     launcher: bool = True,
 ) -> ResolvedSpec:
-    """Return `resolved` with the run directory it continues filled in, after checking it.
+    """Return `resolved` with its run target decided, after checking it: the one place.
 
-    An existing run directory (--run-dir, or the run --resume finds) must hold a run of the
-    same task that no other training writes now. When it has a checkpoint, this start must
-    keep what its saved environments fit. `world` is the number of ranks (None: the launcher
-    does not know it) and the flag that sets it. `launcher` is False in a rank, whose rank 0
-    may hold the run already. The settings this start changes are said through `say`.
+    No run directory: a new run, made when the target is realised. An existing run directory
+    (--run-dir, or the run --resume finds) must hold a run of the same task that no other
+    training writes now; it is continued from its newest valid checkpoint, restarted when
+    every checkpoint is damaged and --restart-from-scratch says so, else trained from
+    iteration 0 (it holds none). A continuation must keep what its saved environments fit.
+    `world` is the number of ranks (None: the launcher does not know it) and the flag that
+    sets it. `launcher` is False in a rank, whose rank 0 may hold the run already. The
+    settings this start changes are said through `say`.
     """
     train = resolved.train
-    run_dir = Path(train.run_dir) if train.run_dir else None
-    if run_dir is None and train.resume:
-        try:
-            run_dir = latest_run(train.log_root, resolved.experiment_name)
-        except DamagedRecord as exc:
-            raise SpecError("--resume", str(exc)) from None
-        if run_dir is None:
-            raise SpecError(
-                "--resume",
-                f"no earlier run of {resolved.experiment_name} under {train.log_root} to "
-                "continue; drop --resume to start one, or name it with --run-dir",
-            )
-    if run_dir is None:
-        return resolved
-    if train.resume and not is_run_dir(run_dir):
-        what = "does not exist" if not run_dir.exists() else "holds no run"
+    if train.resume and not train.run_dir:  # not continued (`continued`) before
+        found = _found_run(train, resolved.experiment_name)
+        resolved = resolved.replace_train(run_dir=str(found))
+        train = resolved.train
+    if not train.run_dir:
+        return resolved.aimed(RunTarget())
+    given = Path(train.run_dir)
+    if train.resume and not is_run_dir(given):
+        what = "does not exist" if not given.exists() else "holds no run"
         raise SpecError(
             "--resume",
-            f"{run_dir} {what}: nothing to continue. Drop --resume to start a new run there, "
+            f"{given} {what}: nothing to continue. Drop --resume to start a new run there, "
             "or name the run to continue",
         )
     # The ranks check again (and load); refusing here starts no process at all.
-    flag = "--run-dir" if train.run_dir else "--resume"
+    flag = "--resume" if train.resume else "--run-dir"
     if launcher:
-        check_run_dir(flag, str(run_dir))
+        check_run_dir(flag, str(given))
+    run_dir = given.resolve()
     if launcher and (busy := busy_problem(RunDir(run_dir))) is not None:
         raise SpecError(flag, busy)
     checkpoints = Checkpoints(run_dir, resolved.task)
@@ -285,7 +270,8 @@ def continue_target(
     if launcher and valid is not None:
         for d in damaged:  # a rank sets them aside when it starts
             say(f"skipping damaged checkpoint {d.name}: {d.why}")
-    if valid is not None and not train.restart_from_scratch:
+    kind: RunKind = "continue" if valid is not None else "restart" if damaged else "new"
+    if valid is not None:
         done = checkpoint_iteration(valid) or 0
         if resolved.max_iterations < done:
             raise SpecError(
@@ -295,7 +281,7 @@ def continue_target(
             )
     if list_checkpoints(run_dir):
         _check_continuation(run_dir, resolved, world, say)
-    return resolved.replace_train(run_dir=str(run_dir))
+    return resolved.aimed(RunTarget(kind=kind, path=str(run_dir)))
 
 
 def _check_continuation(

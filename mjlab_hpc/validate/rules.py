@@ -181,7 +181,7 @@ def resolve(spec: TrainSpec) -> ResolvedSpec:
     Every entry point starts with it. mjlab's --agent.save-interval and --agent.run-name
     change the spec as they resolve; the changed spec is checked too.
     """
-    resolved = registry.resolve(check_train(spec))
+    resolved = registry.resolve_task(check_train(spec))
     if resolved.train != spec:
         check_train(resolved.train)
     return resolved

@@ -30,7 +30,7 @@ from mjlab_hpc.rank.context import (
     interactive_step,
 )
 from mjlab_hpc.spec import SubmitSpec, TrainSpec
-from mjlab_hpc.tasks.registry import resolve
+from mjlab_hpc.tasks.registry import resolve_task
 from mjlab_hpc.validate.world import check_allocation
 
 
@@ -68,12 +68,12 @@ def test_the_srun_inside_an_allocation(tmp_path: Path) -> None:
     spec = SubmitSpec(
         train=TrainSpec(task="cartpole", num_envs=16), nodes=2, gpus_per_node=0, tasks_per_node=2
     )
-    argv = allocation_srun(spec, resolve(spec.train), tmp_path)
+    argv = allocation_srun(spec, resolve_task(spec.train), tmp_path)
     assert argv[0] == "srun" and argv[2:5] == ["--nodes=2", "--ntasks=4", "--ntasks-per-node=2"]
     # Named after the run (a dry run shows the step that runs), another run another name.
     assert argv[1].startswith("--job-name=mjlab-ranks-")
-    assert argv == allocation_srun(spec, resolve(spec.train), tmp_path)
-    assert allocation_srun(spec, resolve(spec.train), tmp_path / "b")[1] != argv[1]
+    assert argv == allocation_srun(spec, resolve_task(spec.train), tmp_path)
+    assert allocation_srun(spec, resolve_task(spec.train), tmp_path / "b")[1] != argv[1]
     python = argv[argv.index(sys.executable) :][:4]
     assert python == [sys.executable, "-u", "-m", "mjlab_hpc.cli.train"]
     assert argv[-2:] == ["--run-dir", str(tmp_path)]

@@ -19,8 +19,8 @@ from helpers import BIN, cli_env, recording_tools
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.slurm import allocation_srun, render, render_sbatch
-from mjlab_hpc.launch.submit import make_run_dir, submit_run
-from mjlab_hpc.rundir.layout import RunDir, run_dir_for_key
+from mjlab_hpc.launch.submit import submit_run
+from mjlab_hpc.rundir.layout import RunDir, realise_target, run_dir_for_key
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import SubmitSpec, TrainSpec, train_cli_args
 from mjlab_hpc.validate import resolve, validate_submit
@@ -356,9 +356,9 @@ def test_local_executor_hands_its_ranks_the_gpus_asked_for(
         task="cartpole", num_envs=16, max_iterations=1, torch_threads=1, log_root=str(tmp_path)
     )
     spec = SubmitSpec(train=train, executor="local", gpus_per_node=2)
-    resolved = resolve(train)
-    run_dir = make_run_dir(spec, resolved)
-    [job] = submit_run(spec, resolved, "local", run_dir)
+    resolved = realise_target(resolve(train))
+    run_dir = Path(str(resolved.target.path))
+    [job] = submit_run(spec, resolved, "local")
     job.results()  # both ranks to their end
     run = RunDir(run_dir)
     for rank in (0, 1):

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 from helpers import BIN, cli_env, only_run
 
+from mjlab_hpc.cli.common import parse_command
 from mjlab_hpc.errors import EXIT_BAD_INPUT, SpecError
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
 from mjlab_hpc.rundir.state import read_record
-from mjlab_hpc.spec import SubmitSpec, TrainSpec
+from mjlab_hpc.spec import RunTarget, SubmitSpec, TrainSpec
 from mjlab_hpc.validate import resolve
-from mjlab_hpc.validate.continuation import continue_target, continued, named_flags
+from mjlab_hpc.validate.continuation import continue_target, continued
 
 BASE = ["cartpole", "--num-envs", "16", "--torch-threads", "1", "--save-interval", "1"]
 
@@ -154,9 +155,17 @@ def test_a_continuation_keeps_what_it_does_not_name(tmp_path: Path) -> None:
     run = _recorded_run(tmp_path / "logs", 2)
     argv = ["cartpole", "--max_iterations=8", "--no-video", "--run-dir", str(run)]
     argv += ["--agent.gamma", "0.95"]
-    spec = TrainSpec(run_dir=str(run), max_iterations=8, overrides=("--agent.gamma", "0.95"))
-    assert named_flags(spec, argv) == {"task", "max_iterations", "video", "run_dir"}
-    got = continued(spec, named_flags(spec, argv))
+    parsed = parse_command(TrainSpec, argv, None, lambda s, o: s.replace(overrides=o))
+    assert not isinstance(parsed, int)
+    spec, named = parsed
+    assert spec == TrainSpec(
+        run_dir=str(run), max_iterations=8, overrides=("--agent.gamma", "0.95")
+    )
+    # What the command set, from how it parsed: a default value given counts as set.
+    assert named == {"task", "max_iterations", "video", "run_dir"}
+    again = parse_command(TrainSpec, ["--seed", "42", "--video", "False"], None, lambda s, o: s)
+    assert not isinstance(again, int) and again[1] == {"seed", "video"}
+    got = continued(spec, named)
     assert (got.max_iterations, got.save_interval, got.num_envs, got.torch_threads) == (8, 2, 16, 1)
     assert got.num_procs == 2  # the job's two CPU ranks (--tasks-per-node 2): here --num-procs
     assert got.overrides == ("--agent.learning-rate", "0.001", "--agent.gamma", "0.95")
@@ -182,6 +191,9 @@ def test_a_continuation_keeps_what_it_does_not_name(tmp_path: Path) -> None:
     resolved = continue_target(target, world=(2, "--num-procs"), say=notes.append)
     assert notes == [f"continuing {run}: --max-iterations 6 -> 8; --agent.gamma 0.9 -> 0.95"]
     assert resolved.train.num_procs == 2
+    # The run target, decided once: this run, continued from its checkpoint.
+    assert resolved.target == RunTarget(kind="continue", path=str(run.resolve()))
+    assert resolved.train.run_dir == str(run.resolve())
 
 
 def test_resume_of_nothing_is_an_error(tmp_path: Path) -> None:

@@ -111,6 +111,22 @@ def test_three_ranks_torchrun(tmp_path: Path) -> None:
     assert summary["launch_mode"] == "torchrun"
     # Only rank 0 talks: one progress line per iteration, not three.
     assert proc.stdout.count("[train] it 3/3") == 1
+    # --resume: every rank decides the same run from the same arguments (and rank 0 tells
+    # the others); it goes on there with the run's own settings, no second run is made.
+    torchrun[2] = f"--master_port={free_port()}"
+    resume = ["cartpole", "--resume", "--log-root", str(tmp_path), "--max-iterations", "5"]
+    more = subprocess.run(
+        [*torchrun, "--no_python", "mjlab-train", *resume],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert more.returncode == 0, more.stderr[-3000:]
+    run = only_run(tmp_path)
+    summary = json.loads(run.summary.read_text())
+    assert (summary["resumed_from"], summary["iterations"], summary["world_size"]) == (3, 5, 3)
+    assert json.loads(run.record.read_text())["spec"]["num_envs"] == 64
 
 
 def test_two_nodes_torchrun_loopback(tmp_path: Path) -> None:

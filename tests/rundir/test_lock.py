@@ -425,7 +425,7 @@ def test_late_racer_does_not_steal_a_fresh_lock(tmp_path: Path) -> None:
     """
     path = tmp_path / "writer.lock"
     _write_stale_record(path, 0, valid=True)
-    stale = lock_mod.read_snapshot(path)
+    stale = lock_mod.read_lock(path)
     assert stale is not None
     with LeaseLock(path, lease_s=30) as fresh:  # the first racer's takeover
         inode = path.stat().st_ino
