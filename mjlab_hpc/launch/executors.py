@@ -40,7 +40,7 @@ from mjlab_hpc.errors import (
 from mjlab_hpc.launch.heal import decide, record_healing, restart_here
 from mjlab_hpc.rank.context import START_ENV
 from mjlab_hpc.rank.signals import FORWARDED
-from mjlab_hpc.rundir.layout import HEARTBEAT_DIR, LOGS_DIR, SWEEP_ELEMENTS
+from mjlab_hpc.rundir.layout import HANG_GLOB, HEARTBEAT_DIR, LOGS_DIR, SWEEP_ELEMENTS
 
 __all__ = [
     "CONTROLLER_MODULE",
@@ -87,7 +87,7 @@ watch_step() {{
   local ended=
   while sleep 1; do
     if [ -z "$ended" ] && {{ grep -qsa Traceback {folder}/"${{key:-$SLURM_JOB_ID}}"_*_result.pkl ||
-      compgen -G {heartbeats}/'hang-rank*.json'; }} >/dev/null; then ended=$SECONDS; fi
+      compgen -G {heartbeats}/'{hang_glob}'; }} >/dev/null; then ended=$SECONDS; fi
     if [ -n "$ended" ] && [ $((SECONDS - ended)) -ge {stuck} ]; then
       for p in $(pgrep -P $$ -x srun); do pkill -KILL -P "$p"; kill -KILL "$p"; done
     fi
@@ -192,6 +192,7 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
             heal=heal,
             folder=shlex.quote(str(self.folder)),
             heartbeats=heartbeats,
+            hang_glob=HANG_GLOB,
             stuck=_STUCK_S,
             restart=EXIT_RESTART,
             requeue=EXIT_REQUEUE,

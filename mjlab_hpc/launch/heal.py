@@ -307,7 +307,7 @@ def record_healing(
         finally:
             writer.release()
     finally:  # read now: never taken for a later start's
-        for path in RunDir(run_dir).heartbeats.glob("hang-rank*.json"):
+        for path in RunDir(run_dir).hangs():
             path.unlink(missing_ok=True)
 
 

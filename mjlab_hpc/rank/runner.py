@@ -27,10 +27,10 @@ from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.normalization import NormalizerSync, agree_normalizers, sync_normalizers
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
 from mjlab_hpc.rundir.durable import create_exclusive, write_atomic
+from mjlab_hpc.rundir.layout import WANDB_RECORD
 from mjlab_hpc.rundir.progress import IterationStats
 
 __all__ = [
-    "WANDB_RECORD",
     "CollectiveClock",
     "ContextRunnerMixin",
     "DistributedRunner",
@@ -39,9 +39,6 @@ __all__ = [
     "runner_class",
     "state_digest",
 ]
-
-#: The run's W&B record (its W&B run id and the last step W&B was given), in the run folder.
-WANDB_RECORD = "wandb_run.json"
 
 
 IterationHook = Callable[[Any, IterationStats], None]

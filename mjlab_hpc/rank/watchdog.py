@@ -102,7 +102,7 @@ class Watchdog:
         rank_log: TextIO,
         beat_s: float = 2.0,
         host: str | None = None,
-        on_fire: Callable[[], None] | None = None,
+        on_fire: Callable[[str], None] | None = None,
     ) -> None:
         self.run = run
         self.rank = rank
@@ -112,7 +112,8 @@ class Watchdog:
         self.beat_s = beat_s if timeout_s is None else min(beat_s, max(timeout_s / 4, 0.25))
         self.host = host or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self.on_fire = on_fire
-        """Called before the exit (the writer gives up its lease: the healer needs it)."""
+        """Called with how the start ended before the exit: the rank's end record, and the
+        writer gives up its lease (the healer needs it)."""
         self.iteration = 0
         self._armed_at: float | None = None
         self._paused = 0
@@ -129,7 +130,7 @@ class Watchdog:
         self.run.heartbeats.mkdir(parents=True, exist_ok=True)
         # An earlier start's hang (the healer read it before this start).
         with contextlib.suppress(OSError):
-            (self.run.heartbeats / f"hang-rank{self.rank}.json").unlink(missing_ok=True)
+            self.run.hang(self.rank).unlink(missing_ok=True)
         self._beat()
         self._thread = threading.Thread(target=self._loop, name="watchdog", daemon=True)
         self._thread.start()
@@ -210,10 +211,7 @@ class Watchdog:
     def _peer_fired(self) -> bool:
         """Another rank's watchdog has fired in this start: write this rank's stacks too."""
         try:
-            return any(
-                p.name != f"hang-rank{self.rank}.json"
-                for p in self.run.heartbeats.glob("hang-rank*.json")
-            )
+            return any(p != self.run.hang(self.rank) for p in self.run.hangs())
         except OSError:
             return False
 
@@ -298,22 +296,21 @@ class Watchdog:
         except (OSError, ValueError):
             pass
         with contextlib.suppress(OSError):
-            (self.run.heartbeats / f"hang-rank{self.rank}.json").write_text(
-                json.dumps(hang.as_dict())
-            )
+            self.run.hang(self.rank).write_text(json.dumps(hang.as_dict()))
         # The other live ranks fire within moments (they wait for the same peer): give them
         # the time to write their stacks before this exit ends the job's other ranks.
         deadline = time.monotonic() + min(10.0, max(2.0, 2 * self.beat_s))
         live = {r for r in range(self.world_size) if r not in hang.stalled}
         while time.monotonic() < deadline:
-            done = {r for r in live if (self.run.heartbeats / f"hang-rank{r}.json").exists()}
+            done = {r for r in live if self.run.hang(r).exists()}
             if done >= live:
                 break
             time.sleep(0.2)
+        detail = f"hung after iteration {hang.iteration} ({who})"
         if self.on_fire is not None:
             with contextlib.suppress(Exception):
-                self.on_fire()
-        log.error("exit: hung after iteration %d (%s)", hang.iteration, who)
+                self.on_fire(detail)
+        log.error("exit: %s", detail)
         for handler in log.handlers:
             with contextlib.suppress(OSError):
                 handler.flush()
@@ -367,7 +364,7 @@ class FaultInjection:
         """
         if rank != self.rank or iteration < self.iteration:
             return
-        marker = run.heartbeats / f"injected-{self.kind}@{self.iteration}-rank{rank}"
+        marker = run.injected(self.kind, self.iteration, rank)
         if self.kind == "slow":
             # once: the start that wrote the marker stays slow, later ones do not
             me = f"{socket.gethostname()} {os.getpid()} {os.environ.get('SLURM_STEP_ID', '')}"

@@ -253,7 +253,7 @@ def _mjlab_workload(
                 motion_file=resolved.motion_file,
                 recording=recording,
                 nan_guard=spec.enable_nan_guard,
-                nan_guard_dir=str(run.path / "nan_dumps" / f"rank{ctx.rank}"),
+                nan_guard_dir=str(run.nan_dumps(ctx.rank)),
             )
 
     runtime = build_staged(build, ctx)
