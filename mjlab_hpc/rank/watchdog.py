@@ -30,12 +30,22 @@ from typing import Any, TextIO
 from mjlab_hpc.errors import EXIT_HUNG
 from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
 
-__all__ = ["FAULT_ENV", "FaultInjection", "Hang", "Watchdog", "hang_limit_s", "parse_faults"]
+__all__ = [
+    "FAULT_ENV",
+    "SAY_ENV",
+    "FaultInjection",
+    "Hang",
+    "Watchdog",
+    "hang_limit_s",
+    "parse_faults",
+]
 
 log = logging.getLogger("mjlab_hpc")
 
 FAULT_ENV = "MJLAB_HPC_FAULT"
-_FAULT = re.compile(r"^(raise|kill|stop|slow)@(\d+)((?::rank\d+)?)((?::once)?)$")
+#: What a `say` fault prints: each paragraph (lines up to an empty line) one log record.
+SAY_ENV = "MJLAB_HPC_FAULT_SAY"
+_FAULT = re.compile(r"^(raise|kill|stop|slow|say)@(\d+)((?::rank\d+)?)((?::once)?)$")
 # A heartbeat seen unchanged for this many beats is a process that no longer runs.
 _STALE_BEATS = 3
 
@@ -334,9 +344,10 @@ class FaultInjection:
     """A fault to inject at the end of an iteration, as `MJLAB_HPC_FAULT` asks.
 
     `MJLAB_HPC_FAULT=KIND@ITERATION[:rankK][:once],...` asks for `raise` (an exception),
-    `kill` (SIGKILL of the rank itself), `stop` (SIGSTOP: a hang) or `slow` (from that
-    iteration on, the rank works twice as long per iteration: a straggler). With `once`, a
-    fault happens only in the first start that reaches it.
+    `kill` (SIGKILL of the rank itself), `stop` (SIGSTOP: a hang), `slow` (from that
+    iteration on, the rank works twice as long per iteration: a straggler) or `say` (the rank
+    prints `MJLAB_HPC_FAULT_SAY` into its log and output: text that looks like ours changes
+    no decision). With `once`, a fault happens only in the first start that reaches it.
     """
 
     kind: str
@@ -351,7 +362,7 @@ class FaultInjection:
         if not m:
             raise ValueError(
                 f"{FAULT_ENV}: {text!r} is not KIND@ITERATION[:rankK][:once] with KIND one of "
-                "raise, kill, stop, slow (e.g. kill@12:rank1:once; several: comma-separated)"
+                "raise, kill, stop, slow, say (e.g. kill@12:rank1:once; several: comma-separated)"
             )
         rank = int(m.group(3).removeprefix(":rank")) if m.group(3) else 0
         return cls(kind=m.group(1), iteration=int(m.group(2)), rank=rank, once=bool(m.group(4)))
@@ -398,6 +409,11 @@ class FaultInjection:
         for handler in log.handlers:
             with contextlib.suppress(OSError):
                 handler.flush()
+        if self.kind == "say":
+            for paragraph in os.environ.get(SAY_ENV, "").split("\n\n"):
+                log.info("%s", paragraph)
+                print(paragraph, flush=True)
+            return
         if self.kind == "raise":
             raise RuntimeError(f"injected fault at iteration {iteration} ({FAULT_ENV})")
         os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)

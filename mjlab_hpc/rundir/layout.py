@@ -84,6 +84,8 @@ SNAPSHOT_RECORD = "snapshot.json"
 WANDB_RECORD = "wandb_run.json"
 #: mjlab's NaN guard's dumps, one folder per rank.
 NAN_DUMPS_DIR = "nan_dumps"
+#: --video's recordings.
+VIDEOS_DIR = "videos/train"
 # In logs/: each rank's start and end records (`rundir.ends`), the hang watchdog's records
 # and its fault injections' markers (in the heartbeat folder).
 RANK_RECORDS_DIR = "ranks"
@@ -264,6 +266,10 @@ class RunDir:
     @property
     def wandb_record(self) -> Path:
         return self.path / WANDB_RECORD
+
+    @property
+    def videos(self) -> Path:
+        return self.path / VIDEOS_DIR
 
     def nan_dumps(self, rank: int) -> Path:
         return self.path / NAN_DUMPS_DIR / f"rank{rank}"
