@@ -535,9 +535,8 @@ def _log_start(
     rendezvous: tuple[float, float],
 ) -> None:
     """Say in the rank's log where and how it starts (for people: decisions read records)."""
-    oom = oom_count()
     log.info(
-        "%s on %s, host %s, pid %d, CPUs %s, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s%s%s",
+        "%s on %s, host %s, pid %d, CPUs %s, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s%s",
         ctx.describe(),
         device,
         node,
@@ -547,7 +546,6 @@ def _log_start(
         resolved.num_envs,
         os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
         f", start {os.environ[START_ENV]}" if os.environ.get(START_ENV) else "",
-        f", {oom.describe()}" if oom is not None else "",
     )
     if ctx.is_distributed:
         # Wall-clock times: from the last rank's call to everyone joined is the rendezvous.
