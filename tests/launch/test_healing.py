@@ -171,7 +171,7 @@ def test_text_like_our_log_lines_changes_no_decision_locally(tmp_path: Path) -> 
         env=cli_env(LOOKALIKE),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
     assert_lookalike_changed_nothing(only_run(tmp_path), socket.gethostname(), cli_env())
