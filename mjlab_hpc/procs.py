@@ -334,16 +334,6 @@ class OomCount:
     """The cgroup file that holds the count (memory.oom_control, memory.events)."""
     kills: int
 
-    def describe(self) -> str:
-        """Describe the count as written into a rank's log (`parse` reads it back)."""
-        return f"oom-kills {self.kills} in {self.counter} (kernel {self.kernel})"
-
-    @classmethod
-    def parse(cls, text: str) -> OomCount | None:
-        """Read back the count a rank's log line holds, if any."""
-        m = re.search(r"oom-kills (\d+) in (\S+) \(kernel ([\w-]+)\)", text)
-        return cls(kernel=m.group(3), counter=m.group(2), kills=int(m.group(1))) if m else None
-
     def rose(self) -> bool | None:
         """Whether the OOM killer ended a process of that cgroup since the count.
 

@@ -341,10 +341,9 @@ def logs(cmd: Logs) -> int:
             out.print(f"[yellow]straggler: {inert(text, markup=True)}[/]")
         if cause is not None:
             out.print(f"[bold red]cause: {inert(cause, markup=True)}[/]")
-        if cause is not None and cause.startswith("rank "):
-            culprit = int(cause.split()[1])  # "rank <k> on ..."
+        if row.cause_rank is not None:
             # The cause's own traceback first; the others' are consequences.
-            tracebacks.sort(key=lambda tb: tb.rank != culprit)
+            tracebacks.sort(key=lambda tb: tb.rank != row.cause_rank)
         if tracebacks:
             first = tracebacks[0]
             out.print(

@@ -47,7 +47,7 @@ from mjlab_hpc.ops.status import console as wide_console
 from mjlab_hpc.procs import wait_gone
 from mjlab_hpc.rank.context import current_allocation, interactive_step
 from mjlab_hpc.rundir.ends import latest_world_size, rank_ends
-from mjlab_hpc.rundir.layout import realise_target
+from mjlab_hpc.rundir.layout import SWEEP_RECORD, realise_target
 from mjlab_hpc.rundir.snapshot import plan_snapshot, planned_record, record_code
 from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
@@ -207,7 +207,7 @@ def sweep_table(s: SubmittedSweep) -> Table:
         f"{spec.nodes} node(s) x {spec.ranks_per_node} rank(s) = {spec.world_size} ranks, "
         f"{s.runs[0].resolved.num_envs if s.runs else '?'} envs per rank",
     )
-    t.add_row("sweep record", str(s.sweep_dir / "sweep.json"))
+    t.add_row("sweep record", str(s.sweep_dir / SWEEP_RECORD))
     elements = Table(box=None, pad_edge=False)
     for col in ("#", "job", "values", "run directory"):
         elements.add_column(col, overflow="fold")

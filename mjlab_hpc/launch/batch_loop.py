@@ -18,13 +18,14 @@ __all__ = ["STUCK_S", "heal_loop", "heal_options"]
 # Seconds srun may wait for the other ranks after one failed (--kill-on-bad-exit ends them
 # within seconds).
 STUCK_S = 5
-# The exit line of a rank that failed or hung (rank/train.py, rank/watchdog.py).
-_FAILED = "exit: (failed|hung)"
+# How a rank's end record says it failed (rank/train.py, rundir/ends.py): records written by
+# our code only, never a rank's log, where a rank may print anything.
+_FAILED = "failed|hung|out-of-memory"
 
 # A lost node never answers srun (it waits until SlurmdTimeout, 300 s by default, marks the
 # node dead; its own abort, two SIGINTs, waits MessageTimeout per signal): once a rank of this
-# step wrote that it failed or hung (its log, past where it stood when the step began) and srun
-# still waits after {stuck} s, the watcher kills srun (and its child). The step's tasks on the
+# step recorded that it failed or hung (an end record newer than the step) and srun still
+# waits after {stuck} s, the watcher kills srun (and its child). The step's tasks on the
 # other nodes were already ended by --kill-on-bad-exit; the step itself stays until its nodes
 # answer (a lost one: SlurmdTimeout), so the next one shares the nodes it held (--overlap: else
 # "Requested nodes are busy" until then). Safe under `set -euo pipefail`.
@@ -38,21 +39,14 @@ _LOOP = """\
 # the healer can still exclude the node (the job's processes end with it under
 # proctrack/cgroup).
 watch_step() {{
-  local ended= log size
-  local -A seen=()
-  for log in {logs}/rank*.log; do
-    if [ -f "$log" ]; then seen[$log]=$(stat -c %s "$log"); fi
-  done
+  local ended= since hit
+  since=$(date +%s)
   while sleep 1; do
-    for log in {logs}/rank*.log; do
-      if [ -n "$ended" ] || [ ! -f "$log" ]; then continue; fi
-      size=$(stat -c %s "$log")
-      if [ "$size" -lt "${{seen[$log]:-0}}" ]; then seen[$log]=0; fi
-      if grep -qaE '{failed}' < <(tail -c "+$((${{seen[$log]:-0}} + 1))" "$log"); then
-        ended=$SECONDS
-      fi
-      seen[$log]=$size
-    done
+    if [ -z "$ended" ]; then
+      hit=$(find {logs}/ranks -maxdepth 1 -name 'rank*.end.json' -newermt "@$since" \
+        -exec grep -qsE '"how": "({failed})"' {{}} ';' -print -quit 2>/dev/null || :)
+      if [ -n "$hit" ]; then ended=$SECONDS; fi
+    fi
     if [ -n "$ended" ] && [ $((SECONDS - ended)) -ge {stuck} ]; then
       for p in $(pgrep -P $$ -x srun); do pkill -KILL -P "$p" || :; kill -KILL "$p" || :; done
     fi

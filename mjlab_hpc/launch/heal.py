@@ -64,7 +64,8 @@ class Fault:
     suspect_nodes: tuple[str, ...] = ()
     """Nodes the fault is attributed to (a rank killed by a signal, a frozen rank)."""
     at_s: float | None = None
-    """When it happened: a crash's last log line of the failing rank, a hang's last progress."""
+    """When it happened: the failing rank's end (its log's last write if it ended without a
+    word), a hang's last progress."""
 
     def signature(self) -> str:
         """Return the fault with its numbers (pids, addresses) blanked: equal for a repeat."""
@@ -101,12 +102,12 @@ def find_fault(
 ) -> Fault | None:
     """Find the crash, hang or out-of-memory that ended the latest start (None: none did).
 
-    The latest start's ranks are those that logged `start`, the batch script's name for its
-    srun step; else those that started after `since` (epoch s, this machine's clock: the
-    local controller's ranks run beside it). A rank with no start line of it failed before it
-    could log (a broken node, the process group never formed); its older lines are not this
-    start's. `slurm_oom`: Slurm says a step ran out of memory (its cgroup's OOM killer), so a
-    rank that ended without a word was killed for memory.
+    The latest start's ranks are those whose start record names `start`, the batch script's
+    name for its srun step; else those that started after `since` (epoch s, this machine's
+    clock: the local controller's ranks run beside it). A rank with no start record of it
+    failed before it could write one (a broken node, the process group never formed); its
+    older records are not this start's. `slurm_oom`: Slurm says a step ran out of memory (its
+    cgroup's OOM killer), so a rank that ended without a word was killed for memory.
 
     Every rank that ended without a word is named, and its node suspected: ranks dying at
     once on two nodes are both reported (the others record their end: srun's
@@ -122,7 +123,7 @@ def find_fault(
     if start is not None:
         ends = [e for e in ends if e.start_id == start]
     elif since is not None:
-        limit = dt.datetime.fromtimestamp(since - 2)  # rank logs: local time, whole seconds
+        limit = dt.datetime.fromtimestamp(since - 2)  # (this machine's clock, a little slack)
         ends = [e for e in ends if e.started is not None and e.started >= limit]
     if (start is not None or since is not None) and not ends:
         return Fault(
@@ -145,7 +146,7 @@ def find_fault(
     error = cause.describe()
     if failure.get("kind") in ("environment", "out-of-memory") and failure.get("error"):
         error = str(failure["error"]).splitlines()[0]
-    at_s = cause.at.timestamp() if cause.at is not None else None  # rank logs: local time
+    at_s = cause.at.timestamp() if cause.at is not None else None
     oom = cause.oom or failure.get("kind") == "out-of-memory"  # the settings, not the node
     if killed and not oom:
         return _killed(ends, iteration, error, at_s)
@@ -307,7 +308,7 @@ def record_healing(
         finally:
             writer.release()
     finally:  # read now: never taken for a later start's
-        for path in RunDir(run_dir).heartbeats.glob("hang-rank*.json"):
+        for path in RunDir(run_dir).hangs():
             path.unlink(missing_ok=True)
 
 

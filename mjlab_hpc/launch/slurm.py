@@ -31,7 +31,7 @@ from mjlab_hpc.launch.batch_loop import heal_loop, heal_options
 from mjlab_hpc.launch.executors import SlurmJobExecutor
 from mjlab_hpc.launch.follow import Closing, follow_to_end
 from mjlab_hpc.rank.context import ALLOCATION_ENV, CHAIN_ENV, SIGNAL_DELAY_ENV, Allocation
-from mjlab_hpc.rundir.layout import SUBMITIT_DIR
+from mjlab_hpc.rundir.layout import LOGS_DIR, SUBMITIT_DIR
 from mjlab_hpc.rundir.snapshot import import_path, snapshot_for, with_snapshot
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
@@ -382,7 +382,7 @@ def allocation_srun(spec: SubmitSpec, resolved: ResolvedSpec, run_dir: Path) -> 
         # The allocation's end, as a submitted job's: the ranks stop with a checkpoint, in
         # time (without it Slurm's SIGTERM at the end leaves only KillWait to save).
         f"--signal={spec.preempt_signal}@{spec.signal_delay_s}",
-        f"--output={run_dir}/logs/task-%j.%s-%t.out",
+        f"--output={run_dir}/{LOGS_DIR}/task-%j.%s-%t.out",
     ]
     if spec.gpus_per_node > 0:
         argv.append(f"--gpus-per-node={spec.gpus_per_node}")
@@ -413,7 +413,7 @@ def run_in_allocation(
     every rank at its next iteration boundary with a checkpoint, the second at once. Returns
     how the run ended.
     """
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     argv = allocation_srun(spec, resolved, run_dir)
     name = argv[1].removeprefix("--job-name=")
     # A session of its own: the terminal's Ctrl-C reaches srun only through us. srun takes a

@@ -1,9 +1,10 @@
 """`mjlab-hpc logs`: the per-rank logs of a run, the first traceback across all ranks first.
 
-Every rank writes `logs/rank<k>.log` (its first line names its host: `... host node2, ...`),
-and submitit captures each task's stdout and stderr in `submitit/<job>_<k>_log.out/.err`,
-where an uncaught exception's traceback lands. The first traceback in time is usually the
-cause; the others (peers that lost their connection to the failed rank) are consequences.
+Every rank writes `logs/rank<k>.log` (the node of each of its starts is in its start
+records: `rundir.ends`), and submitit captures each task's stdout and stderr in
+`submitit/<job>_<k>_log.out/.err`, where an uncaught exception's traceback lands. The first
+traceback in time is usually the cause; the others (peers that lost their connection to the
+failed rank) are consequences.
 
 A file is read only as a regular file in its run (or its sweep's submitit folder), at most
 its last `LOG_LIMIT`: a FIFO, a device or a link out is named and skipped.
@@ -22,6 +23,7 @@ from typing import Literal, TextIO
 from mjlab_hpc.console import inert
 from mjlab_hpc.ops.runs import run_jobs
 from mjlab_hpc.rundir.durable import LOG_LIMIT, open_regular, read_tail
+from mjlab_hpc.rundir.ends import rank_starts
 from mjlab_hpc.rundir.layout import LOGS_DIR, RunDir
 
 __all__ = [
@@ -44,7 +46,6 @@ _RECORD = re.compile(
     r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2},\d{3} |submitit [A-Z]+ \(|srun: |slurmstepd|"
     r"Warp |\[train\] )"
 )
-_HOST = re.compile(r"\bhost (\S+?),")
 _RANK_LOG = re.compile(r"^rank(\d+)\.log$")
 # Errors of a rank whose peer died or hung: at the same millisecond, the peer's error is first.
 _PEER_LOST = re.compile(
@@ -63,6 +64,8 @@ class RankFiles:
     outs: tuple[Path, ...]
     """Task stdout of each of the run's jobs, oldest job first."""
     errs: tuple[Path, ...]
+    starts: tuple[tuple[dt.datetime, str], ...] = ()
+    """When each start of the rank began and its node, oldest first (its start records)."""
 
     def stream(self, which: Stream) -> Path | None:
         """The file of one stream (the current job's task output for out/err)."""
@@ -125,6 +128,9 @@ def rank_files(run_dir: Path) -> list[RankFiles]:
                 log=logs.get(rank),
                 outs=tuple(p for _, p in sorted(files["out"])),
                 errs=tuple(p for _, p in sorted(files["err"])),
+                starts=tuple(
+                    (dt.datetime.fromtimestamp(s.at), s.node) for s in rank_starts(run_dir, rank)
+                ),
             )
         )
     return out
@@ -195,26 +201,15 @@ def tracebacks_in(path: Path) -> list[tuple[dt.datetime | None, str]]:
 
 
 def rank_host(files: RankFiles, at: dt.datetime | None = None) -> str | None:
-    """Return the host the rank ran on at time `at` (a requeued rank may move).
+    """Return the node the rank ran on at time `at` (a requeued rank may move).
 
-    It comes from the `host` lines of its log, else of its task output (the Slurm node, before
-    its log begins). None before the rank has said it: submitit's `hostname=` there is the
-    machine, which need not be the node's name in Slurm.
+    It is the node of its latest start before `at` (its start records). None before the rank
+    has started.
     """
-    hosts: list[tuple[dt.datetime | None, str]] = []
-    for line in _read_lines(files.log) if files.log else []:
-        m = _HOST.search(line)
-        if m:
-            hosts.append((_stamp(line), m.group(1)))
-    if hosts:
-        before = [h for t, h in hosts if at is None or t is None or t <= at]
-        return before[-1] if before else hosts[0][1]
-    for path in reversed(files.outs):
-        for line in _read_lines(path):
-            m = _HOST.search(line)
-            if m:
-                return m.group(1)
-    return None
+    if not files.starts:
+        return None
+    before = [node for t, node in files.starts if at is None or t <= at]
+    return before[-1] if before else files.starts[0][1]
 
 
 def find_tracebacks(ranks: Sequence[RankFiles]) -> list[Traceback]:

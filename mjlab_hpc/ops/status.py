@@ -93,6 +93,8 @@ class RunStatus:
     sweep: ElementRecord | None
     cause: str | None = None
     """For a failed run: the rank that failed first and why (not the ranks that died of it)."""
+    cause_rank: int | None = None
+    """That rank (None: no rank in particular)."""
     interruptions: tuple[dict[str, Any], ...] = ()
     """Every stop and fault of the run (run.json `restarts` and `faults`), oldest first."""
     reason: str | None = None
@@ -147,6 +149,7 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
     restarts = max(0, len(starts) - 1, len(requeues))
     reasons = tuple(str(r.get("reason")) for r in requeues[:restarts])
     stragglers = [str(s.get("text")) for s in record.get("stragglers") or []]
+    cause = _cause(run_dir, record, state) if state.state in FAILED_STATES else None
     return RunStatus(
         run_dir=run_dir,
         kind=jobs.kind,
@@ -165,7 +168,8 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         restart_reasons=reasons,
         interruptions=tuple(events),
         sweep=jobs.element,
-        cause=damaged or (_cause(run_dir, record, state) if state.state in FAILED_STATES else None),
+        cause=damaged or (cause[0] if cause else None),
+        cause_rank=None if damaged or not cause else cause[1],
         reason=state.reason,
         stragglers=tuple(stragglers) if state.active else (),
         disagrees=state.disagrees,
@@ -177,13 +181,14 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
 FAILED_STATES = frozenset({"FAILED", "LOST", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
 
 
-def _cause(run_dir: Path, record: dict[str, Any], state: JobState) -> str | None:
+def _cause(run_dir: Path, record: dict[str, Any], state: JobState) -> tuple[str, int | None] | None:
+    """Who failed first and why, and that rank (None: no rank in particular)."""
     ends = rank_ends(run_dir)
     cause = recorded_cause(record, ends)
     if cause is not None:
-        return cause.describe()
+        return cause.describe(), cause.rank
     if state.reason and not ends:
-        return f"the job failed before any rank started (Slurm: {state.reason})"
+        return f"the job failed before any rank started (Slurm: {state.reason})", None
     return None
 
 

@@ -33,10 +33,10 @@ from mjlab_hpc.rundir.durable import (
     write_atomic,
     write_new,
 )
+from mjlab_hpc.rundir.layout import WANDB_RECORD
 from mjlab_hpc.rundir.progress import IterationStats
 
 __all__ = [
-    "WANDB_RECORD",
     "CollectiveClock",
     "ContextRunnerMixin",
     "DistributedRunner",
@@ -46,9 +46,6 @@ __all__ = [
     "runner_class",
     "state_digest",
 ]
-
-#: The run's W&B record (its W&B run id and the last step W&B was given), in the run folder.
-WANDB_RECORD = "wandb_run.json"
 
 
 IterationHook = Callable[[Any, IterationStats], None]

@@ -3,7 +3,9 @@
 `train_rank` is the per-rank entry point, whatever launched the process. It joins the process
 group, agrees on the run directory, makes rank 0 the writer, decides where training starts
 (refusing what cannot be continued before anything changes) and runs PPO to the end or to a
-stop. Every rank ends its log with one `exit:` line; a log without one ended abruptly.
+stop. Every rank writes a start record as it starts and an end record as the start ends
+(`rundir.ends`); a start without an end record ended abruptly. Its log says the same for
+people.
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ from mjlab_hpc.rank.stop import (
     after_stop,
 )
 from mjlab_hpc.rank.stragglers import StragglerWatch
-from mjlab_hpc.rank.watchdog import Watchdog, parse_faults
+from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog, parse_faults
 from mjlab_hpc.rank.workload import Workload, build_workload
 from mjlab_hpc.rundir.checkpoint import CheckpointPolicy, Checkpoints
 from mjlab_hpc.rundir.durable import open_append
-from mjlab_hpc.rundir.ends import failure_kind
+from mjlab_hpc.rundir.ends import Exit, RankExit, RankStart, failure_kind, record_end, record_start
 from mjlab_hpc.rundir.layout import RunDir, realise_target, record_latest_run
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
 from mjlab_hpc.rundir.snapshot import code_record, imported_from
@@ -324,175 +326,320 @@ def _train(
 ) -> RankResult:
     """Train in the agreed run directory and record how this start ends.
 
+    Three steps: `_start` (records this start, resumes), `_loop` (the iterations), `_finish`
+    (the writer's records). However it ends, `_Ending` records how, in one place.
     `rendezvous` is when this rank called into the process group and when it had joined.
     """
-    spec = resolved.train
-    writer: RunWriter | None = None
-    started = False
+    ending = _Ending(run, ctx, resolved, device)
     try:
-        injections = parse_faults()
-        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        # The OOM kills counted so far where this rank runs: a reader under the same kernel
-        # tells an OOM kill from another SIGKILL (rundir.ends).
-        oom = oom_count()
-        log.info(
-            "%s on %s, host %s, pid %d, CPUs %s, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s%s%s",
-            ctx.describe(),
-            device,
-            node,
-            os.getpid(),
-            ",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
-            seed,
-            resolved.num_envs,
-            os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
-            f", start {os.environ[START_ENV]}" if os.environ.get(START_ENV) else "",
-            f", {oom.describe()}" if oom is not None else "",
-        )
-        if ctx.is_distributed:
-            # Wall-clock times: from the last rank's call to everyone joined is the rendezvous.
-            log.info(
-                "process group of %d ranks: called at %.3f, joined in %.3f s",
-                ctx.world_size,
-                rendezvous[0],
-                rendezvous[1] - rendezvous[0],
-            )
-        if device == "cpu" and os.environ.get("CUDA_VISIBLE_DEVICES") and spec.gpu_ids:
-            msg = (
-                f"rank {ctx.rank}: GPUs {os.environ['CUDA_VISIBLE_DEVICES']} were allocated "
-                "but CUDA is not usable here (no driver, or a CPU build of torch): "
-                "training on CPU"
-            )
-            log.warning(msg)
-            print(f"warning: {msg}", file=sys.stderr, flush=True)
-        checkpoints = None
-        if ctx.is_main:
-            writer = RunWriter.acquire(run, ctx.rank)
-            checkpoints = Checkpoints(run.path, resolved.task)
-        plan = plan_resume(run, resolved, ctx, checkpoints)
-        work = build_workload(resolved, ctx, device, seed=seed, run=run, quiet=rank_log)
-        runner = work.runner
-        first_obs = work.first_obs_digest()
-        resized = resized_by_healer(read_record(run.path), ctx.world_size)
-        start, environments = load_plan(
-            plan, work, device, ctx, fresh_envs=spec.fresh_envs, resized=resized
-        )
-        if writer is not None and checkpoints is not None:
-            _begin(
-                writer=writer,
-                checkpoints=checkpoints,
-                work=work,
-                resolved=resolved,
-                ctx=ctx,
-                device=device,
-                plan=plan,
-                start=start,
-                environments=environments,
-            )
-        started = True
-        total = resolved.max_iterations
-        display = ProgressDisplay(total, start, enabled=ctx.is_main)
-        hooks: list[IterationHook] = [
-            lambda r, s: log.info(
-                "iteration %d/%d %.0f steps/s", s.iteration, s.total, s.steps_per_s
+        started = _start(resolved, ctx, device, seed, run, rank_log, rendezvous, ending)
+        _loop(started, resolved, ctx, device, run, rank_log, request, ending)
+        return _finish(started, ctx, device, run, ending)
+    except BaseException as exc:
+        raised = ending.failed(exc)
+        if raised is exc:
+            raise
+        raise raised from None
+    finally:
+        if ending.writer is not None:
+            ending.writer.release()
+
+
+@dataclass(frozen=True)
+class _Started:
+    """What a rank's start built, for its loop and its finish."""
+
+    work: Workload
+    """The environments and the runner."""
+    start: int
+    """The iteration it resumed from (0: a fresh start)."""
+    first_obs: str
+    """The digest of its first observations."""
+    checkpoints: Checkpoints | None
+    """The writer's checkpoints (None on the other ranks)."""
+    injections: tuple[FaultInjection, ...]
+    """The faults MJLAB_HPC_FAULT injects."""
+    node: str
+    """The node it runs on."""
+
+
+class _Ending:
+    """How this start of a rank ends, recorded in one place.
+
+    The rank's end record (what decisions read), its log's exit line (for people), and the
+    writer's run.json for a failure or an interruption.
+    """
+
+    def __init__(self, run: RunDir, ctx: DistContext, resolved: ResolvedSpec, device: str):
+        self.run = run
+        self.ctx = ctx
+        self.resolved = resolved
+        self.device = device
+        self.record: RankStart | None = None
+        """This start's record, once written."""
+        self.writer: RunWriter | None = None
+        """Rank 0's writer, once acquired."""
+        self.begun = False
+        """The writer recorded this start in run.json."""
+
+    def started(self, node: str) -> None:
+        """Write this rank's start record."""
+        oom = oom_count()  # (a reader under the same kernel tells an OOM kill from a SIGKILL)
+        self.record = record_start(
+            self.run,
+            RankStart(
+                run=self.run.path.name,
+                rank=self.ctx.rank,
+                world_size=self.ctx.world_size,
+                node=node,
+                pid=os.getpid(),
+                device=self.device,
+                at=time.time(),
+                start_id=os.environ.get(START_ENV) or None,
+                oom=oom,
             ),
-            lambda r, s: display.update(s),
-        ]
-        if writer is not None:
-            hooks.append(_progress_writer(writer))
-        watchdog = Watchdog(
-            run,
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            timeout_s=spec.hang_timeout_s,
-            rank_log=rank_log,
-            on_fire=writer.release if writer is not None else None,
         )
-        hooks.append(
-            IterationBoundary(
-                work=work,
-                run=run,
-                ctx=ctx,
-                device=device,
-                policy=CheckpointPolicy.of(spec),
-                total=total,
-                start=start,
-                request=request,
-                writer=writer,
-                checkpoints=checkpoints,
-                restarts=requeues_so_far(read_record(run.path)),
-                watchdog=watchdog,
-                injections=injections,
-                stragglers=StragglerWatch(_gather(node, ctx)) if ctx.is_distributed else None,
-            )
+
+    def ended(self, how: Exit, detail: str, exc: BaseException | None = None) -> None:
+        """Write this start's end record (never raising: what ended it matters more)."""
+        if self.record is None:
+            return
+        end = RankExit(
+            how=how,
+            detail=detail,
+            at=time.time(),
+            error_type=type(exc).__name__ if exc is not None else None,
+            message=str(exc)[:2000] if exc is not None else None,
+            peer_lost=exc is not None and failure_kind(exc) == "peer-lost",
         )
         try:
-            with wp.ScopedDevice(device), watchdog:
-                runner.learn_until(total, hooks, init_at_random_ep_len=work.random_ep_len)
-                watchdog.disarm()
-        finally:
-            display.close()
-        digest = runner.param_digest()
-        digests = _gather(digest, ctx)
-        obs_digests = _gather(first_obs, ctx)
-        if writer is not None:
-            _finish(
-                writer,
-                runner,
-                start=start,
-                ctx=ctx,
-                device=device,
-                digests=digests,
-                obs_digests=obs_digests,
+            record_end(self.run, self.record, end)
+        except Exception as err:  # a full disk: the log may have room
+            log.warning("the end record was not written: %s", err)
+
+    def hung(self, detail: str) -> None:
+        """The hang watchdog fired (`detail`): record it and give up the writer's lease."""
+        self.ended("hung", detail)
+        if self.writer is not None:
+            self.writer.release()
+
+    def failed(self, exc: BaseException) -> BaseException:
+        """Record how `exc` ended this start; return what to raise."""
+        run = self.run
+        if isinstance(exc, ResumeRefused):
+            self.ended("refused", f"refused: {exc}", exc)
+            log.error("exit: refused: %s", exc)
+        elif isinstance(exc, Stopped):
+            self.ended("stopped", f"{exc}; checkpoint saved in {run.path}")
+            log.info("exit: %s; checkpoint saved in %s", exc, run.path)
+            exc.run_dir = str(run.path)
+        elif isinstance(exc, KeyboardInterrupt):
+            detail = (
+                "interrupted at once (a second Ctrl-C): nothing saved since the last checkpoint"
             )
-        log.info("exit: completed %d iterations", runner.current_learning_iteration)
-        return RankResult(
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            run_dir=str(run.path),
-            iterations=runner.current_learning_iteration,
-            device=device,
-            param_digest=digest,
-            first_obs_digest=first_obs,
-        )
-    except ResumeRefused as exc:
-        log.error("exit: refused: %s", exc)
-        raise
-    except Stopped as stopped:
-        log.info("exit: %s; checkpoint saved in %s", stopped, run.path)
-        stopped.run_dir = str(run.path)
-        raise
-    except KeyboardInterrupt:
-        log.error(
-            "exit: interrupted at once (a second Ctrl-C): nothing saved since the last checkpoint"
-        )
-        if writer is not None and started:
-            _record_end(writer, "interrupted")
-        raise Interrupted(str(run.path)) from None
-    except BaseException as exc:
-        problem = environment_problem(exc, run.path)
+            self.ended("interrupted", detail)
+            log.error("exit: %s", detail)
+            if self.writer is not None and self.begun:
+                _record_end(self.writer, "interrupted")
+            return Interrupted(str(run.path))
+        else:
+            self._failure(exc)
+        return exc
+
+    def _failure(self, exc: BaseException) -> None:
+        problem = environment_problem(exc, self.run.path)
         kind = "environment" if problem is not None else failure_kind(exc)
         error = problem or f"{type(exc).__name__}: {exc}".strip()
-        if kind == "out-of-memory":
-            error = f"{resolved.num_envs} envs per rank on {device}: {error.splitlines()[0]}"
-        if writer is not None:  # before the first iteration too: the run has a record
+        if self.writer is not None:  # before the first iteration too: the run has a record
             failure = {
-                "rank": ctx.rank,
-                "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+                "rank": self.ctx.rank,
+                "host": self.record.node if self.record else socket.gethostname(),
                 "kind": kind,
                 "error": error[:2000],
                 "at": now_iso(),
             }
-            # First: on a full disk this gives up the writer's reserve, and the log line
-            # below then has room too.
-            _record_end(writer, "failed", failure=failure, resolved=resolved)
+            if kind == "out-of-memory":
+                first = error.splitlines()[0]
+                failure["error"] = (
+                    f"{self.resolved.num_envs} envs per rank on {self.device}: {first}"
+                )
+            # First: on a full disk this gives up the writer's reserve, and the records
+            # below then have room too.
+            _record_end(self.writer, "failed", failure=failure, resolved=self.resolved)
+        how: Exit = "out-of-memory" if kind == "out-of-memory" else "failed"
+        self.ended(how, (error.splitlines() or [kind])[0], exc)
         if problem is not None:  # the disk, not the code: one line, no traceback
             log.error("exit: failed (environment)\n%s", problem)
         else:
             log.exception("exit: failed (%s)", kind)
-        raise
+
+
+def _start(
+    resolved: ResolvedSpec,
+    ctx: DistContext,
+    device: str,
+    seed: int,
+    run: RunDir,
+    rank_log: TextIO,
+    rendezvous: tuple[float, float],
+    ending: _Ending,
+) -> _Started:
+    """Record this start, build the workload and resume where the run is."""
+    spec = resolved.train
+    injections = parse_faults()
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    ending.started(node)
+    _log_start(resolved, ctx, device, seed, node, rendezvous)
+    checkpoints = None
+    if ctx.is_main:
+        ending.writer = RunWriter.acquire(run, ctx.rank)
+        checkpoints = Checkpoints(run.path, resolved.task)
+    plan = plan_resume(run, resolved, ctx, checkpoints)
+    work = build_workload(resolved, ctx, device, seed=seed, run=run, quiet=rank_log)
+    first_obs = work.first_obs_digest()
+    resized = resized_by_healer(read_record(run.path), ctx.world_size)
+    start, environments = load_plan(
+        plan, work, device, ctx, fresh_envs=spec.fresh_envs, resized=resized
+    )
+    if ending.writer is not None and checkpoints is not None:
+        _begin(
+            writer=ending.writer,
+            checkpoints=checkpoints,
+            work=work,
+            resolved=resolved,
+            ctx=ctx,
+            device=device,
+            plan=plan,
+            start=start,
+            environments=environments,
+        )
+    ending.begun = True
+    return _Started(work, start, first_obs, checkpoints, injections, node)
+
+
+def _log_start(
+    resolved: ResolvedSpec,
+    ctx: DistContext,
+    device: str,
+    seed: int,
+    node: str,
+    rendezvous: tuple[float, float],
+) -> None:
+    """Say in the rank's log where and how it starts (for people: decisions read records)."""
+    log.info(
+        "%s on %s, host %s, pid %d, CPUs %s, seed %d, %d envs, CUDA_VISIBLE_DEVICES=%s%s",
+        ctx.describe(),
+        device,
+        node,
+        os.getpid(),
+        ",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
+        seed,
+        resolved.num_envs,
+        os.environ.get("CUDA_VISIBLE_DEVICES", "unset"),
+        f", start {os.environ[START_ENV]}" if os.environ.get(START_ENV) else "",
+    )
+    if ctx.is_distributed:
+        # Wall-clock times: from the last rank's call to everyone joined is the rendezvous.
+        log.info(
+            "process group of %d ranks: called at %.3f, joined in %.3f s",
+            ctx.world_size,
+            rendezvous[0],
+            rendezvous[1] - rendezvous[0],
+        )
+    if device == "cpu" and os.environ.get("CUDA_VISIBLE_DEVICES") and resolved.train.gpu_ids:
+        msg = (
+            f"rank {ctx.rank}: GPUs {os.environ['CUDA_VISIBLE_DEVICES']} were allocated "
+            "but CUDA is not usable here (no driver, or a CPU build of torch): training on CPU"
+        )
+        log.warning(msg)
+        print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _loop(
+    started: _Started,
+    resolved: ResolvedSpec,
+    ctx: DistContext,
+    device: str,
+    run: RunDir,
+    rank_log: TextIO,
+    request: StopRequest,
+    ending: _Ending,
+) -> None:
+    """Run the iterations to the end (or to a stop: Stopped), watched for hangs."""
+    spec, writer, total = resolved.train, ending.writer, resolved.max_iterations
+    display = ProgressDisplay(total, started.start, enabled=ctx.is_main)
+    hooks: list[IterationHook] = [
+        lambda r, s: log.info("iteration %d/%d %.0f steps/s", s.iteration, s.total, s.steps_per_s),
+        lambda r, s: display.update(s),
+    ]
+    if writer is not None:
+        hooks.append(_progress_writer(writer))
+    watchdog = Watchdog(
+        run,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        timeout_s=spec.hang_timeout_s,
+        rank_log=rank_log,
+        on_fire=ending.hung,
+    )
+    hooks.append(
+        IterationBoundary(
+            work=started.work,
+            run=run,
+            ctx=ctx,
+            device=device,
+            policy=CheckpointPolicy.of(spec),
+            total=total,
+            start=started.start,
+            request=request,
+            writer=writer,
+            checkpoints=started.checkpoints,
+            restarts=requeues_so_far(read_record(run.path)),
+            watchdog=watchdog,
+            injections=started.injections,
+            stragglers=StragglerWatch(_gather(started.node, ctx)) if ctx.is_distributed else None,
+        )
+    )
+    try:
+        with wp.ScopedDevice(device), watchdog:
+            started.work.runner.learn_until(
+                total, hooks, init_at_random_ep_len=started.work.random_ep_len
+            )
+            watchdog.disarm()
     finally:
-        if writer is not None:
-            writer.release()
+        display.close()
+
+
+def _finish(
+    started: _Started, ctx: DistContext, device: str, run: RunDir, ending: _Ending
+) -> RankResult:
+    """Compare the ranks' parameters, write the writer's last records and this rank's end."""
+    runner = started.work.runner
+    digest = runner.param_digest()
+    digests = _gather(digest, ctx)
+    obs_digests = _gather(started.first_obs, ctx)
+    if ending.writer is not None:
+        _write_summary(
+            ending.writer,
+            runner,
+            start=started.start,
+            ctx=ctx,
+            device=device,
+            digests=digests,
+            obs_digests=obs_digests,
+        )
+    iterations = runner.current_learning_iteration
+    ending.ended("completed", f"completed {iterations} iterations")
+    log.info("exit: completed %d iterations", iterations)
+    return RankResult(
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        run_dir=str(run.path),
+        iterations=iterations,
+        device=device,
+        param_digest=digest,
+        first_obs_digest=started.first_obs,
+    )
 
 
 def _record_end(
@@ -521,7 +668,7 @@ def _record_end(
         writer.last_records(write)
 
 
-def _finish(
+def _write_summary(
     writer: RunWriter,
     runner: Any,
     start: int,

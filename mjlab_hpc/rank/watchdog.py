@@ -32,12 +32,22 @@ from mjlab_hpc.procs import ProcessId
 from mjlab_hpc.rundir.durable import read_regular, write_atomic
 from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
 
-__all__ = ["FAULT_ENV", "FaultInjection", "Hang", "Watchdog", "hang_limit_s", "parse_faults"]
+__all__ = [
+    "FAULT_ENV",
+    "SAY_ENV",
+    "FaultInjection",
+    "Hang",
+    "Watchdog",
+    "hang_limit_s",
+    "parse_faults",
+]
 
 log = logging.getLogger("mjlab_hpc")
 
 FAULT_ENV = "MJLAB_HPC_FAULT"
-_FAULT = re.compile(r"^(raise|kill|stop|slow)@(\d+)((?::rank\d+)?)((?::once)?)$")
+#: What a `say` fault prints: each paragraph (lines up to an empty line) one log record.
+SAY_ENV = "MJLAB_HPC_FAULT_SAY"
+_FAULT = re.compile(r"^(raise|kill|stop|slow|say)@(\d+)((?::rank\d+)?)((?::once)?)$")
 # A heartbeat seen unchanged for this many beats is a process that no longer runs.
 _STALE_BEATS = 3
 
@@ -104,7 +114,7 @@ class Watchdog:
         rank_log: TextIO,
         beat_s: float = 2.0,
         host: str | None = None,
-        on_fire: Callable[[], None] | None = None,
+        on_fire: Callable[[str], None] | None = None,
     ) -> None:
         self.run = run
         self.rank = rank
@@ -114,7 +124,8 @@ class Watchdog:
         self.beat_s = beat_s if timeout_s is None else min(beat_s, max(timeout_s / 4, 0.25))
         self.host = host or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self.on_fire = on_fire
-        """Called before the exit (the writer gives up its lease: the healer needs it)."""
+        """Called with how the start ended before the exit: the rank's end record, and the
+        writer gives up its lease (the healer needs it)."""
         self.iteration = 0
         self._armed_at: float | None = None
         self._paused = 0
@@ -131,7 +142,7 @@ class Watchdog:
         self.run.heartbeats.mkdir(parents=True, exist_ok=True)
         # An earlier start's hang (the healer read it before this start).
         with contextlib.suppress(OSError):
-            (self.run.heartbeats / f"hang-rank{self.rank}.json").unlink(missing_ok=True)
+            self.run.hang(self.rank).unlink(missing_ok=True)
         self._beat()
         self._thread = threading.Thread(target=self._loop, name="watchdog", daemon=True)
         self._thread.start()
@@ -211,10 +222,7 @@ class Watchdog:
     def _peer_fired(self) -> bool:
         """Another rank's watchdog has fired in this start: write this rank's stacks too."""
         try:
-            return any(
-                p.name != f"hang-rank{self.rank}.json"
-                for p in self.run.heartbeats.glob("hang-rank*.json")
-            )
+            return any(p != self.run.hang(self.rank) for p in self.run.hangs())
         except OSError:
             return False
 
@@ -299,23 +307,21 @@ class Watchdog:
         except (OSError, ValueError):
             pass
         with contextlib.suppress(OSError):
-            write_atomic(
-                self.run.heartbeats / f"hang-rank{self.rank}.json",
-                json.dumps(hang.as_dict()).encode(),
-            )
+            write_atomic(self.run.hang(self.rank), json.dumps(hang.as_dict()).encode())
         # The other live ranks fire within moments (they wait for the same peer): give them
         # the time to write their stacks before this exit ends the job's other ranks.
         deadline = time.monotonic() + min(10.0, max(2.0, 2 * self.beat_s))
         live = {r for r in range(self.world_size) if r not in hang.stalled}
         while time.monotonic() < deadline:
-            done = {r for r in live if (self.run.heartbeats / f"hang-rank{r}.json").exists()}
+            done = {r for r in live if self.run.hang(r).exists()}
             if done >= live:
                 break
             time.sleep(0.2)
+        detail = f"hung after iteration {hang.iteration} ({who})"
         if self.on_fire is not None:
             with contextlib.suppress(Exception):
-                self.on_fire()
-        log.error("exit: hung after iteration %d (%s)", hang.iteration, who)
+                self.on_fire(detail)
+        log.error("exit: %s", detail)
         for handler in log.handlers:
             with contextlib.suppress(OSError):
                 handler.flush()
@@ -339,9 +345,10 @@ class FaultInjection:
     """A fault to inject at the end of an iteration, as `MJLAB_HPC_FAULT` asks.
 
     `MJLAB_HPC_FAULT=KIND@ITERATION[:rankK][:once],...` asks for `raise` (an exception),
-    `kill` (SIGKILL of the rank itself), `stop` (SIGSTOP: a hang) or `slow` (from that
-    iteration on, the rank works twice as long per iteration: a straggler). With `once`, a
-    fault happens only in the first start that reaches it.
+    `kill` (SIGKILL of the rank itself), `stop` (SIGSTOP: a hang), `slow` (from that
+    iteration on, the rank works twice as long per iteration: a straggler) or `say` (the rank
+    prints `MJLAB_HPC_FAULT_SAY` into its log and output: text that looks like ours changes
+    no decision). With `once`, a fault happens only in the first start that reaches it.
     """
 
     kind: str
@@ -356,7 +363,7 @@ class FaultInjection:
         if not m:
             raise ValueError(
                 f"{FAULT_ENV}: {text!r} is not KIND@ITERATION[:rankK][:once] with KIND one of "
-                "raise, kill, stop, slow (e.g. kill@12:rank1:once; several: comma-separated)"
+                "raise, kill, stop, slow, say (e.g. kill@12:rank1:once; several: comma-separated)"
             )
         rank = int(m.group(3).removeprefix(":rank")) if m.group(3) else 0
         return cls(kind=m.group(1), iteration=int(m.group(2)), rank=rank, once=bool(m.group(4)))
@@ -369,7 +376,7 @@ class FaultInjection:
         """
         if rank != self.rank or iteration < self.iteration:
             return
-        marker = run.heartbeats / f"injected-{self.kind}@{self.iteration}-rank{rank}"
+        marker = run.injected(self.kind, self.iteration, rank)
         if self.kind == "slow":
             # once: the start that wrote the marker stays slow, later ones do not
             me = f"{socket.gethostname()} {os.getpid()} {os.environ.get('SLURM_STEP_ID', '')}"
@@ -403,6 +410,11 @@ class FaultInjection:
         for handler in log.handlers:
             with contextlib.suppress(OSError):
                 handler.flush()
+        if self.kind == "say":
+            for paragraph in os.environ.get(SAY_ENV, "").split("\n\n"):
+                log.info("%s", paragraph)
+                print(paragraph, flush=True)
+            return
         if self.kind == "raise":
             raise RuntimeError(f"injected fault at iteration {iteration} ({FAULT_ENV})")
         os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)

@@ -18,9 +18,8 @@ import logging
 import os
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import numpy as np
 import torch
@@ -42,6 +41,8 @@ from mjlab_hpc.tasks.builtin import get_task
 from mjlab_hpc.tasks.video import Recording
 
 __all__ = [
+    "BuiltinWorkload",
+    "MjlabWorkload",
     "Workload",
     "build_staged",
     "build_workload",
@@ -53,37 +54,51 @@ __all__ = [
 log = logging.getLogger("mjlab_hpc")
 
 
-@dataclass
-class Workload:
+class Workload(Protocol):
     """One rank's environment and runner, and the task-specific parts of the run."""
 
     env: Any
     runner: Any
     random_ep_len: bool
     """Spread the first episodes' lengths on a fresh start (mjlab's convention)."""
-    dump_params: Callable[[RunWriter], None]
-    save: Callable[[Path, RunWriter, dict[str, Any]], None]
-    """(path, writer, infos) -> the model checkpoint on disk (`infos`: what its rank states
-    fit, saved with it; its "environments" also head the checksum sidecar)."""
-    load: Callable[[Path, dict[str, Any], bool], None]
-    """(path, verified checkpoint, another run's) -> models, optimizer and iteration restored
-    (another run's checkpoint: iteration 0)."""
-    env_state: Callable[[], Any]
-    """This rank's environments' whole state, copied to the CPU."""
-    restore_env: Callable[[Any], list[str]]
-    """Put an `env_state` back into this rank's freshly built environments; what could not
-    be put back (empty: everything)."""
     fits: dict[str, Any]
     """What saved environment states must match to be restored here: environments per
     rank, seed, device type, the simulator's versions (checkpoints keep theirs in
     infos["environments"]); and what they belong to: the task, and the run (the name of its
     folder at its first start, kept by every checkpoint after)."""
 
+    def dump_params(self, writer: RunWriter) -> None:
+        """Write the run's params/ (on a fresh start)."""
+        ...
+
+    def save(self, path: Path, writer: RunWriter, infos: dict[str, Any]) -> None:
+        """Put the model checkpoint on disk (`infos`: what its rank states fit, saved with
+        it; its "environments" also head the checksum sidecar)."""
+        ...
+
+    def load(self, path: Path, ckpt: dict[str, Any], other_run: bool) -> None:
+        """Restore models, optimizer and iteration from the verified checkpoint `ckpt` at
+        `path` (another run's checkpoint: iteration 0)."""
+        ...
+
+    def env_state(self) -> Any:
+        """This rank's environments' whole state, copied to the CPU."""
+        ...
+
+    def restore_env(self, state: Any) -> list[str]:
+        """Put an `env_state` back into this rank's freshly built environments; what could
+        not be put back (empty: everything)."""
+        ...
+
     def first_obs_digest(self) -> str:
         """sha256 of this rank's first observations (to check that ranks differ)."""
-        obs = self.env.get_observations()
-        first = obs[next(iter(obs.keys()))]
-        return hashlib.sha256(first.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+        ...
+
+
+def _first_obs_digest(env: Any) -> str:
+    obs = env.get_observations()
+    first = obs[next(iter(obs.keys()))]
+    return hashlib.sha256(first.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 def build_staged(build: Callable[[], Any], ctx: DistContext) -> Any:
@@ -153,43 +168,50 @@ def build_workload(
     quiet: TextIO,
 ) -> Workload:
     """The workload of this rank (the writer's runner gets the run directory as log dir)."""
-    build = _mjlab_workload if resolved.source == "mjlab" else _builtin_workload
+    build = MjlabWorkload if resolved.source == "mjlab" else BuiltinWorkload
     return build(resolved, ctx, device, seed, run, quiet)
 
 
-def _builtin_workload(
-    resolved: ResolvedSpec,
-    ctx: DistContext,
-    device: str,
-    seed: int,
-    run: RunDir,
-    quiet: TextIO,
-) -> Workload:
-    spec = resolved.train
-    log_dir = str(run.path) if ctx.is_main else None
-    task = get_task(resolved.task)
-    make_env = task.make_env
-    assert make_env is not None  # every built-in task has one
+class BuiltinWorkload:
+    """A built-in task, trained with rsl-rl's runner."""
 
-    def build() -> Any:
-        with wp.ScopedDevice(device):
-            return make_env(resolved.num_envs, device, seed, spec.use_graph)
+    random_ep_len = False
 
-    env = build_staged(build, ctx)
-    cfg = agent_config(task, spec.save_interval, resolved.experiment_name)
-    cfg = apply_agent_overrides(cfg, spec.overrides)
-    cfg["seed"] = seed
-    runner = DistributedRunner(
-        env,
-        dict(cfg),
-        log_dir=log_dir,
-        device=device,
-        ctx=ctx,
-        quiet=quiet,
-        normalizer_sync=spec.normalizer_sync,
-    )
+    def __init__(
+        self,
+        resolved: ResolvedSpec,
+        ctx: DistContext,
+        device: str,
+        seed: int,
+        run: RunDir,
+        quiet: TextIO,
+    ) -> None:
+        self.spec = spec = resolved.train
+        task = get_task(resolved.task)
+        make_env = task.make_env
+        assert make_env is not None  # every built-in task has one
 
-    def dump_params(writer: RunWriter) -> None:
+        def build() -> Any:
+            with wp.ScopedDevice(device):
+                return make_env(resolved.num_envs, device, seed, spec.use_graph)
+
+        self.env = build_staged(build, ctx)
+        cfg = agent_config(task, spec.save_interval, resolved.experiment_name)
+        self.cfg = cfg = apply_agent_overrides(cfg, spec.overrides)
+        cfg["seed"] = seed
+        self.runner = DistributedRunner(
+            self.env,
+            dict(cfg),
+            log_dir=str(run.path) if ctx.is_main else None,
+            device=device,
+            ctx=ctx,
+            quiet=quiet,
+            normalizer_sync=spec.normalizer_sync,
+        )
+        self.fits = _fits(resolved, device, run)
+
+    def dump_params(self, writer: RunWriter) -> None:
+        env = self.env
         env_cfg = {
             "num_envs": env.num_envs,
             "decimation": env.cfg.decimation,
@@ -197,115 +219,118 @@ def _builtin_workload(
             "action_scale": env.cfg.action_scale,
             "mjcf": env.cfg.xml,
         }
-        _write_params(writer, spec, {"agent": cfg, "env": env_cfg})
+        _write_params(writer, self.spec, {"agent": self.cfg, "env": env_cfg})
 
-    def save(path: Path, writer: RunWriter, infos: dict[str, Any]) -> None:
-        writer.save_checkpoint(path, runner.training_state(infos), infos["environments"])
+    def save(self, path: Path, writer: RunWriter, infos: dict[str, Any]) -> None:
+        state = self.runner.training_state(infos)
+        writer.save_checkpoint(path, state, infos["environments"])
 
-    def load(path: Path, ckpt: dict[str, Any], other_run: bool) -> None:
-        runner.alg.load(ckpt, None, strict=True)
-        runner.current_learning_iteration = 0 if other_run else int(ckpt["iter"])
+    def load(self, path: Path, ckpt: dict[str, Any], other_run: bool) -> None:
+        self.runner.alg.load(ckpt, None, strict=True)
+        self.runner.current_learning_iteration = 0 if other_run else int(ckpt["iter"])
 
-    def restore_env(state: Any) -> list[str]:
-        env.load_state_dict(state)
+    def env_state(self) -> Any:
+        return {k: v.cpu() for k, v in self.env.state_dict().items()}
+
+    def restore_env(self, state: Any) -> list[str]:
+        self.env.load_state_dict(state)
         return []
 
-    return Workload(
-        env=env,
-        runner=runner,
-        random_ep_len=False,
-        dump_params=dump_params,
-        save=save,
-        load=load,
-        env_state=lambda: {k: v.cpu() for k, v in env.state_dict().items()},
-        restore_env=restore_env,
-        fits=_fits(resolved, device, run),
-    )
+    def first_obs_digest(self) -> str:
+        return _first_obs_digest(self.env)
 
 
-def _mjlab_workload(
-    resolved: ResolvedSpec,
-    ctx: DistContext,
-    device: str,
-    seed: int,
-    run: RunDir,
-    quiet: TextIO,
-) -> Workload:
-    spec = resolved.train
-    log_dir = str(run.path) if ctx.is_main else None
-    # Only the writer records videos (mjlab: rank 0), into the run directory.
-    recording = (
-        Recording(str(run.path / "videos" / "train"), spec.video_length, spec.video_interval)
-        if spec.video and ctx.is_main
-        else None
-    )
+class MjlabWorkload:
+    """An mjlab task, trained with mjlab's own runner for it: its save, load and params; its
+    --video, --enable-nan-guard and tracking motions."""
 
-    def build() -> Any:
-        # mjlab prints its managers' tables while building: they belong in the rank's log.
-        with contextlib.redirect_stdout(quiet):
-            return mjlab_tasks.make_mjlab_runtime(
-                spec.task,
-                num_envs=spec.num_envs,
-                max_iterations=spec.max_iterations,
-                seed=seed,
-                device=device,
-                overrides=spec.overrides,
-                registry_name=spec.registry_name,
-                cpu_graph=spec.use_graph,
-                motion_file=resolved.motion_file,
-                recording=recording,
-                nan_guard=spec.enable_nan_guard,
-                nan_guard_dir=str(run.path / "nan_dumps" / f"rank{ctx.rank}"),
-            )
+    random_ep_len = True
 
-    runtime = build_staged(build, ctx)
-    if os.environ.get("MUJOCO_GL") == "disable":
-        log.info("MuJoCo's rendering is off here (MUJOCO_GL=disable): nothing is rendered")
-    if recording is not None:
-        log.info(
-            "recording videos of env 0 into %s: %d frames every %d env steps",
-            recording.folder,
-            recording.length,
-            recording.interval,
+    def __init__(
+        self,
+        resolved: ResolvedSpec,
+        ctx: DistContext,
+        device: str,
+        seed: int,
+        run: RunDir,
+        quiet: TextIO,
+    ) -> None:
+        self.spec = spec = resolved.train
+        self.device = device
+        # Only the writer records videos (mjlab: rank 0), into the run directory.
+        recording = (
+            Recording(str(run.videos), spec.video_length, spec.video_interval)
+            if spec.video and ctx.is_main
+            else None
         )
-        # Close the renderer before MuJoCo's own exit handler ends EGL (handlers run last
-        # registered first); a video being recorded is saved.
-        atexit.register(_close_quietly, runtime.recorder)
-    runner = make_mjlab_runner(
-        runtime, ctx, log_dir, quiet=quiet, normalizer_sync=spec.normalizer_sync
-    )
 
-    def dump_params(writer: RunWriter) -> None:
+        def build() -> Any:
+            # mjlab prints its managers' tables while building: they belong in the rank's log.
+            with contextlib.redirect_stdout(quiet):
+                return mjlab_tasks.make_mjlab_runtime(
+                    spec.task,
+                    num_envs=spec.num_envs,
+                    max_iterations=spec.max_iterations,
+                    seed=seed,
+                    device=device,
+                    overrides=spec.overrides,
+                    registry_name=spec.registry_name,
+                    cpu_graph=spec.use_graph,
+                    motion_file=resolved.motion_file,
+                    recording=recording,
+                    nan_guard=spec.enable_nan_guard,
+                    nan_guard_dir=str(run.nan_dumps(ctx.rank)),
+                )
+
+        self.runtime = runtime = build_staged(build, ctx)
+        if os.environ.get("MUJOCO_GL") == "disable":
+            log.info("MuJoCo's rendering is off here (MUJOCO_GL=disable): nothing is rendered")
+        if recording is not None:
+            log.info(
+                "recording videos of env 0 into %s: %d frames every %d env steps",
+                recording.folder,
+                recording.length,
+                recording.interval,
+            )
+            # Close the renderer before MuJoCo's own exit handler ends EGL (handlers run last
+            # registered first); a video being recorded is saved.
+            atexit.register(_close_quietly, runtime.recorder)
+        self.env = runtime.env
+        log_dir = str(run.path) if ctx.is_main else None
+        self.runner = make_mjlab_runner(
+            runtime, ctx, log_dir, quiet=quiet, normalizer_sync=spec.normalizer_sync
+        )
+        self.fits = _fits(resolved, device, run)
+
+    def dump_params(self, writer: RunWriter) -> None:
         writer.check()
-        mjlab_tasks.dump_params(writer.run.path, runtime)  # params/env.yaml, agent.yaml
-        _write_params(writer, spec, {})
+        mjlab_tasks.dump_params(writer.run.path, self.runtime)  # params/env.yaml, agent.yaml
+        _write_params(writer, self.spec, {})
 
-    def save(path: Path, writer: RunWriter, infos: dict[str, Any]) -> None:
+    def save(self, path: Path, writer: RunWriter, infos: dict[str, Any]) -> None:
         # mjlab's own save (step counter, ONNX export), then the same fenced, checksummed
         # publication as ours.
         header = infos["environments"]
-        runner.save_published(
+        self.runner.save_published(
             path, lambda tmp: publish_file(tmp, path, writer.check, header=header), infos
         )
 
-    def load(path: Path, ckpt: dict[str, Any], other_run: bool) -> None:
+    def load(self, path: Path, ckpt: dict[str, Any], other_run: bool) -> None:
+        runner, runtime, device = self.runner, self.runtime, self.device
         load_with(lambda f: runner.load(f, map_location=device), path)  # weights only
         runner.current_learning_iteration = 0 if other_run else int(ckpt["iter"])
         if runtime.recorder is not None:  # videos go on where the last start stopped
             steps = runner.current_learning_iteration * runtime.agent_cfg.num_steps_per_env
             runtime.recorder.step_count = steps
 
-    return Workload(
-        env=runtime.env,
-        runner=runner,
-        random_ep_len=True,
-        dump_params=dump_params,
-        save=save,
-        load=load,
-        env_state=lambda: mjlab_tasks.capture_env(runtime.env),
-        restore_env=lambda state: mjlab_tasks.restore_env(runtime.env, state, device),
-        fits=_fits(resolved, device, run),
-    )
+    def env_state(self) -> Any:
+        return mjlab_tasks.capture_env(self.env)
+
+    def restore_env(self, state: Any) -> list[str]:
+        return mjlab_tasks.restore_env(self.env, state, self.device)
+
+    def first_obs_digest(self) -> str:
+        return _first_obs_digest(self.env)
 
 
 def _close_quietly(env: Any) -> None:

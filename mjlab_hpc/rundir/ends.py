@@ -1,37 +1,50 @@
 """How each rank's latest start of a run ended, and who failed first.
 
-The sources are the `exit:` line every rank writes last into its log (`mjlab_hpc.rank.train`),
-what the run record says, and, for a rank that ended without one, what the kernel says: its
-memory cgroup's count of OOM kills, noted in the rank's first log line and read again under
-the same kernel.
+Every rank writes a start record as it starts and an end record as its start ends
+(`logs/ranks/`, written by `mjlab_hpc.rank.train`): decisions read these, never the rank logs,
+which are for people (a rank may print anything). The other sources are what the run record
+says and, for a rank that ended without an end record, what the kernel says: its memory
+cgroup's count of OOM kills, in its start record, read again under the same kernel.
 
-A rank log whose latest start has no exit line ended abruptly (SIGKILL, out of memory, a
-segfault, a lost node). Errors that say a peer went away (connection closed or reset, a
-collective timed out) are consequences: the cause is the first rank that failed otherwise, or
-else the rank that ended without a word.
+A start without an end record ended abruptly (SIGKILL, out of memory, a segfault, a lost
+node). Errors that say a peer went away (connection closed or reset, a collective timed out)
+are consequences: the cause is the first rank that failed otherwise, or else the rank that
+ended without a word.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import json
+import os
 import re
+import stat
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from mjlab_hpc.procs import OomCount
-from mjlab_hpc.rundir.durable import LOG_LIMIT, read_tail
-from mjlab_hpc.rundir.layout import LOGS_DIR, RunDir, progress_summary
+from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_json_atomic
+from mjlab_hpc.rundir.layout import RunDir, progress_summary
 from mjlab_hpc.rundir.state import read_record
 
 __all__ = [
+    "Exit",
     "RankEnd",
+    "RankExit",
+    "RankStart",
     "RunOutcome",
     "failure_kind",
     "first_failure",
     "latest_world_size",
     "memory_advice",
     "rank_ends",
+    "rank_starts",
+    "read_end",
+    "record_end",
+    "record_start",
     "recorded_cause",
     "run_outcome",
     "start_hosts",
@@ -79,15 +92,140 @@ def memory_advice(record: dict[str, Any], num_envs: int | None = None) -> str:
 
 
 How = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung", "no-exit"]
+#: How a rank's end record says its start ended.
+Exit = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung", "out-of-memory"]
 
-_STAMP = re.compile(r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(\d{3}) rank(\d+) (.*)$")
-_START = re.compile(r"^rank \d+/(\d+) \(local ")
-_HOST = re.compile(r"\bhost (\S+?),")
-_START_ID = re.compile(r", start (\S+?)(?:,|$)")
-_RANK_LOG = re.compile(r"^rank(\d+)\.log$")
-_PEER_LOST = re.compile(r"\(peer-lost\)")
-_OUT_OF_MEMORY = re.compile(r"\(out-of-memory\)")
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Refused)\b.*:")
+
+@dataclass(frozen=True)
+class RankStart:
+    """A rank's start record: `logs/ranks/rank<k>.<n>.start.json`, written as it starts."""
+
+    run: str
+    """The run directory's name."""
+    rank: int
+    world_size: int
+    node: str
+    """The Slurm node (SLURMD_NODENAME), else the host name."""
+    pid: int
+    device: str
+    at: float
+    """When it started (epoch s)."""
+    start_id: str | None = None
+    """The batch script's name for the srun step of this start (None: not in a batch
+    script's loop)."""
+    oom: OomCount | None = None
+    """The OOM kills counted so far in its memory cgroup: a reader under the same kernel
+    tells an OOM kill from another SIGKILL."""
+    number: int = 0
+    """Which start of this rank it is, from 1 (0: not yet recorded)."""
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """A rank's end record: `logs/ranks/rank<k>.<n>.end.json`, written as its start ends."""
+
+    how: Exit
+    detail: str
+    """One line for people: what ended it (for a failure, the exception's line)."""
+    at: float
+    """When it ended (epoch s)."""
+    error_type: str | None = None
+    """The exception's type name, for a failure."""
+    message: str | None = None
+    """The exception's message, for a failure (at most 2000 characters)."""
+    peer_lost: bool = False
+    """A failure that says another rank went away (a consequence)."""
+
+
+def _records_dir(run: RunDir) -> Path:
+    """The folder of the rank records, made; OSError when it or `logs/` is not a real folder
+    of the run (a link out of it is never written through)."""
+    folder = run.rank_records
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in (run.logs, folder):
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise NotADirectoryError(f"{path} is not a folder of the run")
+    return folder
+
+
+def record_start(run: RunDir, start: RankStart) -> RankStart:
+    """Write `start` as the next start record of its rank; return it with its number."""
+    _records_dir(run)
+    number = max(run.rank_numbers().get(start.rank, [0])) + 1
+    data = {k: v for k, v in dataclasses.asdict(start).items() if k != "number"}
+    data["oom"] = dataclasses.asdict(start.oom) if start.oom is not None else None
+    payload = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+    while not create_exclusive(run.rank_start(start.rank, number), payload):
+        number += 1  # (a rank of the same number that starts at once: never ours to share)
+    return dataclasses.replace(start, number=number)
+
+
+def record_end(run: RunDir, start: RankStart, end: RankExit) -> None:
+    """Write how the start `start` (as `record_start` returned it) ended."""
+    _records_dir(run)
+    write_json_atomic(run.rank_end(start.rank, start.number), dataclasses.asdict(end))
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(read_regular(path, 1 << 20))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _start_of(data: dict[str, Any], number: int) -> RankStart | None:
+    try:
+        oom = data.get("oom")
+        return RankStart(
+            run=str(data["run"]),
+            rank=int(data["rank"]),
+            world_size=int(data["world_size"]),
+            node=str(data["node"]),
+            pid=int(data["pid"]),
+            device=str(data["device"]),
+            at=float(data["at"]),
+            start_id=str(data["start_id"]) if data.get("start_id") else None,
+            oom=OomCount(str(oom["kernel"]), str(oom["counter"]), int(oom["kills"]))
+            if isinstance(oom, dict)
+            else None,
+            number=number,
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _exit_of(data: dict[str, Any] | None) -> RankExit | None:
+    if data is None or data.get("how") not in typing.get_args(Exit):
+        return None
+    try:
+        return RankExit(
+            how=data["how"],
+            detail=str(data.get("detail") or data["how"]),
+            at=float(data["at"]),
+            error_type=str(data["error_type"]) if data.get("error_type") else None,
+            message=str(data["message"]) if data.get("message") is not None else None,
+            peer_lost=data.get("peer_lost") is True,
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def rank_starts(run_dir: Path, rank: int) -> list[RankStart]:
+    """Every start record of `rank`, oldest first (a damaged one is left out)."""
+    run = RunDir(run_dir)
+    found = []
+    for number in run.rank_numbers().get(rank, []):
+        data = _read(run.rank_start(rank, number))
+        start = _start_of(data, number) if data is not None else None
+        if start is not None and start.rank == rank:
+            found.append(start)
+    return found
+
+
+def read_end(run_dir: Path, start: RankStart) -> RankExit | None:
+    """How the start `start` ended (None: it ended without a word, or it still runs)."""
+    return _exit_of(_read(RunDir(run_dir).rank_end(start.rank, start.number)))
 
 
 @dataclass(frozen=True)
@@ -98,17 +236,17 @@ class RankEnd:
     host: str | None
     how: How
     at: dt.datetime | None
-    """The exit line's time (no-exit: the last line's)."""
+    """When it ended (no-exit: its log's last write, else its start)."""
     detail: str
-    """The exit line, or for a failure the exception's last line."""
+    """How it ended, for a failure the exception's line."""
     peer_lost: bool = False
     """A failure that says another rank went away (a consequence)."""
     started: dt.datetime | None = None
-    """When this start of the rank logged its first line."""
+    """When this start of the rank began."""
     oom: bool = False
     """It ran out of memory: an allocation failed, or the kernel's OOM killer ended it."""
     world_size: int | None = None
-    """The world size of this start (its first line)."""
+    """The world size of this start."""
     start_id: str | None = None
     """The batch script's name for the srun step of this start (None: not in a batch
     script's loop)."""
@@ -133,111 +271,58 @@ class RankEnd:
         return f"{where}: {self.detail}"
 
 
-def _stamp(match: re.Match[str]) -> dt.datetime:
-    when = dt.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S")
-    return when.replace(microsecond=int(match.group(2)) * 1000)
+def _when(epoch: float | None) -> dt.datetime | None:
+    return dt.datetime.fromtimestamp(epoch) if epoch is not None else None
 
 
-def _log_lines(run_dir: Path, rank: int) -> list[str]:
-    """The lines of a rank's log (its end, bounded); none for a FIFO, a link out, a device."""
-    path = run_dir / LOGS_DIR / f"rank{rank}.log"
-    try:
-        return read_tail(path, LOG_LIMIT, run_dir).decode(errors="replace").splitlines()
-    except (OSError, ValueError):
-        return []
-
-
-def _rank_end(rank: int, lines: list[str]) -> RankEnd | None:
-    start, size = None, None
-    for i, line in enumerate(lines):
-        m = _STAMP.match(line)
-        if m and (begun := _START.match(m.group(4))):
-            start, size = i, int(begun.group(1))
-    if start is None:
-        return None
-    head = _STAMP.match(lines[start])
-    host_match = _HOST.search(lines[start])
-    host = host_match.group(1) if host_match else None
-    start_match = _START_ID.search(lines[start])
-    start_id = start_match.group(1) if start_match else None
-    last_at = _stamp(head) if head else None
-    for i in range(start + 1, len(lines)):
-        m = _STAMP.match(lines[i])
-        if not m:
-            continue
-        last_at = _stamp(m)
-        message = m.group(4)
-        if not message.startswith("exit: "):
-            continue
-        body = message.removeprefix("exit: ")
-        how: How = "failed"
-        for word in ("completed", "stopped", "refused", "interrupted", "hung"):
-            if body.startswith(word):
-                how = word  # type: ignore[assignment]
-        detail = body
-        if how == "failed":
-            block = []
-            for line in lines[i + 1 :]:
-                if _STAMP.match(line):
-                    break
-                block.append(line)
-            error = [line.strip() for line in block if line.strip()]
-            # The exception's own line (`ValueError: ...`), not what some libraries print
-            # after it (pydantic's "For further information visit ...").
-            named = [line for line in error if _EXCEPTION_LINE.match(line)]
-            detail = named[-1] if named else error[-1] if error else body
-        started = _stamp(head) if head else None
+def _rank_end(run: RunDir, start: RankStart) -> RankEnd:
+    end = read_end(run.path, start)
+    common = {
+        "rank": start.rank,
+        "host": start.node,
+        "started": _when(start.at),
+        "world_size": start.world_size,
+        "start_id": start.start_id,
+    }
+    if end is None:
+        try:  # the rank log's last write: about when it died
+            last = max(run.rank_log(start.rank).stat().st_mtime, start.at)
+        except OSError:
+            last = start.at
+        rose = start.oom.rose() if start.oom is not None else None
         return RankEnd(
-            rank=rank,
-            host=host,
-            how=how,
-            at=last_at,
-            detail=detail,
-            peer_lost=bool(_PEER_LOST.search(message)),
-            started=started,
-            oom=bool(_OUT_OF_MEMORY.search(message)),
-            world_size=size,
-            start_id=start_id,
+            how="no-exit", at=_when(last), detail="no exit record", oom=bool(rose), **common
         )
-    count = OomCount.parse(lines[start])
+    oom = end.how == "out-of-memory"
     return RankEnd(
-        rank=rank,
-        host=host,
-        how="no-exit",
-        at=last_at,
-        detail="no exit record",
-        started=_stamp(head) if head else None,
-        oom=count is not None and bool(count.rose()),
-        world_size=size,
-        start_id=start_id,
+        how="failed" if oom else end.how,
+        at=_when(end.at),
+        detail=end.detail,
+        peer_lost=end.peer_lost,
+        oom=oom,
+        **common,
     )
 
 
 def rank_ends(run_dir: Path) -> list[RankEnd]:
-    """Return how each rank's latest start ended, by rank.
+    """Return how each rank's latest start ended, by rank, from their records.
 
     Ranks that never started are left out, and so are ranks past the world size of the
     newest start: those of a start before the run went on with fewer ranks (--min-nodes).
     """
-    logs = run_dir / LOGS_DIR
+    run = RunDir(run_dir)
     found = []
-    if logs.is_dir():
-        for entry in sorted(logs.iterdir()):
-            m = _RANK_LOG.match(entry.name)
-            rank = int(m.group(1)) if m else -1
-            if m and (end := _rank_end(rank, _log_lines(run_dir, rank))) is not None:
-                found.append(end)
+    for rank in run.rank_numbers():
+        starts = rank_starts(run_dir, rank)
+        if starts:
+            found.append(_rank_end(run, starts[-1]))
     size = latest_world_size(found)
-    return sorted((e for e in found if size is None or e.rank < size), key=lambda e: e.rank)
+    return [e for e in found if size is None or e.rank < size]
 
 
 def start_hosts(run_dir: Path, rank: int) -> list[str]:
-    """The host of each start of `rank`, in order (its log's first lines)."""
-    lines = _log_lines(run_dir, rank)
-    starts = [
-        m.group(4) for line in lines if (m := _STAMP.match(line)) and _START.match(m.group(4))
-    ]
-    return [h.group(1) if (h := _HOST.search(line)) else "?" for line in starts]
+    """The host of each start of `rank`, in order (its start records)."""
+    return [s.node for s in rank_starts(run_dir, rank)]
 
 
 def latest_world_size(ends: list[RankEnd]) -> int | None:

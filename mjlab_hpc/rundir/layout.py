@@ -25,16 +25,23 @@ from mjlab_hpc.spec import ResolvedSpec
 
 __all__ = [
     "CANCEL_RECORD",
+    "CODE_COPY",
+    "CODE_DIFF",
+    "CODE_DIR",
     "ELEMENT_RECORD",
     "GROUP_WRITABLE_ENV",
+    "HANG_GLOB",
     "KERNEL_CACHE_DIR",
+    "NAN_DUMPS_DIR",
     "PROGRESS",
     "RUN_RECORD",
+    "SNAPSHOT_RECORD",
     "SUBMITIT_DIR",
     "SWEEPS_DIR",
     "SWEEP_ELEMENTS",
     "SWEEP_RECORD",
     "TIMESTAMP_FORMAT",
+    "WANDB_RECORD",
     "ElementRecord",
     "ProgressSummary",
     "RunDir",
@@ -84,6 +91,21 @@ CHECKSUM_SUFFIX = ".sha256"
 RANK_STATES_DIR = "rank_states"
 # Folders of a log root: Warp's compiled kernels, `<user>/<key>/` (rank/kernel_cache.py).
 KERNEL_CACHE_DIR = ".kernel-cache"
+#: `<run>/code`: the submitted code's copy (`src/`), its record and the uncommitted diff.
+CODE_DIR = "code"
+CODE_COPY = "src"
+CODE_DIFF = "changes.diff"
+SNAPSHOT_RECORD = "snapshot.json"
+#: The run's W&B record (its W&B run id and the last step W&B was given).
+WANDB_RECORD = "wandb_run.json"
+#: mjlab's NaN guard's dumps, one folder per rank.
+NAN_DUMPS_DIR = "nan_dumps"
+#: --video's recordings.
+VIDEOS_DIR = "videos/train"
+# In logs/: each rank's start and end records (`rundir.ends`), the hang watchdog's records
+# and its fault injections' markers (in the heartbeat folder).
+RANK_RECORDS_DIR = "ranks"
+HANG_GLOB = "hang-rank*.json"
 # Files of an experiment folder.
 KEYS_DIR = ".keys"
 #: `<experiment>/.latest_run.<uid>`: each user's own latest run (a team shares the folder).
@@ -158,7 +180,7 @@ def read_heartbeats(run: RunDir, world_size: int) -> dict[int, dict[str, Any]]:
 def read_hangs(run: RunDir) -> list[dict[str, Any]]:
     """What the ranks' hang watchdogs recorded in the latest start, by rank."""
     found = []
-    for path in sorted(run.heartbeats.glob("hang-rank*.json")):
+    for path in run.hangs():
         try:
             value = json.loads(read_regular(path, within=run.path))
         except (OSError, ValueError):
@@ -222,6 +244,52 @@ class RunDir:
 
     def heartbeat(self, rank: int) -> Path:
         return self.heartbeats / f"rank{rank}.json"
+
+    def hang(self, rank: int) -> Path:
+        """What rank `rank`'s hang watchdog found in the latest start (`HANG_GLOB`)."""
+        return self.heartbeats / f"hang-rank{rank}.json"
+
+    def hangs(self) -> list[Path]:
+        """The hang records of the latest start."""
+        return sorted(self.heartbeats.glob(HANG_GLOB))
+
+    def injected(self, kind: str, iteration: int, rank: int) -> Path:
+        """The marker of a fault injected once (`MJLAB_HPC_FAULT`)."""
+        return self.heartbeats / f"injected-{kind}@{iteration}-rank{rank}"
+
+    @property
+    def rank_records(self) -> Path:
+        return self.logs / RANK_RECORDS_DIR
+
+    def rank_start(self, rank: int, number: int) -> Path:
+        """The record of the `number`th start (from 1) of rank `rank`."""
+        return self.rank_records / f"rank{rank}.{number}.start.json"
+
+    def rank_end(self, rank: int, number: int) -> Path:
+        """How the `number`th start of rank `rank` ended (none: it ended without a word)."""
+        return self.rank_records / f"rank{rank}.{number}.end.json"
+
+    def rank_numbers(self) -> dict[int, list[int]]:
+        """The start numbers of each rank's start records, in order, by rank."""
+        found: dict[int, list[int]] = {}
+        with contextlib.suppress(OSError):
+            for entry in self.rank_records.iterdir():
+                rank, dot, rest = entry.name.removeprefix("rank").partition(".")
+                number, _, kind = rest.partition(".")
+                if dot and kind == "start.json" and rank.isdigit() and number.isdigit():
+                    found.setdefault(int(rank), []).append(int(number))
+        return {rank: sorted(numbers) for rank, numbers in sorted(found.items())}
+
+    @property
+    def wandb_record(self) -> Path:
+        return self.path / WANDB_RECORD
+
+    @property
+    def videos(self) -> Path:
+        return self.path / VIDEOS_DIR
+
+    def nan_dumps(self, rank: int) -> Path:
+        return self.path / NAN_DUMPS_DIR / f"rank{rank}"
 
     def checkpoint(self, iterations: int) -> Path:
         return self.path / f"model_{iterations}.pt"

@@ -24,14 +24,18 @@ from typing import Any
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.procs import run_command
 from mjlab_hpc.rundir.durable import read_regular, write_atomic, write_json_atomic
-from mjlab_hpc.rundir.layout import read_element
+from mjlab_hpc.rundir.layout import (
+    CODE_COPY,
+    CODE_DIFF,
+    CODE_DIR,
+    SNAPSHOT_RECORD,
+    read_element,
+)
 from mjlab_hpc.rundir.state import now_iso
 
 __all__ = [
-    "CODE_DIR",
     "MAX_BYTES",
     "MAX_FILES",
-    "SNAPSHOT_RECORD",
     "Snapshot",
     "code_record",
     "import_path",
@@ -46,9 +50,6 @@ __all__ = [
     "write_snapshot",
 ]
 
-#: `<run>/code`: the copy (`src/`), its record and the uncommitted diff.
-CODE_DIR = "code"
-SNAPSHOT_RECORD = "snapshot.json"
 #: Above these a repository holds data, not code: copying it per job is refused.
 MAX_BYTES = 200 * 1024 * 1024
 MAX_FILES = 20_000
@@ -166,11 +167,11 @@ def write_snapshot(plan: Snapshot, dest: Path) -> dict[str, Any]:
     `code/changes.diff` holds the uncommitted changes.
     """
     code = dest / CODE_DIR
-    src = code / "src"
+    src = code / CODE_COPY
     n = 1
     while src.exists():  # a resumed run: the earlier copy stays for the earlier job's requeues
         n += 1
-        src = code / f"src-{n}"
+        src = code / f"{CODE_COPY}-{n}"
     for rel in plan.files:
         source, target = plan.root / rel, src / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -180,12 +181,12 @@ def write_snapshot(plan: Snapshot, dest: Path) -> dict[str, Any]:
             shutil.copy2(source, target)
     diff = _git(plan.root, "diff", "--binary", "HEAD") if plan.commit else None
     if diff:
-        write_atomic(code / "changes.diff", diff.encode())
+        write_atomic(code / CODE_DIFF, diff.encode())
     record = {
         "repository": str(plan.root),
         "commit": plan.commit,
         "dirty": bool(diff) or bool(plan.untracked) or plan.commit is None,
-        "diff": "changes.diff" if diff else None,
+        "diff": CODE_DIFF if diff else None,
         "untracked": list(plan.untracked),
         "files": len(plan.files),
         "bytes": plan.size,
@@ -281,7 +282,7 @@ def planned_record(plan: Snapshot | str, dest: Path) -> dict[str, Any] | None:
     """
     if isinstance(plan, str):
         return None
-    return {"copy": str(dest / CODE_DIR / "src"), "import_roots": list(plan.roots)}
+    return {"copy": str(dest / CODE_DIR / CODE_COPY), "import_roots": list(plan.roots)}
 
 
 def with_snapshot(env: dict[str, str], record: dict[str, Any] | None) -> dict[str, str]:

@@ -28,7 +28,8 @@ from slurm_cluster import SLURMD_TIMEOUT_S, SlurmCluster
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
 from mjlab_hpc.launch.heal import Fault, Healing, Step, next_step
 from mjlab_hpc.launch.local import local_processes
-from mjlab_hpc.rundir.ends import start_hosts
+from mjlab_hpc.rank.watchdog import FAULT_ENV, SAY_ENV
+from mjlab_hpc.rundir.ends import rank_ends, start_hosts
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.state import read_record
 from mjlab_hpc.slurm.client import SlurmClient
@@ -39,6 +40,22 @@ COMMON = [*CARTPOLE, "--save-interval", "5", "--max-iterations", "12"]
 # its digests are shared with tests/rank/test_preemption.py's reference.
 REFERENCE = [*CARTPOLE, "--save-interval", "100", "--max-iterations", "12"]
 TWO = ["--num-procs", "2"]
+# Rank 1 prints text shaped like our log lines after iteration 2 (a start on another node with
+# another world size, an out-of-memory exit with its traceback, a completed exit), then
+# raises after iteration 3: what it printed must change no decision.
+LOOKALIKE = {
+    FAULT_ENV: "say@2:rank1:once,raise@3:rank1:once",
+    SAY_ENV: "\n\n".join(
+        [
+            "rank 1/3 (local 1/3, node 0/1) via slurm, master x:1 on cpu, host evil-node, pid 1, "
+            "seed 1, 8 envs, CUDA_VISIBLE_DEVICES=unset, start 9.9.9, oom-kills 0 in /x (kernel k)",
+            "exit: failed (out-of-memory)\nTraceback (most recent call last):\n"
+            '  File "x.py", line 1, in f\nMemoryError: out of memory',
+            "exit: completed 99 iterations",
+        ]
+    ),
+}
+LOOKALIKE_RUN = [*CARTPOLE, "--save-interval", "2", "--max-iterations", "6"]
 
 
 def train(args: list[str], root: Path, fault: str | None, timeout: float = 300):
@@ -126,6 +143,41 @@ def test_a_repeated_failure_is_not_retried(tmp_path: Path) -> None:
     assert local_processes(run.path) == []
 
 
+def assert_lookalike_changed_nothing(run: RunDir, host: str, env: dict[str, str]) -> None:
+    """The crash was healed as the crash of rank 1 it was, on its real node, to the end."""
+    (fault,) = faults_of(run)
+    assert (fault["reason"], fault["ranks"]) == ("crash", [1]), fault
+    assert "injected fault at iteration 3" in fault["error"], fault
+    assert "exit: completed 99 iterations" in run.rank_log(1).read_text()  # it said it
+    assert start_hosts(run.path, rank=1) == [host, host]
+    ends = [(e.rank, e.how, e.world_size, e.host) for e in rank_ends(run.path)]
+    assert ends == [(0, "completed", 2, host), (1, "completed", 2, host)], ends
+    assert hpc_json(run, env)["state"] == "COMPLETED"
+    logs = subprocess.run(
+        [BIN / "mjlab-hpc", "logs", str(run.path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert f"── rank 1 · {host} ·" in logs and "── rank 1 · evil-node" not in logs, logs[-3000:]
+
+
+@pytest.mark.training
+def test_text_like_our_log_lines_changes_no_decision_locally(tmp_path: Path) -> None:
+    """A rank that prints our log lines' shapes (LOOKALIKE) then raises: healed as a crash of
+    that rank (not out of memory, not completed), on its node, to the end."""
+    proc = subprocess.run(
+        [BIN / "mjlab-train", *LOOKALIKE_RUN, *TWO, "--log-root", str(tmp_path)],
+        env=cli_env(LOOKALIKE),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
+    assert_lookalike_changed_nothing(only_run(tmp_path), socket.gethostname(), cli_env())
+
+
 # --- Slurm --------------------------------------------------------------------------------
 
 
@@ -203,6 +255,23 @@ def submit(
     return subprocess.run(
         cmd, env=cli_env(extra, base=cluster.environ()), capture_output=True, text=True, timeout=400
     )
+
+
+@pytest.mark.slurm
+def test_slurm_text_like_our_log_lines_changes_no_decision(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """On Slurm too (one node, two ranks): LOOKALIKE's crash is restarted in the allocation as
+    the crash of rank 1 on its node."""
+    cmd = [BIN / "mjlab-submit", *LOOKALIKE_RUN, "--nodes", "1", "--tasks-per-node", "2"]
+    cmd += ["--gpus-per-node", "0", "--time", "10", "--log-root", str(tmp_path), "--follow"]
+    env = cli_env(LOOKALIKE, base=slurm_cluster.environ())
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run = only_run(tmp_path)
+    (host,) = set(start_hosts(run.path, rank=0))
+    assert host.startswith("node"), host
+    assert_lookalike_changed_nothing(run, host, cli_env(base=slurm_cluster.environ()))
 
 
 @pytest.mark.slurm

@@ -9,6 +9,7 @@ Slurm versions are in test_slurm_ops.py.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import signal
@@ -347,7 +348,23 @@ def test_first_traceback_is_the_cause_and_names_the_host_of_the_time(tmp_path: P
         f"{stamp} rank1 failed\nTraceback (most recent call last):\n"
         '  File "y.py", line 2, in g\nValueError: the cause\n'
     )
-    found = find_tracebacks([RankFiles(0, rank0, (), ()), RankFiles(1, rank1, (), ())])
+
+    def at(text: str) -> dt.datetime:
+        return dt.datetime.fromisoformat(text)
+
+    # Each rank's starts, as its start records say (rank 1 moved to node7 when requeued).
+    found = find_tracebacks(
+        [
+            RankFiles(0, rank0, (), (), starts=((at("2026-01-02 03:04:05"), "node1"),)),
+            RankFiles(
+                1,
+                rank1,
+                (),
+                (),
+                starts=((at("2026-01-02 03:00:00"), "node2"), (at("2026-01-02 03:04:00"), "node7")),
+            ),
+        ]
+    )
     assert [(t.rank, t.host, t.last_line) for t in found] == [
         (1, "node7", "ValueError: the cause"),
         (0, "node1", "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:4711"),

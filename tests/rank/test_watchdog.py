@@ -6,6 +6,7 @@ healer's decisions on recorded faults.
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import json
 import os
@@ -17,7 +18,17 @@ import pytest
 
 from mjlab_hpc.launch.heal import decide, find_fault, restart_here
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog, hang_limit_s, parse_faults
-from mjlab_hpc.rundir.ends import latest_world_size, rank_ends, run_outcome
+from mjlab_hpc.rundir.ends import (
+    Exit,
+    RankExit,
+    RankStart,
+    latest_world_size,
+    rank_ends,
+    record_end,
+    record_start,
+    run_outcome,
+    start_hosts,
+)
 from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
 
 
@@ -72,28 +83,36 @@ def test_heartbeat_and_diagnosis_name_the_stalled_rank(tmp_path: Path) -> None:
     assert "rank 1 on node2 (pid 1): iteration 7" in hang.detail and "<- stalled" in hang.detail
 
 
-def _rank_log(run: RunDir, rank: int, body: str) -> None:
-    run.logs.mkdir(parents=True, exist_ok=True)
-    head = (
-        f"2026-11-23 10:00:0{rank},000 rank{rank} rank {rank}/2 (local {rank}/2, node 0/1) via "
-        f"submitit-local, master x:1 on cpu, host h{rank}, pid 1, seed 1, 8 envs"
+T0 = dt.datetime(2026, 11, 23, 10, 0).timestamp()
+
+
+def _started(
+    run: RunDir, rank: int, size: int = 2, at: float = 0.0, host: str = "", start_id: str = ""
+) -> RankStart:
+    """Rank `rank` starts (of `size` ranks) `at` s after T0, on h<rank> unless `host`."""
+    start = RankStart(
+        run=run.path.name,
+        rank=rank,
+        world_size=size,
+        node=host or f"h{rank}",
+        pid=1,
+        device="cpu",
+        at=T0 + at,
+        start_id=start_id or None,
     )
-    run.rank_log(rank).write_text(head + "\n" + body)
+    return record_start(run, start)
+
+
+def _ended(
+    run: RunDir, start: RankStart, how: Exit, at: float, detail: str = "", peer=False
+) -> None:
+    end = RankExit(how=how, detail=detail or how, at=T0 + at, peer_lost=peer)
+    record_end(run, start, end)
 
 
 def _crash(run: RunDir) -> None:
-    _rank_log(
-        run,
-        0,
-        "2026-11-23 10:00:09,000 rank0 exit: failed (peer-lost)\nRuntimeError: "
-        "Connection reset by peer\n",
-    )
-    _rank_log(
-        run,
-        1,
-        "2026-11-23 10:00:05,000 rank1 exit: failed (exception)\nTraceback\n"
-        "ValueError: reward is nan at step 1234\n",
-    )
+    _ended(run, _started(run, 0), "failed", 9, "RuntimeError: Connection reset by peer", True)
+    _ended(run, _started(run, 1, at=1), "failed", 5, "ValueError: reward is nan at step 1234")
     run.progress.write_text("".join(json.dumps({"iteration": i}) + "\n" for i in (1, 2, 3)))
 
 
@@ -118,8 +137,8 @@ def test_healer_names_the_cause_and_stops_a_crash_loop(tmp_path: Path) -> None:
 
 def test_a_killed_rank_is_attributed_to_its_node(tmp_path: Path) -> None:
     run = RunDir(tmp_path)
-    _rank_log(run, 0, "2026-11-23 10:00:09,000 rank0 exit: failed (peer-lost)\n")
-    _rank_log(run, 1, "2026-11-23 10:00:05,000 rank1 iteration 3/10 1000 steps/s\n")
+    _ended(run, _started(run, 0), "failed", 9, "RuntimeError: peer lost", peer=True)
+    _started(run, 1, at=1)  # and nothing more: killed
     fault = find_fault(run.path)
     assert fault is not None and fault.suspect_nodes == ("h1",) and fault.ranks == (1,)
 
@@ -127,7 +146,7 @@ def test_a_killed_rank_is_attributed_to_its_node(tmp_path: Path) -> None:
 def test_nothing_to_heal_after_a_stop(tmp_path: Path) -> None:
     run = RunDir(tmp_path)
     for rank in (0, 1):
-        _rank_log(run, rank, f"2026-11-23 10:00:09,000 rank{rank} exit: stopped at iteration 3\n")
+        _ended(run, _started(run, rank), "stopped", 9, "stopped at iteration 3")
     assert decide(run.path, max_restarts=3).fault is None
 
 
@@ -148,11 +167,11 @@ def test_the_first_iteration_stands_in_until_one_is_timed(tmp_path: Path) -> Non
 
 
 def test_a_start_that_never_logged_is_a_crash_of_this_start(tmp_path: Path) -> None:
-    """Rank logs older than the start the healer looks at are an earlier start's: their
-    `exit: stopped` must not hide a start that died before it could log."""
+    """Rank records older than the start the healer looks at are an earlier start's: their
+    stop must not hide a start that died before it could record its start."""
     run = RunDir(tmp_path)
     for rank in (0, 1):
-        _rank_log(run, rank, f"2026-11-23 10:00:09,000 rank{rank} exit: stopped at iteration 3\n")
+        _ended(run, _started(run, rank), "stopped", 9, "stopped at iteration 3")
     assert find_fault(run.path) is None  # as the earlier start ended
     fault = find_fault(run.path, since=time.time())
     assert fault is not None and fault.reason == "crash" and "no rank started" in fault.error
@@ -188,23 +207,17 @@ def test_a_slow_rank_sleeps_its_iteration_from_then_on_and_once_only_in_its_star
 
 
 def test_the_ranks_of_a_start_before_fewer_ranks_are_not_this_starts(tmp_path: Path) -> None:
-    """A run that went on with fewer ranks (--min-nodes) keeps the logs of the ranks that are
-    gone: rank 1 hung in the 2-rank start, rank 0 completed the 1-rank start after it."""
+    """A run that went on with fewer ranks (--min-nodes) keeps the records of the ranks that
+    are gone: rank 1 hung in the 2-rank start, rank 0 completed the 1-rank start after it."""
     run = RunDir(tmp_path)
-    _rank_log(run, 1, "2026-11-23 10:00:05,000 rank1 exit: hung after iteration 6\n")
-    run.rank_log(0).write_text(
-        "2026-11-23 10:00:20,000 rank0 rank 0/1 (local 0/1, node 0/1) via submitit-local, "
-        "master x:1 on cpu, host h0, pid 2, seed 1, 8 envs\n"
-        "2026-11-23 10:00:40,000 rank0 exit: completed 12 iterations\n"
-    )
+    _ended(run, _started(run, 1, at=1), "hung", 5, "hung after iteration 6")
+    _ended(run, _started(run, 0, size=1, at=20), "completed", 40, "completed 12 iterations")
     ends = rank_ends(run.path)
     assert [(e.rank, e.how, e.world_size) for e in ends] == [(0, "completed", 1)]
     assert latest_world_size(ends) == 1 and run_outcome(run.path).state != "failed"
-    run.rank_log(1).write_text(  # the job's next start on 2 ranks: rank 1 fails first
-        "2026-11-23 10:01:00,000 rank1 rank 1/2 (local 0/1, node 1/2) via submitit-local, "
-        "master x:1 on cpu, host h1, pid 3, seed 1, 8 envs\n"
-        "2026-11-23 10:01:05,000 rank1 exit: failed (exception)\n"
-    )
+    # The job's next start on 2 ranks: rank 1 fails first.
+    _ended(run, _started(run, 1, at=60), "failed", 65, "RuntimeError: x")
+    assert start_hosts(run.path, 1) == ["h1", "h1"] and start_hosts(run.path, 0) == ["h0"]
     assert [(e.rank, e.how) for e in rank_ends(run.path)] == [(0, "completed"), (1, "failed")]
 
 
@@ -250,40 +263,31 @@ def test_two_ranks_dying_at_once_are_both_named_and_a_kill_of_all_suspects_none(
     lost peer: both are the fault, both nodes suspects. When no rank recorded its end, on
     several nodes (the whole job killed from outside), no node is suspected."""
     run = RunDir(tmp_path)
-
-    def rank_log(rank: int, body: str) -> None:  # ranks of 3
-        _rank_log(run, rank, body)
-        run.rank_log(rank).write_text(run.rank_log(rank).read_text().replace("/2 (", "/3 (", 1))
-
-    rank_log(0, "2026-11-23 10:00:09,000 rank0 exit: failed (peer-lost)\n")
+    _ended(run, _started(run, 0, size=3), "failed", 9, "RuntimeError: peer lost", peer=True)
     for rank in (1, 2):
-        rank_log(rank, f"2026-11-23 10:00:05,000 rank{rank} iteration 3/10 1 steps/s\n")
+        _started(run, rank, size=3)
     fault = find_fault(run.path)
     assert fault is not None and fault.ranks == (1, 2) and fault.suspect_nodes == ("h1", "h2")
     assert "rank 1 on h1, rank 2 on h2 ended without an exit record" in fault.error
-    rank_log(0, "2026-11-23 10:00:05,000 rank0 iteration 3/10 1 steps/s\n")
+    run.rank_end(0, 1).unlink()  # rank 0 too ended without a word
     fault = find_fault(run.path)
     assert fault is not None and fault.ranks == (0, 1, 2) and fault.suspect_nodes == ()
     assert "on 3 nodes: killed from outside the ranks" in fault.error
-    for rank in (1, 2):  # all on h0: that node may be what killed them
-        log = run.rank_log(rank)
-        log.write_text(log.read_text().replace(f"host h{rank},", "host h0,"))
+    for rank in (1, 2):  # their next start, all on h0: that node may be what killed them
+        _started(run, rank, size=3, at=30, host="h0")
+    _started(run, 0, size=3, at=30, host="h0")
     fault = find_fault(run.path)
     assert fault is not None and fault.suspect_nodes == ("h0",), fault
 
 
 def test_this_srun_steps_ranks_are_found_by_its_name_not_by_clocks(tmp_path: Path) -> None:
-    """The batch script names each srun step (`_MJLAB_HPC_START`); the ranks write it in
-    their first line. Logs of an earlier step are not this step's, whatever their times."""
+    """The batch script names each srun step (`_MJLAB_HPC_START`); the ranks record it in
+    their start records. Records of an earlier step are not this step's, whatever their
+    times."""
     run = RunDir(tmp_path)
     for rank in (0, 1):
-        run.logs.mkdir(parents=True, exist_ok=True)
-        run.rank_log(rank).write_text(
-            f"2099-01-01 10:00:00,000 rank{rank} rank {rank}/2 (local {rank}/2, node 0/1) via "
-            f"slurm, master x:1 on cpu, host h{rank}, pid 1, seed 1, 8 envs, "
-            f"CUDA_VISIBLE_DEVICES=unset, start 42.0.1\n"
-            f"2099-01-01 10:00:09,000 rank{rank} exit: stopped at iteration 3\n"
-        )
+        start = _started(run, rank, at=3e9, start_id="42.0.1")  # clocks far ahead
+        _ended(run, start, "stopped", 3e9 + 9, "stopped at iteration 3")
     assert [e.start_id for e in rank_ends(run.path)] == ["42.0.1", "42.0.1"]
     assert find_fault(run.path, start="42.0.1") is None
     fault = find_fault(run.path, start="42.0.2")  # the next step: its ranks never logged

@@ -34,8 +34,7 @@ from helpers import BIN, cli_env, only_run, rank_pids, wait_for_iteration
 
 from mjlab_hpc.cli.common import parse_with_overrides
 from mjlab_hpc.cli.train import main as train_main
-from mjlab_hpc.rank.runner import WANDB_RECORD
-from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.layout import WANDB_RECORD, RunDir
 from mjlab_hpc.spec import TrainSpec
 from mjlab_hpc.tasks.warmstart import CHECKPOINT_CACHE
 

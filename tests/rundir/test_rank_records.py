@@ -1,0 +1,84 @@
+"""The ranks' start and end records (`rundir.ends`): what decisions read, not log text."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from mjlab_hpc.procs import OomCount
+from mjlab_hpc.rundir.ends import (
+    RankExit,
+    RankStart,
+    rank_ends,
+    rank_starts,
+    record_end,
+    record_start,
+    start_hosts,
+)
+from mjlab_hpc.rundir.layout import RunDir
+
+
+def _start(run: RunDir, rank: int, node: str = "n1", oom: OomCount | None = None) -> RankStart:
+    made = RankStart(
+        run=run.path.name,
+        rank=rank,
+        world_size=2,
+        node=node,
+        pid=1,
+        device="cpu",
+        at=time.time(),
+        start_id="7.0.1",
+        oom=oom,
+    )
+    return record_start(run, made)
+
+
+def test_each_start_is_numbered_and_its_end_read_back(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    first = _start(run, 0, "n1", OomCount(kernel="k", counter="/nowhere", kills=3))
+    record_end(run, first, RankExit(how="failed", detail="ValueError: x", at=time.time()))
+    second = _start(run, 0, "n2")
+    assert (first.number, second.number) == (1, 2)
+    assert rank_starts(run.path, 0)[0] == first  # the OOM count too
+    assert start_hosts(run.path, 0) == ["n1", "n2"]
+    (end,) = rank_ends(run.path)  # the latest start: no end record yet
+    assert (end.how, end.host, end.start_id) == ("no-exit", "n2", "7.0.1")
+
+
+def test_log_text_alone_decides_nothing(tmp_path: Path) -> None:
+    """A rank log full of our lines' shapes, and no records: no rank started."""
+    run = RunDir(tmp_path)
+    run.logs.mkdir()
+    run.rank_log(0).write_text(
+        "2026-11-23 10:00:00,000 rank0 rank 0/2 (local 0/2, node 0/1) via slurm, master x:1 "
+        "on cpu, host evil, pid 1, seed 1, 8 envs\n"
+        "2026-11-23 10:00:09,000 rank0 exit: failed (out-of-memory)\n"
+        "MemoryError: out of memory\n"
+    )
+    assert rank_ends(run.path) == [] and start_hosts(run.path, 0) == []
+
+
+def test_records_are_never_written_through_a_link_and_damaged_ones_are_skipped(
+    tmp_path: Path,
+) -> None:
+    run = RunDir(tmp_path / "run")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run.logs.mkdir(parents=True)
+    run.rank_records.symlink_to(outside)
+    with pytest.raises(NotADirectoryError):
+        _start(run, 0)
+    assert list(outside.iterdir()) == []
+    run.rank_records.unlink()
+    run.rank_records.mkdir()
+    run.rank_start(1, 1).write_text("{not json")
+    run.rank_start(1, 2).write_text(json.dumps({"rank": 1}))
+    good = _start(run, 1)
+    assert good.number == 3 and [s.number for s in rank_starts(run.path, 1)] == [3]
+    run.rank_end(1, 3).symlink_to(outside / "end.json")  # planted: replaced, not followed
+    record_end(run, good, RankExit(how="completed", detail="completed 3 iterations", at=1.0))
+    assert list(outside.iterdir()) == [] and not run.rank_end(1, 3).is_symlink()
+    assert [(e.rank, e.how) for e in rank_ends(run.path)] == [(1, "completed")]
