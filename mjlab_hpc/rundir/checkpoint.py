@@ -45,7 +45,7 @@ from mjlab_hpc.rundir.layout import (
     rank_state_dir,
     rank_state_file,
 )
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.spec import TrainSpec
 
 __all__ = [
@@ -507,7 +507,7 @@ def cannot_continue(
     anything; the ranks ask again before loading.
     """
     run_dir = checkpoints.run_dir
-    theirs = (read_record(run_dir).get("spec") or {}).get("task") if run_dir.is_dir() else None
+    theirs = read_record(run_dir).spec.get("task") if run_dir.is_dir() else None
     if theirs and theirs != task:
         return SpecError(
             flag,

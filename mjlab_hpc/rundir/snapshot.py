@@ -25,7 +25,7 @@ from mjlab_hpc.errors import SpecError
 from mjlab_hpc.procs import run_command
 from mjlab_hpc.rundir.durable import read_regular, write_json_atomic
 from mjlab_hpc.rundir.layout import read_element
-from mjlab_hpc.rundir.state import now_iso
+from mjlab_hpc.rundir.record import now_iso
 
 __all__ = [
     "CODE_DIR",
