@@ -214,7 +214,10 @@ def _current_row(run: RunJobs, rows: dict[str, SlurmRow]) -> SlurmRow | None:
 
 # The states in which a run's own record says its start ended for good.
 _ENDED = frozenset(
-    {*(RunState(s).status_name() for s in ("completed", "failed", "interrupted")), "CANCELLED"}
+    {
+        *(s.status_name() for s in (RunState.COMPLETED, RunState.FAILED, RunState.INTERRUPTED)),
+        "CANCELLED",
+    }
 )
 
 

@@ -363,10 +363,6 @@ class Damaged:
     name: str
     why: str
 
-    def as_dict(self) -> dict[str, str]:
-        """For run.json."""
-        return {"name": self.name, "why": self.why}
-
 
 @dataclass(frozen=True)
 class CheckpointPolicy:

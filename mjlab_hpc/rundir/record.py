@@ -6,7 +6,8 @@ keeps it (`RunWriter.write_json(run.record, record.to_json())`); every reader ge
 fields. Updates are immutable: each `on_*` returns a new record.
 
 On disk it is the JSON object of `to_json` (the same keys as before the record had a type,
-plus `"schema"`). Records without `"schema"` (written before it) read as they are.
+plus `"schema"`). Records without `"schema"` (written before it) read as they are; a null
+reads as the field's default, and keys this code does not know are not kept.
 """
 
 from __future__ import annotations
@@ -456,7 +457,7 @@ def _load(hint: Any, value: Any, where: str) -> Any:
             **{
                 f.name: _load(hints[f.name], value[f.name], f"{where}.{f.name}")
                 for f in dataclasses.fields(hint)
-                if value.get(f.name) is not None or (f.name in value and _nullable(hints[f.name]))
+                if value.get(f.name) is not None  # null: the field's default
             }
         )
     if origin is tuple or hint is tuple:
@@ -497,12 +498,6 @@ def _load(hint: Any, value: Any, where: str) -> Any:
         return None
     name = getattr(hint, "__name__", str(hint))
     raise _Mismatch(where, value, f"{'an' if name == 'int' else 'a'} {name}")
-
-
-def _nullable(hint: Any) -> bool:
-    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in (
-        typing.get_args(hint)
-    )
 
 
 def read_record(run_dir: Path, strict: bool = False, set_aside: bool = False) -> RunRecord:
