@@ -77,7 +77,18 @@ def memory_advice(record: RunRecord, num_envs: int | None = None) -> str:
     )
 
 
-How = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung", "no-exit"]
+#: How a rank's start ended: a `RunState` (the run's vocabulary), or hung (its watchdog fired)
+#: or no-exit (it ended without an exit line).
+How = (
+    Literal[
+        RunState.COMPLETED,
+        RunState.STOPPED,
+        RunState.FAILED,
+        RunState.REFUSED,
+        RunState.INTERRUPTED,
+    ]
+    | Literal["hung", "no-exit"]
+)
 
 _STAMP = re.compile(r"^(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}),(\d{3}) rank(\d+) (.*)$")
 _START = re.compile(r"^rank \d+/(\d+) \(local ")
