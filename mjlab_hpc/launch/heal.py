@@ -307,7 +307,7 @@ def record_healing(
                 at=entry.at,
             )
             updated = on_fault(record, entry, heal.requeue, failure)
-            writer.write_json(writer.run.record, updated.to_json())
+            writer.write_record(updated)
         finally:
             writer.release()
     finally:  # read now: never taken for a later start's

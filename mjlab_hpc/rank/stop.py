@@ -433,7 +433,7 @@ class IterationBoundary:
         now = [s.as_dict() for s in self.stragglers.current]
         try:
             record = on_stragglers(read_record(self.run.path, set_aside=True), now)
-            self.writer.write_json(self.run.record, record.to_json())
+            self.writer.write_record(record)
         except Exception as exc:  # a record, not the training
             log.warning("could not record the stragglers in run.json: %s", exc)
 
@@ -445,7 +445,7 @@ class IterationBoundary:
             before = read_record(writer.run.path, set_aside=True)
             after = on_recovered(before, self.start)
             if after != before:
-                writer.write_json(writer.run.record, after.to_json())
+                writer.write_record(after)
 
         try:
             writer.last_records(write)
@@ -478,7 +478,6 @@ class IterationBoundary:
 
         def write() -> None:
             writer.append_line(run.restarts, json.dumps(entry.to_json()))
-            stopped = on_stop(read_record(run.path, set_aside=True), entry)
-            writer.write_json(run.record, stopped.to_json())
+            writer.write_record(on_stop(read_record(run.path, set_aside=True), entry))
 
         writer.last_records(write)

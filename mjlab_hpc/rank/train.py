@@ -260,7 +260,7 @@ def _begin(
         },
         code_dir=Path.cwd(),
     )
-    writer.write_json(run.record, started.to_json())
+    writer.write_record(started)
     record_latest_run(run.path)
     if start == 0:
         work.dump_params(writer)
@@ -529,7 +529,7 @@ def _record_end(
             spec=resolved.train.to_dict() if resolved is not None else None,
             effective=resolved.effective() if resolved is not None else None,
         )
-        writer.write_json(writer.run.record, after.to_json())
+        writer.write_record(after)
 
     with contextlib.suppress(Exception):  # the original error matters more
         writer.last_records(write)
@@ -564,7 +564,7 @@ def _finish(
     if len(set(digests)) != 1:
         log.error("ranks diverged: parameter digests %s", digests)
     ended = on_end(read_record(run.path, set_aside=True), runner.current_learning_iteration)
-    writer.write_json(run.record, ended.to_json())
+    writer.write_record(ended)
 
 
 def _progress_writer(writer: RunWriter) -> IterationHook:

@@ -20,6 +20,7 @@ from mjlab_hpc.rundir.checkpoint import save_checkpoint
 from mjlab_hpc.rundir.durable import read_regular
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.lock import LeaseLock, LockError, OwnerInfo, write_fenced
+from mjlab_hpc.rundir.record import RunRecord
 
 __all__ = ["RESERVE_BYTES", "RunWriter", "busy_problem", "once"]
 
@@ -131,6 +132,10 @@ class RunWriter:
     def write_json(self, path: Path, data: Any) -> None:
         """Publish a JSON file (indented, keys sorted)."""
         self.write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+    def write_record(self, record: RunRecord) -> None:
+        """Publish the run record (run.json)."""
+        self.write_json(self.run.record, record.to_json())
 
     def append_line(self, path: Path, line: str) -> None:
         """Append one line to a log-like file (progress.jsonl, restarts.jsonl)."""

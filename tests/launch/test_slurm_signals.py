@@ -168,7 +168,7 @@ def test_signals_and_admin_actions_mean_what_the_docs_say(
     assert proc.returncode == 3, out[-1000:] + err[-2000:]
     assert f"({limit.reason}, SIGUSR2: {limit.why})" in " ".join(err.split()), err[-2000:]
     saved = {p.name for p in run.path.glob("model_*.pt")}
-    assert f"model_{limit['iteration']}.pt" in saved and len(saved) > 2, saved
+    assert f"model_{limit.iteration}.pt" in saved and len(saved) > 2, saved
     assert slurm_cluster.wait_job(job, timeout=60) == "FAILED"  # the ranks' exit 3
     shown = slurm_cluster.run(["scontrol", "show", "job", job]).stdout
     assert "ExcNodeList=(null)" in shown and "Restarts=1" in shown, shown

@@ -98,7 +98,7 @@ def test_ctrl_c_stops_two_ranks_with_a_checkpoint_and_resume_continues_exactly(
     assert only_run(root) == run  # the same run, not a new one
     assert "done: 8 iterations" in again.stdout
     summary = json.loads(run.summary.read_text())
-    assert summary["resumed_from"] == stop["iteration"] and summary["ranks_in_sync"]
+    assert summary["resumed_from"] == stop.iteration and summary["ranks_in_sync"]
     assert [r["iteration"] for r in run.read_progress()] == list(range(1, iters + 1))
     reference = reference_digests(shared_tmp, [*COMMON, "--max-iterations", str(iters)], 2)
     assert summary["param_digest_per_rank"] == reference
@@ -143,7 +143,7 @@ def test_a_stopped_or_lost_launcher_leaves_no_rank_behind(tmp_path: Path, how: s
         assert proc.returncode == -signal.SIGKILL
     else:
         assert proc.returncode == EXIT_STOPPED, err[-2000:]
-        assert f"stopped at iteration {stop['iteration']}" in closing_line(err)
+        assert f"stopped at iteration {stop.iteration}" in closing_line(err)
 
 
 def test_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
