@@ -494,7 +494,7 @@ def place_restart(
     requeue excludes the suspect nodes only while the partition still fits the job without
     them; the record says why not otherwise.
     """
-    job_id = heal.entry.get("job_id")
+    job_id = heal.entry.job_id
     if not (heal.requeue and job_id):
         return None
     step = next_step(client, run_dir, heal, step_nodes=step_nodes, min_nodes=min_nodes)
@@ -511,8 +511,12 @@ def place_restart(
         return step
     if heal.exclude:
         ok, why = usable_without(client, job_id, heal.exclude)
-        heal.entry["excluded_nodes"] = heal.exclude if ok else []
+        not_excluded = f"{', '.join(heal.exclude)} not excluded: {why}"
+        not_excluded = heal.entry.not_excluded if ok else not_excluded
+        excluded = tuple(heal.exclude) if ok else ()
+        heal.entry = dataclasses.replace(
+            heal.entry, excluded_nodes=excluded, not_excluded=not_excluded
+        )
         if not ok:
-            heal.entry["not_excluded"] = f"{', '.join(heal.exclude)} not excluded: {why}"
             heal.exclude = []
     return None
