@@ -17,7 +17,7 @@ from typing import Any
 from benchmarks.config import BenchConfig
 from benchmarks.stats import Figure
 from benchmarks.watch import cli, find_run_dir
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 
 __all__ = ["HANG_TIMEOUT_S", "healing_figures", "run_healing"]
 
@@ -55,16 +55,16 @@ def _job(
         timeout=cfg.run_timeout_s,
     )
     run = find_run_dir(root)
-    faults = read_record(run).get("faults", []) if run is not None else []
-    if proc.returncode != 0 or not faults or "recovery_s" not in faults[0]:
+    faults = read_record(run).faults if run is not None else ()
+    if proc.returncode != 0 or not faults or faults[0].recovery_s is None:
         raise RuntimeError(f"exit {proc.returncode}, faults {faults}: {proc.stderr[-1500:]}")
     f = faults[0]
     return {
-        "reason": f["reason"],
-        "recovery_s": f["recovery_s"],
-        "recomputed": f["recomputed"],
-        "fault_iteration": f["iteration"],
-        "resumed_from": f["resumed_from"],
+        "reason": f.reason,
+        "recovery_s": f.recovery_s,
+        "recomputed": f.recomputed,
+        "fault_iteration": f.iteration,
+        "resumed_from": f.resumed_from,
     }
 
 

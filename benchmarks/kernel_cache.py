@@ -26,7 +26,7 @@ from typing import Any
 
 from benchmarks.watch import bench_env, cli
 from mjlab_hpc.rundir.layout import KERNEL_CACHE_DIR, RunDir
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.slurm.client import SlurmClient
 
 __all__ = ["main", "run_job"]
@@ -61,7 +61,7 @@ def run_job(name: str, node: str, cache: str, work: Path, env: dict[str, str]) -
     if proc.returncode != 0 or len(runs) != 1:
         raise RuntimeError(f"{name}: mjlab-submit exited {proc.returncode}: {proc.stderr[-800:]}")
     first = RunDir(runs[0]).read_progress()[:1]
-    job = str((read_record(runs[0]).get("job_ids") or [""])[0])
+    job = (read_record(runs[0]).job_ids or ("",))[0]
     started = SlurmClient(env=env).run(["sacct", "-n", "-P", "-X", "-j", job, "-o", "Start"])
     if not first or started is None or not started.stdout.strip():
         raise RuntimeError(f"{name}: job {job} left no first iteration in {runs[0]}")

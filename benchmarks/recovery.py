@@ -32,7 +32,7 @@ from typing import Any
 from benchmarks.watch import bench_env, cli, find_run_dir, kill_job
 from mjlab_hpc.rundir.ends import start_hosts
 from mjlab_hpc.rundir.layout import RunDir
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient
 
 __all__ = ["CASES", "Case", "main", "outcome", "print_table", "run_case"]
@@ -145,9 +145,7 @@ def run_case(case: Case, root: Path, env: dict[str, str]) -> dict[str, Any]:
     path = _wait(lambda: find_run_dir(root), 60, "the run directory")
     run, lost, job = RunDir(path), None, None
     try:
-        job = str(
-            _wait(lambda: (read_record(path).get("job_ids") or [None])[0], 120, "the job to start")
-        )
+        job = str(_wait(lambda: (read_record(path).job_ids or (None,))[0], 120, "the job to start"))
         if case.lose_node:
             _wait(
                 lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= LOSE_AT,
@@ -173,7 +171,7 @@ def run_case(case: Case, root: Path, env: dict[str, str]) -> dict[str, Any]:
             _cluster("node-up", lost)
         if job is not None and not _job_ended(client, job):
             client.scancel([job])
-    faults = read_record(path).get("faults", [])
+    faults = read_record(path).faults
     return {"summary": summary, "faults": faults, "restarts": _restarts(client, job)}
 
 
@@ -185,12 +183,12 @@ def outcome(case: Case, got: dict[str, Any], reference: Sequence[str] | None) ->
     """
     summary, faults = got["summary"], got["faults"]
     kind = "requeue" if case.requeues else "in-allocation"
-    if len(faults) != 1 or faults[0].get("kind") != kind:
+    if len(faults) != 1 or faults[0].kind != kind:
         raise ValueError(f"expected one fault healed by kind {kind}, got {faults}")
     fault = faults[0]
     if summary.get("iterations") != int(TRAIN[TRAIN.index("--max-iterations") + 1]):
         raise ValueError(f"the run ended at iteration {summary.get('iterations')}")
-    world = fault.get("world_size") or [summary["world_size"], summary["world_size"]]
+    world = fault.world_size or (summary["world_size"], summary["world_size"])
     digests = summary.get("param_digest_per_rank")
     if world[0] != world[1]:
         same = None  # fewer ranks: not the same training by design
@@ -198,15 +196,14 @@ def outcome(case: Case, got: dict[str, Any], reference: Sequence[str] | None) ->
         same = reference is not None and list(digests or []) == list(reference)
     return {
         "case": case.name,
-        "reason": fault["reason"],
-        "recovery_s": fault.get("recovery_s"),
-        "recomputed": fault.get("recomputed"),
-        "resumed_from": fault.get("resumed_from"),
-        "world_size": world,
-        "excluded_nodes": fault.get("excluded_nodes", []),
+        "reason": fault.reason,
+        "recovery_s": fault.recovery_s,
+        "recomputed": fault.recomputed,
+        "resumed_from": fault.resumed_from,
+        "world_size": list(world),
+        "excluded_nodes": list(fault.excluded_nodes),
         "requeues": got["restarts"],
-        "as_expected": got["restarts"] == case.requeues
-        and fault.get("job_id") == str(summary["job_id"]),
+        "as_expected": got["restarts"] == case.requeues and fault.job_id == str(summary["job_id"]),
         "bit_identical": same,
     }
 

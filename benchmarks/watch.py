@@ -7,7 +7,6 @@ how it stops, restarts and resumes.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -26,7 +25,8 @@ import psutil
 from benchmarks.compile import default_kernel_cache
 from benchmarks.stats import median_iteration_s, parse_rsl_rl_log
 from mjlab_hpc import procs
-from mjlab_hpc.rundir.layout import PROGRESS, RESTARTS, RUN_RECORD, SUBMITIT_DIR, read_jsonl
+from mjlab_hpc.rundir.layout import PROGRESS, RESTARTS, SUBMITIT_DIR, read_jsonl
+from mjlab_hpc.rundir.record import RunRecord, read_record
 
 __all__ = [
     "CpuSnapshot",
@@ -236,7 +236,7 @@ class JobTrace:
     old_ranks_gone_at: float | None = None
     first_resumed_at: float | None = None
     stops: list[dict[str, Any]] = field(default_factory=list)
-    record: dict[str, Any] = field(default_factory=dict)
+    record: RunRecord = field(default_factory=RunRecord)
     run_dir: str | None = None
     output_tail: str = ""
 
@@ -346,8 +346,7 @@ def watch_job(
         trace.run_dir = str(run)
         trace.records = read_jsonl(run / PROGRESS)
         trace.stops = read_jsonl(run / RESTARTS)
-        with contextlib.suppress(OSError, json.JSONDecodeError):
-            trace.record = json.loads((run / RUN_RECORD).read_text())
+        trace.record = read_record(run)
     return trace
 
 
@@ -447,8 +446,8 @@ def recovery(trace: JobTrace) -> dict[str, Any]:
     if not trace.stops:
         return {}
     stop = trace.stops[0]
-    starts = trace.record.get("starts", [])
-    resumed_from = starts[1]["resumed_from_iteration"] if len(starts) > 1 else None
+    starts = trace.record.starts
+    resumed_from = starts[1].resumed_from_iteration if len(starts) > 1 else None
     before = [
         int(r["iteration"]) for r in trace.records if int(r["iteration"]) <= stop["iteration"]
     ]

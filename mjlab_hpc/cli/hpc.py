@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import tyro
 from rich.console import Console
@@ -45,7 +45,7 @@ from mjlab_hpc.ops.status import (
 )
 from mjlab_hpc.ops.status import render as render_status
 from mjlab_hpc.rundir.layout import run_dir_for_key
-from mjlab_hpc.rundir.state import interruptions, read_record
+from mjlab_hpc.rundir.record import Interruption, read_record
 from mjlab_hpc.spec import SubmitSpec
 from mjlab_hpc.tasks.registry import list_tasks as all_tasks
 from mjlab_hpc.validate import validate_submit
@@ -387,20 +387,20 @@ def logs(cmd: Logs) -> int:
         def active() -> bool:
             return collect([jobs.run_dir]).rows[0].active
 
-        def said(e: dict[str, Any]) -> tuple[object, ...]:
+        def said(e: Interruption) -> tuple[object, ...]:
             return (
-                e.get("reason"),
-                e.get("iteration"),
-                e.get("job_id"),
-                e.get("restart_count"),
-                e.get("signal_at") or e.get("at"),
-                "recovered_at" in e,
+                e.reason,
+                e.iteration,
+                e.job_id,
+                e.restart_count,
+                e.signal_at or e.at,
+                e.recovered_at is not None,
             )
 
-        seen = {said(e) for e in interruptions(read_record(run))}
+        seen = {said(e) for e in read_record(run).interruptions}
 
         def news() -> list[str]:  # faults and stops as they are recorded, and healed
-            new = [e for e in interruptions(read_record(run)) if said(e) not in seen]
+            new = [e for e in read_record(run).interruptions if said(e) not in seen]
             seen.update(said(e) for e in new)
             return [f"[run] {interruption_line(e)}" for e in new]
 

@@ -26,7 +26,7 @@ from mjlab_hpc.rundir.durable import LOG_LIMIT, open_regular
 from mjlab_hpc.rundir.ends import memory_advice, run_outcome
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import Interruption, RunState, Start, read_record
 
 # After a stop we asked for, how long the ranks may take to record their end once the job
 # counts as ended: Slurm calls a cancelled job CANCELLED at once, while its ranks still write
@@ -128,11 +128,11 @@ def follow_progress(
     start = int(tail[-1]["iteration"]) if tail else 0
     pos = progress.stat().st_size if progress.exists() else 0
     display = ProgressDisplay(total, start, enabled=True, stream=out or sys.stdout)
-    starts_seen = len(read_record(run_dir).get("starts", []))
+    starts_seen = len(read_record(run_dir).starts)
     try:
         while True:
             finished = done()
-            starts = read_record(run_dir).get("starts", [])
+            starts = read_record(run_dir).starts
             for started in starts[starts_seen:]:
                 for line in _start_news(started):
                     display.note(inert(line))
@@ -150,16 +150,12 @@ def follow_progress(
         display.close()
 
 
-def _start_news(started: dict[str, Any]) -> list[str]:
+def _start_news(started: Start) -> list[str]:
     """What a (re)start of the run that a follower sees should say."""
-    news = [
-        f"skipped damaged checkpoint {d.get('name')}: {d.get('why')}"
-        for d in started.get("skipped_checkpoints") or []
-    ]
-    if started.get("resumed_from_iteration"):
+    news = [f"skipped damaged checkpoint {d.name}: {d.why}" for d in started.skipped_checkpoints]
+    if started.resumed_from_iteration:
         news.append(
-            f"resumed from {started.get('checkpoint')} at iteration "
-            f"{started['resumed_from_iteration']}"
+            f"resumed from {started.checkpoint} at iteration {started.resumed_from_iteration}"
         )
     return news
 
@@ -207,19 +203,19 @@ def closing(
             f"{reward}{held}; {where}",
         )
     if o.state == "stopped":
-        stop = o.stop or {}
-        at = stop.get("iteration", it)
-        why = "cancelled" if cancelled else f"{stop.get('reason', 'stopped')}"
-        signal_name = stop.get("signal")
+        stop = o.stop or Interruption()
+        at = it if stop.iteration is None else stop.iteration
+        why = "cancelled" if cancelled else stop.reason or "stopped"
+        signal_name = stop.signal
         requeuing = o.launch_mode in ("slurm", "submitit-local")
-        if stop.get("kind") == "requeue" and requeuing and not cancelled:
+        if stop.kind == "requeue" and requeuing and not cancelled:
             return Closing(
                 EXIT_FAILED,
                 f"stopped at iteration {at} ({why}) and not restarted (--max-restarts "
                 f"reached); checkpoint saved; {where}; resume with: {resume}",
             )
         by = f", {signal_name}" if signal_name else ""
-        by += f": {stop['why']}" if stop.get("why") else ""
+        by += f": {stop.why}" if stop.why else ""
         return Closing(
             EXIT_STOPPED,
             f"stopped at iteration {at} ({why}{by}); checkpoint model_{at}.pt saved; "
@@ -267,9 +263,10 @@ def follow_to_end(
     said: list[bool] = []
 
     def checkpointed(waiting: bool) -> None:  # the ranks are done; the job may take a moment
-        if fg.signals and not said and read_record(run_dir).get("state") == "stopped":
+        record = read_record(run_dir) if fg.signals and not said else None
+        if record is not None and record.state == RunState.STOPPED:
             said.append(True)
-            at = (read_record(run_dir).get("restarts") or [{}])[-1].get("iteration")
+            at = record.restarts[-1].iteration if record.restarts else None
             fg.say(
                 f"checkpoint saved at iteration {at}{'; waiting for the job to end' * waiting}\n"
             )
@@ -286,7 +283,7 @@ def follow_to_end(
             fg.signals
             and not fg.killed
             and time.monotonic() < deadline
-            and read_record(run_dir).get("state") == "running"
+            and read_record(run_dir).state == RunState.RUNNING
         ):
             time.sleep(0.2)
         checkpointed(False)  # the job ended as the ranks recorded their stop

@@ -18,14 +18,16 @@ from typing import Any
 
 from mjlab_hpc.rundir.ends import RankEnd, first_failure, memory_advice, rank_ends
 from mjlab_hpc.rundir.layout import RunDir, progress_summary, read_hangs
-from mjlab_hpc.rundir.state import (
+from mjlab_hpc.rundir.record import (
     IN_ALLOCATION,
     RESTARTED,
-    cancel_marker,
+    Failure,
+    Interruption,
     now_iso,
     on_fault,
     read_record,
 )
+from mjlab_hpc.rundir.state import cancel_marker
 from mjlab_hpc.rundir.writer import RunWriter
 from mjlab_hpc.slurm.client import SlurmClient
 
@@ -84,7 +86,7 @@ class Healing:
     """Why not (or how) it is requeued, for people."""
     exclude: list[str] = field(default_factory=list)
     """The nodes a requeue excludes."""
-    entry: dict[str, Any] = field(default_factory=dict)
+    entry: Interruption = field(default_factory=Interruption)
     """The run.json `faults` entry."""
 
     def describe(self) -> str:
@@ -142,12 +144,12 @@ def find_fault(
     killed = cause.how == "no-exit"
     if killed and slurm_oom and not cause.oom:
         cause = dataclasses.replace(cause, oom=True)
-    failure = read_record(run_dir).get("failure") or {}
+    failure = read_record(run_dir).failure or Failure()
     error = cause.describe()
-    if failure.get("kind") in ("environment", "out-of-memory") and failure.get("error"):
-        error = str(failure["error"]).splitlines()[0]
-    at_s = cause.at.timestamp() if cause.at is not None else None
-    oom = cause.oom or failure.get("kind") == "out-of-memory"  # the settings, not the node
+    if failure.kind in ("environment", "out-of-memory") and failure.error:
+        error = failure.error.splitlines()[0]
+    at_s = cause.at.timestamp() if cause.at is not None else None  # rank logs: local time
+    oom = cause.oom or failure.kind == "out-of-memory"  # the settings, not the node
     if killed and not oom:
         return _killed(ends, iteration, error, at_s)
     return Fault(
@@ -237,31 +239,31 @@ def decide(
     if fault is None:
         return Healing(None, why="nothing to heal")
     record = read_record(run_dir)
-    earlier = [f for f in record.get("faults", []) if f.get("reason") == fault.reason]
-    restarts = sum(1 for f in earlier if f.get("kind") in RESTARTED)
-    entry: dict[str, Any] = {
-        "reason": fault.reason,
-        "error": fault.error[:2000],
-        "ranks": list(fault.ranks),
-        "hosts": list(fault.hosts),
-        "iteration": fault.iteration,
-        "job_id": job_id,
-        "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-        "at": now_iso(fault.at_s),
-        "at_s": fault.at_s or time.time(),
-        "healed_at": now_iso(),
-        "signature": fault.signature(),
-    }
-    heal = Healing(fault, entry=entry)
-    last = (record.get("faults") or [None])[-1]
+    earlier = [f for f in record.faults if f.reason == fault.reason]
+    restarts = sum(1 for f in earlier if f.kind in RESTARTED)
+    entry = Interruption(
+        reason=fault.reason,
+        error=fault.error[:2000],
+        ranks=fault.ranks,
+        hosts=fault.hosts,
+        iteration=fault.iteration,
+        job_id=job_id,
+        restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+        at=now_iso(fault.at_s),
+        at_s=fault.at_s or time.time(),
+        healed_at=now_iso(),
+        signature=fault.signature(),
+    )
+    heal = Healing(fault)
+    last = record.faults[-1] if record.faults else None
     if cancel_marker(run_dir, record) is not None:
         heal.why = "the run was cancelled (mjlab-hpc cancel)"
     elif fault.reason == "out-of-memory":
         heal.why = f"not restarted (the same settings run out again): {memory_advice(record)}"
     elif (
         last
-        and last.get("signature") == entry["signature"]
-        and (int(last.get("iteration", -1)) == fault.iteration)
+        and last.signature == entry.signature
+        and (last.iteration if last.iteration is not None else -1) == fault.iteration
     ):
         heal.why = (
             f"the same failure at iteration {fault.iteration} as the previous start: not "
@@ -276,8 +278,9 @@ def decide(
         heal.requeue = True
         heal.exclude = list(fault.suspect_nodes)
         heal.why = f"requeued after a {fault.reason} ({restarts + 1} of {max_restarts})"
-    entry["kind"] = "requeue" if heal.requeue else "failed"
-    entry["action"] = heal.why
+    heal.entry = dataclasses.replace(
+        entry, kind="requeue" if heal.requeue else "failed", action=heal.why
+    )
     return heal
 
 
@@ -293,18 +296,19 @@ def record_healing(
         writer = RunWriter.acquire(RunDir(run_dir), rank=0, timeout_s=lease_wait_s)
         try:
             record = read_record(run_dir, set_aside=True)
-            if replace_last and record.get("faults"):
-                record["faults"] = record["faults"][:-1]
-            updated = on_fault(record, heal.entry, heal.requeue)
-            if not heal.requeue:  # the cause, not a consequence the writer may have recorded
-                updated["failure"] = {
-                    "kind": heal.entry["reason"],
-                    "error": heal.entry["error"],
-                    "rank": (heal.entry["ranks"] or [None])[0],
-                    "host": (heal.entry["hosts"] or [None])[0],
-                    "at": heal.entry["at"],
-                }
-            writer.write_json(writer.run.record, updated)
+            if replace_last and record.faults:
+                record = dataclasses.replace(record, faults=record.faults[:-1])
+            entry = heal.entry
+            # The cause, not a consequence the writer may have recorded.
+            failure = Failure(
+                kind=entry.reason,
+                error=entry.error,
+                rank=entry.ranks[0] if entry.ranks else None,
+                host=entry.hosts[0] if entry.hosts else None,
+                at=entry.at,
+            )
+            updated = on_fault(record, entry, heal.requeue, failure)
+            writer.write_record(updated)
         finally:
             writer.release()
     finally:  # read now: never taken for a later start's
@@ -380,9 +384,9 @@ def restart_here(heal: Healing, excluded: Sequence[str] = ()) -> None:
     On Slurm that is a new srun step in the same allocation that leaves out `excluded`;
     locally, new ranks under the same controller.
     """
-    heal.entry.update(kind=IN_ALLOCATION, excluded_nodes=list(excluded))
-    heal.why = heal.entry["action"] = "restarted without the queue " + heal.why.removeprefix(
-        "requeued "
+    heal.why = "restarted without the queue " + heal.why.removeprefix("requeued ")
+    heal.entry = dataclasses.replace(
+        heal.entry, kind=IN_ALLOCATION, excluded_nodes=tuple(excluded), action=heal.why
     )
     heal.exclude = []
 
@@ -416,21 +420,21 @@ def next_step(
     assert heal.fault is not None
     alloc = client.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or []
     record = read_record(run_dir)
-    job, count = heal.entry["job_id"], heal.entry["restart_count"]
+    job, count = heal.entry.job_id, heal.entry.restart_count
     healed_here = [
         f
-        for f in record.get("faults", [])
-        if f.get("kind") == IN_ALLOCATION
-        and f.get("job_id") == job
-        and f.get("restart_count") == count
+        for f in record.faults
+        if f.kind == IN_ALLOCATION and f.job_id == job and f.restart_count == count
     ]
+    last_here = healed_here[-1] if healed_here else None
     if not alloc or (
-        healed_here and int(healed_here[-1].get("iteration", -1)) >= heal.fault.iteration
+        last_here
+        and (last_here.iteration if last_here.iteration is not None else -1) >= heal.fault.iteration
     ):
         return None
     # Stragglers' nodes left out before are slow, not broken: they count as spares again.
-    slow_before = [n for f in healed_here for n in f.get("straggler_nodes", [])]
-    last_out = healed_here[-1].get("excluded_nodes", []) if healed_here else []
+    slow_before = [n for f in healed_here for n in f.straggler_nodes]
+    last_out = last_here.excluded_nodes if last_here else ()
     faulty = [n for n in last_out if n not in slow_before]
     excluded = list(dict.fromkeys([*faulty, *heal.exclude]))
     need = step_nodes or len(alloc)
@@ -438,12 +442,12 @@ def next_step(
     if usable >= (min_nodes or need):  # spares first: the same world size while they last
         # Stragglers' nodes too (those left out before first), while spares take their place:
         # never fewer nodes or a requeue for one.
-        slow_now = [str(s.get("host")) for s in record.get("stragglers") or []]
+        slow_now = [str(s.host) for s in record.stragglers]
         candidates = dict.fromkeys([*slow_before, *slow_now])
         slow = [h for h in candidates if h in alloc and h not in excluded]
         slow = slow[: max(0, usable - need)]
         if slow:
-            heal.entry["straggler_nodes"] = slow
+            heal.entry = dataclasses.replace(heal.entry, straggler_nodes=tuple(slow))
             heal.why += f"; straggler node(s) {', '.join(slow)} left out for a spare"
         nodes = usable - len(slow)
         return Step((*excluded, *slow), nodes if nodes < need else None)
@@ -451,7 +455,8 @@ def next_step(
         ok, why = usable_without(client, job, heal.exclude)
         if ok:
             return None  # a fresh allocation without the suspect node
-        heal.entry["not_excluded"] = f"{', '.join(heal.exclude)} not excluded: no spare; {why}"
+        not_excluded = f"{', '.join(heal.exclude)} not excluded: no spare; {why}"
+        heal.entry = dataclasses.replace(heal.entry, not_excluded=not_excluded)
     nodes = len(set(alloc) - set(faulty))
     return Step(tuple(faulty), nodes if nodes < need else None)
 
@@ -464,16 +469,16 @@ def _fewer_nodes(
     The remaining ranks keep their numbers and environments; they read `world_size` to
     accept the change.
     """
-    old_size = int(read_record(run_dir).get("world_size") or 0)
+    old_size = read_record(run_dir).world_size or 0
     new_size = nodes * tasks_per_node
     if old_size <= new_size:  # fewer already (an earlier restart in this allocation)
         return
-    heal.entry["world_size"] = [old_size, new_size]
     gone = ", ".join(map(str, range(new_size, old_size)))
-    heal.why = heal.entry["action"] = (
+    heal.why = (
         f"{heal.why} on {nodes} node(s), {new_size} rank(s) (--min-nodes {min_nodes}; no spare "
         f"left): the environments of rank(s) {gone} dropped"
     )
+    heal.entry = dataclasses.replace(heal.entry, world_size=(old_size, new_size), action=heal.why)
 
 
 def place_restart(
@@ -490,7 +495,7 @@ def place_restart(
     requeue excludes the suspect nodes only while the partition still fits the job without
     them; the record says why not otherwise.
     """
-    job_id = heal.entry.get("job_id")
+    job_id = heal.entry.job_id
     if not (heal.requeue and job_id):
         return None
     step = next_step(client, run_dir, heal, step_nodes=step_nodes, min_nodes=min_nodes)
@@ -507,8 +512,12 @@ def place_restart(
         return step
     if heal.exclude:
         ok, why = usable_without(client, job_id, heal.exclude)
-        heal.entry["excluded_nodes"] = heal.exclude if ok else []
+        not_excluded = f"{', '.join(heal.exclude)} not excluded: {why}"
+        not_excluded = heal.entry.not_excluded if ok else not_excluded
+        excluded = tuple(heal.exclude) if ok else ()
+        heal.entry = dataclasses.replace(
+            heal.entry, excluded_nodes=excluded, not_excluded=not_excluded
+        )
         if not ok:
-            heal.entry["not_excluded"] = f"{', '.join(heal.exclude)} not excluded: {why}"
             heal.exclude = []
     return None

@@ -8,6 +8,7 @@ job without the suspect nodes, or lets it end.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -65,10 +66,10 @@ def apply_slurm(client: SlurmClient, job_id: str, heal: Healing) -> bool:
 def _say(heal: Healing) -> None:
     """Tell the job's output what was decided."""
     lines = [heal.describe()]
-    if heal.entry.get("excluded_nodes"):
-        lines.append(f"excluding node(s) {', '.join(heal.entry['excluded_nodes'])}")
-    if heal.entry.get("not_excluded"):
-        lines.append(heal.entry["not_excluded"])
+    if heal.entry.excluded_nodes:
+        lines.append(f"excluding node(s) {', '.join(heal.entry.excluded_nodes)}")
+    if heal.entry.not_excluded:
+        lines.append(heal.entry.not_excluded)
     for line in lines:
         print(f"mjlab-hpc heal: {line}", file=sys.stderr, flush=True)
 
@@ -153,8 +154,11 @@ def heal_slurm(
             return EXIT_OK
     if heal.requeue:  # run.json must not say requeued
         heal.requeue = False
-        heal.entry["kind"] = "failed"
-        heal.entry["action"] = f"{heal.why}, but Slurm refused the requeue (see the job's output)"
+        heal.entry = dataclasses.replace(
+            heal.entry,
+            kind="failed",
+            action=f"{heal.why}, but Slurm refused the requeue (see the job's output)",
+        )
         with contextlib.suppress(Exception):
             record_healing(run_dir, heal, replace_last=True)
     return fail_code

@@ -33,8 +33,8 @@ from mjlab_hpc.rundir.layout import (
     realise_target,
     run_dir_name,
 )
+from mjlab_hpc.rundir.record import now_iso
 from mjlab_hpc.rundir.snapshot import plan_snapshot, record_code, write_code_record
-from mjlab_hpc.rundir.state import now_iso
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
 from mjlab_hpc.validate import executor_for, validate_submit

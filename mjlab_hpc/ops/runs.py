@@ -28,7 +28,7 @@ from mjlab_hpc.rundir.layout import (
     read_element,
     read_sweep,
 )
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.slurm.client import SlurmClient
 
 __all__ = [
@@ -150,16 +150,15 @@ def run_jobs(run_dir: Path) -> RunJobs:
     found: JobKind | None = None
     if ids:
         found = "slurm" if slurm else "local"
-    mode = record.get("launch_mode")
+    mode = record.launch_mode
     if mode == "slurm":
         found = "slurm"
     elif mode == "submitit-local" and found is None:
         found = "local"
     if found is not None:  # job ids of plain processes (torchrun's run id) are not jobs
-        for start in record.get("starts", []):
-            job = start.get("job_id")
-            if job and str(job) not in ids:
-                ids.append(str(job))
+        for start in record.starts:
+            if start.job_id and start.job_id not in ids:
+                ids.append(start.job_id)
     return RunJobs(run_dir=run_dir, kind=found, job_ids=tuple(ids) if found else ())
 
 
@@ -220,7 +219,7 @@ def resolve_target(target: str, log_root: Path, slurm: SlurmClient | None = None
     matches = []
     for run in list_runs(log_root):
         jobs = run_jobs(run)
-        raw_ids = {str(j) for j in read_record(run).get("job_ids", [])}
+        raw_ids = set(read_record(run).job_ids)
         if target in jobs.job_ids or target in raw_ids:
             matches.append(run)
     if matches:

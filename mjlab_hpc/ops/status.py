@@ -27,15 +27,9 @@ from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.ops.runs import JobKind, RunJobs, run_jobs
 from mjlab_hpc.rundir.ends import rank_ends, recorded_cause
 from mjlab_hpc.rundir.layout import ElementRecord, RunDir, progress_summary, read_sweep
+from mjlab_hpc.rundir.record import Interruption, RunRecord, RunState, now_iso, read_record
 from mjlab_hpc.rundir.running import run_processes
-from mjlab_hpc.rundir.state import (
-    RESTARTED,
-    JobState,
-    interruptions,
-    now_iso,
-    read_record,
-    record_state,
-)
+from mjlab_hpc.rundir.state import JobState, record_state
 from mjlab_hpc.slurm.client import SlurmAnswer, SlurmClient, SlurmRow
 
 __all__ = [
@@ -95,7 +89,7 @@ class RunStatus:
     """For a failed run: the rank that failed first and why (not the ranks that died of it)."""
     cause_rank: int | None = None
     """That rank (None: no rank in particular)."""
-    interruptions: tuple[dict[str, Any], ...] = ()
+    interruptions: tuple[Interruption, ...] = ()
     """Every stop and fault of the run (run.json `restarts` and `faults`), oldest first."""
     reason: str | None = None
     """Slurm's reason: why the job pends (BadConstraints, JobHeldAdmin, Priority), or why it
@@ -117,15 +111,11 @@ class RunStatus:
         """Plain values, for `status --json`."""
         out = dataclasses.asdict(self)
         out["run_dir"] = str(self.run_dir)
+        out["interruptions"] = [e.to_json() for e in self.interruptions]
         if self.sweep is not None:
             out["sweep"] = {k: out["sweep"][k] for k in ("index", "job_id", "overrides")}
             out["sweep"]["sweep_dir"] = str(self.sweep.sweep_dir)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
-
-
-def _total_iterations(record: dict[str, Any]) -> int | None:
-    total = (record.get("effective") or {}).get("max_iterations")
-    return int(total) if total else None
 
 
 def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
@@ -133,22 +123,21 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
     try:
         record, damaged = read_record(run_dir, strict=True), None
     except DamagedRecord as exc:  # named on its row; the other runs are listed as ever
-        record, damaged = {}, str(exc)
+        record, damaged = RunRecord(), str(exc)
         if state.source in ("record", "none"):
             state = JobState(state="DAMAGED", source="record", active=False)
     progress = progress_summary(RunDir(run_dir), RATE_WINDOW)
-    world = record.get("world_size")
-    nodes = state.nodes or record.get("num_nodes")
+    world = record.world_size
+    nodes = state.nodes or record.num_nodes
     gpus = state.gpus_per_node
-    if gpus is None and str(record.get("device", "")).startswith("cuda") and world and nodes:
+    if gpus is None and (record.device or "").startswith("cuda") and world and nodes:
         gpus = world // nodes
-    starts = record.get("starts", [])
-    events = interruptions(record)
-    requeues = [e for e in events if e.get("kind", "requeue") in RESTARTED]
+    events = record.interruptions
+    requeues = [e for e in events if e.restarted]
     # A restarted start that failed before its writer recorded it still restarted the run.
-    restarts = max(0, len(starts) - 1, len(requeues))
-    reasons = tuple(str(r.get("reason")) for r in requeues[:restarts])
-    stragglers = [str(s.get("text")) for s in record.get("stragglers") or []]
+    restarts = max(0, len(record.starts) - 1, len(requeues))
+    reasons = tuple(str(r.reason) for r in requeues[:restarts])
+    stragglers = [str(s.text) for s in record.stragglers]
     cause = _cause(run_dir, record, state) if state.state in FAILED_STATES else None
     return RunStatus(
         run_dir=run_dir,
@@ -161,12 +150,12 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         gpus_per_node=gpus,
         ranks=world,
         iteration=progress.iteration,
-        total=progress.total or _total_iterations(record),
+        total=progress.total or record.effective.max_iterations or None,
         env_steps_per_s=progress.env_steps_per_s,
         mean_reward=progress.mean_reward,
         restarts=restarts,
         restart_reasons=reasons,
-        interruptions=tuple(events),
+        interruptions=events,
         sweep=jobs.element,
         cause=damaged or (cause[0] if cause else None),
         cause_rank=None if damaged or not cause else cause[1],
@@ -181,7 +170,7 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
 FAILED_STATES = frozenset({"FAILED", "LOST", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
 
 
-def _cause(run_dir: Path, record: dict[str, Any], state: JobState) -> tuple[str, int | None] | None:
+def _cause(run_dir: Path, record: RunRecord, state: JobState) -> tuple[str, int | None] | None:
     """Who failed first and why, and that rank (None: no rank in particular)."""
     ends = rank_ends(run_dir)
     cause = recorded_cause(record, ends)
@@ -233,7 +222,12 @@ def _current_row(run: RunJobs, rows: dict[str, SlurmRow]) -> SlurmRow | None:
 
 
 # The states in which a run's own record says its start ended for good.
-_ENDED = frozenset({"COMPLETED", "FAILED", "INTERRUPTED", "CANCELLED"})
+_ENDED = frozenset(
+    {
+        *(s.status_name() for s in (RunState.COMPLETED, RunState.FAILED, RunState.INTERRUPTED)),
+        "CANCELLED",
+    }
+)
 
 
 def _record_first(run_dir: Path, row: SlurmRow) -> JobState:
@@ -256,11 +250,11 @@ def _record_first(run_dir: Path, row: SlurmRow) -> JobState:
         # The ranks stopped for good with a checkpoint (a person's SIGTERM, a time limit too
         # short to requeue): the job's exit code says failed, the run is stopped.
         record = read_record(run_dir)
-        stop = (record.get("restarts") or [{}])[-1]
+        stop = record.restarts[-1] if record.restarts else Interruption()
         if (
-            record.get("state") == "stopped"
-            and stop.get("kind") == "stop"
-            and stop.get("job_id") in (row.job_id, row.raw_id)
+            record.state == RunState.STOPPED
+            and stop.kind == "stop"
+            and stop.job_id in (row.job_id, row.raw_id)
         ):
             return JobState(
                 state="STOPPED",
@@ -273,7 +267,7 @@ def _record_first(run_dir: Path, row: SlurmRow) -> JobState:
     if row.final or row.source == "squeue":
         return from_slurm
     own = record_state(run_dir)
-    last = (read_record(run_dir).get("starts") or [{}])[-1].get("job_id")
+    last = read_record(run_dir).last_start.job_id
     if own.source != "record" or own.state not in _ENDED or last not in (row.job_id, row.raw_id):
         return from_slurm
     return dataclasses.replace(own, disagrees=f"{row.source} says {row.state}")
@@ -301,24 +295,24 @@ def job_states(
     return out, answer
 
 
-def _named_nodes(event: dict[str, Any]) -> list[str]:
+def _named_nodes(event: Interruption) -> list[str]:
     """Return the nodes a stop or fault named: where it happened, what the healer left out.
 
     Not stragglers' nodes: they are slow, not why a job waits.
     """
-    slow = set(event.get("straggler_nodes") or [])
-    names = [n for key in ("nodes", "hosts", "excluded_nodes") for n in event.get(key) or []]
+    slow = set(event.straggler_nodes)
+    names = [*event.nodes, *event.hosts, *event.excluded_nodes]
     return list(dict.fromkeys(str(n) for n in names if n and n not in slow))
 
 
-def _suspects(events: Sequence[dict[str, Any]]) -> list[str]:
+def _suspects(events: Sequence[Interruption]) -> list[str]:
     """Return the nodes the last stop or fault named.
 
     After a preemption or a requeue by Slurm that named none (the ranks take a node's loss for
     one when Slurm no longer calls it down), those of the last that named any.
     """
-    last = events[-1] if events else {}
-    if last and not _named_nodes(last) and last.get("reason") in ("preemption", "requeue"):
+    last = events[-1] if events else None
+    if last and not _named_nodes(last) and last.reason in ("preemption", "requeue"):
         return next((n for e in reversed(events) if (n := _named_nodes(e))), [])
     return _named_nodes(events[-1]) if events else []
 
@@ -390,31 +384,27 @@ def _size(s: RunStatus) -> str:
     return f"{s.nodes} node(s)"
 
 
-def interruption_line(e: dict[str, Any]) -> str:
+def interruption_line(e: Interruption) -> str:
     """One line for a stop or fault: when, what, where, what happened next, how it came back."""
-    when = str(e.get("at") or "")
-    if not when and e.get("signal_at"):
-        when = now_iso(float(e["signal_at"]))
+    when = e.at or (now_iso(e.signal_at) if e.signal_at else "")
     where = ""
-    if e.get("ranks"):
-        hosts = ", ".join(map(str, e.get("hosts") or [])) or "?"
-        where = f" of rank {', '.join(map(str, e['ranks']))} on {hosts}"
-    if e.get("nodes"):
-        where = f" of node {', '.join(map(str, e['nodes']))}"
-    line = (
-        f"{when[:19].replace('T', ' ')} {e.get('reason')}{where} at iteration {e.get('iteration')}"
-    )
-    if e.get("error") and e.get("reason") in ("crash", "hang", "out-of-memory"):
-        line += f" ({e['error']})"
-    line += f": {e.get('action') or ('requeued' if e.get('kind') == 'requeue' else 'stopped')}"
-    if e.get("excluded_nodes"):
-        line += f"; excluded {', '.join(e['excluded_nodes'])}"
-    if e.get("not_excluded"):
-        line += f"; {e['not_excluded']}"
-    if "recovered_at" in e:
+    if e.ranks:
+        hosts = ", ".join(e.hosts) or "?"
+        where = f" of rank {', '.join(map(str, e.ranks))} on {hosts}"
+    if e.nodes:
+        where = f" of node {', '.join(e.nodes)}"
+    line = f"{when[:19].replace('T', ' ')} {e.reason}{where} at iteration {e.iteration}"
+    if e.error and e.reason in ("crash", "hang", "out-of-memory"):
+        line += f" ({e.error})"
+    line += f": {e.action or ('requeued' if e.kind == 'requeue' else 'stopped')}"
+    if e.excluded_nodes:
+        line += f"; excluded {', '.join(e.excluded_nodes)}"
+    if e.not_excluded:
+        line += f"; {e.not_excluded}"
+    if e.recovered_at is not None:
         line += (
-            f"; resumed from {e.get('resumed_from')} ({e.get('recomputed')} iteration(s) "
-            f"recomputed), first iteration {e.get('recovery_s')} s after"
+            f"; resumed from {e.resumed_from} ({e.recomputed} iteration(s) "
+            f"recomputed), first iteration {e.recovery_s} s after"
         )
     return line
 

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 from mjlab_hpc.procs import offer_to_oom_killer
 from mjlab_hpc.rank.context import DETACHED_ENV, chain_link
 from mjlab_hpc.rank.signals import handled
-from mjlab_hpc.rundir.state import cancel_marker, read_record
+from mjlab_hpc.rundir.record import RunState, read_record
+from mjlab_hpc.rundir.state import cancel_marker
 from mjlab_hpc.spec import ResolvedSpec
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def _chain_done(run_dir: str | None) -> str | None:
     if link is None or link[0] == 1 or not run_dir:
         return None
     record = read_record(Path(run_dir))
-    if record.get("state") == "completed":
+    if record.state == RunState.COMPLETED:
         why = "the run already completed"
     elif cancel_marker(Path(run_dir), record) is not None:
         why = "the run was cancelled (mjlab-hpc cancel)"

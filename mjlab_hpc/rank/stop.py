@@ -55,7 +55,14 @@ from mjlab_hpc.rundir.checkpoint import (
 )
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import IterationStats
-from mjlab_hpc.rundir.state import cancel_marker, on_recovered, on_stop, read_record
+from mjlab_hpc.rundir.record import (
+    StopEntry,
+    on_recovered,
+    on_stop,
+    on_stragglers,
+    read_record,
+)
+from mjlab_hpc.rundir.state import cancel_marker
 from mjlab_hpc.rundir.writer import RunWriter
 from mjlab_hpc.slurm.client import SlurmClient
 
@@ -425,8 +432,8 @@ class IterationBoundary:
             return
         now = [s.as_dict() for s in self.stragglers.current]
         try:
-            record = read_record(self.run.path, set_aside=True)
-            self.writer.write_json(self.run.record, {**record, "stragglers": now})
+            record = on_stragglers(read_record(self.run.path, set_aside=True), now)
+            self.writer.write_record(record)
         except Exception as exc:  # a record, not the training
             log.warning("could not record the stragglers in run.json: %s", exc)
 
@@ -438,7 +445,7 @@ class IterationBoundary:
             before = read_record(writer.run.path, set_aside=True)
             after = on_recovered(before, self.start)
             if after != before:
-                writer.write_json(writer.run.record, after)
+                writer.write_record(after)
 
         try:
             writer.last_records(write)
@@ -447,23 +454,22 @@ class IterationBoundary:
 
     def _record_stop(self, stop: Stop, iteration: int, t0: float) -> None:
         assert self.writer is not None
-        entry = {
-            "reason": stop.reason,
-            "kind": "requeue" if stop.kind == StopKind.REQUEUE else "stop",
-            "signal": stop.signal_name,
-            "iteration": iteration,
-            "job_id": self.ctx.job_id,
-            "restart_count": self.ctx.restart_count,
-            "signal_at": self.request.signaled_at,
-            "checkpoint_at": time.time(),
-            "checkpoint_s": round(time.time() - t0, 3),
-        }
-        if stop.why:
-            entry["why"] = stop.why
-        if os.environ.get(START_ENV):  # the srun step it ended (rundir.ends)
-            entry["start"] = os.environ[START_ENV]
-        if stop.reason == "node-lost":
-            entry["nodes"] = stop.why.removeprefix("node(s) ").split(", ")
+        lost = stop.reason == "node-lost"
+        entry = StopEntry(
+            reason=stop.reason,
+            kind="requeue" if stop.kind == StopKind.REQUEUE else "stop",
+            signal=stop.signal_name,
+            iteration=iteration,
+            job_id=self.ctx.job_id,
+            restart_count=self.ctx.restart_count,
+            signal_at=self.request.signaled_at,
+            checkpoint_at=time.time(),
+            checkpoint_s=round(time.time() - t0, 3),
+            why=stop.why or None,
+            start=os.environ.get(START_ENV) or None,  # the srun step it ended (rundir.ends)
+            nodes=tuple(stop.why.removeprefix("node(s) ").split(", ")) if lost else (),
+        )
+        if lost:
             log.warning("%s lost: the job is requeued from iteration %d", stop.why, iteration)
         elif stop.why:
             log.warning("%s at iteration %d: %s", stop.reason, iteration, stop.why)
@@ -471,7 +477,7 @@ class IterationBoundary:
         writer = self.writer
 
         def write() -> None:
-            writer.append_line(run.restarts, json.dumps(entry))
-            writer.write_json(run.record, on_stop(read_record(run.path, set_aside=True), entry))
+            writer.append_line(run.restarts, json.dumps(entry.to_json()))
+            writer.write_record(on_stop(read_record(run.path, set_aside=True), entry))
 
         writer.last_records(write)

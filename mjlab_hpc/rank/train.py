@@ -60,17 +60,18 @@ from mjlab_hpc.rundir.durable import open_append
 from mjlab_hpc.rundir.ends import Exit, RankExit, RankStart, failure_kind, record_end, record_start
 from mjlab_hpc.rundir.layout import RunDir, realise_target, record_latest_run
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
-from mjlab_hpc.rundir.snapshot import code_record, imported_from
-from mjlab_hpc.rundir.state import (
+from mjlab_hpc.rundir.record import (
+    Failure,
+    Skipped,
+    Start,
     now_iso,
     on_end,
     on_node_failed,
     on_preempted,
     on_start,
     read_record,
-    requeues_so_far,
-    resized_by_healer,
 )
+from mjlab_hpc.rundir.snapshot import code_record, imported_from
 from mjlab_hpc.rundir.writer import RunWriter, busy_problem
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.spec import ResolvedSpec
@@ -221,32 +222,34 @@ def _begin(
             )
         elif len(runs) >= 2 and runs[-2][0] == "PREEMPTED":  # a requeue was a preemption
             before = on_preempted(before, ctx.job_id, ctx.restart_count)
-    started = on_start(
-        before,
-        spec=resolved.train.to_dict(),
-        effective=resolved.effective(),
-        job_id=ctx.job_id,
-        restart_count=ctx.restart_count,
-        launch_mode=ctx.mode,
-        world_size=ctx.world_size,
-        num_nodes=ctx.num_nodes,
-        device=device,
-        resumed_from=start,
-        checkpoint=Path(plan.checkpoint).name if plan.checkpoint else None,
-        environments=environments,
-        skipped=[d.as_dict() for d in plan.damaged],
-        code_dir=Path.cwd(),
-    )
     # What ran: the submission's code record, and where this rank imported us from.
     # `imported_from`: the packages the snapshot holds, as this rank imported them (a path
     # inside the copy: the submitted code ran).
     code = code_record(run.path) or {}
-    started["code"] = {
-        **code,
-        "ran_from": str(Path(__file__).parents[1]),
-        "imported_from": imported_from(code),
-    }
-    writer.write_json(run.record, started)
+    started = on_start(
+        before,
+        Start(
+            job_id=ctx.job_id,
+            restart_count=ctx.restart_count,
+            resumed_from_iteration=start,
+            checkpoint=Path(plan.checkpoint).name if plan.checkpoint else None,
+            environments=environments,
+            skipped_checkpoints=tuple(Skipped(d.name, d.why) for d in plan.damaged),
+        ),
+        spec=resolved.train.to_dict(),
+        effective=resolved.effective(),
+        launch_mode=ctx.mode,
+        world_size=ctx.world_size,
+        num_nodes=ctx.num_nodes,
+        device=device,
+        code={
+            **code,
+            "ran_from": str(Path(__file__).parents[1]),
+            "imported_from": imported_from(code),
+        },
+        code_dir=Path.cwd(),
+    )
+    writer.write_record(started)
     record_latest_run(run.path)
     if start == 0:
         work.dump_params(writer)
@@ -450,19 +453,17 @@ class _Ending:
         problem = environment_problem(exc, self.run.path)
         kind = "environment" if problem is not None else failure_kind(exc)
         error = problem or f"{type(exc).__name__}: {exc}".strip()
+        if kind == "out-of-memory":
+            first = error.splitlines()[0]
+            error = f"{self.resolved.num_envs} envs per rank on {self.device}: {first}"
         if self.writer is not None:  # before the first iteration too: the run has a record
-            failure = {
-                "rank": self.ctx.rank,
-                "host": self.record.node if self.record else socket.gethostname(),
-                "kind": kind,
-                "error": error[:2000],
-                "at": now_iso(),
-            }
-            if kind == "out-of-memory":
-                first = error.splitlines()[0]
-                failure["error"] = (
-                    f"{self.resolved.num_envs} envs per rank on {self.device}: {first}"
-                )
+            failure = Failure(
+                rank=self.ctx.rank,
+                host=self.record.node if self.record else socket.gethostname(),
+                kind=kind,
+                error=error[:2000],
+                at=now_iso(),
+            )
             # First: on a full disk this gives up the writer's reserve, and the records
             # below then have room too.
             _record_end(self.writer, "failed", failure=failure, resolved=self.resolved)
@@ -497,7 +498,7 @@ def _start(
     plan = plan_resume(run, resolved, ctx, checkpoints)
     work = build_workload(resolved, ctx, device, seed=seed, run=run, quiet=rank_log)
     first_obs = work.first_obs_digest()
-    resized = resized_by_healer(read_record(run.path), ctx.world_size)
+    resized = read_record(run.path).resized_by_healer(ctx.world_size)
     start, environments = load_plan(
         plan, work, device, ctx, fresh_envs=spec.fresh_envs, resized=resized
     )
@@ -594,7 +595,7 @@ def _loop(
             request=request,
             writer=writer,
             checkpoints=started.checkpoints,
-            restarts=requeues_so_far(read_record(run.path)),
+            restarts=read_record(run.path).requeues_so_far(),
             watchdog=watchdog,
             injections=started.injections,
             stragglers=StragglerWatch(_gather(started.node, ctx)) if ctx.is_distributed else None,
@@ -645,7 +646,7 @@ def _finish(
 def _record_end(
     writer: RunWriter,
     state: str,
-    failure: dict[str, Any] | None = None,
+    failure: Failure | None = None,
     resolved: ResolvedSpec | None = None,
 ) -> None:
     """Record in run.json that this start ended (`state`), even on a full disk.
@@ -656,13 +657,15 @@ def _record_end(
     def write() -> None:
         before = read_record(writer.run.path, set_aside=True)
         tail = writer.run.progress_tail(1)
-        after = on_end(before, int(tail[-1]["iteration"]) if tail else 0, state)
-        if resolved is not None:
-            after.setdefault("spec", resolved.train.to_dict())
-            after.setdefault("effective", resolved.effective())
-        if failure is not None:
-            after["failure"] = failure
-        writer.write_json(writer.run.record, after)
+        after = on_end(
+            before,
+            int(tail[-1]["iteration"]) if tail else 0,
+            state,
+            failure=failure,
+            spec=resolved.train.to_dict() if resolved is not None else None,
+            effective=resolved.effective() if resolved is not None else None,
+        )
+        writer.write_record(after)
 
     with contextlib.suppress(Exception):  # the original error matters more
         writer.last_records(write)
@@ -697,7 +700,7 @@ def _write_summary(
     if len(set(digests)) != 1:
         log.error("ranks diverged: parameter digests %s", digests)
     ended = on_end(read_record(run.path, set_aside=True), runner.current_learning_iteration)
-    writer.write_json(run.record, ended)
+    writer.write_record(ended)
 
 
 def _progress_writer(writer: RunWriter) -> IterationHook:

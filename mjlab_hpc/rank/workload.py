@@ -32,7 +32,7 @@ from mjlab_hpc.rank.normalization import NormalizerSync
 from mjlab_hpc.rank.runner import DistributedRunner, runner_class
 from mjlab_hpc.rundir.checkpoint import load_with, publish_file
 from mjlab_hpc.rundir.layout import RunDir
-from mjlab_hpc.rundir.state import versions
+from mjlab_hpc.rundir.record import versions
 from mjlab_hpc.rundir.writer import RunWriter
 from mjlab_hpc.spec import SIMULATOR_PACKAGES, ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks import mjlab as mjlab_tasks

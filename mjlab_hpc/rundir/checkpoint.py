@@ -56,7 +56,7 @@ from mjlab_hpc.rundir.layout import (
     rank_state_dir,
     rank_state_file,
 )
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.spec import TrainSpec
 
 __all__ = [
@@ -579,10 +579,6 @@ class Damaged:
     name: str
     why: str
 
-    def as_dict(self) -> dict[str, str]:
-        """For run.json."""
-        return {"name": self.name, "why": self.why}
-
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
@@ -724,7 +720,7 @@ def cannot_continue(
     anything; the ranks ask again before loading.
     """
     run_dir = checkpoints.run_dir
-    theirs = (read_record(run_dir).get("spec") or {}).get("task") if run_dir.is_dir() else None
+    theirs = read_record(run_dir).spec.get("task") if run_dir.is_dir() else None
     if theirs and theirs != task:
         return SpecError(
             flag,

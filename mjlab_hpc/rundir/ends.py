@@ -28,7 +28,7 @@ from typing import Any, Literal
 from mjlab_hpc.procs import OomCount
 from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_json_atomic
 from mjlab_hpc.rundir.layout import RunDir, progress_summary
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import Interruption, RunRecord, RunState, read_record
 
 __all__ = [
     "Exit",
@@ -78,12 +78,12 @@ def failure_kind(exc: BaseException) -> str:
     return "peer-lost" if _PEER_LOST_ERROR.search(text) else "exception"
 
 
-def memory_advice(record: dict[str, Any], num_envs: int | None = None) -> str:
+def memory_advice(record: RunRecord, num_envs: int | None = None) -> str:
     """Say what to change after a run ran out of memory (a restart as it is would again).
 
     `num_envs` is the request's, for a start that ran out before the writer recorded its own.
     """
-    envs = (record.get("effective") or {}).get("num_envs") or num_envs
+    envs = record.effective.num_envs or num_envs
     now = f" (now {envs} per rank)" if envs else ""
     return (
         f"lower --num-envs{now}, or give each rank more memory (--mem, fewer ranks per "
@@ -91,7 +91,18 @@ def memory_advice(record: dict[str, Any], num_envs: int | None = None) -> str:
     )
 
 
-How = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung", "no-exit"]
+#: How a rank's start ended: a `RunState` (the run's vocabulary), or hung (its watchdog fired)
+#: or no-exit (it ended without an end record).
+How = (
+    Literal[
+        RunState.COMPLETED,
+        RunState.STOPPED,
+        RunState.FAILED,
+        RunState.REFUSED,
+        RunState.INTERRUPTED,
+    ]
+    | Literal["hung", "no-exit"]
+)
 #: How a rank's end record says its start ended.
 Exit = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung", "out-of-memory"]
 
@@ -349,21 +360,25 @@ def first_failure(ends: list[RankEnd]) -> RankEnd | None:
     )
 
 
-def recorded_cause(record: dict[str, Any], ends: list[RankEnd]) -> RankEnd | None:
+def recorded_cause(record: RunRecord, ends: list[RankEnd]) -> RankEnd | None:
     """Return who failed first: from the run record where it knows better, else the logs.
 
     It knows better on a full disk (the log may have had no room for its exit line) and out
     of memory (the healer read the kernel's count where the rank ran).
     """
-    failure = record.get("failure") or {}
-    if record.get("state") == "failed" and failure.get("kind") in ("environment", "out-of-memory"):
+    failure = record.failure
+    if (
+        record.state == RunState.FAILED
+        and failure is not None
+        and failure.kind in ("environment", "out-of-memory")
+    ):
         return RankEnd(
-            rank=int(failure.get("rank") or 0),
-            host=failure.get("host"),
+            rank=failure.rank or 0,
+            host=failure.host,
             how="failed",
             at=None,
-            detail=str(failure.get("error")),
-            oom=failure["kind"] == "out-of-memory",
+            detail=str(failure.error),
+            oom=failure.kind == "out-of-memory",
         )
     return first_failure(ends)
 
@@ -372,7 +387,7 @@ def recorded_cause(record: dict[str, Any], ends: list[RankEnd]) -> RankEnd | Non
 class RunOutcome:
     """How a run's latest start ended, for the closing line of a command."""
 
-    state: str
+    state: RunState
     """run.json's state (completed, stopped, failed, interrupted, running, unknown), or what
     the ranks' logs say of a start that ended before run.json knew (failed, refused)."""
     launch_mode: str | None
@@ -381,7 +396,7 @@ class RunOutcome:
     """Why the ranks refused to start (a refused resume), when refused."""
     iteration: int | None
     """The last iteration in progress.jsonl."""
-    stop: dict[str, object] | None
+    stop: Interruption | None
     """The last stop (reason, kind, signal, iteration), when stopped."""
     cause: RankEnd | None
     """The rank that failed first, when failed."""
@@ -394,34 +409,35 @@ class RunOutcome:
 def run_outcome(run_dir: Path) -> RunOutcome:
     """How the run's latest start ended (call it once the job has ended)."""
     record = read_record(run_dir)
-    state = str(record.get("state") or "unknown")
+    state = record.state or RunState.UNKNOWN
     summary = progress_summary(RunDir(run_dir))
-    stops = record.get("restarts") or []
+    stops = record.restarts
     ends = rank_ends(run_dir)
     # The ranks' logs are newer than run.json when a start ended before its writer recorded
     # it (a refused resume, a failure while building): they say how this start ended. Not
     # after this start's stop checkpoint: a rank killed then (the scheduler's KillWait) lost
     # nothing.
-    last = stops[-1] if stops else {}
-    if last.get("start"):  # the srun step the stop was in: no clocks compared
-        stopped = state == "stopped" and all(e.start_id == last["start"] for e in ends)
+    last = stops[-1] if stops else Interruption()
+    if last.start:  # the srun step the stop was in: no clocks compared
+        stopped = state == RunState.STOPPED and all(e.start_id == last.start for e in ends)
     else:  # (this machine's processes)
-        saved = float(last.get("checkpoint_at") or 0)
-        stopped = state == "stopped" and all(
+        saved = float(last.checkpoint_at or 0)
+        stopped = state == RunState.STOPPED and all(
             e.started is None or e.started.timestamp() < saved for e in ends
         )
-    if ends and all(e.how == "refused" for e in ends):
-        state = "refused"
+    if ends and all(e.how == RunState.REFUSED for e in ends):
+        state = RunState.REFUSED
     elif not stopped and any(e.how in ("failed", "hung", "no-exit") for e in ends):
-        state = "failed"
-    cause = recorded_cause(record, ends) if state == "failed" else None
-    starts = record.get("starts") or [{}]
+        state = RunState.FAILED
+    cause = recorded_cause(record, ends) if state == RunState.FAILED else None
     return RunOutcome(
         state=state,
-        launch_mode=starts[-1].get("launch_mode"),
-        refusal=ends[0].detail.removeprefix("refused: ") if state == "refused" else None,
+        # Read from the latest start, which never held one: None, as ever. The record's own
+        # `launch_mode` would turn on follow's "not restarted" branch for a chain's stop.
+        launch_mode=None,
+        refusal=ends[0].detail.removeprefix("refused: ") if state == RunState.REFUSED else None,
         iteration=summary.iteration,
-        stop=stops[-1] if state == "stopped" and stops else None,
+        stop=stops[-1] if state == RunState.STOPPED and stops else None,
         cause=cause,
         env_steps_per_s=summary.env_steps_per_s,
         mean_reward=summary.mean_reward,

@@ -31,7 +31,7 @@ from mjlab_hpc.rundir.layout import (
     SNAPSHOT_RECORD,
     read_element,
 )
-from mjlab_hpc.rundir.state import now_iso
+from mjlab_hpc.rundir.record import now_iso
 
 __all__ = [
     "MAX_BYTES",

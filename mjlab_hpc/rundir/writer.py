@@ -21,6 +21,7 @@ from mjlab_hpc.rundir.checkpoint import save_checkpoint
 from mjlab_hpc.rundir.durable import LinkRefused, append, open_regular, read_regular, reserve
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.lock import LeaseLock, LockError, OwnerInfo, write_fenced
+from mjlab_hpc.rundir.record import RunRecord
 
 __all__ = ["RESERVE_BYTES", "RunWriter", "busy_problem", "once"]
 
@@ -164,6 +165,10 @@ class RunWriter:
             )
             write_fenced(self.lock, path, kept)
         return last
+
+    def write_record(self, record: RunRecord) -> None:
+        """Publish the run record (run.json)."""
+        self.write_json(self.run.record, record.to_json())
 
     def append_line(self, path: Path, line: str) -> None:
         """Append one line to a log-like file (progress.jsonl, restarts.jsonl)."""

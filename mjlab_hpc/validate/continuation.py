@@ -11,9 +11,8 @@ change of the run's settings, or refuses one that its saved environments do not 
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,7 +26,13 @@ from mjlab_hpc.rundir.layout import (
     latest_run,
     list_checkpoints,
 )
-from mjlab_hpc.rundir.state import changed_settings, read_record, resized_by_healer, versions
+from mjlab_hpc.rundir.record import (
+    Effective,
+    changed_settings,
+    fits_type,
+    read_record,
+    versions,
+)
 from mjlab_hpc.rundir.writer import busy_problem
 from mjlab_hpc.spec import (
     KEPT_ON_CONTINUATION,
@@ -87,26 +92,6 @@ def _merged_overrides(theirs: Iterable[str], ours: tuple[str, ...]) -> tuple[str
     return (*kept, *ours)
 
 
-def _fits_type(value: object, hint: object) -> bool:
-    """Whether a value read back from run.json is one a field of type `hint` holds."""
-    origin = typing.get_origin(hint)
-    if origin is typing.Annotated:
-        return _fits_type(value, typing.get_args(hint)[0])
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits_type(value, h) for h in typing.get_args(hint))
-    if origin is typing.Literal:
-        return value in typing.get_args(hint)
-    if origin is tuple:
-        return isinstance(value, tuple) and all(isinstance(v, int) for v in value)
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(hint, type) and isinstance(value, hint)
-
-
 def _found_run(train: TrainSpec, experiment: str) -> Path:
     """Return the run --resume continues: the latest of `experiment` under --log-root.
 
@@ -128,16 +113,16 @@ def _found_run(train: TrainSpec, experiment: str) -> Path:
 def _check_place(
     run: Path,
     train: TrainSpec,
-    before: dict[str, Any],
+    before: Mapping[str, Any],
     named: frozenset[str],
-    effective: dict[str, Any],
+    effective: Effective,
     found: bool,
 ) -> None:
     """Refuse an experiment, run name or log root the command names that the run is not in.
 
     `found`: --resume found the run (under --log-root, in its experiment).
     """
-    experiment = effective.get("experiment_name") or before.get("experiment_name")
+    experiment = effective.experiment_name or before.get("experiment_name")
     for field, what, were, ours in (
         ("experiment_name", "experiment", experiment, train.experiment_name),
         ("run_name", "run name", before.get("run_name"), train.run_name),
@@ -172,12 +157,11 @@ def continued(spec: S, named: frozenset[str], rank: bool = False) -> S:
         train = train.replace(run_dir=str(_found_run(train, experiment_of(train))))
         spec = spec.replace(train=train) if isinstance(spec, SubmitSpec) else train  # type: ignore[assignment]
     run = Path(train.run_dir) if train.run_dir and Path(train.run_dir).is_dir() else None
-    record = read_record(run) if run is not None else {}
-    before = record.get("spec") or {}
-    if run is None or not before:
+    record = read_record(run) if run is not None else None
+    before = record.spec if record is not None else {}
+    if run is None or record is None or not before:
         return spec
-    effective = record.get("effective") or {}
-    _check_place(run, train, before, named, effective, found)
+    _check_place(run, train, before, named, record.effective, found)
     hints = typing.get_type_hints(TrainSpec, include_extras=True)
     world = _WORLD[type(spec)]
     keep_world = not rank and not named & set(world)
@@ -190,12 +174,12 @@ def continued(spec: S, named: frozenset[str], rank: bool = False) -> S:
         if name in _WORLD[TrainSpec] and not (keep_world and isinstance(spec, TrainSpec)):
             continue
         value = tuple(value) if name == "gpu_ids" and isinstance(value, list) else value
-        if _fits_type(value, hints[name]):
+        if fits_type(value, hints[name]):
             changes[name] = value
     if "log_root" not in named and not found and run.parent.parent != run.parent:
         changes["log_root"] = str(run.parent.parent)  # where the run is, wherever it ran from
     changes["overrides"] = _merged_overrides(before.get("overrides") or (), train.overrides)
-    size, device = record.get("world_size"), str(record.get("device") or "")
+    size, device = record.world_size, record.device or ""
     cpu_ranks = isinstance(size, int) and size > 1 and device.startswith("cpu")
     if isinstance(spec, TrainSpec) and keep_world and cpu_ranks:
         changes["num_procs"] = size  # a job's CPU ranks (--tasks-per-node) are its ranks here
@@ -203,7 +187,7 @@ def continued(spec: S, named: frozenset[str], rank: bool = False) -> S:
     if isinstance(spec, TrainSpec):
         return new_train  # type: ignore[return-value]
     layout: dict[str, Any] = {}
-    nodes = record.get("num_nodes")
+    nodes = record.num_nodes
     if keep_world and isinstance(size, int) and isinstance(nodes, int) and 0 < nodes <= size:
         per_node = size // nodes
         gpus = per_node if device.startswith("cuda") else 0
@@ -293,12 +277,12 @@ def _check_continuation(
     change").
     """
     record = read_record(run_dir)
-    before = record.get("spec") or {}
+    before = record.spec
     if not before:
         return
     train = resolved.train
     kept = []  # (flag, the run's, this start's)
-    num_envs = (record.get("effective") or {}).get("num_envs")
+    num_envs = record.effective.num_envs
     if num_envs not in (None, resolved.num_envs):
         kept.append(("--num-envs", num_envs, resolved.num_envs))
     for key in KEPT_ON_CONTINUATION:
@@ -306,15 +290,15 @@ def _check_continuation(
             kept.append((f"--{key.replace('_', '-')}", before[key], getattr(train, key)))
     size, size_flag = world
     # A size the healer changed to or from (--min-nodes) goes on with what the ranks saved.
-    resized = size is not None and resized_by_healer(record, size)
-    if size is not None and record.get("world_size") not in (None, size) and not resized:
-        kept.append((size_flag, f"{record['world_size']} rank(s)", f"{size} rank(s)"))
+    resized = size is not None and record.resized_by_healer(size)
+    if size is not None and record.world_size not in (None, size) and not resized:
+        kept.append((size_flag, f"{record.world_size} rank(s)", f"{size} rank(s)"))
     installed = versions()
     for name in SIMULATOR_PACKAGES[resolved.source]:
-        recorded = (record.get("versions") or {}).get(name)
+        recorded = record.versions.get(name)
         if recorded is not None and recorded != installed.get(name):
             kept.append(("--fresh-envs", f"{name} {recorded}", f"{name} {installed.get(name)}"))
-    motion = (record.get("effective") or {}).get("motion_file")
+    motion = record.effective.motion_file
     if motion != resolved.motion_file:
         kept.append(("--registry-name", f"motion {motion}", f"motion {resolved.motion_file}"))
     if resolved.source == "mjlab":

@@ -8,6 +8,7 @@ quick run on a shared machine mean nothing: the test only checks that they are a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from benchmarks.session import Bench
 from benchmarks.stats import Figure, parse_rsl_rl_log, spread, throughput
 from benchmarks.target import CONFIGS
 from benchmarks.watch import bench_env
+from mjlab_hpc.rundir.record import Interruption
 
 FIGURES = {
     "envstate_bytes",
@@ -371,15 +373,15 @@ def test_recovery_cases_and_outcomes(capsys: pytest.CaptureFixture) -> None:
     assert [c.requeues for c in recovery.CASES if c.requeues] == [1]
     case = next(c for c in recovery.CASES if c.name == "node-loss-spare")
     assert case.lose_node and "--spare-nodes" in case.args
-    fault = {
-        "kind": "in-allocation",
-        "reason": "crash",
-        "recovery_s": 12.7,
-        "recomputed": 1,
-        "resumed_from": 5,
-        "job_id": "7",
-        "excluded_nodes": ["node2"],
-    }
+    fault = Interruption(
+        kind="in-allocation",
+        reason="crash",
+        recovery_s=12.7,
+        recomputed=1,
+        resumed_from=5,
+        job_id="7",
+        excluded_nodes=("node2",),
+    )
     summary = {"iterations": 12, "world_size": 2, "job_id": 7, "param_digest_per_rank": ["a", "b"]}
     got = {"summary": summary, "faults": [fault], "restarts": 0}
     row = recovery.outcome(case, got, ["a", "b"])
@@ -389,14 +391,15 @@ def test_recovery_cases_and_outcomes(capsys: pytest.CaptureFixture) -> None:
     fewer = {
         **got,
         "summary": {**summary, "world_size": 1},
-        "faults": [{**fault, "world_size": [2, 1]}],
+        "faults": [dataclasses.replace(fault, world_size=(2, 1))],
     }
     assert recovery.outcome(case, fewer, ["a", "b"])["bit_identical"] is None
     no_spare = next(c for c in recovery.CASES if c.requeues)
-    requeued = {**got, "faults": [{**fault, "kind": "requeue"}], "restarts": 1}
+    requeue = dataclasses.replace(fault, kind="requeue")
+    requeued = {**got, "faults": [requeue], "restarts": 1}
     assert recovery.outcome(no_spare, requeued, ["a", "b"])["as_expected"] is True
     with pytest.raises(ValueError, match="one fault healed by kind in-allocation"):
-        recovery.outcome(case, {**got, "faults": [{**fault, "kind": "requeue"}]}, None)
+        recovery.outcome(case, {**got, "faults": [requeue]}, None)
     with pytest.raises(ValueError, match="ended at iteration 9"):
         recovery.outcome(case, {**got, "summary": {**summary, "iterations": 9}}, None)
     recovery.print_table([row, {"case": "hang-spare", "error": "timed out"}])

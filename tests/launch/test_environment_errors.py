@@ -19,7 +19,7 @@ from helpers import BIN, cli_env, only_run
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from mjlab_hpc.rank.context import cuda_device_count
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.validate.world import usable_cores
 
 TRAIN = [BIN / "mjlab-train", "cartpole", "--num-envs", "16", "--torch-threads", "1"]
@@ -132,7 +132,8 @@ def test_a_full_disk_before_the_first_iteration_is_named_with_a_run_record(
     assert line.startswith("failed before the first iteration: ") and "no space left" in line
     run = only_run(disk / "logs")
     record = read_record(run.path, strict=True)
-    assert record["state"] == "failed" and record["failure"]["kind"] == "environment"
+    assert record.state == "failed" and record.failure is not None
+    assert record.failure.kind == "environment"
     status = subprocess.run(
         [str(BIN / "mjlab-hpc"), "status", "--json", str(run.path)],
         env=cli_env(),
@@ -163,7 +164,8 @@ def test_a_full_disk_during_training_ends_in_one_line_and_resumes(
     assert line.startswith("failed at iteration ") and "no space left on the device" in line
     run = only_run(disk / "logs")
     record = read_record(run.path)
-    assert record["state"] == "failed" and record["failure"]["kind"] == "environment"
+    assert record.state == "failed" and record.failure is not None
+    assert record.failure.kind == "environment"
     assert not [p for p in run.path.rglob("*") if ".tmp" in p.name]
     sidecars = {p.name.removesuffix(".sha256") for p in run.path.glob("model_*.pt.sha256")}
     assert sidecars == {p.name for p in run.checkpoints()}
@@ -190,6 +192,6 @@ def test_a_full_disk_during_training_ends_in_one_line_and_resumes(
     )
     assert again.returncode == 0, again.stderr[-3000:]
     record = read_record(run.path)
-    assert record["state"] == "completed" and "failure" not in record
-    assert record["starts"][-1]["resumed_from_iteration"] == done
+    assert record.state == "completed" and record.failure is None
+    assert record.last_start.resumed_from_iteration == done
     assert [r["iteration"] for r in run.read_progress()] == list(range(1, 41))

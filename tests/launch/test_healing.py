@@ -31,7 +31,7 @@ from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.rank.watchdog import FAULT_ENV, SAY_ENV
 from mjlab_hpc.rundir.ends import rank_ends, start_hosts
 from mjlab_hpc.rundir.layout import RunDir
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import Interruption, read_record
 from mjlab_hpc.slurm.client import SlurmClient
 
 CARTPOLE = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1"]
@@ -70,7 +70,8 @@ def train(args: list[str], root: Path, fault: str | None, timeout: float = 300):
 
 
 def faults_of(run: RunDir) -> list[dict]:
-    return list(read_record(run.path).get("faults", []))
+    """The run's faults as tools read them in run.json."""
+    return [f.to_json() for f in read_record(run.path).faults]
 
 
 def hpc_json(run: RunDir, env: dict[str, str] | None = None) -> dict:
@@ -129,7 +130,7 @@ def test_a_repeated_failure_is_not_retried(tmp_path: Path) -> None:
     assert "the same failure at iteration 6" in second["action"]
     assert "injected fault at iteration 6" in second["error"]
     record = read_record(run.path)
-    assert record["state"] == "failed" and record["failure"]["rank"] == 1
+    assert record.state == "failed" and record.failure and record.failure.rank == 1
     row = hpc_json(run)
     assert row["state"] == "FAILED" and "injected fault at iteration 6" in row["cause"], row
     logs = subprocess.run(
@@ -217,12 +218,12 @@ def test_stragglers_are_left_out_only_for_spares(
             requeue=True,
             why="requeued after a crash (1 of 3)",
             exclude=list(exclude),
-            entry={"job_id": "9", "restart_count": 0},
+            entry=Interruption(job_id="9", restart_count=0),
         )
         return next_step(client, run.path, heal, step_nodes=nodes, min_nodes=min_nodes), heal
 
     got, heal = step([], ["node2", "node3", "node9"], [], 5)
-    assert got == Step(("node2", "node3")) and heal.entry["straggler_nodes"] == ["node2", "node3"]
+    assert got == Step(("node2", "node3")) and heal.entry.straggler_nodes == ("node2", "node3")
     assert heal.why.endswith("; straggler node(s) node2, node3 left out for a spare")
     got, heal = step(["node1"], ["node2", "node3"], [], 5)
     assert got == Step(("node1", "node2")), got  # the suspect first, one spare left
@@ -235,7 +236,7 @@ def test_stragglers_are_left_out_only_for_spares(
         "straggler_nodes": ["node2"],
     }
     got, heal = step(["node3"], [], [earlier], 8)
-    assert got == Step(("node1", "node3")) and "straggler_nodes" not in heal.entry, got
+    assert got == Step(("node1", "node3")) and not heal.entry.straggler_nodes, got
     got, _ = step([], ["node2"], [earlier], 8, nodes=4)  # no spare: node2 is back
     assert got == Step(("node1",), 3), got
     got, _ = step(["node4"], ["node2"], [earlier], 8, nodes=3, min_nodes=1)
@@ -316,7 +317,7 @@ def test_slurm_hang_then_node_down_on_two_nodes(
     run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
     wait_for(
         lambda: (
-            len(read_record(run.path).get("starts", [])) >= 2
+            len(read_record(run.path).starts) >= 2
             and (run.read_progress() or [{}])[-1].get("iteration", 0) >= 14
         ),
         240,
@@ -364,7 +365,7 @@ def test_slurm_hang_then_node_down_on_two_nodes(
     finally:
         # Usually back to idle by itself already (ReturnToService=2): "Invalid node state".
         slurm_cluster.run(["scontrol", "update", "nodename=node2", "state=resume"], check=False)
-    stops = read_record(run.path)["restarts"]
+    stops = [s.to_json() for s in read_record(run.path).restarts]
     # Named by sinfo while node2 is still down, else by sacct's NODE_FAIL (the allocation).
     assert [s["reason"] for s in stops] == ["node-lost"], stops
     assert stops[0]["nodes"] in (["node2"], ["node[1-2]"]), stops
@@ -531,10 +532,9 @@ def test_slurm_hard_node_loss_goes_on_with_fewer_nodes(
         "the environments of rank(s) 1 dropped"
     ), fault
     assert fault["resumed_from"] + fault["recomputed"] == 6 and 0 < fault["recovery_s"] < 120
-    record = read_record(run.path)
-    start = record["starts"][-1]
-    assert start["changed"]["world_size"] == [2, 1] and start["environments"] == "partly restored"
-    assert start["resumed_from_iteration"] == fault["resumed_from"], start
+    start = read_record(run.path).last_start
+    assert start.changed["world_size"] == [2, 1] and start.environments == "partly restored"
+    assert start.resumed_from_iteration == fault["resumed_from"], start
     assert start_hosts(run.path, rank=0) == [kept, kept]
     assert "those of rank(s) 1 dropped" in run.rank_log(0).read_text()
     assert summary["iterations"] == 12 and summary["world_size"] == 1, summary
@@ -598,7 +598,7 @@ def test_slurm_node_lost_for_good_past_slurmd_timeout(
         wait_for(lambda: any(f.get("recovered_at") for f in faults_of(run)), 120, "the heal")
         state = lambda: cluster.run(["sinfo", "-h", "-n", lost, "-o", "%T"]).stdout  # noqa: E731
         wait_for(lambda: "down" in state(), timeout + 60, f"Slurm to call {lost} dead")
-        job = read_record(run.path)["job_ids"][0]
+        job = read_record(run.path).job_ids[0]
         shown = cluster.run(["scontrol", "show", "job", job]).stdout
         assert "JobState=RUNNING" in shown and f"NodeList={lost}" not in shown, shown
         at = iteration()
@@ -618,7 +618,7 @@ def test_slurm_node_lost_for_good_past_slurmd_timeout(
     answer = SlurmClient(env=cluster.environ()).answer([job])
     assert answer.rows[job].state == "CANCELLED", answer  # not RESIZING
     # sacct calls the job CANCELLED at once; the ranks record their stop a moment later.
-    wait_for(lambda: read_record(run.path)["state"] == "stopped", 30, "the ranks' stop record")
+    wait_for(lambda: read_record(run.path).state == "stopped", 30, "the ranks' stop record")
     assert restarts_of(cluster, job) == 0
     (fault,) = faults_of(run)
     assert fault["kind"] == "in-allocation" and fault["excluded_nodes"] == [lost], fault

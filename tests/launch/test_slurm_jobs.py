@@ -21,7 +21,7 @@ from slurm_cluster import SlurmCluster
 
 from benchmarks.scale import rank_log_figures
 from mjlab_hpc.rundir.layout import RunDir
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 
 pytestmark = pytest.mark.slurm
 
@@ -280,6 +280,6 @@ def test_bare_scancel_is_not_undone(slurm_cluster: SlurmCluster, tmp_path: Path)
     states = [line.split()[0] for line in runs.stdout.splitlines() if line.strip()]
     assert states == ["CANCELLED"], runs.stdout  # one run: never requeued
     (run,) = (tmp_path / "cartpole").glob("2*")
-    wait_for(lambda: read_record(run).get("state") == "stopped", 30, "the ranks' stop record")
-    stop = read_record(run)["restarts"][-1]
-    assert (stop["reason"], stop["kind"]) == ("cancelled", "stop"), stop  # not a preemption
+    wait_for(lambda: read_record(run).state == "stopped", 30, "the ranks' stop record")
+    stop = read_record(run).restarts[-1]
+    assert (stop.reason, stop.kind) == ("cancelled", "stop"), stop  # not a preemption

@@ -20,7 +20,7 @@ from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.errors import EXIT_OK
 from mjlab_hpc.rundir.layout import RunDir
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 
 pytestmark = pytest.mark.slurm
 
@@ -98,8 +98,8 @@ def test_a_suspended_job_resumes_as_if_nothing_happened(
             proc.kill()
     assert proc.returncode == EXIT_OK and "done: 12 iterations" in out, out[-2000:] + err[-2000:]
     record = read_record(run.path)
-    assert record.get("faults", []) == [] and record.get("restarts", []) == [], record
-    assert len(record["starts"]) == 1 and record["state"] == "completed", record["starts"]
+    assert record.faults == () and record.restarts == (), record
+    assert len(record.starts) == 1 and record.state == "completed", record.starts
     assert [p["iteration"] for p in run.read_progress()] == list(range(1, 13))
     summary = json.loads(run.summary.read_text())
     assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
@@ -148,7 +148,7 @@ def test_signals_and_admin_actions_mean_what_the_docs_say(
             "USR1 through the batch shell",
         )
         slurm_cluster.run(["scontrol", "requeue", job])
-        wait_for(lambda: len(read_record(run.path).get("starts", [])) == 2, 120, "the restart")
+        wait_for(lambda: len(read_record(run.path).starts) == 2, 120, "the restart")
         at = iteration(run)
         wait_for(lambda: iteration(run) > at + 2, 120, "training after the requeue")
         slurm_cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"])
@@ -157,18 +157,18 @@ def test_signals_and_admin_actions_mean_what_the_docs_say(
         if proc.poll() is None:
             proc.kill()
     record = read_record(run.path)
-    assert record.get("faults", []) == [], record["faults"]
-    requeue, limit = record["restarts"]
-    got = (requeue["reason"], requeue["kind"], requeue["signal"])
+    assert record.faults == (), record.faults
+    requeue, limit = record.restarts
+    got = (requeue.reason, requeue.kind, requeue.signal)
     assert got == ("requeue", "requeue", "SIGTERM"), requeue
-    assert (limit["reason"], limit["kind"]) == ("time-limit", "stop"), limit
-    assert limit["why"].startswith(
+    assert (limit.reason, limit.kind) == ("time-limit", "stop"), limit
+    assert str(limit.why).startswith(
         "not requeued: the job's time limit (00:01:00) is no longer than --signal-delay-s 90"
     ), limit
     assert proc.returncode == 3, out[-1000:] + err[-2000:]
-    assert f"({limit['reason']}, SIGUSR2: {limit['why']})" in " ".join(err.split()), err[-2000:]
+    assert f"({limit.reason}, SIGUSR2: {limit.why})" in " ".join(err.split()), err[-2000:]
     saved = {p.name for p in run.path.glob("model_*.pt")}
-    assert f"model_{limit['iteration']}.pt" in saved and len(saved) > 2, saved
+    assert f"model_{limit.iteration}.pt" in saved and len(saved) > 2, saved
     assert slurm_cluster.wait_job(job, timeout=60) == "FAILED"  # the ranks' exit 3
     shown = slurm_cluster.run(["scontrol", "show", "job", job]).stdout
     assert "ExcNodeList=(null)" in shown and "Restarts=1" in shown, shown
@@ -196,8 +196,8 @@ def test_a_term_to_the_batch_shell_stops_the_run_for_good(
     assert proc.returncode == 3, out[-1000:] + err[-2000:]
     assert "(terminated, SIGTERM: SIGTERM while the job runs" in " ".join(err.split()), err
     record = read_record(run.path)
-    (stop,) = record["restarts"]
-    assert (stop["reason"], stop["kind"]) == ("terminated", "stop") and not record.get("faults")
+    (stop,) = record.restarts
+    assert (stop.reason, stop.kind) == ("terminated", "stop") and not record.faults
     logs = "".join(p.read_text() for p in (run.path / "submitit").glob("*_log.*"))
     assert "requeue" not in logs.lower() and "preemption" not in logs.lower(), logs[-2000:]
     assert slurm_cluster.wait_job(job, timeout=60) == "FAILED"

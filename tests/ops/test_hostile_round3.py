@@ -20,7 +20,7 @@ from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.ops.runs import list_runs
 from mjlab_hpc.rundir.layout import CANCEL_RECORD, RunDir
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 
 pytestmark = pytest.mark.slurm
 
@@ -126,7 +126,7 @@ def test_with_slurmctld_gone_the_records_come_first_and_cancel_marks_nothing(
         wait_for(lambda: RunDir(runs["running"]).read_progress(), 150, "the first iteration")
         with slurm_cluster.controller_down():
             wait_for(
-                lambda: read_record(runs["running"]).get("state") == "completed",
+                lambda: read_record(runs["running"]).state == "completed",
                 150,
                 "the run's end",
             )
@@ -168,7 +168,7 @@ def test_a_stop_signal_to_follow_ends_once_the_ranks_are_done(
         wait_for(lambda: RunDir(run).read_progress(), 150, "the first iteration")
         time.sleep(20)  # submitit's cached state is now refreshed every ~15 s
         follow.send_signal(signal.SIGTERM)
-        wait_for(lambda: read_record(run).get("state") == "stopped", 60, "the checkpoint")
+        wait_for(lambda: read_record(run).state == "stopped", 60, "the checkpoint")
         stopped = time.monotonic()
         _, err = follow.communicate(timeout=120)
         took = time.monotonic() - stopped
@@ -192,11 +192,11 @@ def test_the_healer_keeps_a_node_the_job_requires(
     assert slurm_cluster.wait_job(job, timeout=300) == "COMPLETED"
     (run,) = list_runs(tmp_path / "logs")
     record = read_record(run, strict=True)
-    (fault,) = record["faults"]
+    (fault,) = record.faults
     # Restarted in its allocation (issue 31) or requeued: either way on node2, not excluding it.
-    assert fault["kind"] in ("in-allocation", "requeue") and not fault.get("excluded_nodes"), fault
-    assert "requires node2" in fault["not_excluded"], fault
-    assert record["state"] == "completed"
+    assert fault.kind in ("in-allocation", "requeue") and not fault.excluded_nodes, fault
+    assert "requires node2" in str(fault.not_excluded), fault
+    assert record.state == "completed"
     row = status(slurm_cluster, tmp_path, job)
     assert row["restarts"] == 1, row
 

@@ -27,7 +27,7 @@ from mjlab_hpc.launch.local import free_port, local_processes
 from mjlab_hpc.ops.cancel import _marked
 from mjlab_hpc.ops.status import RunStatus, _row
 from mjlab_hpc.rundir.layout import CANCEL_RECORD, latest_run_record
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 
 SMALL = ["--num-envs", "16", "--torch-threads", "1"]
 
@@ -117,7 +117,7 @@ def test_another_users_slurm_job_is_not_claimed_cancelled(
 
 def _completed(root: Path) -> None:
     record = read_record(only_run(root).path)
-    assert record["state"] == "completed" and record["iterations"] == 3, record
+    assert record.state == "completed" and record.iterations == 3, record
 
 
 @pytest.mark.training
@@ -246,7 +246,7 @@ def test_the_leftovers_each_get_one_line(tmp_path: Path) -> None:
     assert damaged.returncode == 0, _text(damaged)
     note = f"note: {run}/run.json is damaged (it is not JSON): this start keeps it as "
     assert note in damaged.stderr
-    assert read_record(run)["damaged_records"][0].startswith("run.json.damaged-")
+    assert read_record(run).damaged_records[0].startswith("run.json.damaged-")
 
     latest_run_record(run.parent).write_bytes(b"\x00\xff\xfe")
     resume = subprocess.run(

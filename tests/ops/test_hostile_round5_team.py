@@ -23,8 +23,8 @@ from helpers import BIN, Team, runs_under, wait_for, wait_for_iteration
 from mjlab_hpc.errors import EXIT_OK
 from mjlab_hpc.procs import alive
 from mjlab_hpc.rundir.layout import GROUP_WRITABLE_ENV, RunDir
+from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.rundir.running import run_processes
-from mjlab_hpc.rundir.state import read_record
 
 SMALL = ["--num-envs", "16", "--torch-threads", "1"]
 
@@ -144,7 +144,7 @@ def test_a_continuation_writes_nothing_through_planted_links(team: Team) -> None
     assert second.returncode == 0 and "done: 2 iterations" in second.stdout, _text(second)
     log = (run / "logs" / "rank0.log").read_text()
     assert f"no space reserved for the run's last records: {run}/.writer.reserve: is a " in log
-    assert read_record(run)["iterations"] == 2 and RunDir(run).checkpoint(2).is_file()
+    assert read_record(run).iterations == 2 and RunDir(run).checkpoint(2).is_file()
     for target in planted.values():
         assert target.read_bytes() == SECRET, target
 
@@ -190,7 +190,7 @@ def test_a_team_log_root_keeps_each_run_its_users(team: Team) -> None:
     record.unlink()  # even without her record: her newest run, never bob's
     resumed = team.run(alice, [*train, "--max-iterations", "2", "--resume"], umask=0o002)
     assert resumed.returncode == 0, _text(resumed)
-    assert read_record(run)["iterations"] == 2 and read_record(bobs)["iterations"] == 1
+    assert read_record(run).iterations == 2 and read_record(bobs).iterations == 1
 
     key = [BIN / "mjlab-hpc", "run-dir", "--log-root", logs, "--experiment", "cartpole"]
     keys = experiment / ".keys"

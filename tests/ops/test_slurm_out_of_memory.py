@@ -19,7 +19,7 @@ from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT
 from mjlab_hpc.ops.runs import list_runs
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.spec import TrainSpec
 from mjlab_hpc.tasks.memory import world_bytes
 from mjlab_hpc.validate import resolve
@@ -71,11 +71,11 @@ def test_a_rank_killed_for_memory_is_named_and_its_node_not_blamed(
         assert slurm_cluster.wait_job(job, timeout=300) == "FAILED"
     (run,) = list_runs(tmp_path / "logs")
     record = read_record(run, strict=True)
-    (fault,) = record["faults"]
-    assert fault["reason"] == "out-of-memory" and fault["kind"] == "failed", fault
-    assert not fault.get("excluded_nodes") and fault["hosts"] == ["node2"], fault
-    assert record["failure"]["kind"] == "out-of-memory"
-    assert "killed by the kernel's OOM killer" in record["failure"]["error"]
+    (fault,) = record.faults
+    assert fault.reason == "out-of-memory" and fault.kind == "failed", fault
+    assert not fault.excluded_nodes and fault.hosts == ("node2",), fault
+    assert record.failure is not None and record.failure.kind == "out-of-memory"
+    assert "killed by the kernel's OOM killer" in str(record.failure.error)
     attempts = slurm_cluster.run(
         ["sacct", "-n", "-P", "-X", "--duplicates", "-j", job, "-o", "State"]
     ).stdout.split()

@@ -19,7 +19,7 @@ from helpers import BIN, cli_env, only_run
 from mjlab_hpc.cli.common import parse_command
 from mjlab_hpc.errors import EXIT_BAD_INPUT, SpecError
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.spec import RunTarget, SubmitSpec, TrainSpec
 from mjlab_hpc.validate import resolve
 from mjlab_hpc.validate.continuation import continue_target, continued
@@ -65,10 +65,10 @@ def test_kept_settings_are_refused_and_others_applied(tmp_path: Path) -> None:
     assert "with new environments (--fresh-envs)" in note
     assert "--num-procs 1 rank(s) -> 2 rank(s)" in note and "--max-iterations 2 -> 4" in note
     record = read_record(run)
-    assert record["spec"]["num_procs"] == 2 and record["world_size"] == 2
-    last = record["starts"][-1]
-    assert last["environments"] == "fresh" and last["resumed_from_iteration"] == 2
-    assert last["changed"] == {"max_iterations": [2, 4], "world_size": [1, 2]}
+    assert record.spec["num_procs"] == 2 and record.world_size == 2
+    last = record.last_start
+    assert last.environments == "fresh" and last.resumed_from_iteration == 2
+    assert last.changed == {"max_iterations": [2, 4], "world_size": [1, 2]}
 
     # What the command does not name is the run's (2 ranks, --save-interval 1, 16 envs): the
     # new --save-interval and --max-iterations are applied and said, nothing else.
@@ -83,10 +83,10 @@ def test_kept_settings_are_refused_and_others_applied(tmp_path: Path) -> None:
     (note,) = [x for x in more.stderr.splitlines() if x.startswith("note: continuing")]
     assert note.endswith(": --max-iterations 4 -> 5; --save-interval 1 -> 2"), note
     record = read_record(run)
-    last = record["starts"][-1]
-    assert last["environments"] == "restored" and record["world_size"] == 2
-    assert last["changed"] == {"max_iterations": [4, 5], "save_interval": [1, 2]}
-    assert record["spec"]["num_envs"] == 16 and record["spec"]["torch_threads"] == 1
+    last = record.last_start
+    assert last.environments == "restored" and record.world_size == 2
+    assert last.changed == {"max_iterations": [4, 5], "save_interval": [1, 2]}
+    assert record.spec["num_envs"] == 16 and record.spec["torch_threads"] == 1
     back = train("--num-procs", "1", "--max-iterations", "6", *where)  # named: compared
     assert back.returncode == EXIT_BAD_INPUT and "trained with 2 rank(s)" in back.stderr
 
@@ -104,7 +104,7 @@ def test_kept_settings_are_refused_and_others_applied(tmp_path: Path) -> None:
     zero.symlink_to("/dev/zero")
     again = train("--max-iterations", "6", *where)
     assert again.returncode == 0, again.stderr[-2000:]
-    skipped = {s["name"]: s["why"] for s in read_record(run)["starts"][-1]["skipped_checkpoints"]}
+    skipped = {s.name: s.why for s in read_record(run).last_start.skipped_checkpoints}
     assert "is not the state rank 0 saved: it is rank 1's" in skipped["model_5.pt"], skipped
     assert "rank1-of-2.pt is a character device, not a file" in skipped["model_4.pt"], skipped
     assert "skipped damaged checkpoint model_5.pt" in again.stderr + again.stdout

@@ -35,7 +35,7 @@ from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.procs import alive
 from mjlab_hpc.rundir.layout import RunDir
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 
 pytestmark = pytest.mark.training
 
@@ -91,11 +91,11 @@ def test_ctrl_c_stops_two_ranks_with_a_checkpoint_and_resume_continues_exactly(
     assert proc.returncode == EXIT_STOPPED, err[-2000:]
     assert "Traceback" not in err and "[train] it 3/8" in out
     all_gone(run)
-    stop = read_record(run.path)["restarts"][-1]
-    assert (stop["reason"], stop["kind"], stop["signal"]) == ("interrupt", "stop", "SIGINT")
-    assert run.checkpoint(stop["iteration"]).exists()
+    stop = read_record(run.path).restarts[-1]
+    assert (stop.reason, stop.kind, stop.signal) == ("interrupt", "stop", "SIGINT")
+    assert stop.iteration is not None and run.checkpoint(stop.iteration).exists()
     line = closing_line(err)
-    assert line.startswith(f"stopped at iteration {stop['iteration']} (interrupt, SIGINT)")
+    assert line.startswith(f"stopped at iteration {stop.iteration} (interrupt, SIGINT)")
 
     again = subprocess.run(
         [BIN / "mjlab-train", *args, "--resume"],
@@ -108,7 +108,7 @@ def test_ctrl_c_stops_two_ranks_with_a_checkpoint_and_resume_continues_exactly(
     assert only_run(root) == run  # the same run, not a new one
     assert "done: 8 iterations" in again.stdout
     summary = json.loads(run.summary.read_text())
-    assert summary["resumed_from"] == stop["iteration"] and summary["ranks_in_sync"]
+    assert summary["resumed_from"] == stop.iteration and summary["ranks_in_sync"]
     assert [r["iteration"] for r in run.read_progress()] == list(range(1, iters + 1))
     uninterrupted = [*COMMON, "--max-iterations", str(iters)]
     assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, uninterrupted, 2)
@@ -145,17 +145,17 @@ def test_a_stopped_or_lost_launcher_leaves_no_rank_behind(tmp_path: Path, how: s
     _, err = proc.communicate(timeout=120)
     all_gone(run)
     record = read_record(run.path)
-    stop = record["restarts"][-1]
-    assert record["state"] == "stopped" and stop["kind"] == "stop"
-    assert stop["reason"] == REASONS[how]
-    assert run.checkpoint(stop["iteration"]).exists()
+    stop = record.restarts[-1]
+    assert record.state == "stopped" and stop.kind == "stop"
+    assert stop.reason == REASONS[how]
+    assert stop.iteration is not None and run.checkpoint(stop.iteration).exists()
     done = len(run.read_progress())
-    assert done == stop["iteration"]  # stopped for good: no requeue trained on
+    assert done == stop.iteration  # stopped for good: no requeue trained on
     if how == "kill-launcher":
         assert proc.returncode == -signal.SIGKILL
     else:
         assert proc.returncode == EXIT_STOPPED, err[-2000:]
-        assert f"stopped at iteration {stop['iteration']}" in closing_line(err)
+        assert f"stopped at iteration {stop.iteration}" in closing_line(err)
 
 
 def test_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
@@ -186,9 +186,10 @@ def test_ctrl_c_in_one_process(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED, err[-2000:]
     assert "Traceback" not in err
-    stop = read_record(run.path)["restarts"][-1]
-    assert read_record(run.path)["state"] == "stopped" and stop["reason"] == "interrupt"
-    assert run.checkpoint(stop["iteration"]).exists()
+    record = read_record(run.path)
+    stop = record.restarts[-1]
+    assert record.state == "stopped" and stop.reason == "interrupt"
+    assert stop.iteration is not None and run.checkpoint(stop.iteration).exists()
     assert closing_line(err).endswith(f"--run-dir {run.path}")
     # Said at once, not only once the iteration under way ends (it can take a minute).
     said = err.index("SIGINT: stopping at the next iteration boundary, with a checkpoint")
@@ -220,7 +221,7 @@ def test_ctrl_c_while_it_starts_and_twice_in_one_process(tmp_path: Path) -> None
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
     assert "interrupted at once" in closing_line(err) and "Traceback" not in err
-    assert read_record(run.path)["state"] == "interrupted"
+    assert read_record(run.path).state == "interrupted"
 
 
 def _flip(path: Path) -> None:
@@ -262,8 +263,8 @@ def test_resume_skips_damaged_checkpoints_and_refuses_what_it_cannot_continue(
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "skipped damaged checkpoint model_6.pt" in resumed.stderr
     record = read_record(run.path)
-    assert [s["name"] for s in record["skipped_checkpoints"]] == ["model_6.pt"]
-    assert record["starts"][-1]["resumed_from_iteration"] == 4
+    assert [s.name for s in record.skipped_checkpoints] == ["model_6.pt"]
+    assert record.last_start.resumed_from_iteration == 4
     assert (run.path / "model_6.pt.damaged").exists()
     assert [r["iteration"] for r in run.read_progress()] == list(range(1, 9))
 
@@ -301,12 +302,12 @@ def test_resume_skips_damaged_checkpoints_and_refuses_what_it_cannot_continue(
 
     fresh = train("--max-iterations", "2", "--resume", "--restart-from-scratch")
     assert fresh.returncode == 0, fresh.stderr[-2000:]
-    assert read_record(run.path)["starts"][-1]["resumed_from_iteration"] == 0
+    assert read_record(run.path).last_start.resumed_from_iteration == 0
     assert [r["iteration"] for r in run.read_progress()] == [1, 2]
     other_shape = train("--max-iterations", "4", "--resume", "--agent.actor.hidden-dims", "[64,64]")
     assert other_shape.returncode == EXIT_BAD_INPUT, other_shape.stderr[-2000:]
     assert "network of another shape" in other_shape.stderr
-    assert read_record(run.path)["state"] == "completed"  # unchanged by the refusal
+    assert read_record(run.path).state == "completed"  # unchanged by the refusal
 
 
 def test_submit_local_resume_continues_on_two_ranks(tmp_path: Path) -> None:
@@ -397,5 +398,5 @@ def test_a_refused_resume_on_two_ranks_is_bad_input(tmp_path: Path) -> None:
     assert {k: v for k, v in _snapshot(run).items() if k != "run.json"} == {
         k: v for k, v in before.items() if k != "run.json"
     }
-    assert read_record(run.path)["state"] == "completed"
+    assert read_record(run.path).state == "completed"
     all_gone(run)

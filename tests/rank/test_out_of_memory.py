@@ -17,7 +17,7 @@ import pytest
 from helpers import BIN, cli_env, memory_cgroup, only_run
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.spec import TrainSpec
 from mjlab_hpc.tasks.memory import world_bytes
 from mjlab_hpc.validate import resolve
@@ -77,7 +77,8 @@ def test_the_largest_accepted_request_that_runs_out_says_so(tmp_path: Path) -> N
     assert "ran out of memory" in line and f"{envs} envs per rank on cpu" in line
     assert "lower --num-envs" in line and "resume with: mjlab-train" in line
     record = read_record(only_run(tmp_path / "logs").path, strict=True)
-    assert record["state"] == "failed" and record["failure"]["kind"] == "out-of-memory"
+    assert record.state == "failed" and record.failure is not None
+    assert record.failure.kind == "out-of-memory"
     row = status_row(tmp_path)
     assert row["state"] == "FAILED" and "ran out of memory" in row["cause"], row
 
@@ -107,10 +108,11 @@ def test_a_rank_the_kernel_kills_for_memory_is_named_and_not_restarted(tmp_path:
     assert "ran out of memory (killed by the kernel's OOM killer)" in last, last
     assert f"lower --num-envs (now {envs} per rank)" in last
     record = read_record(only_run(tmp_path / "logs").path, strict=True)
-    (fault,) = record["faults"]
-    assert fault["reason"] == "out-of-memory" and fault["kind"] == "failed", fault
+    (fault,) = record.faults
+    assert fault.reason == "out-of-memory" and fault.kind == "failed", fault
     # One start at most (none recorded when the kill came before the writer recorded it).
-    assert record["failure"]["kind"] == "out-of-memory" and len(record.get("starts", [])) <= 1
+    assert record.failure is not None and record.failure.kind == "out-of-memory"
+    assert len(record.starts) <= 1
     row = status_row(tmp_path)
     assert row["state"] == "FAILED" and row["restarts"] == 0, row
     assert "killed by the kernel's OOM killer" in row["cause"]

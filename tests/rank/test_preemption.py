@@ -38,7 +38,7 @@ from mjlab_hpc.rank.signals import (
     why_signalled,
 )
 from mjlab_hpc.rank.stop import Stopped, Supervision, after_stop, agree, agree_boundary
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 
 COMMON = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1"]
 COMMON += ["--save-interval", "100"]
@@ -150,9 +150,9 @@ def test_kill_one_rank_ends_the_job_and_names_it(tmp_path: Path) -> None:
     assert "ended without an exit record (killed by a signal" in said
     assert elapsed < 150  # far inside the collective timeout: gloo sees the closed socket
     assert rank_pids(run) == []
-    (fault,) = read_record(run.path)["faults"]  # recorded, not healed: restarts exhausted
-    assert fault["kind"] == "failed" and "--max-restarts 0" in fault["action"], fault
-    assert fault["reason"] == "crash" and fault["ranks"] == [1]
+    (fault,) = read_record(run.path).faults  # recorded, not healed: restarts exhausted
+    assert fault.kind == "failed" and "--max-restarts 0" in str(fault.action), fault
+    assert fault.reason == "crash" and fault.ranks == (1,)
     status = subprocess.run(
         [BIN / "mjlab-hpc", "status", "--json", str(run.path)],
         env=cli_env(),

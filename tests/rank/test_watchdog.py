@@ -123,16 +123,16 @@ def test_healer_names_the_cause_and_stops_a_crash_loop(tmp_path: Path) -> None:
     assert fault is not None and (fault.reason, fault.ranks, fault.iteration) == ("crash", (1,), 3)
     assert "ValueError: reward is nan" in fault.error and fault.suspect_nodes == ()  # code
     first = decide(run.path, max_restarts=3)
-    assert first.requeue and first.entry["kind"] == "requeue"
-    run.record.write_text(json.dumps({"faults": [first.entry]}))
+    assert first.requeue and first.entry.kind == "requeue"
+    run.record.write_text(json.dumps({"faults": [first.entry.to_json()]}))
     again = decide(run.path, max_restarts=3)  # same error, same iteration: a loop
     assert not again.requeue and "same failure at iteration 3" in again.why
     run.progress.write_text(json.dumps({"iteration": 4}) + "\n")  # another iteration: transient
     assert decide(run.path, max_restarts=3).requeue
     assert not decide(run.path, max_restarts=1).requeue  # 1 crash restart used already
     restart_here(first)  # a restart in the allocation counts as much as a requeue
-    run.record.write_text(json.dumps({"faults": [first.entry]}))
-    assert first.entry["kind"] == "in-allocation" and not decide(run.path, max_restarts=1).requeue
+    run.record.write_text(json.dumps({"faults": [first.entry.to_json()]}))
+    assert first.entry.kind == "in-allocation" and not decide(run.path, max_restarts=1).requeue
 
 
 def test_a_killed_rank_is_attributed_to_its_node(tmp_path: Path) -> None:

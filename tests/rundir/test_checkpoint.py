@@ -31,7 +31,7 @@ from mjlab_hpc.rundir.checkpoint import (
     write_rank_state,
 )
 from mjlab_hpc.rundir.layout import list_checkpoints
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 
 
 class Kind(enum.Enum):
@@ -369,7 +369,7 @@ def test_resume_and_dry_run_refuse_a_checkpoint_that_holds_code(tmp_path: Path) 
     assert "skipped damaged checkpoint model_4.pt: model_4.pt holds more than weights" in said
     assert "skipped damaged checkpoint model_99.pt: model_99.pt" in said
     record = read_record(run.path)
-    assert record["starts"][-1]["resumed_from_iteration"] == 2
-    assert {s["name"] for s in record["skipped_checkpoints"]} == {"model_4.pt", "model_99.pt"}
+    assert record.starts[-1].resumed_from_iteration == 2
+    assert {s.name for s in record.skipped_checkpoints} == {"model_4.pt", "model_99.pt"}
     assert (run.path / "model_4.pt.damaged").exists() and run.checkpoint(6).exists()
     assert json.loads(run.summary.read_text())["iterations"] == 6

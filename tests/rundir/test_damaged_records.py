@@ -26,7 +26,7 @@ from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_OK
 from mjlab_hpc.rundir.checkpoint import Checkpoints
 from mjlab_hpc.rundir.layout import RunDir, latest_run_record
 from mjlab_hpc.rundir.lock import LeaseLock
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 
 pytestmark = pytest.mark.training
 
@@ -95,7 +95,7 @@ def test_a_resume_keeps_a_damaged_run_record_and_removes_a_dead_writers_temporar
     kept = list(damaged.glob("run.json.damaged-*"))
     assert len(kept) == 1 and kept[0].read_text() == before[: len(before) // 2]
     record = read_record(damaged, strict=True)
-    assert record["state"] == "completed" and record["damaged_records"] == [kept[0].name]
+    assert record.state == "completed" and record.damaged_records == (kept[0].name,)
     assert not stale.exists()
     assert not list(damaged.glob(".*.tmp"))
 

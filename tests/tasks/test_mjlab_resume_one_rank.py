@@ -34,7 +34,7 @@ from helpers import (
 )
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_STOPPED
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import Start, read_record
 
 if os.environ.get("CI") == "true":
     import mjlab  # noqa: F401  (make install brings the extra: on CI a missing mjlab fails)
@@ -49,8 +49,8 @@ SMALL += ["--torch-threads", "1", "--seed", "3", "--save-interval", "2", "--max-
 ROUGH = ["Mjlab-Velocity-Rough-Unitree-G1", *SMALL]
 
 
-def starts(run_dir: Path) -> list[dict]:
-    return list(read_record(run_dir)["starts"])
+def starts(run_dir: Path) -> tuple[Start, ...]:
+    return read_record(run_dir).starts
 
 
 def test_rough_g1_ctrl_c_then_resume_is_exact(tmp_path: Path, shared_tmp: Path) -> None:
@@ -86,7 +86,7 @@ def test_rough_g1_ctrl_c_then_resume_is_exact(tmp_path: Path, shared_tmp: Path) 
     summary = json.loads(run.summary.read_text())
     assert summary["resumed_from"] == stopped_at and summary["iterations"] == 5
     last = starts(run.path)[-1]
-    assert (last["environments"], last["changed"]) == ("restored", {}), last
+    assert (last.environments, last.changed) == ("restored", {}), last
     assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, ROUGH)
 
     # The env config is what the saved environments were made with: another is refused.
@@ -132,5 +132,5 @@ def test_tracking_time_limit_requeue_is_exact(tmp_path: Path, shared_tmp: Path) 
     assert stop["reason"] == "time-limit"
     summary = json.loads(run.summary.read_text())
     assert summary["resumed_from"] == stop["iteration"] and summary["iterations"] == 5
-    assert starts(run.path)[-1]["environments"] == "restored"
+    assert starts(run.path)[-1].environments == "restored"
     assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, args)

@@ -22,7 +22,7 @@ from helpers import (
     wait_for_iteration,
 )
 
-from mjlab_hpc.rundir.state import read_record
+from mjlab_hpc.rundir.record import read_record
 
 if os.environ.get("CI") == "true":
     import mjlab  # noqa: F401  (make install brings the extra: on CI a missing mjlab fails)
@@ -57,12 +57,12 @@ def test_flat_g1_time_limit_then_crash_is_exact(tmp_path: Path, shared_tmp: Path
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-3000:]
     record = read_record(run.path)
-    (stop,) = record["restarts"]
-    (fault,) = record["faults"]
-    assert stop["reason"] == "time-limit" and stop["resumed_from"] == stop["iteration"], stop
-    assert (fault["reason"], fault["iteration"]) == ("crash", 4), fault
-    assert fault["resumed_from"] == stop["iteration"], fault
-    assert [s["environments"] for s in record["starts"]] == ["new", "restored", "restored"]
+    (stop,) = record.restarts
+    (fault,) = record.faults
+    assert stop.reason == "time-limit" and stop.resumed_from == stop.iteration, stop
+    assert (fault.reason, fault.iteration) == ("crash", 4), fault
+    assert fault.resumed_from == stop.iteration, fault
+    assert [s.environments for s in record.starts] == ["new", "restored", "restored"]
     saved = sorted(p.name for p in (run.path / "rank_states" / "model_5").glob("*.pt"))
     assert saved == ["rank0-of-2.pt", "rank1-of-2.pt"]
     summary = json.loads(run.summary.read_text())
