@@ -15,6 +15,7 @@ __all__ = [
     "EXIT_RESTART",
     "EXIT_STOPPED",
     "DamagedRecord",
+    "Diverged",
     "LaunchError",
     "SpecError",
     "SubmitError",
@@ -104,3 +105,20 @@ def environment_problem(exc: BaseException, where: object) -> str | None:
         else "make it writable (or copy the run elsewhere) and resume"
     )
     return f"{what} at {place}: {fix}; the checkpoints written so far are intact"
+
+
+class Diverged(ArithmeticError):
+    """The training diverged: a loss, a parameter or the action noise is no longer finite.
+
+    Raised after the update and before anything of that iteration is saved, on every rank
+    alike (their parameters are the same), so the newest checkpoint is the last finite one.
+    Nothing heals it: a restart from that checkpoint diverges again.
+    """
+
+    def __init__(self, iteration: int, what: str, learning_rate: float) -> None:
+        super().__init__(
+            f"training diverged at iteration {iteration}: {what}; the newest checkpoint is "
+            f"the last finite one. Most often the learning rate is too high (now "
+            f"{learning_rate:g}): lower --agent.learning-rate (or the algorithm's) and resume"
+        )
+        self.iteration = iteration

@@ -54,7 +54,7 @@ class Fault:
     """What ended a start: a crash or a hang, where, and at which iteration."""
 
     reason: str
-    """crash, hang or out-of-memory."""
+    """crash, hang, out-of-memory or diverged."""
     error: str
     """What happened, for people (the failing rank's exception, or the hang's findings)."""
     ranks: tuple[int, ...]
@@ -146,14 +146,14 @@ def find_fault(
         cause = dataclasses.replace(cause, oom=True)
     failure = read_record(run_dir).failure or Failure()
     error = cause.describe()
-    if failure.kind in ("environment", "out-of-memory") and failure.error:
+    if failure.kind in ("environment", "out-of-memory", "diverged") and failure.error:
         error = failure.error.splitlines()[0]
     at_s = cause.at.timestamp() if cause.at is not None else None  # rank logs: local time
     oom = cause.oom or failure.kind == "out-of-memory"  # the settings, not the node
     if killed and not oom:
         return _killed(ends, iteration, error, at_s)
     return Fault(
-        reason="out-of-memory" if oom else "crash",
+        reason="out-of-memory" if oom else "diverged" if failure.kind == "diverged" else "crash",
         error=error,
         ranks=(cause.rank,),
         hosts=(host,),
@@ -260,6 +260,8 @@ def decide(
         heal.why = "the run was cancelled (mjlab-hpc cancel)"
     elif fault.reason == "out-of-memory":
         heal.why = f"not restarted (the same settings run out again): {memory_advice(record)}"
+    elif fault.reason == "diverged":  # from its last checkpoint it diverges again
+        heal.why = f"not restarted: {fault.error}"
     elif (
         last
         and last.signature == entry.signature

@@ -23,6 +23,7 @@ import torch
 from rsl_rl.runners import OnPolicyRunner
 from rsl_rl.utils import check_nan
 
+from mjlab_hpc.errors import Diverged
 from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.normalization import NormalizerSync, agree_normalizers, sync_normalizers
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
@@ -40,7 +41,6 @@ __all__ = [
     "CollectiveClock",
     "ContextRunnerMixin",
     "DistributedRunner",
-    "Diverged",
     "IterationHook",
     "WandbBook",
     "runner_class",
@@ -55,23 +55,6 @@ IterationHook = Callable[[Any, IterationStats], None]
 _EPISODE_BUFFERS = ("rewbuffer", "lenbuffer", "erewbuffer", "irewbuffer")
 _EPISODE_SUMS = ("cur_reward_sum", "cur_episode_length", "cur_ereward_sum", "cur_ireward_sum")
 _EPISODE_TOTALS = ("tot_timesteps",)
-
-
-class Diverged(ArithmeticError):
-    """The training diverged: a loss, a parameter or the action noise is no longer finite.
-
-    Raised after the update and before anything of that iteration is saved, on every rank
-    alike (their parameters are the same), so the newest checkpoint is the last finite one.
-    Nothing heals it: a restart from that checkpoint diverges again.
-    """
-
-    def __init__(self, iteration: int, what: str, learning_rate: float) -> None:
-        super().__init__(
-            f"training diverged at iteration {iteration}: {what}; the newest checkpoint is "
-            f"the last finite one. Most often the learning rate is too high (now "
-            f"{learning_rate:g}): lower --agent.learning-rate (or the algorithm's) and resume"
-        )
-        self.iteration = iteration
 
 
 def _divergence(loss_dict: dict[str, Any], alg: Any) -> str | None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from mjlab_hpc.errors import Diverged
 from mjlab_hpc.procs import OomCount
 from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_json_atomic
 from mjlab_hpc.rundir.layout import RunDir, progress_summary
@@ -67,12 +68,14 @@ _MEMORY_ERROR = re.compile(
 
 
 def failure_kind(exc: BaseException) -> str:
-    """Classify a rank's error: `out-of-memory`, `peer-lost` or `exception`.
+    """Classify a rank's error: `diverged`, `out-of-memory`, `peer-lost` or `exception`.
 
-    `out-of-memory` is an allocation that failed; `peer-lost` an error that says another
-    rank died or hung (a consequence).
+    `diverged`: the training's numbers are no longer finite; `out-of-memory` is an allocation
+    that failed; `peer-lost` an error that says another rank died or hung (a consequence).
     """
     text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, Diverged):
+        return "diverged"
     if isinstance(exc, MemoryError) or _MEMORY_ERROR.search(text):
         return "out-of-memory"
     return "peer-lost" if _PEER_LOST_ERROR.search(text) else "exception"
@@ -370,7 +373,7 @@ def recorded_cause(record: RunRecord, ends: list[RankEnd]) -> RankEnd | None:
     if (
         record.state == RunState.FAILED
         and failure is not None
-        and failure.kind in ("environment", "out-of-memory")
+        and failure.kind in ("environment", "out-of-memory", "diverged")
     ):
         return RankEnd(
             rank=failure.rank or 0,

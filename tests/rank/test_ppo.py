@@ -334,7 +334,8 @@ def test_two_ranks_update_as_one_process_with_both_rollouts(got: dict[int, Any])
 def test_a_diverged_update_is_named() -> None:
     import torch
 
-    from mjlab_hpc.rank.runner import Diverged, _divergence
+    from mjlab_hpc.errors import Diverged
+    from mjlab_hpc.rank.runner import _divergence
 
     alg = _fresh_ppo(None, 4)
     alg._raw_actor, alg._raw_critic = alg.actor, alg.critic  # as our runner's PPO has them

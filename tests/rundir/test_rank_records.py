@@ -82,3 +82,24 @@ def test_records_are_never_written_through_a_link_and_damaged_ones_are_skipped(
     record_end(run, good, RankExit(how="completed", detail="completed 3 iterations", at=1.0))
     assert list(outside.iterdir()) == [] and not run.rank_end(1, 3).is_symlink()
     assert [(e.rank, e.how) for e in rank_ends(run.path)] == [(1, "completed")]
+
+
+def test_a_diverged_training_is_not_restarted(tmp_path: Path) -> None:
+    """Every rank's numbers went non-finite at one update: a restart would diverge again."""
+    from mjlab_hpc.errors import Diverged
+    from mjlab_hpc.launch.heal import decide
+    from mjlab_hpc.rundir.ends import failure_kind
+    from mjlab_hpc.rundir.record import Failure, RunRecord, RunState
+
+    error = Diverged(7, "the value loss is nan", 1.0)
+    assert failure_kind(error) == "diverged"
+    run = RunDir(tmp_path)
+    for rank in (0, 1):
+        started = _start(run, rank)
+        record_end(run, started, RankExit(how="failed", detail=str(error), at=time.time()))
+    failure = Failure(rank=0, host="n1", kind="diverged", error=f"Diverged: {error}")
+    record = RunRecord(state=RunState.FAILED, failure=failure)
+    run.record.write_text(json.dumps(record.to_json()))
+    heal = decide(tmp_path, max_restarts=5, start="7.0.1")
+    assert heal.fault is not None and heal.fault.reason == "diverged"
+    assert not heal.requeue and "iteration 7" in heal.why and "learning rate" in heal.why
