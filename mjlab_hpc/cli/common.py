@@ -26,6 +26,7 @@ from mjlab_hpc.errors import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    Diverged,
     LaunchError,
     SpecError,
     SubmitError,
@@ -112,6 +113,9 @@ def guarded(body: Callable[[], T]) -> T | int:
     except KeyboardInterrupt:  # Ctrl-C before the work began (or after it ended)
         error_line("interrupted", "stopped at once (Ctrl-C); nothing was started")
         return EXIT_INTERRUPTED
+    except Diverged as exc:  # the numbers went non-finite: a fact of the settings, one line
+        error_line("failed", exc)
+        return EXIT_FAILED
     except LinkRefused as exc:  # a write would have followed a link out of the run
         error_line("error", exc)
         return EXIT_FAILED
