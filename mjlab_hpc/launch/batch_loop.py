@@ -12,6 +12,7 @@ from __future__ import annotations
 from mjlab_hpc.errors import EXIT_REQUEUE, EXIT_RESTART
 from mjlab_hpc.rank.context import SCRIPT_MARK_ENV, START_ENV
 from mjlab_hpc.rank.signals import FORWARDED
+from mjlab_hpc.rundir.layout import RANK_RECORDS_DIR
 
 __all__ = ["STUCK_S", "heal_loop", "heal_options"]
 
@@ -43,7 +44,7 @@ watch_step() {{
   since=$(date +%s)
   while sleep 1; do
     if [ -z "$ended" ]; then
-      hit=$(find {logs}/ranks -maxdepth 1 -name 'rank*.end.json' -newermt "@$since" \
+      hit=$(find {logs}/{records} -maxdepth 1 -name 'rank*.end.json' -newermt "@$since" \\
         -exec grep -qsE '"how": "({failed})"' {{}} ';' -print -quit 2>/dev/null || :)
       if [ -n "$hit" ]; then ended=$SECONDS; fi
     fi
@@ -128,6 +129,7 @@ def heal_loop(
         max_restarts=max_restarts,
         heal_options=heal_options,
         failed=_FAILED,
+        records=RANK_RECORDS_DIR,
         stuck=STUCK_S,
         restart=EXIT_RESTART,
         requeue=EXIT_REQUEUE,

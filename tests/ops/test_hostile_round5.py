@@ -20,6 +20,8 @@ from pathlib import Path
 from helpers import BIN, cli_env
 
 from mjlab_hpc.console import inert
+from mjlab_hpc.rundir.ends import RankExit, RankStart, record_end, record_start
+from mjlab_hpc.rundir.layout import RunDir
 
 ESC = "\x1b"
 CLEAR = f"{ESC}[2J"
@@ -123,6 +125,13 @@ def test_what_a_run_says_reaches_the_terminal_inert(tmp_path: Path) -> None:
         "2026-01-01 00:00:02,000 rank0 exit: failed (exception)\n"
         f"ValueError: {CLEAR}{HOST}\n"
     )
+    # Decisions read the rank's records (rundir.ends): its start names the host.
+    started = record_start(
+        RunDir(run),
+        RankStart(run=run.name, rank=0, world_size=1, node=HOST, pid=1, device="cpu", at=1.0),
+    )
+    failed = RankExit(how="failed", detail=f"ValueError: {CLEAR}{HOST}", at=2.0)
+    record_end(RunDir(run), started, failed)
     for args in ([], ["--rank", "0"], ["--follow"]):
         proc = _hpc("logs", run, *args, cwd=tmp_path)
         said = proc.stdout + proc.stderr
