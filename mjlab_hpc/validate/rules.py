@@ -69,24 +69,7 @@ def check_train(spec: TrainSpec) -> TrainSpec:
         ("--seed", spec.seed, -(2**62), 2**62),
     ):
         _within(flag, value, low, high)
-    # Durations: at least a second (a process group forms, a checkpoint is written, in no
-    # less), at most 30 days (past what torch's timedelta and the OS timers hold).
-    for flag, value, unit, scale, off in (
-        ("--dist-timeout-s", spec.dist_timeout_s, "seconds", 1.0, ""),
-        (
-            "--hang-timeout-s",
-            spec.hang_timeout_s,
-            "seconds",
-            1.0,
-            " (`none` disables the hang watchdog)",
-        ),
-        ("--save-every-min", spec.save_every_min, "minutes", 60.0, " (`none`: iterations only)"),
-    ):
-        if value is not None and not (math.isfinite(value) and 1 <= value * scale <= _MAX_S):
-            low, high = 1 / scale, _MAX_S / scale
-            raise SpecError(
-                flag, f"must be between {low:g} and {high:g} {unit}, got {value:g}{off}"
-            )
+    _check_durations(spec)
     if isinstance(spec.gpu_ids, tuple) and any(i < 0 for i in spec.gpu_ids):
         raise SpecError("--gpu-ids", f"ids must be >= 0, got {list(spec.gpu_ids)}")
     if isinstance(spec.gpu_ids, tuple) and len(set(spec.gpu_ids)) != len(spec.gpu_ids):
@@ -106,6 +89,52 @@ def check_train(spec: TrainSpec) -> TrainSpec:
         raise SpecError(
             "--preempt-signal", f"{spec.preempt_signal!r}: use one of {', '.join(_SIGNALS)}"
         )
+    _check_folders(spec)
+    for flag, low, value in (
+        ("--video-length", 1, spec.video_length),
+        ("--video-interval", 1, spec.video_interval),
+    ):
+        if not low <= value <= 10**9:
+            raise SpecError(flag, f"must be between {low} and 10^9, got {value}")
+    for flag, text in (
+        ("--registry-name", spec.registry_name),
+        ("--wandb-run-path", spec.wandb_run_path),
+        ("--torchrunx-log-dir", spec.torchrunx_log_dir),
+    ):
+        if text is not None:
+            no_control(flag, text)
+    if spec.wandb_run_path is not None and not spec.wandb_run_path.strip("/ "):
+        raise SpecError("--wandb-run-path", "must name a W&B run: entity/project/run-id")
+    if spec.wandb_checkpoint_name is not None:
+        path_component("--wandb-checkpoint-name", spec.wandb_checkpoint_name)
+    _check_overrides(spec.overrides)
+    return spec
+
+
+def _check_durations(spec: TrainSpec) -> None:
+    """Refuse a timeout or interval that no run could live with."""
+    # Durations: at least a second (a process group forms, a checkpoint is written, in no
+    # less), at most 30 days (past what torch's timedelta and the OS timers hold).
+    for flag, value, unit, scale, off in (
+        ("--dist-timeout-s", spec.dist_timeout_s, "seconds", 1.0, ""),
+        (
+            "--hang-timeout-s",
+            spec.hang_timeout_s,
+            "seconds",
+            1.0,
+            " (`none` disables the hang watchdog)",
+        ),
+        ("--save-every-min", spec.save_every_min, "minutes", 60.0, " (`none`: iterations only)"),
+    ):
+        if value is not None and not (math.isfinite(value) and 1 <= value * scale <= _MAX_S):
+            low, high = 1 / scale, _MAX_S / scale
+            raise SpecError(
+                flag, f"must be between {low:g} and {high:g} {unit}, got {value:g}{off}"
+            )
+
+
+def _check_folders(spec: TrainSpec) -> None:
+    """Refuse a folder flag (--log-root, --run-dir, --kernel-cache, names) no run could use."""
     no_control("--log-root", spec.log_root)
     if not spec.log_root.strip():
         raise SpecError("--log-root", "must not be empty (default: logs)")
@@ -130,25 +159,12 @@ def check_train(spec: TrainSpec) -> TrainSpec:
         no_control("--run-dir", spec.run_dir)
         if not spec.run_dir.strip():
             raise SpecError("--run-dir", "must not be empty: name a run directory")
-    for flag, low, value in (
-        ("--video-length", 1, spec.video_length),
-        ("--video-interval", 1, spec.video_interval),
-    ):
-        if not low <= value <= 10**9:
-            raise SpecError(flag, f"must be between {low} and 10^9, got {value}")
-    for flag, text in (
-        ("--registry-name", spec.registry_name),
-        ("--wandb-run-path", spec.wandb_run_path),
-        ("--torchrunx-log-dir", spec.torchrunx_log_dir),
-    ):
-        if text is not None:
-            no_control(flag, text)
-    if spec.wandb_run_path is not None and not spec.wandb_run_path.strip("/ "):
-        raise SpecError("--wandb-run-path", "must name a W&B run: entity/project/run-id")
-    if spec.wandb_checkpoint_name is not None:
-        path_component("--wandb-checkpoint-name", spec.wandb_checkpoint_name)
+
+
+def _check_overrides(overrides: tuple[str, ...]) -> None:
+    """Refuse `--env.*`/`--agent.*` values no run could train with (nan, a learning rate > 1)."""
     flag = "--env/--agent"
-    for arg in spec.overrides:
+    for arg in overrides:
         no_control(flag, arg)
         if arg.startswith("--"):
             flag, _, value = arg.partition("=")
@@ -165,7 +181,6 @@ def check_train(spec: TrainSpec) -> TrainSpec:
             raise SpecError(
                 flag, f"must be > 0 and at most 1 (PPO trains at ~1e-4 to 1e-2), got {value}"
             )
-    return spec
 
 
 def _learning_rate(value: str) -> bool:
