@@ -25,7 +25,7 @@ from mjlab_hpc.cli.common import (
 from mjlab_hpc.cli.config import Setting, applied_lines, naming_sources, with_site_defaults
 from mjlab_hpc.errors import EXIT_INTERRUPTED
 from mjlab_hpc.launch.follow import Closing, follow_to_end
-from mjlab_hpc.launch.local import LocalControls, local_processes, rank_outcomes
+from mjlab_hpc.launch.local import LocalControls, rank_outcomes
 from mjlab_hpc.launch.slurm import (
     allocation_env,
     allocation_srun,
@@ -48,6 +48,7 @@ from mjlab_hpc.procs import wait_gone
 from mjlab_hpc.rank.context import current_allocation, interactive_step
 from mjlab_hpc.rundir.ends import latest_world_size, rank_ends
 from mjlab_hpc.rundir.layout import SWEEP_RECORD, realise_target
+from mjlab_hpc.rundir.running import run_processes
 from mjlab_hpc.rundir.snapshot import plan_snapshot, planned_record, record_code
 from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
@@ -154,7 +155,7 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
             states = [client.job_state(j.job_id) for j in jobs]
             return all(state is None or state in FINAL_STATES for state in states)
         # A local controller may be gone (killed) while its ranks still save their checkpoint.
-        return not local_processes(s.run_dir)
+        return not run_processes(Path(s.run_dir))
 
     def failures() -> list[str]:  # of the latest start's ranks (fewer after --min-nodes)
         size = latest_world_size(rank_ends(Path(s.run_dir))) or s.ranks
@@ -172,7 +173,7 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
         num_envs=s.resolved.num_envs,
     )
     if fg.killed and s.executor == "local":
-        wait_gone([p.pid for p in local_processes(s.run_dir)], timeout_s=10)
+        wait_gone([p.pid for p in run_processes(Path(s.run_dir))], timeout_s=10)
     elif fg.killed:  # a Slurm job goes on being cancelled (with its checkpoint)
         ended = Closing(
             EXIT_INTERRUPTED,

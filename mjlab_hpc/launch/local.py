@@ -32,6 +32,7 @@ from mjlab_hpc.procs import processes, send_signal, wait_gone
 from mjlab_hpc.rank import RankJob
 from mjlab_hpc.rank.context import DETACHED_ENV, SUPERVISOR_ENV
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR
+from mjlab_hpc.rundir.running import run_processes
 from mjlab_hpc.rundir.snapshot import import_path, snapshot_for
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 
@@ -237,7 +238,11 @@ class LocalProcess:
 
 
 def local_processes(run_dir: Path) -> list[LocalProcess]:
-    """The live processes of this machine started for the run's submitit folder."""
+    """The live processes of this machine whose command lines name the run's submitit folder.
+
+    For seeing that none is left (the tests); what is signalled is what the run recorded
+    (`rundir.running.run_processes`).
+    """
     folders = {str(run_dir.absolute() / SUBMITIT_DIR), str((run_dir / SUBMITIT_DIR).resolve())}
     quoted = [re.compile(re.escape(shlex.quote(f)) + r"(?=$|\s)") for f in folders]
 
@@ -278,12 +283,14 @@ class LocalControls:
         interrupted twice get `grace_s` to record it in run.json, then SIGKILL.
         """
         send_signal(self.controller, signal.SIGKILL)
-        ranks = [p.pid for p in local_processes(self.run_dir)]
+        # The run's own processes, as it recorded them: never by their command lines (a
+        # teammate's process may name the run's folder).
+        ranks = [p.pid for p in run_processes(self.run_dir)]
         for pid in ranks:
             send_signal(pid, signal.SIGINT)
         for pid in wait_gone(ranks, grace_s):
             send_signal(pid, signal.SIGKILL)
-        for p in local_processes(self.run_dir):  # anything started meanwhile
+        for p in run_processes(self.run_dir):  # anything started meanwhile
             send_signal(p.pid, signal.SIGKILL)
 
 
