@@ -304,7 +304,6 @@ def train_rank(
         run = RunDir(Path(str(resolved.target.path)))
         _refuse_if_busy(run, ctx)
         with _rank_logging(run, ctx.rank) as rank_log:
-            log.info("kernel cache: %s", kernels.why)
             return _train(
                 resolved,
                 ctx=ctx,
@@ -314,6 +313,7 @@ def train_rank(
                 rank_log=rank_log,
                 request=request,
                 rendezvous=(joining, joined),
+                kernel_cache=kernels.why,
             )
 
 
@@ -326,16 +326,20 @@ def _train(
     rank_log: TextIO,
     request: StopRequest,
     rendezvous: tuple[float, float],
+    kernel_cache: str = "",
 ) -> RankResult:
     """Train in the agreed run directory and record how this start ends.
 
     Three steps: `_start` (records this start, resumes), `_loop` (the iterations), `_finish`
     (the writer's records). However it ends, `_Ending` records how, in one place.
-    `rendezvous` is when this rank called into the process group and when it had joined.
+    `rendezvous` is when this rank called into the process group and when it had joined;
+    `kernel_cache` where Warp keeps its kernels (said in the log).
     """
     ending = _Ending(run, ctx, resolved, device)
     try:
-        started = _start(resolved, ctx, device, seed, run, rank_log, rendezvous, ending)
+        started = _start(
+            resolved, ctx, device, seed, run, rank_log, rendezvous, ending, kernel_cache
+        )
         _loop(started, resolved, ctx, device, run, rank_log, request, ending)
         return _finish(started, ctx, device, run, ending)
     except BaseException as exc:
@@ -484,6 +488,7 @@ def _start(
     rank_log: TextIO,
     rendezvous: tuple[float, float],
     ending: _Ending,
+    kernel_cache: str = "",
 ) -> _Started:
     """Record this start, build the workload and resume where the run is."""
     spec = resolved.train
@@ -491,6 +496,8 @@ def _start(
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     ending.started(node)
     _log_start(resolved, ctx, device, seed, node, rendezvous)
+    if kernel_cache:
+        log.info("kernel cache: %s", kernel_cache)
     checkpoints = None
     if ctx.is_main:
         ending.writer = RunWriter.acquire(run, ctx.rank)

@@ -370,9 +370,14 @@ def publish_rank_states(
     This comes before the checkpoint itself. Returns what the checkpoint's header lists of
     them: [sha256, size] by rank.
     """
-    for rank, (tmp, digest, _) in enumerate(written):
-        place = rank_state_file(checkpoint, rank, len(written))
-        publish_file(Path(tmp), place, before_rename, digest=digest)
+    try:
+        for rank, (tmp, digest, _) in enumerate(written):
+            place = rank_state_file(checkpoint, rank, len(written))
+            publish_file(Path(tmp), place, before_rename, digest=digest)
+    except BaseException:  # (a full disk): those not published yet are not left behind
+        for tmp, _, _ in written:
+            Path(tmp).unlink(missing_ok=True)
+        raise
     return [[digest, size] for _, digest, size in written]
 
 

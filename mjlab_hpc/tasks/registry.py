@@ -88,8 +88,6 @@ def resolve_task(spec: TrainSpec) -> ResolvedSpec:
         defaults = mjlab.task_defaults(spec.task, spec.num_envs, spec.max_iterations, overrides)
     except ValueError as exc:
         raise SpecError("--env/--agent", str(exc)) from None
-    if defaults.logger == "wandb" and (problem := wandb_login_problem()):
-        raise SpecError("--agent.logger", problem)  # else a traceback once the run exists
     experiment = spec.experiment_name or defaults.experiment_name
     # mjlab's --agent.save-interval and --agent.run-name mean what our flags of those names do.
     given = {o.partition("=")[0].replace("_", "-") for o in overrides if o.startswith("--agent.")}
@@ -108,19 +106,23 @@ def resolve_task(spec: TrainSpec) -> ResolvedSpec:
                 + (f" ({defaults.motion_file!r} is no file)" if defaults.motion_file else ""),
             )
         motion = str(fetch_wandb_motion(Path(spec.log_root) / experiment, spec.registry_name))
+    start = _start_checkpoint(
+        spec,
+        experiment,
+        resume=defaults.resume,
+        load_run=defaults.load_run,
+        load_checkpoint=defaults.load_checkpoint,
+    )
+    # Last: what is wrong with the command itself is named first.
+    if defaults.logger == "wandb" and (problem := wandb_login_problem()):
+        raise SpecError("--agent.logger", problem)  # else a traceback once the run exists
     return ResolvedSpec(
         train=spec,
         source="mjlab",
         num_envs=defaults.num_envs,
         max_iterations=defaults.max_iterations,
         experiment_name=experiment,
-        start_checkpoint=_start_checkpoint(
-            spec,
-            experiment,
-            resume=defaults.resume,
-            load_run=defaults.load_run,
-            load_checkpoint=defaults.load_checkpoint,
-        ),
+        start_checkpoint=start,
         motion_file=motion,
     )
 
