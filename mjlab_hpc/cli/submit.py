@@ -25,7 +25,7 @@ from mjlab_hpc.cli.common import (
 from mjlab_hpc.cli.config import Setting, applied_lines, naming_sources, with_site_defaults
 from mjlab_hpc.errors import EXIT_INTERRUPTED
 from mjlab_hpc.launch.follow import Closing, follow_to_end
-from mjlab_hpc.launch.local import LocalControls, rank_outcomes
+from mjlab_hpc.launch.local import LocalControls, rank_failures
 from mjlab_hpc.launch.slurm import (
     allocation_env,
     allocation_srun,
@@ -159,7 +159,7 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
 
     def failures() -> list[str]:  # of the latest start's ranks (fewer after --min-nodes)
         size = latest_world_size(rank_ends(Path(s.run_dir))) or s.ranks
-        return rank_outcomes(s.job, min(size, s.ranks))[1]
+        return rank_failures(s.job, min(size, s.ranks))
 
     ended, fg = follow_to_end(
         s.run_dir,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pickle
 import shlex
 import signal
 import subprocess
@@ -38,6 +39,7 @@ from mjlab_hpc.errors import (
 )
 from mjlab_hpc.launch.batch_loop import heal_loop, heal_options
 from mjlab_hpc.launch.heal import decide, record_healing, restart_here
+from mjlab_hpc.rundir.durable import read_regular
 from mjlab_hpc.rundir.layout import LOGS_DIR, SWEEP_ELEMENTS
 from mjlab_hpc.rundir.running import RUN_ENV, record_controller
 
@@ -48,12 +50,68 @@ __all__ = [
     "HealingController",
     "LocalJobExecutor",
     "SlurmJobExecutor",
+    "task_outcome",
 ]
 
 # What `python -m` runs: our local controller, submitit's own, and a task of either.
 CONTROLLER_MODULE = "mjlab_hpc.launch.executors"
 SUBMITIT_CONTROLLER_MODULE = "submitit.local._local"
 TASK_MODULE = "submitit.core._submit"
+
+# The largest submitit result read back: a traceback or a probe's answer is far smaller.
+_RESULT_LIMIT = 16 << 20
+
+
+class _Inert:
+    """What an unpickled result holds in place of every class or function its pickle names.
+
+    submitit's `<job>_<task>_result.pkl` lies in the run's folder, which a teammate may be
+    able to write (`MJLAB_HPC_GROUP_WRITABLE_RUNS=1`); unpickling it as submitit does imports
+    and calls what it names, so their code would run as us. pickle has no data-only mode, so
+    every global resolves to this class, which is never imported and does nothing.
+    """
+
+    def __new__(cls, *args: object, **kwargs: object) -> _Inert:
+        return object.__new__(cls)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __call__(self, *args: object, **kwargs: object) -> _Inert:
+        return _Inert()
+
+    def __setstate__(self, state: object) -> None:
+        pass
+
+    def __setitem__(self, key: object, value: object) -> None:
+        pass
+
+    def append(self, value: object) -> None:
+        pass
+
+    def extend(self, values: object) -> None:
+        pass
+
+
+class _DataOnly(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> type[_Inert]:
+        return _Inert
+
+
+def task_outcome(task: Any) -> tuple[str, object] | None:
+    """A submitit task's result as data: ("success", value) or ("error", its traceback).
+
+    Only pickle's own types are built (str, numbers, tuples, lists, dicts, ...); anything a
+    class would make is an inert stand-in. None: no result yet, or not a readable one.
+    """
+    try:
+        data = read_regular(Path(task.paths.result_pickle), _RESULT_LIMIT)
+        outcome = _DataOnly(io.BytesIO(data)).load()
+    except Exception:  # missing, a link, too big, truncated or not a pickle at all
+        return None
+    ok = isinstance(outcome, tuple) and len(outcome) == 2 and outcome[0] in ("success", "error")
+    return outcome if ok else None
+
 
 # Seconds the other ranks get after one failed, before they are killed: a rank whose peer
 # died has nothing to save, and one that waits on a frozen peer never ends by itself.
@@ -148,8 +206,8 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
             SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{i}", tasks=tasks)
             for i in range(len(pickles))
         ]
-        for job, pickle in zip(jobs, pickles, strict=True):
-            job.paths.move_temporary_file(pickle, "submitted_pickle")
+        for job, pickled in zip(jobs, pickles, strict=True):
+            job.paths.move_temporary_file(pickled, "submitted_pickle")
         return jobs
 
     def _submit_command(self, command: str) -> Any:

@@ -26,6 +26,7 @@ from mjlab_hpc.launch.executors import (
     SUBMITIT_CONTROLLER_MODULE,
     TASK_MODULE,
     LocalJobExecutor,
+    task_outcome,
 )
 from mjlab_hpc.launch.follow import Closing, follow_to_end
 from mjlab_hpc.procs import processes, send_signal, wait_gone
@@ -46,7 +47,7 @@ __all__ = [
     "local_processes",
     "physical_gpu_ids",
     "plan_launch",
-    "rank_outcomes",
+    "rank_failures",
     "run_local",
     "submit_local",
 ]
@@ -294,33 +295,29 @@ class LocalControls:
             send_signal(p.pid, signal.SIGKILL)
 
 
-def rank_outcomes(job: submitit.Job, ranks: int) -> tuple[list[object], list[str]]:
-    """Every rank's result, and a line for each rank that failed or died without a result."""
-    results: list[object] = []
+def rank_failures(job: submitit.Job, ranks: int) -> list[str]:
+    """A line for each rank that failed or died without a result (its result read as data)."""
     failures: list[str] = []
     for k in range(ranks):
         task = job.task(k)
-        try:
-            results.append(task.result())
-        except submitit.core.utils.FailedJobError as exc:
-            # The rank raised (a subclass of UncompletedJobError: not a kill); the exception's
-            # own line, from the traceback submitit read back from the rank's result.
+        outcome = task_outcome(task)
+        if outcome is None:
+            failures.append(
+                f"rank {k} died without a result (killed, e.g. SIGKILL or out of memory); "
+                f"its output: {task.paths.stderr}"
+            )
+        elif outcome[0] == "error":
+            # The exception's own line, from the traceback submitit wrote for the rank.
             named = re.findall(
-                r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*$", str(exc), re.MULTILINE
+                r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*$",
+                str(outcome[1]),
+                re.MULTILINE,
             )
             failures.append(
                 f"rank {k} failed: {named[-1] if named else 'see its output'}; "
                 f"its output: {task.paths.stderr}"
             )
-        except submitit.core.utils.UncompletedJobError:
-            failures.append(
-                f"rank {k} died without a result (killed, e.g. SIGKILL or out of memory); "
-                f"its output: {task.paths.stderr}"
-            )
-        except Exception as exc:  # the rank's own exception, re-raised by submitit
-            last = str(exc).strip().splitlines()
-            failures.append(f"rank {k} failed: {last[-1] if last else type(exc).__name__}")
-    return results, failures
+    return failures
 
 
 def run_local(
@@ -349,7 +346,7 @@ def run_local(
         kill=controls.kill,
         done=done,
         resume=resume,
-        failures=lambda: rank_outcomes(local.job, ranks)[1],
+        failures=lambda: rank_failures(local.job, ranks),
         out=out,
         num_envs=spec.num_envs,
     )

@@ -31,6 +31,7 @@ import submitit
 from submitit.helpers import Checkpointable, DelayedSubmission
 
 from mjlab_hpc.errors import SpecError
+from mjlab_hpc.launch.executors import task_outcome
 from mjlab_hpc.launch.slurm import container_python, render_sbatch, slurm_parameters
 from mjlab_hpc.ops.limits import limit_checks, partition_grace_s
 from mjlab_hpc.slurm.client import FINAL_STATES, Partition, SlurmClient
@@ -431,11 +432,8 @@ def _finish(
         time.sleep(1.0)
     outcomes: list[Outcome] = []
     for task in tasks:
-        if task.paths.result_pickle.exists():
-            try:
-                outcomes.append(task.result())
-            except Exception as exc:  # it raised, or could not even be unpickled there
-                outcomes.append(_said(str(exc)))
+        if (outcome := task_outcome(task)) is not None:  # read as data, never as code
+            outcomes.append(outcome[1] if outcome[0] == "success" else _said(str(outcome[1])))
         else:  # None: nothing of the task reached this host
             outcomes.append(None if (log := task.stderr()) is None else _said(log))
     return info, outcomes

@@ -245,3 +245,52 @@ def test_cancel_signals_only_the_runs_recorded_processes(team: Team) -> None:
     finally:
         os.kill(decoy.pid, signal.SIGKILL)
         decoy.wait()
+
+
+class _Planted:
+    """What a teammate pickles into a run's submitit folder: unpickling it runs a command."""
+
+    def __init__(self, proof: Path) -> None:
+        self.proof = proof
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (os.system, (f"touch {self.proof}",))
+
+
+def test_a_planted_submitit_result_is_read_as_data(tmp_path: Path) -> None:
+    """A result pickle in the run's folder never runs code: what it names stays inert, while
+    submitit's own ("error", traceback) and ("success", dict) results read as ever."""
+    import pickle
+    from types import SimpleNamespace
+
+    from mjlab_hpc.launch.executors import task_outcome
+
+    proof = tmp_path / "ran"
+    task = SimpleNamespace(paths=SimpleNamespace(result_pickle=tmp_path / "0_0_result.pkl"))
+    for outcome in (("success", _Planted(proof)), ("success", [_Planted(proof)]), _Planted(proof)):
+        task.paths.result_pickle.write_bytes(pickle.dumps(outcome))
+        got = task_outcome(task)
+        assert not proof.exists()
+        assert got is None or got[0] == "success", got
+    for outcome in (("error", "Traceback ...\nValueError: no"), ("success", {"requeued": True})):
+        task.paths.result_pickle.write_bytes(pickle.dumps(outcome))
+        assert task_outcome(task) == outcome
+    task.paths.result_pickle.unlink()
+    task.paths.result_pickle.symlink_to(proof)
+    assert task_outcome(task) is None
+
+
+def test_a_local_jobs_failures_come_from_its_results_as_data(tmp_path: Path) -> None:
+    """A real submitit job's results, read without unpickling what they name: a rank that
+    raised is named with its exception's line; one that returned is not a failure."""
+    import submitit
+
+    from mjlab_hpc.launch.local import rank_failures
+
+    executor = submitit.LocalExecutor(tmp_path)
+    failed, succeeded = executor.submit(int, "not a number"), executor.submit(dict, a=1)
+    for job in (failed, succeeded):
+        job.wait()
+    (line,) = rank_failures(failed, 1)
+    assert line.startswith("rank 0 failed: ValueError: invalid literal for int()"), line
+    assert rank_failures(succeeded, 1) == []
