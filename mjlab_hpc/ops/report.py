@@ -79,9 +79,11 @@ class Allocation:
     label: str
     """The job id (a local run: its controller's id, or `local`)."""
     begin: float
-    """Epoch seconds."""
+    """When it began (epoch s)."""
     end: float
+    """When it ended (epoch s; now for one that still runs)."""
     nodes: int
+    """Nodes held."""
     cores: int
     """Cores held over all its nodes (sacct's AllocCPUS; local: ranks x torch threads)."""
     gpus: int
@@ -95,8 +97,11 @@ class Phase:
     """One span of time on the timeline, in one phase (or `queue`)."""
 
     name: str
+    """One of PHASES, or `queue`."""
     begin: float
+    """Epoch s."""
     end: float
+    """Epoch s."""
 
 
 @dataclass(frozen=True)
@@ -122,12 +127,15 @@ class CostReport:
     """What a run cost: `mjlab-hpc report`, and `--json`'s keys."""
 
     run_dir: Path
+    """The run."""
     kind: JobKind | None
     """slurm, local, or None (a plain process)."""
     job_ids: tuple[str, ...]
+    """Its jobs, oldest first."""
     source: str
     """`sacct` (allocations from accounting) or `records` (from the run's own records)."""
     allocations: tuple[Allocation, ...]
+    """Every allocation of the run, oldest first."""
     node_hours: float
     """Allocated node-hours, every allocation of the run."""
     gpu_hours: float | None
@@ -143,6 +151,7 @@ class CostReport:
     starts: int
     """Starts of the ranks: the first, and one per requeue or heal."""
     faults: int
+    """Crashes, hangs and lost nodes (run.json `faults`)."""
     stops: int
     """Stops with a checkpoint (time limit, preemption, Ctrl-C)."""
     checkpoints: int
@@ -166,7 +175,9 @@ class CostReport:
     iteration_times: tuple[tuple[int, float], ...] = field(default=(), repr=False)
     """(iteration, when it completed) of the counted iterations (for --out)."""
     start_times: tuple[float, ...] = field(default=(), repr=False)
+    """When each start began (for --out)."""
     fault_times: tuple[float, ...] = field(default=(), repr=False)
+    """When each fault happened (for --out)."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values, for `report --json` (documented keys; the timeline left out)."""
@@ -194,9 +205,13 @@ class _Start:
     """One start of the ranks, from their start and end records."""
 
     begin: float
+    """Its first rank's start (epoch s)."""
     end: float | None
+    """Its last rank's end (None: no rank recorded one)."""
     nodes: int
+    """Nodes its ranks ran on."""
     ranks: int
+    """Ranks that recorded it."""
 
 
 def _starts(run_dir: Path) -> list[_Start]:
@@ -398,7 +413,12 @@ def _phases(
         if fault is not None:
             if recomputed:
                 spans.append(Phase("recomputed", redo_from, max(redo_from, fault.when_s)))
-            lost_to = nxt if nxt != float("inf") else (start.end or fault.when_s)
+            # To the next start, but a requeue's new allocation starts up anew: the fault's
+            # loss ends with its own allocation.
+            held = [a.end for a in allocations if a.begin <= fault.when_s < a.end]
+            lost_to = min([nxt, *held])
+            if lost_to == float("inf"):
+                lost_to = start.end or fault.when_s
             spans.append(Phase("lost_to_faults", fault.when_s, max(fault.when_s, lost_to)))
     return spans, recomputed_total
 
