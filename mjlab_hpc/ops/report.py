@@ -72,6 +72,10 @@ _COLORS = {
 }
 
 
+# CostReport's fields for --out only (left out of --json).
+_DRAWN = ("timeline", "iteration_times", "start_times", "fault_times", "stop_times")
+
+
 @dataclass(frozen=True)
 class Allocation:
     """One allocation of the run: a run of a Slurm job, or the local run's machine."""
@@ -178,13 +182,13 @@ class CostReport:
     """When each start began (for --out)."""
     fault_times: tuple[float, ...] = field(default=(), repr=False)
     """When each fault happened (for --out)."""
+    stop_times: tuple[float, ...] = field(default=(), repr=False)
+    """When each stop's checkpoint was asked for (for --out)."""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values, for `report --json` (documented keys; the timeline left out)."""
         out = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in ("timeline", "iteration_times", "start_times", "fault_times")
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _DRAWN
         }
         out["run_dir"] = str(self.run_dir)
         out["job_ids"] = list(self.job_ids)
@@ -554,6 +558,7 @@ def collect_report(run_dir: Path, slurm: SlurmClient | None = None) -> CostRepor
         ),
         start_times=tuple(s.begin for s in starts),
         fault_times=tuple(f.when_s for f in record.faults),
+        stop_times=tuple(e.when_s for e in record.restarts if e.when_s),
     )
 
 
@@ -673,6 +678,8 @@ def draw_timeline(report: CostReport, out: Path) -> None:
             color=_COLORS[p.name],
             edgecolor="none",
         )
+    for a in report.allocations:  # each job (each run of a requeued one) named where it began
+        top.text((a.begin - t0) / scale, 0.3, f" job {inert(a.label)}", fontsize=8, va="center")
     top.set_yticks([])
     top.set_ylabel("phase")
     shown = [n for n in (*PHASES, "queue") if any(p.name == n for p in report.timeline)]
@@ -701,6 +708,10 @@ def draw_timeline(report: CostReport, out: Path) -> None:
         for ax in (top, bottom):
             ax.axvline((at - t0) / scale, color="tab:gray", ls="--", lw=1)
         bottom.text((at - t0) / scale, 0, f" start {i + 1}", rotation=90, va="bottom", fontsize=8)
+    for at in report.stop_times:
+        for ax in (top, bottom):
+            ax.axvline((at - t0) / scale, color="tab:orange", ls=":", lw=1.5)
+        bottom.text((at - t0) / scale, 0, " stop", color="tab:orange", rotation=90, fontsize=8)
     for at in report.fault_times:
         for ax in (top, bottom):
             ax.axvline((at - t0) / scale, color="tab:red", lw=1.5)
