@@ -45,6 +45,7 @@ SUBCOMMANDS = (
     ("cancel", hpc.Cancel),
     ("doctor", hpc.Doctor),
     ("plot", hpc.Plot),
+    ("report", hpc.Report),
     ("heal", hpc.Heal),
 )
 # A spec nested without a prefix is one row that links its own table.

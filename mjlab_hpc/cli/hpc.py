@@ -1,5 +1,5 @@
 """`mjlab-hpc`: tasks, sbatch templates, run directories, and the operations on submitted runs
-(status, logs, cancel, plot)."""
+(status, logs, cancel, plot, report)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from mjlab_hpc.launch.slurm import render
 from mjlab_hpc.ops.cancel import cancel as cancel_runs
 from mjlab_hpc.ops.doctor import cluster_profile, diagnose
 from mjlab_hpc.ops.logs import find_tracebacks, follow, rank_files, rank_host, tail, unreadable
+from mjlab_hpc.ops.report import collect_report, draw_timeline, report_table
 from mjlab_hpc.ops.runs import list_runs, resolve_target, run_jobs
 from mjlab_hpc.ops.status import (
     FAILED_STATES,
@@ -227,6 +228,25 @@ class Plot:
     """Where job ids are looked up."""
 
 
+@dataclass(frozen=True)
+class Report:
+    """Show what a run cost across its jobs, requeues and heals.
+
+    Allocated node-hours (GPU-hours) by phase: start-up, training, checkpointing, iterations
+    recomputed after faults, time lost to faults; queue wait; useful env-steps per GPU-hour
+    (core-hour on CPU); Slurm's TotalCPU, MaxRSS and GPU figures where accounting has them.
+    """
+
+    target: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN|JOB")]
+    """A run directory or a job id (4711, 4711_2, a local job's pid)."""
+    out: str | None = None
+    """Also draw the run's timeline into this PNG."""
+    json: bool = False
+    """Print the report as JSON instead of a table."""
+    log_root: str = "logs"
+    """Where job ids are looked up."""
+
+
 Command = (
     Annotated[ListTasks, tyro.conf.subcommand("list-tasks")]
     | Annotated[Render, tyro.conf.subcommand("render")]
@@ -236,6 +256,7 @@ Command = (
     | Annotated[Cancel, tyro.conf.subcommand("cancel")]
     | Annotated[Doctor, tyro.conf.subcommand("doctor")]
     | Annotated[Plot, tyro.conf.subcommand("plot")]
+    | Annotated[Report, tyro.conf.subcommand("report")]
     | Annotated[Heal, tyro.conf.subcommand("heal")]
 )
 
@@ -472,6 +493,33 @@ def plot(cmd: Plot) -> int:
     return 0
 
 
+def report(cmd: Report) -> int:
+    """`mjlab-hpc report`."""
+    out = None
+    if cmd.out is not None:  # checked before anything is read or written
+        no_control("--out", cmd.out)
+        out = Path(cmd.out).expanduser()
+        if out.suffix.lower() != ".png":
+            raise SpecError("--out", f"{cmd.out} is not a .png file; name one, e.g. cost.png")
+        if not out.parent.is_dir():
+            raise SpecError(
+                "--out", f"folder {out.parent} does not exist; make it or name a PNG in another"
+            )
+    cost = collect_report(single_run(cmd.target, cmd.log_root))
+    if out is not None:
+        try:
+            draw_timeline(cost, out)
+        except OSError as exc:
+            raise SpecError("--out", f"cannot write {cmd.out}: {exc.strerror or exc}") from None
+    if cmd.json:
+        print(json.dumps(cost.as_dict(), indent=2))
+    else:
+        Console(highlight=False, soft_wrap=True).print(report_table(cost))
+        if out is not None:
+            print(f"wrote {inert(str(out))}")
+    return 0
+
+
 def _label(run: Path) -> str:
     """Return a run's legend label: its name without the leading timestamp, if it has a suffix."""
     name = run.name
@@ -588,6 +636,7 @@ _COMMANDS = {
     Logs: logs,
     Cancel: cancel,
     Plot: plot,
+    Report: report,
     Doctor: doctor,
     Heal: heal,
 }
@@ -610,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(cmd, Render | Doctor) and not getattr(cmd, "write_profile", None):
             spec, site = with_site_defaults(cmd.spec, typed_fields(args))
             cmd = replace(cmd, spec=spec)
-        elif isinstance(cmd, Status | Logs | Cancel | Plot):  # the runs mjlab-submit made
+        elif isinstance(cmd, Status | Logs | Cancel | Plot | Report):  # the runs mjlab-submit made
             cmd = replace(cmd, log_root=default_log_root(cmd.log_root, typed_fields(args)))
         with naming_sources(site):
             return _COMMANDS[type(cmd)](cmd)

@@ -416,6 +416,7 @@ class IterationBoundary:
             )
             self.checkpoints.written(path)
             self.checkpoints.prune(self.policy.keep_checkpoints)
+            self._record_time(iteration, t0, stop)
             if stop is not None:
                 self._record_stop(stop, iteration, t0)
         elif isinstance(mine, str):
@@ -425,6 +426,18 @@ class IterationBoundary:
             # their watchdogs (paused now) never count a long write as a hang.
             dist.barrier()
         self._last_save = time.monotonic()
+
+    def _record_time(self, iteration: int, t0: float, stop: Stop | None) -> None:
+        """When the checkpoint of `iteration` was written and how long it took (a line of
+        logs/checkpoints.jsonl, for `mjlab-hpc report`), by the writer."""
+        assert self.writer is not None
+        line = {"iteration": iteration, "at": round(t0, 3), "s": round(time.time() - t0, 3)}
+        if stop is not None:
+            line["stop"] = stop.reason
+        try:
+            self.writer.append_line(self.run.checkpoint_times, json.dumps(line))
+        except Exception as exc:  # a record, not the training
+            log.warning("could not record the checkpoint's time: %s", exc)
 
     def _record_stragglers(self) -> None:
         """The stragglers now, in run.json (for `mjlab-hpc status` and `logs`), by the writer."""

@@ -78,6 +78,8 @@ PARAMS_DIR = "params"
 LOGS_DIR = "logs"
 PROGRESS = "progress.jsonl"
 RESTARTS = "restarts.jsonl"
+# One line per checkpoint written: its iteration, when and how long (`mjlab-hpc report`).
+CHECKPOINT_TIMES = "checkpoints.jsonl"
 RUN_RECORD = "run.json"
 SUMMARY = "summary.json"
 ELEMENT_RECORD = "sweep_element.json"
@@ -211,6 +213,10 @@ class RunDir:
     @property
     def restarts(self) -> Path:
         return self.path / RESTARTS
+
+    @property
+    def checkpoint_times(self) -> Path:
+        return self.logs / CHECKPOINT_TIMES
 
     @property
     def record(self) -> Path:

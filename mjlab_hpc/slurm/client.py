@@ -7,6 +7,7 @@ missing answer means (status falls back to the run record).
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 import math
 import re
@@ -28,6 +29,7 @@ __all__ = [
     "SlurmAnswer",
     "SlurmClient",
     "SlurmRow",
+    "Usage",
 ]
 
 log = logging.getLogger("mjlab_hpc")
@@ -192,6 +194,64 @@ def _minutes(limit: str) -> int | None:
     return None if seconds is None else math.ceil(seconds / 60)
 
 
+@dataclass(frozen=True)
+class Usage:
+    """One row of `sacct --duplicates`: one run of a job (each requeue is another) or a step.
+
+    Times are epoch seconds (sacct prints the local time); None where sacct has none yet.
+    """
+
+    job_id: str
+    """As sacct prints it: `4711` (a run), `4711.batch`, `4711.0` (its steps), `4711_2`."""
+    state: str
+    submit: float | None
+    """When the run was queued (a requeued run: when it was queued again)."""
+    start: float | None
+    end: float | None
+    elapsed_s: int
+    nodes: int | None
+    cpus: int | None
+    """AllocCPUS: the cores the run held."""
+    gpus: int | None
+    """GPUs the run held, over all its nodes (AllocTRES gres/gpu; None: none)."""
+    total_cpu_s: float | None
+    """TotalCPU: CPU time its processes used (None: not gathered)."""
+    max_rss: int | None
+    """MaxRSS in bytes: the largest resident memory of one task (None: not gathered)."""
+    tres_usage: Mapping[str, str] = field(default_factory=dict)
+    """TRESUsageInMax's items (`gres/gpuutil`, `gres/gpumem`, ...) where the site gathers them."""
+
+    @property
+    def step(self) -> bool:
+        """A step of a run (`.batch`, `.extern`, `.0`), not the run itself."""
+        return "." in self.job_id
+
+
+def _epoch(text: str) -> float | None:
+    """sacct's local time (2026-11-28T17:50:01) in epoch seconds; None for Unknown, None."""
+    try:
+        return dt.datetime.fromisoformat(text.strip()).timestamp()
+    except ValueError:
+        return None
+
+
+def _cpu_seconds(text: str) -> float | None:
+    """TotalCPU (`[D-][HH:]MM:SS[.mmm]`) in seconds; None when empty."""
+    whole, _, fraction = text.strip().partition(".")
+    seconds = slurm_seconds(whole)
+    if seconds is None:
+        return None
+    return seconds + (float(f"0.{fraction}") if fraction.isdigit() else 0.0)
+
+
+def _rss_bytes(text: str) -> int | None:
+    """MaxRSS (`123456K`, `12M`, `0`) in bytes; None when empty."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)", text.strip())
+    if m is None:
+        return None
+    return int(float(m.group(1)) * 1024 ** ("KMGT".index(m.group(2)) + 1 if m.group(2) else 0))
+
+
 # Commands that ask slurmctld (sacct and sacctmgr ask slurmdbd).
 _CONTROLLER_COMMANDS = frozenset({"squeue", "scontrol", "scancel", "sbatch", "sinfo", "srun"})
 
@@ -309,6 +369,45 @@ class SlurmClient:
         return [
             (r[0].split()[0], r[1], r[2]) for r in rows if len(r) == 3 and r[0] and r[0] != _RESIZED
         ]
+
+    def usage(self, job_ids: Sequence[str]) -> list[Usage] | None:
+        """Return what accounting says each run of the jobs (and its steps) used.
+
+        Every run of a requeued job is a row (`--duplicates`). None when sacct fails
+        (accounting disabled, sacct missing or hanging).
+        """
+        fields = (
+            "JobID,State,Submit,Start,End,ElapsedRaw,NNodes,AllocCPUS,AllocTRES,TotalCPU,"
+            "MaxRSS,TRESUsageInMax"
+        )
+        args = ["sacct", "-n", "-P", "--duplicates", "-j", ",".join(job_ids), "-o", fields]
+        proc = self.run(args)
+        if proc is None or proc.returncode != 0:
+            return None
+        rows = []
+        for line in proc.stdout.splitlines():
+            parts = line.strip().split("|")
+            if len(parts) != 12 or not parts[1] or parts[1] == _RESIZED:
+                continue
+            job, state, submit, start, end, elapsed, nodes, cpus, tres, cpu, rss, usage = parts
+            gpus = re.search(r"gres/gpu=(\d+)", tres)
+            rows.append(
+                Usage(
+                    job_id=job,
+                    state=state.split()[0],
+                    submit=_epoch(submit),
+                    start=_epoch(start),
+                    end=_epoch(end),
+                    elapsed_s=_int(elapsed) or 0,
+                    nodes=_int(nodes),
+                    cpus=_int(cpus),
+                    gpus=int(gpus.group(1)) if gpus else None,
+                    total_cpu_s=_cpu_seconds(cpu),
+                    max_rss=_rss_bytes(rss),
+                    tres_usage=dict(item.split("=", 1) for item in usage.split(",") if "=" in item),
+                )
+            )
+        return rows
 
     def out_of_memory(self, job_id: str) -> bool:
         """Tell whether a step of the job's latest run ended OUT_OF_MEMORY.

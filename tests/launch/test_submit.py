@@ -337,7 +337,8 @@ def test_local_executor_job(tmp_path: Path) -> None:
     run = RunDir(runs[0])
     summary = json.loads(run.summary.read_text())
     assert summary["ranks_in_sync"] and summary["world_size"] == 2
-    assert {p.name for p in run.logs.iterdir()} == {"rank0.log", "rank1.log", "heartbeat", "ranks"}
+    logs = {"rank0.log", "rank1.log", "heartbeat", "ranks", "checkpoints.jsonl"}
+    assert {p.name for p in run.logs.iterdir()} == logs
     assert {p.name for p in run.heartbeats.iterdir()} == {"rank0.json", "rank1.json"}
     assert run.checkpoint(2).exists()
 

@@ -1,0 +1,263 @@
+"""mjlab-hpc report: what a run cost, as a user who is not root (mjlab-alice).
+
+A local run of two ranks whose rank 0 raises after iteration 3 (healed in its allocation, from
+the checkpoint of iteration 2) is checked against its own records: the phases add up to the
+allocation, one iteration was recomputed, the env-steps are num_envs x steps x ranks x
+iterations. A Slurm job of hers shows sacct's figures (TotalCPU, MaxRSS; the GPU figures the
+test cluster does not gather said missing), and a report still comes when sacct fails.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import BIN, Team, runs_under, wait_for
+from slurm_cluster import SlurmCluster
+
+from mjlab_hpc.ops.report import collect_report
+from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.record import Interruption, RunRecord, Start, read_record
+from mjlab_hpc.slurm.client import SlurmClient
+
+SMALL = ["--num-envs", "16", "--torch-threads", "1"]
+PHASES = ("start_up", "training", "checkpointing", "recomputed", "lost_to_faults", "other")
+NO_ACCOUNTING = '#!/bin/sh\necho "sacct: error: Slurm accounting storage is disabled" >&2\nexit 1\n'
+
+
+def _text(proc: subprocess.CompletedProcess[str]) -> str:
+    return proc.stdout + proc.stderr
+
+
+def _report(team: Team, *args: object, extra: dict[str, str] | None = None) -> dict:
+    proc = team.run(Team.USERS[0], [BIN / "mjlab-hpc", "report", *args, "--json"], extra=extra)
+    assert proc.returncode == 0, _text(proc)
+    return json.loads(proc.stdout)
+
+
+def _adds_up(report: dict) -> None:
+    """The phases add up to the allocated node-hours, the shares to one."""
+    assert set(report["phase_hours"]) == set(PHASES)
+    assert math.isclose(sum(report["phase_hours"].values()), report["node_hours"], rel_tol=1e-6)
+    assert math.isclose(sum(report["phase_share"].values()), 1.0, rel_tol=1e-6)
+    spans = sum(a["nodes"] * (a["end"] - a["begin"]) for a in report["allocations"]) / 3600
+    assert math.isclose(spans, report["node_hours"], rel_tol=1e-6)
+
+
+@pytest.mark.training
+def test_report_of_a_healed_local_run(team: Team) -> None:
+    alice = Team.USERS[0]
+    logs = team.shared / "report-local"
+    train = [BIN / "mjlab-train", "cartpole", *SMALL, "--num-procs", "2", "--log-root", logs]
+    train += ["--max-iterations", "5", "--save-interval", "2"]
+    proc = team.run(alice, train, extra={"MJLAB_HPC_FAULT": "raise@3:rank0:once"})
+    assert proc.returncode == 0, _text(proc)[-3000:]
+    run = runs_under(logs)[0]
+    record = read_record(run)
+    (fault,) = record.faults
+    assert fault.kind == "in-allocation" and fault.recomputed == 1, fault
+
+    report = _report(team, run)
+    _adds_up(report)
+    assert report["kind"] == "local" and report["source"] == "records"
+    assert report["starts"] == 2 and report["faults"] == 1 and report["iterations"] == 5
+    assert report["recomputed_iterations"] == 1
+    for phase in ("start_up", "training", "checkpointing", "recomputed", "lost_to_faults"):
+        assert report["phase_hours"][phase] > 0, (phase, report)
+    # Every checkpoint the ranks wrote is timed (2, then 4 and 5 after the heal).
+    saved = [json.loads(line) for line in RunDir(run).checkpoint_times.read_text().splitlines()]
+    assert report["checkpoints"] == len(saved) >= 2
+    steps = yaml.safe_load((run / "params" / "agent.yaml").read_text())["num_steps_per_env"]
+    env_steps = record.effective.num_envs * steps * record.world_size * 5
+    assert report["env_steps"] == env_steps
+    assert report["per"] == "core-hour" and report["gpu_hours"] is None
+    assert report["core_hours"] == pytest.approx(2 * report["node_hours"])  # 2 ranks x 1 thread
+    assert report["env_steps_per_hour"] == pytest.approx(env_steps / report["core_hours"])
+    assert report["queue_wait_s"] == 0 and report["efficiency"] is None
+
+    # The table and the timeline, by job id (the local controller's).
+    png = team.base / "home" / alice / "cost.png"
+    job = report["job_ids"][0]
+    shown = team.run(alice, [BIN / "mjlab-hpc", "report", job, "--log-root", logs, "--out", png])
+    assert shown.returncode == 0, _text(shown)
+    print(shown.stdout)  # the figures, in the test's output
+    for words in ("lost to faults", "recomputed", "allocated", "1 recomputed after faults"):
+        assert words in shown.stdout, shown.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+    # Bad input: exit 2, one line naming the flag, nothing written.
+    home = team.base / "home" / alice
+    for args, words in (
+        ([run, "--out", home / "cost.svg"], "--out: "),
+        ([run, "--out", home / "no" / "such" / "cost.png"], "does not exist"),
+        ([home / "no-run"], "RUN|JOB"),
+        (["4242424242", "--log-root", logs], "RUN|JOB"),
+    ):
+        bad = team.run(alice, [BIN / "mjlab-hpc", "report", *args])
+        assert bad.returncode == 2, _text(bad)
+        assert words in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) <= 2, bad.stderr
+    assert not (home / "cost.svg").exists() and not (home / "no").exists()
+
+
+@pytest.mark.slurm
+def test_report_of_a_slurm_job_with_sacct(slurm_cluster: SlurmCluster, team: Team) -> None:
+    """alice's one-node job on the 22.05 test cluster: allocations, queue wait, TotalCPU and
+    MaxRSS from sacct, the GPU figures said missing; with sacct failing, the run's records."""
+    alice = Team.USERS[0]
+    cluster = slurm_cluster.env
+    logs = "report-slurm"
+    submit = [BIN / "mjlab-submit", "cartpole", *SMALL, "--gpus-per-node", "0", "--time", "10"]
+    submit += ["--max-iterations", "3", "--save-interval", "2", "--log-root", logs, "--follow"]
+    done = team.run(alice, submit, extra=cluster, timeout=300)
+    assert done.returncode == 0, _text(done)[-3000:]
+    run = runs_under(team.shared / logs)[0]
+    job = read_record(run).job_ids[0]
+    # sacct's record of the steps lands a moment after the job ends.
+    report = wait_for(
+        lambda: (
+            (r := _report(team, job, "--log-root", logs, extra=cluster))["efficiency"]
+            and r["efficiency"]["max_rss_bytes"]
+            and r["efficiency"]["total_cpu_s"]
+            and r
+        ),
+        30,
+        "sacct's figures of the job",
+    )
+    _adds_up(report)
+    assert report["source"] == "sacct" and report["job_ids"] == [job]
+    (allocation,) = report["allocations"]
+    assert allocation["label"] == job and allocation["nodes"] == 1 and allocation["cores"] >= 1
+    assert report["queue_wait_s"] is not None and report["queue_wait_s"] >= 0
+    eff = report["efficiency"]
+    assert eff["total_cpu_s"] > 0 and eff["cpu_efficiency"] > 0
+    assert eff["max_rss_bytes"] > 2**20  # a process's resident memory: a MiB at least
+    assert eff["missing"] == ["gres/gpuutil", "gres/gpumem"]
+    assert report["iterations"] == 3 and report["phase_hours"]["training"] > 0
+    shown = team.run(alice, [BIN / "mjlab-hpc", "report", job, "--log-root", logs], extra=cluster)
+    print(shown.stdout)  # the figures, in the test's output
+    assert "TotalCPU" in shown.stdout and "MaxRSS" in shown.stdout, shown.stdout
+    assert "not gathered by this site: gres/gpuutil, gres/gpumem" in shown.stdout
+
+    unknown = [BIN / "mjlab-hpc", "report", "999999", "--log-root", logs]
+    refused = team.run(alice, unknown, extra=cluster)
+    assert refused.returncode == 2 and "Slurm does not know it" in refused.stderr, _text(refused)
+
+    # Accounting off: one line says so, and the report comes from the run's records.
+    stand_in = team.base / "home" / alice / "no-sacct"
+    stand_in.mkdir()
+    (stand_in / "sacct").write_text(NO_ACCOUNTING)
+    (stand_in / "sacct").chmod(0o755)
+    path = f"{stand_in}:{team.env(alice)['PATH']}"
+    off = _report(team, run, extra={**cluster, "PATH": path})
+    _adds_up(off)
+    assert off["source"] == "records" and off["efficiency"] is None
+    assert off["queue_wait_s"] is None and off["iterations"] == 3
+    assert any("sacct did not answer" in n for n in off["notes"]), off["notes"]
+
+
+def test_phases_of_a_requeued_gpu_job_from_sacct(tmp_path: Path) -> None:
+    """A two-node job with 8 GPUs, requeued after a node was lost at iteration 12 (resumed
+    from 10), with sacct (a stand-in) answering as a site that gathers GPU figures: every
+    phase is the seconds its records say, and the phases add up to sacct's allocations."""
+    t = dt.datetime(2026, 11, 1, 10, 0, 0)
+    at = t.timestamp()
+
+    def iso(s: float) -> str:
+        return (t + dt.timedelta(seconds=s)).isoformat(timespec="seconds")
+
+    run = tmp_path / "run"
+    (run / "logs" / "ranks").mkdir(parents=True)
+    fault = Interruption(
+        reason="node-lost",
+        kind="requeue",
+        job_id="7",
+        iteration=12,
+        at_s=at + 640,
+        recomputed=2,
+        resumed_from=10,
+    )
+    record = RunRecord(
+        launch_mode="slurm",
+        starts=(Start(job_id="7"),),
+        job_ids=("7",),
+        faults=(fault,),
+        world_size=8,
+        num_nodes=2,
+        device="cuda:0",
+    )
+    (run / "run.json").write_text(json.dumps(record.to_json()))
+    for number, began in ((1, 70), (2, 770)):
+        start = {
+            "run": "run",
+            "rank": 0,
+            "world_size": 8,
+            "node": "node1",
+            "pid": 1,
+            "device": "cuda:0",
+            "at": at + began,
+        }
+        (run / "logs" / "ranks" / f"rank0.{number}.start.json").write_text(json.dumps(start))
+    (run / "logs" / "ranks" / "rank0.2.end.json").write_text(
+        json.dumps({"how": "completed", "detail": "done", "at": at + 1340})
+    )
+    done = [(i, 120 + 50 * (i - 1)) for i in range(1, 11)] + [
+        (i, 830 + 50 * (i - 11)) for i in range(11, 21)
+    ]
+    (run / "progress.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {"iteration": i, "env_steps": 1000, "collect_s": 30, "learn_s": 10, "time": at + s}
+            )
+            + "\n"
+            for i, s in done
+        )
+    )
+    (run / "logs" / "checkpoints.jsonl").write_text(
+        "".join(
+            json.dumps({"iteration": i, "at": at + s, "s": 10}) + "\n"
+            for i, s in ((5, 320), (10, 570), (20, 1280))
+        )
+    )
+    tres = "billing=8,cpu=8,gres/gpu=8,node=2"
+    usage = "cpu=00:10:00,gres/gpumem=30G,gres/gpuutil=87,mem=2G"
+    rows = [
+        f"7|NODE_FAIL|{iso(0)}|{iso(60)}|{iso(660)}|600|2|8|{tres}|01:00:00||",
+        f"7.0|CANCELLED|{iso(60)}|{iso(61)}|{iso(660)}|599|2|8|{tres}|59:00.500|2048K|{usage}",
+        f"7|COMPLETED|{iso(660)}|{iso(760)}|{iso(1360)}|600|2|8|{tres}|02:00:00||",
+        f"7.0|COMPLETED|{iso(760)}|{iso(761)}|{iso(1360)}|599|2|8|{tres}|01:59:00|4096K|{usage}",
+    ]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text("#!/bin/sh\ncat <<'ROWS'\n" + "\n".join(rows) + "\nROWS\n")
+    (bin_dir / "sacct").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+    report = collect_report(run, SlurmClient(env=env)).as_dict()
+    _adds_up(report)
+    node_s = {k: round(v * 3600 / 2, 6) for k, v in report["phase_hours"].items()}
+    assert node_s == {
+        "start_up": 20 + 30,
+        "training": 480 + 490,
+        "checkpointing": 30,
+        "recomputed": 60,
+        "lost_to_faults": 20,  # to the end of the allocation: the wait for the requeue is queue
+        "other": 70,
+    }
+    assert report["source"] == "sacct" and len(report["allocations"]) == 2
+    assert report["queue_wait_s"] == 60 + 100
+    assert report["node_hours"] == pytest.approx(2 * 1200 / 3600)
+    assert report["gpu_hours"] == pytest.approx(8 * 1200 / 3600) and report["per"] == "GPU-hour"
+    assert report["recomputed_iterations"] == 2 and report["iterations"] == 20
+    assert report["env_steps_per_hour"] == pytest.approx(20_000 / report["gpu_hours"])
+    eff = report["efficiency"]
+    assert eff["total_cpu_s"] == pytest.approx(59 * 60 + 0.5 + 119 * 60)
+    assert eff["cpu_efficiency"] == pytest.approx(eff["total_cpu_s"] / (1200 * 8), abs=1e-4)
+    assert eff["max_rss_bytes"] == 4096 * 1024 and eff["missing"] == []
+    assert (eff["gpu_util"], eff["gpu_mem"]) == ("87", "30G")
