@@ -111,11 +111,9 @@ class TrainSpec:
     only below --dist-timeout-s (a collective times out first otherwise). `none`: no
     watchdog."""
     preflight: bool = False
-    """Check every start (the first and each heal) before its first iteration: each rank's
-    device computes a known result (on a GPU also its free memory and NVML's ECC errors), and
-    the nodes time an all-reduce of 4 MiB in pairs. A node that fails, or whose all-reduce is
-    far out of line with the others' (docs/preemption.md), ends the start and is left out
-    as a lost node: a spare or --min-nodes takes over."""
+    """Check every start before its first iteration: each rank's device computes a known
+    result, the nodes time an all-reduce. A node that fails or lags far behind is left out as
+    a lost node (docs/preemption.md)."""
     save_every_min: float | None = None
     """Also save a checkpoint when this many minutes passed since the last one (bounds what a
     lost node costs). `none`: only every --save-interval iterations."""

@@ -308,6 +308,7 @@ def preflight_drills(
         if f.once and marker.exists():
             continue
         with contextlib.suppress(OSError):
+            marker.parent.mkdir(parents=True, exist_ok=True)  # (the watchdog's folder, later)
             marker.touch()
         log.warning("injecting a fault (%s=%s@%d) in the preflight", FAULT_ENV, f.kind, f.iteration)
         due.append(f.kind)
