@@ -196,22 +196,28 @@ def _nvml(device: str) -> tuple[str, str | None]:
 
 
 def check_device(rank: int, node: str, device: str, broken: bool = False) -> DeviceCheck:
-    """Check this rank's device; `broken` (a drill) makes its result wrong."""
+    """Check this rank's device; `broken` (a drill) makes its result wrong.
+
+    A device that raises fails the check (the other ranks wait for this one's answer).
+    """
     t0 = time.perf_counter()
-    got, expected = known_result(device)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(torch.device(device))
+    got, expected = float("nan"), float("nan")
+    memory, nvml = "not checked (CPU)", "not checked (CPU)"
+    problems = []
+    try:
+        got, expected = known_result(device)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(torch.device(device))
+            memory, low = _gpu_memory(device)
+            nvml, bad = _nvml(device)
+            problems += [p for p in (low, bad) if p]
+    except Exception as exc:  # a broken device raises more often than it miscounts
+        problems.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     seconds = time.perf_counter() - t0
     if broken:
         got += 1.0
-    problems = []
-    if got != expected:
-        problems.append(f"matmul sum {got:.0f}, expected {expected:.0f}")
-    memory, nvml = "not checked (CPU)", "not checked (CPU)"
-    if device.startswith("cuda"):
-        memory, low = _gpu_memory(device)
-        nvml, bad = _nvml(device)
-        problems += [p for p in (low, bad) if p]
+    if got != expected and expected == expected:  # (nan: it raised, said above)
+        problems.insert(0, f"matmul sum {got:.0f}, expected {expected:.0f}")
     return DeviceCheck(
         rank=rank,
         node=node,
@@ -328,7 +334,7 @@ def preflight(
     """
     t0 = time.perf_counter()
     mine = check_device(ctx.rank, node, device, broken="preflight-device" in drills)
-    payload = (mine, ctx.local_rank, "preflight-slow" in drills)
+    payload = (mine, "preflight-slow" in drills)
     gathered = [payload]
     if ctx.is_distributed:
         gathered = [None] * ctx.world_size  # type: ignore[list-item]
@@ -336,7 +342,7 @@ def preflight(
     devices = tuple(g[0] for g in gathered)
     nodes = list(dict.fromkeys(d.node for d in devices))
     leaders = [min(d.rank for d in devices if d.node == n) for n in nodes]
-    slow_here = any(g[2] for g in gathered if g[0].node == node)
+    slow_here = any(g[1] for g in gathered if g[0].node == node)
     world = _time_allreduce(None, device, 0.0) if ctx.is_distributed else None
     figures = _node_figures(ctx, device, nodes, leaders, slow_here) if len(nodes) > 1 else {}
     failed = [

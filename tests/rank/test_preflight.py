@@ -257,3 +257,21 @@ def test_local_two_ranks_pass_the_preflight(tmp_path: Path) -> None:
         took = re.findall(passed, text)
         assert len(took) == 1 and text.index("preflight passed") < text.index("iteration 1/2")
     print(f"preflight, 2 ranks on one node (gloo): added {took[0]} s to the start")
+
+
+def test_a_device_that_raises_fails_its_check() -> None:
+    """Its rank answers (the others wait for it) with the error as the figure."""
+    check = pf.check_device(0, "n0", "no-such-device")
+    assert check.problem is not None and check.problem.startswith("RuntimeError: "), check
+
+
+def test_a_preflight_drill_without_preflight_is_refused(tmp_path: Path) -> None:
+    """Exit 2 before anything is made, naming the variable and the fix."""
+    cmd = [BIN / "mjlab-train", "cartpole", "--max-iterations", "1", "--log-root", str(tmp_path)]
+    env = cli_env({FAULT_ENV: "preflight-device@0:rank1"})
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"{FAULT_ENV}: preflight-device drills the preflight check: add --preflight" in (
+        proc.stderr
+    )
+    assert list(tmp_path.iterdir()) == []
