@@ -243,19 +243,15 @@ def test_the_healer_leaves_a_node_that_failed_the_preflight_out(tmp_path: Path) 
 
 
 @pytest.mark.training
-def test_local_two_ranks_heal_a_failed_preflight(tmp_path: Path) -> None:
-    """`mjlab-train --num-procs 2 --preflight` (gloo, one node) whose rank 1's device fails
-    the first start's check: the local controller starts the ranks again, both pass before
-    their first iteration and train to the end; the time the check added is printed."""
+def test_local_two_ranks_pass_the_preflight(tmp_path: Path) -> None:
+    """`mjlab-train --num-procs 2 --preflight` (gloo, one node): both ranks pass before their
+    first iteration and train; the time the check added is printed. (A failed check healed
+    is the Slurm drill's above.)"""
     cmd = [BIN / "mjlab-train", "cartpole", "--num-envs", "16", "--max-iterations", "2"]
     cmd += ["--torch-threads", "1", "--num-procs", "2", "--preflight", "--log-root", str(tmp_path)]
-    env = cli_env({FAULT_ENV: "preflight-device@0:rank1:once"})
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
     run = only_run(tmp_path)
-    (fault,) = read_record(run.path).faults
-    assert (fault.reason, fault.kind, fault.iteration) == ("preflight", "in-allocation", 0)
-    assert "failed the preflight check: device check: rank 1 on cpu: matmul sum" in fault.error
     for rank in (0, 1):
         text = run.rank_log(rank).read_text()
         passed = r"preflight passed: 2 device\(s\) .*over all ranks .*; took ([0-9.]+) s"
