@@ -21,7 +21,7 @@ __all__ = ["STUCK_S", "heal_loop", "heal_options"]
 STUCK_S = 5
 # How a rank's end record says it failed (rank/train.py, rundir/ends.py): records written by
 # our code only, never a rank's log, where a rank may print anything.
-_FAILED = "failed|hung|out-of-memory"
+_FAILED = "failed|hung|out-of-memory|preflight"
 
 # A lost node never answers srun (it waits until SlurmdTimeout, 300 s by default, marks the
 # node dead; its own abort, two SIGINTs, waits MessageTimeout per signal): once a rank of this

@@ -54,7 +54,7 @@ class Fault:
     """What ended a start: a crash or a hang, where, and at which iteration."""
 
     reason: str
-    """crash, hang, out-of-memory or diverged."""
+    """crash, hang, out-of-memory, diverged or preflight (a node failed the check)."""
     error: str
     """What happened, for people (the failing rank's exception, or the hang's findings)."""
     ranks: tuple[int, ...]
@@ -152,6 +152,18 @@ def find_fault(
     oom = cause.oom or failure.kind == "out-of-memory"  # the settings, not the node
     if killed and not oom:
         return _killed(ends, iteration, error, at_s)
+    if cause.preflight:  # its node is left out, as a lost node
+        bad = [e for e in ends if e.preflight]
+        hosts = tuple(dict.fromkeys(e.host or "?" for e in bad))
+        return Fault(
+            reason="preflight",
+            error="; ".join(e.describe() for e in bad),
+            ranks=tuple(e.rank for e in bad),
+            hosts=hosts,
+            iteration=iteration,
+            suspect_nodes=tuple(h for h in hosts if h != "?"),
+            at_s=at_s,
+        )
     return Fault(
         reason="out-of-memory" if oom else "diverged" if failure.kind == "diverged" else "crash",
         error=error,
@@ -266,6 +278,7 @@ def decide(
         last
         and last.signature == entry.signature
         and (last.iteration if last.iteration is not None else -1) == fault.iteration
+        and (fault.reason != "preflight" or tuple(last.hosts) == fault.hosts)  # another node
     ):
         heal.why = (
             f"the same failure at iteration {fault.iteration} as the previous start: not "
@@ -429,8 +442,11 @@ def next_step(
         if f.kind == IN_ALLOCATION and f.job_id == job and f.restart_count == count
     ]
     last_here = healed_here[-1] if healed_here else None
+    # A node that failed the preflight check never lets a start progress: not a loop.
+    checked = heal.fault.reason == "preflight"
     if not alloc or (
         last_here
+        and not checked
         and (last_here.iteration if last_here.iteration is not None else -1) >= heal.fault.iteration
     ):
         return None

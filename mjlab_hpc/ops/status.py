@@ -394,7 +394,7 @@ def interruption_line(e: Interruption) -> str:
     if e.nodes:
         where = f" of node {', '.join(e.nodes)}"
     line = f"{when[:19].replace('T', ' ')} {e.reason}{where} at iteration {e.iteration}"
-    if e.error and e.reason in ("crash", "hang", "out-of-memory", "diverged"):
+    if e.error and e.reason in ("crash", "hang", "out-of-memory", "diverged", "preflight"):
         line += f" ({e.error})"
     line += f": {e.action or ('requeued' if e.kind == 'requeue' else 'stopped')}"
     if e.excluded_nodes:

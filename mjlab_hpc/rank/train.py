@@ -42,6 +42,7 @@ from mjlab_hpc.rank.context import (
     torch_threads,
 )
 from mjlab_hpc.rank.kernel_cache import choose_kernel_cache, use_kernel_cache
+from mjlab_hpc.rank.preflight import PreflightFailed, preflight, preflight_drills
 from mjlab_hpc.rank.resume import ResumePlan, ResumeRefused, load_plan, plan_resume
 from mjlab_hpc.rank.runner import IterationHook
 from mjlab_hpc.rank.signals import StopRequest, watch_signals
@@ -58,7 +59,7 @@ from mjlab_hpc.rank.workload import Workload, build_workload
 from mjlab_hpc.rundir.checkpoint import CheckpointPolicy, Checkpoints
 from mjlab_hpc.rundir.durable import open_append
 from mjlab_hpc.rundir.ends import Exit, RankExit, RankStart, failure_kind, record_end, record_start
-from mjlab_hpc.rundir.layout import RunDir, realise_target, record_latest_run
+from mjlab_hpc.rundir.layout import RunDir, progress_summary, realise_target, record_latest_run
 from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
 from mjlab_hpc.rundir.record import (
     Failure,
@@ -407,8 +408,17 @@ class _Ending:
             ),
         )
 
-    def ended(self, how: Exit, detail: str, exc: BaseException | None = None) -> None:
-        """Write this start's end record (never raising: what ended it matters more)."""
+    def ended(
+        self,
+        how: Exit,
+        detail: str,
+        exc: BaseException | None = None,
+        peer_lost: bool | None = None,
+    ) -> None:
+        """Write this start's end record (never raising: what ended it matters more).
+
+        `peer_lost` (None: read from `exc`): the start ended because of another rank.
+        """
         if self.record is None:
             return
         end = RankExit(
@@ -417,7 +427,9 @@ class _Ending:
             at=time.time(),
             error_type=type(exc).__name__ if exc is not None else None,
             message=str(exc)[:2000] if exc is not None else None,
-            peer_lost=exc is not None and failure_kind(exc) == "peer-lost",
+            peer_lost=peer_lost
+            if peer_lost is not None
+            else exc is not None and failure_kind(exc) == "peer-lost",
         )
         try:
             record_end(self.run, self.record, end)
@@ -440,6 +452,13 @@ class _Ending:
             self.ended("stopped", f"{exc}; checkpoint saved in {run.path}")
             log.info("exit: %s; checkpoint saved in %s", exc, run.path)
             exc.run_dir = str(run.path)
+        elif isinstance(exc, PreflightFailed):
+            # The failing node's ranks record the check and its figures: the healer leaves
+            # that node out. The others' ends are consequences.
+            here = exc.here
+            detail = "; ".join(f"{f.check} check: {f.figures}" for f in here) or str(exc)
+            self.ended("preflight" if here else "failed", detail, exc, peer_lost=not here)
+            log.error("exit: %s", exc)
         elif isinstance(exc, KeyboardInterrupt):
             detail = (
                 "interrupted at once (a second Ctrl-C): nothing saved since the last checkpoint"
@@ -498,6 +517,10 @@ def _start(
     _log_start(resolved, ctx, device, seed, node, rendezvous)
     if kernel_cache:
         log.info("kernel cache: %s", kernel_cache)
+    if spec.preflight:  # before anything is built: a bad node costs seconds
+        reached = progress_summary(run).iteration or 0
+        drills = preflight_drills(injections, run, ctx.rank, reached)
+        log.info("preflight passed: %s", preflight(ctx, device, node, drills).summary())
     checkpoints = None
     if ctx.is_main:
         ending.writer = RunWriter.acquire(run, ctx.rank)

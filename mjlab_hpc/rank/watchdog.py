@@ -47,7 +47,10 @@ log = logging.getLogger("mjlab_hpc")
 FAULT_ENV = "MJLAB_HPC_FAULT"
 #: What a `say` fault prints: each paragraph (lines up to an empty line) one log record.
 SAY_ENV = "MJLAB_HPC_FAULT_SAY"
-_FAULT = re.compile(r"^(raise|kill|stop|slow|say)@(\d+)((?::rank\d+)?)((?::once)?)$")
+_FAULT = re.compile(
+    r"^(raise|kill|stop|slow|say|preflight-device|preflight-slow)@(\d+)"
+    r"((?::rank\d+)?)((?::once)?)$"
+)
 # A heartbeat seen unchanged for this many beats is a process that no longer runs.
 _STALE_BEATS = 3
 
@@ -349,6 +352,9 @@ class FaultInjection:
     iteration on, the rank works twice as long per iteration: a straggler) or `say` (the rank
     prints `MJLAB_HPC_FAULT_SAY` into its log and output: text that looks like ours changes
     no decision). With `once`, a fault happens only in the first start that reaches it.
+    `preflight-device` (the rank's device check computes a wrong result) and `preflight-slow`
+    (its node's timed all-reduces are slow) act in the preflight check of every start once
+    the run has reached ITERATION (`rank/preflight.py`, with --preflight).
     """
 
     kind: str
@@ -363,7 +369,8 @@ class FaultInjection:
         if not m:
             raise ValueError(
                 f"{FAULT_ENV}: {text!r} is not KIND@ITERATION[:rankK][:once] with KIND one of "
-                "raise, kill, stop, slow, say (e.g. kill@12:rank1:once; several: comma-separated)"
+                "raise, kill, stop, slow, say, preflight-device, preflight-slow "
+                "(e.g. kill@12:rank1:once; several: comma-separated)"
             )
         rank = int(m.group(3).removeprefix(":rank")) if m.group(3) else 0
         return cls(kind=m.group(1), iteration=int(m.group(2)), rank=rank, once=bool(m.group(4)))
@@ -374,8 +381,8 @@ class FaultInjection:
         With `once`, only the first time. `slow` sleeps at every iteration from then on, as
         long as the iteration took (`iteration_s`).
         """
-        if rank != self.rank or iteration < self.iteration:
-            return
+        if rank != self.rank or iteration < self.iteration or self.kind.startswith("preflight-"):
+            return  # (the preflight's own drills act before the first iteration)
         marker = run.injected(self.kind, self.iteration, rank)
         if self.kind == "slow":
             # once: the start that wrote the marker stays slow, later ones do not

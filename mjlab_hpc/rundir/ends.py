@@ -106,8 +106,11 @@ How = (
     ]
     | Literal["hung", "no-exit"]
 )
-#: How a rank's end record says its start ended.
-Exit = Literal["completed", "stopped", "failed", "refused", "interrupted", "hung", "out-of-memory"]
+#: How a rank's end record says its start ended (preflight: its node failed the check before
+#: training, `rank/preflight.py`).
+Exit = Literal[
+    "completed", "stopped", "failed", "refused", "interrupted", "hung", "out-of-memory", "preflight"
+]
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,8 @@ class RankEnd:
     start_id: str | None = None
     """The batch script's name for the srun step of this start (None: not in a batch
     script's loop)."""
+    preflight: bool = False
+    """Its node failed the preflight check (`detail` says which check, with the figures)."""
 
     def describe(self) -> str:
         """One line for people."""
@@ -278,6 +283,8 @@ class RankEnd:
                 f"{where} ended without an exit record (killed by a signal: SIGKILL, out of "
                 "memory, a segfault or a lost node)"
             )
+        if self.preflight:
+            return f"{where} failed the preflight check: {self.detail}"
         if self.how == "failed":
             return f"{where} failed: {self.detail}"
         if self.how == "hung":
@@ -309,11 +316,12 @@ def _rank_end(run: RunDir, start: RankStart) -> RankEnd:
         )
     oom = end.how == "out-of-memory"
     return RankEnd(
-        how="failed" if oom else end.how,
+        how="failed" if oom or end.how == "preflight" else end.how,
         at=_when(end.at),
         detail=end.detail,
         peer_lost=end.peer_lost,
         oom=oom,
+        preflight=end.how == "preflight",
         **common,
     )
 

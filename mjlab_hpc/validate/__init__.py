@@ -56,7 +56,7 @@ def _train_world(spec: TrainSpec, launched_by: str) -> tuple[int | None, str]:
     return (None if spec.gpu_ids == "all" else 1), "--num-procs"
 
 
-def _check_faults(warn: Callable[[str], None]) -> None:
+def _check_faults(warn: Callable[[str], None], preflight: bool) -> None:
     """Refuse a fault drill's MJLAB_HPC_FAULT that the ranks could not read; say one they can.
 
     A variable left exported from a drill would end a real run.
@@ -65,6 +65,9 @@ def _check_faults(warn: Callable[[str], None]) -> None:
         faults = parse_faults(os.environ)
     except ValueError as exc:
         raise SpecError(FAULT_ENV, str(exc).removeprefix(f"{FAULT_ENV}: ")) from None
+    unused = [f.kind for f in faults if f.kind.startswith("preflight-") and not preflight]
+    if unused:
+        raise SpecError(FAULT_ENV, f"{unused[0]} drills the preflight check: add --preflight")
     if faults:
         what = ", ".join(f"{f.kind} rank {f.rank} at iteration {f.iteration}" for f in faults)
         warn(
@@ -82,7 +85,7 @@ def validate_train(spec: TrainSpec, launched_by: str = "single") -> ResolvedSpec
     checked what this machine holds.
     """
     single = launched_by == "single"
-    _check_faults(_warn if single else lambda _: None)
+    _check_faults(_warn if single else lambda _: None, spec.preflight)
     if single:
         _settle_gl(spec)  # before mjlab is imported
     resolved = resolve(spec)
@@ -205,7 +208,7 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
     here (a partition sinfo does not describe) is said through `warn`.
     """
     check_submit(spec)
-    _check_faults(warn)
+    _check_faults(warn, spec.train.preflight)
     if executor_for(spec) == "local":
         _settle_gl(spec.train)
     resolved = resolve(spec.train)
