@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from mjlab_hpc.launch.heal import decide, find_fault, restart_here
+from mjlab_hpc.ops.status import collect
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog, hang_limit_s, parse_faults
 from mjlab_hpc.rundir.ends import (
     Exit,
@@ -370,3 +371,8 @@ def test_every_fault_of_a_start_is_named(tmp_path: Path) -> None:
     assert "rank 1 on h1 ended without an exit record (killed by a signal" in fault.error
     heal = decide(run.path, max_restarts=3)
     assert heal.requeue and heal.exclude == ["h1"], heal
+    run.record.write_text(json.dumps({"state": "failed"}))  # not healed: status names both
+    (row,) = collect([run.path]).rows
+    assert row.state == "FAILED" and row.cause_rank == 0, row
+    assert row.cause and row.cause.startswith("rank 0 on h0 failed: RuntimeError"), row
+    assert "; rank 1 on h1 ended without an exit record" in row.cause, row
