@@ -183,8 +183,8 @@ class Watchdog:
     def paused(self) -> _Paused:
         """A block whose length is no hang of this rank (a checkpoint write).
 
-        The others' heartbeats are still watched through it: one that stops for half the
-        limit (a rank frozen in the write) is a hang, named.
+        The others' heartbeats are still watched through it: one unchanged for half the
+        limit (three beats at least: a rank frozen in the write) is a hang, named within it.
         """
         return _Paused(self)
 
@@ -230,9 +230,13 @@ class Watchdog:
                 if pause != self._paused_at:  # a new write: the others watched afresh
                     pause = self._paused_at
                     self._peers.clear()
-                if now - self._paused_at > limit / 4 and now >= next_look:
+                # Watched from a quarter of the limit into the write (most writes end
+                # sooner: no reads), or from its start where the limit is a few beats.
+                quiet = max(_STALE_BEATS * self.beat_s, limit / 2)
+                look_from = min(limit / 4, max(0.0, limit - quiet - 2 * self.beat_s))
+                if now - self._paused_at >= look_from and now >= next_look:
                     next_look = now + self.beat_s
-                    if self._frozen_peer(limit):
+                    if self._frozen_peer(quiet):
                         self._fire(self._diagnose(now - self._last, limit, during=_WRITE))
                         return
                 continue
@@ -253,10 +257,9 @@ class Watchdog:
         except OSError:
             return False
 
-    def _frozen_peer(self, limit: float) -> bool:
-        """Look at the others' heartbeats: has one been unchanged for half the limit?"""
+    def _frozen_peer(self, quiet: float) -> bool:
+        """Look at the others' heartbeats: has one been unchanged for `quiet` s?"""
         self._look()
-        quiet = max(_STALE_BEATS * self.beat_s, limit / 2)
         return any(self._unchanged_s(r) >= quiet for r in self._peers)
 
     def _look(self) -> None:
