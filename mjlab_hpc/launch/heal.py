@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mjlab_hpc.rundir.ends import RankEnd, first_failure, memory_advice, rank_ends
+from mjlab_hpc.rundir.ends import RankEnd, memory_advice, rank_ends, start_faults
 from mjlab_hpc.rundir.layout import RunDir, progress_summary, read_hangs
 from mjlab_hpc.rundir.record import (
     IN_ALLOCATION,
@@ -111,10 +111,11 @@ def find_fault(
     older records are not this start's. `slurm_oom`: Slurm says a step ran out of memory (its
     cgroup's OOM killer), so a rank that ended without a word was killed for memory.
 
-    Every rank that ended without a word is named, and its node suspected: ranks dying at
-    once on two nodes are both reported (the others record their end: srun's
-    --kill-on-bad-exit sends them SIGTERM first). When no rank of a start on several nodes
-    recorded its end, the whole start was killed from outside: no node is suspected.
+    Every fault of the start is named, the first one first: each rank that failed other than
+    as a consequence, and each rank that ended without a word, whose node is suspected (the
+    others record their end: srun's --kill-on-bad-exit sends them SIGTERM first). When no
+    rank of a start on several nodes recorded its end, the whole start was killed from
+    outside: no node is suspected.
     """
     run = RunDir(run_dir)
     iteration = progress_summary(run).iteration or 0
@@ -138,8 +139,7 @@ def find_fault(
         )
     if not any(e.how in ("failed", "hung", "no-exit") for e in ends):
         return None
-    cause = first_failure(ends)
-    assert cause is not None
+    cause, *others = start_faults(ends)
     host = cause.host or "?"
     killed = cause.how == "no-exit"
     if killed and slurm_oom and not cause.oom:
@@ -151,7 +151,7 @@ def find_fault(
     at_s = cause.at.timestamp() if cause.at is not None else None  # rank logs: local time
     oom = cause.oom or failure.kind == "out-of-memory"  # the settings, not the node
     if killed and not oom:
-        return _killed(ends, iteration, error, at_s)
+        return _killed(ends, iteration, error, at_s)  # (no other rank failed on its own)
     if cause.preflight:  # its node is left out, as a lost node
         bad = [e for e in ends if e.preflight]
         hosts = tuple(dict.fromkeys(e.host or "?" for e in bad))
@@ -164,12 +164,16 @@ def find_fault(
             suspect_nodes=tuple(h for h in hosts if h != "?"),
             at_s=at_s,
         )
+    # Ranks killed at about the same time by a signal of their own: their nodes are suspect
+    # (not for a step that ran out of memory: the settings, not the node).
+    dead = [e for e in others if e.how == "no-exit" and not e.oom and not slurm_oom]
     return Fault(
         reason="out-of-memory" if oom else "diverged" if failure.kind == "diverged" else "crash",
-        error=error,
-        ranks=(cause.rank,),
-        hosts=(host,),
+        error="; ".join([error, *(e.describe() for e in others)]),
+        ranks=(cause.rank, *(e.rank for e in others)),
+        hosts=tuple(dict.fromkeys([host, *(e.host or "?" for e in others)])),
         iteration=iteration,
+        suspect_nodes=tuple(dict.fromkeys(e.host for e in dead if e.host)),
         at_s=at_s,
     )
 
@@ -185,9 +189,10 @@ def _hang(hangs: list[dict[str, Any]], iteration: int) -> Fault:
     # Only a rank whose process stopped heartbeating points at its node; one that lags
     # behind (a deadlock, a stuck read) is the code's or the filesystem's.
     frozen_hosts = tuple(dict.fromkeys(str(x) for h in hangs for x in h.get("frozen_hosts", [])))
+    during = next((f", {h['during']}" for h in hangs if h.get("during")), "")
     error = (
         f"no progress for {first.get('waited_s')} s after iteration "
-        f"{first.get('iteration')} (limit {first.get('limit_s')} s): {who}"
+        f"{first.get('iteration')}{during} (limit {first.get('limit_s')} s): {who}"
     )
     return Fault(
         reason="hang",

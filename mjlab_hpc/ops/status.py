@@ -25,7 +25,7 @@ from rich.text import Text
 from mjlab_hpc.console import inert
 from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.ops.runs import JobKind, RunJobs, run_jobs
-from mjlab_hpc.rundir.ends import rank_ends, recorded_cause
+from mjlab_hpc.rundir.ends import rank_ends, recorded_cause, start_faults
 from mjlab_hpc.rundir.layout import ElementRecord, RunDir, progress_summary, read_sweep
 from mjlab_hpc.rundir.record import Interruption, RunRecord, RunState, now_iso, read_record
 from mjlab_hpc.rundir.running import run_processes
@@ -171,11 +171,13 @@ FAILED_STATES = frozenset({"FAILED", "LOST", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT
 
 
 def _cause(run_dir: Path, record: RunRecord, state: JobState) -> tuple[str, int | None] | None:
-    """Who failed first and why, and that rank (None: no rank in particular)."""
+    """Who failed first and why, then every other rank's own fault of the start; and the
+    first rank (None: no rank in particular)."""
     ends = rank_ends(run_dir)
     cause = recorded_cause(record, ends)
     if cause is not None:
-        return cause.describe(), cause.rank
+        also = [e for e in start_faults(ends) if e.rank != cause.rank]
+        return "; ".join(e.describe() for e in [cause, *also]), cause.rank
     if state.reason and not ends:
         return f"the job failed before any rank started (Slurm: {state.reason})", None
     return None

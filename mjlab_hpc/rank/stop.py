@@ -386,6 +386,8 @@ class IterationBoundary:
             )
         except Exception as exc:  # said by the writer, which then fails the checkpoint
             mine = f"rank {self.ctx.rank}: {type(exc).__name__}: {exc}"
+        for injection in self.injections:  # a drill of a fault in the write
+            injection.fire_if_due(self.run, self.ctx.rank, iteration, in_checkpoint=True)
         written = _gather_to_main(mine, self.ctx)
         if self.writer is not None and self.checkpoints is not None:
             assert written is not None

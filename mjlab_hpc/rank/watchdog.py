@@ -2,13 +2,15 @@
 
 Every rank runs a daemon thread that writes its heartbeat (`logs/heartbeat/rank<k>.json`) and,
 once the first iteration of a start has completed, watches its own progress. A rank whose
-iteration does not advance for the hang limit (`hang_limit_s`; checkpoint writes do not count)
-writes its Python stacks to its log. The log names the ranks that stopped heartbeating (their
-heartbeat files seen unchanged by this rank's own clock, never compared with another node's
-clock) or lag behind. The rank records the hang (`hang-rank<k>.json`), waits a moment for the
-other live ranks to do the same, and exits with EXIT_HUNG; the launcher ends the others and
-the healer decides (docs/preemption.md). `MJLAB_HPC_FAULT` injects faults for fire drills
-and tests (`FaultInjection`).
+iteration does not advance for the hang limit (`hang_limit_s`) writes its Python stacks to its
+log. A checkpoint write, however long, is no hang of the writing rank; but every rank watches
+the others' heartbeats through it, so a rank frozen in the write (its heartbeat stops while
+the others wait for it in a collective) is named as hung within the limit. The log names the
+ranks that stopped heartbeating (their heartbeat files seen unchanged by this rank's own
+clock, never compared with another node's clock) or lag behind. The rank records the hang
+(`hang-rank<k>.json`), waits a moment for the other live ranks to do the same, and exits with
+EXIT_HUNG; the launcher ends the others and the healer decides (docs/preemption.md).
+`MJLAB_HPC_FAULT` injects faults for fire drills and tests (`FaultInjection`).
 """
 
 from __future__ import annotations
@@ -49,10 +51,12 @@ FAULT_ENV = "MJLAB_HPC_FAULT"
 SAY_ENV = "MJLAB_HPC_FAULT_SAY"
 _FAULT = re.compile(
     r"^(raise|kill|stop|slow|say|preflight-device|preflight-slow)@(\d+)"
-    r"((?::rank\d+)?)((?::once)?)$"
+    r"((?::rank\d+)?)((?::checkpoint)?)((?::once)?)$"
 )
 # A heartbeat seen unchanged for this many beats is a process that no longer runs.
 _STALE_BEATS = 3
+# The phase a hang found in a checkpoint write names.
+_WRITE = "in the checkpoint write"
 
 
 def parse_faults(env: Mapping[str, str] | None = None) -> tuple[FaultInjection, ...]:
@@ -88,6 +92,8 @@ class Hang:
     frozen: tuple[int, ...] = ()
     """Of the stalled ranks, those whose heartbeat stopped (a frozen process, a lost node)."""
     frozen_hosts: tuple[str, ...] = ()
+    during: str = ""
+    """The phase this rank was in, for people (empty: an iteration)."""
 
     def as_dict(self) -> dict[str, Any]:
         """For the hang file the healer reads."""
@@ -101,6 +107,7 @@ class Hang:
             "frozen_ranks": list(self.frozen),
             "frozen_hosts": list(self.frozen_hosts),
             "detail": self.detail,
+            "during": self.during,
             "at": time.time(),
         }
 
@@ -132,6 +139,7 @@ class Watchdog:
         self.iteration = 0
         self._armed_at: float | None = None
         self._paused = 0
+        self._paused_at = 0.0
         self._last = time.monotonic()
         self._slowest = 0.0
         self._first = False
@@ -174,7 +182,11 @@ class Watchdog:
         self.iteration = iteration
 
     def paused(self) -> _Paused:
-        """A block that does not count as a hang (a checkpoint write)."""
+        """A block whose length is no hang of this rank (a checkpoint write).
+
+        The others' heartbeats are still watched through it: one unchanged for half the
+        limit (three beats at least: a rank frozen in the write) is a hang, named within it.
+        """
         return _Paused(self)
 
     def disarm(self) -> None:
@@ -200,6 +212,7 @@ class Watchdog:
         tick = min(self.beat_s, 0.5)
         next_beat = next_look = time.monotonic() + self.beat_s
         before = time.monotonic()
+        pause = 0.0
         while not self._stop.wait(tick):
             now = time.monotonic()
             if now - before > 10 * tick + 5:
@@ -211,9 +224,25 @@ class Watchdog:
             if now >= next_beat:
                 self._beat()
                 next_beat = now + self.beat_s
-            if self.timeout_s is None or self._armed_at is None or self._paused:
+            if self.timeout_s is None:
                 continue
             limit = hang_limit_s(self.timeout_s, self._slowest)
+            if self._paused:
+                if pause != self._paused_at:  # a new write: the others watched afresh
+                    pause = self._paused_at
+                    self._peers.clear()
+                # Watched from a quarter of the limit into the write (most writes end
+                # sooner: no reads), or from its start where the limit is a few beats.
+                quiet = max(_STALE_BEATS * self.beat_s, limit / 2)
+                look_from = min(limit / 4, max(0.0, limit - quiet - 2 * self.beat_s))
+                if now - self._paused_at >= look_from and now >= next_look:
+                    next_look = now + self.beat_s
+                    if self._frozen_peer(quiet):
+                        self._fire(self._diagnose(now - self._last, limit, during=_WRITE))
+                        return
+                continue
+            if self._armed_at is None:
+                continue
             if now - self._last > limit / 2 and now >= next_look:
                 self._look()  # stalled: whose heartbeat goes on changing?
                 next_look = now + self.beat_s
@@ -228,6 +257,11 @@ class Watchdog:
             return any(p != self.run.hang(self.rank) for p in self.run.hangs())
         except OSError:
             return False
+
+    def _frozen_peer(self, quiet: float) -> bool:
+        """Look at the others' heartbeats: has one been unchanged for `quiet` s?"""
+        self._look()
+        return any(self._unchanged_s(r) >= quiet for r in self._peers)
 
     def _look(self) -> None:
         """Read the other ranks' heartbeat files, noting since when each reads the same."""
@@ -246,7 +280,7 @@ class Watchdog:
         """How long this rank has seen `rank`'s heartbeat file unchanged."""
         return time.monotonic() - self._peers.get(rank, ("", time.monotonic()))[1]
 
-    def _diagnose(self, waited: float, limit: float, peer: bool = False) -> Hang:
+    def _diagnose(self, waited: float, limit: float, peer: bool = False, during: str = "") -> Hang:
         stale_s = _STALE_BEATS * self.beat_s
         self._look()
         watched = min((seen for _, seen in self._peers.values()), default=time.monotonic())
@@ -287,6 +321,7 @@ class Watchdog:
             detail="; ".join(lines),
             frozen=frozen,
             frozen_hosts=frozen_hosts,
+            during=during,
         )
 
     def _fire(self, hang: Hang) -> None:
@@ -296,10 +331,11 @@ class Watchdog:
             else "every rank stopped progressing alike (a collective, the filesystem or a GPU)"
         )
         log.error(
-            "hang: no progress for %.0f s after iteration %d (limit %.0f s): %s. %s. "
+            "hang: no progress for %.0f s after iteration %d%s (limit %.0f s): %s. %s. "
             "Python stacks of this rank follow.",
             hang.waited_s,
             hang.iteration,
+            f", {hang.during}" if hang.during else "",
             hang.limit_s,
             who,
             hang.detail,
@@ -336,6 +372,8 @@ class _Paused:
         self.dog = dog
 
     def __enter__(self) -> None:
+        if not self.dog._paused:
+            self.dog._paused_at = time.monotonic()
         self.dog._paused += 1
 
     def __exit__(self, *exc: object) -> None:
@@ -347,43 +385,67 @@ class _Paused:
 class FaultInjection:
     """A fault to inject at the end of an iteration, as `MJLAB_HPC_FAULT` asks.
 
-    `MJLAB_HPC_FAULT=KIND@ITERATION[:rankK][:once],...` asks for `raise` (an exception),
-    `kill` (SIGKILL of the rank itself), `stop` (SIGSTOP: a hang), `slow` (from that
-    iteration on, the rank works twice as long per iteration: a straggler) or `say` (the rank
-    prints `MJLAB_HPC_FAULT_SAY` into its log and output: text that looks like ours changes
-    no decision). With `once`, a fault happens only in the first start that reaches it.
-    `preflight-device` (the rank's device check computes a wrong result) and `preflight-slow`
-    (its node's timed all-reduces are slow) act in the preflight check of every start once
-    the run has reached ITERATION (`rank/preflight.py`, with --preflight).
+    `MJLAB_HPC_FAULT=KIND@ITERATION[:rankK][:checkpoint][:once],...` asks for `raise` (an
+    exception), `kill` (SIGKILL of the rank itself), `stop` (SIGSTOP: a hang), `slow` (from
+    that iteration on, the rank works twice as long per iteration: a straggler) or `say` (the
+    rank prints `MJLAB_HPC_FAULT_SAY` into its log and output: text that looks like ours
+    changes no decision). With `checkpoint`, a raise, kill or stop happens in the rank's
+    checkpoint write of that iteration instead, once its own state is written. With `once`, a
+    fault happens only in the first start that reaches it. `preflight-device` (the rank's
+    device check computes a wrong result) and `preflight-slow` (its node's timed all-reduces
+    are slow) act in the preflight check of every start once the run has reached ITERATION
+    (`rank/preflight.py`, with --preflight).
     """
 
     kind: str
     iteration: int
     rank: int = 0
     once: bool = False
+    in_checkpoint: bool = False
+    """Injected in the checkpoint write of the iteration, not at its end."""
 
     @classmethod
     def parse(cls, text: str) -> FaultInjection:
-        """One `KIND@ITERATION[:rankK][:once]`; ValueError for a malformed one."""
+        """One `KIND@ITERATION[:rankK][:checkpoint][:once]`; ValueError for a malformed one."""
         m = _FAULT.match(text.strip())
-        if not m:
+        if not m or (m.group(4) and m.group(1) not in ("raise", "kill", "stop")):
             raise ValueError(
-                f"{FAULT_ENV}: {text!r} is not KIND@ITERATION[:rankK][:once] with KIND one of "
-                "raise, kill, stop, slow, say, preflight-device, preflight-slow "
-                "(e.g. kill@12:rank1:once; several: comma-separated)"
+                f"{FAULT_ENV}: {text!r} is not KIND@ITERATION[:rankK][:checkpoint][:once] with "
+                "KIND one of raise, kill, stop, slow, say, preflight-device, preflight-slow "
+                "(checkpoint: raise, kill, stop only; e.g. kill@12:rank1:once; several: "
+                "comma-separated)"
             )
         rank = int(m.group(3).removeprefix(":rank")) if m.group(3) else 0
-        return cls(kind=m.group(1), iteration=int(m.group(2)), rank=rank, once=bool(m.group(4)))
+        return cls(
+            kind=m.group(1),
+            iteration=int(m.group(2)),
+            rank=rank,
+            once=bool(m.group(5)),
+            in_checkpoint=bool(m.group(4)),
+        )
 
-    def fire_if_due(self, run: RunDir, rank: int, iteration: int, iteration_s: float = 0.0) -> None:
-        """Inject the fault when this is its rank and iteration.
+    def fire_if_due(
+        self,
+        run: RunDir,
+        rank: int,
+        iteration: int,
+        iteration_s: float = 0.0,
+        in_checkpoint: bool = False,
+    ) -> None:
+        """Inject the fault when this is its rank, iteration and phase (`in_checkpoint`).
 
         With `once`, only the first time. `slow` sleeps at every iteration from then on, as
         long as the iteration took (`iteration_s`).
         """
-        if rank != self.rank or iteration < self.iteration or self.kind.startswith("preflight-"):
-            return  # (the preflight's own drills act before the first iteration)
-        marker = run.injected(self.kind, self.iteration, rank)
+        if (
+            rank != self.rank
+            or iteration < self.iteration
+            or in_checkpoint != self.in_checkpoint
+            or self.kind.startswith("preflight-")  # (they act before the first iteration)
+        ):
+            return
+        where = "-checkpoint" if self.in_checkpoint else ""
+        marker = run.injected(self.kind + where, self.iteration, rank)
         if self.kind == "slow":
             # once: the start that wrote the marker stays slow, later ones do not
             me = f"{socket.gethostname()} {os.getpid()} {os.environ.get('SLURM_STEP_ID', '')}"
@@ -408,10 +470,11 @@ class FaultInjection:
         with contextlib.suppress(OSError):
             marker.touch()
         log.warning(
-            "injecting a fault (%s=%s@%d) after iteration %d",
+            "injecting a fault (%s=%s@%d%s) after iteration %d",
             FAULT_ENV,
             self.kind,
             self.iteration,
+            ":checkpoint" if self.in_checkpoint else "",
             iteration,
         )
         for handler in log.handlers:

@@ -48,6 +48,7 @@ __all__ = [
     "record_start",
     "recorded_cause",
     "run_outcome",
+    "start_faults",
     "start_hosts",
 ]
 
@@ -369,6 +370,19 @@ def first_failure(ends: list[RankEnd]) -> RankEnd | None:
         or earliest([e for e in ends if e.how == "no-exit"])
         or earliest([e for e in ends if e.how in ("failed", "hung")])
     )
+
+
+def start_faults(ends: list[RankEnd]) -> list[RankEnd]:
+    """Return every rank's own fault in a failed start, the cause (`first_failure`) first.
+
+    The others, by rank: every other failure that is not a consequence, and every rank that
+    ended without a word (killed by a signal of its own: the ranks srun ends record theirs).
+    """
+    cause = first_failure(ends)
+    if cause is None:
+        return []
+    own = [e for e in ends if e.how == "no-exit" or (e.how == "failed" and not e.peer_lost)]
+    return [cause, *(e for e in own if e is not cause)]
 
 
 def recorded_cause(record: RunRecord, ends: list[RankEnd]) -> RankEnd | None:

@@ -1,7 +1,8 @@
 """Self-healing runs, locally and on the real Slurm test cluster.
 
-The faults: a rank killed (kill -9), a rank frozen (SIGSTOP) with a short --hang-timeout-s, an
-exception that repeats at the same iteration (no crash loop), a node lost or set DOWN. Local
+The faults: a rank killed (kill -9), a rank frozen (SIGSTOP) with a short --hang-timeout-s (the
+writer too, in a checkpoint write), two ranks failing at once, an exception that repeats at
+the same iteration (no crash loop), a node lost or set DOWN. Local
 runs use `mjlab-train --num-procs 2` (submitit's local executor under our controller). Each
 test asserts the final state, the iteration count, the fault record and that no process is
 left; a healed crash also ends with bit-identical parameters. Restarts exhausted
@@ -679,3 +680,56 @@ def test_rendered_template_heals_a_crash_and_a_lost_node(
     assert cluster.wait_job(job, timeout=120) == "COMPLETED"
     (log,) = tmp_path.glob(f"slurm-*-{job}.out")
     assert "ignored" not in log.read_text(), log.read_text()[-3000:]
+
+
+@pytest.mark.slurm
+def test_slurm_two_faults_at_once_then_a_writer_frozen_in_a_checkpoint(
+    slurm_cluster3: SlurmCluster, tmp_path: Path, shared_tmp: Path
+) -> None:
+    """A 2-node job with --spare-nodes 1 and --hang-timeout-s 5. After iteration 6 rank 0
+    raises and rank 1 kills itself (SIGKILL) at once, on two nodes: the fault names both ranks
+    and nodes, and the next srun step leaves rank 1's node out for the spare (an exception is
+    no node's fault). Then rank 0, the writer, stops itself (SIGSTOP) in its checkpoint write
+    of iteration 10, its rank state written: rank 1, waiting for it in a collective, names
+    rank 0 and its node as hung within the limit (not a collective timeout of its own), and
+    the run heals to the parameters of a run that never failed. `logs` names them all."""
+    cluster = slurm_cluster3
+    args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--spare-nodes", "1"]
+    args += ["--hang-timeout-s", "5"]
+    fault = "raise@6:rank0:once,kill@6:rank1:once,stop@10:rank0:checkpoint:once"
+    proc = submit(cluster, args, tmp_path, fault)
+    assert proc.returncode == EXIT_OK, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run = only_run(tmp_path)
+    crash, hang = faults_of(run)
+    (writer, writer_again, _), (killed, spare, _) = (
+        start_hosts(run.path, rank=0),
+        start_hosts(run.path, rank=1),
+    )
+    assert writer == writer_again and spare not in (writer, killed), (writer, killed, spare)
+    assert (crash["reason"], crash["kind"], crash["iteration"]) == ("crash", "in-allocation", 6)
+    assert (crash["ranks"], crash["hosts"]) == ([0, 1], [writer, killed]), crash
+    assert f"rank 0 on {writer} failed: RuntimeError: injected fault" in crash["error"], crash
+    assert f"rank 1 on {killed} ended without an exit record" in crash["error"], crash
+    assert crash["excluded_nodes"] == [killed] and crash["recomputed"] == 1, crash
+    assert (hang["reason"], hang["iteration"], hang["ranks"]) == ("hang", 10, [0]), hang
+    assert hang["hosts"] == [writer] and "in the checkpoint write" in hang["error"], hang
+    assert f"{writer} not excluded: no spare" in hang["not_excluded"], hang
+    waited = float(re.search(r"no progress for ([\d.]+) s", hang["error"]).group(1))  # type: ignore[union-attr]
+    assert waited < 5 + 5, hang  # the limit, and a margin (a collective timeout: minutes)
+    assert hang["resumed_from"] == 5 and hang["recomputed"] == 5, hang
+    print(f"the frozen writer named {waited} s after its last progress (limit 5 s)")
+    summary = json.loads(run.summary.read_text())
+    assert summary["iterations"] == 12
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
+    env = cli_env(base=cluster.environ())
+    logs = subprocess.run(
+        [BIN / "mjlab-hpc", "logs", str(run.path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert f"crash of rank 0, 1 on {writer}, {killed} at iteration 6" in logs, logs[-3000:]
+    assert f"hang of rank 0 on {writer} at iteration 10" in logs, logs[-3000:]
+    assert hpc_json(run, env)["restart_reasons"] == ["crash", "hang"]
+    ended_in_the_allocation(cluster, hang, summary, "a writer frozen in a checkpoint,")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from mjlab_hpc.launch.heal import decide, find_fault, restart_here
+from mjlab_hpc.ops.status import collect
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog, hang_limit_s, parse_faults
 from mjlab_hpc.rundir.ends import (
     Exit,
@@ -51,6 +52,10 @@ def test_hang_limit_never_below_five_slowest_iterations() -> None:
             ),
         ),
         ("slow@1:rank1:once", (FaultInjection("slow", 1, rank=1, once=True),)),
+        (
+            "stop@10:checkpoint:once",
+            (FaultInjection("stop", 10, rank=0, once=True, in_checkpoint=True),),
+        ),
         ("", ()),
     ],
 )
@@ -58,7 +63,10 @@ def test_fault_injection_syntax(text: str, parsed: tuple[FaultInjection, ...]) -
     assert parse_faults({"MJLAB_HPC_FAULT": text}) == parsed
 
 
-@pytest.mark.parametrize("bad", ["kill", "kill@x", "boom@3", "kill@3:rank", "raise@3:twice"])
+@pytest.mark.parametrize(
+    "bad",
+    ["kill", "kill@x", "boom@3", "kill@3:rank", "raise@3:twice", "slow@3:checkpoint"],
+)
 def test_fault_injection_refuses_typos(bad: str) -> None:
     with pytest.raises(ValueError, match="KIND@ITERATION"):
         parse_faults({"MJLAB_HPC_FAULT": bad})
@@ -292,3 +300,79 @@ def test_this_srun_steps_ranks_are_found_by_its_name_not_by_clocks(tmp_path: Pat
     assert find_fault(run.path, start="42.0.1") is None
     fault = find_fault(run.path, start="42.0.2")  # the next step: its ranks never logged
     assert fault is not None and "no rank started" in fault.error
+
+
+def test_a_rank_frozen_in_a_checkpoint_write_is_named_within_the_limit(tmp_path: Path) -> None:
+    """Rank 0 waits in a checkpoint write (paused: its own wait is no hang). Rank 1's
+    heartbeat goes on changing through a long write: no hang. Then rank 1's heartbeat stops
+    (frozen in the write): rank 0's watchdog names rank 1 and its node within the limit, with
+    the phase, and exits 4 (in a child process: the watchdog ends its process)."""
+    import multiprocessing
+
+    run = RunDir(tmp_path)
+    run.heartbeats.mkdir(parents=True)
+    beats = multiprocessing.get_context("fork").Event()
+    beats.set()
+
+    def rank0() -> None:
+        with Watchdog(
+            run, rank=0, world_size=2, timeout_s=1.0, rank_log=io.StringIO(), host="node1"
+        ) as dog:
+            dog.progress(9)
+            dog.progress(10)
+            with dog.paused():
+                time.sleep(60)
+
+    child = multiprocessing.get_context("fork").Process(target=rank0)
+    t0 = time.monotonic()
+    child.start()
+    n = 0
+    try:
+        while time.monotonic() - t0 < 2.5:  # past twice the limit, beating: a long write, no hang
+            n += 1
+            beat = {"rank": 1, "host": "node2", "pid": 2, "iteration": 10, "n": n}
+            run.heartbeat(1).write_text(json.dumps(beat))
+            time.sleep(0.1)
+        assert child.is_alive() and not run.hang(0).exists()
+        frozen_at = time.monotonic()  # rank 1 stops beating
+        child.join(timeout=10)
+    finally:
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 4
+    named_s = time.monotonic() - frozen_at
+    hang = json.loads(run.hang(0).read_text())
+    assert hang["frozen_ranks"] == [1] and hang["frozen_hosts"] == ["node2"], hang
+    assert hang["during"] == "in the checkpoint write" and named_s < 1.0 + 1.0, named_s
+    fault = find_fault(run.path)
+    assert fault is not None and (fault.reason, fault.ranks, fault.suspect_nodes) == (
+        "hang",
+        (1,),
+        ("node2",),
+    )
+    assert "after iteration 10, in the checkpoint write (limit 1.0 s): rank(s) 1" in fault.error
+
+
+def test_every_fault_of_a_start_is_named(tmp_path: Path) -> None:
+    """Rank 0 raised and rank 1 was killed by a signal 12 ms later, on another node; rank 2
+    lost its peers (a consequence): the fault names ranks 0 and 1 with both nodes, rank 0's
+    error first, and suspects rank 1's node only (an exception is no node's fault)."""
+    run = RunDir(tmp_path)
+    _ended(run, _started(run, 0, size=3), "failed", 5, "RuntimeError: injected fault")
+    _started(run, 1, size=3)
+    run.rank_log(1).parent.mkdir(parents=True, exist_ok=True)
+    run.rank_log(1).write_text("")
+    os.utime(run.rank_log(1), (T0 + 5.012, T0 + 5.012))
+    _ended(run, _started(run, 2, size=3), "failed", 6, "RuntimeError: peer lost", peer=True)
+    fault = find_fault(run.path)
+    assert fault is not None and fault.reason == "crash", fault
+    assert (fault.ranks, fault.hosts, fault.suspect_nodes) == ((0, 1), ("h0", "h1"), ("h1",))
+    assert fault.error.startswith("rank 0 on h0 failed: RuntimeError: injected fault; ")
+    assert "rank 1 on h1 ended without an exit record (killed by a signal" in fault.error
+    heal = decide(run.path, max_restarts=3)
+    assert heal.requeue and heal.exclude == ["h1"], heal
+    run.record.write_text(json.dumps({"state": "failed"}))  # not healed: status names both
+    (row,) = collect([run.path]).rows
+    assert row.state == "FAILED" and row.cause_rank == 0, row
+    assert row.cause and row.cause.startswith("rank 0 on h0 failed: RuntimeError"), row
+    assert "; rank 1 on h1 ended without an exit record" in row.cause, row
