@@ -243,9 +243,9 @@ def test_each_event_is_a_new_record_and_the_old_one_stays(tmp_path: Path) -> Non
         1,
     )
     assert (preempted.restarts[0].reason, preempted.restarts[0].why) == ("preemption", None)
-    lost = on_node_failed(stopped, "12", 1, iteration=5, nodes="node1", ended="2026-01-01T00:00")
+    lost = on_node_failed(stopped, "12", 1, iteration=5, nodes=["node1"], ended="2026-01-01T00:00")
     assert lost.restarts[0].reason == "time-limit"  # not a preemption: left as it is
-    lost = on_node_failed(first, "12", 1, iteration=5, nodes="node1", ended="2026-01-01T00:00")
+    lost = on_node_failed(first, "12", 1, iteration=5, nodes=["node1"], ended="2026-01-01T00:00")
     assert lost.faults[0].reason == "node-lost" and lost.faults[0].nodes == ("node1",)
     later = {**settings, "spec": {"task": "cartpole", "max_iterations": 9}}
     again = on_start(
