@@ -225,8 +225,7 @@ def _node_lost(fault: Fault, lost: Sequence[str]) -> Fault:
     Slurm ends the start's tasks itself: on a job with spare nodes (--no-kill) it kills the
     step at once (SIGKILL, no time to checkpoint), so every rank ends without a word.
     """
-    nodes = ", ".join(lost)
-    error = f"node(s) {nodes} lost: Slurm set them DOWN while the start ran ({fault.error})"
+    error = f"node(s) {', '.join(lost)} lost: Slurm set them DOWN while the start ran"
     return dataclasses.replace(fault, reason="node-lost", error=error, suspect_nodes=tuple(lost))
 
 

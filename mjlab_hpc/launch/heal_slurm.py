@@ -103,18 +103,23 @@ def _srun_options(step: Step, tasks_per_node: int) -> str:
 
 
 def _lost_nodes(
-    client: SlurmClient, run_dir: Path, start: str | None, since: float | None
+    client: SlurmClient, run_dir: Path, job_id: str | None, start: str | None, since: float | None
 ) -> list[str]:
     """Return the nodes of the srun step `start` that Slurm set DOWN or FAIL since `since`.
 
-    The step's nodes are its ranks' hosts (else the allocation's: an older script); those
-    Slurm names are the lost ones, never the step's healthy nodes.
+    The step's nodes are its ranks' hosts (else the allocation's: an older script). Lost are
+    those Slurm took out of the job (--no-kill: it shrinks the job at once), and those it
+    says are down, or were since `since`; never the step's healthy nodes.
     """
-    hosts = {e.host for e in rank_ends(run_dir) if start and e.start_id == start and e.host}
-    nodelist = ",".join(sorted(hosts)) or os.environ.get("SLURM_JOB_NODELIST", "")
-    if not nodelist:
+    hosts = sorted({e.host for e in rank_ends(run_dir) if start and e.start_id == start and e.host})
+    alloc = client.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or []
+    hosts = hosts or alloc
+    if not hosts:
         return []
-    return client.lost_nodes(nodelist, since=since) or []
+    now = client.job_fields(job_id) if job_id else None
+    kept = client.hostnames(now.get("NodeList", "")) if now else None
+    gone = [h for h in hosts if kept and h in alloc and h not in kept]
+    return sorted({*gone, *(client.lost_nodes(",".join(hosts), since=since) or ())})
 
 
 def heal_slurm(
@@ -148,7 +153,7 @@ def heal_slurm(
         since=None if start else since,
         slurm_oom=bool(job_id and client.out_of_memory(job_id)),
         start=start,
-        lost=_lost_nodes(client, run_dir, start, since),
+        lost=_lost_nodes(client, run_dir, job_id, start, since),
     )
     if heal.fault is None:
         return fail_code
