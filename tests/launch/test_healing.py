@@ -25,7 +25,7 @@ import pytest
 from helpers import BIN, cli_env, clock_ahead, only_run, reference_digests, runs_under, wait_for
 from slurm_cluster import SLURMD_TIMEOUT_S, SlurmCluster
 
-from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_HUNG, EXIT_OK, EXIT_REQUEUE, job_exit_code
 from mjlab_hpc.launch.heal import Fault, Healing, Step, next_step
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.rank.watchdog import FAULT_ENV, SAY_ENV
@@ -241,6 +241,13 @@ def test_stragglers_are_left_out_only_for_spares(
     assert got == Step(("node1",), 3), got
     got, _ = step(["node4"], ["node2"], [earlier], 8, nodes=3, min_nodes=1)
     assert got == Step(("node1", "node4"), 2), got  # fewer nodes, but not for a straggler
+
+
+def test_a_jobs_exit_code_has_one_meaning() -> None:
+    """srun's codes that are not ours (a signal's number, 128 + it) end a job as a failure."""
+    for ours in (EXIT_OK, EXIT_FAILED, EXIT_HUNG, EXIT_REQUEUE):
+        assert job_exit_code(ours) == ours
+    assert {job_exit_code(c) for c in (9, 15, 137, 143, 76, 255)} == {EXIT_FAILED}
 
 
 def submit(
