@@ -11,7 +11,7 @@ import datetime as dt
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,7 +236,7 @@ def decide(
     since: float | None = None,
     slurm_oom: bool = False,
     start: str | None = None,
-    lost: Sequence[str] = (),
+    lost: Callable[[], Sequence[str]] | None = None,
 ) -> Healing:
     """Decide whether the ranks start again after the latest start of the run ended.
 
@@ -244,12 +244,14 @@ def decide(
     after running out of memory (the same settings run out again), the same failure at the
     same iteration as the start before (a crash loop), or `max_restarts` restarts after this
     kind of fault. `since`, `slurm_oom` and `start` find the fault (see `find_fault`);
-    `job_id` goes into the record. `lost`: the start's nodes that Slurm set DOWN or FAIL
-    while it ran; a crash or hang is then their loss (`node-lost`), and they are excluded.
+    `job_id` goes into the record. `lost` asks for the start's nodes that Slurm set DOWN or
+    FAIL while it ran, when the ranks point at no node: a crash or hang is then their loss
+    (`node-lost`), and they are excluded.
     """
     fault = find_fault(run_dir, since=since, slurm_oom=slurm_oom, start=start)
-    if fault is not None and lost and fault.reason in ("crash", "hang"):
-        fault = _node_lost(fault, lost)
+    if fault is not None and lost and fault.reason in ("crash", "hang") and not fault.suspect_nodes:
+        nodes = lost()
+        fault = _node_lost(fault, nodes) if nodes else fault
     if fault is None:
         return Healing(None, why="nothing to heal")
     record = read_record(run_dir)

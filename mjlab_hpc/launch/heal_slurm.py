@@ -153,7 +153,7 @@ def heal_slurm(
         since=None if start else since,
         slurm_oom=bool(job_id and client.out_of_memory(job_id)),
         start=start,
-        lost=_lost_nodes(client, run_dir, job_id, start, since),
+        lost=lambda: _lost_nodes(client, run_dir, job_id, start, since),
     )
     if heal.fault is None:
         return fail_code
