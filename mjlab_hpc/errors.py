@@ -20,6 +20,7 @@ __all__ = [
     "SpecError",
     "SubmitError",
     "environment_problem",
+    "job_exit_code",
 ]
 
 #: Done.
@@ -45,6 +46,19 @@ EXIT_RESTART = 76
 EXIT_INTERRUPTED = 130
 #: A rank asks submitit's local executor to start it again (submitit.local reads 144).
 EXIT_LOCAL_REQUEUE = 144
+
+# What a Slurm job may end with (sacct's ExitCode of the job): srun's code when it is ours.
+_JOB_CODES = frozenset({EXIT_OK, EXIT_FAILED, EXIT_STOPPED, EXIT_HUNG, EXIT_REQUEUE})
+
+
+def job_exit_code(code: int) -> int:
+    """Return the exit code a batch script ends with after srun exited `code`.
+
+    srun passes on its tasks' codes: ours, or a signal's number (or 128 + it) when Slurm or
+    the kernel killed the ranks. Those are failures like any other: EXIT_FAILED, one code
+    for one meaning in sacct.
+    """
+    return code if code in _JOB_CODES else EXIT_FAILED
 
 
 class SpecError(ValueError):

@@ -11,7 +11,7 @@ import datetime as dt
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,6 +236,16 @@ def _killed(ends: list[RankEnd], iteration: int, error: str, at_s: float | None)
     )
 
 
+def _node_lost(fault: Fault, lost: Sequence[str]) -> Fault:
+    """Return the fault as the loss of the nodes Slurm set DOWN (or FAIL) under the start.
+
+    Slurm ends the start's tasks itself: on a job with spare nodes (--no-kill) it kills the
+    step at once (SIGKILL, no time to checkpoint), so every rank ends without a word.
+    """
+    error = f"node(s) {', '.join(lost)} lost: Slurm set them DOWN while the start ran"
+    return dataclasses.replace(fault, reason="node-lost", error=error, suspect_nodes=tuple(lost))
+
+
 def decide(
     run_dir: Path,
     max_restarts: int,
@@ -243,6 +253,7 @@ def decide(
     since: float | None = None,
     slurm_oom: bool = False,
     start: str | None = None,
+    lost: Callable[[], Sequence[str]] | None = None,
 ) -> Healing:
     """Decide whether the ranks start again after the latest start of the run ended.
 
@@ -250,9 +261,14 @@ def decide(
     after running out of memory (the same settings run out again), the same failure at the
     same iteration as the start before (a crash loop), or `max_restarts` restarts after this
     kind of fault. `since`, `slurm_oom` and `start` find the fault (see `find_fault`);
-    `job_id` goes into the record.
+    `job_id` goes into the record. `lost` asks for the start's nodes that Slurm set DOWN or
+    FAIL while it ran, when the ranks point at no node: a crash or hang is then their loss
+    (`node-lost`), and they are excluded.
     """
     fault = find_fault(run_dir, since=since, slurm_oom=slurm_oom, start=start)
+    if fault is not None and lost and fault.reason in ("crash", "hang") and not fault.suspect_nodes:
+        nodes = lost()
+        fault = _node_lost(fault, nodes) if nodes else fault
     if fault is None:
         return Healing(None, why="nothing to heal")
     record = read_record(run_dir)
@@ -263,6 +279,7 @@ def decide(
         error=fault.error[:2000],
         ranks=fault.ranks,
         hosts=fault.hosts,
+        nodes=fault.suspect_nodes if fault.reason == "node-lost" else (),
         iteration=fault.iteration,
         job_id=job_id,
         restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),

@@ -19,9 +19,17 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE, EXIT_RESTART
+from mjlab_hpc.errors import (
+    EXIT_FAILED,
+    EXIT_HUNG,
+    EXIT_OK,
+    EXIT_REQUEUE,
+    EXIT_RESTART,
+    job_exit_code,
+)
 from mjlab_hpc.launch.heal import Healing, Step, decide, place_restart, record_healing
 from mjlab_hpc.rank.context import START_ENV
+from mjlab_hpc.rundir.ends import rank_ends
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR, SWEEP_ELEMENTS, read_sweep
 from mjlab_hpc.slurm.client import SlurmClient
 
@@ -94,6 +102,26 @@ def _srun_options(step: Step, tasks_per_node: int) -> str:
     return " ".join(options)
 
 
+def _lost_nodes(
+    client: SlurmClient, run_dir: Path, job_id: str | None, start: str | None, since: float | None
+) -> list[str]:
+    """Return the nodes of the srun step `start` that Slurm set DOWN or FAIL since `since`.
+
+    The step's nodes are its ranks' hosts (else the allocation's: an older script). Lost are
+    those Slurm took out of the job (--no-kill: it shrinks the job at once), and those it
+    says are down, or were since `since`; never the step's healthy nodes.
+    """
+    hosts = sorted({e.host for e in rank_ends(run_dir) if start and e.start_id == start and e.host})
+    alloc = client.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or []
+    hosts = hosts or alloc
+    if not hosts:
+        return []
+    now = client.job_fields(job_id) if job_id else None
+    kept = client.hostnames(now.get("NodeList", "")) if now else None
+    gone = [h for h in hosts if kept and h in alloc and h not in kept]
+    return sorted({*gone, *(client.lost_nodes(",".join(hosts), since=since) or ())})
+
+
 def heal_slurm(
     run_dir: Path,
     exit_code: int,
@@ -115,7 +143,7 @@ def heal_slurm(
     if exit_code in (EXIT_OK, EXIT_REQUEUE):  # done; or a stop the ranks want requeued
         return exit_code
     # EXIT_RESTART from srun came from a rank, not from us: passed on, the script would loop.
-    fail_code = EXIT_FAILED if exit_code == EXIT_RESTART else exit_code
+    fail_code = job_exit_code(exit_code)
     job_id = os.environ.get("SLURM_JOB_ID")
     start = os.environ.get(START_ENV) or None
     heal = decide(
@@ -125,9 +153,12 @@ def heal_slurm(
         since=None if start else since,
         slurm_oom=bool(job_id and client.out_of_memory(job_id)),
         start=start,
+        lost=lambda: _lost_nodes(client, run_dir, job_id, start, since),
     )
     if heal.fault is None:
         return fail_code
+    # A fault not healed ends the job with its kind's code, whatever srun's was.
+    fail_code = EXIT_HUNG if heal.fault.reason == "hang" else EXIT_FAILED
     step = place_restart(
         client,
         run_dir,
@@ -194,4 +225,4 @@ def heal_job(
         )
     except Exception as exc:  # the job's own exit code matters more than ours
         print(f"mjlab-hpc heal: could not heal on {socket.gethostname()}: {exc}", file=sys.stderr)
-        return EXIT_FAILED if exit_code in (EXIT_OK, EXIT_RESTART) else exit_code
+        return EXIT_FAILED if exit_code == EXIT_OK else job_exit_code(exit_code)

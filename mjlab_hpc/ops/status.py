@@ -133,10 +133,7 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
     if gpus is None and (record.device or "").startswith("cuda") and world and nodes:
         gpus = world // nodes
     events = record.interruptions
-    requeues = [e for e in events if e.restarted]
-    # A restarted start that failed before its writer recorded it still restarted the run.
-    restarts = max(0, len(record.starts) - 1, len(requeues))
-    reasons = tuple(str(r.reason) for r in requeues[:restarts])
+    restarts, reasons = record.restarts_told()
     stragglers = [str(s.text) for s in record.stragglers]
     cause = _cause(run_dir, record, state) if state.state in FAILED_STATES else None
     return RunStatus(

@@ -67,6 +67,7 @@ from mjlab_hpc.rundir.writer import RunWriter
 from mjlab_hpc.slurm.client import SlurmClient
 
 __all__ = [
+    "LOST_BEFORE_S",
     "Interrupted",
     "IterationBoundary",
     "Stopped",
@@ -77,6 +78,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("mjlab_hpc")
+
+# Seconds before a SIGTERM in which a node Slurm set DOWN explains it (the SIGTERM follows at
+# once; the slack covers a slow iteration before the rank looked).
+LOST_BEFORE_S = 60.0
 
 
 def agree(request: StopRequest, distributed: bool, device: str) -> Stop | None:
@@ -350,7 +355,9 @@ class IterationBoundary:
             job = client.job_fields(self.ctx.job_id)
             nodelist = os.environ.get("SLURM_JOB_NODELIST")
             if stop.reason == "preemption" and nodelist:
-                lost = client.lost_nodes(nodelist) or []
+                # A node set DOWN may be back already: accounting keeps the event.
+                since = (self.request.signaled_at or time.time()) - LOST_BEFORE_S
+                lost = client.lost_nodes(nodelist, since=since) or []
         elif self.ctx.mode not in ("slurm", "submitit-local"):
             return stop  # nothing requeues it
         delay = os.environ.get(SIGNAL_DELAY_ENV, "")

@@ -11,6 +11,7 @@ people.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ from mjlab_hpc.rank.resume import ResumePlan, ResumeRefused, load_plan, plan_res
 from mjlab_hpc.rank.runner import IterationHook
 from mjlab_hpc.rank.signals import StopRequest, watch_signals
 from mjlab_hpc.rank.stop import (
+    LOST_BEFORE_S,
     Interrupted,
     IterationBoundary,
     Stopped,
@@ -181,6 +183,19 @@ def _rank_logging(run: RunDir, rank: int) -> Iterator[TextIO]:
             log.removeHandler(handler)
 
 
+def _lost_of(client: SlurmClient, nodes: str, ended: str) -> list[str]:
+    """Return the nodes of a NODE_FAIL's node list (sacct: the allocation) that were lost.
+
+    Those Slurm set DOWN or FAIL about when the attempt ended (an admin's `state=down` is
+    over by the time the job starts again: accounting keeps it), else the whole list.
+    """
+    try:
+        since = dt.datetime.fromisoformat(ended).timestamp() - LOST_BEFORE_S  # sacct: local
+    except ValueError:
+        since = None
+    return client.lost_nodes(nodes, since=since) or client.hostnames(nodes) or [nodes]
+
+
 def _begin(
     writer: RunWriter,
     checkpoints: Checkpoints,
@@ -209,7 +224,8 @@ def _begin(
     before = read_record(run.path, set_aside=True)
     if ctx.mode == "slurm" and ctx.job_id and ctx.restart_count >= 1:
         # The previous run of a requeued job ended because a node failed (sacct: NODE_FAIL).
-        runs = SlurmClient().attempts(ctx.job_id) or []
+        client = SlurmClient()
+        runs = client.attempts(ctx.job_id) or []
         if len(runs) >= 2 and runs[-2][0] == "NODE_FAIL":
             last = start if written is None else written
             _, nodes, ended = runs[-2]
@@ -218,7 +234,7 @@ def _begin(
                 job_id=ctx.job_id,
                 restart_count=ctx.restart_count,
                 iteration=last,
-                nodes=nodes,
+                nodes=_lost_of(client, nodes, ended),
                 ended=ended,
             )
         elif len(runs) >= 2 and runs[-2][0] == "PREEMPTED":  # a requeue was a preemption
@@ -712,6 +728,8 @@ def _write_summary(
 ) -> None:
     """Write summary.json and mark the run completed (`digests`: every rank's, to compare)."""
     run = writer.run
+    record = read_record(run.path, set_aside=True)
+    restarts, reasons = record.restarts_told()
     writer.write_json(
         run.summary,
         {
@@ -721,7 +739,8 @@ def _write_summary(
             "device": device,
             "launch_mode": ctx.mode,
             "job_id": ctx.job_id,
-            "restart_count": ctx.restart_count,
+            "restart_count": restarts,
+            "restart_reasons": list(reasons),
             "param_digest_per_rank": digests,
             "ranks_in_sync": len(set(digests)) == 1,
             "first_obs_digest_per_rank": obs_digests,
@@ -729,7 +748,7 @@ def _write_summary(
     )
     if len(set(digests)) != 1:
         log.error("ranks diverged: parameter digests %s", digests)
-    ended = on_end(read_record(run.path, set_aside=True), runner.current_learning_iteration)
+    ended = on_end(record, runner.current_learning_iteration)
     writer.write_record(ended)
 
 

@@ -23,7 +23,7 @@ import os
 import time
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -392,6 +392,18 @@ class RunRecord(_Entry):
                 counts[str(entry.reason)] = counts.get(str(entry.reason), 0) + 1
         return counts
 
+    def restarts_told(self) -> tuple[int, tuple[str, ...]]:
+        """How often the run started again, and after what (oldest first).
+
+        Every start but the first, or every restart recorded when more (a restarted start
+        that failed before its writer recorded it still restarted the run). The one count
+        of summary.json and `mjlab-hpc status`; Slurm's SLURM_RESTART_COUNT counts requeues
+        of one job only, not restarts in its allocation or across a chain's jobs.
+        """
+        requeues = [e for e in self.interruptions if e.restarted]
+        count = max(0, len(self.starts) - 1, len(requeues))
+        return count, tuple(str(r.reason) for r in requeues[:count])
+
     def resized_by_healer(self, world_size: int) -> bool:
         """Whether the healer changed the run's world size to or from `world_size`.
 
@@ -741,21 +753,25 @@ def on_node_failed(
     job_id: str,
     restart_count: int,
     iteration: int,
-    nodes: str,
+    nodes: Sequence[str],
     ended: str,
 ) -> RunRecord:
     """Return the record when a job that Slurm requeued because a node failed starts again.
 
-    sacct says NODE_FAIL, on `nodes`, at `ended`. The stop its ranks recorded (SIGTERM, taken
-    for a preemption) becomes `node-lost`; when the node died before they could record
-    anything, a `node-lost` fault is added.
+    sacct says NODE_FAIL at `ended`; `nodes` are the lost ones (those Slurm set DOWN, else
+    the allocation's). The stop its ranks recorded (SIGTERM, taken for a preemption or a
+    requeue) becomes `node-lost`; when the node died before they could record anything, a
+    `node-lost` fault is added.
     """
     mine = _previous_start(record, job_id, restart_count)
     if mine:
         last = mine[-1]
         if last.reason not in ("preemption", "requeue"):
             return record
-        lost = dataclasses.replace(last, reason="node-lost", nodes=last.nodes or (nodes,))
+        named = last.nodes or tuple(nodes)
+        lost = dataclasses.replace(
+            last, reason="node-lost", nodes=named, why=f"node(s) {', '.join(named)}"
+        )
         return _replaced(record, last, lost)
     try:
         at_s = dt.datetime.fromisoformat(ended).timestamp()  # sacct: local time
@@ -764,7 +780,7 @@ def on_node_failed(
     fault = Interruption(
         reason="node-lost",
         kind="requeue",
-        nodes=(nodes,),
+        nodes=tuple(nodes),
         job_id=job_id,
         restart_count=restart_count - 1,
         iteration=iteration,

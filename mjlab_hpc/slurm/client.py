@@ -63,6 +63,11 @@ _GPUS = re.compile(r"gpu(?::[\w.-]+)?[:=](\d+)")
 _LOST = ("DOWN", "FAIL", "NOT_RESPONDING")
 
 
+def _down(state: str) -> bool:
+    """Tell whether a node state (sinfo's, or an accounting event's) says the node is lost."""
+    return any(w in state for w in _LOST)
+
+
 @dataclass(frozen=True)
 class SlurmRow:
     """One job (or array element) as squeue or sacct reports it."""
@@ -592,18 +597,39 @@ class SlurmClient:
             out[""] = out[default]
         return out
 
-    def lost_nodes(self, nodelist: str) -> list[str] | None:
-        """Return the nodes of a node list that Slurm marks down or failing.
+    def lost_nodes(self, nodelist: str, since: float | None = None) -> list[str] | None:
+        """Return the nodes of a node list that Slurm marks down or failing, expanded.
 
         A SIGTERM then came because a node failed, not from a preemption (a drain lets jobs
-        finish). None when Slurm does not answer.
+        finish). With `since` (epoch s), also those Slurm set DOWN or FAIL since then and that
+        are back already: an admin's `state=down` on a node whose slurmd answers lasts a
+        moment (ReturnToService=2), so its state is gone when the ranks ask; accounting keeps
+        the event (`sacctmgr show event`). None when Slurm does not answer.
         """
         hosts = self.hostnames(nodelist)
         states = self.node_states(hosts) if hosts else None
         if states is None:
             return None
+        lost = {n for n, (state, _) in states.items() if _down(state.upper())}
+        if since is not None and hosts:
+            lost |= set(self.down_events(hosts, since) or ())
+        return sorted(lost)
+
+    def down_events(self, nodes: Sequence[str], since: float) -> list[str] | None:
+        """Return the nodes among `nodes` that Slurm's accounting saw DOWN or FAIL since `since`.
+
+        `since` is epoch s (sacctmgr reads local time). None when sacctmgr does not answer
+        (no accounting).
+        """
+        start = dt.datetime.fromtimestamp(since - 1).strftime("%Y-%m-%dT%H:%M:%S")
+        fields = "format=NodeName,State"
+        query = ["show", "event", f"nodes={','.join(nodes)}", f"start={start}", fields]
+        proc = self.run(["sacctmgr", "-n", "-P", *query])
+        if proc is None or proc.returncode != 0:
+            return None
+        found = (line.split("|") for line in proc.stdout.splitlines())
         return sorted(
-            n for n, (state, _) in states.items() if any(w in state.upper() for w in _LOST)
+            {r[0] for r in found if len(r) == 2 and r[0] in nodes and _down(r[1].upper())}
         )
 
     def node_states(self, nodes: Sequence[str]) -> dict[str, tuple[str, str]] | None:

@@ -26,7 +26,7 @@ import pytest
 from helpers import BIN, cli_env, clock_ahead, only_run, reference_digests, runs_under, wait_for
 from slurm_cluster import SLURMD_TIMEOUT_S, SlurmCluster
 
-from mjlab_hpc.errors import EXIT_FAILED, EXIT_OK
+from mjlab_hpc.errors import EXIT_FAILED, EXIT_HUNG, EXIT_OK, EXIT_REQUEUE, job_exit_code
 from mjlab_hpc.launch.heal import Fault, Healing, Step, next_step
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.rank.watchdog import FAULT_ENV, SAY_ENV
@@ -244,6 +244,13 @@ def test_stragglers_are_left_out_only_for_spares(
     assert got == Step(("node1", "node4"), 2), got  # fewer nodes, but not for a straggler
 
 
+def test_a_jobs_exit_code_has_one_meaning() -> None:
+    """srun's codes that are not ours (a signal's number, 128 + it) end a job as a failure."""
+    for ours in (EXIT_OK, EXIT_FAILED, EXIT_HUNG, EXIT_REQUEUE):
+        assert job_exit_code(ours) == ours
+    assert {job_exit_code(c) for c in (9, 15, 137, 143, 76, 255)} == {EXIT_FAILED}
+
+
 def submit(
     cluster: SlurmCluster,
     args: list[str],
@@ -367,11 +374,16 @@ def test_slurm_hang_then_node_down_on_two_nodes(
         # Usually back to idle by itself already (ReturnToService=2): "Invalid node state".
         slurm_cluster.run(["scontrol", "update", "nodename=node2", "state=resume"], check=False)
     stops = [s.to_json() for s in read_record(run.path).restarts]
-    # Named by sinfo while node2 is still down, else by sacct's NODE_FAIL (the allocation).
+    # Exactly node2, never the healthy node1 or the allocation's hostlist: Slurm's DOWN event
+    # (accounting), though node2 was back a moment later.
     assert [s["reason"] for s in stops] == ["node-lost"], stops
-    assert stops[0]["nodes"] in (["node2"], ["node[1-2]"]), stops
+    assert stops[0]["nodes"] == ["node2"], stops
     assert stops[0]["recomputed"] == 0 and stops[0]["recovery_s"] > 0
     assert summary["iterations"] == 40 and summary["resumed_from"] == stops[0]["iteration"]
+    # One restart count: the hang's restart in the allocation and the requeue, as status says.
+    row = hpc_json(run, env)
+    assert summary["restart_count"] == row["restarts"] == 2, (summary, row)
+    assert summary["restart_reasons"] == row["restart_reasons"] == ["hang", "node-lost"]
     assert slurm_cluster.wait_job(summary["job_id"], timeout=60) == "COMPLETED"  # nothing left
 
 
@@ -513,6 +525,75 @@ def test_slurm_hard_node_loss_with_a_spare(
     assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
     # The lost node's step ends once its slurmd is back (else after SlurmdTimeout).
     ended_in_the_allocation(cluster, fault, summary, "node lost")
+
+
+@pytest.mark.slurm
+def test_slurm_node_set_down_with_a_spare(
+    slurm_cluster3: SlurmCluster, tmp_path: Path, shared_tmp: Path
+) -> None:
+    """A 2-node job with --spare-nodes 1 (so --no-kill) whose rank 1 stops itself after
+    iteration 6; an admin then sets its node DOWN. Slurm kills the step at once (SIGKILL: no
+    time for a checkpoint) and the node is back a moment later: the healer names that node
+    (node-lost, from Slurm's DOWN event), not the healthy one, leaves it out for the spare in
+    the same allocation, and the run ends with the parameters of a run that never failed.
+    summary.json's restart count is status's."""
+    cluster = slurm_cluster3
+    args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--spare-nodes", "1"]
+    proc = submit(cluster, args, tmp_path, "stop@6:rank1:once", follow=False)
+    assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
+    run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
+    wait_for(
+        lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6,
+        240,
+        "iteration 6 (rank 1 stops itself there)",
+    )
+    lost = start_hosts(run.path, rank=1)[-1]
+    down = ["scontrol", "update", f"nodename={lost}", "state=down", "reason=mjlab-hpc-test"]
+    try:
+        assert cluster.run(down).returncode == 0
+        summary = wait_for(
+            lambda: run.summary.exists() and json.loads(run.summary.read_text()),
+            240,
+            "the healed run to finish",
+        )
+    finally:  # usually idle again already (ReturnToService=2)
+        cluster.run(["scontrol", "update", f"nodename={lost}", "state=resume"], check=False)
+    (fault,) = faults_of(run)
+    got = (fault["reason"], fault["kind"], fault["nodes"], fault["excluded_nodes"])
+    assert got == ("node-lost", "in-allocation", [lost], [lost]), fault
+    assert f"node(s) {lost} lost: Slurm set them DOWN" in fault["error"], fault
+    assert fault["iteration"] == 6 and fault["resumed_from"] == 5, fault  # the last checkpoint
+    assert start_hosts(run.path, rank=1)[1] not in (lost, start_hosts(run.path, rank=0)[1])
+    assert summary["iterations"] == 12
+    assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
+    row = hpc_json(run, cli_env(base=cluster.environ()))
+    assert summary["restart_count"] == row["restarts"] == 1, (summary, row)
+    assert summary["restart_reasons"] == row["restart_reasons"] == ["node-lost"], row
+    ended_in_the_allocation(cluster, fault, summary, "node set DOWN")
+
+
+@pytest.mark.slurm
+def test_slurm_failures_of_one_kind_end_with_one_exit_code(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """Two 1-rank jobs with --max-restarts 0: one rank killed by SIGKILL, one raising. Both are
+    crashes not restarted: sacct shows the same exit code for both jobs, EXIT_FAILED (srun
+    passes on the signal's number for the killed one)."""
+    jobs = []
+    for fault in ("kill@2:rank0:once", "raise@2:rank0:once"):
+        args = [*CARTPOLE, "--max-iterations", "4", "--nodes", "1", "--tasks-per-node", "1"]
+        args += ["--max-restarts", "0"]
+        proc = submit(slurm_cluster, args, tmp_path / fault[:4], fault, follow=False)
+        assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
+        jobs.append(wait_for(lambda r=tmp_path / fault[:4]: runs_under(r), 60, "run")[0])
+    codes = []
+    for path in jobs:
+        job = wait_for(lambda p=path: read_record(p).job_ids, 120, "the job")[0]
+        assert slurm_cluster.wait_job(job, timeout=180) == "FAILED"
+        row = slurm_cluster.run(["sacct", "-n", "-P", "-X", "-j", job, "-o", "State,ExitCode"])
+        codes.append(row.stdout.strip())
+        assert read_record(path).faults[-1].reason == "crash", path
+    assert codes == [f"FAILED|{EXIT_FAILED}:0"] * 2, codes
 
 
 @pytest.mark.slurm

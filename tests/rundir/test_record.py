@@ -243,9 +243,9 @@ def test_each_event_is_a_new_record_and_the_old_one_stays(tmp_path: Path) -> Non
         1,
     )
     assert (preempted.restarts[0].reason, preempted.restarts[0].why) == ("preemption", None)
-    lost = on_node_failed(stopped, "12", 1, iteration=5, nodes="node1", ended="2026-01-01T00:00")
+    lost = on_node_failed(stopped, "12", 1, iteration=5, nodes=["node1"], ended="2026-01-01T00:00")
     assert lost.restarts[0].reason == "time-limit"  # not a preemption: left as it is
-    lost = on_node_failed(first, "12", 1, iteration=5, nodes="node1", ended="2026-01-01T00:00")
+    lost = on_node_failed(first, "12", 1, iteration=5, nodes=["node1"], ended="2026-01-01T00:00")
     assert lost.faults[0].reason == "node-lost" and lost.faults[0].nodes == ("node1",)
     later = {**settings, "spec": {"task": "cartpole", "max_iterations": 9}}
     again = on_start(
@@ -284,3 +284,16 @@ def test_one_vocabulary_of_a_runs_state(tmp_path: Path, state: str, shown: str) 
     assert RunState(state).status_name(writer_alive=True) in (shown, "RUNNING", None)
     (tmp_path / CANCEL_RECORD).write_text(json.dumps({"starts": 1}))
     assert record_state(tmp_path).state == "CANCELLED"
+
+
+def test_one_restart_count() -> None:
+    """Every start after the first is a restart (a start that failed before its writer recorded
+    it too: then the faults count); summary.json and status read this one count."""
+    starts = tuple(Start(job_id="7", restart_count=n) for n in (0, 0, 1))
+    hang = Interruption(reason="hang", kind="in-allocation", at_s=1.0)
+    lost = StopEntry(reason="node-lost", kind="requeue", signal_at=2.0)
+    given_up = Interruption(reason="crash", kind="failed", at_s=3.0)
+    record = RunRecord(starts=starts, faults=(hang, given_up), restarts=(lost,))
+    assert record.restarts_told() == (2, ("hang", "node-lost"))
+    assert RunRecord(starts=starts[:1], faults=(hang,)).restarts_told() == (1, ("hang",))
+    assert RunRecord().restarts_told() == (0, ())
