@@ -73,7 +73,11 @@ requeue() {{
   local out since=$SECONDS
   while ! out=$(scontrol requeue "$SLURM_JOB_ID" 2>&1); do
     echo "$out" >&2
-    grep -qE "$unreachable" <<<"$out" && [ $((SECONDS - since)) -lt "${{retry:-0}}" ] || return 1
+    grep -qE "$unreachable" <<<"$out" || return 1
+    if [ $((SECONDS - since)) -ge "${{retry:-0}}" ]; then
+      echo "mjlab-hpc: slurmctld unreachable for $retry s ({retry_env}): requeue gave up" >&2
+      return 1
+    fi
     sleep 5
   done
 }}
