@@ -81,6 +81,21 @@ requeue() {{
     sleep 5
   done
 }}
+# Before srun tries again: slurmctld answers (within the bound), and the job's earlier steps
+# have ended there (up to 10 s; a lost node's stays): an srun asking before waits in Slurm's
+# own retry ("step creation still disabled", a minute or more on 24.11).
+back() {{
+  local steps waited=0
+  until steps=$(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null); do
+    [ $((SECONDS - away)) -lt "${{retry:-0}}" ] || return 0
+    sleep $pause
+    pause=$((pause < 5 ? pause * 2 : 10))
+  done
+  while grep -qE "^$SLURM_JOB_ID[.][0-9]+$" <<<"$steps" && [ $((waited += 1)) -le 10 ]; do
+    sleep 1
+    steps=$(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null) || :
+  done
+}}
 # Our commands below keep the _MJLAB_HPC_* variables this script sets, and drop a person's.
 export {mark}="$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"
 again=
@@ -109,8 +124,7 @@ while :; do
     away=${{away:-$SECONDS}}
     if [ $((SECONDS - away)) -lt "${{retry:-0}}" ]; then
       echo "mjlab-hpc: srun could not reach slurmctld; no rank started, trying again" >&2
-      sleep $pause
-      pause=$((pause < 5 ? pause * 2 : 10))
+      back
       continue
     fi
     echo "mjlab-hpc: slurmctld unreachable for $retry s ({retry_env}): srun gave up" >&2
