@@ -88,8 +88,7 @@ SLURM_2411_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-cluster-24.11
 # status/cancel of 250 runs, doctor (and --write-profile from slurmdbd's accounts), fake GPUs
 # under ConstrainDevices, a requeue from inside a job, the rendezvous host, a job suspended
 # (the cgroup freezer there), the signals and admin actions (scontrol's fields) and slurmctld
-# away during a heal. The rest
-# (hostile input, the other 3-node tests, ...) run on 22.05 only.
+# away during a heal. The rest (hostile input, the other 3-node tests, ...) run on 22.05 only.
 T := tests/launch/test_slurm_jobs.py::test_
 H := tests/launch/test_healing.py::test_slurm_
 C := tests/launch/test_chain_and_allocation.py::test_
