@@ -251,9 +251,9 @@ class SlurmClient:
     unreachable: list[subprocess.CompletedProcess[str]] = field(
         default_factory=list, compare=False, repr=False
     )
-    """How a command found slurmctld unreachable: without `retry_s`, later commands that need
-    it give the same answer at once instead of waiting for seconds each (sacct asks slurmdbd:
-    it still runs)."""
+    """How a command found slurmctld unreachable ("Unable to contact slurm controller"):
+    without `retry_s`, later commands that need it give the same answer at once instead of
+    waiting for seconds each (sacct asks slurmdbd: it still runs)."""
     retry_s: float = 0.0
     """Seconds to keep trying a command that found slurmctld unreachable, with backoff
     (`retry_s()` for the callers that need it; 0: one try). sbatch is never tried again: a
@@ -286,7 +286,8 @@ class SlurmClient:
                 )
             time.sleep(min(pause, left))
             pause = min(2 * pause, _PAUSE_S[1])
-        self.unreachable.append(proc)
+        if UNREACHABLE[0] in proc.stderr:  # the words people know, for the answers below
+            self.unreachable.append(proc)
         if self.retry_s and retry:
             log.error(
                 "slurmctld unreachable for %.0f s (%s=%g): %s gave up",
