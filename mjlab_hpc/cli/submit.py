@@ -50,7 +50,7 @@ from mjlab_hpc.rundir.ends import latest_world_size, rank_ends
 from mjlab_hpc.rundir.layout import SWEEP_RECORD, realise_target
 from mjlab_hpc.rundir.running import run_processes
 from mjlab_hpc.rundir.snapshot import plan_snapshot, planned_record, record_code
-from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient
+from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient, retry_s
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
 from mjlab_hpc.validate import executor_for, slurm_only, validate_submit
@@ -122,7 +122,7 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
     stops a local job at once, and stops following a Slurm job.
     """
     resume = resume_command(PROG, argv, s.run_dir)
-    client = SlurmClient()
+    client = SlurmClient(retry_s=retry_s())  # slurmctld away is no end of the job
     # Once a stop is asked, Slurm's state is asked for now (at most every second): submitit's
     # cached one is refreshed every 30 s into a long job, long after the ranks are done.
     forced: list[float] = []

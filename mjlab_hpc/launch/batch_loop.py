@@ -13,6 +13,7 @@ from mjlab_hpc.errors import EXIT_REQUEUE, EXIT_RESTART
 from mjlab_hpc.rank.context import SCRIPT_MARK_ENV, START_ENV
 from mjlab_hpc.rank.signals import FORWARDED
 from mjlab_hpc.rundir.layout import RANK_RECORDS_DIR
+from mjlab_hpc.slurm.client import RETRY_ENV, RETRY_S, UNREACHABLE
 
 __all__ = ["STUCK_S", "heal_loop", "heal_options"]
 
@@ -58,9 +59,48 @@ watch_step() {{
 forward() {{
   for sig in {signals}; do trap "scancel --signal=$sig $SLURM_JOB_ID 2>/dev/null || :" $sig; done
 }}
+# slurmctld away (a restart, a failover): srun and the requeue below try again for up to
+# ${retry_env} s (whole seconds; {retry_s} by default), with backoff. srun's own words go to
+# the job's output and to $said: an srun that found no slurmctld before any rank started
+# ("Unable to confirm allocation", "Unable to create step") is no fault and no restart.
+retry=${{{retry_env}:-{retry_s}}}
+retry=${{retry%%.*}}
+unreachable='{unreachable}'
+no_step='Unable to (confirm allocation|create step).*'
+said=$(mktemp)
+trap 'rm -f "$said"' EXIT
+requeue() {{
+  local out since=$SECONDS
+  while ! out=$(scontrol requeue "$SLURM_JOB_ID" 2>&1); do
+    echo "$out" >&2
+    grep -qE "$unreachable" <<<"$out" || return 1
+    if [ $((SECONDS - since)) -ge "${{retry:-0}}" ]; then
+      echo "mjlab-hpc: slurmctld unreachable for $retry s ({retry_env}): requeue gave up" >&2
+      return 1
+    fi
+    sleep 5
+  done
+}}
+# Before srun tries again: slurmctld answers (within the bound), and the job's earlier steps
+# have ended there (up to 10 s; a lost node's stays): an srun asking before waits in Slurm's
+# own retry ("step creation still disabled", a minute or more on 24.11).
+back() {{
+  local steps waited=0
+  until steps=$(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null); do
+    [ $((SECONDS - away)) -lt "${{retry:-0}}" ] || return 0
+    sleep $pause
+    pause=$((pause < 5 ? pause * 2 : 10))
+  done
+  while grep -qE "^$SLURM_JOB_ID[.][0-9]+$" <<<"$steps" && [ $((waited += 1)) -le 10 ]; do
+    sleep 1
+    steps=$(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null) || :
+  done
+}}
 # Our commands below keep the _MJLAB_HPC_* variables this script sets, and drop a person's.
 export {mark}="$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"
 again=
+away=
+pause=1
 n=0
 while :; do
   began=$SECONDS
@@ -70,12 +110,27 @@ while :; do
   watch_step &
   watcher=$!
   ranks=0
+  exec {{to_said}}> >(exec tee "$said" >&2)
+  teed=$!
   # shellcheck disable=SC2086 # $again: srun options, or nothing
-  srun {srun_options} $again {command} &
+  srun {srun_options} $again {command} 2>&$to_said &
   step=$!
   while kill -0 $step 2>/dev/null; do wait $step || :; done
   wait $step || ranks=$?
   kill $watcher 2>/dev/null || :
+  exec {{to_said}}>&-
+  wait $teed || :
+  if [ "$ranks" -ne 0 ] && grep -qsE "$no_step($unreachable)" "$said"; then
+    away=${{away:-$SECONDS}}
+    if [ $((SECONDS - away)) -lt "${{retry:-0}}" ]; then
+      echo "mjlab-hpc: srun could not reach slurmctld; no rank started, trying again" >&2
+      back
+      continue
+    fi
+    echo "mjlab-hpc: slurmctld unreachable for $retry s ({retry_env}): srun gave up" >&2
+  fi
+  away=
+  pause=1
   trap '' TERM
   status=0
   options=$({hpc} heal --run-dir {run_dir} --exit-code $ranks \\
@@ -85,7 +140,7 @@ while :; do
 done
 # A requeue that the ranks or the healer asked for where Slurm's commands are missing (exit
 # {requeue}: a container image without them) is done here, in the batch shell, which has them.
-if [ "$status" -eq {requeue} ]; then scontrol requeue "$SLURM_JOB_ID" && status=0; fi
+if [ "$status" -eq {requeue} ]; then requeue && status=0; fi
 exit "$status"
 """
 
@@ -136,4 +191,7 @@ def heal_loop(
         mark=SCRIPT_MARK_ENV,
         start_env=START_ENV,
         signals=" ".join(FORWARDED),
+        retry_env=RETRY_ENV,
+        retry_s=round(RETRY_S),
+        unreachable="|".join(UNREACHABLE),
     )

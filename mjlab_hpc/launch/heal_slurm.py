@@ -31,7 +31,7 @@ from mjlab_hpc.launch.heal import Healing, Step, decide, place_restart, record_h
 from mjlab_hpc.rank.context import START_ENV
 from mjlab_hpc.rundir.ends import rank_ends
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR, SWEEP_ELEMENTS, read_sweep
-from mjlab_hpc.slurm.client import SlurmClient
+from mjlab_hpc.slurm.client import SlurmClient, retry_s
 
 __all__ = ["apply_slurm", "heal_job", "heal_slurm", "job_run_dir"]
 
@@ -216,7 +216,7 @@ def heal_job(
             job_run_dir(run_dir, os.environ),
             exit_code,
             max_restarts,
-            SlurmClient(),
+            SlurmClient(retry_s=retry_s()),  # slurmctld away: wait for it (bounded)
             since=since,
             submitit_dir=run_dir / SUBMITIT_DIR,
             step_nodes=step_nodes,

@@ -2,14 +2,17 @@
 
 Signal handlers only record a stop (`rank.signals` says what each signal means), and so does
 the supervisor watch when the process supervising the rank disappears. At the next iteration
-boundary all ranks agree in one collective and the writer saves a checkpoint. A requeue-type
-stop then requeues where a scheduler can (`after_stop`); a stop for good exits 3. The
-lifecycle: docs/preemption.md.
+boundary all ranks agree in one collective and the writer saves a checkpoint and records the
+stop as its signal says; only then does rank 0 ask Slurm what the stop is (a preemption, a
+requeue, a cancel, a lost node), each command bounded by STOP_SLURM_S. A requeue-type stop
+then requeues where a scheduler can (`after_stop`); a stop for good exits 3. The lifecycle:
+docs/preemption.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -59,6 +62,7 @@ from mjlab_hpc.rundir.record import (
     StopEntry,
     on_recovered,
     on_stop,
+    on_stop_answered,
     on_stragglers,
     read_record,
 )
@@ -68,6 +72,7 @@ from mjlab_hpc.slurm.client import SlurmClient
 
 __all__ = [
     "LOST_BEFORE_S",
+    "STOP_SLURM_S",
     "Interrupted",
     "IterationBoundary",
     "Stopped",
@@ -82,6 +87,13 @@ log = logging.getLogger("mjlab_hpc")
 # Seconds before a SIGTERM in which a node Slurm set DOWN explains it (the SIGTERM follows at
 # once; the slack covers a slow iteration before the rank looked).
 LOST_BEFORE_S = 60.0
+
+# Seconds each Slurm command of a stop may take; they come after the checkpoint and its record
+# are on disk. Slurm's default KillWait (30 s from the stop's SIGTERM to SIGKILL) leaves room
+# for the iteration's end, the checkpoint and two of them: a slurmctld that does not answer
+# costs one (Slurm's client gives up after MessageTimeout, 10 s by default), and the client
+# then answers the others at once. Where SIGKILL comes first, the checkpoint is kept.
+STOP_SLURM_S = 10.0
 
 
 def agree(request: StopRequest, distributed: bool, device: str) -> Stop | None:
@@ -247,7 +259,15 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
                 flush=True,
             )
             return EXIT_REQUEUE
-        if ctx.is_main and not SlurmClient().requeue(ctx.job_id):
+        client = SlurmClient(timeout_s=STOP_SLURM_S)
+        if ctx.is_main and not client.requeue(ctx.job_id):
+            if client.unreachable:  # the batch script tries again, for longer than KillWait
+                print(
+                    f"{stopped}; slurmctld unreachable: the batch script requeues the job",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return EXIT_REQUEUE
             return EXIT_FAILED
         return EXIT_OK
     if ctx.mode == "submitit-local":
@@ -312,14 +332,20 @@ class IterationBoundary:
             self._record_stragglers()
         if stop is not None and s.iteration >= self.total:
             stop = None  # the run is done: it completes (every rank agreed on the same value)
-        if stop is not None and stop.reason in ("preemption", "time-limit"):
-            stop = self._why(stop, first=s.iteration == self.start + 1)
         if self.watchdog is not None and (stop is not None or s.iteration >= self.total):
             self.watchdog.disarm()  # what follows (W&B's upload, the last records) is no hang
+        recorded = None
         if stop is not None or save or self.policy.periodic(s.iteration, self.total):
             dog = self.watchdog
             with dog.paused() if dog is not None else contextlib.nullcontext():
-                self._checkpoint(s.iteration, stop)
+                recorded = self._checkpoint(s.iteration, stop)
+        if stop is not None and stop.reason in ("preemption", "time-limit"):
+            # Slurm only now: its answer may not come before KillWait's SIGKILL (slurmctld
+            # away), and the checkpoint and the stop as its signal says are on disk already.
+            answered = self._why(stop, first=s.iteration == self.start + 1)
+            if answered != stop:
+                self._answered(recorded, answered, s.iteration)
+            stop = answered
         if stop is not None:
             raise Stopped(s.iteration, stop, self.ctx, restarts=self.restarts.get(stop.reason, 0))
 
@@ -351,7 +377,7 @@ class IterationBoundary:
         job: dict[str, str] | None = None
         lost: list[str] = []
         if self.ctx.mode == "slurm" and self.ctx.job_id and self.ctx.is_main:
-            client = SlurmClient()
+            client = SlurmClient(timeout_s=STOP_SLURM_S)
             job = client.job_fields(self.ctx.job_id)
             nodelist = os.environ.get("SLURM_JOB_NODELIST")
             if stop.reason == "preemption" and nodelist:
@@ -375,8 +401,12 @@ class IterationBoundary:
             stop = shared[0]
         return stop
 
-    def _checkpoint(self, iteration: int, stop: Stop | None) -> None:
-        """Save the checkpoint of `iteration` on every rank; the writer records `stop`."""
+    def _checkpoint(self, iteration: int, stop: Stop | None) -> StopEntry | None:
+        """Save the checkpoint of `iteration` on every rank; the writer records `stop`.
+
+        Returns the writer's record of the stop (None elsewhere, or without a stop).
+        """
+        recorded = None
         t0 = time.time()
         path = self.run.checkpoint(iteration)
         # Every rank writes its own state (in parallel, nothing gathered); the writer
@@ -427,7 +457,7 @@ class IterationBoundary:
             self.checkpoints.prune(self.policy.keep_checkpoints)
             self._record_time(iteration, t0, stop)
             if stop is not None:
-                self._record_stop(stop, iteration, t0)
+                recorded = self._record_stop(stop, iteration, t0)
         elif isinstance(mine, str):
             raise RuntimeError(mine)
         if self.ctx.is_distributed:
@@ -435,6 +465,7 @@ class IterationBoundary:
             # their watchdogs (paused now) never count a long write as a hang.
             dist.barrier()
         self._last_save = time.monotonic()
+        return recorded
 
     def _record_time(self, iteration: int, t0: float, stop: Stop | None) -> None:
         """When the checkpoint of `iteration` was written and how long it took (a line of
@@ -474,12 +505,9 @@ class IterationBoundary:
         except Exception as exc:  # a record, not the training
             log.warning("could not record the recovery in run.json: %s", exc)
 
-    def _record_stop(self, stop: Stop, iteration: int, t0: float) -> None:
+    def _record_stop(self, stop: Stop, iteration: int, t0: float) -> StopEntry:
         assert self.writer is not None
-        lost = stop.reason == "node-lost"
         entry = StopEntry(
-            reason=stop.reason,
-            kind="requeue" if stop.kind == StopKind.REQUEUE else "stop",
             signal=stop.signal_name,
             iteration=iteration,
             job_id=self.ctx.job_id,
@@ -487,14 +515,9 @@ class IterationBoundary:
             signal_at=self.request.signaled_at,
             checkpoint_at=time.time(),
             checkpoint_s=round(time.time() - t0, 3),
-            why=stop.why or None,
             start=os.environ.get(START_ENV) or None,  # the srun step it ended (rundir.ends)
-            nodes=tuple(stop.why.removeprefix("node(s) ").split(", ")) if lost else (),
+            **_what(stop),
         )
-        if lost:
-            log.warning("%s lost: the job is requeued from iteration %d", stop.why, iteration)
-        elif stop.why:
-            log.warning("%s at iteration %d: %s", stop.reason, iteration, stop.why)
         run = self.writer.run
         writer = self.writer
 
@@ -503,3 +526,32 @@ class IterationBoundary:
             writer.write_record(on_stop(read_record(run.path, set_aside=True), entry))
 
         writer.last_records(write)
+        return entry
+
+    def _answered(self, recorded: StopEntry | None, stop: Stop, iteration: int) -> None:
+        """Say what Slurm said the stop is, and put it into the writer's record of it."""
+        if stop.reason == "node-lost":
+            log.warning("%s lost: the job is requeued from iteration %d", stop.why, iteration)
+        elif stop.why:
+            log.warning("%s at iteration %d: %s", stop.reason, iteration, stop.why)
+        writer = self.writer
+        if writer is None or recorded is None:
+            return
+        answered = dataclasses.replace(recorded, **_what(stop))
+
+        def write() -> None:
+            before = read_record(writer.run.path, set_aside=True)
+            writer.write_record(on_stop_answered(before, recorded, answered))
+
+        writer.last_records(write)
+
+
+def _what(stop: Stop) -> dict[str, Any]:
+    """A stop's record fields that Slurm's answer may change."""
+    lost = stop.reason == "node-lost"
+    return {
+        "reason": stop.reason,
+        "kind": "requeue" if stop.kind == StopKind.REQUEUE else "stop",
+        "why": stop.why or None,
+        "nodes": tuple(stop.why.removeprefix("node(s) ").split(", ")) if lost else (),
+    }

@@ -58,6 +58,7 @@ __all__ = [
     "on_recovered",
     "on_start",
     "on_stop",
+    "on_stop_answered",
     "on_stragglers",
     "read_record",
     "versions",
@@ -651,6 +652,12 @@ def on_stop(record: RunRecord, stop: StopEntry) -> RunRecord:
     return dataclasses.replace(
         record, restarts=(*record.restarts, stop), state=RunState.STOPPED, stopped_at=now_iso()
     )
+
+
+def on_stop_answered(record: RunRecord, asked: StopEntry, answered: StopEntry) -> RunRecord:
+    """The record once Slurm said what a stop recorded as `asked` (its last equal one) is."""
+    mine = [e for e in record.restarts if e == asked]
+    return _replaced(record, mine[-1], answered) if mine else record
 
 
 def on_fault(

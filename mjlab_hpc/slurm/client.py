@@ -10,8 +10,10 @@ import dataclasses
 import datetime as dt
 import logging
 import math
+import os
 import re
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,18 +26,60 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "FINAL_STATES",
     "QUERY_CHUNK",
+    "RETRY_ENV",
+    "RETRY_S",
+    "UNREACHABLE",
     "Association",
     "Partition",
     "SlurmAnswer",
     "SlurmClient",
     "SlurmRow",
     "Usage",
+    "controller_unreachable",
+    "retry_s",
 ]
 
 log = logging.getLogger("mjlab_hpc")
 
 # Seconds any one Slurm command may take before it counts as not answering.
 DEFAULT_TIMEOUT_S = 30.0
+
+# Seconds a caller that needs slurmctld (the heal step, its srun and requeue) keeps trying
+# while slurmctld cannot be reached: a restart or an upgrade takes tens of seconds, a failover
+# to the backup controller SlurmctldTimeout (120 s by default) and then some. Each try itself
+# already waits MessageTimeout (10 s by default) before Slurm's client gives up.
+RETRY_S = 180.0
+RETRY_ENV = "MJLAB_HPC_SLURM_RETRY_S"
+"""Overrides RETRY_S (seconds; 0: one try)."""
+
+# What Slurm's clients print when slurmctld does not answer (22.05 and 24.11: stopped, in a
+# restart or failing over): worth trying again once it is back. `scontrol requeue` of a
+# stopped slurmctld says "Unexpected message received".
+UNREACHABLE = (
+    "Unable to contact slurm controller",
+    "Socket timed out on send/recv",
+    "Connection refused",
+    "Zero Bytes were transmitted or received",
+    "Unexpected message received",
+    "backup controller in standby mode",
+)
+# Backoff between tries: the first pause, and the longest.
+_PAUSE_S = (1.0, 10.0)
+
+
+def controller_unreachable(said: str) -> bool:
+    """Whether a Slurm command's output says slurmctld could not be reached."""
+    return any(words in said for words in UNREACHABLE)
+
+
+def retry_s(env: Mapping[str, str] | None = None) -> float:
+    """RETRY_S, or MJLAB_HPC_SLURM_RETRY_S where it is set to a number of seconds."""
+    value = (os.environ if env is None else env).get(RETRY_ENV, "")
+    try:
+        return max(0.0, float(value)) if value.strip() else RETRY_S
+    except ValueError:
+        return RETRY_S
+
 
 # Job ids per squeue / sacct / scontrol call: a status of thousands of runs stays a few calls,
 # each command line a few kB (far below ARG_MAX and what slurmctld parses quickly).
@@ -272,20 +316,51 @@ class SlurmClient:
     unreachable: list[subprocess.CompletedProcess[str]] = field(
         default_factory=list, compare=False, repr=False
     )
-    """How a command found slurmctld unreachable: later commands that need it give the same
-    answer at once instead of retrying for seconds each (sacct asks slurmdbd: it still runs)."""
+    """How a command found slurmctld unreachable ("Unable to contact slurm controller"):
+    without `retry_s`, later commands that need it give the same answer at once instead of
+    waiting for seconds each (sacct asks slurmdbd: it still runs)."""
+    retry_s: float = 0.0
+    """Seconds to keep trying a command that found slurmctld unreachable, with backoff
+    (`retry_s()` for the callers that need it; 0: one try). sbatch is never tried again: a
+    lost answer may have submitted the job."""
 
     def run(self, args: Sequence[str]) -> subprocess.CompletedProcess[str] | None:
         """Run a Slurm command; None when it is not installed or does not answer in time."""
-        if self.unreachable and args[0] in _CONTROLLER_COMMANDS:
+        controller = args[0] in _CONTROLLER_COMMANDS
+        if self.unreachable and controller and not self.retry_s:
             return subprocess.CompletedProcess(list(args), 1, "", self.unreachable[0].stderr)
-        proc = run_command(args, timeout_s=self.timeout_s, env=self.env)
-        if proc is None:
-            log.debug("%s: not found or no answer within %gs", args[0], self.timeout_s)
-        elif (
-            args[0] in _CONTROLLER_COMMANDS and "Unable to contact slurm controller" in proc.stderr
-        ):
+        retry = controller and args[0] != "sbatch"
+        deadline, pause = time.monotonic() + self.retry_s, _PAUSE_S[0]
+        while True:
+            proc = run_command(args, timeout_s=self.timeout_s, env=self.env)
+            if proc is None:
+                log.debug("%s: not found or no answer within %gs", args[0], self.timeout_s)
+                return None
+            if not (controller and controller_unreachable(proc.stderr)):
+                self.unreachable.clear()
+                return proc
+            left = deadline - time.monotonic()
+            if not retry or left <= 0:
+                break
+            if pause == _PAUSE_S[0]:
+                log.warning(
+                    "slurmctld unreachable (%s): trying %s again for up to %.0f s",
+                    proc.stderr.strip().splitlines()[-1],
+                    " ".join(args[:2]),
+                    left,
+                )
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _PAUSE_S[1])
+        if UNREACHABLE[0] in proc.stderr:  # the words people know, for the answers below
             self.unreachable.append(proc)
+        if self.retry_s and retry:
+            log.error(
+                "slurmctld unreachable for %.0f s (%s=%g): %s gave up",
+                self.retry_s,
+                RETRY_ENV,
+                self.retry_s,
+                " ".join(args[:2]),
+            )
         return proc
 
     def squeue(self, ids: Sequence[str]) -> list[SlurmRow] | None:
@@ -506,6 +581,11 @@ class SlurmClient:
             log.info("job %s is %s: not requeued (checkpoint saved)", job_id, state)
             return state in ("REQUEUED", "PENDING", "PREEMPTED", "CANCELLED", "COMPLETING")
         proc = self.run(["scontrol", "requeue", job_id])
+        # A try whose answer was lost may have requeued it already.
+        lost = proc is not None and proc.returncode != 0 and not self.unreachable
+        if lost and self.job_state(job_id) in ("REQUEUED", "PENDING"):
+            log.info("requeued Slurm job %s", job_id)
+            return True
         if proc is None or proc.returncode != 0:
             why = "no answer" if proc is None else proc.stderr.strip()
             log.error("scontrol requeue %s failed: %s", job_id, why)

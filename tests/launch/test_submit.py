@@ -207,7 +207,7 @@ def test_golden_pyxis() -> None:
     lines = [line.strip() for line in text.splitlines()]
     srun = shlex.split(next(line for line in lines if line.startswith("srun ")))
     assert f"--container-image={image}" in srun
-    assert srun[-6:-4] == ["python3", "-u"] and srun[-1] == "&"  # in the background
+    assert srun[-7:-5] == ["python3", "-u"] and srun[-2:] == ["2>&$to_said", "&"]  # background
     heal_line = next(line for line in lines if " heal " in line)
     heal = shlex.split(heal_line.removeprefix("options=$(").removesuffix(" \\"))
     assert heal[:4] == ["srun", "--nodes=1", "--ntasks=1", f"--container-image={image}"]

@@ -27,8 +27,14 @@ from helpers import (
     wait_for_iteration,
 )
 
-from mjlab_hpc.errors import EXIT_FAILED, EXIT_LOCAL_REQUEUE, EXIT_OK, EXIT_STOPPED
-from mjlab_hpc.rank.context import DistContext
+from mjlab_hpc.errors import (
+    EXIT_FAILED,
+    EXIT_LOCAL_REQUEUE,
+    EXIT_OK,
+    EXIT_REQUEUE,
+    EXIT_STOPPED,
+)
+from mjlab_hpc.rank.context import ALLOCATION_ENV, DistContext
 from mjlab_hpc.rank.signals import (
     Stop,
     StopKind,
@@ -339,3 +345,24 @@ def test_after_stop_exit_codes(env: dict, stop: Stop, restarts: int, code: int) 
     stopped = Stopped(iteration=4, stop=stop, ctx=ctx, restarts=restarts)
     assert after_stop(stopped, max_restarts) == code
     assert EXIT_OK == 0
+
+
+def test_a_requeue_that_cannot_reach_slurmctld_is_left_to_the_batch_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's `scontrol requeue` with slurmctld away: one try (a stop has only KillWait),
+    then exit 75, which the batch script's requeue takes over (it waits for slurmctld)."""
+    calls = tmp_path / "calls"
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.parent.mkdir()
+    scontrol.write_text(
+        f'#!/bin/bash\necho "$@" >> {calls}\n'
+        'echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2\n'
+        "exit 1\n"
+    )
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv(ALLOCATION_ENV, raising=False)
+    stopped = Stopped(iteration=4, stop=_TIME_LIMIT, ctx=DistContext.from_env(_SLURM))
+    assert after_stop(stopped, 3) == EXIT_REQUEUE
+    assert calls.read_text().splitlines() == ["show job 9"]  # the requeue: answered at once

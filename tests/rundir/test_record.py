@@ -34,6 +34,7 @@ from mjlab_hpc.rundir.record import (
     on_recovered,
     on_start,
     on_stop,
+    on_stop_answered,
     read_record,
 )
 from mjlab_hpc.rundir.state import record_state
@@ -243,6 +244,12 @@ def test_each_event_is_a_new_record_and_the_old_one_stays(tmp_path: Path) -> Non
         1,
     )
     assert (preempted.restarts[0].reason, preempted.restarts[0].why) == ("preemption", None)
+    # A stop recorded as its signal says, then as Slurm answered (rank/stop.py).
+    asked = StopEntry(reason="preemption", kind="requeue", job_id="12", restart_count=0)
+    answered = StopEntry(reason="node-lost", kind="requeue", nodes=("node2",), job_id="12")
+    told = on_stop_answered(on_stop(stopped, asked), asked, answered)
+    assert told.restarts == (stop, answered) and told.state is RunState.STOPPED
+    assert on_stop_answered(stopped, asked, answered) == stopped  # not recorded: as it was
     lost = on_node_failed(stopped, "12", 1, iteration=5, nodes=["node1"], ended="2026-01-01T00:00")
     assert lost.restarts[0].reason == "time-limit"  # not a preemption: left as it is
     lost = on_node_failed(first, "12", 1, iteration=5, nodes=["node1"], ended="2026-01-01T00:00")

@@ -107,3 +107,56 @@ def test_squeue_failing_is_no_answer_but_unknown_ids_are_an_answer(tmp_path: Pat
     assert not got.queue and got.accounting and got.rows["7"].source == "sacct"
     forgot = stand_ins(tmp_path, squeue="echo 'Invalid job id specified' >&2; exit 1\n")
     assert SlurmClient(env=forgot).answer(["7"]).queue
+
+
+# What Slurm 22.05's clients print with slurmctld stopped (tests/cluster/cluster.sh ctld-stop).
+AWAY = "Unable to contact slurm controller (connect failure)"
+
+
+@pytest.mark.parametrize(
+    ("said", "away"),
+    [
+        (f"slurm_load_jobs error: {AWAY}", True),
+        (f"srun: error: Unable to confirm allocation for job 7: {AWAY}", True),
+        ("Unexpected message received for job 5", True),  # scontrol requeue, slurmctld stopped
+        (
+            "srun: error: Unable to create step for job 7: Socket timed out on send/recv operation",
+            True,
+        ),
+        ("scontrol: error: Invalid job id specified", False),
+        ("sbatch: error: Batch job submission failed: Invalid account", False),
+        ("", False),
+    ],
+)
+def test_controller_unreachable_is_told_from_a_refusal(said: str, away: bool) -> None:
+    assert client.controller_unreachable(said) is away
+
+
+def test_retry_bound_from_the_environment() -> None:
+    assert client.retry_s({}) == client.RETRY_S == 180
+    assert client.retry_s({client.RETRY_ENV: "30"}) == 30
+    assert client.retry_s({client.RETRY_ENV: "0"}) == 0
+    assert client.retry_s({client.RETRY_ENV: "soon"}) == client.RETRY_S
+
+
+def test_a_command_is_tried_again_while_slurmctld_is_away(tmp_path: Path) -> None:
+    """With retry_s, a command that needs slurmctld is tried again until it answers; without,
+    it answers at once and later ones do not wait either; sbatch is never tried twice."""
+    tries = tmp_path / "tries"
+    away = (
+        f'echo x >> {tries}\nif [ $(wc -l < {tries}) -lt 3 ]; then echo "{AWAY}" >&2; exit 1; fi\n'
+    )
+    env = stand_ins(tmp_path, scontrol=away + 'echo "JobId=$3 JobState=RUNNING"\n', sbatch=away)
+    t0 = time.monotonic()
+    assert SlurmClient(env=env, retry_s=30).job_state("5") == "RUNNING"
+    assert len(tries.read_text().split()) == 3 and time.monotonic() - t0 < 10  # pauses 1 s, 2 s
+    tries.unlink()
+    once = SlurmClient(env=env)
+    assert once.job_state("5") is None and once.unreachable
+    assert once.job_state("5") is None and len(tries.read_text().split()) == 1  # not asked again
+    tries.unlink()
+    gave_up = SlurmClient(env=env, retry_s=0.5)
+    assert gave_up.job_state("5") is None and len(tries.read_text().split()) == 2
+    tries.unlink()
+    assert SlurmClient(env=env, retry_s=30).sbatch(["x.sh"])[0] is None
+    assert len(tries.read_text().split()) == 1
