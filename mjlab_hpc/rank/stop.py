@@ -275,6 +275,29 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
     return EXIT_STOPPED
 
 
+@dataclass(frozen=True)
+class _NotWritten:
+    """A rank's state that was not written, as the writer learns it."""
+
+    rank: int
+    error: str
+    """The exception's type and message."""
+    errno: int | None = None
+    """An OSError's errno (a full disk is the environment's, said in one line)."""
+    filename: str | None = None
+    """The file an OSError names."""
+
+    @classmethod
+    def of(cls, rank: int, exc: Exception) -> _NotWritten:
+        oserror = exc if isinstance(exc, OSError) else None
+        return cls(
+            rank=rank,
+            error=f"{type(exc).__name__}: {exc}",
+            errno=oserror.errno if oserror else None,
+            filename=str(oserror.filename) if oserror and oserror.filename else None,
+        )
+
+
 def _gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
     """Gather every rank's `obj` on rank 0 (None on the other ranks)."""
     if not ctx.is_distributed:
@@ -422,17 +445,24 @@ class IterationBoundary:
                 belongs=belongs,
             )
         except Exception as exc:  # said by the writer, which then fails the checkpoint
-            mine = f"rank {self.ctx.rank}: {type(exc).__name__}: {exc}"
+            own: Exception | None = exc
+            mine = _NotWritten.of(self.ctx.rank, exc)
+        else:
+            own = None
         for injection in self.injections:  # a drill of a fault in the write
             injection.fire_if_due(self.run, self.ctx.rank, iteration, in_checkpoint=True)
         written = _gather_to_main(mine, self.ctx)
         if self.writer is not None and self.checkpoints is not None:
             assert written is not None
-            failed = [w for w in written if isinstance(w, str)]
+            failed = [w for w in written if isinstance(w, _NotWritten)]
+            if isinstance(own, OSError):
+                raise own  # (a full disk, a quota: one line, as any write of the writer's)
+            if disk := next((w for w in failed if w.errno is not None), None):
+                what = f"{os.strerror(disk.errno)} (rank {disk.rank}'s state of {path.name})"
+                raise OSError(disk.errno, what, disk.filename)
             if failed:
-                raise RuntimeError(
-                    f"checkpoint {path.name}: a rank state was not written: " + "; ".join(failed)
-                )
+                said = "; ".join(f"rank {w.rank}: {w.error}" for w in failed)
+                raise RuntimeError(f"checkpoint {path.name}: a rank state was not written: {said}")
             t1 = time.time()
             listed = publish_rank_states(path, written, self.writer.check)
             infos = {
@@ -458,8 +488,8 @@ class IterationBoundary:
             self._record_time(iteration, t0, stop)
             if stop is not None:
                 recorded = self._record_stop(stop, iteration, t0)
-        elif isinstance(mine, str):
-            raise RuntimeError(mine)
+        elif own is not None:
+            raise own
         if self.ctx.is_distributed:
             # The others wait here, not in the next iteration's first collective, so that
             # their watchdogs (paused now) never count a long write as a hang.

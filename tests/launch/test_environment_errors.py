@@ -153,22 +153,26 @@ def test_a_full_disk_during_training_ends_in_one_line_and_resumes(
     traceback, run.json `failed` (not `running`), no temporary file or lone checksum left;
     with room again, the printed command continues from the last checkpoint. An unwritable
     plot is one line too."""
-    disk = mount_tmpfs("disk", "size=1500k")  # the writer's 1 MiB reserve + a few checkpoints
-    args = [*TRAIN, "--max-iterations", "40", "--save-interval", "1", "--log-root", disk / "logs"]
-    proc = subprocess.run(
-        [str(a) for a in args], env=cli_env(), capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr, proc.stderr
-    (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith("failed at iteration ") and "no space left on the device" in line
-    run = only_run(disk / "logs")
-    record = read_record(run.path)
-    assert record.state == "failed" and record.failure is not None
-    assert record.failure.kind == "environment"
-    assert not [p for p in run.path.rglob("*") if ".tmp" in p.name]
-    sidecars = {p.name.removesuffix(".sha256") for p in run.path.glob("model_*.pt.sha256")}
-    assert sidecars == {p.name for p in run.checkpoints()}
+    # The writer's 1 MiB reserve + a few checkpoints: each size fills the disk at another write
+    # (a rank's state, the model, a record, a log line).
+    for size in ("1650k", "1450k", "1500k"):
+        disk = mount_tmpfs(f"disk-{size}", f"size={size}")
+        logs = disk / "logs"
+        args = [*TRAIN, "--max-iterations", "40", "--save-interval", "1", "--log-root", logs]
+        proc = subprocess.run(
+            [str(a) for a in args], env=cli_env(), capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith("failed at iteration ") and "no space left on the device" in line
+        run = only_run(logs)
+        record = read_record(run.path)
+        assert record.state == "failed" and record.failure is not None
+        assert record.failure.kind == "environment"
+        assert not [p for p in run.path.rglob("*") if ".tmp" in p.name]
+        sidecars = {p.name.removesuffix(".sha256") for p in run.path.glob("model_*.pt.sha256")}
+        assert sidecars == {p.name for p in run.checkpoints()}
     done = max(int(p.stem.split("_")[1]) for p in run.checkpoints())
 
     plot = subprocess.run(
