@@ -87,8 +87,10 @@ SLURM_2411_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-cluster-24.11
 # limits (requeue), salloc allocations, the dry run against what is submitted, a sweep,
 # status/cancel of 250 runs, doctor (and --write-profile from slurmdbd's accounts), fake GPUs
 # under ConstrainDevices, a requeue from inside a job, the rendezvous host, a job suspended
-# (the cgroup freezer there), the signals and admin actions (scontrol's fields) and slurmctld
-# away during a heal. The rest (hostile input, the other 3-node tests, ...) run on 22.05 only.
+# (the cgroup freezer there), the signals and admin actions (scontrol's fields), slurmctld
+# away during a heal and after a requeue, a node an admin sets DOWN (accounting's events), one
+# exit code per kind of failure, and report's sacct figures. The rest (hostile input, the
+# other 3-node tests, ...) run on 22.05 only.
 T := tests/launch/test_slurm_jobs.py::test_
 H := tests/launch/test_healing.py::test_slurm_
 C := tests/launch/test_chain_and_allocation.py::test_
@@ -102,7 +104,9 @@ SLURM_2411_ARGS ?= -m slurm -p no:xdist --durations=15 \
 	$(C)what_is_submitted_is_what_the_dry_run_shows \
 	$(S)a_suspended_job_resumes_as_if_nothing_happened \
 	$(S)signals_and_admin_actions_mean_what_the_docs_say \
-	tests/launch/test_controller_outage.py::test_slurmctld_away_while_a_crash_heals \
+	tests/launch/test_controller_outage.py \
+	$(H)node_set_down_with_a_spare $(H)failures_of_one_kind_end_with_one_exit_code \
+	tests/ops/test_report.py::test_report_of_a_slurm_job_with_sacct \
 	tests/ops/test_slurm_ops.py::test_sweep_is_one_throttled_job_array \
 	tests/ops/test_status_scale.py \
 	tests/ops/test_doctor.py::test_doctor_passes_and_finds_a_private_log_root_and_unusable_gpus \
