@@ -81,6 +81,13 @@ def hpc_json(run: RunDir, env: dict[str, str] | None = None) -> dict:
     return json.loads(status.stdout)[0]
 
 
+def hpc_logs(run: RunDir, env: dict[str, str] | None = None) -> str:
+    cmd = [BIN / "mjlab-hpc", "logs", str(run.path)]
+    return subprocess.run(
+        cmd, env=env or cli_env(), capture_output=True, text=True, timeout=60
+    ).stdout
+
+
 @pytest.mark.training
 def test_local_crash_then_hang_heal_to_the_same_parameters(
     tmp_path: Path, shared_tmp: Path
@@ -134,13 +141,7 @@ def test_a_repeated_failure_is_not_retried(tmp_path: Path) -> None:
     assert record.state == "failed" and record.failure and record.failure.rank == 1
     row = hpc_json(run)
     assert row["state"] == "FAILED" and "injected fault at iteration 6" in row["cause"], row
-    logs = subprocess.run(
-        [BIN / "mjlab-hpc", "logs", str(run.path)],
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
+    logs = hpc_logs(run)
     assert logs.startswith("cause: rank 1 on") and "not retried (a crash loop" in logs
     assert local_processes(run.path) == []
 
@@ -155,13 +156,7 @@ def assert_lookalike_changed_nothing(run: RunDir, host: str, env: dict[str, str]
     ends = [(e.rank, e.how, e.world_size, e.host) for e in rank_ends(run.path)]
     assert ends == [(0, "completed", 2, host), (1, "completed", 2, host)], ends
     assert hpc_json(run, env)["state"] == "COMPLETED"
-    logs = subprocess.run(
-        [BIN / "mjlab-hpc", "logs", str(run.path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
+    logs = hpc_logs(run, env)
     assert f"── rank 1 · {host} ·" in logs and "── rank 1 · evil-node" not in logs, logs[-3000:]
 
 
@@ -356,14 +351,8 @@ def test_slurm_hang_then_node_down_on_two_nodes(
             r"\(mjlab-hpc-test\)$",
             row["waiting"],
         ), row
-        logs = subprocess.run(
-            [BIN / "mjlab-hpc", "logs", str(run.path)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert row["waiting"] in " ".join(logs.stdout.split()), logs.stdout
+        logs = hpc_logs(run, env)
+        assert row["waiting"] in " ".join(logs.split()), logs
         slurm_cluster.run(["scontrol", "update", "nodename=node2", "state=resume"])
         summary = wait_for(
             lambda: run.summary.exists() and json.loads(run.summary.read_text()),
@@ -803,13 +792,7 @@ def test_slurm_two_faults_at_once_then_a_writer_frozen_in_a_checkpoint(
     assert summary["iterations"] == 12
     assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
     env = cli_env(base=cluster.environ())
-    logs = subprocess.run(
-        [BIN / "mjlab-hpc", "logs", str(run.path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
+    logs = hpc_logs(run, env)
     assert f"crash of rank 0, 1 on {writer}, {killed} at iteration 6" in logs, logs[-3000:]
     assert f"hang of rank 0 on {writer} at iteration 10" in logs, logs[-3000:]
     assert hpc_json(run, env)["restart_reasons"] == ["crash", "hang"]
