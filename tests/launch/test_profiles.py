@@ -88,13 +88,13 @@ def test_profile_over_project_over_user_and_typed_flags_over_all(tmp_path: Path)
     ):
         assert f"#SBATCH {line}\n" in out, line
     assert "module load cuda\nsource env.sh\n" in out
-    # Where each value that is not built-in came from; a typed one is not listed.
-    said = out.split("# ---- site defaults")[1].split("# ----")[0]
+    # Where each value that is not built-in came from.
+    said = out.split("# ---- where each value came from")[1].split("# ----")[0]
     assert f'# partition = "user-part"  ({user} [defaults])' in said
     assert f'# account = "proj-acct"  ({project} [defaults])' in said
     assert f'# qos = "user-qos"  ({user} [profile.big])' in said
     assert f"# gpus-per-node = 2  ({project} [profile.big])" in said
-    assert "nodes" not in said and "user-acct" not in said
+    assert "# nodes = 5  (typed)\n" in said and "user-acct" not in said
     assert not (tmp_path / "logs").exists()
 
 
@@ -168,8 +168,8 @@ def test_write_profile_adds_a_table_and_replaces_one_only_when_forced(tmp_path: 
     assert path.read_text() == added
     write_profile(path, "gpu", {"nodes": 3, "qos": "high"}, force=True)
     replaced = path.read_text()
-    assert replaced == added.replace(
-        '[profile."gpu"]\nnodes = 2\n', '[profile.gpu]\nnodes = 3\nqos = "high"\n'
+    assert replaced == added.replace(  # in its place, spelled as the user spelled it
+        '[profile."gpu"]\nnodes = 2\n', '[profile."gpu"]\nnodes = 3\nqos = "high"\n'
     )
     for bad, match in (
         ({"nodes": "x"}, "nodes: is"),
@@ -229,7 +229,7 @@ def test_a_project_file_of_another_user_is_left_out(team: Team) -> None:
         submit = [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run"]
         proc = team.run(alice, ["bash", "-c", f'cd {work} && exec "$@"', "bash", *submit])
         assert proc.returncode == 0, proc.stderr
-        assert f"warning: ignored {planted}: it is not yours (it belongs to {bob}" in proc.stderr
+        assert f"warning: ignored {planted}: it belongs to {bob};" in proc.stderr
         assert "PWNED" not in proc.stdout and "site defaults" not in proc.stdout
     finally:
         planted.unlink()

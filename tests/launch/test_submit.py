@@ -18,12 +18,13 @@ import pytest
 from helpers import BIN, cli_env, recording_tools
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.launch.slurm import allocation_srun, render, render_sbatch
-from mjlab_hpc.launch.submit import submit_run
-from mjlab_hpc.rundir.layout import RunDir, realise_target, run_dir_for_key
+from mjlab_hpc.launch.plan import job_plan, render
+from mjlab_hpc.launch.slurm import allocation_srun, render_sbatch
+from mjlab_hpc.launch.submit import submit
+from mjlab_hpc.rundir.layout import RunDir, run_dir_for_key
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import SubmitSpec, TrainSpec, train_cli_args
-from mjlab_hpc.validate import resolve, validate_submit
+from mjlab_hpc.validate import validate_submit, world
 
 GOLDEN = Path(__file__).parent / "golden"
 HOSTILE = "my run; $(touch pwned) `touch pwned2` \"q\" 'x'"
@@ -186,14 +187,15 @@ def check_golden(name: str, text: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_SPECS))
 def test_golden_rendered_template(name: str) -> None:
-    check_golden(f"train_{name}.sbatch", render("train", golden_spec(**GOLDEN_SPECS[name])))
+    text = render("train", job_plan(golden_spec(**GOLDEN_SPECS[name])))
+    check_golden(f"train_{name}.sbatch", text)
 
 
 def test_golden_apptainer(tmp_path: Path) -> None:
     image = tmp_path / "mjlab.sif"
     image.write_bytes(b"sif")
     spec = golden_spec(nodes=2, gpus_per_node=4, container=str(image))
-    text = render("train_apptainer", spec).replace(str(image), "/images/mjlab.sif")
+    text = render("train_apptainer", job_plan(spec)).replace(str(image), "/images/mjlab.sif")
     check_golden("train_apptainer_gpu_2x4.sbatch", text)
 
 
@@ -212,7 +214,7 @@ def test_golden_pyxis() -> None:
     heal = shlex.split(heal_line.removeprefix("options=$(").removesuffix(" \\"))
     assert heal[:4] == ["srun", "--nodes=1", "--ntasks=1", f"--container-image={image}"]
     # Inside a salloc allocation too: srun starts the ranks in the image.
-    argv = allocation_srun(spec, resolve(spec.train), Path("/shared/logs/cartpole/run"))
+    argv = allocation_srun(spec, train_cli_args(spec.train), Path("/shared/logs/cartpole/run"))
     assert f"--container-image={image}" in argv and argv[argv.index("python3") + 1] == "-u"
     with pytest.raises(SpecError, match="--container-image: one image"):
         validate_submit(spec.replace(container="/images/mjlab.sif", dry_run=True))
@@ -234,7 +236,7 @@ def test_rendered_template_quotes_user_strings(tmp_path: Path) -> None:
         job_name=HOSTILE,
     )
     script = tmp_path / "job.sbatch"
-    script.write_text(render("train", spec))
+    script.write_text(render("train", job_plan(spec)))
     record = tmp_path / "argv.txt"
     recording_tools(tmp_path / "bin", record)
     env = cli_env(path=f"{tmp_path / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin")
@@ -347,21 +349,20 @@ def test_local_executor_job(tmp_path: Path) -> None:
 def test_local_executor_hands_its_ranks_the_gpus_asked_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`mjlab-submit --executor local --gpus-per-node 2` past its validation, on a CPU
-    machine: the GPUs are counted within this shell's CUDA_VISIBLE_DEVICES and handed to the
-    ranks (submitit's controller, then each rank) as CUDA_VISIBLE_DEVICES. Only the GPUs are
-    staged here (two names, no device behind them): the ranks find no CUDA, say so, and
-    train on the CPU. tests/gpu trains on a real GPU through the whole command."""
+    """`mjlab-submit --executor local --gpus-per-node 2` past its check of this machine's
+    GPUs, on a CPU machine: the plan counts the GPUs within this shell's
+    CUDA_VISIBLE_DEVICES, and they are handed to the ranks (submitit's controller, then each
+    rank) as CUDA_VISIBLE_DEVICES. Only the GPUs are staged here (two names, no device
+    behind them): the ranks find no CUDA, say so, and train on the CPU. tests/gpu trains on
+    a real GPU through the whole command."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    monkeypatch.setattr(world, "check_local_gpus", lambda flag, count: None)
     train = TrainSpec(
         task="cartpole", num_envs=16, max_iterations=1, torch_threads=1, log_root=str(tmp_path)
     )
-    spec = SubmitSpec(train=train, executor="local", gpus_per_node=2)
-    resolved = realise_target(resolve(train))
-    run_dir = Path(str(resolved.target.path))
-    [job] = submit_run(spec, resolved, "local")
-    job.results()  # both ranks to their end
-    run = RunDir(run_dir)
+    submitted = submit(SubmitSpec(train=train, executor="local", gpus_per_node=2, snapshot=False))
+    submitted.job.results()  # both ranks to their end
+    run = RunDir(submitted.run_dir)
     for rank in (0, 1):
         log = run.rank_log(rank).read_text()
         head = log.split("\n")[0]
