@@ -271,9 +271,10 @@ def _usable(path: Path | None) -> bool:
     if why is None and not path.is_file():
         why = "it is not a regular file"
     if why is not None:
+        mine = f", or put its tables in {user_file()}" if path != user_file() else ""
         print(
-            f"warning: ignored {path}: {why}; its setup lines would run in your jobs (make it "
-            f"and its folders yours alone: chmod go-w; or put its tables in {user_file()})",
+            f"warning: ignored {path}: {why}; its setup lines would run in your jobs: make it "
+            f"and its folders yours alone (chmod go-w){mine}",
             file=sys.stderr,
         )
     return why is None
@@ -517,13 +518,13 @@ def origin_lines(origins: Sequence[Origin], site_only: bool = False) -> list[str
     out = []
     for o in origins:
         where = {"typed": "typed", "site": o.source, "kept": f"kept from {o.source}"}[o.kind]
-        line = f"{o.key} = {_toml(o.value)}  ({where})"
         unused = ""
         if o.replaced is not None:
             value, source = o.replaced
             unused = f"{o.key} = {_toml(value)} of {source} is not applied: the run keeps its own"
+        line = f"{o.key} = {_toml(o.value)}  ({where}{'; ' * bool(unused)}{unused})"
         if not site_only:
-            out.append(f"{line}; {unused}" if unused else line)
+            out.append(line)
         elif o.kind == "site":
             out.append(f"site default: {line}")
         elif unused:

@@ -200,8 +200,10 @@ def _origins(
             out.append(Origin(name, value, "typed"))
         elif name in kept:
             # A run's own value that is the built-in one is said by the heading alone.
-            if value != builtin[name] or name in given:
-                out.append(Origin(name, value, "kept", kept[name], given.get(name)))
+            replaced = given.get(name)
+            replaced = replaced if replaced is not None and replaced[0] != value else None
+            if value != builtin[name] or replaced is not None:
+                out.append(Origin(name, value, "kept", kept[name], replaced))
         elif name in given:
             out.append(Origin(name, value, "site", given[name][1]))
     return tuple(out)

@@ -10,12 +10,13 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, recording_tools
+from helpers import BIN, Team, cli_env, recording_tools
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.plan import job_plan, render
@@ -315,6 +316,31 @@ def test_run_dir_for_key_is_stable_and_distinct(tmp_path: Path) -> None:
     assert a != b and a.is_dir() and b.is_dir()
     with pytest.raises(ValueError, match="plain name"):
         run_dir_for_key(tmp_path, "exp", "r", "../x")
+
+
+def test_a_key_a_teammates_records_refuse_makes_nothing(team: Team) -> None:
+    """Issue 54: where bob's folder of key records (`.keys`) takes none of alice's, alice's
+    `mjlab-hpc run-dir --key` is refused before anything is made (no empty run directory),
+    naming that folder and whose it is; so is a key bob recorded."""
+    alice, bob = Team.USERS
+    logs = team.shared / "key-logs"
+    try:
+        made = team.run(bob, [BIN / "mjlab-hpc", "run-dir", "--log-root", logs, "--key", "k1"])
+        assert made.returncode == 0, made.stderr
+        keys = logs / "cartpole" / ".keys"
+        os.chmod(keys, 0o755)  # bob's, as an older version or his umask left it
+        before = sorted(p.name for p in keys.parent.iterdir())
+        for key, said in (
+            ("k2", f"error: --key: {keys} takes no record of {alice}: it belongs to {bob}"),
+            ("k1", f"error: --key: {keys / 'k1'} is damaged (it was written by {bob}"),
+        ):
+            args = [BIN / "mjlab-hpc", "run-dir", "--log-root", logs, "--key", key]
+            refused = team.run(alice, args)
+            assert refused.returncode == 2 and refused.stderr.startswith(said), refused.stderr
+            assert ".tmp" not in refused.stderr
+            assert sorted(p.name for p in keys.parent.iterdir()) == before
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 @pytest.mark.training
