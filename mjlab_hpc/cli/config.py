@@ -467,15 +467,15 @@ def write_profile(
     existing = path if os.path.lexists(path) else next(p for p in path.parents if p.exists())
     if (why := _untrusted(existing)) is not None:
         raise SpecError("--write-profile", f"{why}: not written there (it would be ignored)")
-    tables = _load(path) if os.path.lexists(path) else {}  # a malformed file: refused, kept
+    there = os.path.lexists(path)
+    tables = _load(path) if there else {"defaults": {}}  # a malformed file: refused, kept
     if f"profile.{name}" in tables and not force:
         raise SpecError(
             "--write-profile",
             f"{path} already has [profile.{name}]: pass --force to replace it, or choose "
             "another name",
         )
-    doc = tomlkit.parse(read_regular(path.resolve(), _LIMIT).decode()) if tables else None
-    new = _with_profile(doc, name, table) if doc is not None else text
+    new = _with_profile(path, name, table) if there else text
     expected = {**tables, f"profile.{name}": checked}
     try:
         after = _parse(new)
@@ -491,10 +491,11 @@ def write_profile(
     return text
 
 
-def _with_profile(doc: tomlkit.TOMLDocument, name: str, table: Any) -> str:
-    """`doc` with `[profile.NAME]` set to `table` (in place of one there), as text; "" when
-    the document holds its profiles in a form tomlkit cannot add to (an inline table)."""
+def _with_profile(path: Path, name: str, table: Any) -> str:
+    """The config file `path` with `[profile.NAME]` set to `table` (in place of one there),
+    as text; "" when it holds its profiles in a form tomlkit cannot add to."""
     try:
+        doc = tomlkit.parse(read_regular(path.resolve(), _LIMIT).decode())
         if "profile" not in doc:
             doc.add("profile", tomlkit.table(is_super_table=True))
         doc["profile"][name] = table  # type: ignore[index]

@@ -137,11 +137,14 @@ class SubmitPlan:
         """mjlab-train's arguments that train what every rank trains (without --run-dir),
         wherever they start (the log root is absolute).
 
-        A run continued or restarted gets every flag: what it keeps was decided here.
+        A run continued or restarted gets every flag: what it keeps was decided here (its
+        experiment too, which the ranks hold against the run's).
         """
         train = self.resolved.train
         train = train.replace(log_root=str(Path(train.log_root).resolve()))
-        return train_cli_args(train, every=self.resolved.target.kind != "new")
+        if every := self.resolved.target.kind != "new":
+            train = train.replace(experiment_name=self.resolved.experiment_name)
+        return train_cli_args(train, every=every)
 
 
 def _planned_dirs(

@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from mjlab_hpc.cli.common import parse_command
 from mjlab_hpc.cli.hpc import main as hpc_main
 from mjlab_hpc.cli.submit import main as submit_main
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
 from mjlab_hpc.spec import TrainSpec
+from mjlab_hpc.validate.continuation import continued
 
 # The sbatch options that say where the batch script's own log goes: the submitted script's
 # into the run's submitit folder (and submitit's mark), a template's where sbatch runs.
@@ -183,6 +185,11 @@ def test_inside_an_allocation_the_srun_trains_where_the_template_does(
     assert srun[-2:] == ["--run-dir", str(run)] and _template_run_dir(out) == str(run)
     assert srun[srun.index("mjlab_hpc.cli.train") + 1 : -2] == train[1:]
     assert "--num-envs 16 --max-iterations 6 --seed 7" in " ".join(train)  # the run's own
+    # What the ranks make of them: the run continued as planned, nothing taken or refused.
+    parsed = parse_command(TrainSpec, [*train[1:], "--run-dir", str(run)], None, lambda s, o: s)
+    assert not isinstance(parsed, int)
+    spec, named = parsed
+    assert continued(spec, named, rank=True) == spec and spec.num_envs == 16
 
 
 def test_where_each_value_came_from_on_a_continuation(
