@@ -22,8 +22,9 @@ import pytest
 from mjlab_hpc.cli.common import parse_command
 from mjlab_hpc.cli.hpc import main as hpc_main
 from mjlab_hpc.cli.submit import main as submit_main
+from mjlab_hpc.launch.plan import plan_submission, realised
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
-from mjlab_hpc.spec import TrainSpec
+from mjlab_hpc.spec import SubmitSpec, TrainSpec
 from mjlab_hpc.validate.continuation import continued
 
 # The sbatch options that say where the batch script's own log goes: the submitted script's
@@ -231,3 +232,16 @@ def test_where_each_value_came_from_on_a_continuation(
     assert code == 0, err
     script = _scripts(dry)[0]
     assert "#SBATCH --nodes=1\n" in script and "#SBATCH --ntasks-per-node=2\n" in script
+
+
+def test_a_planned_name_taken_meanwhile_aims_the_scripts_at_the_next(place: Path) -> None:
+    """A new run's directory is made at its planned name; where another run took that name
+    since (the same second), at the next free one, and the plan's scripts are aimed there."""
+    spec = SubmitSpec(train=TrainSpec(log_root=str(place / "logs")), gpus_per_node=0)
+    plan = plan_submission(spec.replace(executor="slurm", dry_run=True))
+    assert realised(plan).run_dir == plan.run_dir  # made where planned
+    again = realised(plan)  # the same planned name, now taken
+    assert again.run_dir == plan.run_dir.with_name(plan.run_dir.name + "-2")
+    assert again.run_dir.is_dir() and again.resolved.target.path == str(again.run_dir)
+    assert f"--output={again.run_dir}/submitit/" in again.jobs[0].script
+    assert str(plan.run_dir) + "/" not in again.jobs[0].script
