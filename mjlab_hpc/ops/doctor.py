@@ -348,9 +348,10 @@ def _check_request(report: DoctorReport, plan: SubmitPlan, slurm: SlurmClient) -
         report.add("partition", "warn", "; ".join(warnings))
     else:
         report.add("partition", "ok", f"{name} can give {shape} per node")
-    # The options of the job's own script, as mjlab-submit would submit it.
-    script = plan.jobs[0].script
-    args = [shlex.split(line)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
+    # The options of the job's own script, as mjlab-submit submits it (what it waits for
+    # aside: the request is what Slurm is asked whether it can give).
+    lines = [x for x in plan.jobs[0].script.splitlines() if x.startswith("#SBATCH ")]
+    args = [a for a in (shlex.split(x)[1] for x in lines) if not a.startswith("--dependency")]
     ok, said = slurm.test_only([*args, "--wrap=true"])
     if not ok:
         report.add("request", "fail", f"sbatch --test-only refused it: {said}", _FIXES["request"])

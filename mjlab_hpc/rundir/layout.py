@@ -47,7 +47,6 @@ __all__ = [
     "RunDir",
     "checkpoint_iteration",
     "create_run_dir",
-    "create_sweep_dir",
     "is_run_dir",
     "keep_runs_private",
     "latest_run",
@@ -442,12 +441,6 @@ def create_run_dir(
     return _new_folder(
         Path(log_root) / experiment, run_dir_name(now or dt.datetime.now(), run_name)
     )
-
-
-def create_sweep_dir(log_root: str | Path, experiment: str, run_name: str = "") -> Path:
-    """Make a new sweep's folder, `<experiment>/.sweeps/<timestamp>[_<run-name>]`."""
-    parent = Path(log_root) / experiment / SWEEPS_DIR
-    return _new_folder(parent, run_dir_name(dt.datetime.now(), run_name))
 
 
 def realise_target(resolved: ResolvedSpec, planned: Path | None = None) -> ResolvedSpec:
