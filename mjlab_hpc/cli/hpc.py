@@ -667,7 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     name = args[0] if args else ""
     if name not in _NAMES:  # --help, or no such command: tyro says what there is and exits
-        tyro.cli(Command, args=args, description=__doc__)  # type: ignore[call-overload]
+        guarded(lambda: tyro.cli(Command, prog="mjlab-hpc", args=args, description=__doc__))  # type: ignore[call-overload]
         return 2
     cls = _NAMES[name]
     parsed = parse_command(cls, args[1:], cls.__doc__, _attach, prog=f"mjlab-hpc {name}")

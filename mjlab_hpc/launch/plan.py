@@ -179,9 +179,13 @@ def _aimed(plan: SubmitPlan, run_dir: Path) -> SubmitPlan:
     if plan.allocation is not None:
         srun = tuple(allocation_srun(spec, plan.train_args, run_dir))
         env = allocation_env(plan.allocation, record)
-    copy = record["copy"] if record else None
     return dataclasses.replace(
-        plan, run_dir=run_dir, code_copy=copy, jobs=tuple(jobs), srun=srun, srun_env=env
+        plan,
+        run_dir=run_dir,
+        code_copy=record["copy"] if record else None,
+        jobs=tuple(jobs),
+        srun=srun,
+        srun_env=env,
     )
 
 
@@ -308,11 +312,9 @@ def render(template: str, plan: SubmitPlan) -> str:
         )
     text = read_template(template)
     if ("{{IMAGE}}" in text) != (spec.container is not None):
-        need = (
-            "needs an image: --container IMAGE"
-            if spec.container is None
-            else ("runs no image: use train_apptainer, or drop --container")
-        )
+        need = "needs an image: --container IMAGE"
+        if spec.container is not None:
+            need = "runs no image: use train_apptainer, or drop --container"
         raise SpecError("--container", f"template {template!r} {need}")
     run_dir = None if plan.resolved.target.path is None else plan.run_dir
     context = template_context(
