@@ -50,14 +50,14 @@ def _modules(folder: Path) -> dict[str, int]:
     }
 
 
-def _warm(tmp: Path) -> Path:
-    """The suite's own Warp cache (Warp's layout under WARP_CACHE_PATH), with mujoco_warp's
-    modules (compiled by a first run where it has none)."""
-    folder = Path(os.environ["WARP_CACHE_PATH"]) / _warp_version()
-    if not list(folder.glob("wp_mujoco_warp._src.smooth_*")):
-        warm = _train(["--log-root", tmp / "warm"], tmp, cli_env())
-        assert warm.returncode == 0, warm.stderr[-2000:]
-    return folder
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The suite's own Warp cache (Warp's layout under WARP_CACHE_PATH), holding every module
+    of a cartpole run (one run of the suite's, warm but where nothing ran before)."""
+    tmp = tmp_path_factory.mktemp("warm")
+    proc = _train(["--log-root", tmp / "logs"], tmp, cli_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return Path(os.environ["WARP_CACHE_PATH"]) / _warp_version()
 
 
 def _warp_version() -> str:
@@ -225,11 +225,13 @@ def test_ranks_compiling_one_module_at_once_all_load_a_whole_one(tmp_path: Path)
 
 
 @pytest.mark.training
-def test_a_cut_short_module_is_compiled_again_not_a_crash_at_every_start(tmp_path: Path) -> None:
+def test_a_cut_short_module_is_compiled_again_not_a_crash_at_every_start(
+    tmp_path: Path, warm: Path
+) -> None:
     """mujoco_warp's smooth module cut short in Warp's own cache: the run compiles it again
     (it failed to load at every start), and the next start loads it without a word."""
     cache = tmp_path / "warp"
-    _linked_copy(_warm(tmp_path), cache / _warp_version())
+    _linked_copy(warm, cache / warm.name)
     binaries = list(cache.glob("*/wp_mujoco_warp._src.smooth_*/*.o"))
     assert binaries
     whole = {}
@@ -248,7 +250,7 @@ def test_a_cut_short_module_is_compiled_again_not_a_crash_at_every_start(tmp_pat
 
 @pytest.mark.training
 def test_a_new_log_root_or_working_folder_loads_the_kernels_compiled_before(
-    tmp_path: Path,
+    tmp_path: Path, warm: Path
 ) -> None:
     """The default keeps kernels in the user's home: a run in another working folder (the
     default log root `logs` is relative to it) compiles nothing that one before compiled."""
@@ -257,7 +259,7 @@ def test_a_new_log_root_or_working_folder_loads_the_kernels_compiled_before(
     env.pop("WARP_CACHE_PATH")
     env.pop("XDG_CACHE_HOME", None)
     mine = home / ".cache/mjlab-hpc/kernels" / USER / KEY
-    _linked_copy(_warm(tmp_path), mine)  # warm where the suite is (the first run compiles the rest)
+    _linked_copy(warm, mine)  # warm: kernels compiled before (by the suite)
     mine.parent.chmod(0o700)
     for module in mine.glob("wp_*qfrc_smooth*"):  # one module the first run must compile
         shutil.rmtree(module)
@@ -428,7 +430,7 @@ def _hooked_run(team: Team, argv: list[object], extra: dict[str, str], at: dict[
 
 
 @pytest.mark.training
-def test_a_teammates_planted_kernels_never_run_as_you(team: Team) -> None:
+def test_a_teammates_planted_kernels_never_run_as_you(team: Team, warm: Path) -> None:
     """Bob owns the team's shared kernel folder (he trained there first) and plants modules
     whose code creates a file as whoever runs it. Alice trains with --kernel-cache on it: bob's
     link in place of her folder before her rank's check is refused (a warning, Warp's default);
@@ -440,9 +442,9 @@ def test_a_teammates_planted_kernels_never_run_as_you(team: Team) -> None:
     planted = team.base / "home" / bob / "planted"
     marker = team.shared / "kc-pwned"
     _as(team, bob, f"mkdir -p {shared} {planted / KEY} && chmod 2775 {shared} {shared.parent}")
-    # Alice's own Warp cache, warm where the suite is (the first run compiles the rest).
+    # Alice's own Warp cache, warm (the suite's modules).
     own = home / "warp"
-    _linked_copy(_warm(team.base), own / _warp_version(), owner=alice)
+    _linked_copy(warm, own / warm.name, owner=alice)
     hook = home / "hook"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(HOOK)
@@ -458,7 +460,12 @@ def test_a_teammates_planted_kernels_never_run_as_you(team: Team) -> None:
     plant = team.run(bob, [sys.executable, "-c", PLANT, planted / KEY, marker], timeout=600)
     payloads = {name for name in plant.stdout.split() if name.startswith("wp_")}
     assert plant.returncode == 0 and payloads, plant.stdout + plant.stderr
-    _as(team, bob, f"rm {shared / alice} && ln -s {planted / KEY} {shared / KEY}")
+    key = shared / KEY  # what a run made there is moved away: the folder is his
+    _as(
+        team,
+        bob,
+        f"rm {shared / alice}; mv {key} {shared}/old 2>/dev/null; ln -s {planted / KEY} {key}",
+    )
     # Her own folder there, warm: bob swaps it for a link once her rank checked it.
     real = shared / alice / KEY
     _as(team, alice, f"mkdir -m 700 {shared / alice} && mkdir {real}")
