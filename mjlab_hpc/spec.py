@@ -118,10 +118,9 @@ class TrainSpec:
     """Also save a checkpoint when this many minutes passed since the last one (bounds what a
     lost node costs). `none`: only every --save-interval iterations."""
     kernel_cache: str = "auto"
-    """Where Warp keeps compiled kernels (native code the ranks run): `auto` (a folder of yours
-    in your home: every log root starts warm, and every node where homes are shared;
-    WARP_CACHE_PATH where that is set), `node` (Warp's own default) or a folder others may
-    share (a site's: yours is `<folder>/<user>`, used only while it is yours alone)."""
+    """Where Warp keeps compiled kernels, code the ranks run: `auto` (a folder of yours in your
+    home, warm for every log root; WARP_CACHE_PATH where that is set), `node` (Warp's own
+    default) or a folder others may share (yours is `<folder>/<user>`, used while yours alone)."""
     use_graph: bool = True
     """Replay physics through a captured Warp graph (faster; bit-identical to plain stepping)."""
     normalizer_sync: Literal["iteration", "step"] = "iteration"
