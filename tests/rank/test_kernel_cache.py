@@ -53,7 +53,7 @@ def _modules(folder: Path) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The suite's own Warp cache (Warp's layout under WARP_CACHE_PATH), holding every module
-    of a cartpole run (one run of the suite's, warm but where nothing ran before)."""
+    of a cartpole run: one run with the suite's environment (warm, but on a new machine)."""
     tmp = tmp_path_factory.mktemp("warm")
     proc = _train(["--log-root", tmp / "logs"], tmp, cli_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
