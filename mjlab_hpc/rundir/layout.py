@@ -31,7 +31,6 @@ __all__ = [
     "ELEMENT_RECORD",
     "GROUP_WRITABLE_ENV",
     "HANG_GLOB",
-    "KERNEL_CACHE_DIR",
     "NAN_DUMPS_DIR",
     "PROGRESS",
     "RUN_RECORD",
@@ -91,8 +90,6 @@ ONCE_DIR = ".once"
 HEARTBEAT_DIR = "heartbeat"
 CHECKSUM_SUFFIX = ".sha256"
 RANK_STATES_DIR = "rank_states"
-# Folders of a log root: Warp's compiled kernels, `<user>/<key>/` (rank/kernel_cache.py).
-KERNEL_CACHE_DIR = ".kernel-cache"
 #: `<run>/code`: the submitted code's copy (`src/`), its record and the uncommitted diff.
 CODE_DIR = "code"
 CODE_COPY = "src"
