@@ -92,6 +92,11 @@ def test_the_device_check_knows_its_result() -> None:
     assert bad.problem == f"matmul sum {expected + 1:.0f}, expected {expected:.0f}"
     windows = pf.compute_windows("cpu", 2)
     assert len(windows) == 2 and all(0 < w < 10 for w in windows), windows
+    # A device that raises fails the check, said in one line (the others get the answer).
+    raised = pf.check_device(2, "n2", "nodevice")
+    assert raised.problem is not None and raised.problem.startswith("RuntimeError: "), raised
+    figures, problem = pf._timed_compute("nodevice")
+    assert figures == [] and (problem or "").startswith("the compute check raised RuntimeError")
 
 
 def test_gpu_memory_and_nvml_against_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
