@@ -289,16 +289,23 @@ def compute_windows(device: str, windows: int = COMPUTE_WINDOWS) -> list[float]:
         if cuda:  # (the kernels run, not only their launches)
             torch.cuda.synchronize(torch.device(device))
 
-    chunk()  # allocations, a first kernel
-    figures = []
-    for _ in range(windows):
-        time.sleep(_COMPUTE_PAUSE_S)
-        steps, t0 = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - t0) < COMPUTE_WINDOW_S:
-            chunk()
-            steps += _COMPUTE_CHUNK
-        figures.append(elapsed / steps * COMPUTE_STEPS)
-    return figures
+    # One thread, whatever --torch-threads says: ranks compare alike, and a thread pool on a
+    # busy machine would time its waits for its slowest thread, not this node's speed.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        chunk()  # allocations, a first kernel
+        figures = []
+        for _ in range(windows):
+            time.sleep(_COMPUTE_PAUSE_S)
+            steps, t0 = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - t0) < COMPUTE_WINDOW_S:
+                chunk()
+                steps += _COMPUTE_CHUNK
+            figures.append(elapsed / steps * COMPUTE_STEPS)
+        return figures
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _timed_compute(device: str) -> tuple[list[float], str | None]:
