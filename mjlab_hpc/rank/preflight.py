@@ -72,8 +72,9 @@ COMPUTE_WINDOW_S = 0.1
 #: Rounds of COMPUTE_WINDOWS when a node is out of line in the first (`_compute_check`).
 COMPUTE_ROUNDS = 3
 #: A node computes slowly when its figure (its slowest rank's) is above COMPUTE_FACTOR times
-#: the median of the other nodes' and above COMPUTE_FLOOR_S (tiny figures are all noise). On
-#: a busy machine one rank may share a core with another process a while: 2x.
+#: the median of the other nodes' and above COMPUTE_FLOOR_S (tiny figures are all noise). A
+#: healthy but busy machine's ranks differ by less: one shares a core with other work a while
+#: (docs/preemption.md has the figures).
 COMPUTE_FACTOR = 3.0
 COMPUTE_FLOOR_S = 0.02
 _COMPUTE_CHUNK = 20
