@@ -1,10 +1,10 @@
-"""The health check before training (`--preflight`): each rank's device, each node's speed.
+"""The health check before training (`--preflight`): each rank's device, node speed and links.
 
 Every start (the first and each heal) runs it after the process group forms and before the
 first iteration. Each rank computes a known result on its device (a fixed integer matmul whose
 sum is known exactly); on CUDA it also reads the device's free memory and, where NVML is
 importable, its uncorrected ECC errors and row remapping. With two nodes or more, every rank
-then times a fixed small step on its device at the same moment (`compute_figure`: a node whose
+then times a fixed small step on its device at the same moment (`compute_windows`: a node whose
 CPU is throttled or stopped part of the time computes slowly, whatever its links do), the
 ranks time an all-reduce of `SIZE_BYTES` over all of them (a figure for the log), and the
 nodes time it in pairs around a ring (every node with both neighbours, all pairs at once):
@@ -233,6 +233,10 @@ def _nvml(device: str) -> tuple[str, str | None]:
         return f"not checked ({type(exc).__name__}: {exc})", None
 
 
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 def check_device(rank: int, node: str, device: str, broken: bool = False) -> DeviceCheck:
     """Check this rank's device; `broken` (a drill) makes its result wrong.
 
@@ -349,10 +353,6 @@ def _compute_check(
             if not failed:
                 break
     return per_node, failed
-
-
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 def _slow_compute(
