@@ -111,9 +111,9 @@ class TrainSpec:
     only below --dist-timeout-s (a collective times out first otherwise). `none`: no
     watchdog."""
     preflight: bool = False
-    """Check every start before its first iteration: each rank's device computes a known
-    result, the nodes time an all-reduce. A node that fails or lags far behind is left out as
-    a lost node (docs/preemption.md)."""
+    """Check every start before its first iteration: each rank's device and, on several
+    nodes, its speed and the nodes' links. A node that fails or lags far behind is left out
+    as a lost node (docs/preemption.md)."""
     save_every_min: float | None = None
     """Also save a checkpoint when this many minutes passed since the last one (bounds what a
     lost node costs). `none`: only every --save-interval iterations."""

@@ -382,23 +382,52 @@ def memory_cgroup(name: str, limit_bytes: int) -> Iterator[Path]:
     moved in (`echo PID > <cgroup>/cgroup.procs`; children follow) go back to this process's
     cgroup at the end. Fails under CI=true where it cannot be made, else skips.
     """
+    with cgroup_v1("memory", name, {"memory.limit_in_bytes": str(limit_bytes)}) as group:
+        yield group
+
+
+@contextlib.contextmanager
+def cpu_cgroup(
+    name: str, quota: float | None = None, shares: int | None = None, parent: Path | None = None
+) -> Iterator[Path]:
+    """A cpu cgroup (v1) of its own below this process's (or below `parent`, another such
+    group): a CFS quota of `quota` of one CPU per 100 ms period (a throttled node, as a
+    container's or a job's CPU limit), and `shares` (its weight against other groups: a
+    high one lets a test's processes have their CPUs on a machine busy with other work).
+    Moved in and restored as `memory_cgroup`'s."""
+    settings = {} if shares is None else {"cpu.shares": str(shares)}
+    if quota is not None:
+        settings |= {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": str(int(quota * 1e5))}
+    with cgroup_v1("cpu", name, settings, parent) as group:
+        yield group
+
+
+@contextlib.contextmanager
+def cgroup_v1(
+    controller: str, name: str, settings: dict[str, str], parent: Path | None = None
+) -> Iterator[Path]:
+    """A cgroup (v1) of `controller` of its own below this process's (or `parent`), with
+    `settings` (file: value) written in order; what was moved in goes back to the parent at
+    the end. Fails under CI=true where it cannot be made (cgroup v1, root), else skips."""
     import pytest
 
-    here = next(
-        (
-            line.split(":", 2)[2]
-            for line in Path("/proc/self/cgroup").read_text().splitlines()
-            if line.split(":")[1:2] == ["memory"]
-        ),
-        None,
-    )
-    parent = Path("/sys/fs/cgroup/memory" + (here or "/").rstrip("/"))
+    if parent is None:
+        here = next(
+            (
+                line.split(":", 2)[2]
+                for line in Path("/proc/self/cgroup").read_text().splitlines()
+                if controller in line.split(":")[1].split(",")
+            ),
+            None,
+        )
+        parent = Path(f"/sys/fs/cgroup/{controller}" + (here or "/").rstrip("/"))
     group = parent / f"{name}-{os.getpid()}"
     try:
         group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        for file, value in settings.items():
+            (group / file).write_text(value)
     except OSError as exc:
-        reason = f"no memory cgroup of our own at {group} (cgroup v1, root): {exc}"
+        reason = f"no {controller} cgroup of our own at {group} (cgroup v1, root): {exc}"
         if os.environ.get("CI") == "true":
             pytest.fail(reason)
         pytest.skip(reason)

@@ -38,6 +38,7 @@ LAZY_ALLOWED = {
     ("mjlab_hpc.rank", "mjlab_hpc.rank.train"),  # the submitter pickles RankJob: no torch
     ("mjlab_hpc.cli.train", "mjlab_hpc.rank.train"),  # bad input is refused before torch loads
     ("mjlab_hpc.cli.train", "mjlab_hpc.rank.stop"),
+    ("mjlab_hpc.cli.train", "mjlab_hpc.rank.preflight"),
     ("mjlab_hpc.cli.hpc", "mjlab_hpc.ops.plot"),  # tensorboard, matplotlib
     ("mjlab_hpc.tasks.builtin", "mjlab_hpc.tasks.cartpole"),  # environments: torch, warp
     ("mjlab_hpc.tasks.builtin", "mjlab_hpc.tasks.ant"),

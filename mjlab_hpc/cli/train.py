@@ -117,6 +117,7 @@ def _run_in_process(resolved: ResolvedSpec, plan: LaunchPlan, argv: Sequence[str
         # Before CUDA initialises: the chosen GPU becomes cuda:0 of this process.
         os.environ["CUDA_VISIBLE_DEVICES"] = str(plan.single_gpu)
     # torch, warp, rsl-rl: loaded only once the input is known to be good.
+    from mjlab_hpc.rank.preflight import PreflightFailed
     from mjlab_hpc.rank.stop import Interrupted, Stopped, after_stop
     from mjlab_hpc.rank.train import train_rank
 
@@ -130,11 +131,13 @@ def _run_in_process(resolved: ResolvedSpec, plan: LaunchPlan, argv: Sequence[str
                 ended.say()
         return code
     except Exception as exc:
-        # The machine, not the code (a full disk, no memory left): the closing line says so
-        # and what to change; the traceback of anything else is the code's.
+        # The machine, not the code (a full disk, no memory left, a node that failed the
+        # preflight): the closing line says so and what to change; the traceback of
+        # anything else is the code's.
         run_dir = resolved.train.run_dir or "the run directory"
         problem = environment_problem(exc, run_dir)
-        if problem is None and failure_kind(exc) != "out-of-memory":
+        machine = isinstance(exc, PreflightFailed) or failure_kind(exc) == "out-of-memory"
+        if problem is None and not machine:
             raise
         ended = closing(Path(run_dir), resume_command(PROG, argv, run_dir))
         line = ended.line if ended is not None else f"failed: {problem or exc}"

@@ -95,8 +95,9 @@ class RunStatus:
     """Slurm's reason: why the job pends (BadConstraints, JobHeldAdmin, Priority), or why it
     ended without running (JobLaunchFailure)."""
     stragglers: tuple[str, ...] = ()
-    """While the run is active: its ranks that are consistently slower than the others
-    (`rank 1 on node2 is 1.80x slower ...`), as the ranks last recorded them."""
+    """Its ranks that are consistently slower than the others (`rank 1 on node2 is 1.80x
+    slower ...`), as the ranks last recorded them; once the run is not active, said as of
+    when it last trained."""
     waiting: str | None = None
     """For a Slurm job that waits again after a stop or fault: that event, and the state of
     the nodes it named now (`node2 is drained (Not responding)`), which Slurm's reason
@@ -135,6 +136,8 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
     events = record.interruptions
     restarts, reasons = record.restarts_told()
     stragglers = [str(s.text) for s in record.stragglers]
+    if not state.active:  # a slow node is worth knowing after the run too
+        stragglers = [f"when it last trained, {t}" for t in stragglers]
     cause = _cause(run_dir, record, state) if state.state in FAILED_STATES else None
     return RunStatus(
         run_dir=run_dir,
@@ -157,7 +160,7 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         cause=damaged or (cause[0] if cause else None),
         cause_rank=None if damaged or not cause else cause[1],
         reason=state.reason,
-        stragglers=tuple(stragglers) if state.active else (),
+        stragglers=tuple(stragglers),
         disagrees=state.disagrees,
         unread=(progress.unread,) if progress.unread else (),
     )

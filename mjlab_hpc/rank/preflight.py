@@ -1,15 +1,18 @@
-"""The health check before training (`--preflight`): each rank's device, each node's links.
+"""The health check before training (`--preflight`): each rank's device, node speed and links.
 
 Every start (the first and each heal) runs it after the process group forms and before the
 first iteration. Each rank computes a known result on its device (a fixed integer matmul whose
 sum is known exactly); on CUDA it also reads the device's free memory and, where NVML is
-importable, its uncorrected ECC errors and row remapping. The ranks time an all-reduce of
-`SIZE_BYTES` over all of them (a figure for the log), then the nodes time it in pairs around a
-ring (every node with both neighbours, all pairs at once), and every rank learns each node's
-figure: the faster of its two pairs, so only the slow node itself is slow in both.
-`slow_nodes` is the rule for "far out of line". A failed check ends the start on every rank
-(`PreflightFailed`); the failing nodes' ranks record `preflight` with the figures, and the
-healer leaves those nodes out as lost nodes (docs/preemption.md).
+importable, its uncorrected ECC errors and row remapping. With two nodes or more, every rank
+then times a fixed small step on its device at the same moment (`compute_windows`: a node whose
+CPU is throttled or stopped part of the time computes slowly, whatever its links do), the
+ranks time an all-reduce of `SIZE_BYTES` over all of them (a figure for the log), and the
+nodes time it in pairs around a ring (every node with both neighbours, all pairs at once):
+each node's all-reduce figure is the faster of its two pairs, so only the slow node itself is
+slow in both (of two nodes, with one pair, neither can be). `slow_nodes` is the rule for "far
+out of line", for both figures. A failed check ends the start on every rank
+(`PreflightFailed`); the ranks at fault record `preflight` with the figures, the others a
+consequence, and the healer leaves those ranks' nodes out as lost nodes (docs/preemption.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from mjlab_hpc.rank.watchdog import FAULT_ENV, FaultInjection
 from mjlab_hpc.rundir.layout import RunDir
 
 __all__ = [
+    "COMPUTE_FACTOR",
+    "COMPUTE_FLOOR_S",
+    "COMPUTE_STEPS",
     "FLOOR_S",
     "SIZE_BYTES",
     "SLOW_FACTOR",
@@ -37,6 +43,7 @@ __all__ = [
     "PreflightFailed",
     "PreflightReport",
     "check_device",
+    "compute_windows",
     "known_result",
     "preflight",
     "preflight_drills",
@@ -55,6 +62,23 @@ SLOW_FACTOR = 5.0
 FLOOR_S = 0.05
 #: A GPU with less free memory than this share of its total fails (another process holds it).
 MIN_FREE_SHARE = 0.1
+#: The compute check: a rank's figure is the seconds COMPUTE_STEPS steps (a 64x64 matmul and a
+#: tanh: small kernels, dispatch-bound on CPU and GPU alike, as an RL step's are) take, the
+#: median over COMPUTE_WINDOWS windows of COMPUTE_WINDOW_S. A window is at least a scheduler
+#: period long (CFS quotas refill every 100 ms): a quota or a stop cycle shows in every one.
+COMPUTE_STEPS = 1000
+COMPUTE_WINDOWS = 3
+COMPUTE_WINDOW_S = 0.1
+#: Rounds of COMPUTE_WINDOWS when a node is out of line in the first (`_compute_check`).
+COMPUTE_ROUNDS = 3
+#: A node computes slowly when its figure (its slowest rank's) is above COMPUTE_FACTOR times
+#: the median of the other nodes' and above COMPUTE_FLOOR_S (tiny figures are all noise). A
+#: healthy but busy machine's ranks differ by less: one shares a core with other work a while
+#: (docs/preemption.md has the figures).
+COMPUTE_FACTOR = 3.0
+COMPUTE_FLOOR_S = 0.02
+_COMPUTE_CHUNK = 20
+_COMPUTE_PAUSE_S = 0.002
 # What the slow drill adds to each timed all-reduce of its node.
 _DRILL_DELAY_S = 0.25
 _MATRIX = 256
@@ -91,9 +115,17 @@ class NodeFailure:
     node: str
     """The node."""
     check: str
-    """Which check: `device` or `all-reduce`."""
+    """Which check: `device`, `compute` or `all-reduce`."""
     figures: str
     """What was measured, for people."""
+    ranks: tuple[int, ...]
+    """The ranks at fault: the device's or the slow ones (compute), the node's first rank
+    (all-reduce: it timed the node's links)."""
+
+    def who(self) -> str:
+        """`rank 1 on node2` (`ranks 1, 3 on node2`)."""
+        ranks = ", ".join(str(r) for r in self.ranks)
+        return f"rank{'s' * (len(self.ranks) > 1)} {ranks} on {self.node}"
 
 
 @dataclass(frozen=True)
@@ -106,6 +138,9 @@ class PreflightReport:
     """The median time of an all-reduce of SIZE_BYTES over every rank (None: one rank)."""
     allreduce_s: tuple[tuple[str, float], ...]
     """Each node's all-reduce figure (seconds), when there are two nodes or more."""
+    compute_s: tuple[tuple[str, float], ...]
+    """Each node's compute figure (its slowest rank's seconds for COMPUTE_STEPS steps), when
+    there are two nodes or more."""
     failed: tuple[NodeFailure, ...]
     """The nodes that failed (empty: all passed)."""
     seconds: float
@@ -116,6 +151,9 @@ class PreflightReport:
         times = ", ".join(f"{n} {s * 1000:.1f} ms" for n, s in self.allreduce_s)
         size = f"all-reduce of {SIZE_BYTES >> 20} MiB"
         reduce = f"; {size} per node: {times}" if times else ""
+        if self.compute_s:
+            steps = ", ".join(f"{n} {s * 1000:.0f} ms" for n, s in self.compute_s)
+            reduce = f"; {COMPUTE_STEPS} steps per node: {steps}{reduce}"
         if self.world_s is not None:
             reduce = f"; {size} over all ranks {self.world_s * 1000:.1f} ms{reduce}"
         worst = max(d.seconds for d in self.devices)
@@ -128,13 +166,13 @@ class PreflightReport:
 class PreflightFailed(RuntimeError):
     """The preflight check failed on some node: this start ends on every rank."""
 
-    def __init__(self, report: PreflightReport, node: str):
+    def __init__(self, report: PreflightReport, rank: int):
         self.report = report
-        self.here = tuple(f for f in report.failed if f.node == node)
-        """This rank's node's failures (empty: another node failed)."""
+        self.here = tuple(f for f in report.failed if rank in f.ranks)
+        """The failures this rank is at fault for (empty: a consequence of others')."""
         first = (self.here or report.failed)[0]
         super().__init__(
-            f"preflight: node {first.node} failed the {first.check} check: {first.figures}"
+            f"preflight: {first.who()} failed the {first.check} check: {first.figures}"
         )
 
 
@@ -195,6 +233,10 @@ def _nvml(device: str) -> tuple[str, str | None]:
         return f"not checked ({type(exc).__name__}: {exc})", None
 
 
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 def check_device(rank: int, node: str, device: str, broken: bool = False) -> DeviceCheck:
     """Check this rank's device; `broken` (a drill) makes its result wrong.
 
@@ -212,7 +254,7 @@ def check_device(rank: int, node: str, device: str, broken: bool = False) -> Dev
             nvml, bad = _nvml(device)
             problems += [p for p in (low, bad) if p]
     except Exception as exc:  # a broken device raises more often than it miscounts
-        problems.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        problems.append(_first_line(exc))
     seconds = time.perf_counter() - t0
     if broken:
         got += 1.0
@@ -229,6 +271,113 @@ def check_device(rank: int, node: str, device: str, broken: bool = False) -> Dev
         nvml=nvml,
         problem="; ".join(problems) or None,
     )
+
+
+def compute_windows(device: str, windows: int = COMPUTE_WINDOWS) -> list[float]:
+    """This rank's compute figures: the seconds COMPUTE_STEPS steps take on `device`, in each
+    of `windows` windows.
+
+    Windows of a fixed length, not a fixed count of steps: every device spends the same time
+    in the check, and each window spans a scheduler period. Each window starts after a short
+    sleep: the scheduler places the rank afresh (on a busy machine, a window spent beside
+    another process's work is not the next one's).
+    """
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, 64, generator=gen) / 8).to(device)
+    x = torch.randn(64, 64, generator=gen).to(device)
+    cuda = device.startswith("cuda")
+
+    def chunk() -> None:
+        nonlocal x
+        for _ in range(_COMPUTE_CHUNK):
+            x = torch.tanh(x @ w)
+        if cuda:  # (the kernels run, not only their launches)
+            torch.cuda.synchronize(torch.device(device))
+
+    # One thread, whatever --torch-threads says: ranks compare alike, and a thread pool on a
+    # busy machine would time its waits for its slowest thread, not this node's speed.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        chunk()  # allocations, a first kernel
+        figures = []
+        for _ in range(windows):
+            time.sleep(_COMPUTE_PAUSE_S)
+            steps, t0 = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - t0) < COMPUTE_WINDOW_S:
+                chunk()
+                steps += _COMPUTE_CHUNK
+            figures.append(elapsed / steps * COMPUTE_STEPS)
+        return figures
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed_compute(device: str) -> tuple[list[float], str | None]:
+    """This rank's compute figures, or none and why the device raised (the others wait for
+    this rank's answer)."""
+    try:
+        return compute_windows(device), None
+    except Exception as exc:  # a broken device
+        return [], f"the compute check raised {_first_line(exc)}"
+
+
+def _compute_check(
+    ctx: DistContext, device: str, devices: Sequence[DeviceCheck]
+) -> tuple[dict[str, float], list[NodeFailure]]:
+    """Time every rank's compute at once, as in training; each node's figure (its slowest
+    rank's median) and the failures.
+
+    When a node is out of line, every rank times COMPUTE_ROUNDS - 1 more rounds and the nodes
+    are judged on all their windows: a throttled node is slow in every one, while a busy
+    machine's noise (a rank beside another process for a while) passes. Every rank sees the
+    same figures, so all take the same number of rounds.
+    """
+    samples: list[list[float]] = [[] for _ in devices]
+    per_node: dict[str, float] = {}
+    failed: list[NodeFailure] = []
+    for round_ in range(COMPUTE_ROUNDS):
+        got: list[tuple[list[float], str | None]] = [([], None)] * ctx.world_size
+        dist.all_gather_object(got, _timed_compute(device))
+        broken = [
+            NodeFailure(d.node, "device", f"{problem} (on {d.device})", (d.rank,))
+            for d, (_, problem) in zip(devices, got, strict=True)
+            if problem
+        ]
+        if broken:
+            return {}, broken
+        for mine, (figures, _) in zip(samples, got, strict=True):
+            mine.extend(figures)
+        if round_ == 0 or round_ == COMPUTE_ROUNDS - 1:
+            per_node, failed = _slow_compute(devices, [statistics.median(s) for s in samples])
+            if not failed:
+                break
+    return per_node, failed
+
+
+def _slow_compute(
+    devices: Sequence[DeviceCheck], figures: Sequence[float]
+) -> tuple[dict[str, float], list[NodeFailure]]:
+    """Each node's compute figure (its slowest rank's: training waits for it), and the nodes
+    far out of line with the ranks that make them so."""
+    per_node: dict[str, float] = {}
+    for d, f in zip(devices, figures, strict=True):
+        per_node[d.node] = max(per_node.get(d.node, 0.0), f)
+    failed = []
+    for n in slow_nodes(per_node, COMPUTE_FACTOR, COMPUTE_FLOOR_S):
+        rest = statistics.median(v for k, v in per_node.items() if k != n)
+        slow = [
+            (d.rank, f)
+            for d, f in zip(devices, figures, strict=True)
+            if d.node == n and f > COMPUTE_FACTOR * rest
+        ]
+        ms = ", ".join(f"{f * 1000:.0f}" for _, f in slow)
+        figures_text = (
+            f"{ms} ms for {COMPUTE_STEPS} steps, the other nodes' median {rest * 1000:.0f} ms "
+            f"(limit: {COMPUTE_FACTOR:g}x, and over {COMPUTE_FLOOR_S * 1000:.0f} ms)"
+        )
+        failed.append(NodeFailure(n, "compute", figures_text, tuple(r for r, _ in slow)))
+    return per_node, failed
 
 
 def slow_nodes(
@@ -343,31 +492,34 @@ def preflight(
     nodes = list(dict.fromkeys(d.node for d in devices))
     leaders = [min(d.rank for d in devices if d.node == n) for n in nodes]
     slow_here = any(g[1] for g in gathered if g[0].node == node)
-    world = _time_allreduce(None, device, 0.0) if ctx.is_distributed else None
-    figures = _node_figures(ctx, device, nodes, leaders, slow_here) if len(nodes) > 1 else {}
     failed = [
-        NodeFailure(d.node, "device", f"rank {d.rank} on {d.device}: {d.problem}")
+        NodeFailure(d.node, "device", f"{d.problem} (on {d.device})", (d.rank,))
         for d in devices
         if d.problem
     ]
+    figures: dict[str, float] = {}
+    compute: dict[str, float] = {}
+    if len(nodes) > 1:  # one node is never out of line: nothing to time
+        compute, slow = _compute_check(ctx, device, devices)
+        figures = _node_figures(ctx, device, nodes, leaders, slow_here)
+        failed += slow
+    world = _time_allreduce(None, device, 0.0) if ctx.is_distributed else None
     for n in slow_nodes(figures):
         rest = statistics.median(v for k, v in figures.items() if k != n)
-        failed.append(
-            NodeFailure(
-                n,
-                "all-reduce",
-                f"{figures[n] * 1000:.1f} ms for {SIZE_BYTES >> 20} MiB, the other nodes' "
-                f"median {rest * 1000:.1f} ms (limit: {SLOW_FACTOR:g}x, and over "
-                f"{FLOOR_S * 1000:.0f} ms)",
-            )
+        text = (
+            f"{figures[n] * 1000:.1f} ms for {SIZE_BYTES >> 20} MiB, the other nodes' "
+            f"median {rest * 1000:.1f} ms (limit: {SLOW_FACTOR:g}x, and over "
+            f"{FLOOR_S * 1000:.0f} ms)"
         )
+        failed.append(NodeFailure(n, "all-reduce", text, (leaders[nodes.index(n)],)))
     report = PreflightReport(
         devices=devices,
         world_s=world,
         allreduce_s=tuple(figures.items()),
+        compute_s=tuple(compute.items()),
         failed=tuple(failed),
         seconds=time.perf_counter() - t0,
     )
     if report.failed:
-        raise PreflightFailed(report, node)
+        raise PreflightFailed(report, ctx.rank)
     return report

@@ -474,6 +474,16 @@ class _Ending:
             here = exc.here
             detail = "; ".join(f"{f.check} check: {f.figures}" for f in here) or str(exc)
             self.ended("preflight" if here else "failed", detail, exc, peer_lost=not here)
+            if self.writer is not None:  # the run's record names the first rank at fault
+                first = exc.report.failed[0]
+                failure = Failure(
+                    kind="preflight",
+                    error=str(exc),
+                    rank=first.ranks[0],
+                    host=first.node,
+                    at=now_iso(),
+                )
+                _record_end(self.writer, "failed", failure=failure, resolved=self.resolved)
             log.error("exit: %s", exc)
         elif isinstance(exc, KeyboardInterrupt):
             detail = (
@@ -533,14 +543,13 @@ def _start(
     _log_start(resolved, ctx, device, seed, node, rendezvous)
     if kernel_cache:
         log.info("kernel cache: %s", kernel_cache)
+    if ctx.is_main:  # (before the preflight: its failure is the run's record too)
+        ending.writer = RunWriter.acquire(run, ctx.rank)
     if spec.preflight:  # before anything is built: a bad node costs seconds
         reached = progress_summary(run).iteration or 0
         drills = preflight_drills(injections, run, ctx.rank, reached)
         log.info("preflight passed: %s", preflight(ctx, device, node, drills).summary())
-    checkpoints = None
-    if ctx.is_main:
-        ending.writer = RunWriter.acquire(run, ctx.rank)
-        checkpoints = Checkpoints(run.path, resolved.task)
+    checkpoints = Checkpoints(run.path, resolved.task) if ctx.is_main else None
     plan = plan_resume(run, resolved, ctx, checkpoints)
     work = build_workload(resolved, ctx, device, seed=seed, run=run, quiet=rank_log)
     first_obs = work.first_obs_digest()

@@ -25,7 +25,9 @@ import pytest
 from helpers import BIN, cli_env, wait_for, wait_for_iteration
 
 from mjlab_hpc.rank.stragglers import RATIO, WINDOW, StragglerWatch, _median_without
+from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.record import RunRecord, on_end, on_stragglers
 
 
 def feed(watch: StragglerWatch, rows: list[list[float]], start: int = 1) -> list[bool]:
@@ -65,6 +67,23 @@ def test_the_median_of_the_others_is_the_median_without_each_value() -> None:
         for place in range(len(ranked)):
             rest = ranked[:place] + ranked[place + 1 :]
             assert _median_without(ranked, place) == pytest.approx(statistics.median(rest))
+
+
+def test_a_run_that_ended_still_names_its_straggler(tmp_path: Path) -> None:
+    """A run whose last start ended with a rank 2.5x slower than the other: status and logs
+    still name it, as of when the run last trained (they said nothing once it had ended)."""
+    watch = StragglerWatch(["node1", "node2"])
+    feed(watch, [[0.2, 0.5]] * WINDOW)
+    record = on_end(on_stragglers(RunRecord(), [s.as_dict() for s in watch.current]), WINDOW)
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    write_json_atomic(run.record, record.to_json())
+    said = "when it last trained, rank 1 on node2 is 2.50x slower than the other ranks (0.500 s"
+    row = status_json(run)
+    assert row["state"] == "COMPLETED" and row["stragglers"][0].startswith(said), row
+    cmd = [BIN / "mjlab-hpc", "logs", str(run.path)]
+    logs = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert f"straggler: {said}" in logs.stdout, logs.stdout + logs.stderr
 
 
 def status_json(run: RunDir) -> dict:
