@@ -51,7 +51,6 @@ from mjlab_hpc.rundir.layout import (
     CHECKSUM_SUFFIX,
     checkpoint_iteration,
     list_checkpoints,
-    pruned_marker,
     rank_state_dir,
     rank_state_file,
 )
@@ -84,6 +83,8 @@ DAMAGED_SUFFIX = ".damaged"
 
 
 _RANK_FILE = re.compile(r"rank(\d+)-of-(\d+)\.pt")
+# What a model's sidecar header says once its rank states were pruned (--keep-env-states).
+_PRUNED = "rank_states_pruned"
 #: The largest model file read (the networks and optimizer of a policy: megabytes).
 MODEL_LIMIT = 4 << 30
 # The largest rank state of a checkpoint that does not list its size (older mjlab_hpc).
@@ -324,7 +325,7 @@ def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | N
     """
     folder = rank_state_dir(checkpoint)
     listed = header.get("rank_states")
-    if env_states_pruned(checkpoint):
+    if header.get(_PRUNED):
         return None  # dropped on purpose (--keep-env-states): its model stands alone
     if not folder.is_dir():
         return f"{checkpoint.name}'s rank states are missing" if listed else None
@@ -370,8 +371,14 @@ def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | N
 
 
 def env_states_pruned(checkpoint: Path) -> bool:
-    """Whether `checkpoint`'s rank states were pruned (--keep-env-states); its model stays."""
-    return pruned_marker(checkpoint).is_file()
+    """Whether `checkpoint`'s rank states were pruned (--keep-env-states); its model stays.
+
+    Its sidecar's header says so (`_PRUNED`).
+    """
+    try:
+        return bool(_read_sidecar(checkpoint)[1].get(_PRUNED))
+    except ValueError:  # a sidecar whose header is damaged says nothing
+        return False
 
 
 def rank_state_world_size(checkpoint: Path) -> int | None:
@@ -621,8 +628,8 @@ class Checkpoints:
 
         Checkpoints are verified newest first until `keep` verify with their states, so the
         one a continuation would take keeps them, and a damaged one (neither counted nor
-        touched) never leaves the run without restorable ones. Only older states go: a
-        marker (`layout.pruned_marker`) is written first, then the states are deleted, so a
+        touched) never leaves the run without restorable ones. Only older states go: the
+        model's sidecar says so first (`_PRUNED`), then the folder is deleted, so a
         checkpoint stopped halfway is pruned, not damaged.
         """
         if keep <= 0:
@@ -630,18 +637,23 @@ class Checkpoints:
         kept, dropped = 0, []
         for path in reversed(list_checkpoints(self.run_dir)):
             folder = rank_state_dir(path)
-            holds = folder.is_dir() and not env_states_pruned(path)
+            if not folder.is_dir():
+                continue
             if kept < keep:
-                restorable = holds and rank_state_world_size(path) is not None
+                restorable = rank_state_world_size(path) is not None
                 if restorable and self.problem(path) is None:
                     kept += 1
                 continue
-            if holds:
-                write_atomic(pruned_marker(path), b"")
-                for item in list(folder.iterdir()):
-                    if item.name != pruned_marker(path).name:
-                        item.unlink(missing_ok=True)
+            if not env_states_pruned(path):
+                try:
+                    digest, header = _read_sidecar(path)
+                except ValueError:
+                    digest = None
+                if digest is None:  # no sidecar to say so: left as it is
+                    continue
+                write_atomic(_sidecar(path), _sidecar_text(digest, {**header, _PRUNED: True}))
                 dropped.append(path)
+            shutil.rmtree(folder, ignore_errors=True)  # a link is not followed
         return dropped
 
 

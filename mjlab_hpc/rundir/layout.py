@@ -54,7 +54,6 @@ __all__ = [
     "latest_run_record",
     "list_checkpoints",
     "progress_summary",
-    "pruned_marker",
     "rank_state_dir",
     "rank_state_file",
     "read_element",
@@ -143,11 +142,6 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def rank_state_dir(checkpoint: Path) -> Path:
     """The folder of a checkpoint's per-rank states: `rank_states/model_<n>/`."""
     return checkpoint.parent / RANK_STATES_DIR / checkpoint.name.removesuffix(".pt")
-
-
-def pruned_marker(checkpoint: Path) -> Path:
-    """What says a checkpoint's rank states were pruned (--keep-env-states), in their folder."""
-    return rank_state_dir(checkpoint) / "pruned"
 
 
 def rank_state_file(checkpoint: Path, rank: int, world_size: int) -> Path:

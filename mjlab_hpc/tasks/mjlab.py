@@ -432,15 +432,17 @@ def _integration_state() -> frozenset[str]:
 def state_rules() -> Any:
     """Say what of an mjlab env (a ManagerBasedRlEnv) is its state, for `envstate`.
 
-    It is everything reachable from the env but the renderer, the NaN guard and the step's
-    log, and but what the env recomputes exactly after a restore (`restore_env`):
+    It is everything reachable from the env but the renderer, the NaN guard, the step's log,
+    and what the env recomputes exactly after a restore (`restore_env`):
 
     - of the simulator's Data, all but the integration state (`forward` recomputes the rest);
     - of its Model, all but the fields mjlab expanded per world (`Simulation.expanded_fields`:
       what domain randomisation writes); the others are compiled from the task's config;
     - of a raycast sensor, everything: its rays, hits and caches are computed from Data and
       Model by `sense` (configuration otherwise);
-    - the raycast sensors' render context: its acceleration structures are refit before use.
+    - the sensors' render context: its acceleration structures are refit before use.
+
+    The observations of the last step stay: they hold the noise drawn for them.
     """
     import mujoco_warp
     from mjlab.sensor.raycast_sensor import RayCastSensor
@@ -450,9 +452,11 @@ def state_rules() -> Any:
     state = _integration_state()
 
     def derived(env: Any) -> list[Any]:
-        data, model, fields = env.sim.wp_data, env.sim.wp_model, env.sim.expanded_fields
+        data, model = env.sim.wp_data, env.sim.wp_model
         out = [v for k, v in vars(data).items() if k not in state and not _is_plain(v)]
-        out += [v for k, v in vars(model).items() if k not in fields and not _is_plain(v)]
+        fields = getattr(env.sim, "expanded_fields", None)  # None (an older mjlab): all kept
+        if fields is not None:
+            out += [v for k, v in vars(model).items() if k not in fields and not _is_plain(v)]
         for sensor in env.scene.sensors.values():
             if isinstance(sensor, RayCastSensor):  # its own arrays only: it holds Data too
                 out += [v for v in vars(sensor).values() if _is_array(v)]

@@ -34,7 +34,7 @@ from mjlab_hpc.rundir.checkpoint import (
     save_checkpoint,
     write_rank_state,
 )
-from mjlab_hpc.rundir.layout import list_checkpoints, pruned_marker
+from mjlab_hpc.rundir.layout import list_checkpoints
 from mjlab_hpc.rundir.record import read_record
 
 
@@ -206,7 +206,7 @@ def test_environment_states_are_kept_for_the_newest_checkpoints_that_verify(
     checkpoints = Checkpoints(tmp_path)
     dropped = checkpoints.prune_env_states(2)
     assert [p.name for p in dropped] == ["model_3.pt", "model_2.pt", "model_1.pt"]
-    assert sorted(p.name for p in (states / "model_1").iterdir()) == ["pruned"]
+    assert not (states / "model_1").exists() and (states / "model_4").is_dir()
     assert len(list((states / "model_6").iterdir())) == 4  # damaged: untouched
     assert len(list((states / "model_7").iterdir())) == 1  # its temporary file: untouched
     assert checkpoints.prune_env_states(2) == [] and checkpoints.prune_env_states(0) == []
@@ -216,9 +216,15 @@ def test_environment_states_are_kept_for_the_newest_checkpoints_that_verify(
     assert fresh.problem(tmp_path / "model_1.pt") is None  # pruned: its model stands alone
     assert env_states_pruned(tmp_path / "model_1.pt")
     assert not env_states_pruned(tmp_path / "model_4.pt")
-    # Halfway: the marker, then the files; stopped between them it is pruned, not damaged.
-    pruned_marker(tmp_path / "model_4.pt").write_bytes(b"")
+    assert load_verified(tmp_path / "model_1.pt")["iter"] == 1
+    # Halfway: the sidecar says so, then the files go; stopped between, pruned, not damaged.
+    sidecar = tmp_path / "model_4.pt.sha256"
+    digest, header = sidecar.read_text().splitlines()
+    sidecar.write_text(
+        f"{digest}\n{json.dumps({**json.loads(header), 'rank_states_pruned': True})}\n"
+    )
     assert Checkpoints(tmp_path).problem(tmp_path / "model_4.pt") is None
+    assert env_states_pruned(tmp_path / "model_4.pt")
     # With the newer ones damaged, the checkpoint left has no states: --fresh-envs, said.
     for n in (4, 5, 6):
         (tmp_path / f"model_{n}.pt").write_bytes(b"torn")
