@@ -142,9 +142,8 @@ class TrainSpec:
     keep_checkpoints: int = 0
     """Keep only the newest N checkpoints (0: keep all)."""
     keep_env_states: int = 2
-    """Keep the ranks' environment states (rank_states/) of the newest N checkpoints that
-    verify with them (0: keep all); every kept checkpoint's model file stays. A continuation
-    from an older checkpoint needs --fresh-envs."""
+    """Keep the environment states (rank_states/) of the newest N checkpoints that verify
+    (0: all); their models stay."""
     preempt_signal: str = "USR2"
     """Signal that announces the time limit (Slurm's --signal): USR2, USR1 or URG. SIGTERM
     means preemption."""
