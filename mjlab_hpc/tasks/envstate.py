@@ -88,6 +88,14 @@ class _Leaf:
 class _Graph:
     leaves: dict[str, _Leaf] = field(default_factory=dict)
     objects: dict[str, Any] = field(default_factory=dict)
+    left_out: set[str] = field(default_factory=set)
+    """Paths the rules leave out: derived objects, attributes an object's only_fields omit."""
+
+    def leaves_out(self, path: str) -> bool:
+        """Whether `path`, or an object it lies in, is left out."""
+        return path in self.left_out or any(
+            c in ".[" and path[:i] in self.left_out for i, c in enumerate(path)
+        )
 
 
 def _walked(obj: object) -> bool:
@@ -132,7 +140,8 @@ def _walk(root: object, name: str, rules: Rules, skipped: Iterable[object] = ())
     Objects are entered once, breadth first, so the shortest path names them.
     """
     graph = _Graph()
-    seen: set[int] = {id(obj) for obj in skipped}
+    derived = {id(obj) for obj in skipped}
+    seen = set(derived)
     queue: collections.deque[tuple[str, str, Any, bool, object]] = collections.deque(
         [(name, "", None, True, root)]
     )
@@ -142,6 +151,8 @@ def _walk(root: object, name: str, rules: Rules, skipped: Iterable[object] = ())
             graph.leaves[path] = _Leaf(parent, key, attr, obj)
             continue
         if id(obj) in seen:
+            if id(obj) in derived:
+                graph.left_out.add(path)
             continue
         seen.add(id(obj))
         if isinstance(obj, dict):
@@ -159,7 +170,9 @@ def _walk(root: object, name: str, rules: Rules, skipped: Iterable[object] = ())
             only = rules.only_fields(obj)
             names = [n for n in attrs if n not in rules.skip_names]
             if only is not None:
-                names = [n for n in names if n in set(only)]
+                kept = set(only)
+                graph.left_out.update(f"{path}.{n}" for n in names if n not in kept)
+                names = [n for n in names if n in kept]
             queue.extend((f"{path}.{n}", path, n, True, attrs[n]) for n in names)
     return graph
 
@@ -395,14 +408,19 @@ def restore(
 ) -> list[str]:
     """Put `state` (from `capture`) back into `root`, in place.
 
-    Returns what could not be put back, one line each (empty: everything was).
+    What `rules` leave out is not put back, also where `state` has it (saved under rules that
+    kept more). Returns what could not be put back, one line each (empty: everything was).
     """
-    graph = _walk(root, name, rules, list(rules.derived(root)))
+    derived = list(rules.derived(root))
+    graph = _walk(root, name, rules, derived)
+    memory = _Memory(_arrays_in(derived))
     problems: list[str] = []
     placed: dict[int, Any] = {}  # saved copy -> the object now holding it (aliases stay one)
     arrays: dict[int, torch.Tensor] = {}  # saved copy -> it expanded (`_compact`), once
     with torch.inference_mode():
         for path, (parent_path, key, attr, kind, value) in state.items():
+            if graph.leaves_out(path):
+                continue  # recomputed (a state saved under other rules has it)
             here = graph.leaves.get(path)
             target = here.value if here is not None else None
             if kind in ("torch", "warp", "numpy"):
@@ -411,6 +429,8 @@ def restore(
                 value = arrays[id(value)]
             if kind in ("torch", "warp", "numpy") and _is_array(target):
                 view = _as_torch(target)
+                if view is not None and view.numel() and memory.holds(view):
+                    continue  # recomputed, as above
                 if view is None or view.shape != value.shape or view.dtype != value.dtype:
                     got = "nothing" if view is None else f"{tuple(view.shape)} {view.dtype}"
                     problems.append(f"{path}: saved {tuple(value.shape)} {value.dtype}, here {got}")

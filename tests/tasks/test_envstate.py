@@ -101,3 +101,25 @@ def test_a_value_the_live_enum_lacks_is_said_not_set() -> None:
         "env.mode: 'turbo' is no Mode here"
     ]
     assert fresh.mode is Mode.FAST
+
+
+def test_what_the_rules_now_recompute_is_not_put_back_from_an_older_state() -> None:
+    """A state saved under rules that kept more (an older mjlab_hpc's): what the current
+    rules leave out (a derived object, a field only_fields omits, an array in derived
+    memory) is neither put back nor said; the rest is restored."""
+    toy = _changed(Toy())
+    toy.cache = Toy()  # an object the rules below call derived
+    saved = envstate.capture(toy, envstate.Rules())
+    assert "env.cache.mode" in saved and "env.friction" in saved and "env.scale" in saved
+    rules = envstate.Rules(
+        only_fields=lambda obj: [n for n in vars(obj) if n != "scale"] if obj is fresh else None,
+        derived=lambda root: [root.cache, root.ids],
+    )
+    fresh = Toy()
+    fresh.cache = Toy()
+    fresh.ids[:, 0] = 5
+    assert envstate.restore(fresh, saved, rules, "cpu") == []
+    assert fresh.mode is Mode.SLOW  # the rest restored, NaN and -0.0 too:
+    assert torch.equal(fresh.friction.view(torch.uint8), toy.friction.view(torch.uint8))
+    assert fresh.cache.mode is Mode.FAST and fresh.scale == np.float32(1.0)  # left out
+    assert int(fresh.ids[0, 0]) == 5  # derived memory: not overwritten
