@@ -141,6 +141,9 @@ class TrainSpec:
     is not exact; run.json records it."""
     keep_checkpoints: int = 0
     """Keep only the newest N checkpoints (0: keep all)."""
+    keep_env_states: int = 2
+    """Keep the environment states (rank_states/) of the newest N checkpoints that verify
+    (0: all); their models stay."""
     preempt_signal: str = "USR2"
     """Signal that announces the time limit (Slurm's --signal): USR2, USR1 or URG. SIGTERM
     means preemption."""

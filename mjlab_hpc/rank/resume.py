@@ -29,6 +29,7 @@ from mjlab_hpc.rundir.checkpoint import (
     Checkpoints,
     Damaged,
     cannot_continue,
+    env_states_pruned,
     load_rank_state,
     load_verified,
     rank_state_world_size,
@@ -60,7 +61,10 @@ class ResumePlan:
 
 
 def _decide(run: RunDir, resolved: ResolvedSpec, checkpoints: Checkpoints) -> ResumePlan:
-    refusal = cannot_continue(checkpoints, resolved.task, resolved.train.restart_from_scratch)
+    train = resolved.train
+    refusal = cannot_continue(
+        checkpoints, resolved.task, train.restart_from_scratch, fresh_envs=train.fresh_envs
+    )
     if refusal is not None:
         raise ResumeRefused(refusal.flag, refusal.problem)
     path, damaged = checkpoints.newest_valid()  # verdicts are cached: no second read
@@ -133,6 +137,8 @@ def _unfit(
     `resized`: the healer changed the world size, which is then no reason.
     """
     saved = (ckpt.get("infos") or {}).get("environments")
+    if env_states_pruned(path):
+        return "--fresh-envs", f"{path.name}'s environment states were pruned (--keep-env-states)"
     if not isinstance(saved, dict) or rank_state_world_size(path) is None:
         return "--fresh-envs", f"{path.name} holds no environment state (older mjlab_hpc)"
     if saved["world_size"] != world_size and not resized:

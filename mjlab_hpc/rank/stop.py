@@ -485,6 +485,7 @@ class IterationBoundary:
             )
             self.checkpoints.written(path)
             self.checkpoints.prune(self.policy.keep_checkpoints)
+            self.checkpoints.prune_env_states(self.policy.keep_env_states)
             self._record_time(iteration, t0, stop)
             if stop is not None:
                 recorded = self._record_stop(stop, iteration, t0)

@@ -120,13 +120,15 @@ def rank_state(work: Workload, device: str) -> dict[str, Any]:
 
     That is its environments' whole state and its random number generators: torch's on the
     CPU and on the rank's GPU, numpy's and Python's. Warp has no global generator: its seeds
-    are in the environments' state. Its logger's episode statistics go with them.
+    are in the environments' state. Its logger's episode statistics go with them. All of it is
+    plain data (numpy's generator state with its key as a list).
     """
+    name, key, *rest = np.random.get_state()
     state: dict[str, Any] = {
         "env": work.env_state(),
         "episodes": work.runner.episode_state(),
         "torch_rng": torch.get_rng_state(),
-        "numpy_rng": np.random.get_state(),
+        "numpy_rng": (name, key.tolist(), *rest),
         "python_rng": random.getstate(),
     }
     if device.startswith("cuda"):

@@ -14,17 +14,15 @@ files stay plain `torch.save` archives that rsl-rl's and mjlab's `load()` read; 
 only to write or read one.
 
 A run directory may be shared, so what is read from it is data, never code: every file is
-unpickled with torch's weights-only unpickler, which builds nothing but what we save
-(`_saved_globals`: tensors, numpy's arrays, scalars and dtypes, the environment's enum
-values). A file that names anything else is refused by name, like a damaged one.
+read with torch's plain weights-only load (`torch.load(..., weights_only=True)`), which builds
+tensors and Python's own values only, what we, rsl-rl and mjlab save. A rank state written
+before states were plain data is read by `legacy`. A file that names anything else is refused
+by name, like a damaged one.
 """
 
 from __future__ import annotations
 
-import contextlib
-import enum
 import hashlib
-import importlib
 import io
 import json
 import logging
@@ -32,14 +30,14 @@ import os
 import pickle
 import re
 import shutil
-import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from mjlab_hpc.errors import SpecError
+from mjlab_hpc.rundir import legacy
 from mjlab_hpc.rundir.durable import (
     fsync_dir,
     open_regular,
@@ -66,6 +64,7 @@ __all__ = [
     "Checkpoints",
     "Damaged",
     "cannot_continue",
+    "env_states_pruned",
     "load_rank_state",
     "load_verified",
     "load_with",
@@ -84,6 +83,8 @@ DAMAGED_SUFFIX = ".damaged"
 
 
 _RANK_FILE = re.compile(r"rank(\d+)-of-(\d+)\.pt")
+# What a model's sidecar header says once its rank states were pruned (--keep-env-states).
+_PRUNED = "rank_states_pruned"
 #: The largest model file read (the networks and optimizer of a policy: megabytes).
 MODEL_LIMIT = 4 << 30
 # The largest rank state of a checkpoint that does not list its size (older mjlab_hpc).
@@ -91,98 +92,8 @@ _STATE_LIMIT = 64 << 30
 
 
 _T = TypeVar("_T")
-# numpy's array, scalar and dtype rebuilders (numpy's RNG state, an environment's numpy
-# values), under numpy 2's names and numpy 1's.
-_NUMPY_GLOBALS = {
-    "numpy._core.multiarray._reconstruct": ("numpy._core.multiarray", "_reconstruct"),
-    "numpy.core.multiarray._reconstruct": ("numpy._core.multiarray", "_reconstruct"),
-    "numpy._core.multiarray.scalar": ("numpy._core.multiarray", "scalar"),
-    "numpy.core.multiarray.scalar": ("numpy._core.multiarray", "scalar"),
-    "numpy.ndarray": ("numpy", "ndarray"),
-    "numpy.dtype": ("numpy", "dtype"),
-}
-# The simulator's packages, whose enum classes an environment's saved settings name.
-_ENUM_PACKAGES = frozenset({"mjlab", "mujoco_warp", "mujoco", "warp"})
 # torch's advice around why it refused a file (not said: we never load it otherwise).
 _ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation")
-
-
-def _is_enum(obj: object) -> bool:
-    return isinstance(obj, type) and issubclass(obj, enum.Enum)
-
-
-@dataclass(frozen=True)
-class _Outer:
-    """A class that holds enum classes, as a pickle of one of them names it: only that."""
-
-    cls: type
-
-
-def _enum_member(obj: object, name: str) -> Any:
-    """`getattr(obj, name)` as an enum's pickle calls it: a member, or a nested enum class."""
-    if _is_enum(obj) and name in obj.__members__:  # type: ignore[union-attr]
-        return obj.__members__[name]  # type: ignore[union-attr]
-    if isinstance(obj, _Outer) and _is_enum(inner := getattr(obj.cls, name, None)):
-        return inner
-    raise pickle.UnpicklingError(f"getattr({obj!r}, {name!r}) is no enum member")
-
-
-def _module(name: str) -> Any:
-    """The module `name` when it is imported, or one of the simulator's that imports (else None).
-
-    Only the simulator's packages are imported by a name a file gives: their enums are what an
-    environment's settings hold, and importing them is what training does anyway.
-    """
-    if name in sys.modules or name.split(".")[0] not in _ENUM_PACKAGES:
-        return sys.modules.get(name)
-    try:
-        return importlib.import_module(name)
-    except Exception:  # no such module (a class's name), or one that cannot load here
-        return None
-
-
-def _enums_named(name: str) -> dict[str, Any]:
-    """The enum class `name` (module.qualname) names, by its name (empty: none).
-
-    A class that holds enum classes (protocol 2 pickles a nested class through it) comes as
-    an `_Outer`, with those enum classes.
-    """
-    parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        obj: Any = _module(".".join(parts[:i]))
-        if obj is None:
-            continue
-        for attr in parts[i:]:
-            obj = getattr(obj, attr, None)
-        if _is_enum(obj):
-            return {name: obj}
-        inner = {f"{name}.{k}": v for k, v in vars(obj).items() if _is_enum(v)}
-        return {name: _Outer(obj), **inner} if isinstance(obj, type) and inner else {}
-    return {}
-
-
-def _saved_globals(names: Iterable[str]) -> dict[str, Any]:
-    """What, of the globals `names` a saved file names beyond torch's own, we save.
-
-    numpy's arrays, scalars and dtypes, an enum member's lookup, and enum classes (an
-    environment's settings) of the simulator's packages or of modules already imported; by
-    the name the file uses.
-    """
-    allowed: dict[str, Any] = {}
-    for name in names:
-        if name in _NUMPY_GLOBALS:
-            module, attr = _NUMPY_GLOBALS[name]
-            allowed[name] = getattr(importlib.import_module(module), attr)
-            if name == "numpy.dtype":  # a dtype is rebuilt as an instance of its class
-                dtypes = importlib.import_module("numpy.dtypes")
-                for cls in vars(dtypes).values():
-                    if isinstance(cls, type) and issubclass(cls, allowed[name]):
-                        allowed[f"numpy.dtypes.{cls.__name__}"] = cls
-        elif name == "builtins.getattr":
-            allowed[name] = _enum_member
-        else:
-            allowed.update(_enums_named(name))
-    return allowed
 
 
 def _named_globals(f: IO[bytes]) -> list[str] | None:
@@ -200,34 +111,6 @@ def _named_globals(f: IO[bytes]) -> list[str] | None:
         f.seek(0)
 
 
-def _unsaved_globals(f: IO[bytes]) -> list[str] | None:
-    """The globals a `torch.save` file names that we never save (None: not torch's format)."""
-    names = _named_globals(f)
-    return None if names is None else [n for n in names if n not in _saved_globals(names)]
-
-
-@contextlib.contextmanager
-def _weights_only(names: Iterable[str]) -> Iterator[None]:
-    """Make every torch.load in this block weights-only, with what we save of `names`.
-
-    torch.load obeys TORCH_FORCE_WEIGHTS_ONLY_LOAD on each call, also where other code (rsl-rl,
-    mjlab) asks for weights_only=False.
-    """
-    import torch
-
-    allowed = [(obj, name) for name, obj in _saved_globals(names).items()]
-    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        with torch.serialization.safe_globals(allowed):
-            yield
-    finally:
-        if before is None:
-            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
-        else:
-            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
-
-
 def _refusal(path: Path, exc: BaseException, raw: bool) -> ValueError:
     """Why torch's weights-only unpickler refused `path`, in one line naming it.
 
@@ -242,37 +125,38 @@ def _refusal(path: Path, exc: BaseException, raw: bool) -> ValueError:
     return ValueError(f"{path.name} {what} ({reason}): refused, not loaded")
 
 
-def _load_safely(path: Path, data: bytes, load: Callable[[IO[bytes]], _T]) -> _T:
-    """`load(file of data)` (the bytes of `path`), where torch.load builds what we save only."""
+def _unpickle(path: Path, data: bytes, map_location: str | None) -> Any:
+    """Load `data` (the bytes of `path`) with torch's plain weights-only load.
+
+    It builds tensors and Python's own values only: what we save, and what rsl-rl and mjlab
+    save. A rank state of mjlab_hpc before plain states is read by `legacy.read` instead.
+    """
+    import torch  # heavy: only where a checkpoint is read
+
     f = io.BytesIO(data)
     names = _named_globals(f)
     try:
-        with _weights_only(names or ()), warnings.catch_warnings():
-            # A raw pickle's protocol is said as a warning: it is refused or loaded anyway.
+        if names and legacy.reads(names):
+            return legacy.read(f, map_location)
+        with warnings.catch_warnings():
+            # A raw pickle's protocol is said as a warning: it is refused anyway.
             warnings.filterwarnings("ignore", "Detected pickle protocol")
-            return load(f)
-    except (pickle.UnpicklingError, TypeError) as exc:  # TypeError: an `_Outer` called
+            return torch.load(f, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
         raise _refusal(path, exc, raw=names is None) from None
-
-
-def _unpickle(path: Path, data: bytes, map_location: str | None) -> Any:
-    """Load `data` (the bytes of `path`) weights-only: nothing but what we save is built."""
-    import torch  # heavy: only where a checkpoint is read
-
-    return _load_safely(
-        path, data, lambda f: torch.load(f, map_location=map_location, weights_only=True)
-    )
 
 
 def load_with(load: Callable[[IO[bytes]], _T], path: Path) -> _T:
     """Let other code's `load` (mjlab's runner.load) read checkpoint `path` safely.
 
     It gets the bytes that verify, not the path (which another user may replace meanwhile),
-    and its torch.load is weights-only, with what we save.
+    and, since it unpickles them fully (mjlab's load asks for weights_only=False), only what
+    a plain weights-only load built of them, saved again.
     """
     data = read_regular(path, MODEL_LIMIT)
     _check_bytes(path, data)
-    return _load_safely(path, data, load)
+    plain = _parse(path, data, "cpu")
+    return load(io.BytesIO(_serialize(plain)))
 
 
 def _sidecar(path: Path) -> Path:
@@ -348,11 +232,15 @@ def write_rank_state(
 
     The state is saved with what it belongs to (`belongs`: run, task, iteration; and this
     rank and world size) and fsynced, but not published. Returns (temporary path, sha256,
-    size) for the writer, which publishes it.
+    size) for the writer, which publishes it. A state that is not plain data (tensors and
+    Python's own values: what a plain weights-only load reads) is a TypeError, unwritten.
     """
     path = rank_state_file(checkpoint, rank, world_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = _serialize({**state, "belongs": {**belongs, "rank": rank, "world_size": world_size}})
+    named = _named_globals(io.BytesIO(data))
+    if named:  # what a plain weights-only load would refuse: never written
+        raise TypeError(f"{path.name} would hold more than plain data (GLOBAL {named[0]})")
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
     try:
         write_new(tmp, data)
@@ -420,9 +308,10 @@ def _weights_problem(path: Path, limit: int) -> str | None:
     Only its pickle is read (its tensors' bytes are not), and nothing is built.
     """
     with open_regular(path, limit) as f:
-        unsaved = _unsaved_globals(f)
-    if unsaved is None:
+        names = _named_globals(f)
+    if names is None:
         return f"{path.name} is no torch.save archive: refused"
+    unsaved = legacy.unread(names)
     if unsaved:
         return f"{path.name} holds more than weights (GLOBAL {unsaved[0]}): refused, not loaded"
     return None
@@ -436,6 +325,8 @@ def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | N
     """
     folder = rank_state_dir(checkpoint)
     listed = header.get("rank_states")
+    if header.get(_PRUNED):
+        return None  # dropped on purpose (--keep-env-states): its model stands alone
     if not folder.is_dir():
         return f"{checkpoint.name}'s rank states are missing" if listed else None
     found = sorted(
@@ -479,8 +370,21 @@ def _rank_states_problem(checkpoint: Path, header: Mapping[str, Any]) -> str | N
     return None
 
 
+def env_states_pruned(checkpoint: Path) -> bool:
+    """Whether `checkpoint`'s rank states were pruned (--keep-env-states); its model stays.
+
+    Its sidecar's header says so (`_PRUNED`).
+    """
+    try:
+        return bool(_read_sidecar(checkpoint)[1].get(_PRUNED))
+    except ValueError:  # a sidecar whose header is damaged says nothing
+        return False
+
+
 def rank_state_world_size(checkpoint: Path) -> int | None:
-    """How many ranks wrote `checkpoint`'s rank states (None: it has none)."""
+    """How many ranks wrote `checkpoint`'s rank states (None: it has none, or they were pruned)."""
+    if env_states_pruned(checkpoint):
+        return None
     folder = rank_state_dir(checkpoint)
     found = {
         int(m[2])
@@ -595,6 +499,9 @@ class CheckpointPolicy:
     """--save-every-min: also one when this many minutes passed since the last (None: off)."""
     keep_checkpoints: int
     """--keep-checkpoints: the newest N that verify are kept (0: all)."""
+    keep_env_states: int = 0
+    """--keep-env-states: the rank states of the newest N that verify with them are kept
+    (0: all)."""
 
     @classmethod
     def of(cls, spec: TrainSpec) -> CheckpointPolicy:
@@ -603,6 +510,7 @@ class CheckpointPolicy:
             save_interval=spec.save_interval,
             save_every_min=spec.save_every_min,
             keep_checkpoints=spec.keep_checkpoints,
+            keep_env_states=spec.keep_env_states,
         )
 
     def periodic(self, iteration: int, last: int) -> bool:
@@ -714,15 +622,54 @@ class Checkpoints:
             shutil.rmtree(rank_state_dir(path), ignore_errors=True)
         return old
 
+    def prune_env_states(self, keep: int) -> list[Path]:
+        """Drop the rank states of all but the newest `keep` checkpoints whose rank states
+        verify (0 keeps all); the checkpoints whose states were dropped. Their models stay.
+
+        Checkpoints are verified newest first until `keep` verify with their states, so the
+        one a continuation would take keeps them, and a damaged one (neither counted nor
+        touched) never leaves the run without restorable ones. Only older states go: the
+        model's sidecar says so first (`_PRUNED`), then the folder is deleted, so a
+        checkpoint stopped halfway is pruned, not damaged.
+        """
+        if keep <= 0:
+            return []
+        kept, dropped = 0, []
+        for path in reversed(list_checkpoints(self.run_dir)):
+            folder = rank_state_dir(path)
+            if not folder.is_dir():
+                continue
+            if kept < keep:
+                restorable = rank_state_world_size(path) is not None
+                if restorable and self.problem(path) is None:
+                    kept += 1
+                continue
+            if not env_states_pruned(path):
+                try:
+                    digest, header = _read_sidecar(path)
+                except ValueError:
+                    digest = None
+                if digest is None:  # no sidecar to say so: left as it is
+                    continue
+                write_atomic(_sidecar(path), _sidecar_text(digest, {**header, _PRUNED: True}))
+                dropped.append(path)
+            shutil.rmtree(folder, ignore_errors=True)  # a link is not followed
+        return dropped
+
 
 def cannot_continue(
-    checkpoints: Checkpoints, task: str, restart_from_scratch: bool, flag: str = "--run-dir"
+    checkpoints: Checkpoints,
+    task: str,
+    restart_from_scratch: bool,
+    flag: str = "--run-dir",
+    fresh_envs: bool = False,
 ) -> SpecError | None:
     """Return why a run of `task` cannot continue the run directory (None: it can).
 
-    The directory holds a run of another task (named as `flag`), or every checkpoint of it
-    is damaged and --restart-from-scratch was not given. The launcher asks before starting
-    anything; the ranks ask again before loading.
+    The directory holds a run of another task (named as `flag`), every checkpoint of it is
+    damaged and --restart-from-scratch was not given, or the checkpoint it would continue
+    from has its rank states pruned and --fresh-envs was not given. The launcher asks before
+    starting anything; the ranks ask again before loading.
     """
     run_dir = checkpoints.run_dir
     theirs = read_record(run_dir).spec.get("task") if run_dir.is_dir() else None
@@ -742,5 +689,14 @@ def cannot_continue(
             f"every checkpoint of {run_dir} is damaged ({names}; {damaged[0].why}). "
             "Refusing to train again from iteration 0 over them: restore a checkpoint, or "
             "pass --restart-from-scratch (they are then kept as model_<n>.pt.damaged)",
+        )
+    if valid is not None and env_states_pruned(valid) and not fresh_envs:
+        newer = f"; the newer {', '.join(d.name for d in damaged)} are damaged" if damaged else ""
+        return SpecError(
+            "--fresh-envs",
+            f"{valid.name} of {run_dir}, the checkpoint to continue from, has no environment "
+            f"states: they were pruned (--keep-env-states keeps the newest checkpoints' only"
+            f"{newer}). Pass --fresh-envs to continue from it with new environments (models, "
+            "optimizer and iteration kept; not exact). Nothing was changed or started",
         )
     return None

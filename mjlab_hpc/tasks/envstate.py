@@ -7,6 +7,11 @@ arrays, so captured Warp graphs and views keep pointing at valid memory. A value
 environment lacks is set where its parent is; aliases stay one object. What a task's adapter
 says is not state (`Rules`) is left out.
 
+What is captured is plain data that `torch.load(..., weights_only=True)` reads: tensors, and
+values of Python's own types. An enum is kept as its value and a numpy scalar as Python's number;
+restoring turns each back into the live environment's own type at that path. A large per-world
+array whose columns are mostly the same in every world keeps those columns once (`_compact`).
+
 No library walks an arbitrary object graph this way: `torch.save` pickles objects instead of
 filling existing ones, and mjlab's own checkpoint keeps only a step counter.
 """
@@ -26,6 +31,9 @@ import torch
 import warp as wp
 
 __all__ = ["Rules", "capture", "differences", "restore"]
+
+# A per-world array at least this large keeps the columns equal in every world once.
+_COMPACT_BYTES = 1 << 16
 
 _SCALARS = (int, float, bool, str, bytes, complex, type(None), np.generic, enum.Enum)
 # Objects of these packages are not walked into (their state is not the environment's:
@@ -80,6 +88,14 @@ class _Leaf:
 class _Graph:
     leaves: dict[str, _Leaf] = field(default_factory=dict)
     objects: dict[str, Any] = field(default_factory=dict)
+    left_out: set[str] = field(default_factory=set)
+    """Paths the rules leave out: derived objects, attributes an object's only_fields omit."""
+
+    def leaves_out(self, path: str) -> bool:
+        """Whether `path`, or an object it lies in, is left out."""
+        return path in self.left_out or any(
+            c in ".[" and path[:i] in self.left_out for i, c in enumerate(path)
+        )
 
 
 def _walked(obj: object) -> bool:
@@ -124,7 +140,8 @@ def _walk(root: object, name: str, rules: Rules, skipped: Iterable[object] = ())
     Objects are entered once, breadth first, so the shortest path names them.
     """
     graph = _Graph()
-    seen: set[int] = {id(obj) for obj in skipped}
+    derived = {id(obj) for obj in skipped}
+    seen = set(derived)
     queue: collections.deque[tuple[str, str, Any, bool, object]] = collections.deque(
         [(name, "", None, True, root)]
     )
@@ -134,6 +151,8 @@ def _walk(root: object, name: str, rules: Rules, skipped: Iterable[object] = ())
             graph.leaves[path] = _Leaf(parent, key, attr, obj)
             continue
         if id(obj) in seen:
+            if id(obj) in derived:
+                graph.left_out.add(path)
             continue
         seen.add(id(obj))
         if isinstance(obj, dict):
@@ -151,7 +170,9 @@ def _walk(root: object, name: str, rules: Rules, skipped: Iterable[object] = ())
             only = rules.only_fields(obj)
             names = [n for n in attrs if n not in rules.skip_names]
             if only is not None:
-                names = [n for n in names if n in set(only)]
+                kept = set(only)
+                graph.left_out.update(f"{path}.{n}" for n in names if n not in kept)
+                names = [n for n in names if n in kept]
             queue.extend((f"{path}.{n}", path, n, True, attrs[n]) for n in names)
     return graph
 
@@ -218,7 +239,7 @@ def _rng_state(obj: object) -> tuple[str, Any]:
     if isinstance(obj, torch.Generator):
         return "torch", obj.get_state()
     if isinstance(obj, np.random.Generator):
-        return "numpy", obj.bit_generator.state
+        return "numpy", _plain(obj.bit_generator.state)
     assert isinstance(obj, random.Random)
     return "python", obj.getstate()
 
@@ -242,15 +263,105 @@ def capture(root: object, rules: Rules, name: str = "env") -> dict[str, Any]:
                 continue
             where = (view.data_ptr(), view.device, view.shape, view.stride(), view.dtype)
             if where not in copies:
-                copies[where] = view.to("cpu", copy=True)
+                copies[where] = _compact(view.to("cpu", copy=True))
             kind = "warp" if isinstance(obj, wp.array) else type(obj).__module__.split(".")[0]
             value: Any = copies[where]
         elif _is_rng(obj):
             kind, value = "rng", _rng_state(obj)
         else:
-            kind, value = "value", list(obj) if isinstance(obj, list) else obj
-        out[path] = (leaf.parent, leaf.key, leaf.attr, kind, value)
+            kind, value = "value", _plain(obj)
+        out[path] = (leaf.parent, _plain(leaf.key), leaf.attr, kind, value)
     return out
+
+
+def _plain(obj: Any) -> Any:
+    """`obj` as plain data: an enum as its value, a numpy scalar as Python's number, a
+    frozenset as a set, numpy's arrays as lists; inside tuples, lists, sets and dicts too."""
+    if isinstance(obj, enum.Enum):
+        return _plain(obj.value)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {_plain(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple | set | frozenset):
+        kind = set if isinstance(obj, frozenset) else type(obj)
+        return kind(_plain(x) for x in obj)  # type: ignore[call-arg]
+    return obj
+
+
+def _revive(value: Any, like: Any) -> Any:
+    """A plain `value` (from `_plain`) as the type of `like`, the live environment's value.
+
+    An enum's value becomes that enum's member, a number a numpy scalar, a set a frozenset,
+    element by element in tuples and lists. Anything else stays as it is.
+    """
+    if isinstance(like, enum.Enum) and not isinstance(value, enum.Enum):
+        try:
+            return type(like)(value)
+        except ValueError:  # no such member (another version): said by the caller
+            return value
+    if isinstance(like, np.generic) and not isinstance(value, np.generic):
+        return type(like)(value)
+    sequences = isinstance(like, list | tuple) and isinstance(value, list | tuple)
+    if sequences and len(like) == len(value):
+        return type(value)(_revive(v, w) for v, w in zip(value, like, strict=True))
+    if isinstance(like, set | frozenset) and isinstance(value, set | frozenset):
+        members = {type(x) for x in like}
+        if len(members) == 1 and issubclass(cls := members.pop(), enum.Enum):
+            value = {cls(v) if _is_member(cls, v) else v for v in value}
+        return type(like)(value)
+    return value
+
+
+def _is_member(cls: type[enum.Enum], value: Any) -> bool:
+    try:
+        cls(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _compact(t: torch.Tensor) -> Any:
+    """A per-world array, with the columns equal (bit for bit) in every world kept once.
+
+    Domain randomisation gives every world its own copy of a model field but varies few of
+    its entries (a friction of the feet among every geom's), and buffers hold per-world copies
+    of constants. Returns `t` itself when that saves little, else a dict of plain tensors:
+    `shape`, `shared` (the first world's row), `varying` (which entries differ somewhere)
+    and `values` (those entries, world by world).
+    """
+    bits = _SAME_SIZE_INT.get(t.element_size())
+    if bits is None or t.dim() < 2 or t.shape[0] < 2 or t.nbytes < _COMPACT_BYTES:
+        return t
+    flat = t.reshape(t.shape[0], -1)
+    as_int = flat.view(bits)  # compared bit for bit: -0.0 is not 0.0, NaN is itself
+    varying = (as_int != as_int[:1]).any(dim=0)
+    if int(varying.sum()) * 2 > varying.numel():
+        return t
+    return {
+        "shape": list(t.shape),
+        "shared": flat[0].clone(),
+        "varying": varying,
+        "values": flat[:, varying].clone(),
+    }
+
+
+# Integer types of each element size: what a compacted array is put back through (torch
+# indexes no unsigned integer but uint8).
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _expanded(value: Any) -> torch.Tensor:
+    """The array a `_compact` value stands for (`value` itself when it is a tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    shape, shared, values = value["shape"], value["shared"], value["values"]
+    flat = shared.expand(shape[0], -1).clone()
+    bits = _SAME_SIZE_INT[shared.element_size()]
+    flat.view(bits)[:, value["varying"]] = values.view(bits)
+    return flat.reshape(shape)
 
 
 def _same(a: object, b: object) -> bool:
@@ -297,17 +408,29 @@ def restore(
 ) -> list[str]:
     """Put `state` (from `capture`) back into `root`, in place.
 
-    Returns what could not be put back, one line each (empty: everything was).
+    What `rules` leave out is not put back, also where `state` has it (saved under rules that
+    kept more). Returns what could not be put back, one line each (empty: everything was).
     """
-    graph = _walk(root, name, rules, list(rules.derived(root)))
+    derived = list(rules.derived(root))
+    graph = _walk(root, name, rules, derived)
+    memory = _Memory(_arrays_in(derived))
     problems: list[str] = []
     placed: dict[int, Any] = {}  # saved copy -> the object now holding it (aliases stay one)
+    arrays: dict[int, torch.Tensor] = {}  # saved copy -> it expanded (`_compact`), once
     with torch.inference_mode():
         for path, (parent_path, key, attr, kind, value) in state.items():
+            if graph.leaves_out(path):
+                continue  # recomputed (a state saved under other rules has it)
             here = graph.leaves.get(path)
             target = here.value if here is not None else None
+            if kind in ("torch", "warp", "numpy"):
+                if id(value) not in arrays:
+                    arrays[id(value)] = _expanded(value)
+                value = arrays[id(value)]
             if kind in ("torch", "warp", "numpy") and _is_array(target):
                 view = _as_torch(target)
+                if view is not None and view.numel() and memory.holds(view):
+                    continue  # recomputed, as above
                 if view is None or view.shape != value.shape or view.dtype != value.dtype:
                     got = "nothing" if view is None else f"{tuple(view.shape)} {view.dtype}"
                     problems.append(f"{path}: saved {tuple(value.shape)} {value.dtype}, here {got}")
@@ -323,6 +446,10 @@ def restore(
                 problems.append(f"{path}: {parent_path} does not exist here")
                 continue
             if kind == "value":
+                value = _revive(value, target)
+                if isinstance(target, enum.Enum) and not isinstance(value, enum.Enum):
+                    problems.append(f"{path}: {value!r} is no {type(target).__name__} here")
+                    continue
                 if (here is not None and _same(target, value)) or isinstance(value, str | bytes):
                     continue  # names, paths and devices are the fresh environment's own
                 if isinstance(target, list) and isinstance(value, list):
@@ -352,8 +479,14 @@ def differences(a: dict[str, Any], b: dict[str, Any], limit: int = 10) -> list[s
     for path in sorted(set(a) | set(b)):
         if path not in a or path not in b:
             out.append(f"{path}: only in the {'first' if path in a else 'second'}")
-        elif a[path][3] != b[path][3] or not _same(a[path][4], b[path][4]):
+        elif a[path][3] != b[path][3] or not _same(_value(a[path]), _value(b[path])):
             out.append(f"{path}: differs")
         if len(out) >= limit:
             break
     return out
+
+
+def _value(entry: tuple[Any, ...]) -> Any:
+    """A captured entry's value, a compacted array expanded."""
+    kind, value = entry[3], entry[4]
+    return _expanded(value) if kind in ("torch", "warp", "numpy") else value

@@ -432,32 +432,54 @@ def _integration_state() -> frozenset[str]:
 def state_rules() -> Any:
     """Say what of an mjlab env (a ManagerBasedRlEnv) is its state, for `envstate`.
 
-    It is everything reachable from the env but the renderer, the NaN guard and the step's
-    log. Of the simulator's Data it is the integration state (`forward` recomputes the rest).
-    The raycast sensors' render context is left out: its acceleration structures are refit
-    before every use.
+    It is everything reachable from the env but the renderer, the NaN guard, the step's log,
+    and what the env recomputes exactly after a restore (`restore_env`):
+
+    - of the simulator's Data, all but the integration state (`forward` recomputes the rest);
+    - of its Model, all but the fields mjlab expanded per world (`Simulation.expanded_fields`:
+      what domain randomisation writes); the others are compiled from the task's config;
+    - of a raycast sensor, everything: its rays, hits and caches are computed from Data and
+      Model by `sense` (configuration otherwise);
+    - the sensors' render context: its acceleration structures are refit before use.
+
+    The observations of the last step stay: they hold the noise drawn for them.
     """
     import mujoco_warp
+    from mjlab.sensor.raycast_sensor import RayCastSensor
 
     from mjlab_hpc.tasks.envstate import Rules  # torch and warp: only where envs are made
 
     state = _integration_state()
 
     def derived(env: Any) -> list[Any]:
-        data = env.sim.wp_data
+        data, model = env.sim.wp_data, env.sim.wp_model
         out = [v for k, v in vars(data).items() if k not in state and not _is_plain(v)]
+        fields = getattr(env.sim, "expanded_fields", None)  # None (an older mjlab): all kept
+        if fields is not None:
+            out += [v for k, v in vars(model).items() if k not in fields and not _is_plain(v)]
+        for sensor in env.scene.sensors.values():
+            if isinstance(sensor, RayCastSensor):  # its own arrays only: it holds Data too
+                out += [v for v in vars(sensor).values() if _is_array(v)]
         context = env.scene.sensor_context
         return out if context is None else [*out, context.render_context]
 
-    return Rules(
-        skip_names=_NOT_STATE,
-        only_fields=lambda obj: state if isinstance(obj, mujoco_warp.Data) else None,
-        derived=derived,
-    )
+    def only_fields(obj: Any) -> Any:
+        if isinstance(obj, mujoco_warp.Data):
+            return state
+        return () if isinstance(obj, RayCastSensor) else None
+
+    return Rules(skip_names=_NOT_STATE, only_fields=only_fields, derived=derived)
 
 
 def _is_plain(value: object) -> bool:
     return isinstance(value, int | float | bool | str | type(None))
+
+
+def _is_array(value: object) -> bool:
+    import torch
+    import warp as wp
+
+    return isinstance(value, torch.Tensor | wp.array)
 
 
 def capture_env(env: Any) -> dict[str, Any]:
@@ -485,7 +507,27 @@ def restore_env(env: Any, state: dict[str, Any], device: str) -> list[str]:
         unwrapped.step(actions)
         problems = restore(unwrapped, state, state_rules(), device)
         unwrapped.sim.forward()  # Data's derived quantities, from the restored state
+        _cast_rays(unwrapped)
     return problems
+
+
+def _cast_rays(env: Any) -> None:
+    """Compute the raycast sensors' rays and hits from the restored Data, as `sim.sense` does.
+
+    Only their part of it: the cameras' frames were restored (rendering them again would mark
+    their data stale).
+    """
+    import mujoco_warp
+
+    context = env.scene.sensor_context
+    if context is None or not context.raycast_sensors:
+        return
+    for sensor in context.raycast_sensors:
+        sensor.prepare_rays()
+    mujoco_warp.refit_bvh(env.sim.wp_model, env.sim.wp_data, context.render_context)
+    for sensor in context.raycast_sensors:
+        sensor.raycast_kernel(rc=context.render_context)
+        sensor.postprocess_rays()
 
 
 def dump_params(run_dir: str | os.PathLike[str], runtime: MjlabRuntime) -> tuple[Path, Path]:

@@ -250,7 +250,9 @@ def continue_target(
     if launcher and (busy := busy_problem(RunDir(run_dir))) is not None:
         raise SpecError(flag, busy)
     checkpoints = Checkpoints(run_dir, resolved.task)
-    refusal = cannot_continue(checkpoints, resolved.task, train.restart_from_scratch, flag)
+    refusal = cannot_continue(
+        checkpoints, resolved.task, train.restart_from_scratch, flag, train.fresh_envs
+    )
     if refusal is not None:
         raise refusal
     if launcher:

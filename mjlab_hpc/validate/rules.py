@@ -82,6 +82,8 @@ def check_train(spec: TrainSpec) -> TrainSpec:
         )
     if spec.keep_checkpoints < 0:
         raise SpecError("--keep-checkpoints", f"must be >= 0, got {spec.keep_checkpoints}")
+    if spec.keep_env_states < 0:
+        raise SpecError("--keep-env-states", f"must be >= 0, got {spec.keep_env_states}")
     if spec.max_restarts < 0:
         raise SpecError("--max-restarts", f"must be >= 0, got {spec.max_restarts}")
     name = spec.preempt_signal.upper().removeprefix("SIG")

@@ -26,6 +26,7 @@ from helpers import BIN, cli_env, fault_env, runs_under, wait_for, wait_for_iter
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.cancel import cancel_local
 from mjlab_hpc.ops.logs import RankFiles, find_tracebacks, tracebacks_in
+from mjlab_hpc.ops.status import disk_bytes
 from mjlab_hpc.procs import alive
 from mjlab_hpc.rundir.layout import RunDir
 
@@ -177,6 +178,8 @@ def test_status_then_cancel_local_job(local_jobs: LocalJobs) -> None:
     assert RunDir(run).checkpoint(done).exists()
     row = status_json(str(run))[0]
     assert row["state"] == "CANCELLED" and not row["active"] and row["iteration"] == done
+    du = subprocess.run(["du", "-sb", str(run)], capture_output=True, text=True, check=True)
+    assert row["disk_bytes"] == int(du.stdout.split()[0])  # the run's bytes, as du counts them
     again = hpc("cancel", str(run))
     assert again.returncode == 0 and "no process left to stop" in again.stdout
 
@@ -286,6 +289,23 @@ def test_status_watch_redraws_until_interrupted(local_jobs: LocalJobs) -> None:
     text = screen.decode(errors="replace")
     assert proc.wait(timeout=30) == 0, text[-3000:]
     assert "_seed=1" in text and "Traceback" not in text
+
+
+def test_a_runs_bytes_on_disk_are_dus(tmp_path: Path) -> None:
+    """status's bytes of a run are `du -sb`'s: a hard link counted once, a link out of the run
+    not followed, empty folders and the links themselves counted."""
+    run = tmp_path / "run"
+    (run / "rank_states" / "model_2").mkdir(parents=True)
+    (run / "empty").mkdir()
+    (run / "model_2.pt").write_bytes(b"m" * 5000)
+    (run / "rank_states" / "model_2" / "rank0-of-1.pt").write_bytes(b"s" * 70_000)
+    os.link(run / "model_2.pt", run / "model_2.link")
+    (tmp_path / "outside.bin").write_bytes(b"o" * 1_000_000)
+    (run / "out").symlink_to(tmp_path / "outside.bin")
+    (run / "up").symlink_to(tmp_path)
+    du = subprocess.run(["du", "-sb", str(run)], capture_output=True, text=True, check=True)
+    assert disk_bytes(run) == int(du.stdout.split()[0]) < 1_000_000
+    assert disk_bytes(tmp_path / "missing") is None
 
 
 def test_unknown_target_exits_2(tmp_path: Path) -> None:

@@ -92,7 +92,9 @@ def test_kept_settings_are_refused_and_others_applied(tmp_path: Path) -> None:
 
     # Rank states from elsewhere (issue 41): model_5's two swapped with their checksums, and
     # rank 1's of model_4 a link to /dev/zero. Both checkpoints are damaged, set aside and
-    # named; the run continues from model_3, and the launcher never read /dev/zero.
+    # named; the run continues from model_3, and the launcher never read /dev/zero. Its
+    # environment states were pruned (--keep-env-states 2 kept model_4's and model_5's): that
+    # is refused before anything starts, naming --fresh-envs, and continued with it.
     states = run / "rank_states"
     for name in ("rank0-of-2.pt", "rank0-of-2.pt.sha256"):
         a, b = states / "model_5" / name, states / "model_5" / name.replace("0-of", "1-of")
@@ -102,8 +104,15 @@ def test_kept_settings_are_refused_and_others_applied(tmp_path: Path) -> None:
     zero = states / "model_4" / "rank1-of-2.pt"
     zero.unlink()
     zero.symlink_to("/dev/zero")
-    again = train("--max-iterations", "6", *where)
+    before = run.joinpath("run.json").read_text()
+    refused = train("--max-iterations", "6", *where)
+    said = " ".join(refused.stderr.split())
+    assert refused.returncode == EXIT_BAD_INPUT, refused.stderr[-2000:]
+    assert said.startswith("error: --fresh-envs: model_3.pt of ") and "were pruned" in said, said
+    assert run.joinpath("run.json").read_text() == before  # nothing started
+    again = train("--max-iterations", "6", "--fresh-envs", *where)
     assert again.returncode == 0, again.stderr[-2000:]
+    assert read_record(run).last_start.environments == "fresh"
     skipped = {s.name: s.why for s in read_record(run).last_start.skipped_checkpoints}
     assert "is not the state rank 0 saved: it is rank 1's" in skipped["model_5.pt"], skipped
     assert "rank1-of-2.pt is a character device, not a file" in skipped["model_4.pt"], skipped

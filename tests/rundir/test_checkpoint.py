@@ -10,8 +10,10 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import os
 import pickle
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -24,6 +26,8 @@ from helpers import BIN, cli_env, only_run
 
 from mjlab_hpc.rundir.checkpoint import (
     Checkpoints,
+    cannot_continue,
+    env_states_pruned,
     load_rank_state,
     load_verified,
     publish_rank_states,
@@ -185,6 +189,53 @@ def test_a_checkpoint_counts_only_with_every_rank_state_verifying(tmp_path: Path
     assert not (states / "model_1").exists() and (states / "model_4").is_dir()
 
 
+def test_environment_states_are_kept_for_the_newest_checkpoints_that_verify(
+    tmp_path: Path,
+) -> None:
+    """--keep-env-states 2: every model stays, the rank states of the newest two checkpoints
+    that verify with them stay; a damaged newest one is neither counted nor touched, a
+    checkpoint being written (states, no model yet) is not touched, a prune stopped halfway
+    leaves a pruned checkpoint (not a damaged one), and the one before them is refused
+    without --fresh-envs."""
+    for n in range(1, 7):
+        _with_rank_states(tmp_path, n)
+    states = tmp_path / "rank_states"
+    torn = states / "model_6" / "rank1-of-2.pt"
+    torn.write_bytes(torn.read_bytes()[:-1])  # the newest does not verify
+    write_rank_state(tmp_path / "model_7.pt", 0, 2, {"env": torch.zeros(3)}, {})  # in progress
+    checkpoints = Checkpoints(tmp_path)
+    dropped = checkpoints.prune_env_states(2)
+    assert [p.name for p in dropped] == ["model_3.pt", "model_2.pt", "model_1.pt"]
+    assert not (states / "model_1").exists() and (states / "model_4").is_dir()
+    assert len(list((states / "model_6").iterdir())) == 4  # damaged: untouched
+    assert len(list((states / "model_7").iterdir())) == 1  # its temporary file: untouched
+    assert checkpoints.prune_env_states(2) == [] and checkpoints.prune_env_states(0) == []
+    assert [p.name for p in list_checkpoints(tmp_path)] == [f"model_{n}.pt" for n in range(1, 7)]
+    fresh = Checkpoints(tmp_path)
+    assert fresh.newest_valid()[0] == tmp_path / "model_5.pt"  # restorable: states kept
+    assert fresh.problem(tmp_path / "model_1.pt") is None  # pruned: its model stands alone
+    assert env_states_pruned(tmp_path / "model_1.pt")
+    assert not env_states_pruned(tmp_path / "model_4.pt")
+    assert load_verified(tmp_path / "model_1.pt")["iter"] == 1
+    # Halfway: the sidecar says so, then the files go; stopped between, pruned, not damaged.
+    sidecar = tmp_path / "model_4.pt.sha256"
+    digest, header = sidecar.read_text().splitlines()
+    sidecar.write_text(
+        f"{digest}\n{json.dumps({**json.loads(header), 'rank_states_pruned': True})}\n"
+    )
+    assert Checkpoints(tmp_path).problem(tmp_path / "model_4.pt") is None
+    assert env_states_pruned(tmp_path / "model_4.pt")
+    # With the newer ones damaged, the checkpoint left has no states: --fresh-envs, said.
+    for n in (4, 5, 6):
+        (tmp_path / f"model_{n}.pt").write_bytes(b"torn")
+    refusal = cannot_continue(Checkpoints(tmp_path), "cartpole", restart_from_scratch=False)
+    assert refusal is not None and refusal.flag == "--fresh-envs", refusal
+    assert "model_3.pt" in refusal.problem and "were pruned" in refusal.problem
+    assert "model_6.pt, model_5.pt, model_4.pt are damaged" in refusal.problem
+    again = Checkpoints(tmp_path)
+    assert cannot_continue(again, "cartpole", restart_from_scratch=False, fresh_envs=True) is None
+
+
 def _swap(a: Path, b: Path) -> None:
     tmp = a.with_name("swap")
     for x, y in ((a, b), (a.with_name(a.name + ".sha256"), b.with_name(b.name + ".sha256"))):
@@ -268,7 +319,7 @@ def test_a_file_that_holds_code_is_refused_by_name_and_never_run(tmp_path: Path)
     """A model file or a rank state with an object that runs a command, and a checksum that
     matches, is refused by name (set aside as damaged; the one before is used), and loading
     it directly refuses too: the command never runs. So is a raw pickle without a sidecar.
-    What we save (numpy's RNG state, arrays and scalars, enums) loads."""
+    What we write is plain data: a state that is not is never written."""
     marker = tmp_path / "MARKER"
     for n in (1, 2, 3):
         _with_rank_states(tmp_path, n)
@@ -305,21 +356,126 @@ def test_a_file_that_holds_code_is_refused_by_name_and_never_run(tmp_path: Path)
     checkpoints.set_aside(damaged)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["model_1.pt"]
 
-    state = {
-        "numpy_rng": np.random.get_state(),
-        "values": (np.int64(3), np.bool_(True), np.float32(0.5), {1, 2}, 2j, b"x"),
-        "enums": [Kind.ONE, Settings.Mode.A | Settings.Mode.B],  # as mjlab's configs hold
-    }
+    # A state that names a class, even an enum's, is never written (it would not load).
     path = tmp_path / "model_5.pt"
     belongs = {"run": "r", "task": "cartpole", "iteration": 5}
-    written = [write_rank_state(path, 0, 1, state, belongs)]
-    listed = publish_rank_states(path, written, lambda: None)
-    save_checkpoint(path, {"iter": 5}, header={**belongs, "rank_states": listed})
-    assert Checkpoints(tmp_path).problem(path) is None
-    loaded = load_rank_state(path, 0, 1, belongs)
-    assert loaded["numpy_rng"][0] == "MT19937"
-    assert np.array_equal(loaded["numpy_rng"][1], state["numpy_rng"][1])
-    assert loaded["values"] == state["values"] and loaded["enums"] == state["enums"]
+    for value in (Kind.ONE, Settings.Mode.A | Settings.Mode.B, np.float32(0.5)):
+        with pytest.raises(TypeError, match="more than plain data"):
+            write_rank_state(path, 0, 1, {"value": value}, belongs)
+    assert not (tmp_path / "rank_states" / "model_5").exists()
+
+
+def test_an_old_rank_states_enum_builds_nothing_but_its_value(tmp_path: Path) -> None:
+    """A rank state in the old format whose simulator enum is called with anything but a
+    plain value (a command's argument list) is refused by name; nothing runs."""
+    from mujoco import mjtState
+
+    marker = tmp_path / "MARKER"
+
+    class Disguised:
+        def __reduce__(self) -> tuple:
+            return (mjtState, (["touch", str(marker)],))
+
+    path = tmp_path / "model_1.pt"
+    belongs = {"run": "r", "task": "cartpole", "iteration": 1}
+    state = {"env": Disguised(), "numpy_rng": np.random.get_state(), "belongs": belongs}
+    folder = tmp_path / "rank_states" / "model_1"
+    folder.mkdir(parents=True)
+    save_checkpoint(folder / "rank0-of-1.pt", state)
+    listed = [[hashlib.sha256((folder / "rank0-of-1.pt").read_bytes()).hexdigest(), 0]]
+    listed[0][1] = (folder / "rank0-of-1.pt").stat().st_size
+    save_checkpoint(path, {"iter": 1}, header={**belongs, "rank_states": listed})
+    assert Checkpoints(tmp_path).problem(path) is None  # its names are an old state's
+    with pytest.raises(ValueError, match=r"rank0-of-1\.pt holds more than weights.*refused"):
+        load_rank_state(path, 0, 1, belongs)
+    assert not marker.exists()
+
+
+MAIN_RUNS = Path(__file__).parent / "data"
+
+
+def test_checkpoints_written_by_main_d42f375_verify_and_load() -> None:
+    """Models and rank states written before states were plain data (numpy's generator
+    state, numpy scalars, the simulator's enums): they verify, the models load with a plain
+    weights-only load, and the rank states load with their enums as their values, without
+    importing the classes they name or changing how other code loads (checked in a fresh
+    interpreter)."""
+    models = []
+    for run in ("main-cartpole", "main-mjlab-cartpole-balance"):
+        folder = MAIN_RUNS / run
+        task = json.loads((folder / "run.json").read_text())["spec"]["task"]
+        models.append(folder / "model_2.pt")
+        assert Checkpoints(folder, task).newest_valid() == (models[-1], [])
+        assert torch.load(models[-1], weights_only=True)["iter"] == 2
+        assert torch.serialization.get_unsafe_globals_in_checkpoint(
+            folder / "rank_states" / "model_2" / "rank0-of-1.pt"
+        )  # the old format: a plain weights-only load refuses it
+    script = (
+        "import json, os, sys\n"
+        "from pathlib import Path\n"
+        "from mjlab_hpc.rundir.checkpoint import load_rank_state, load_verified\n"
+        "ends = ('origin_type', 'broadphase', 'transmission_type')\n"
+        "for model in map(Path, sys.argv[1:]):\n"
+        "    env = load_verified(model)['infos']['environments']\n"
+        "    belongs = {k: env[k] for k in ('run', 'task', 'iteration')}\n"
+        "    state = load_rank_state(model, 0, 1, belongs)\n"
+        "    values = {p: v[4] for p, v in state['env'].items() if p.endswith(ends)}\n"
+        "    print(json.dumps({'values': values, 'key': len(state['numpy_rng'][1])}))\n"
+        "print(json.dumps({'imported': [m for m in ('mjlab', 'mujoco_warp') if m in sys.modules],\n"
+        "    'flag': os.environ.get('TORCH_FORCE_WEIGHTS_ONLY_LOAD')}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, models)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    builtin, mjlab, process = (json.loads(x) for x in done.stdout.splitlines()[-3:])
+    assert builtin == {"values": {}, "key": 624}
+    assert mjlab["key"] == 624
+    assert mjlab["values"]["env.cfg.viewer.origin_type"] == 4  # ViewerConfig.OriginType
+    assert mjlab["values"]["env.sim._wp_model.opt.broadphase"] == 0  # mujoco_warp's enum
+    assert mjlab["values"]["env.cfg.actions['effort'].transmission_type"] == "joint"
+    assert process == {"imported": [], "flag": None}
+
+
+@pytest.mark.training
+@pytest.mark.parametrize(
+    "run", ["main-cartpole", pytest.param("main-mjlab-cartpole-balance", marks=pytest.mark.mjlab)]
+)
+def test_runs_written_by_main_d42f375_continue_exactly(run: str, tmp_path: Path) -> None:
+    """A run written before rank states were plain data, continued by this code: its
+    environments are restored (nothing left unplaced), and its next checkpoint is the one a
+    run that never stopped writes, bit for bit."""
+    if "mjlab" in run and os.environ.get("CI") != "true":
+        pytest.importorskip("mjlab", reason="mjlab is not installed")
+    spec = json.loads((MAIN_RUNS / run / "run.json").read_text())["spec"]
+    copy = tmp_path / "logs" / "cartpole" / "2026-11-29_08-00-00"
+    shutil.copytree(MAIN_RUNS / run, copy)
+    args = [spec["task"], "--num-envs", "4", "--torch-threads", "1", "--save-interval", "2"]
+    args += list(spec["overrides"])  # mjlab's logger: tensorboard, as it was trained
+
+    def train(*more: str) -> None:
+        done = subprocess.run(
+            [BIN / "mjlab-train", *args, "--max-iterations", "3", *more],
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+
+    train("--run-dir", str(copy))
+    last = read_record(copy).last_start
+    assert last.environments == "restored" and last.resumed_from_iteration == 2
+    assert "not restored" not in (copy / "logs" / "rank0.log").read_text()
+    train("--log-root", str(tmp_path / "straight"))
+    ours = torch.load(copy / "model_3.pt", weights_only=True)
+    straight = torch.load(only_run(tmp_path / "straight").checkpoint(3), weights_only=True)
+    for part in ("actor_state_dict", "critic_state_dict"):
+        assert ours[part].keys() == straight[part].keys()
+        assert all(torch.equal(v, straight[part][k]) for k, v in ours[part].items()), part
 
 
 @pytest.mark.training
