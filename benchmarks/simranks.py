@@ -75,11 +75,26 @@ def _store(rank: int, port: int) -> Any:
     )
 
 
-def _watchdog(run: Any, rank: int, world: int, host: str, hosts: list[str], log: Any) -> Any:
+def _watchdog(
+    run: Any, rank: int, world: int, host: str, hosts: list[str], log: Any, port: int
+) -> Any:
+    import inspect
+
     from mjlab_hpc.rank.watchdog import Watchdog
 
+    where: dict[str, Any] = {}
+    if "store" in inspect.signature(Watchdog).parameters:  # (older ones: one file per rank)
+        from mjlab_hpc.rank.beats import StoreAddress
+
+        where = {"hosts": hosts, "store": StoreAddress("127.0.0.1", port, "mjlab-hpc/sim/0")}
     return Watchdog(
-        run, rank=rank, world_size=world, timeout_s=HANG_TIMEOUT_S, rank_log=log, host=host
+        run,
+        rank=rank,
+        world_size=world,
+        timeout_s=HANG_TIMEOUT_S,
+        rank_log=log,
+        host=host,
+        **where,
     )
 
 
@@ -89,9 +104,11 @@ def _rank(
     per_node: int,
     run_dir: str,
     t0: float,
-    end: float,
+    iterations: int,
     port: int,
     states: Any,
+    done: Any,
+    last: Any,
 ) -> None:
     """One simulated rank, from its start record to its end record."""
     from mjlab_hpc.rundir.checkpoint import publish_rank_states, write_rank_state
@@ -108,12 +125,11 @@ def _rank(
     writer = RunWriter.acquire(run, rank=0) if rank == 0 else None
     with (
         open(run.rank_log(rank), "a") as log,
-        _watchdog(run, rank, world, hosts[rank], hosts, log) as dog,
+        _watchdog(run, rank, world, hosts[rank], hosts, log, port) as dog,
     ):
-        it = 0
-        while (due := t0 + (it + 1) * ITERATION_S) < end:
+        for it in range(1, iterations + 1):
+            due = t0 + it * ITERATION_S
             time.sleep(max(0.0, due - time.time()))
-            it += 1
             dog.progress(it)
             if writer is not None:
                 writer.append_line(run.progress, json.dumps({"iteration": it, "time": time.time()}))
@@ -124,11 +140,13 @@ def _rank(
                 written = write_rank_state(checkpoint, rank, world, {"it": it}, {"iteration": it})
                 states.put((rank, written))
                 if writer is not None:
-                    got = dict(states.get(timeout=60) for _ in range(world))
+                    got = dict(states.get(timeout=600) for _ in range(world))
                     publish_rank_states(checkpoint, [got[r] for r in range(world)], writer.check)
                     writer.save_checkpoint(checkpoint, {"it": it})
+                done.wait(timeout=600)  # every rank waits for the writer (a collective)
                 time.sleep(max(0.0, due + CHECKPOINT_S - time.time()))
-            t0 += CHECKPOINT_S
+            t0 = time.time() - it * ITERATION_S
+        last[rank] = time.time()
         dog.disarm()
     record_end(run, start, RankExit(how="completed", detail="simulated", at=time.time()))
     if writer is not None:
@@ -152,15 +170,27 @@ def main(argv: list[str] | None = None) -> int:
     import mjlab_hpc.rundir.writer  # noqa: F401
 
     ctx = multiprocessing.get_context("fork")
-    states = ctx.Queue()
+    states, done = ctx.Queue(), ctx.Barrier(args.world)
     t0 = time.time() + 2.0 + 0.02 * args.world  # every rank forked and started by then
-    end = t0 + args.seconds
+    iterations = round(args.seconds / ITERATION_S)
+    last = ctx.Array("d", args.world)  # when each rank's last iteration ended
     port = 20000 + os.getpid() % 20000
     procs = {}
     for rank in range(args.world):
         proc = ctx.Process(
             target=_rank,
-            args=(rank, args.world, args.per_node, args.run_dir, t0, end, port, states),
+            args=(
+                rank,
+                args.world,
+                args.per_node,
+                args.run_dir,
+                t0,
+                iterations,
+                port,
+                states,
+                done,
+                last,
+            ),
         )
         proc.start()
         procs[proc.pid] = (rank, proc)
@@ -169,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.join()
         failed += proc.exitcode != 0
     roles = {pid: _role(rank, args.per_node) for pid, (rank, _) in procs.items()}
-    window = (t0 + _MARGIN_S, end - _MARGIN_S)
+    window = (t0 + _MARGIN_S, min(last) - 0.5)  # up to the ranks' ends
     Path(args.roles).write_text(json.dumps({"roles": roles, "window": window, "failed": failed}))
     return 1 if failed else 0
 
