@@ -13,8 +13,9 @@ training. Two sources:
   the figures are the steady cost of a running job.
 - a simulation (`--sim`, `benchmarks.simranks`): the liveness, lock and record machinery of up
   to 256 ranks (or more) on this machine, without training: each rank a light process (forked
-  after the imports) whose iterations only sleep, in lockstep, with checkpoints. strace
-  follows the simulation from its start (`--seccomp-bpf`: only the counted calls stop).
+  after the imports) whose iterations only sleep, in lockstep, with checkpoints; 8 ranks per
+  node, and again one per node (nodes apart from ranks). strace follows the simulation from
+  its start (`--seccomp-bpf`: only the counted calls stop).
 
 Then it fits total operations per second = a + b*nodes + c*ranks + d*ranks^2 (non-negative
 terms, the smallest model within 10% of the best) and carries it to 1,024 ranks on 128 nodes.
@@ -526,6 +527,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--sim-sizes", default="2,4,8,16,32,64,128,256", help="simulated ranks (%(default)s)"
     )
     p.add_argument("--sim-per-node", type=int, default=8, help="simulated ranks per node (8)")
+    p.add_argument(
+        "--sim-spread",
+        default="2,4,8,16,32",
+        help="simulated ranks again, one per node: nodes apart from ranks (%(default)s)",
+    )
     p.add_argument("--max-nodes", type=int, default=8, help="Slurm nodes at most (default 8)")
     p.add_argument("--num-envs", type=int, default=16, help="envs per real rank (default 16)")
     p.add_argument("--save-interval", type=int, default=5, help="checkpoint every N (5)")
@@ -537,6 +543,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     try:
         args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
         args.sim_sizes = [int(s) for s in args.sim_sizes.split(",") if s.strip()]
+        args.sim_spread = [int(s) for s in args.sim_spread.split(",") if s.strip()]
     except ValueError:
         p.error("--sizes, --sim-sizes: comma-separated integers, e.g. 2,4,8")
     if not (args.real or args.sim):
@@ -564,6 +571,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_header(f"simulated ranks ({args.sim_per_node} per node), operations per second")
         for world in args.sim_sizes:
             sims.append(simulate(world, args.sim_per_node, out))
+            print_row(sims[-1])
+        print_header("simulated ranks, one per node")
+        for world in args.sim_spread:
+            sims.append(simulate(world, 1, out))
             print_row(sims[-1])
         entry["sim"] = {"results": sims, "fit": summarize(sims)}
         print(f"fit: {entry['sim']['fit']}")

@@ -41,7 +41,7 @@ def simulate(world: int, per_node: int, out: Path, seconds: float = SECONDS) -> 
     """Count the operations on the run directory of `world` simulated ranks, per second."""
     from benchmarks.fsops import count, parse_trace, strace_command
 
-    folder = out / "fsops-sim" / f"world{world}"
+    folder = out / "fsops-sim" / f"world{world}-per{per_node}"
     with contextlib.suppress(FileNotFoundError):
         subprocess.run(["rm", "-rf", str(folder)], check=True)
     run = folder / "run"
