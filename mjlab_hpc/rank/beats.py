@@ -264,8 +264,11 @@ class StoreLink:
         key = self.address.key
         with self._lock:
             publish, watch, poll = self._publish, self._watch, self._poll
-        if publish is not None:
+        if publish is not None:  # once per beat
             client.set(key(f"node/{publish[0]}"), publish[1])
+            with self._lock:
+                if self._publish is publish:
+                    self._publish = None
         if poll and client.check([key(_HANG)]):
             with self._lock:
                 self._announced = True

@@ -274,11 +274,15 @@ class Watchdog:
                 fetched = {h: read_node_beat(self.run, h) for h in others}
             for host, beat in fetched.items():
                 if beat is not None and beat.host == host:
-                    beats += [b for b in beat.ranks if self.hosts[b.rank : b.rank + 1] == (host,)]
+                    beats += [b for b in beat.ranks if self._placed(b.rank, host)]
         self._view_seq += 1
         self._view = View(self._view_seq, via, tuple(beats))
         with contextlib.suppress(OSError):
             self.board.write_view(self._view)
+
+    def _placed(self, rank: int, host: str) -> bool:
+        """Rank `rank` runs on `host` in this start (a beat of an earlier one may be left)."""
+        return 0 <= rank < self.world_size and self.hosts[rank] == host
 
     def _mirror_announcement(self) -> None:
         """A hang announced elsewhere reaches this node's ranks through the board: from the
