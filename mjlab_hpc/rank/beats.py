@@ -99,9 +99,9 @@ class NodeBoard:
     def open(self) -> None:
         """Make the board; an earlier start's view and announcement go (this start's ranks
         open it before any of them can announce: that takes everyone's first iteration)."""
-        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for name in (_VIEW, _HANG):
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # (no board: each beat fails alone, and says nothing)
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            for name in (_VIEW, _HANG):
                 (self.path / name).unlink(missing_ok=True)
 
     def _beat(self, rank: int) -> Path:
