@@ -19,7 +19,8 @@ training. Two sources:
 
 Then it fits total operations per second = a + b*nodes + c*ranks + d*ranks^2 (non-negative
 terms, the smallest model within 10% of the best) and carries it to 1,024 ranks on 128 nodes.
-It writes `<out>/fsops.json` and prints a table per source. strace must be installed (`make
+It writes `<out>/fsops.json` (by `--label`, with each measurement's trace under
+`<out>/fsops/<label>/`; `--recount` counts them again) and prints a table per source. strace must be installed (`make
 install` installs it as root).
 """
 
@@ -403,7 +404,7 @@ def measure_job(
     from benchmarks.watch import cli, find_run_dir
 
     where = f"{'slurm' if slurm else 'local'}-{world}r{nodes}n"
-    root = out / "fsops-runs" / where
+    root = out / where
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     shape = ["--nodes", str(nodes), "--tasks-per-node", str(world // nodes)]
@@ -484,13 +485,14 @@ def _counted(root: Path) -> dict[str, Any]:
         return count(items, roles, threads, tuple(meta["window"])).as_dict()
 
 
-def recount(entry: dict[str, Any], out: Path) -> None:
-    """Count the real jobs' kept traces again (a better parser); a trace kept without its
-    processes keeps the roles counted when it was made."""
+def recount(entry: dict[str, Any], work: Path) -> None:
+    """Count the kept traces in `work` again (a better parser). A job's trace kept without
+    its processes keeps the roles counted when it was made."""
+    from benchmarks.simranks import counted
     from benchmarks.watch import find_run_dir
 
     for r in entry.get("real", {}).get("results", []):
-        root = out / "fsops-runs" / f"{r['launch']}-{r['ranks']}r{r['nodes']}n"
+        root = work / "real" / f"{r['launch']}-{r['ranks']}r{r['nodes']}n"
         if "error" in r or not (root / "strace.txt").exists():
             continue
         if not (root / _META).exists():
@@ -503,15 +505,22 @@ def recount(entry: dict[str, Any], out: Path) -> None:
             r.update({k: v for k, v in _counted(root).items() if k != "by_role"})
         else:
             r.update(_counted(root))
-    entry["real"]["fit"] = summarize(entry["real"]["results"])
+    if "real" in entry:
+        entry["real"]["fit"] = summarize(entry["real"]["results"])
+    sims = entry.get("sim", {}).get("results", [])
+    for i, r in enumerate(sims):
+        folder = work / "sim" / f"world{r['ranks']}-per{r['per_node']}"
+        if (folder / "strace.txt").exists():
+            sims[i] = counted(folder, r["ranks"], r["per_node"])
+    if sims:
+        entry["sim"]["fit"] = summarize(sims)
 
 
-def _real(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+def _real(args: argparse.Namespace, out: Path) -> Iterator[dict[str, Any]]:
     from benchmarks.scale import layout
     from benchmarks.watch import bench_env
 
     env = bench_env({k: v for k, v in os.environ.items() if k == "SLURM_CONF"})
-    results = []
     for world in args.sizes:
         shapes = [(1, False)]
         if args.max_nodes > 1 and shutil.which("sbatch"):
@@ -519,11 +528,9 @@ def _real(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
         for nodes, slurm in shapes:
             print(f"[fsops] {world} rank(s) on {nodes} node(s) ...", flush=True)
             try:
-                results.append(measure_job(world, nodes, slurm, out, args, env))
+                yield measure_job(world, nodes, slurm, out, args, env)
             except (OSError, TimeoutError, subprocess.SubprocessError) as exc:
-                results.append({"ranks": world, "nodes": nodes, "error": str(exc)})
-            print_row(results[-1])
-    return results
+                yield {"ranks": world, "nodes": nodes, "error": str(exc)}
 
 
 # --- tables and the entry point -----------------------------------------------------------
@@ -610,8 +617,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = json.loads(path.read_text()) if path.exists() else {}
     label = args.label or "latest"
     entry: dict[str, Any] = doc.setdefault(label, {})
+    work = out / "fsops" / label  # the traces, by label and measurement
     if args.recount:
-        recount(entry, out)
+        recount(entry, work)
         path.write_text(json.dumps(doc, indent=1))
         for r in entry.get("real", {}).get("results", []):
             print_row(r)
@@ -620,21 +628,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sim:
         from benchmarks.simranks import simulate
 
-        sims = []
-        print_header(f"simulated ranks ({args.sim_per_node} per node), operations per second")
-        for world in args.sim_sizes:
-            sims.append(simulate(world, args.sim_per_node, out))
+        sims: list[dict[str, Any]] = []
+        entry["sim"] = {"results": sims}
+        shapes = [(w, args.sim_per_node) for w in args.sim_sizes]
+        shapes += [(w, 1) for w in args.sim_spread]
+        print_header("simulated ranks, operations per second")
+        for world, per_node in shapes:
+            sims.append(simulate(world, per_node, work / "sim"))
             print_row(sims[-1])
-        print_header("simulated ranks, one per node")
-        for world in args.sim_spread:
-            sims.append(simulate(world, 1, out))
-            print_row(sims[-1])
-        entry["sim"] = {"results": sims, "fit": summarize(sims)}
+            entry["sim"]["fit"] = summarize(sims)
+            path.write_text(json.dumps(doc, indent=1))  # (a long run keeps what it measured)
         print(f"fit: {entry['sim']['fit']}")
     if args.real:
         print_header("real jobs, operations per second")
-        real = _real(args, out)
-        entry["real"] = {"results": real, "fit": summarize(real)}
+        real: list[dict[str, Any]] = []
+        entry["real"] = {"results": real}
+        for result in _real(args, work / "real"):
+            real.append(result)
+            print_row(result)
+            entry["real"]["fit"] = summarize(real)
+            path.write_text(json.dumps(doc, indent=1))
         print(f"fit: {entry['real']['fit']}")
     path.write_text(json.dumps(doc, indent=1))
     print(f"[fsops] {path}")

@@ -1,6 +1,6 @@
 """The ranks of a job without training, for counting what they cost the filesystem.
 
-`simulate(world, per_node, out)` runs `python -m benchmarks.simranks` under strace (from its
+`simulate(world, per_node, folder)` runs `python -m benchmarks.simranks` under strace (from its
 start, `--seccomp-bpf`) and counts its operations on the run directory (`benchmarks.fsops`).
 That command forks `world` light processes after its imports, each a rank of the real
 machinery on `world // per_node` simulated nodes (named `sim<i>`): its start and end records,
@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import subprocess
 import sys
@@ -38,24 +39,34 @@ _MARGIN_S = 3.0
 
 
 def simulate(world: int, per_node: int, out: Path, seconds: float = SECONDS) -> dict[str, Any]:
-    """Count the operations on the run directory of `world` simulated ranks, per second."""
-    from benchmarks.fsops import count, parse_trace, strace_command
+    """Count the operations on the run directory of `world` simulated ranks (its trace kept
+    in `out`), per second."""
+    from benchmarks.fsops import strace_command
 
-    folder = out / "fsops-sim" / f"world{world}-per{per_node}"
+    folder = out / f"world{world}-per{per_node}"
     with contextlib.suppress(FileNotFoundError):
         subprocess.run(["rm", "-rf", str(folder)], check=True)
     run = folder / "run"
     (run / "logs").mkdir(parents=True)
-    trace, roles_file = folder / "strace.txt", folder / "roles.json"
     cmd = [sys.executable, "-m", "benchmarks.simranks", str(run), str(world), str(per_node)]
-    cmd += ["--seconds", str(seconds), "--roles", str(roles_file)]
-    subprocess.run([*strace_command(trace, follow_start=True), *cmd], check=True)
-    done = json.loads(roles_file.read_text())
+    cmd += ["--seconds", str(seconds), "--roles", str(folder / "roles.json")]
+    subprocess.run([*strace_command(folder / "strace.txt", follow_start=True), *cmd], check=False)
+    return counted(folder, world, per_node)
+
+
+def counted(folder: Path, world: int, per_node: int) -> dict[str, Any]:
+    """The counts of a simulation kept in `folder` (its trace, roles and window)."""
+    from benchmarks.fsops import count, parse_trace
+
+    done = json.loads((folder / "roles.json").read_text())
     roles = {int(pid): role for pid, role in done["roles"].items()}
-    with open(trace, errors="replace") as lines:
-        counts = count(parse_trace(lines, str(run.resolve())), roles, {}, tuple(done["window"]))
-    nodes = -(-world // per_node)
-    return {"ranks": world, "nodes": nodes, "launch": "sim", **counts.as_dict()}
+    with open(folder / "strace.txt", errors="replace") as lines:
+        items = parse_trace(lines, str((folder / "run").resolve()))
+        counts = count(items, roles, {}, tuple(done["window"]))
+    result = {"ranks": world, "nodes": -(-world // per_node), "per_node": per_node, "launch": "sim"}
+    if done["failed"]:
+        result["failed"] = f"{done['failed']} rank(s) failed; counted until the first ended"
+    return {**result, **counts.as_dict()}
 
 
 def _role(rank: int, per_node: int) -> str:
@@ -194,12 +205,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         proc.start()
         procs[proc.pid] = (rank, proc)
+    sentinels = {proc.sentinel: proc for _, proc in procs.values()}
+    multiprocessing.connection.wait(list(sentinels))
+    first_end = time.time()  # (a rank that fails ends before the others)
     failed = 0
     for _, proc in procs.values():
         proc.join()
         failed += proc.exitcode != 0
     roles = {pid: _role(rank, args.per_node) for pid, (rank, _) in procs.items()}
-    window = (t0 + _MARGIN_S, min(last) - 0.5)  # up to the ranks' ends
+    # Up to the ranks' last iterations, or to the first rank's end when one failed.
+    window = (t0 + _MARGIN_S, (first_end if failed else min(last)) - 0.5)
     Path(args.roles).write_text(json.dumps({"roles": roles, "window": window, "failed": failed}))
     return 1 if failed else 0
 
