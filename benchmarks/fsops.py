@@ -20,8 +20,8 @@ training. Two sources:
 Then it fits total operations per second = a + b*nodes + c*ranks + d*ranks^2 (non-negative
 terms, the smallest model within 10% of the best) and carries it to 1,024 ranks on 128 nodes.
 It writes `<out>/fsops.json` (by `--label`, with each measurement's trace under
-`<out>/fsops/<label>/`; `--recount` counts them again) and prints a table per source. strace must be installed (`make
-install` installs it as root).
+`<out>/fsops/<label>/`; `--recount` counts them again) and prints a table per source. strace
+must be installed (`make install` installs it as root).
 """
 
 from __future__ import annotations
