@@ -563,7 +563,11 @@ def print_header(title: str) -> None:
 def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The fit of total ops/s over the measurements, and its value at 1,024 ranks on 128
     nodes."""
-    points = [(r["ranks"], r["nodes"], r["total_per_s"]) for r in results if "error" not in r]
+    points = [
+        (r["ranks"], r["nodes"], r["total_per_s"])
+        for r in results
+        if "error" not in r and "failed" not in r  # (a failed one's machine was saturated)
+    ]
     if len(points) < 3:
         return None
     model = fit(points)

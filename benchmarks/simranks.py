@@ -61,7 +61,7 @@ def counted(folder: Path, world: int, per_node: int) -> dict[str, Any]:
     done = json.loads((folder / "roles.json").read_text())
     roles = {int(pid): role for pid, role in done["roles"].items()}
     with open(folder / "strace.txt", errors="replace") as lines:
-        items = parse_trace(lines, str((folder / "run").resolve()))
+        items = parse_trace(lines, done.get("run") or str((folder / "run").resolve()))
         counts = count(items, roles, {}, tuple(done["window"]))
     result = {"ranks": world, "nodes": -(-world // per_node), "per_node": per_node, "launch": "sim"}
     if done["failed"]:
@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     roles = {pid: _role(rank, args.per_node) for pid, (rank, _) in procs.items()}
     # Up to the ranks' last iterations, or to the first rank's end when one failed.
     window = (t0 + _MARGIN_S, (first_end if failed else min(last)) - 0.5)
-    Path(args.roles).write_text(json.dumps({"roles": roles, "window": window, "failed": failed}))
+    run = str(Path(args.run_dir).resolve())  # (as the trace names it, wherever it is moved)
+    done = {"run": run, "roles": roles, "window": window, "failed": failed}
+    Path(args.roles).write_text(json.dumps(done))
     return 1 if failed else 0
 
 
