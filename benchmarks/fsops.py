@@ -561,18 +561,20 @@ def print_header(title: str) -> None:
 
 
 def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fit of total ops/s over the measurements, and its value at 1,024 ranks on 128
-    nodes."""
-    points = [
-        (r["ranks"], r["nodes"], r["total_per_s"])
-        for r in results
-        if "error" not in r and "failed" not in r  # (a failed one's machine was saturated)
-    ]
-    if len(points) < 3:
+    """The fits of total ops/s and of those on the heartbeat folder over the measurements,
+    and their values at 1,024 ranks on 128 nodes."""
+    done = [r for r in results if "error" not in r and "failed" not in r]  # (failed: saturated)
+    if len(done) < 3:
         return None
-    model = fit(points)
-    model["at_1024_ranks_128_nodes_per_s"] = round(predict(model, 1024, 128), 1)
-    return model
+    fits = {}
+    for name, value in (
+        ("total", lambda r: r["total_per_s"]),
+        ("heartbeat folder", lambda r: r["by_file"].get("logs/heartbeat/*", 0.0)),
+    ):
+        model = fit([(r["ranks"], r["nodes"], value(r)) for r in done])
+        model["at_1024_ranks_128_nodes_per_s"] = round(predict(model, 1024, 128), 1)
+        fits[name] = model
+    return fits
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
