@@ -561,8 +561,8 @@ def print_header(title: str) -> None:
 
 
 def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fits of total ops/s and of those on the heartbeat folder over the measurements,
-    and their values at 1,024 ranks on 128 nodes."""
+    """The fits of total ops/s, of those on the heartbeat folder and of the directory
+    entries read over the measurements, and their values at 1,024 ranks on 128 nodes."""
     done = [r for r in results if "error" not in r and "failed" not in r]  # (failed: saturated)
     if len(done) < 3:
         return None
@@ -570,6 +570,7 @@ def summarize(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     for name, value in (
         ("total", lambda r: r["total_per_s"]),
         ("heartbeat folder", lambda r: r["by_file"].get("logs/heartbeat/*", 0.0)),
+        ("directory entries read", lambda r: r["readdir_entries_per_s"]),
     ):
         model = fit([(r["ranks"], r["nodes"], value(r)) for r in done])
         model["at_1024_ranks_128_nodes_per_s"] = round(predict(model, 1024, 128), 1)
