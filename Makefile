@@ -229,7 +229,7 @@ scale: install
 	$(BIN)/python -m benchmarks.scale --max-nodes $(SCALE_NODES) $(SCALE_ARGS); rc=$$?; \
 	bash $(CLUSTER) down; exit $$rc
 
-# What a run costs a shared filesystem's metadata server (~40 min on 2 cores): its own 8-node
+# What a run costs a shared filesystem's metadata server (~75 min on 2 cores): its own 8-node
 # Slurm test cluster (as root, in FSOPS_DIR, stopped at the end); strace counts the operations
 # on the run directory of jobs of 2-32 CPU ranks on one node and over the nodes, and of up to
 # 256 simulated ranks, then fits their growth; bench-results/fsops.json and tables.
