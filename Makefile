@@ -24,10 +24,10 @@ PYTEST_ARGS ?= -n 3 --dist loadgroup --durations=25
 # CUDA build (GPU=1), so the CPU venv stays as it is; one test at a time (they share the GPU).
 GPU_VENV ?= .venv-gpu
 
-.PHONY: install install-offline wheelhouse test test-fast test-slurm-24.11 gpu-check lint format demo bench bench-recovery bench-kernels scale cluster-up cluster-down clean help
+.PHONY: install install-offline wheelhouse test test-fast test-slurm-24.11 gpu-check lint format demo bench bench-recovery bench-kernels scale bench-fs cluster-up cluster-down clean help
 
 help:
-	@echo "make install | install-offline | wheelhouse | test | test-fast | test-slurm-24.11 | gpu-check | lint | format | demo | bench | bench-recovery | bench-kernels | scale | cluster-up | cluster-down | clean"
+	@echo "make install | install-offline | wheelhouse | test | test-fast | test-slurm-24.11 | gpu-check | lint | format | demo | bench | bench-recovery | bench-kernels | scale | bench-fs | cluster-up | cluster-down | clean"
 
 install: $(STAMP)
 
@@ -51,6 +51,13 @@ $(STAMP): pyproject.toml constraints.txt
 			|| apt-get -o DPkg::Lock::Timeout=300 update -qq >/dev/null; } \
 		&& DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
 			--no-install-recommends faketime >/dev/null || echo "note: faketime not installed"; fi
+	@# make bench-fs counts a run's filesystem operations with strace, as root.
+	@if ! command -v strace >/dev/null && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing strace (make bench-fs counts filesystem operations)"; \
+		{ apt-cache show strace >/dev/null 2>&1 \
+			|| apt-get -o DPkg::Lock::Timeout=300 update -qq >/dev/null; } \
+		&& DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
+			--no-install-recommends strace >/dev/null || echo "note: strace not installed"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	@# PyTorch's CPU index only where it answers: pip retries an unreachable index for every
@@ -221,6 +228,20 @@ scale: install
 	source "$$MJLAB_HPC_CLUSTER_DIR/env.sh"; \
 	$(BIN)/python -m benchmarks.scale --max-nodes $(SCALE_NODES) $(SCALE_ARGS); rc=$$?; \
 	bash $(CLUSTER) down; exit $$rc
+
+# What a run costs a shared filesystem's metadata server (~75 min on 2 cores): its own 8-node
+# Slurm test cluster (as root, in FSOPS_DIR, stopped at the end); strace counts the operations
+# on the run directory of jobs of 2-32 CPU ranks on one node and over the nodes, and of up to
+# 256 simulated ranks, then fits their growth; bench-results/fsops.json and tables.
+# FSOPS_ARGS=--sim (or --real, --sizes 2,4, --label NAME) for a part.
+FSOPS_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-fsops
+FSOPS_ARGS ?=
+bench-fs: install
+	@export MJLAB_HPC_CLUSTER_DIR="$(FSOPS_DIR)/cluster" MJLAB_HPC_CLUSTER_NODES=$(SCALE_NODES); \
+	trap 'bash $(CLUSTER) down' EXIT; \
+	bash $(CLUSTER) up || exit 1; \
+	source "$$MJLAB_HPC_CLUSTER_DIR/env.sh"; \
+	$(BIN)/python -m benchmarks.fsops --max-nodes $(SCALE_NODES) $(FSOPS_ARGS)
 
 cluster-up:
 	bash $(CLUSTER) up

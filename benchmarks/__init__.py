@@ -41,6 +41,7 @@ The other modules: `config` (the flags), `stats` (spreads, figures, parsing prog
 (env.step against raw physics), `session` (the experiments and their figures), `gpu` (the GPU
 section), `target` (time to a target reward), `report` (JSON, PNG, tables, entry point).
 Commands of their own: `scale` (`make scale`: one job per world size on a Slurm cluster),
+`fsops` (`make bench-fs`: a run's filesystem operations, real and simulated by `simranks`),
 `recovery` (`make bench-recovery`: self-healing on Slurm), `gpucheck` (`make gpu-check`) and
 `path` (the modules one request passes through). Nothing here is imported by the other
 commands.

@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from mjlab_hpc.rundir.ends import RankEnd, memory_advice, rank_ends, start_faults
-from mjlab_hpc.rundir.layout import RunDir, progress_summary, read_hangs
+from mjlab_hpc.rundir.layout import RunDir, progress_summary
+from mjlab_hpc.rundir.liveness import Hang, clear_hang, read_hang
 from mjlab_hpc.rundir.record import (
     IN_ALLOCATION,
     RESTARTED,
@@ -119,9 +119,9 @@ def find_fault(
     """
     run = RunDir(run_dir)
     iteration = progress_summary(run).iteration or 0
-    hangs = read_hangs(run)
-    if hangs:
-        return _hang(hangs, iteration)
+    hang = read_hang(run)
+    if hang is not None:
+        return _hang(hang, iteration)
     ends = rank_ends(run_dir)
     if start is not None:
         ends = [e for e in ends if e.start_id == start]
@@ -178,30 +178,27 @@ def find_fault(
     )
 
 
-def _hang(hangs: list[dict[str, Any]], iteration: int) -> Fault:
-    """Return the hang that the watchdog's files report."""
-    stalled = tuple(sorted({int(r) for h in hangs for r in h.get("stalled_ranks", [])}))
-    hosts = tuple(dict.fromkeys(str(x) for h in hangs for x in h.get("stalled_hosts", [])))
-    first = hangs[0]
+def _hang(hang: Hang, iteration: int) -> Fault:
+    """Return the hang that the watchdog's record reports."""
+    stalled = tuple(sorted(hang.stalled))
     who = "every rank alike"
     if stalled:
-        who = f"rank(s) {', '.join(map(str, stalled))} on {', '.join(hosts)}"
+        who = f"rank(s) {', '.join(map(str, stalled))} on {', '.join(hang.hosts)}"
     # Only a rank whose process stopped heartbeating points at its node; one that lags
     # behind (a deadlock, a stuck read) is the code's or the filesystem's.
-    frozen_hosts = tuple(dict.fromkeys(str(x) for h in hangs for x in h.get("frozen_hosts", [])))
-    during = next((f", {h['during']}" for h in hangs if h.get("during")), "")
+    during = f", {hang.during}" if hang.during else ""
     error = (
-        f"no progress for {first.get('waited_s')} s after iteration "
-        f"{first.get('iteration')}{during} (limit {first.get('limit_s')} s): {who}"
+        f"no progress for {round(hang.waited_s, 1)} s after iteration "
+        f"{hang.iteration}{during} (limit {round(hang.limit_s, 1)} s): {who}"
     )
     return Fault(
         reason="hang",
         error=error,
         ranks=stalled,
-        hosts=hosts,
+        hosts=hang.hosts,
         iteration=iteration,
-        suspect_nodes=frozen_hosts,
-        at_s=float(first.get("at", time.time())) - float(first.get("waited_s", 0)),
+        suspect_nodes=hang.frozen_hosts,
+        at_s=hang.at - hang.waited_s,
     )
 
 
@@ -349,8 +346,7 @@ def record_healing(
         finally:
             writer.release()
     finally:  # read now: never taken for a later start's
-        for path in RunDir(run_dir).hangs():
-            path.unlink(missing_ok=True)
+        clear_hang(RunDir(run_dir))
 
 
 def _hostlist(client: SlurmClient, value: str | None) -> list[str]:

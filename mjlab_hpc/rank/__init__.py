@@ -2,10 +2,10 @@
 
 `train` is the per-rank entry point; `context` says where the rank stands in the job,
 `resume` where it starts from, `workload` and `runner` what it trains, `kernel_cache` where
-Warp keeps its compiled kernels. `signals` and `stop`
-handle stops, `watchdog` hangs, `stragglers` slow ranks, `normalization` what the ranks'
-normalizers exchange. This module imports only light ones (`context`, `signals`): the
-training code (torch, warp, rsl-rl) loads in the rank.
+Warp keeps its compiled kernels. `signals` and `stop` handle stops, `watchdog` hangs
+(`beats`: how the ranks know each other alive), `stragglers` slow ranks, `normalization`
+what the ranks' normalizers exchange. This module imports only light ones (`context`,
+`signals`): the training code (torch, warp, rsl-rl) loads in the rank.
 """
 
 from __future__ import annotations

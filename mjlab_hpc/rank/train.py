@@ -32,6 +32,7 @@ import warp as wp
 
 from mjlab_hpc.errors import EXIT_INTERRUPTED, environment_problem
 from mjlab_hpc.procs import oom_count
+from mjlab_hpc.rank.beats import StoreAddress
 from mjlab_hpc.rank.context import (
     DETACHED_ENV,
     START_ENV,
@@ -630,13 +631,17 @@ def _loop(
     ]
     if writer is not None:
         hooks.append(_progress_writer(writer))
+    hosts = _gather(started.node, ctx)
     watchdog = Watchdog(
         run,
         rank=ctx.rank,
         world_size=ctx.world_size,
         timeout_s=spec.hang_timeout_s,
         rank_log=rank_log,
+        host=started.node,
         on_fire=ending.hung,
+        hosts=hosts,
+        store=StoreAddress.of(ctx) if ctx.is_distributed else None,
     )
     hooks.append(
         IterationBoundary(
@@ -653,7 +658,7 @@ def _loop(
             restarts=read_record(run.path).requeues_so_far(),
             watchdog=watchdog,
             injections=started.injections,
-            stragglers=StragglerWatch(_gather(started.node, ctx)) if ctx.is_distributed else None,
+            stragglers=StragglerWatch(hosts) if ctx.is_distributed else None,
         )
     )
     try:

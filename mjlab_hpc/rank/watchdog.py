@@ -1,16 +1,19 @@
 """A rank that stops making progress: heartbeats, the hang watchdog, and injected faults.
 
-Every rank runs a daemon thread that writes its heartbeat (`logs/heartbeat/rank<k>.json`) and,
-once the first iteration of a start has completed, watches its own progress. A rank whose
-iteration does not advance for the hang limit (`hang_limit_s`) writes its Python stacks to its
-log. A checkpoint write, however long, is no hang of the writing rank; but every rank watches
-the others' heartbeats through it, so a rank frozen in the write (its heartbeat stops while
-the others wait for it in a collective) is named as hung within the limit. The log names the
-ranks that stopped heartbeating (their heartbeat files seen unchanged by this rank's own
-clock, never compared with another node's clock) or lag behind. The rank records the hang
-(`hang-rank<k>.json`), waits a moment for the other live ranks to do the same, and exits with
-EXIT_HUNG; the launcher ends the others and the healer decides (docs/preemption.md).
-`MJLAB_HPC_FAULT` injects faults for fire drills and tests (`FaultInjection`).
+Every rank runs a daemon thread that beats (`rank/beats.py`: into its node's board in memory;
+its node's writer relays the node's beats to the rendezvous store and to one file per node in
+the run directory) and, once the first iteration of a start has completed, watches its own
+progress. A rank whose iteration does not advance for the hang limit (`hang_limit_s`) writes
+its Python stacks to its log. A checkpoint write, however long, is no hang of the writing
+rank; but every rank watches the others' beats through it, so a rank frozen in the write (its
+beat stops while the others wait for it in a collective) is named as hung within the limit.
+The log names the ranks that stopped beating (their beats seen unchanged by this rank's own
+clock, never compared with another node's clock) or lag behind. The first rank to fire
+announces the hang once (the store elects it; without an answer, the hang record's exclusive
+creation) and records it (`rundir.liveness.Hang`); every live rank writes its stacks, and the
+announcer waits a moment for them before it exits with EXIT_HUNG; the launcher ends the others
+and the healer decides (docs/preemption.md). `MJLAB_HPC_FAULT` injects faults for fire drills
+and tests (`FaultInjection`).
 """
 
 from __future__ import annotations
@@ -25,20 +28,30 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TextIO
 
 from mjlab_hpc.errors import EXIT_HUNG
 from mjlab_hpc.procs import ProcessId
-from mjlab_hpc.rundir.durable import read_regular, write_atomic
-from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
+from mjlab_hpc.rank.beats import NodeBoard, StoreAddress, StoreLink, View
+from mjlab_hpc.rundir.durable import write_atomic
+from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.liveness import (
+    Hang,
+    NodeBeat,
+    RankBeat,
+    claim_hang,
+    clear_hang,
+    read_node_beat,
+    write_hang,
+    write_node_beat,
+)
 
 __all__ = [
     "FAULT_ENV",
     "SAY_ENV",
     "FaultInjection",
-    "Hang",
     "Watchdog",
     "hang_limit_s",
     "parse_faults",
@@ -53,8 +66,11 @@ _FAULT = re.compile(
     r"^(raise|kill|stop|slow|say|preflight-device|preflight-slow)@(\d+)"
     r"((?::rank\d+)?)((?::checkpoint)?)((?::once)?)$"
 )
-# A heartbeat seen unchanged for this many beats is a process that no longer runs.
+# A beat seen unchanged for this many beats is a process that no longer runs.
 _STALE_BEATS = 3
+# A lower local rank's beat unchanged for this many beats: this rank writes the node's beat
+# (two writers for a while are harmless; the other nodes judge after _STALE_BEATS).
+_TAKEOVER_BEATS = 1.5
 # The phase a hang found in a checkpoint write names.
 _WRITE = "in the checkpoint write"
 
@@ -76,42 +92,6 @@ def hang_limit_s(timeout_s: float, slowest_iteration_s: float) -> float:
     return max(timeout_s, 5.0 * slowest_iteration_s)
 
 
-@dataclass(frozen=True)
-class Hang:
-    """What the watchdog found when it fired."""
-
-    rank: int
-    iteration: int
-    waited_s: float
-    limit_s: float
-    stalled: tuple[int, ...]
-    """Ranks that stopped heartbeating or lag behind (empty: every rank is stuck alike)."""
-    hosts: tuple[str, ...]
-    """Their hosts."""
-    detail: str
-    frozen: tuple[int, ...] = ()
-    """Of the stalled ranks, those whose heartbeat stopped (a frozen process, a lost node)."""
-    frozen_hosts: tuple[str, ...] = ()
-    during: str = ""
-    """The phase this rank was in, for people (empty: an iteration)."""
-
-    def as_dict(self) -> dict[str, Any]:
-        """For the hang file the healer reads."""
-        return {
-            "rank": self.rank,
-            "iteration": self.iteration,
-            "waited_s": round(self.waited_s, 1),
-            "limit_s": round(self.limit_s, 1),
-            "stalled_ranks": list(self.stalled),
-            "stalled_hosts": list(self.hosts),
-            "frozen_ranks": list(self.frozen),
-            "frozen_hosts": list(self.frozen_hosts),
-            "detail": self.detail,
-            "during": self.during,
-            "at": time.time(),
-        }
-
-
 class Watchdog:
     """This rank's heartbeat and hang watchdog (a daemon thread; a context manager)."""
 
@@ -125,6 +105,8 @@ class Watchdog:
         beat_s: float = 2.0,
         host: str | None = None,
         on_fire: Callable[[str], None] | None = None,
+        hosts: Sequence[str] | None = None,
+        store: StoreAddress | None = None,
     ) -> None:
         self.run = run
         self.rank = rank
@@ -133,27 +115,50 @@ class Watchdog:
         self.rank_log = rank_log
         self.beat_s = beat_s if timeout_s is None else min(beat_s, max(timeout_s / 4, 0.25))
         self.host = host or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        self.hosts = tuple(hosts) if hosts is not None else (self.host,) * world_size
+        """The host of every rank (gathered as the start began); None: all on this one."""
+        if len(self.hosts) != world_size or self.hosts[rank] != self.host:
+            raise ValueError(f"hosts {self.hosts} do not place rank {rank} on {self.host}")
+        self.local = tuple(r for r, h in enumerate(self.hosts) if h == self.host)
+        self.board = NodeBoard(run, self.host)
+        self.link = (
+            StoreLink(store, cycle_s=min(self.beat_s, 0.5), deadline_s=max(self.beat_s, 1.0))
+            if store is not None and timeout_s is not None and world_size > 1
+            else None
+        )
         self.on_fire = on_fire
         """Called with how the start ended before the exit: the rank's end record, and the
         writer gives up its lease (the healer needs it)."""
         self.iteration = 0
+        self._process = ProcessId.of()
+        self._seq = self._node_seq = self._view_seq = 0
+        self._watching = False
+        self._writer = False
         self._armed_at: float | None = None
         self._paused = 0
         self._paused_at = 0.0
         self._last = time.monotonic()
         self._slowest = 0.0
         self._first = False
-        self._peers: dict[int, tuple[str, float]] = {}
-        """Each other rank's heartbeat file as last read, and since when (monotonic) it
-        reads so: watched once this rank's own progress stalls."""
+        self._locals: dict[int, tuple[bytes | None, float]] = {}
+        """Each other local rank's beat on the board as last read, and since when (monotonic)
+        it reads so: who writes the node's beat."""
+        self._view: View | None = None
+        """The view this rank made as its node's writer."""
+        self._view_seen: tuple[int, float] | None = None
+        self._peers: dict[int, tuple[tuple[int, int], float]] = {}
+        """Each other rank's beat as last seen in a view, and since when (monotonic) it reads
+        so: watched once this rank's own progress stalls."""
+        self._beats: dict[int, RankBeat] = {}
+        """Each other rank's last beat seen."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> Watchdog:
         self.run.heartbeats.mkdir(parents=True, exist_ok=True)
-        # An earlier start's hang (the healer read it before this start).
-        with contextlib.suppress(OSError):
-            self.run.hang(self.rank).unlink(missing_ok=True)
+        self.board.open()
+        if self.rank == 0:  # an earlier start's hang (the healer read it before this start)
+            clear_hang(self.run)
         self._beat()
         self._thread = threading.Thread(target=self._loop, name="watchdog", daemon=True)
         self._thread.start()
@@ -163,6 +168,9 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self.link is not None:
+            self.link.close()
+        self.board.leave(self.rank)
 
     def progress(self, iteration: int) -> None:
         """An iteration completed: arm the watchdog (after the first one) and reset it."""
@@ -184,8 +192,8 @@ class Watchdog:
     def paused(self) -> _Paused:
         """A block whose length is no hang of this rank (a checkpoint write).
 
-        The others' heartbeats are still watched through it: one unchanged for half the
-        limit (three beats at least: a rank frozen in the write) is a hang, named within it.
+        The others' beats are still watched through it: one unchanged for half the limit
+        (three beats at least: a rank frozen in the write) is a hang, named within it.
         """
         return _Paused(self)
 
@@ -194,19 +202,97 @@ class Watchdog:
         self._armed_at = None
 
     def _beat(self) -> None:
-        # pid, start time and machine: what `mjlab-hpc cancel` knows this rank by.
-        me = ProcessId.of()
-        beat = {
-            "rank": self.rank,
-            "host": self.host,
-            "pid": os.getpid(),
-            **(me.as_dict() if me is not None else {}),
-            "iteration": self.iteration,
-            "t": time.time(),
-        }
-        # Liveness only: no fsync; a failed beat is retried at the next one.
+        """Beat on the board; as the node's writer, relay the node's beats."""
+        self._seq += 1
+        me = RankBeat(
+            self.rank, self.host, self._process, self.iteration, self._seq, self._watching
+        )
+        with contextlib.suppress(OSError):  # liveness only: retried at the next beat
+            self.board.write_beat(me)
+        beats = self._read_locals(me)
+        self._writer = self._writes()
+        if not self._writer:
+            if self.link is not None:
+                self.link.idle()
+            return
+        self._node_seq += 1
+        node = NodeBeat(
+            self.host, self.rank, self._node_seq, tuple(beats[r] for r in sorted(beats))
+        )
         with contextlib.suppress(OSError):
-            write_atomic(self.run.heartbeat(self.rank), json.dumps(beat).encode(), sync=False)
+            write_node_beat(self.run, node)
+        watching = any(b.watching for b in beats.values())
+        others = [h for h in dict.fromkeys(self.hosts) if h != self.host] if watching else []
+        if self.link is not None:
+            self.link.serve(self.host, node.to_bytes(), others, poll=self._armed_at is not None)
+        if watching:
+            self._make_view(node, others)
+        if self._armed_at is not None and not self.board.announced():
+            self._mirror_announcement()
+
+    def _read_locals(self, me: RankBeat) -> dict[int, RankBeat]:
+        """This node's ranks' beats on the board (this rank's: `me`), noting since when each
+        reads the same."""
+        now = time.monotonic()
+        beats = {self.rank: me}
+        for r in self.local:
+            if r == self.rank:
+                continue
+            raw = self.board.read_beat(r)
+            if r not in self._locals or self._locals[r][0] != raw:
+                self._locals[r] = (raw, now)
+            with contextlib.suppress(ValueError):
+                beat = RankBeat.parse(json.loads(raw)) if raw else None
+                if beat is not None and beat.rank == r:
+                    beats[r] = beat
+        return beats
+
+    def _writes(self) -> bool:
+        """This rank writes the node's beat: every lower local rank's beat stopped."""
+        now = time.monotonic()
+        for r in self.local:
+            if r == self.rank:
+                return True
+            if now - self._locals.get(r, (None, now))[1] < _TAKEOVER_BEATS * self.beat_s:
+                return False
+        return True
+
+    def _make_view(self, node: NodeBeat, others: list[str]) -> None:
+        """Leave on the board every rank's beat as this writer reads them: the other nodes'
+        from the store while it answers (as fetched within two beats), else from their
+        files in the run directory."""
+        beats, via = list(node.ranks), "board"
+        if others:
+            fetched: dict[str, NodeBeat | None] = {}
+            if self.link is not None and self.link.answering():
+                via = "store"
+                at, values = self.link.fetched()
+                if time.monotonic() - at < 2 * self.beat_s:
+                    fetched = {h: NodeBeat.parse(v) for h, v in values.items()}
+            else:
+                via = "files"
+                fetched = {h: read_node_beat(self.run, h) for h in others}
+            for host, beat in fetched.items():
+                if beat is not None and beat.host == host:
+                    beats += [b for b in beat.ranks if self._placed(b.rank, host)]
+        self._view_seq += 1
+        self._view = View(self._view_seq, via, tuple(beats))
+        with contextlib.suppress(OSError):
+            self.board.write_view(self._view)
+
+    def _placed(self, rank: int, host: str) -> bool:
+        """Rank `rank` runs on `host` in this start (a beat of an earlier one may be left)."""
+        return 0 <= rank < self.world_size and self.hosts[rank] == host
+
+    def _mirror_announcement(self) -> None:
+        """A hang announced elsewhere reaches this node's ranks through the board: from the
+        store, or while it does not answer, the hang record in the run directory."""
+        if self.link is not None and self.link.answering():
+            seen = self.link.announced()
+        else:
+            seen = self.world_size > 1 and self.run.hang_record.exists()
+        if seen:
+            self.board.announce()
 
     def _loop(self) -> None:
         tick = min(self.beat_s, 0.5)
@@ -219,75 +305,92 @@ class Watchdog:
                 # This process was suspended (scontrol suspend, gang scheduling, Ctrl-Z): the
                 # time it did not run is no hang, nor what it saw of the others before.
                 self._last += now - before - tick
-                self._peers.clear()
+                self._forget()
             before = now
             if now >= next_beat:
                 self._beat()
                 next_beat = now + self.beat_s
+            elif self._writer and self.link is not None and self.link.announced():
+                self.board.announce()
             if self.timeout_s is None:
                 continue
             limit = hang_limit_s(self.timeout_s, self._slowest)
             if self._paused:
                 if pause != self._paused_at:  # a new write: the others watched afresh
                     pause = self._paused_at
-                    self._peers.clear()
+                    self._forget()
                 # Watched from a quarter of the limit into the write (most writes end
                 # sooner: no reads), or from its start where the limit is a few beats.
                 quiet = max(_STALE_BEATS * self.beat_s, limit / 2)
                 look_from = min(limit / 4, max(0.0, limit - quiet - 2 * self.beat_s))
-                if now - self._paused_at >= look_from and now >= next_look:
+                self._watching = now - self._paused_at >= look_from
+                if self._watching and now >= next_look:
                     next_look = now + self.beat_s
                     if self._frozen_peer(quiet):
                         self._fire(self._diagnose(now - self._last, limit, during=_WRITE))
                         return
                 continue
             if self._armed_at is None:
+                self._watching = False
                 continue
-            if now - self._last > limit / 2 and now >= next_look:
-                self._look()  # stalled: whose heartbeat goes on changing?
+            self._watching = now - self._last > limit / 2
+            if self._watching and now >= next_look:
+                self._look()  # stalled: whose beat goes on changing?
                 next_look = now + self.beat_s
-            peer = self._peer_fired()
+            peer = self.board.announced()  # another rank's watchdog fired: stacks here too
             if now - self._last > limit or peer:
                 self._fire(self._diagnose(now - self._last, limit, peer))
                 return
 
-    def _peer_fired(self) -> bool:
-        """Another rank's watchdog has fired in this start: write this rank's stacks too."""
-        try:
-            return any(p != self.run.hang(self.rank) for p in self.run.hangs())
-        except OSError:
-            return False
+    def _forget(self) -> None:
+        """What this rank saw of the others is no longer news (suspended, a new write)."""
+        self._peers.clear()
+        self._view_seen = None
+        if self.link is not None:
+            self.link.forget()
 
     def _frozen_peer(self, quiet: float) -> bool:
-        """Look at the others' heartbeats: has one been unchanged for `quiet` s?"""
+        """Look at the others' beats: has one been unchanged for `quiet` s?"""
         self._look()
         return any(self._unchanged_s(r) >= quiet for r in self._peers)
 
     def _look(self) -> None:
-        """Read the other ranks' heartbeat files, noting since when each reads the same."""
+        """Read the other ranks' beats from the node's view, noting since when each reads the
+        same. A view that stopped changing (its writer stopped) tells nothing."""
+        view = self._view if self._writer else self.board.read_view()
         now = time.monotonic()
-        for r in range(self.world_size):
-            if r == self.rank:
+        if view is None:
+            return
+        if self._view_seen is None or self._view_seen[0] != view.made:
+            self._view_seen = (view.made, now)
+        elif now - self._view_seen[1] > (_TAKEOVER_BEATS + 1) * self.beat_s:
+            self._peers.clear()
+            return
+        for beat in view.beats:
+            if beat.rank == self.rank or not 0 <= beat.rank < self.world_size:
                 continue
-            try:
-                text = read_regular(self.run.heartbeat(r), within=self.run.path).decode("latin-1")
-            except (OSError, ValueError):  # missing, or no file of the run (a FIFO, a link)
-                text = ""
-            if self._peers.get(r, (None,))[0] != text:
-                self._peers[r] = (text, now)
+            seen = (beat.seq, beat.iteration)
+            if self._peers.get(beat.rank, (None,))[0] != seen:
+                self._peers[beat.rank] = (seen, now)
+            self._beats[beat.rank] = beat
 
     def _unchanged_s(self, rank: int) -> float:
-        """How long this rank has seen `rank`'s heartbeat file unchanged."""
-        return time.monotonic() - self._peers.get(rank, ("", time.monotonic()))[1]
+        """How long this rank has seen `rank`'s beat unchanged."""
+        now = time.monotonic()
+        return now - self._peers.get(rank, ((0, 0), now))[1]
 
     def _diagnose(self, waited: float, limit: float, peer: bool = False, during: str = "") -> Hang:
         stale_s = _STALE_BEATS * self.beat_s
+        self._watching = True
         self._look()
         watched = min((seen for _, seen in self._peers.values()), default=time.monotonic())
-        if time.monotonic() - watched < stale_s:  # not watched long enough (a peer fired)
-            time.sleep(stale_s - (time.monotonic() - watched) + 0.1)
+        # Not watched long enough (a peer fired): watch on, beating (the view is refreshed).
+        while (left := stale_s - (time.monotonic() - watched)) > 0:
+            time.sleep(min(left + 0.1, self.beat_s))
+            self._beat()
             self._look()
-        beats = read_heartbeats(self.run, self.world_size)
+            watched = min((seen for _, seen in self._peers.values()), default=watched)
+        beats = dict(self._beats)
         stalled = [
             r
             for r in range(self.world_size)
@@ -295,33 +398,40 @@ class Watchdog:
         ]
         frozen = tuple(stalled)
         if not stalled and beats:
-            top = max(int(b.get("iteration", 0)) for b in beats.values())
-            stalled = [r for r, b in sorted(beats.items()) if int(b.get("iteration", 0)) < top]
-        hosts = tuple(dict.fromkeys(str(beats.get(r, {}).get("host", "?")) for r in stalled))
+            top = max([self.iteration, *(b.iteration for b in beats.values())])
+            stalled = [
+                r
+                for r in range(self.world_size)
+                if (self.iteration if r == self.rank else beats[r].iteration) < top
+            ]
         lines = []
         for r in range(self.world_size):
             b = beats.get(r)
-            if b is None:
+            if r == self.rank:
+                pid, iteration, seen = os.getpid(), self.iteration, ""
+            elif b is None:
                 lines.append(f"rank {r}: no heartbeat")
                 continue
-            seen = "" if r == self.rank else f", heartbeat unchanged {self._unchanged_s(r):.0f} s"
+            else:
+                pid = b.process.pid if b.process is not None else "?"
+                iteration = b.iteration
+                seen = f", heartbeat unchanged {self._unchanged_s(r):.0f} s"
             mark = " <- stalled" if r in stalled else ""
             lines.append(
-                f"rank {r} on {b.get('host')} (pid {b.get('pid')}): iteration "
-                f"{b.get('iteration')}{seen}{mark}"
+                f"rank {r} on {self.hosts[r]} (pid {pid}): iteration {iteration}{seen}{mark}"
             )
-        frozen_hosts = tuple(dict.fromkeys(str(beats.get(r, {}).get("host", "?")) for r in frozen))
         return Hang(
             rank=self.rank,
             iteration=self.iteration,
             waited_s=waited,
             limit_s=limit,
             stalled=tuple(stalled),
-            hosts=hosts,
+            hosts=tuple(dict.fromkeys(self.hosts[r] for r in stalled)),
             detail="; ".join(lines),
             frozen=frozen,
-            frozen_hosts=frozen_hosts,
+            frozen_hosts=tuple(dict.fromkeys(self.hosts[r] for r in frozen)),
             during=during,
+            at=time.time(),
         )
 
     def _fire(self, hang: Hang) -> None:
@@ -345,17 +455,7 @@ class Watchdog:
             faulthandler.dump_traceback(file=self.rank_log, all_threads=True)
         except (OSError, ValueError):
             pass
-        with contextlib.suppress(OSError):
-            write_atomic(self.run.hang(self.rank), json.dumps(hang.as_dict()).encode())
-        # The other live ranks fire within moments (they wait for the same peer): give them
-        # the time to write their stacks before this exit ends the job's other ranks.
-        deadline = time.monotonic() + min(10.0, max(2.0, 2 * self.beat_s))
-        live = {r for r in range(self.world_size) if r not in hang.stalled}
-        while time.monotonic() < deadline:
-            done = {r for r in live if self.run.hang(r).exists()}
-            if done >= live:
-                break
-            time.sleep(0.2)
+        self._announce(hang)
         detail = f"hung after iteration {hang.iteration} ({who})"
         if self.on_fire is not None:
             with contextlib.suppress(Exception):
@@ -365,6 +465,35 @@ class Watchdog:
             with contextlib.suppress(OSError):
                 handler.flush()
         os._exit(EXIT_HUNG)
+
+    def _announce(self, hang: Hang) -> None:
+        """Announce the hang once, record it, and give the other live ranks the time to
+        write their stacks before this exit ends them (they fire within moments)."""
+        deadline = time.monotonic() + min(10.0, max(2.0, 2 * self.beat_s))
+        link, wait_s = self.link, max(self.beat_s, 1.0)
+        first = link.add("hang", 1, wait_s) if link is not None else None
+        if first is None:  # no store, or no answer: the record's exclusive creation decides
+            announcer = claim_hang(self.run, hang)
+        elif announcer := first == 1:
+            with contextlib.suppress(OSError):
+                write_hang(self.run, hang)
+        self.board.announce()
+        if link is None:
+            return
+        if announcer:
+            link.add("recorded", 1, wait_s)
+        done = link.add("stacks", 1, wait_s)
+        live = self.world_size - len(hang.stalled)
+        while time.monotonic() < deadline:
+            if announcer:  # until every live rank wrote its stacks
+                stacks = link.add("stacks", 0, wait_s) if done is not None else None
+                finished = stacks is not None and stacks >= live
+            else:  # until the announcer's record is written
+                said = link.add("recorded", 0, wait_s)
+                finished = bool(said) or (said is None and self.run.hang_record.exists())
+            if finished:
+                return
+            time.sleep(0.2)
 
 
 class _Paused:

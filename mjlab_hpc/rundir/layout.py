@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import math
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +32,8 @@ __all__ = [
     "CODE_DIR",
     "ELEMENT_RECORD",
     "GROUP_WRITABLE_ENV",
-    "HANG_GLOB",
     "NAN_DUMPS_DIR",
+    "NODE_BEAT_GLOB",
     "PROGRESS",
     "RUN_RECORD",
     "SNAPSHOT_RECORD",
@@ -56,8 +58,6 @@ __all__ = [
     "rank_state_dir",
     "rank_state_file",
     "read_element",
-    "read_hangs",
-    "read_heartbeats",
     "read_jsonl",
     "read_sweep",
     "realise_target",
@@ -101,10 +101,12 @@ WANDB_RECORD = "wandb_run.json"
 NAN_DUMPS_DIR = "nan_dumps"
 #: --video's recordings.
 VIDEOS_DIR = "videos/train"
-# In logs/: each rank's start and end records (`rundir.ends`), the hang watchdog's records
-# and its fault injections' markers (in the heartbeat folder).
+# In logs/: each rank's start and end records (`rundir.ends`); in the heartbeat folder, one
+# heartbeat per node, the start's hang record (`rundir.liveness`) and the fault injections'
+# markers.
 RANK_RECORDS_DIR = "ranks"
-HANG_GLOB = "hang-rank*.json"
+NODE_BEAT_GLOB = "node-*.json"
+HANG_RECORD = "hang.json"
 # Files of an experiment folder.
 KEYS_DIR = ".keys"
 #: `<experiment>/.latest_run.<uid>`: each user's own latest run (a team shares the folder).
@@ -163,30 +165,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def read_heartbeats(run: RunDir, world_size: int) -> dict[int, dict[str, Any]]:
-    """The ranks' latest heartbeats, by rank (a missing or torn one is left out)."""
-    beats: dict[int, dict[str, Any]] = {}
-    for rank in range(world_size):
-        try:
-            value = json.loads(read_regular(run.heartbeat(rank), within=run.path))
-        except (OSError, ValueError):
-            continue
-        if isinstance(value, dict):
-            beats[rank] = value
-    return beats
-
-
-def read_hangs(run: RunDir) -> list[dict[str, Any]]:
-    """What the ranks' hang watchdogs recorded in the latest start, by rank."""
-    found = []
-    for path in run.hangs():
-        try:
-            value = json.loads(read_regular(path, within=run.path))
-        except (OSError, ValueError):
-            continue
-        if isinstance(value, dict):
-            found.append(value)
-    return sorted(found, key=lambda h: int(h.get("rank", 0)))
+def _file_name(host: str) -> str:
+    """`host` as a file name: itself when it is one, else made one, with a digest of it."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", host)[:80]
+    if safe == host and not host.startswith("."):
+        return host
+    return f"{safe}-{hashlib.sha256(host.encode()).hexdigest()[:12]}"
 
 
 @dataclass(frozen=True)
@@ -245,16 +229,18 @@ class RunDir:
     def heartbeats(self) -> Path:
         return self.logs / HEARTBEAT_DIR
 
-    def heartbeat(self, rank: int) -> Path:
-        return self.heartbeats / f"rank{rank}.json"
+    def node_beat(self, host: str) -> Path:
+        """The heartbeat of the ranks on `host` (`NODE_BEAT_GLOB`)."""
+        return self.heartbeats / f"node-{_file_name(host)}.json"
 
-    def hang(self, rank: int) -> Path:
-        """What rank `rank`'s hang watchdog found in the latest start (`HANG_GLOB`)."""
-        return self.heartbeats / f"hang-rank{rank}.json"
+    def node_beats(self) -> list[Path]:
+        """Every node's heartbeat file (this start's nodes, and those of earlier starts)."""
+        return sorted(self.heartbeats.glob(NODE_BEAT_GLOB))
 
-    def hangs(self) -> list[Path]:
-        """The hang records of the latest start."""
-        return sorted(self.heartbeats.glob(HANG_GLOB))
+    @property
+    def hang_record(self) -> Path:
+        """What the rank that announced a hang found, in the latest start."""
+        return self.heartbeats / HANG_RECORD
 
     def injected(self, kind: str, iteration: int, rank: int) -> Path:
         """The marker of a fault injected once (`MJLAB_HPC_FAULT`)."""

@@ -1,8 +1,9 @@
 """The processes a run started on this machine, known from what the run recorded.
 
 A local job's controller is recorded by the launcher that starts it
-(`submitit/<pid>_controller.json`), each rank in its heartbeat (`logs/heartbeat/rank<N>.json`):
-its pid, start time and machine (`procs.ProcessId`). Each carries the run in its environment
+(`submitit/<pid>_controller.json`), each rank in its node's heartbeat
+(`logs/heartbeat/node-<host>.json`, `rundir.liveness`): its pid, start time and machine
+(`procs.ProcessId`). Each carries the run in its environment
 (`RUN_ENV`), which is checked where it can be read (the user's own processes; root's).
 Processes are never found by their command lines: one that merely names the run's folder in
 its arguments (a teammate's `tail`, an editor) is none of the run's.
@@ -19,6 +20,7 @@ from typing import Literal
 from mjlab_hpc.procs import ProcessId, environ_value, owner
 from mjlab_hpc.rundir.durable import read_regular, write_json_atomic
 from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.liveness import NodeBeat
 
 __all__ = ["CONTROLLER_SUFFIX", "RUN_ENV", "RunProcess", "record_controller", "run_processes"]
 
@@ -67,23 +69,34 @@ def run_processes(run_dir: Path) -> list[RunProcess]:
         return []
     records: list[tuple[Literal["controller", "rank"], Path]] = [
         *(("controller", p) for p in sorted(run.submitit.glob(f"*{CONTROLLER_SUFFIX}"))),
-        *(("rank", p) for p in sorted(run.heartbeats.glob("rank*.json"))),
+        *(("rank", p) for p in run.node_beats()),
     ]
     found: dict[int, RunProcess] = {}
     for role, path in records:
-        try:
-            if path.lstat().st_uid != uid:  # planted by another user
+        for process in _recorded(path, uid, role):
+            if process.pid in found or not process.running() or owner(process.pid) != uid:
                 continue
-            data = json.loads(read_regular(path, 1 << 16))
-        except (OSError, ValueError):
-            continue
-        process = ProcessId.parse(data) if isinstance(data, dict) else None
-        if process is None or process.pid in found or not process.running():
-            continue
-        if owner(process.pid) != uid:
-            continue
-        works_for = environ_value(process.pid, RUN_ENV)
-        if works_for is not None and (not works_for or Path(works_for).resolve() != here):
-            continue
-        found[process.pid] = RunProcess(process.pid, role, uid)
+            works_for = environ_value(process.pid, RUN_ENV)
+            if works_for is not None and (not works_for or Path(works_for).resolve() != here):
+                continue
+            found[process.pid] = RunProcess(process.pid, role, uid)
     return list(found.values())
+
+
+def _recorded(path: Path, uid: int, role: str) -> list[ProcessId]:
+    """The processes a record names: a controller's, or a node's ranks (none: a record
+    another user planted, or no record of ours)."""
+    try:
+        if path.lstat().st_uid != uid:
+            return []
+        raw = read_regular(path, 1 << 20)
+    except (OSError, ValueError):
+        return []
+    if role == "rank":
+        beat = NodeBeat.parse(raw)
+        return [b.process for b in beat.ranks if b.process is not None] if beat else []
+    with contextlib.suppress(ValueError):
+        data = json.loads(raw)
+        process = ProcessId.parse(data) if isinstance(data, dict) else None
+        return [process] if process is not None else []
+    return []

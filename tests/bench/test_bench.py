@@ -406,3 +406,46 @@ def test_recovery_cases_and_outcomes(capsys: pytest.CaptureFixture) -> None:
     printed = capsys.readouterr().out
     assert "node-loss-spare" in printed and "12.7" in printed and "hang-spare" in printed
     assert recovery.main(["--cases", "crash-nowhere"]) == 2
+
+
+def test_fsops_counts_the_calls_on_the_run_directory_and_fits_their_growth() -> None:
+    """strace's lines (threads and children too) become ops of the run's processes, outside
+    the run directory and outside the window not counted; a growth is named by its term."""
+    from benchmarks.fsops import count, fit, parse_trace, predict
+
+    run = "/r/run"
+    lines = [
+        '100 1.0 openat(AT_FDCWD</w>, "/r/run/progress.jsonl", O_WRONLY|O_CREAT|O_APPEND) = 3',
+        '100 1.1 openat(4</r/run/logs>, "heartbeat", O_RDONLY|O_PATH) = 5</r/run/logs/heartbeat>',
+        "101 1.2 getdents64(6</r/run/logs/heartbeat>, 0x55 /* 7 entries */, 32768) = 240",
+        '101 1.3 renameat(5</r/run/logs/heartbeat>, ".n.tmp", 5</r/run/logs/heartbeat>, "n") = 0',
+        '100 1.4 newfstatat(3</r/run/progress.jsonl>, "", {st_mode=S_IFREG}, AT_EMPTY_PATH) = 0',
+        '100 1.5 openat(AT_FDCWD</w>, "/elsewhere/x", O_RDONLY) = 3',
+        "100 1.6 clone3({flags=CLONE_VM|CLONE_THREAD, exit_signal=0}, 88 <unfinished ...>",
+        "100 1.7 <... clone3 resumed> => {parent_tid=[102]}, 88) = 102",
+        '102 1.8 unlinkat(5</r/run/logs/heartbeat>, "hang.json", 0) = 0',
+        "100 1.9 clone(child_stack=NULL, flags=CLONE_CHILD_CLEARTID|SIGCHLD) = 103",
+        '103 2.0 stat("/r/run/run.json", 0x7ff) = -1 ENOENT (No such file or directory)',
+        '103 9.0 stat("/r/run/run.json", 0x7ff) = 0',  # after the window
+        "104 1.9 getdents64(6</r/run/logs/heartbeat>,  <unfinished ...>",
+        "104 2.0 <... getdents64 resumed>0x7f /* 3 entries */, 32768) = 72",
+    ]
+    counts = count(parse_trace(lines, run), {100: "rank 0", 101: "ranks"}, {}, (0.0, 2.0))
+    per_s = {k: v * 2.0 for k, v in counts.by_kind.items()}  # ops in the 2 s window
+    assert per_s == {
+        "create": 1,
+        "open": 1,
+        "readdir": 2,
+        "rename": 1,
+        "fstat": 1,
+        "unlink": 1,
+        "stat": 1,
+    }, per_s
+    roles = {k: v * 2.0 for k, v in counts.by_role.items()}
+    assert roles == {"rank 0": 5, "ranks": 2, "other": 1}, roles
+    assert counts.readdir_entries * 2.0 == 10 and counts.by_file["logs/heartbeat/*"] * 2.0 == 5
+    squared = [(r, n, 3 + 2 * n + 0.5 * r * r) for r, n in ((2, 1), (8, 1), (8, 4), (32, 8))]
+    model = fit(squared)
+    assert model["growth"] == "per rank^2" and round(predict(model, 64, 8)) == 3 + 16 + 2048
+    per_node = [(r, n, 10 + 4 * n) for r, n in ((2, 1), (8, 1), (8, 4), (32, 8), (16, 16))]
+    assert fit(per_node)["growth"] == "per node"

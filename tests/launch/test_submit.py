@@ -23,6 +23,7 @@ from mjlab_hpc.launch.plan import job_plan, render
 from mjlab_hpc.launch.slurm import allocation_srun, render_sbatch
 from mjlab_hpc.launch.submit import submit
 from mjlab_hpc.rundir.layout import RunDir, run_dir_for_key
+from mjlab_hpc.rundir.liveness import NodeBeat
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import SubmitSpec, TrainSpec, train_cli_args
 from mjlab_hpc.validate import validate_submit, world
@@ -367,7 +368,11 @@ def test_local_executor_job(tmp_path: Path) -> None:
     assert summary["ranks_in_sync"] and summary["world_size"] == 2
     logs = {"rank0.log", "rank1.log", "heartbeat", "ranks", "checkpoints.jsonl"}
     assert {p.name for p in run.logs.iterdir()} == logs
-    assert {p.name for p in run.heartbeats.iterdir()} == {"rank0.json", "rank1.json"}
+    # One heartbeat for the node, holding both ranks' (one rank writes it): no file per rank.
+    (beats,) = run.node_beats()
+    assert {p.name for p in run.heartbeats.iterdir()} == {beats.name}
+    beat = NodeBeat.parse(beats.read_bytes())
+    assert beat is not None and sorted(b.rank for b in beat.ranks) == [0, 1], beat
     assert run.checkpoint(2).exists()
 
 

@@ -7,11 +7,11 @@ run and keys of one's own); `mjlab-hpc cancel` signals only the processes the ru
 
 from __future__ import annotations
 
-import json
 import os
 import pwd
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -23,6 +23,7 @@ from helpers import BIN, Team, runs_under, wait_for, wait_for_iteration
 from mjlab_hpc.errors import EXIT_OK
 from mjlab_hpc.procs import alive
 from mjlab_hpc.rundir.layout import GROUP_WRITABLE_ENV, RunDir
+from mjlab_hpc.rundir.liveness import NodeBeat
 from mjlab_hpc.rundir.record import read_record
 from mjlab_hpc.rundir.running import run_processes
 
@@ -135,7 +136,7 @@ def test_a_continuation_writes_nothing_through_planted_links(team: Team) -> None
         "summary.json": _secret(team, "summary"),
         "model_2.pt": _secret(team, "model"),
         "model_2.pt.sha256": _secret(team, "sidecar"),
-        "logs/heartbeat/rank0.json": _secret(team, "beat"),
+        str(RunDir(run).node_beat(socket.gethostname()).relative_to(run)): _secret(team, "beat"),
     }
     for name, target in planted.items():
         _as(team, bob, "rm -f", run / name, "&& ln -s", target, run / name)
@@ -239,9 +240,11 @@ def test_cancel_signals_only_the_runs_recorded_processes(team: Team) -> None:
         )
         assert again.returncode == EXIT_OK and "no process left to stop" in again.stdout
         assert decoy.poll() is None
-        # What a rank is known by: its heartbeat's pid, start time and machine.
-        beat = json.loads((run / "logs" / "heartbeat" / "rank0.json").read_text())
-        assert {"pid", "started", "machine"} <= set(beat), beat
+        # What a rank is known by: its node's heartbeat's pid, start time and machine.
+        (beats,) = RunDir(run).node_beats()
+        beat = NodeBeat.parse(beats.read_bytes())
+        assert beat is not None and [b.rank for b in beat.ranks] == [0], beat
+        assert beat.ranks[0].process is not None, beat
     finally:
         os.kill(decoy.pid, signal.SIGKILL)
         decoy.wait()

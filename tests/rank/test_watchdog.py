@@ -6,18 +6,23 @@ healer's decisions on recorded faults.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import io
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mjlab_hpc.launch.heal import decide, find_fault, restart_here
 from mjlab_hpc.ops.status import collect
+from mjlab_hpc.procs import ProcessId
+from mjlab_hpc.rank.beats import NodeBoard, StoreAddress
 from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog, hang_limit_s, parse_faults
 from mjlab_hpc.rundir.ends import (
     Exit,
@@ -30,7 +35,8 @@ from mjlab_hpc.rundir.ends import (
     run_outcome,
     start_hosts,
 )
-from mjlab_hpc.rundir.layout import RunDir, read_heartbeats
+from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.liveness import NodeBeat, RankBeat, read_hang, read_node_beat
 
 
 def test_hang_limit_never_below_five_slowest_iterations() -> None:
@@ -72,23 +78,42 @@ def test_fault_injection_refuses_typos(bad: str) -> None:
         parse_faults({"MJLAB_HPC_FAULT": bad})
 
 
+def _beat_of(run: RunDir, host: str, rank: int, iteration: int, seq: int, at: float = 0) -> None:
+    """Write `host`'s heartbeat as its writer would: rank `rank` (pid rank) at `iteration`,
+    its count `seq`, by a clock that says `at` (0: this one's)."""
+    process = ProcessId(pid=rank, started=1.0, machine="m")
+    node = NodeBeat(host, rank, seq, (RankBeat(rank, host, process, iteration, seq),))
+    data = json.loads(node.to_bytes())
+    run.node_beat(host).write_text(json.dumps({**data, "at": at or data["at"]}))
+
+
 def test_heartbeat_and_diagnosis_name_the_stalled_rank(tmp_path: Path) -> None:
     run = RunDir(tmp_path)
     run.heartbeats.mkdir(parents=True)
-    # Rank 1 last beat a minute ago at iteration 7: frozen.
-    run.heartbeat(1).write_text(
-        json.dumps({"rank": 1, "host": "node2", "pid": 1, "iteration": 7, "t": time.time() - 60})
-    )
+    _beat_of(run, "node2", rank=1, iteration=7, seq=4)  # and never again: frozen
     log = io.StringIO()
     with Watchdog(
-        run, rank=0, world_size=2, timeout_s=None, rank_log=log, host="node1", beat_s=0.2
+        run,
+        rank=0,
+        world_size=2,
+        timeout_s=None,
+        rank_log=log,
+        host="node1",
+        beat_s=0.2,
+        hosts=("node1", "node2"),
     ) as dog:
         dog.progress(8)
-        beats = read_heartbeats(run, world_size=2)
-        assert beats[0]["host"] == "node1" and beats[0]["pid"] == os.getpid()
+        own = read_node_beat(run, "node1")
         hang = dog._diagnose(waited=30.0, limit=20.0)
-    assert hang.stalled == (1,) and hang.hosts == ("node2",)
+    assert own is not None and (own.writer, own.host) == (0, "node1"), own
+    assert [(b.rank, b.process and b.process.pid) for b in own.ranks] == [(0, os.getpid())]
+    assert hang.stalled == (1,) and hang.hosts == ("node2",) and hang.frozen_hosts == ("node2",)
     assert "rank 1 on node2 (pid 1): iteration 7" in hang.detail and "<- stalled" in hang.detail
+    # One file per node in the run directory, none per rank.
+    assert sorted(p.name for p in run.heartbeats.iterdir()) == [
+        "node-node1.json",
+        "node-node2.json",
+    ]
 
 
 T0 = dt.datetime(2026, 11, 23, 10, 0).timestamp()
@@ -237,23 +262,29 @@ def test_a_frozen_rank_is_one_whose_heartbeat_stops_changing_whatever_its_clock(
     longer changes: frozen, and its node named."""
     run = RunDir(tmp_path)
     run.heartbeats.mkdir(parents=True)
-    beat = {"rank": 2, "host": "node3", "pid": 3, "iteration": 7, "t": time.time() + 3600}
-    run.heartbeat(2).write_text(json.dumps(beat))
+    _beat_of(run, "node3", rank=2, iteration=7, seq=9, at=time.time() + 3600)
     stop = threading.Event()
 
     def alive_behind() -> None:
         n = 0
         while not stop.wait(0.2):
             n += 1
-            behind = {"rank": 1, "host": "node2", "pid": 2, "iteration": 7, "t": time.time() - 3600}
-            run.heartbeat(1).write_text(json.dumps({**behind, "n": n}))
+            _beat_of(run, "node2", rank=1, iteration=7, seq=n, at=time.time() - 3600)
 
     beating = threading.Thread(target=alive_behind, daemon=True)
     beating.start()
     try:
         log = io.StringIO()
+        hosts = ("node1", "node2", "node3")
         with Watchdog(
-            run, rank=0, world_size=3, timeout_s=None, rank_log=log, host="node1", beat_s=1.0
+            run,
+            rank=0,
+            world_size=3,
+            timeout_s=None,
+            rank_log=log,
+            beat_s=0.25,
+            hosts=hosts,
+            host="node1",
         ) as dog:
             dog.progress(8)
             hang = dog._diagnose(waited=30.0, limit=20.0)
@@ -261,7 +292,7 @@ def test_a_frozen_rank_is_one_whose_heartbeat_stops_changing_whatever_its_clock(
         stop.set()
         beating.join()
     assert hang.frozen == (2,) and hang.frozen_hosts == ("node3",), hang
-    assert "rank 2 on node3 (pid 3): iteration 7, heartbeat unchanged" in hang.detail
+    assert "rank 2 on node3 (pid 2): iteration 7, heartbeat unchanged" in hang.detail
 
 
 def test_two_ranks_dying_at_once_are_both_named_and_a_kill_of_all_suspects_none(
@@ -311,12 +342,16 @@ def test_a_rank_frozen_in_a_checkpoint_write_is_named_within_the_limit(tmp_path:
 
     run = RunDir(tmp_path)
     run.heartbeats.mkdir(parents=True)
-    beats = multiprocessing.get_context("fork").Event()
-    beats.set()
 
     def rank0() -> None:
         with Watchdog(
-            run, rank=0, world_size=2, timeout_s=1.0, rank_log=io.StringIO(), host="node1"
+            run,
+            rank=0,
+            world_size=2,
+            timeout_s=1.0,
+            rank_log=io.StringIO(),
+            host="node1",
+            hosts=("node1", "node2"),
         ) as dog:
             dog.progress(9)
             dog.progress(10)
@@ -330,10 +365,9 @@ def test_a_rank_frozen_in_a_checkpoint_write_is_named_within_the_limit(tmp_path:
     try:
         while time.monotonic() - t0 < 2.5:  # past twice the limit, beating: a long write, no hang
             n += 1
-            beat = {"rank": 1, "host": "node2", "pid": 2, "iteration": 10, "n": n}
-            run.heartbeat(1).write_text(json.dumps(beat))
+            _beat_of(run, "node2", rank=1, iteration=10, seq=n)
             time.sleep(0.1)
-        assert child.is_alive() and not run.hang(0).exists()
+        assert child.is_alive() and not run.hang_record.exists()
         frozen_at = time.monotonic()  # rank 1 stops beating
         child.join(timeout=10)
     finally:
@@ -341,9 +375,9 @@ def test_a_rank_frozen_in_a_checkpoint_write_is_named_within_the_limit(tmp_path:
             child.kill()
     assert child.exitcode == 4
     named_s = time.monotonic() - frozen_at
-    hang = json.loads(run.hang(0).read_text())
-    assert hang["frozen_ranks"] == [1] and hang["frozen_hosts"] == ["node2"], hang
-    assert hang["during"] == "in the checkpoint write" and named_s < 1.0 + 1.0, named_s
+    hang = read_hang(run)
+    assert hang is not None and hang.frozen == (1,) and hang.frozen_hosts == ("node2",), hang
+    assert hang.during == "in the checkpoint write" and named_s < 1.0 + 1.0, named_s
     fault = find_fault(run.path)
     assert fault is not None and (fault.reason, fault.ranks, fault.suspect_nodes) == (
         "hang",
@@ -376,3 +410,138 @@ def test_every_fault_of_a_start_is_named(tmp_path: Path) -> None:
     assert row.state == "FAILED" and row.cause_rank == 0, row
     assert row.cause and row.cause.startswith("rank 0 on h0 failed: RuntimeError"), row
     assert "; rank 1 on h1 ended without an exit record" in row.cause, row
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_process(
+    run: RunDir,
+    rank: int,
+    hosts: tuple[str, ...],
+    stall: Any,
+    port: int | None = None,
+    pause: bool = False,
+) -> Any:
+    """A rank in a child process: its watchdog (limit 2 s, beats every 0.5 s), iterations
+    every 50 ms until `stall` is set, then stuck (in a checkpoint write with `pause`, else in
+    a collective). With `port`, the job's store there (rank 0 holds it, as env:// does)."""
+    import multiprocessing
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    def main() -> None:
+        server = (
+            dist.TCPStore(
+                "127.0.0.1",
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=30),
+            )
+            if port is not None and rank == 0
+            else None
+        )
+        store = StoreAddress("127.0.0.1", port, "test") if port is not None else None
+        with Watchdog(
+            run,
+            rank=rank,
+            world_size=len(hosts),
+            timeout_s=2.0,
+            rank_log=io.StringIO(),
+            host=hosts[rank],
+            hosts=hosts,
+            store=store,
+        ) as dog:
+            it = 0
+            while not stall.is_set():
+                it += 1
+                dog.progress(it)
+                time.sleep(0.05)
+            with dog.paused() if pause else contextlib.nullcontext():
+                time.sleep(60)
+        del server
+
+    return multiprocessing.get_context("fork").Process(target=main)
+
+
+def _armed(run: RunDir, hosts: tuple[str, ...]) -> bool:
+    beats = [read_node_beat(run, h) for h in dict.fromkeys(hosts)]
+    ranks = {b.rank: b.iteration for beat in beats if beat for b in beat.ranks}
+    return len(ranks) == len(hosts) and min(ranks.values()) >= 3
+
+
+def _freeze(run: RunDir, procs: list[Any], frozen: int, hosts: tuple[str, ...], stall: Any) -> None:
+    """Start the ranks; once all are past iteration 3, SIGSTOP rank `frozen` and stall the
+    others; wait for them to end (a watchdog ends its process); the frozen one is killed."""
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not _armed(run, hosts) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(procs[frozen].pid, signal.SIGSTOP)
+        stall.set()
+        for r, p in enumerate(procs):
+            if r != frozen:
+                p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()  # (SIGKILL ends a stopped process: it never runs again)
+                p.join()
+
+
+def test_the_frozen_writer_of_a_node_is_named_by_its_node_mates(tmp_path: Path) -> None:
+    """Three ranks on one node; rank 0 writes the node's heartbeat. SIGSTOP of rank 0 while
+    the others wait for it: rank 1 takes over the node's heartbeat (rank 0's beat stopped)
+    and both name rank 0 alone, on its node; one record of the hang, both exit 4."""
+    import multiprocessing
+
+    run, hosts = RunDir(tmp_path), ("nodeA",) * 3
+    stall = multiprocessing.get_context("fork").Event()
+    procs = [_rank_process(run, r, hosts, stall) for r in range(3)]
+    _freeze(run, procs, 0, hosts, stall)
+    assert [p.exitcode for p in procs[1:]] == [4, 4]
+    hang = read_hang(run)
+    assert hang is not None and (hang.frozen, hang.frozen_hosts) == ((0,), ("nodeA",)), hang
+    beat = read_node_beat(run, "nodeA")
+    assert beat is not None and beat.writer in (1, 2), beat
+    assert sorted(p.name for p in run.heartbeats.iterdir()) == ["hang.json", "node-nodeA.json"]
+
+
+@pytest.mark.parametrize("frozen", [1, 0])
+def test_a_frozen_rank_of_another_node_is_named_through_the_store_or_its_files(
+    tmp_path: Path, frozen: int
+) -> None:
+    """Ranks 0 (nodeA, holding the store) and 1 (nodeB). Rank 1 frozen: rank 0 reads
+    nodeB's beat from the store and names rank 1. Rank 0 frozen while rank 1 is in a
+    checkpoint write: the store (in rank 0's process) never answers, rank 1 reads nodeA's
+    heartbeat file instead and names rank 0, in the write, within the limit."""
+    import multiprocessing
+
+    import torch.distributed  # noqa: F401  (before the fork: the children share it)
+
+    run, hosts, port = RunDir(tmp_path), ("nodeA", "nodeB"), _free_port()
+    stall = multiprocessing.get_context("fork").Event()
+    pause = frozen == 0
+    procs = [_rank_process(run, r, hosts, stall, port, pause) for r in range(2)]
+    t0 = time.monotonic()
+    _freeze(run, procs, frozen, hosts, stall)
+    named_s = time.monotonic() - t0
+    watcher = 1 - frozen
+    assert procs[watcher].exitcode == 4
+    hang = read_hang(run)
+    assert hang is not None and hang.rank == watcher, hang
+    assert (hang.frozen, hang.frozen_hosts) == ((frozen,), (hosts[frozen],)), hang
+    view = NodeBoard(run, hosts[watcher]).read_view()
+    assert view is not None and view.via == ("files" if frozen == 0 else "store"), view
+    if pause:
+        assert hang.during == "in the checkpoint write" and hang.waited_s < 2 + 2, hang
+    assert named_s < 60
