@@ -88,7 +88,7 @@ def test_a_diverged_training_is_not_restarted(tmp_path: Path) -> None:
     """Every rank's numbers went non-finite at one update: a restart would diverge again."""
     from mjlab_hpc.errors import Diverged
     from mjlab_hpc.launch.heal import decide
-    from mjlab_hpc.rundir.ends import failure_kind
+    from mjlab_hpc.rank.failures import failure_kind
     from mjlab_hpc.rundir.record import Failure, RunRecord, RunState
 
     error = Diverged(7, "the value loss is nan", 1.0)
@@ -103,3 +103,45 @@ def test_a_diverged_training_is_not_restarted(tmp_path: Path) -> None:
     heal = decide(tmp_path, max_restarts=5, start="7.0.1")
     assert heal.fault is not None and heal.fault.reason == "diverged"
     assert not heal.requeue and "iteration 7" in heal.why and "learning rate" in heal.why
+
+
+def test_a_repeat_is_the_same_kind_type_ranks_and_iteration_never_the_same_words(
+    tmp_path: Path,
+) -> None:
+    """The crash-loop check compares what the ranks said ended them (kind, exception type),
+    the ranks and the iteration; another message (a pid, an address) is the same failure,
+    another type or another rank is not."""
+    from mjlab_hpc.launch.heal import decide, record_healing
+    from mjlab_hpc.rundir.progress import ProgressLine, progress_line
+
+    def start_failing(step: str, rank: int, error_type: str, message: str) -> None:
+        for r in (0, 1):
+            made = RankStart(tmp_path.name, r, 2, f"n{r}", 1, "cpu", time.time(), step)
+            started = record_start(run, made)
+            own = r == rank
+            record_end(
+                run,
+                started,
+                RankExit(
+                    how="failed",
+                    detail=f"{error_type}: {message}" if own else "RuntimeError: peer gone",
+                    at=time.time(),
+                    error_type=error_type if own else "RuntimeError",
+                    kind="exception" if own else "peer-lost",
+                ),
+            )
+
+    run = RunDir(tmp_path)
+    run.progress.write_text(progress_line(ProgressLine(iteration=3)) + "\n")
+    start_failing("7.0.1", 1, "ValueError", "bad value from pid 4711 at 0x7f00")
+    first = decide(tmp_path, max_restarts=5, start="7.0.1")
+    assert first.requeue and first.fault is not None and first.fault.ranks == (1,)
+    assert (first.entry.failure_kind, first.entry.error_type) == ("exception", "ValueError")
+    record_healing(tmp_path, first)
+    start_failing("7.0.2", 1, "ValueError", "bad value from pid 5120 at 0x7f88")
+    again = decide(tmp_path, max_restarts=5, start="7.0.2")
+    assert not again.requeue and "the same failure at iteration 3" in again.why
+    start_failing("7.0.3", 1, "KeyError", "bad value from pid 5120 at 0x7f88")
+    assert decide(tmp_path, max_restarts=5, start="7.0.3").requeue  # another type
+    start_failing("7.0.4", 0, "ValueError", "bad value from pid 5120 at 0x7f88")
+    assert decide(tmp_path, max_restarts=5, start="7.0.4").requeue  # another rank
