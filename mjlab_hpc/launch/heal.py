@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.rundir.ends import RankEnd, memory_advice, rank_ends, start_faults
 from mjlab_hpc.rundir.layout import RunDir, read_hangs
 from mjlab_hpc.rundir.progress import progress_summary
@@ -28,6 +29,7 @@ from mjlab_hpc.rundir.record import (
     RESTARTED,
     Failure,
     Interruption,
+    NewerRecord,
     RunRecord,
     now_iso,
     on_fault,
@@ -295,15 +297,20 @@ def decide(
 ) -> Healing:
     """Decide whether the ranks start again after the latest start of the run ended.
 
-    Nothing is healed after a start that completed, stopped, was refused or cancelled. Nor
-    after running out of memory (the same settings run out again), the same failure at the
-    same iteration as the start before (a crash loop), or `max_restarts` restarts after this
-    kind of fault. `since`, `slurm_oom` and `start` find the fault (see `find_fault`);
+    Nothing is healed after a start that completed, stopped, was refused or cancelled, nor in
+    a run whose run.json a newer mjlab-hpc wrote. Nor after running out of memory (the same
+    settings run out again), the same failure as the start before (a crash loop: its kind,
+    exception type, ranks and iteration), or `max_restarts` restarts after this kind of fault. `since`, `slurm_oom` and `start` find the fault (see `find_fault`);
     `job_id` goes into the record. `lost` asks for the start's nodes that Slurm set DOWN or
     FAIL while it ran, when the ranks point at no node: a crash or hang is then their loss
     (`node-lost`), and they are excluded.
     """
-    record = read_record(run_dir)  # the one read of this decision, passed on
+    try:  # the one read of this decision, passed on
+        record = read_record(run_dir, strict=True)
+    except NewerRecord as exc:  # not ours to write: the run ends as it is
+        return Healing(None, why=f"not healed: {exc}")
+    except DamagedRecord:
+        record = RunRecord()  # (the writer's update sets it aside)
     fault = find_fault(run_dir, since=since, slurm_oom=slurm_oom, start=start, record=record)
     if fault is not None and lost and fault.reason in ("crash", "hang") and not fault.suspect_nodes:
         nodes = lost()

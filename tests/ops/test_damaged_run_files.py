@@ -182,19 +182,27 @@ def test_logs_report_cancel_and_the_healer_go_on_and_name_the_file(
     assert cancel_local(run).ok
 
 
-def test_logs_and_report_as_users_run_them(log_root: Path) -> None:
+def test_logs_report_and_a_continuation_as_users_run_them(log_root: Path) -> None:
+    resume = ["cartpole", "--executor", "local", "--gpus-per-node", "0", "--dry-run", "--run-dir"]
     for command, name, words in (
         ("logs", "end-1e20", "rank1.2.end.json is damaged (its 'at' is 1e+20"),
         ("logs", "end-nan", "rank1.2.end.json is damaged (it is not JSON)"),
         ("report", "checkpoint-at-4e9", "checkpoints.jsonl line 3 is damaged (its 'at' is 4"),
         ("report", "checkpoint-iteration-x", "its 'iteration' is \"x\", not an integer"),
+        ("submit", "fault-at-1e20", "run.json is damaged (its 'faults[0].at_s' is 1e+20"),
     ):
-        proc = subprocess.run(
-            [str(BIN / "mjlab-hpc"), command, str(_run(log_root, name))],
-            capture_output=True,
-            text=True,
-            env=cli_env(),
-            timeout=180,
-        )
-        out = " ".join(proc.stdout.split())
-        assert "Traceback" not in proc.stderr and words in out, (command, name, out[-3000:])
+        argv = [str(BIN / "mjlab-hpc"), command, str(_run(log_root, name))]
+        if command == "submit":  # a continuation of it: the record is set aside, not trusted
+            argv = [str(BIN / "mjlab-submit"), *resume, str(_run(log_root, name))]
+        proc = subprocess.run(argv, capture_output=True, text=True, env=cli_env(), timeout=180)
+        out = " ".join((proc.stdout + proc.stderr).split())  # (logs shows the ranks' own)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (command, name, out)
+        assert words in out, (command, name, out[-3000:])
+
+
+def test_a_newer_run_record_is_never_healed_into_ours(log_root: Path) -> None:
+    run = _run(log_root, "newer-schema")
+    before = (run / "run.json").read_text()
+    heal = decide(run, max_restarts=3)
+    assert heal.fault is None and "written by a newer mjlab-hpc" in heal.why
+    assert (run / "run.json").read_text() == before

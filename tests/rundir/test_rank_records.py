@@ -145,3 +145,26 @@ def test_a_repeat_is_the_same_kind_type_ranks_and_iteration_never_the_same_words
     assert decide(tmp_path, max_restarts=5, start="7.0.3").requeue  # another type
     start_failing("7.0.4", 0, "ValueError", "bad value from pid 5120 at 0x7f88")
     assert decide(tmp_path, max_restarts=5, start="7.0.4").requeue  # another rank
+
+
+def test_a_heal_reads_run_json_to_decide_and_again_only_to_write_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mjlab_hpc.rundir.record as record_module
+    from mjlab_hpc.launch.heal import decide, record_healing
+
+    run = RunDir(tmp_path)
+    for rank in (0, 1):
+        record_end(run, _start(run, rank), RankExit(how="failed", detail="x", at=time.time()))
+    reads: list[Path] = []
+    read = record_module.read_regular
+
+    def counted(path: Path, *args: object, **kw: object) -> bytes:
+        reads.append(path)
+        return read(path, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(record_module, "read_regular", counted)
+    heal = decide(tmp_path, max_restarts=3, start="7.0.1")
+    assert heal.requeue and len(reads) == 1  # was 5: each step read it again
+    record_healing(tmp_path, heal)  # the writer's update, under its lease
+    assert [p.name for p in reads] == ["run.json", "run.json"]
