@@ -300,8 +300,9 @@ def decide(
     Nothing is healed after a start that completed, stopped, was refused or cancelled, nor in
     a run whose run.json a newer mjlab-hpc wrote. Nor after running out of memory (the same
     settings run out again), the same failure as the start before (a crash loop: its kind,
-    exception type, ranks and iteration), or `max_restarts` restarts after this kind of fault. `since`, `slurm_oom` and `start` find the fault (see `find_fault`);
-    `job_id` goes into the record. `lost` asks for the start's nodes that Slurm set DOWN or
+    exception type, ranks and iteration), or `max_restarts` restarts after this kind of fault.
+    `since`, `slurm_oom` and `start` find the fault (see `find_fault`); `job_id` goes into
+    the record. `lost` asks for the start's nodes that Slurm set DOWN or
     FAIL while it ran, when the ranks point at no node: a crash or hang is then their loss
     (`node-lost`), and they are excluded.
     """
