@@ -197,10 +197,10 @@ bench-recovery: install
 	source "$$MJLAB_HPC_CLUSTER_DIR/env.sh"; \
 	$(BIN)/python -m benchmarks.recovery --work "$(RECOVERY_DIR)/runs" $(RECOVERY_ARGS)
 
-# A new node's first iteration (~2 min on 2 cores): its own 3-node Slurm test cluster (as
-# root, in KERNELS_DIR, stopped at the end), a job per node with a home of its own: a cold
-# kernel cache, the cache under the log root on another node, and Warp's per-node cache;
-# bench-results/kernel_cache.json.
+# A new log root's first iteration (~2 min on 2 cores): its own 3-node Slurm test cluster (as
+# root, in KERNELS_DIR, stopped at the end), a job per node, each in a new log root: a cold
+# kernel cache in a new home, the same home on another node, and a new home with the first
+# one's folder named as a site's shared one; bench-results/kernel_cache.json.
 KERNELS_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-kernels
 bench-kernels: install
 	@export MJLAB_HPC_CLUSTER_DIR="$(KERNELS_DIR)/cluster" MJLAB_HPC_CLUSTER_NODES=3; \

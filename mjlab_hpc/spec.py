@@ -118,9 +118,9 @@ class TrainSpec:
     """Also save a checkpoint when this many minutes passed since the last one (bounds what a
     lost node costs). `none`: only every --save-interval iterations."""
     kernel_cache: str = "auto"
-    """Where Warp keeps compiled kernels: `auto` (a folder of yours under --log-root, so the
-    nodes of later jobs start warm; WARP_CACHE_PATH where that is set), `node` (Warp's own
-    default, in each node's home) or a folder (shared with whoever may write it)."""
+    """Where Warp keeps compiled kernels, code the ranks run: `auto` (a folder of yours in your
+    home, warm for every log root; WARP_CACHE_PATH where that is set), `node` (Warp's own
+    default) or a folder others may share (yours is `<folder>/<user>`, used while yours alone)."""
     use_graph: bool = True
     """Replay physics through a captured Warp graph (faster; bit-identical to plain stepping)."""
     normalizer_sync: Literal["iteration", "step"] = "iteration"

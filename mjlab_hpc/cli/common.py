@@ -15,7 +15,7 @@ import sys
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import tyro
 from rich.console import Console
@@ -148,25 +148,35 @@ def parse_command(
     argv: Sequence[str] | None,
     description: str | None,
     attach: Callable[[T, tuple[str, ...]], T],
+    prog: str | None = None,
 ) -> tuple[T, frozenset[str]] | int:
     """Parse `argv` into `cls` and say which fields it set, or return an exit code.
 
+    The one parse of every command's flags (mjlab-submit, mjlab-train, mjlab-hpc's commands).
     The fields set are found from the parse, not the text: the arguments are parsed again
     against defaults that differ from the real ones in every field, and a field that comes
     out alike both times was set by the command (`--seed 42` sets seed, though 42 is its
     default; `--no-video`, `--max_iterations=3` and mjlab's `--video True` count as typed).
     Fields of a nested spec (SubmitSpec's `train`) are named without prefix; `overrides`
-    and repeatable flags count as set when not empty.
+    and repeatable flags count as set when not empty, fields without a default always.
     """
     given = list(argv) if argv is not None else sys.argv[1:]
 
     def parse() -> tuple[T, frozenset[str]]:
         args = mjlab_booleans(cls, python_lists(_none_values(given)))
-        spec, unknown = tyro.cli(cls, args=args, description=description, return_unknown_args=True)
-        other, _ = tyro.cli(
-            cls, args=args, default=_shifted(cls), return_unknown_args=True, add_help=False
+        spec, unknown = tyro.cli(
+            cls, prog=prog, args=args, description=description, return_unknown_args=True
         )
-        return attach(spec, split_overrides(unknown)), _set_fields(spec, other, cls())
+        default = _defaults_of(spec)
+        other, _ = tyro.cli(
+            cls,
+            prog=prog,
+            args=args,
+            default=_shifted(default),
+            return_unknown_args=True,
+            add_help=False,
+        )
+        return attach(spec, split_overrides(unknown)), _set_fields(spec, other, default)
 
     # A Ctrl-C while it loads, or a list that names nothing: one line.
     return guarded(parse)
@@ -184,20 +194,36 @@ def _set_fields(a: object, b: object, default: object) -> frozenset[str]:
     return frozenset(named)
 
 
-def _shifted(cls: type[T]) -> T:
-    """An instance of a spec dataclass whose every field differs from its default.
+def _has_default(f: dataclasses.Field[Any]) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
+def _defaults_of(spec: T) -> T:
+    """`spec` (a dataclass) with every field that has a default set to it, nested specs'
+    too; a field without one (a positional argument) keeps its value."""
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(spec):  # type: ignore[arg-type]
+        if f.default is not dataclasses.MISSING:
+            changes[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            changes[f.name] = f.default_factory()
+    return dataclasses.replace(spec, **changes)  # type: ignore[type-var]
+
+
+def _shifted(default: T) -> T:
+    """`default` (`_defaults_of`) with every field that has a default changed to another value.
 
     Tuple-valued fields (repeatable flags, which tyro appends to the default) keep theirs.
     """
-    default = cls()
-    hints = typing.get_type_hints(cls, include_extras=True)
+    hints = typing.get_type_hints(type(default), include_extras=True)
     changes = {}
     for f in dataclasses.fields(default):  # type: ignore[arg-type]
         value = getattr(default, f.name)
-        if dataclasses.is_dataclass(value):
-            changes[f.name] = _shifted(type(value))
-        elif not isinstance(value, tuple):
-            changes[f.name] = _other(value, hints[f.name])
+        if not _has_default(f) or isinstance(value, tuple):
+            continue
+        changes[f.name] = (
+            _shifted(value) if dataclasses.is_dataclass(value) else _other(value, hints[f.name])
+        )
     return dataclasses.replace(default, **changes)  # type: ignore[type-var]
 
 

@@ -5,10 +5,15 @@ directory) and the user's `$XDG_CONFIG_HOME/mjlab-hpc/config.toml` (`~/.config/.
 holds a `[defaults]` table and `[profile.NAME]` tables whose keys are mjlab-submit's flags
 (`gpus-per-node = 4`). From lowest to highest: the built-in defaults, the user's [defaults],
 the project's [defaults], the profile `--profile` names (the project's over the user's), and
-the flags typed on the command line. The CLIs read these files (mjlab-submit; mjlab-hpc's
-doctor and render, which take its flags; its run commands, for the log root), so they live
-here; `write_profile` adds a table for `mjlab-hpc doctor --write-profile`. mjlab-train reads
-none: the ranks run it with the values that were submitted.
+the flags typed on the command line; a run that a command continues keeps its own settings
+over every file's. The CLIs read these files (mjlab-submit; mjlab-hpc's doctor and render,
+which take its flags; its run commands, for the log root), so they live here;
+`write_profile` adds a table for `mjlab-hpc doctor --write-profile` (with tomlkit, which
+keeps the file's formatting and comments). mjlab-train reads none: the ranks run it with the
+values that were submitted.
+
+A file's setup lines run in every job: a file that another user wrote, or could write (it or
+a folder above it), is left out with a warning, as ssh reads no key that others can write.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import grp
 import json
 import os
+import pwd
 import re
+import stat
 import sys
 import typing
 from collections.abc import Iterator, Mapping, Sequence
@@ -26,31 +34,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import tomlkit
 import tyro
 
 from mjlab_hpc.convert import Mismatch, describe, load
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.rundir.durable import ownership, read_regular, write_atomic
+from mjlab_hpc.launch.plan import Origin
+from mjlab_hpc.procs import user_name
+from mjlab_hpc.rundir.durable import read_regular, write_atomic
 from mjlab_hpc.spec import SubmitSpec, TrainSpec
 
 try:
     import tomllib
-except ModuleNotFoundError:  # Python 3.10: tomli where it is installed (it is no dependency)
-    try:
-        import tomli as tomllib  # type: ignore[no-redef]
-    except ModuleNotFoundError:
-        tomllib = None  # type: ignore[assignment]
+except ModuleNotFoundError:  # Python 3.10: tomlkit reads them (tomllib is 3.11's)
+    tomllib = None  # type: ignore[assignment]
 
 __all__ = [
     "PROJECT_FILE",
     "Setting",
     "Source",
     "allowed_keys",
-    "applied_lines",
     "config_files",
     "default_log_root",
     "naming_sources",
-    "typed_fields",
+    "origin_lines",
+    "site_given",
     "user_file",
     "with_site_defaults",
     "write_profile",
@@ -183,46 +191,109 @@ def user_file() -> Path:
     return base / "mjlab-hpc" / "config.toml"
 
 
-def _yours(path: Path) -> bool:
-    """Whether `path` is this user's (or root's); else say that it is left out.
-
-    Its setup lines run in every job: one that another user left upward of here (in /tmp,
-    a shared folder) is not taken, as git takes no repository of another user.
-    """
-    if path.stat().st_uid in (os.getuid(), 0):
-        return True
-    print(
-        f"warning: ignored {path}: it is not yours ({ownership(path)}); copy it, or put its "
-        f"tables in {user_file()}",
-        file=sys.stderr,
-    )
-    return False
+def _private_group(gid: int) -> bool:
+    """Whether `gid` is this user's own group (named after them, nobody else in it): its
+    write bit lets nobody else write (a umask of 002 with user private groups)."""
+    try:
+        me, group = pwd.getpwuid(os.geteuid()), grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return gid == me.pw_gid and group.gr_name == me.pw_name and set(group.gr_mem) <= {me.pw_name}
 
 
-def config_files(cwd: Path | None = None) -> tuple[Path | None, Path]:
-    """The project's file (None: no mjlab-hpc.toml of this user upward of `cwd`) and the
-    user's file."""
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def _changeable(path: Path, name: str) -> str | None:
+    """Why a user other than this one (and root) can change what `path` (called `name`)
+    holds, None when nobody can: it is theirs, or they may write it (a folder: unless it is
+    sticky, as /tmp, where nobody moves or replaces what is not theirs)."""
+    st = path.lstat()
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"{name} belongs to {user_name(st.st_uid)}"
+    sticky = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+    if stat.S_ISLNK(st.st_mode) or sticky:
+        return None  # a link's owner alone decides where it leads
+    mode = stat.filemode(st.st_mode)
+    if st.st_mode & stat.S_IWOTH:
+        return f"every user can write {name} ({mode})"
+    if st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid):
+        return f"group {_group_name(st.st_gid)} can write {name} ({mode})"
+    return None
+
+
+def _untrusted(path: Path) -> str | None:
+    """Why the config file (or folder) `path` may hold what another user wrote; None when it
+    and every folder above it, as named and as its links lead, are this user's (or root's)
+    alone."""
+    try:
+        real = path.resolve()
+        for p in dict.fromkeys((path, *path.parents, real, *real.parents)):
+            if (why := _changeable(p, "it" if p == path else str(p))) is not None:
+                return why
+    except OSError as exc:
+        return f"{exc.filename or path} cannot be looked at ({exc.strerror or exc})"
+    return None
+
+
+def _usable(path: Path | None) -> bool:
+    """Whether a config file at `path` is read; a warning says why one there is left out."""
+    if path is None or not os.path.lexists(path):
+        return False
+    why = _untrusted(path)
+    if why is None and not path.is_file():
+        why = "it is not a regular file"
+    if why is not None:
+        mine = f", or put its tables in {user_file()}" if path != user_file() else ""
+        print(
+            f"warning: ignored {path}: {why}; its setup lines would run in your jobs: make it "
+            f"and its folders yours alone (chmod go-w){mine}",
+            file=sys.stderr,
+        )
+    return why is None
+
+
+def config_files(cwd: Path | None = None) -> tuple[Path | None, Path | None]:
+    """The project's file (the nearest mjlab-hpc.toml upward of `cwd` that is read) and the
+    user's file; None for either where none is read (`_usable`)."""
     here = (cwd or Path.cwd()).absolute()
-    found = (d / PROJECT_FILE for d in (here, *here.parents) if (d / PROJECT_FILE).is_file())
-    return next((p for p in found if _yours(p)), None), user_file()
+    found = (d / PROJECT_FILE for d in (here, *here.parents))
+    project = next((p for p in found if os.path.lexists(p) and _usable(p)), None)
+    user = user_file()
+    return project, user if _usable(user) else None
+
+
+_TOML_ERRORS = (tomllib.TOMLDecodeError,) if tomllib is not None else ()
+
+
+def _parse(text: str) -> dict[str, Any]:
+    """A TOML text's tables as plain values."""
+    return tomllib.loads(text) if tomllib is not None else tomlkit.parse(text).unwrap()
 
 
 def _load(path: Path) -> dict[str, dict[str, object]]:
     """Read a config file's tables, values by field name; SpecError (exit 2) naming the file,
     table and key of the first thing that is wrong."""
-    if tomllib is None:
-        raise SpecError(
-            str(path), "reading it needs Python 3.11 (tomllib), or `pip install tomli` on 3.10"
-        )
     try:
-        text = read_regular(path, _LIMIT).decode()
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+        text = read_regular(path.resolve(), _LIMIT).decode()  # checked: `_usable`
+        data = _parse(text)
+    except RecursionError:
+        raise SpecError(str(path), "nested too deeply to be a table of flags: fix it") from None
+    except (tomlkit.exceptions.ParseError, *_TOML_ERRORS) as exc:
         raise SpecError(str(path), f"not valid TOML ({exc}): fix it there") from None
     except UnicodeDecodeError:
         raise SpecError(str(path), "not UTF-8 text: write it as UTF-8 TOML") from None
     except (OSError, ValueError) as exc:
         raise SpecError(str(path), f"cannot be read ({exc}): fix it or move it aside") from None
+    return _tables(path, data)
+
+
+def _tables(path: Path, data: Mapping[str, Any]) -> dict[str, dict[str, object]]:
+    """The tables of a config file's parsed `data`, values by field name (`_load`)."""
     if other := [k for k in data if k not in ("defaults", "profile")]:
         problem = f"unknown table or key {other[0]!r}: the file holds [defaults] and [profile.NAME]"
         raise SpecError(str(path), problem)
@@ -263,7 +334,7 @@ def _check(source: Source, values: Mapping[str, object]) -> dict[str, object]:
 def _layers(profile: str | None, cwd: Path | None) -> list[tuple[Source, dict[str, object]]]:
     """The tables that apply, from the lowest to the highest."""
     project, user = config_files(cwd)
-    files = [(p, _load(p)) for p in (user, project) if p is not None and p.is_file()]
+    files = [(p, _load(p)) for p in (user, project) if p is not None]
     layers = [(Source(p, "defaults"), t["defaults"]) for p, t in files]
     if profile is None:
         return layers
@@ -272,7 +343,7 @@ def _layers(profile: str | None, cwd: Path | None) -> list[tuple[Source, dict[st
     if not found:
         names = sorted({k.removeprefix("profile.") for _, t in files for k in t if k != "defaults"})
         where = " and ".join(str(p) for p, _ in files) or (
-            f"any config file (none: neither {user} nor a {PROJECT_FILE} upward of here)"
+            f"any config file (none: neither {user_file()} nor a {PROJECT_FILE} upward of here)"
         )
         there = (
             f"the profiles there are: {', '.join(names)}"
@@ -281,20 +352,6 @@ def _layers(profile: str | None, cwd: Path | None) -> list[tuple[Source, dict[st
         )
         raise SpecError("--profile", f"no profile {profile!r} in {where}; {there}")
     return [*layers, *found]
-
-
-def typed_fields(argv: Sequence[str]) -> frozenset[str]:
-    """The fields of mjlab-submit's flags that mjlab-hpc's `argv` types (`--no-video` too).
-
-    mjlab-submit knows its own from its parse (`cli.common.parse_command`); mjlab-hpc's
-    commands hold the same flags in other dataclasses, so their long flags are read here.
-    """
-    fields = {*_hints(SubmitSpec), *_hints(TrainSpec)}
-    typed = set()
-    for arg in argv:
-        name = arg[2:].partition("=")[0].replace("-", "_") if arg.startswith("--") else ""
-        typed.add(name[3:] if name.startswith("no_") and name[3:] in fields else name)
-    return frozenset(typed & fields)
 
 
 def with_site_defaults(
@@ -350,15 +407,11 @@ def _name_ok(name: str) -> bool:
     return re.fullmatch(r"[A-Za-z0-9_-]+", name) is not None
 
 
-def _profile_span(text: str, name: str) -> tuple[int, int] | None:
-    """The characters of a `[profile.NAME]` table in `text` (its header to the next header)."""
-    quoted = "|".join(f"{q}{re.escape(name)}{q}" for q in ("", '"', "'"))
-    header = rf"^[ \t]*\[[ \t]*profile[ \t]*\.[ \t]*(?:{quoted})[ \t]*\][ \t]*(?:#.*)?$"
-    start = re.compile(header, re.MULTILINE).search(text)
-    if start is None:
-        return None
-    following = re.compile(r"^[ \t]*\[", re.MULTILINE).search(text, start.end())
-    return start.start(), following.start() if following else len(text)
+def _plain(value: object) -> object:
+    """A spec's value as TOML holds it (None: "none", as the command line spells it)."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return "none" if value is None else value
 
 
 def write_profile(
@@ -370,46 +423,88 @@ def write_profile(
 ) -> str:
     """Add the table `[profile.NAME]` of `values` (flag names) to the config file `path`.
 
-    The file is made where there is none; what it holds stays as it is, but an existing
-    profile of that name, which only `force` replaces. `notes` become comment lines above
-    the values. Returns what was written for the profile. SpecError (nothing written) for a
-    name TOML cannot hold bare, a malformed file or a profile there without `force`.
+    The file is made where there is none; what it holds stays as it is, formatting and
+    comments included, but an existing profile of that name, which only `force` replaces.
+    `notes` become comment lines above the values. Returns what was written for the profile.
+    SpecError (nothing written) for a name TOML cannot hold bare, a malformed file, a file
+    others can write (it would be ignored), or a profile there without `force`.
     """
     if not _name_ok(name):
         raise SpecError("--write-profile", f"{name!r}: use letters, digits, - and _ only")
-    lines = [f"[profile.{name}]", *(f"# {n}" for n in notes)]
-    lines += [f"{k} = {_toml(v)}" for k, v in values.items()]
-    table = "\n".join(lines) + "\n"
-    if tomllib is None:
-        raise SpecError(str(path), "writing it needs Python 3.11 (tomllib), or tomli on 3.10")
-    _check(Source(path, f"profile.{name}"), tomllib.loads(table)["profile"][name])
-    tables = _load(path) if path.is_file() else {}  # a malformed file: refused, left as it is
-    old = read_regular(path, _LIMIT).decode() if tables else ""
-    if old:
-        if f"profile.{name}" in tables:
-            span = _profile_span(old, name)
-            if not force:
-                raise SpecError(
-                    "--write-profile",
-                    f"{path} already has [profile.{name}]: pass --force to replace it, or "
-                    "choose another name",
-                )
-            if span is None:
-                raise SpecError(
-                    "--write-profile",
-                    f"{path} defines profile {name!r} in a way this cannot replace: edit it there",
-                )
-            new = old[: span[0]] + table + ("\n" if span[1] < len(old) else "") + old[span[1] :]
-        else:
-            new = old + ("" if old.endswith("\n") else "\n") + "\n" + table
-    else:
-        new = table
+    table = tomlkit.table()
+    for note in notes:
+        table.add(tomlkit.comment(note))
+    for key, value in values.items():
+        table.add(key, _plain(value))
+    shown = tomlkit.document()
+    shown.add("profile", tomlkit.table(is_super_table=True))
+    shown["profile"].add(name, table)  # type: ignore[union-attr]
+    text = tomlkit.dumps(shown).rstrip("\n") + "\n"
+    checked = _check(Source(path, f"profile.{name}"), _parse(text)["profile"][name])
+    existing = path if os.path.lexists(path) else next(p for p in path.parents if p.exists())
+    if (why := _untrusted(existing)) is not None:
+        raise SpecError("--write-profile", f"{why}: not written there (it would be ignored)")
+    there = os.path.lexists(path)
+    tables = _load(path) if there else {"defaults": {}}  # a malformed file: refused, kept
+    if f"profile.{name}" in tables and not force:
+        raise SpecError(
+            "--write-profile",
+            f"{path} already has [profile.{name}]: pass --force to replace it, or choose "
+            "another name",
+        )
+    new = _with_profile(path, name, table) if there else text
+    expected = {**tables, f"profile.{name}": checked}
+    try:
+        after = _parse(new)
+    except (tomlkit.exceptions.ParseError, *_TOML_ERRORS):
+        after = None
+    if after is None or _tables(path, after) != expected:
+        raise SpecError(
+            "--write-profile",
+            f"{path} defines profile {name!r} in a way this cannot replace: edit it there",
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, new.encode())
-    _load(path)  # what was written reads back (it was checked before: this cannot fail)
-    return table
+    write_atomic(path.resolve(), new.encode())  # a link of the user's (dotfiles) stays
+    return text
 
 
-def applied_lines(settings: Sequence[Setting]) -> list[str]:
-    """One line per value a file gave: `key = value  (file [table])`."""
-    return [f"{s.key} = {_toml(s.value)}  ({s.source})" for s in settings]
+def _with_profile(path: Path, name: str, table: Any) -> str:
+    """The config file `path` with `[profile.NAME]` set to `table` (in place of one there),
+    as text; "" when it holds its profiles in a form tomlkit cannot add to."""
+    try:
+        doc = tomlkit.parse(read_regular(path.resolve(), _LIMIT).decode())
+        if "profile" not in doc:
+            doc.add("profile", tomlkit.table(is_super_table=True))
+        doc["profile"][name] = table  # type: ignore[index]
+        return tomlkit.dumps(doc)
+    except (TypeError, ValueError, KeyError, tomlkit.exceptions.TOMLKitError):
+        return ""
+
+
+def site_given(site: Sequence[Setting]) -> dict[str, tuple[object, str]]:
+    """The config files' values by field name, with the file and table of each."""
+    return {s.key.replace("-", "_"): (s.value, str(s.source)) for s in site}
+
+
+def origin_lines(origins: Sequence[Origin], site_only: bool = False) -> list[str]:
+    """One line per value of a plan that is no built-in default: `key = value  (where)`.
+
+    A config file's value that the run a command continues replaced with its own is said on
+    its line. `site_only`: what a submission says on the console: the config files' values
+    (`site default: ...`) and those a continued run replaced (`note: ...`).
+    """
+    out = []
+    for o in origins:
+        where = {"typed": "typed", "site": o.source, "kept": f"kept from {o.source}"}[o.kind]
+        unused = ""
+        if o.replaced is not None:
+            value, source = o.replaced
+            unused = f"{o.key} = {_toml(value)} of {source} is not applied: the run keeps its own"
+        line = f"{o.key} = {_toml(o.value)}  ({where}{'; ' * bool(unused)}{unused})"
+        if not site_only:
+            out.append(line)
+        elif o.kind == "site":
+            out.append(f"site default: {line}")
+        elif unused:
+            out.append(f"note: {unused} ({_toml(o.value)}; type --{o.key} to change it)")
+    return out

@@ -16,21 +16,22 @@ import tyro
 from rich.console import Console
 from rich.table import Table
 
-from mjlab_hpc.cli.common import drop_internal_variables, error_line, guarded
+from mjlab_hpc.cli.common import drop_internal_variables, error_line, guarded, parse_command
 from mjlab_hpc.cli.config import (
     PROJECT_FILE,
     Setting,
     config_files,
     default_log_root,
     naming_sources,
-    typed_fields,
+    site_given,
+    user_file,
     with_site_defaults,
     write_profile,
 )
 from mjlab_hpc.console import inert, reopen
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_INTERRUPTED, DamagedRecord, SpecError
 from mjlab_hpc.launch.heal_slurm import heal_job
-from mjlab_hpc.launch.slurm import render
+from mjlab_hpc.launch.plan import job_plan, render
 from mjlab_hpc.ops.cancel import cancel as cancel_runs
 from mjlab_hpc.ops.doctor import cluster_profile, diagnose
 from mjlab_hpc.ops.logs import find_tracebacks, follow, rank_files, rank_host, tail, unreadable
@@ -49,7 +50,6 @@ from mjlab_hpc.rundir.layout import run_dir_for_key
 from mjlab_hpc.rundir.record import Interruption, read_record
 from mjlab_hpc.spec import SubmitSpec
 from mjlab_hpc.tasks.registry import list_tasks as all_tasks
-from mjlab_hpc.validate import validate_submit
 from mjlab_hpc.validate.places import no_control, path_component, run_name
 from mjlab_hpc.validate.rules import positive_seconds
 
@@ -529,17 +529,9 @@ def _label(run: Path) -> str:
     return name[20:] if len(name) > 20 and name[19] == "_" and name[:4].isdigit() else name
 
 
-def render_template(cmd: Render) -> int:
+def render_template(cmd: Render, named: frozenset[str], site: Sequence[Setting]) -> int:
     """`mjlab-hpc render`."""
-    if cmd.spec.sweep or cmd.spec.array_parallelism is not None:
-        raise SpecError("--sweep", "a template renders one job; submit sweeps with mjlab-submit")
-    if cmd.spec.chain > 1 or cmd.spec.after:
-        raise SpecError(
-            "--chain" if cmd.spec.chain > 1 else "--after",
-            "a template renders one job: chain its jobs with "
-            "`sbatch --dependency=afterany:JOBID job.sbatch`, or use mjlab-submit",
-        )
-    sys.stdout.write(render(cmd.template, cmd.spec))
+    sys.stdout.write(render(cmd.template, job_plan(cmd.spec, named, site_given(site))))
     return 0
 
 
@@ -563,8 +555,8 @@ def run_dir(cmd: RunDirCommand) -> int:
 def write_profile_cmd(cmd: Doctor) -> int:
     """`mjlab-hpc doctor --write-profile NAME`: a profile of what the cluster says."""
     assert cmd.write_profile is not None
-    project, user = config_files()
-    path = (project or Path.cwd() / PROJECT_FILE) if cmd.project else user
+    project, _ = config_files()
+    path = (project or Path.cwd() / PROJECT_FILE) if cmd.project else user_file()
     found = cluster_profile(cmd.spec, getpass.getuser())
     if found is None:
         error_line("error", "sinfo did not answer: run on the cluster's login node")
@@ -580,16 +572,15 @@ def write_profile_cmd(cmd: Doctor) -> int:
     return 0
 
 
-def doctor(cmd: Doctor) -> int:
+def doctor(cmd: Doctor, named: frozenset[str], site: Sequence[Setting]) -> int:
     """`mjlab-hpc doctor`."""
     if cmd.write_profile is not None:
         return write_profile_cmd(cmd)
     positive_seconds("--wait-s", cmd.wait_s, minimum=1.0)
-    spec = cmd.spec.replace(executor="slurm", dry_run=True, follow=False)
-    resolved = validate_submit(spec, warn=lambda _: None)  # bad flags: exit 2
+    plan = job_plan(cmd.spec, named, site_given(site), warn=lambda _: None)  # bad flags: exit 2
     say = (lambda _: None) if cmd.json else (lambda m: print(inert(m), file=sys.stderr, flush=True))
     try:
-        report = diagnose(spec, resolved, wait_s=cmd.wait_s, keep=cmd.keep, progress=say)
+        report = diagnose(plan, wait_s=cmd.wait_s, keep=cmd.keep, progress=say)
     except KeyboardInterrupt:  # the probe jobs are cancelled and their folder removed
         print("doctor stopped: probe jobs cancelled", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -631,41 +622,77 @@ def heal(cmd: Heal) -> int:
     )
 
 
+_NAMES = {
+    "list-tasks": ListTasks,
+    "render": Render,
+    "run-dir": RunDirCommand,
+    "status": Status,
+    "logs": Logs,
+    "cancel": Cancel,
+    "doctor": Doctor,
+    "plot": Plot,
+    "report": Report,
+    "heal": Heal,
+}
 _COMMANDS = {
     ListTasks: lambda cmd: list_tasks(),
-    Render: render_template,
     RunDirCommand: run_dir,
     Status: status,
     Logs: logs,
     Cancel: cancel,
     Plot: plot,
     Report: report,
-    Doctor: doctor,
     Heal: heal,
 }
+_JOB_COMMANDS = {Render: render_template, Doctor: doctor}
+
+
+def _attach(cmd: object, overrides: tuple[str, ...]) -> object:
+    """Give a job's `--env.*`/`--agent.*` overrides to its spec (render, doctor)."""
+    if isinstance(cmd, Render | Doctor):
+        return replace(
+            cmd, spec=cmd.spec.replace(train=cmd.spec.train.replace(overrides=overrides))
+        )
+    if overrides:
+        raise SpecError(overrides[0], "unknown argument (see --help)")
+    return cmd
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `mjlab-hpc` with `argv` and return its exit code.
 
+    A command's flags are parsed once (`parse_command`), which also says which were typed.
     A Ctrl-C while the command loads is one line too.
     """
     if argv is None:  # a viewer: it ends when its reader does (`status --watch | head`)
         reopen()
+    drop_internal_variables()
+    args = list(sys.argv[1:] if argv is None else argv)
+    name = args[0] if args else ""
+    if name not in _NAMES:  # --help, or no such command: tyro says what there is and exits
+        guarded(lambda: tyro.cli(Command, prog="mjlab-hpc", args=args, description=__doc__))  # type: ignore[call-overload]
+        return 2
+    cls = _NAMES[name]
+    parsed = parse_command(cls, args[1:], cls.__doc__, _attach, prog=f"mjlab-hpc {name}")
+    if isinstance(parsed, int):
+        return parsed
+    cmd, named = parsed
 
     def body() -> int:
-        drop_internal_variables()
-        cmd = tyro.cli(Command, args=argv, description=__doc__)  # type: ignore[call-overload]
-        # The job's flags that were not typed: from the config files (--write-profile: none).
-        site: Sequence[Setting] = ()
-        args = sys.argv[1:] if argv is None else argv
-        if isinstance(cmd, Render | Doctor) and not getattr(cmd, "write_profile", None):
-            spec, site = with_site_defaults(cmd.spec, typed_fields(args))
-            cmd = replace(cmd, spec=spec)
-        elif isinstance(cmd, Status | Logs | Cancel | Plot | Report):  # the runs mjlab-submit made
-            cmd = replace(cmd, log_root=default_log_root(cmd.log_root, typed_fields(args)))
-        with naming_sources(site):
-            return _COMMANDS[type(cmd)](cmd)
+        if isinstance(cmd, Render | Doctor):
+            # The job's flags that were not typed: from the config files (--write-profile: none).
+            site: Sequence[Setting] = ()
+            job = cmd
+            if not getattr(cmd, "write_profile", None):
+                spec, site = with_site_defaults(cmd.spec, named)
+                job = replace(cmd, spec=spec)
+            with naming_sources(site):
+                return _JOB_COMMANDS[type(job)](job, named, site)  # type: ignore[operator]
+        if isinstance(cmd, Status | Logs | Cancel | Plot | Report):  # the runs mjlab-submit made
+            return _COMMANDS[type(cmd)](
+                replace(cmd, log_root=default_log_root(cmd.log_root, named))
+            )
+        return _COMMANDS[type(cmd)](cmd)
 
     return guarded(body)
 

@@ -22,22 +22,22 @@ from mjlab_hpc.cli.common import (
     parse_command,
     resume_command,
 )
-from mjlab_hpc.cli.config import Setting, applied_lines, naming_sources, with_site_defaults
+from mjlab_hpc.cli.config import (
+    Setting,
+    naming_sources,
+    origin_lines,
+    site_given,
+    with_site_defaults,
+)
 from mjlab_hpc.errors import EXIT_INTERRUPTED
 from mjlab_hpc.launch.follow import Closing, follow_to_end
 from mjlab_hpc.launch.local import LocalControls, rank_failures
-from mjlab_hpc.launch.slurm import (
-    allocation_env,
-    allocation_srun,
-    render_array_sbatch,
-    render_sbatch,
-    run_in_allocation,
-)
+from mjlab_hpc.launch.plan import SubmitPlan, plan_submission
+from mjlab_hpc.launch.slurm import run_in_allocation
 from mjlab_hpc.launch.submit import (
     Submitted,
     SubmittedSweep,
-    planned_run_dir,
-    planned_sweep,
+    prepare_run,
     submit,
     submit_sweep,
 )
@@ -45,39 +45,37 @@ from mjlab_hpc.ops.cancel import write_cancel_marker
 from mjlab_hpc.ops.status import collect, status_table
 from mjlab_hpc.ops.status import console as wide_console
 from mjlab_hpc.procs import wait_gone
-from mjlab_hpc.rank.context import current_allocation, interactive_step
+from mjlab_hpc.rank.context import interactive_step
 from mjlab_hpc.rundir.ends import latest_world_size, rank_ends
-from mjlab_hpc.rundir.layout import SWEEP_RECORD, realise_target
+from mjlab_hpc.rundir.layout import SWEEP_RECORD
 from mjlab_hpc.rundir.running import run_processes
-from mjlab_hpc.rundir.snapshot import plan_snapshot, planned_record, record_code
 from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient, retry_s
 from mjlab_hpc.slurm.units import slurm_time_minutes
-from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
-from mjlab_hpc.validate import executor_for, slurm_only, validate_submit
-from mjlab_hpc.validate.continuation import continued
-from mjlab_hpc.validate.sweep import sweep_elements
+from mjlab_hpc.spec import SubmitSpec
+from mjlab_hpc.validate import slurm_only
 
 __all__ = ["main", "run"]
 
 PROG = "mjlab-submit"
 
 
-def spec_yaml(spec: SubmitSpec, resolved: ResolvedSpec) -> str:
-    """Dump the resolved spec as YAML: what every rank will run."""
+def spec_yaml(plan: SubmitPlan) -> str:
+    """Dump the plan's spec as YAML: what every rank will run."""
+    spec = plan.spec
     data = dataclasses.asdict(spec)
     data["train"] = spec.train.to_dict()
     data["setup"] = list(spec.setup)
     data["sbatch_arg"] = list(spec.sbatch_arg)
     data["sweep"] = list(spec.sweep)
     data["resolved"] = {
-        "executor": executor_for(spec),
+        "executor": plan.executor,
         "ranks_per_node": spec.ranks_per_node,
         "world_size": spec.world_size,
         "time_minutes": slurm_time_minutes(spec.time),
-        **resolved.effective(),
+        **plan.resolved.effective(),
     }
-    if spec.sweep:
-        data["resolved"]["sweep_elements"] = len(sweep_elements(spec.train, spec.sweep))
+    if plan.elements:
+        data["resolved"]["sweep_elements"] = len(plan.elements)
     return yaml.safe_dump(data, sort_keys=False)
 
 
@@ -242,7 +240,7 @@ def run(
     named: frozenset[str] = frozenset(),
     site: Sequence[Setting] = (),
 ) -> int:
-    """Validate and submit `spec` (or print it, with --dry-run), and return the exit code.
+    """Plan and submit `spec` (or print the plan, with --dry-run), and return the exit code.
 
     `argv` is the command's arguments, for the command that resumes the run; `named` the
     fields they set (`parse_command`): a continuation takes every other from the run; `site`
@@ -260,18 +258,16 @@ def _run(
     spec: SubmitSpec, argv: Sequence[str], named: frozenset[str], site: Sequence[Setting] = ()
 ) -> int:
     drop_internal_variables()
-    if not spec.sweep:  # a sweep makes new runs
-        spec = continued(spec, named)  # once, here: the ranks receive the result
-    console = Console()
-    if spec.dry_run:
-        dry_run(spec, validate_submit(spec), site)
+    plan = plan_submission(spec, named, site_given(site))  # once: the rest carries it out
+    if plan.spec.dry_run:
+        dry_run(plan)
         return 0
-    for line in applied_lines(site):
-        print(f"site default: {line}", file=sys.stderr)
-    if executor_for(spec) == "allocation":
-        return in_allocation(spec, argv)
+    for line in origin_lines(plan.origins, site_only=True):
+        print(line, file=sys.stderr)
+    if plan.executor == "allocation":
+        return in_allocation(plan, argv)
     step = interactive_step(os.environ) if spec.executor == "auto" else None
-    if step is not None and executor_for(spec) == "slurm":
+    if step is not None and plan.executor == "slurm":
         # srun --pty holds the allocation's resources: ranks could not start beside it.
         Console(stderr=True).print(
             f"note: inside interactive {step} (srun --pty): submitting a new job. To run "
@@ -282,15 +278,16 @@ def _run(
             markup=False,
             soft_wrap=True,
         )
-    if spec.sweep:
-        sweep = submit_sweep(spec)
+    console = Console()
+    if plan.elements:
+        sweep = submit_sweep(plan)
         console.print("[bold]submitted sweep[/]")
         console.print(sweep_table(sweep))
-        return follow_sweep(sweep, console) if spec.follow else 0
-    submitted = submit(spec)
+        return follow_sweep(sweep, console) if plan.spec.follow else 0
+    submitted = submit(plan)
     console.print("[bold]submitted[/]")
     console.print(summary_table(submitted))
-    return follow_job(submitted, argv) if spec.follow else 0
+    return follow_job(submitted, argv) if plan.spec.follow else 0
 
 
 def _no_slurm_here(spec: SubmitSpec) -> str:
@@ -300,83 +297,73 @@ def _no_slurm_here(spec: SubmitSpec) -> str:
     return f"; Slurm was not found here, {slurm_only(spec)} asks for it"
 
 
-def in_allocation(spec: SubmitSpec, argv: Sequence[str]) -> int:
-    """Run the ranks with srun inside the allocation this shell is in, to their end."""
-    resolved = validate_submit(spec)
-    alloc = current_allocation(os.environ)
-    assert alloc is not None  # validate_submit refuses --executor allocation outside one
-    code = plan_snapshot(Path.cwd(), off=not spec.snapshot)  # too large: refused, nothing made
-    resolved = realise_target(resolved)
-    run_dir = Path(str(resolved.target.path))
-    record_code(code, run_dir)
+def in_allocation(plan: SubmitPlan, argv: Sequence[str]) -> int:
+    """Run the ranks with the plan's srun inside the allocation this shell is in, to their end."""
+    alloc = plan.allocation
+    assert alloc is not None  # validation refuses --executor allocation outside one
+    plan = prepare_run(plan)
     console = Console(stderr=True)
     console.print(
         f"[bold]inside Slurm allocation {alloc.job_id}[/] ({alloc.nodes} node(s)): starting "
-        f"{spec.world_size} rank(s) with srun here, no new job (--executor slurm submits one)",
+        f"{plan.spec.world_size} rank(s) with srun here, no new job (--executor slurm "
+        "submits one)",
         soft_wrap=True,
     )
-    console.print(f"run directory: {run_dir}", highlight=False, soft_wrap=True)
+    console.print(f"run directory: {plan.run_dir}", highlight=False, soft_wrap=True)
     ended = run_in_allocation(
-        spec, resolved, run_dir, alloc=alloc, resume=resume_command(PROG, argv, run_dir)
+        plan.srun,
+        dict(plan.srun_env),
+        plan.run_dir,
+        alloc=alloc,
+        resolved=plan.resolved,
+        resume=resume_command(PROG, argv, plan.run_dir),
     )
     ended.say()
     return ended.code
 
 
-def dry_run(spec: SubmitSpec, resolved: ResolvedSpec, site: Sequence[Setting] = ()) -> None:
-    """Print what a submission would do, submitting nothing.
+def dry_run(plan: SubmitPlan) -> None:
+    """Print the plan of a submission, submitting nothing.
 
-    That is the resolved spec, where each value a config file gave came from (`site`), a
-    sweep's elements with their planned run directories, and
-    the exact sbatch script of every job, or the srun command, or what would start locally.
-    A --chain's later jobs wait for `JOB<K>`, the id the job before gets. The text is plain
-    and uncropped: users copy the script from here.
+    That is the resolved spec, where each value that is not a built-in default came from, a
+    sweep's elements with their planned run directories, and the exact sbatch script of
+    every job, or the srun command, or what would start locally. A --chain's later jobs wait
+    for `JOB<K>`, the id the job before gets. The text is plain and uncropped: users copy
+    the script from here.
     """
-    out = sys.stdout
-    out.write("# ---- resolved spec ----\n" + spec_yaml(spec, resolved))
-    if site:
-        out.write("# ---- site defaults: values from config files, not typed ----\n")
-        out.writelines(f"# {line}\n" for line in applied_lines(site))
-    elements = sweep_elements(spec.train, spec.sweep) if spec.sweep else []
-    if elements:
-        folder, run_dirs = planned_sweep(spec, resolved)
-        out.write(f"# ---- sweep: {len(elements)} elements (dry run: nothing created) ----\n")
-        for e, run_dir in zip(elements, run_dirs, strict=True):
+    spec, out = plan.spec, sys.stdout
+    out.write("# ---- resolved spec ----\n" + spec_yaml(plan))
+    if lines := origin_lines(plan.origins):
+        out.write(
+            "# ---- where each value came from (any other: the continued run's own, else a "
+            "built-in default) ----\n"
+        )
+        out.writelines(f"# {line}\n" for line in lines)
+    if plan.elements:
+        n = len(plan.elements)
+        out.write(f"# ---- sweep: {n} elements (dry run: nothing created) ----\n")
+        for e, run_dir in zip(plan.elements, plan.element_dirs, strict=True):
             out.write(f"# {e.index:>3}  {e.label:<32} {run_dir}\n")
-    else:
-        folder = planned_run_dir(spec, resolved)
-    executor = executor_for(spec)
-    if executor == "allocation":
-        alloc = current_allocation(os.environ)
-        assert alloc is not None  # validate_submit refuses --executor allocation outside one
-        code = planned_record(plan_snapshot(Path.cwd(), off=not spec.snapshot), folder)
-        env = [f"{k}={shlex.quote(v)}" for k, v in allocation_env(alloc, code).items()]
-        command = allocation_srun(spec, resolved, folder)
+    if plan.executor == "allocation":
+        env = [f"{k}={shlex.quote(v)}" for k, v in plan.srun_env.items()]
         out.write(
             f"# ---- srun inside the current allocation (dry run: not started) ----\n"
-            f"{' '.join([*env, shlex.join(command)])}\n"
+            f"{' '.join([*env, shlex.join(plan.srun)])}\n"
         )
-    elif executor == "slurm":
-        code = planned_record(plan_snapshot(Path.cwd(), off=not spec.snapshot), folder)
-        for link in range(1, spec.chain + 1):  # every job of a --chain: each its own script
-            what = "sbatch script of the job array" if elements else "sbatch script"
-            if spec.chain > 1:
-                what += f" of job {link} of {spec.chain} of the chain"
-                what += f", after JOB{link - 1}: the id job {link - 1} gets" if link > 1 else ""
-            out.write(f"# ---- {what} (dry run: not submitted{_no_slurm_here(spec)}) ----\n")
-            after = None if link == 1 else (f"JOB{link - 1}",)
-            if elements:
-                script = render_array_sbatch(
-                    spec, folder, len(elements), snapshot=code, link=link, after=after
-                )
-            else:
-                script = render_sbatch(spec, folder, snapshot=code, link=link, after=after)
-            out.write(script)
-    else:
+    for job in plan.jobs:  # every job of a --chain: each its own script
+        what = "sbatch script of the job array" if plan.elements else "sbatch script"
+        if spec.chain > 1:
+            what += f" of job {job.link} of {spec.chain} of the chain"
+            what += (
+                f", after {job.after[0]}: the id job {job.link - 1} gets" if job.link > 1 else ""
+            )
+        out.write(f"# ---- {what} (dry run: not submitted{_no_slurm_here(spec)}) ----\n")
+        out.write(job.script)
+    if plan.executor == "local":
         what = (
-            f"{len(elements)} local jobs of {spec.ranks_per_node} rank(s) each, all at once"
-            if elements
-            else f"{spec.ranks_per_node} rank(s) of {spec.train.task}, run directory {folder}"
+            f"{len(plan.elements)} local jobs of {spec.ranks_per_node} rank(s) each, all at once"
+            if plan.elements
+            else f"{spec.ranks_per_node} rank(s) of {spec.train.task}, run directory {plan.run_dir}"
         )
         out.write(f"# ---- local executor (dry run: not started) ----\n# {what} on this machine\n")
 

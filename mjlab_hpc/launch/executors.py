@@ -125,7 +125,8 @@ _ON_PURPOSE = (EXIT_OK, EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_LOC
 class SlurmJobExecutor(submitit.SlurmExecutor):
     """submitit's SlurmExecutor whose batch script ends with our heal loop.
 
-    It also renders its script where there is no srun (a dry run on a laptop).
+    It also renders its script where there is no srun (a dry run on a laptop), and submits
+    the script it is given as planned (`script`) instead of rendering it again.
     """
 
     def __init__(
@@ -139,8 +140,10 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
         min_nodes: int | None = None,
         tasks_per_node: int = 1,
         sweep: bool = False,
+        script: str | None = None,
     ) -> None:
         self._render_only = render_only
+        self._script = script
         self.sweep = sweep
         """A sweep's job array: `folder`'s parent is the sweep's directory, each element's
         run is linked from its `elements/<index>`."""
@@ -160,6 +163,8 @@ class SlurmJobExecutor(submitit.SlurmExecutor):
         return 2 if self._render_only else submitit.SlurmExecutor.affinity()
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
+        if self._script is not None:  # the plan's: what the dry run showed is what runs
+            return self._script
         # submitit's script ends with its srun line; the healer runs after it, in the batch
         # shell (which outlives the ranks), with srun's exit code.
         # Each healed fault loops: a new step, without the nodes the healer printed.

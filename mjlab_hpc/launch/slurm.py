@@ -1,10 +1,10 @@
 """The Slurm job script, one home for every form of it.
 
 The forms: the script submitit submits for a SubmitSpec (its sbatch parameters, the code
-snapshot's PYTHONPATH, the heal step after srun; also what `--dry-run` prints); the
-plain-sbatch templates filled from the same spec (`mjlab-hpc render`, from
-`slurm_templates/`); and the srun command that starts the ranks inside an existing allocation
-(salloc, an interactive job) instead of a new job.
+snapshot's PYTHONPATH, the heal step after srun); the plain-sbatch templates filled from the
+same parameters (`mjlab-hpc render`, from `slurm_templates/`); and the srun command that
+starts the ranks inside an existing allocation (salloc, an interactive job) instead of a new
+job. `launch/plan` decides each once for a submission; what is here renders and runs them.
 
 A template is a shell script with `{{NAME}}` placeholders. Values are shell-quoted here, so no
 user string (a run name with `;` or `$(...)`) can run a command. A line holding a placeholder
@@ -13,7 +13,6 @@ whose value is None (an option the user did not set) is left out.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import re
@@ -35,25 +34,22 @@ from mjlab_hpc.rundir.layout import LOGS_DIR, SUBMITIT_DIR
 from mjlab_hpc.rundir.snapshot import import_path, snapshot_for, with_snapshot
 from mjlab_hpc.slurm.client import SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
-from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, train_cli_args
-from mjlab_hpc.validate import validate_submit
+from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
 from mjlab_hpc.validate.sbatch_args import sbatch_options
 
 __all__ = [
     "TEMPLATE_NAMES",
     "allocation_env",
     "allocation_srun",
-    "array_executor",
     "container_python",
     "heal_python",
-    "make_slurm_executor",
+    "job_script",
     "pyxis_args",
     "read_template",
-    "render",
-    "render_array_sbatch",
     "render_sbatch",
     "render_template",
     "run_in_allocation",
+    "slurm_executor",
     "slurm_parameters",
     "step_shape",
     "template_context",
@@ -163,35 +159,57 @@ def container_python(spec: SubmitSpec, run_dir: Path) -> str | None:
     )
 
 
-def make_slurm_executor(
+def slurm_executor(
     spec: SubmitSpec,
     folder_parent: Path,
-    dry_run: bool = False,
-    link: int = 1,
-    after: Sequence[str] | None = None,
-    snapshot: dict[str, Any] | None = None,
+    parameters: dict[str, Any],
+    sweep: bool = False,
+    script: str | None = None,
 ) -> Any:
-    """Return a configured submitit SlurmExecutor writing into `<folder_parent>/submitit`.
+    """Return a submitit SlurmExecutor writing into `<folder_parent>/submitit`.
 
-    It submits job `link` of the spec's --chain, which waits for the jobs `after` (default:
-    --after). `snapshot`: the code record to run from (default: the one recorded in
-    `folder_parent`; a dry run passes the planned one).
+    `parameters`: submitit's (`slurm_parameters`). `sweep`: a sweep's job array, whose
+    `folder_parent` is the sweep's directory. `script`: the batch script it submits, as
+    planned (None: it renders its own, and submits nothing: a dry run).
     """
     executor = SlurmJobExecutor(
         folder=folder_parent / SUBMITIT_DIR,
         python=container_python(spec, folder_parent),
         max_restarts=spec.train.max_restarts,
-        render_only=dry_run,
+        render_only=script is None,
         heal_python=heal_python(spec),
         step_nodes=spec.nodes if spec.spare_nodes else None,
         min_nodes=spec.min_nodes,
         tasks_per_node=spec.ranks_per_node,
+        sweep=sweep,
+        script=script,
     )
-    snapshot = snapshot if snapshot is not None else snapshot_for(folder_parent)
-    after = spec.after if after is None else after
-    roots = import_path(snapshot) if snapshot else None
-    executor.update_parameters(**slurm_parameters(spec, link=link, after=after, snapshot=roots))
+    executor.update_parameters(**parameters)
     return executor
+
+
+def job_script(
+    spec: SubmitSpec,
+    folder_parent: Path,
+    snapshot: dict[str, Any] | None,
+    link: int = 1,
+    after: Sequence[str] = (),
+    count: int = 0,
+) -> tuple[dict[str, Any], str]:
+    """submitit's parameters and the exact batch script of job `link` of the spec's --chain.
+
+    It starts once the jobs `after` ended, runs from the code record `snapshot` (None: the
+    code as it is), and writes into `<folder_parent>/submitit`. `count`: a sweep's elements,
+    one job array of them (0: one job).
+    """
+    roots = import_path(snapshot) if snapshot else None
+    params = slurm_parameters(spec, link=link, after=after, snapshot=roots)
+    if count and spec.array_parallelism is not None:
+        params["array_parallelism"] = spec.array_parallelism
+    executor = slurm_executor(spec, folder_parent, params, sweep=bool(count))
+    if count:
+        executor.parameters["map_count"] = count  # what submitit sets when it submits an array
+    return params, executor.script()
 
 
 def render_sbatch(
@@ -201,55 +219,13 @@ def render_sbatch(
     link: int = 1,
     after: Sequence[str] | None = None,
 ) -> str:
-    """Return the exact sbatch script submitit submits for this spec.
+    """Return the exact sbatch script submitit submits for this spec into `run_dir`.
 
-    It is job `link` of its --chain, after the jobs `after`. `snapshot`: the planned code
-    record, whose import roots the script puts first.
+    It is job `link` of its --chain, after the jobs `after` (default: --after). `snapshot`:
+    the code record whose import roots the script puts first (default: the run's own).
     """
-    executor = make_slurm_executor(
-        spec, run_dir, dry_run=True, link=link, after=after, snapshot=snapshot
-    )
-    return executor.script()
-
-
-def array_executor(
-    spec: SubmitSpec,
-    sweep_dir: Path,
-    dry_run: bool = False,
-    link: int = 1,
-    after: Sequence[str] | None = None,
-    snapshot: dict[str, Any] | None = None,
-) -> Any:
-    """Return the executor of a sweep's job array, throttled by --array-parallelism.
-
-    It submits array `link` of the --chain.
-    """
-    executor = make_slurm_executor(
-        spec, sweep_dir, dry_run=dry_run, link=link, after=after, snapshot=snapshot
-    )
-    executor.sweep = True
-    if spec.array_parallelism is not None:
-        executor.update_parameters(array_parallelism=spec.array_parallelism)
-    return executor
-
-
-def render_array_sbatch(
-    spec: SubmitSpec,
-    sweep_dir: Path,
-    count: int,
-    snapshot: dict[str, Any] | None = None,
-    link: int = 1,
-    after: Sequence[str] | None = None,
-) -> str:
-    """Return the exact sbatch script of a sweep's job array of `count` elements.
-
-    It is array `link` of the --chain, after the arrays `after`.
-    """
-    executor = array_executor(
-        spec, sweep_dir, dry_run=True, link=link, after=after, snapshot=snapshot
-    )
-    executor.parameters["map_count"] = count  # what submitit sets when it submits an array
-    return executor.script()
+    record = snapshot if snapshot is not None else snapshot_for(run_dir)
+    return job_script(spec, run_dir, record, link, spec.after if after is None else after)[1]
 
 
 # Plain-sbatch templates.
@@ -275,10 +251,23 @@ def read_template(name: str) -> str:
     )
 
 
-def template_context(spec: SubmitSpec, resolved: ResolvedSpec) -> dict[str, str | None]:
-    """Placeholder values for a validated spec, already quoted for the shell."""
+def template_context(
+    spec: SubmitSpec,
+    resolved: ResolvedSpec,
+    parameters: dict[str, Any],
+    train_args: Sequence[str],
+    run_dir: Path | None,
+) -> dict[str, str | None]:
+    """Placeholder values, already quoted for the shell, of a validated spec.
+
+    The sbatch options are submitit's `parameters` of the same job, so the template's
+    #SBATCH lines are those mjlab-submit submits. `train_args`: mjlab-train's arguments on
+    every rank. `run_dir`: where the run trains (None: a new run, made by the job's first
+    start with `mjlab-hpc run-dir --key`).
+    """
     q = shlex.quote
-    log_root = Path(spec.train.log_root).resolve()
+    more = parameters["additional_parameters"]
+    log_root = Path(resolved.train.log_root).resolve()
 
     def opt(value: object) -> str | None:
         return None if value is None else q(str(value))
@@ -288,28 +277,31 @@ def template_context(spec: SubmitSpec, resolved: ResolvedSpec) -> dict[str, str 
         for k, v in sbatch_options(spec).items()
     ]
     return {
-        "JOB_NAME": q(spec.name),
-        "NODES": str(spec.nodes + spec.spare_nodes),
-        "TASKS_PER_NODE": str(spec.ranks_per_node),
-        "GPUS_PER_NODE": str(spec.gpus_per_node) if spec.gpus_per_node > 0 else None,
-        "CPUS_PER_TASK": opt(spec.cpus_per_task),
-        "MEM": opt(spec.mem),
-        "PARTITION": opt(spec.partition),
-        "ACCOUNT": opt(spec.account),
-        "QOS": opt(spec.qos),
-        "CONSTRAINT": opt(spec.constraint),
-        "EXCLUSIVE": "--exclusive" if spec.exclusive else None,
-        "NO_KILL": "--no-kill" if spec.spare_nodes or spec.min_nodes is not None else None,
-        "TIME": q(spec.time),
-        "SIGNAL": f"{spec.preempt_signal}@{spec.signal_delay_s}",
-        "SIGNAL_DELAY_S": str(spec.signal_delay_s),
+        "JOB_NAME": q(parameters["job_name"]),
+        "NODES": str(parameters["nodes"]),
+        "TASKS_PER_NODE": str(parameters["ntasks_per_node"]),
+        "GPUS_PER_NODE": opt(parameters.get("gpus_per_node")),
+        "CPUS_PER_TASK": opt(parameters.get("cpus_per_task")),
+        "MEM": opt(more.get("mem")),
+        "PARTITION": opt(parameters.get("partition")),
+        "ACCOUNT": opt(parameters.get("account")),
+        "QOS": opt(parameters.get("qos")),
+        "CONSTRAINT": opt(parameters.get("constraint")),
+        "EXCLUSIVE": "--exclusive" if parameters.get("exclusive") else None,
+        "NO_KILL": "--no-kill" if more.get("no_kill") else None,
+        "TIME": str(parameters["time"]),
+        "SIGNAL": more["signal"],
+        "SIGNAL_DELAY_S": str(parameters["signal_delay_s"]),
         "BATCH_LOG": "slurm-%x-%j.out",
         "SBATCH_EXTRA": "\n".join(extra) or None,
         "SETUP": "\n".join(spec.setup) or None,  # shell lines by design: not quoted
+        "RUN_DIR": q(str(run_dir) if run_dir is not None else ""),
         "LOG_ROOT": q(str(log_root)),
+        # What an image sees of the host: the run's log root (where its record of keys is).
+        "BIND": q(str(run_dir.parent.parent if run_dir is not None else log_root)),
         "EXPERIMENT": q(resolved.experiment_name),
-        "RUN_NAME": q(spec.train.run_name),
-        "TRAIN_ARGS": " ".join(q(a) for a in train_cli_args(spec.train)),
+        "RUN_NAME": q(resolved.train.run_name),
+        "TRAIN_ARGS": " ".join(q(a) for a in train_args),
         "MAX_RESTARTS": str(spec.train.max_restarts),
         "IMAGE": opt(Path(spec.container).resolve() if spec.container else None),
         "NV": "--nv" if spec.gpus_per_node > 0 else "",
@@ -347,27 +339,14 @@ def render_template(text: str, context: dict[str, str | None]) -> str:
     return "\n".join(out) + "\n"
 
 
-def render(template: str, spec: SubmitSpec) -> str:
-    """Return the filled template for `spec`.
-
-    The spec is validated first, as a Slurm job that is not submitted here: rendering works on
-    a machine without Slurm.
-    """
-    spec = dataclasses.replace(spec, executor="slurm", dry_run=True)
-    resolved = validate_submit(spec)
-    text = read_template(template)
-    if "{{IMAGE}}" in text and spec.container is None:
-        raise SpecError("--container", f"template {template!r} needs an image: --container IMAGE")
-    return render_template(text, template_context(spec, resolved))
-
-
 # Inside an existing allocation.
 
 
-def allocation_srun(spec: SubmitSpec, resolved: ResolvedSpec, run_dir: Path) -> list[str]:
+def allocation_srun(spec: SubmitSpec, train_args: Sequence[str], run_dir: Path) -> list[str]:
     """Return the srun command that starts every rank inside the current allocation.
 
-    The step is named after the run directory (`mjlab-ranks-<hash>`), the same in a dry run.
+    Every rank runs mjlab-train with `train_args` in `run_dir`. The step is named after the
+    run directory (`mjlab-ranks-<hash>`).
     """
     python = container_python(spec, run_dir)
     step = f"mjlab-ranks-{hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]}"
@@ -390,8 +369,7 @@ def allocation_srun(spec: SubmitSpec, resolved: ResolvedSpec, run_dir: Path) -> 
         argv.append(f"--cpus-per-task={spec.cpus_per_task}")
     argv += pyxis_args(spec)
     run = [*shlex.split(python), "-u"] if python else [sys.executable, "-u"]
-    train = train_cli_args(resolved.train, every=True)  # what a continuation keeps: decided
-    return [*argv, *run, "-m", "mjlab_hpc.cli.train", *train, "--run-dir", str(run_dir)]
+    return [*argv, *run, "-m", "mjlab_hpc.cli.train", *train_args, "--run-dir", str(run_dir)]
 
 
 def allocation_env(alloc: Allocation, snapshot: dict[str, Any] | None) -> dict[str, str]:
@@ -405,23 +383,28 @@ def allocation_env(alloc: Allocation, snapshot: dict[str, Any] | None) -> dict[s
 
 
 def run_in_allocation(
-    spec: SubmitSpec, resolved: ResolvedSpec, run_dir: Path, alloc: Allocation, resume: str
+    argv: Sequence[str],
+    env: dict[str, str],
+    run_dir: Path,
+    alloc: Allocation,
+    resolved: ResolvedSpec,
+    resume: str,
 ) -> Closing:
-    """Run every rank with srun inside the allocation, in the foreground to its end.
+    """Run every rank with the srun command `argv` inside the allocation, to their end.
 
-    Rank 0's progress is shown and this process's stop signals are forwarded: the first stops
-    every rank at its next iteration boundary with a checkpoint, the second at once. Returns
-    how the run ended.
+    `env`: the variables srun gets beside this process's own (`allocation_env`). It runs in
+    the foreground: rank 0's progress is shown and this process's stop signals are
+    forwarded: the first stops every rank at its next iteration boundary with a checkpoint,
+    the second at once. Returns how the run ended.
     """
     (run_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
-    argv = allocation_srun(spec, resolved, run_dir)
     name = argv[1].removeprefix("--job-name=")
     # A session of its own: the terminal's Ctrl-C reaches srun only through us. srun takes a
     # single Ctrl-C as a request for its status, and ends the step on SIGTERM (SIGKILL after
     # KillWait, before the ranks' checkpoint): stops go to the ranks through scancel.
     proc = subprocess.Popen(
-        argv,
-        env={**os.environ, **allocation_env(alloc, snapshot_for(run_dir))},
+        list(argv),
+        env={**os.environ, **env},
         start_new_session=True,
         stdin=subprocess.DEVNULL,
     )

@@ -1,16 +1,15 @@
-"""The submitter: a SubmitSpec becomes a submitit job on Slurm or on this machine.
+"""The submitter: a submission's plan (`launch/plan`) carried out, on Slurm or on this machine.
 
-On Slurm that is sbatch with one srun task per rank; here, submitit's local executor. Each
-task runs `train_rank`, the same per-rank entry point as `mjlab-train`. Everything is
-validated before anything is created or submitted; a bad value raises SpecError naming the
-flag.
+On Slurm that is sbatch of the plan's scripts, one srun task per rank; here, submitit's local
+executor. Each task runs `train_rank`, the same per-rank entry point as `mjlab-train`.
+Everything was validated when the plan was made, before anything is created or submitted;
+a bad value raises SpecError naming the flag.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as dt
 import os
 import shutil
 from collections.abc import Callable
@@ -19,38 +18,33 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mjlab_hpc.errors import SubmitError
-from mjlab_hpc.launch.local import physical_gpu_ids, submit_local
-from mjlab_hpc.launch.slurm import array_executor, make_slurm_executor
+from mjlab_hpc.launch.local import submit_local
+from mjlab_hpc.launch.plan import SubmitPlan, plan_submission, realised
+from mjlab_hpc.launch.slurm import slurm_executor
 from mjlab_hpc.rank import RankJob
 from mjlab_hpc.rundir.layout import (
     SUBMITIT_DIR,
     SWEEP_ELEMENTS,
-    SWEEPS_DIR,
     ElementRecord,
     SweepMember,
     SweepRecord,
-    create_sweep_dir,
     realise_target,
-    run_dir_name,
     write_element,
     write_sweep,
 )
 from mjlab_hpc.rundir.record import now_iso
-from mjlab_hpc.rundir.snapshot import plan_snapshot, record_code, write_code_record
+from mjlab_hpc.rundir.snapshot import record_code, write_code_record
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
-from mjlab_hpc.validate import executor_for, validate_submit
-from mjlab_hpc.validate.sweep import SweepElement, sweep_elements
+from mjlab_hpc.validate.sweep import SweepElement
 
 __all__ = [
     "Submitted",
     "SubmittedSweep",
     "element_spec",
-    "planned_run_dir",
-    "planned_sweep",
+    "prepare_run",
     "submit",
     "submit_chain",
-    "submit_run",
     "submit_sweep",
 ]
 
@@ -89,87 +83,91 @@ class Submitted:
         return Path(self.job.task(rank).paths.stdout)
 
 
-def planned_run_dir(spec: SubmitSpec, resolved: ResolvedSpec) -> Path:
-    """Return where a dry run would put the run; nothing is created.
+def _plan(spec: SubmitSpec | SubmitPlan) -> SubmitPlan:
+    return spec if isinstance(spec, SubmitPlan) else plan_submission(spec)
 
-    That is the run target's directory (--run-dir, the run --resume continues), or a new one.
-    """
-    if resolved.target.path is not None:
-        return Path(resolved.target.path)
-    # The resolved run name: mjlab's --agent.run-name sets it too.
-    name = run_dir_name(dt.datetime.now(), resolved.train.run_name)
-    return (Path(spec.train.log_root) / resolved.experiment_name / name).resolve()
+
+def _kind(plan: SubmitPlan) -> Literal["slurm", "local"]:
+    return "slurm" if plan.executor == "slurm" else "local"
+
+
+def prepare_run(plan: SubmitPlan) -> SubmitPlan:
+    """Make the plan's run directory and copy the code there: a run whose ranks this
+    command starts itself (inside an allocation)."""
+    plan = realised(plan)
+    _record_code(plan, plan.run_dir)
+    return plan
+
+
+def _record_code(plan: SubmitPlan, folder: Path) -> dict[str, Any]:
+    """Copy the code into `folder` where the plan's scripts import it from; the record."""
+    record = record_code(plan.code, folder)
+    if record["copy"] != plan.code_copy:  # another submission copied into the run meanwhile
+        raise SubmitError(f"the code copy went to {record['copy']}, not {plan.code_copy}")
+    return record
 
 
 def submit_chain(
-    spec: SubmitSpec, submit_link: Callable[[int, tuple[str, ...]], list[Any]]
+    plan: SubmitPlan, submit_link: Callable[[dict[str, Any], str], list[Any]]
 ) -> list[list[Any]]:
-    """Submit the --chain's jobs (or job arrays) in order, each with `submit_link(link, after)`.
+    """Submit the plan's jobs (or job arrays) in order, each with `submit_link(params, script)`.
 
     The first waits for --after, every later one for the one before it. All or nothing: when
     one is refused, the ones already queued are cancelled.
     """
     links: list[list[Any]] = []
-    after = tuple(spec.after)
     try:
-        for link in range(1, spec.chain + 1):
-            jobs = submit_link(link, after)
-            links.append(jobs)
-            after = (str(jobs[0].job_id).split("_")[0],)  # a job array's id: all of it
+        for job in plan.jobs:
+            before = str(links[-1][0].job_id).split("_")[0] if links else None  # an array: all
+            links.append(submit_link(*job.submitted(before)))
     except Exception:
-        for job in (j for jobs in links for j in jobs):
-            job.cancel(check=False)
+        for queued in (j for jobs in links for j in jobs):
+            queued.cancel(check=False)
         raise
     return links
 
 
-def submit_run(
-    spec: SubmitSpec, resolved: ResolvedSpec, kind: Literal["slurm", "local"]
-) -> list[Any]:
+def _submit_run(plan: SubmitPlan, resolved: ResolvedSpec) -> list[Any]:
     """Submit the ranks of one run that trains `resolved` in its realised target's directory.
 
     That is its job, or the jobs of its --chain in order.
     """
-    run_dir = Path(str(resolved.target.path))
-    if kind == "local":
-        # One GPU per rank, counted within this shell's CUDA_VISIBLE_DEVICES (as mjlab-train's
-        # --gpu-ids): the ranks see these, local rank k trains on the k-th.
-        gpus = physical_gpu_ids(range(spec.gpus_per_node), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    spec = plan.spec
+    if _kind(plan) == "local":
         local = submit_local(
             resolved,
             ranks=spec.ranks_per_node,
-            gpus=tuple(gpus),
+            gpus=plan.gpus,
             timeout_min=slurm_time_minutes(spec.time),
             signal_delay_s=spec.signal_delay_s,
             foreground=spec.follow,
         )
         return [local.job]
     links = submit_chain(
-        spec,
-        lambda link, after: [
-            make_slurm_executor(spec, run_dir, link=link, after=after).submit(RankJob(resolved))
+        plan,
+        lambda params, script: [
+            slurm_executor(spec, plan.run_dir, params, script=script).submit(RankJob(resolved))
         ],
     )
     return [jobs[0] for jobs in links]
 
 
-def submit(spec: SubmitSpec) -> Submitted:
-    """Validate, decide the run directory once, and submit. Nothing is submitted on error,
-    and no run directory is left behind when the scheduler refuses the job."""
-    resolved = validate_submit(spec)
-    kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
-    made_here = resolved.target.path is None  # else --run-dir, or the run --resume continues
-    code = plan_snapshot(Path.cwd(), not spec.snapshot)  # too large: refused, nothing made
-    root = Path(spec.train.log_root)
-    new = [p for p in (root / resolved.experiment_name, root) if not p.exists()]
-    resolved = realise_target(resolved)
-    run_dir = Path(str(resolved.target.path))
+def submit(spec: SubmitSpec | SubmitPlan) -> Submitted:
+    """Carry out the plan of one run (a spec: planned first): make its directory at the
+    planned place, record the code, and submit the planned scripts. Nothing is submitted on
+    error, and no run directory is left behind when the scheduler refuses the job."""
+    plan = _plan(spec)
+    kind = _kind(plan)
+    made_here = plan.resolved.target.path is None  # else --run-dir, or the run it continues
+    root = Path(plan.spec.train.log_root)
+    new = [p for p in (root / plan.resolved.experiment_name, root) if not p.exists()]
+    plan = realised(plan)
     try:
-        record_code(code, run_dir)
-        jobs = submit_run(spec, resolved, kind)
+        _record_code(plan, plan.run_dir)
+        jobs = _submit_run(plan, plan.resolved)
     except Exception as exc:
         if made_here:  # nothing ran: leave no empty run (nor folders made for it) behind
-            shutil.rmtree(run_dir, ignore_errors=True)
+            shutil.rmtree(plan.run_dir, ignore_errors=True)
             for folder in new:
                 with contextlib.suppress(OSError):
                     folder.rmdir()
@@ -177,9 +175,9 @@ def submit(spec: SubmitSpec) -> Submitted:
     return Submitted(
         job=jobs[0],
         executor=kind,
-        run_dir=run_dir,
-        spec=spec,
-        resolved=resolved,
+        run_dir=plan.run_dir,
+        spec=plan.spec,
+        resolved=plan.resolved,
         chain=tuple(jobs[1:]),
     )
 
@@ -203,31 +201,17 @@ def element_spec(spec: SubmitSpec, element: SweepElement) -> SubmitSpec:
     return spec.replace(train=element.train, sweep=(), array_parallelism=None)
 
 
-def planned_sweep(spec: SubmitSpec, resolved: ResolvedSpec) -> tuple[Path, list[Path]]:
-    """Where a dry run would put the sweep record and each element's run (nothing is made)."""
-    now = dt.datetime.now()
-    root = (Path(spec.train.log_root) / resolved.experiment_name).resolve()
-    elements = sweep_elements(spec.train, spec.sweep)
-    runs = [root / run_dir_name(now, e.train.run_name) for e in elements]
-    return root / SWEEPS_DIR / run_dir_name(now, spec.train.run_name), runs
-
-
-def _submit_elements(
-    spec: SubmitSpec,
-    kind: Literal["slurm", "local"],
-    sweep_dir: Path,
-    elements: list[SweepElement],
-) -> list[list[Any]]:
+def _submit_elements(plan: SubmitPlan, elements: list[SweepElement]) -> list[list[Any]]:
     """Submit one job per element (local), or one job array per link of the --chain (Slurm).
 
     Every element's run target is realised. Returns the jobs of each link of the chain, in
     element order.
     """
-    if kind == "local":
+    if _kind(plan) == "local":
         jobs: list[Any] = []
         try:
             for element in elements:
-                jobs.extend(submit_run(spec, element.resolved, kind))
+                jobs.extend(_submit_run(plan, element.resolved))
         except Exception:
             for job in jobs:  # all or nothing: stop what already started
                 job.cancel(check=False)
@@ -235,51 +219,53 @@ def _submit_elements(
         return [jobs]
     # The array shares one submitit folder (submitit names its files <array>_<index>_<rank>);
     # each run directory links to it, so `<run>/submitit` works as for single jobs.
-    folder = sweep_dir / SUBMITIT_DIR
+    folder = plan.run_dir / SUBMITIT_DIR
     folder.mkdir()
     for element in elements:
         run_dir = Path(str(element.resolved.target.path))
         (run_dir / SUBMITIT_DIR).symlink_to(os.path.relpath(folder, run_dir))
 
-    def submit_array(link: int, after: tuple[str, ...]) -> list[Any]:
-        executor = array_executor(spec, sweep_dir, link=link, after=after)
+    def submit_array(params: dict[str, Any], script: str) -> list[Any]:
+        executor = slurm_executor(plan.spec, plan.run_dir, params, sweep=True, script=script)
         with executor.batch():
             jobs = [executor.submit(RankJob(e.resolved)) for e in elements]
         return jobs
 
-    return submit_chain(spec, submit_array)
+    return submit_chain(plan, submit_array)
 
 
-def submit_sweep(spec: SubmitSpec) -> SubmittedSweep:
-    """Validate, make every element's run directory, and submit the sweep.
+def submit_sweep(spec: SubmitSpec | SubmitPlan) -> SubmittedSweep:
+    """Carry out the plan of a sweep (a spec: planned first): make its folder and every
+    element's run directory, and submit it.
 
     It goes as one job array (Slurm) or as one local job per element. Nothing is left behind
     on error.
     """
-    resolved = validate_submit(spec)
-    elements = sweep_elements(spec.train, spec.sweep)
-    kind: Literal["slurm", "local"] = "slurm" if executor_for(spec) == "slurm" else "local"
-    log_root, experiment = spec.train.log_root, resolved.experiment_name
-    code = plan_snapshot(Path.cwd(), not spec.snapshot)  # too large: refused, nothing made
-    sweep_dir = create_sweep_dir(log_root, experiment, spec.train.run_name)
+    plan = _plan(spec)
+    kind = _kind(plan)
+    plan = realised(plan)
+    sweep_dir = plan.run_dir
+    elements = list(plan.elements)
     run_dirs: list[Path] = []
     try:
-        code_record = record_code(code, sweep_dir)  # one copy for every element
+        code_record = _record_code(plan, sweep_dir)  # one copy for every element
         (sweep_dir / SWEEP_ELEMENTS).mkdir()
-        for n, element in enumerate(elements):  # one run directory each, made before submitting
-            element = dataclasses.replace(element, resolved=realise_target(element.resolved))
-            elements[n] = element
-            run_dirs.append(Path(str(element.resolved.target.path)))
+        for n, (element, planned) in enumerate(zip(elements, plan.element_dirs, strict=True)):
+            # One run directory each, made before submitting.
+            resolved = realise_target(element.resolved, planned=planned)
+            element = elements[n] = dataclasses.replace(element, resolved=resolved)
+            run_dirs.append(Path(str(resolved.target.path)))
             write_code_record(run_dirs[-1], code_record)
             # Each element's job finds its run by its array index (its batch script: its
             # hang files; the healer), before the sweep's record is written.
             element_link = sweep_dir / SWEEP_ELEMENTS / str(element.index)
             element_link.symlink_to(os.path.relpath(run_dirs[-1], element_link.parent))
-        links = _submit_elements(spec, kind, sweep_dir=sweep_dir, elements=elements)
+        links = _submit_elements(plan, elements)
     except Exception as exc:
         for path in [*run_dirs, sweep_dir]:  # nothing ran: leave no empty runs behind
             shutil.rmtree(path, ignore_errors=True)
         raise SubmitError(f"{kind} refused the sweep: {str(exc).strip()}") from exc
+    spec = plan.spec
     jobs = links[0]
     job_ids = [str(job.job_id) for job in jobs]
     array_id = job_ids[0].split("_")[0] if kind == "slurm" else None

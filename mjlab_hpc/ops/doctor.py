@@ -32,13 +32,13 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.executors import task_outcome
-from mjlab_hpc.launch.slurm import container_python, render_sbatch, slurm_parameters
+from mjlab_hpc.launch.plan import SubmitPlan
+from mjlab_hpc.launch.slurm import container_python, slurm_parameters
 from mjlab_hpc.ops.limits import limit_checks, partition_grace_s
-from mjlab_hpc.slurm.client import FINAL_STATES, Partition, SlurmClient
+from mjlab_hpc.slurm.client import FINAL_STATES, Association, Partition, SlurmClient
 from mjlab_hpc.slurm.units import slurm_time_minutes
-from mjlab_hpc.spec import ResolvedSpec, SubmitSpec
+from mjlab_hpc.spec import SubmitSpec
 from mjlab_hpc.tasks.video import rendering_problem
-from mjlab_hpc.validate.sweep import sweep_elements
 from mjlab_hpc.validate.world import check_log_root, check_partition
 
 __all__ = ["PROBE_DIR", "Check", "DoctorReport", "cluster_profile", "diagnose", "shape_checks"]
@@ -334,7 +334,8 @@ def _check_slurm(report: DoctorReport, slurm: SlurmClient) -> bool:
     return True
 
 
-def _check_request(report: DoctorReport, spec: SubmitSpec, slurm: SlurmClient) -> bool:
+def _check_request(report: DoctorReport, plan: SubmitPlan, slurm: SlurmClient) -> bool:
+    spec = plan.spec
     warnings: list[str] = []
     try:
         check_partition(spec, warnings.append, slurm)
@@ -347,9 +348,10 @@ def _check_request(report: DoctorReport, spec: SubmitSpec, slurm: SlurmClient) -
         report.add("partition", "warn", "; ".join(warnings))
     else:
         report.add("partition", "ok", f"{name} can give {shape} per node")
-    # The options of the job's own script, as mjlab-submit would submit it.
-    script = render_sbatch(spec, Path(spec.train.log_root).absolute() / PROBE_DIR / "run", {})
-    args = [shlex.split(line)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
+    # The options of the job's own script, as mjlab-submit submits it (what it waits for
+    # aside: the request is what Slurm is asked whether it can give).
+    lines = [x for x in plan.jobs[0].script.splitlines() if x.startswith("#SBATCH ")]
+    args = [a for a in (shlex.split(x)[1] for x in lines) if not a.startswith("--dependency")]
     ok, said = slurm.test_only([*args, "--wrap=true"])
     if not ok:
         report.add("request", "fail", f"sbatch --test-only refused it: {said}", _FIXES["request"])
@@ -358,8 +360,7 @@ def _check_request(report: DoctorReport, spec: SubmitSpec, slurm: SlurmClient) -
     return True
 
 
-def _check_arrays(report: DoctorReport, spec: SubmitSpec, config: dict[str, str] | None) -> None:
-    elements = len(sweep_elements(spec.train, spec.sweep)) if spec.sweep else 0
+def _check_arrays(report: DoctorReport, elements: int, config: dict[str, str] | None) -> None:
     if not (size := int((config or {}).get("MaxArraySize", "0") or 0)):
         report.add("job arrays", "warn", "MaxArraySize unknown (scontrol show config)")
     elif elements > size:
@@ -509,16 +510,18 @@ def cluster_profile(
     if others := [p.name for n, p in parts.items() if n and p.gpus_per_node and p != part]:
         notes.append(f"other partitions with GPUs: {', '.join(sorted(others))}")
     assocs = slurm.associations(user)
-    if not assocs:
+    if not assocs:  # what was typed is kept, unchecked
+        typed = {k: v for k, v in (("account", spec.account), ("qos", spec.qos)) if v}
+        values |= typed
         why = "sacctmgr did not answer (no accounting?)" if assocs is None else "none"
-        notes.append(f"{user}'s accounts: {why}; account and qos left to Slurm")
+        left = f"{' and '.join(typed)} as given, not checked" if typed else "left to Slurm"
+        notes.append(f"{user}'s accounts: {why}; account and qos {left}")
         return values, notes
-    usable = [a for a in assocs if a.partition in ("", part.name)] or assocs
-    mine = [a for a in usable if a.account == spec.account] if spec.account else []
-    assoc = (mine or [a for a in usable if a.default_account] or usable)[0]
+    assoc = _association(assocs, part.name, spec, user)
     values["account"] = assoc.account
     if spec.qos or assoc.default_qos or len(assoc.qos) == 1:
         values["qos"] = spec.qos or assoc.default_qos or assoc.qos[0]
+    usable = [a for a in assocs if a.partition in ("", part.name)] or assocs
     accounts = sorted({a.account for a in usable})
     notes.append(f"{user}'s accounts here: {', '.join(accounts)}")
     if assoc.qos:
@@ -526,20 +529,49 @@ def cluster_profile(
     return values, notes
 
 
+def _association(
+    assocs: Sequence[Association], partition: str, spec: SubmitSpec, user: str
+) -> Association:
+    """The association a profile charges: --account's (else the default one) on `partition`.
+
+    SpecError for an account or a QOS sacctmgr does not give the user there, as for a
+    partition sinfo does not list.
+    """
+    usable = [a for a in assocs if a.partition in ("", partition)] or list(assocs)
+    if spec.account is not None:
+        if not (mine := [a for a in usable if a.account == spec.account]):
+            there = ", ".join(sorted({a.account for a in usable}))
+            where = f"on partition {partition}" if partition else "here"
+            raise SpecError(
+                "--account",
+                f"sacctmgr gives {user} no account {spec.account!r} {where}; "
+                f"{user}'s accounts: {there}",
+            )
+        usable = mine
+    assoc = next((a for a in usable if a.default_account), usable[0])
+    if spec.qos is not None and assoc.qos and spec.qos not in assoc.qos:
+        raise SpecError(
+            "--qos",
+            f"sacctmgr gives {user} no QOS {spec.qos!r} under account "
+            f"{assoc.account}; there: {', '.join(assoc.qos)}",
+        )
+    return assoc
+
+
 def diagnose(
-    spec: SubmitSpec,
-    resolved: ResolvedSpec,
+    plan: SubmitPlan,
     wait_s: float = 300.0,
     slurm: SlurmClient | None = None,
     keep: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> DoctorReport:
-    """Run every check for the job `spec` asks for (its flags already validated)."""
+    """Run every check for the job a plan of mjlab-submit's flags submits."""
+    spec, resolved = plan.spec, plan.resolved
     slurm = slurm or SlurmClient(timeout_s=30)
     report = DoctorReport()
     if not _check_slurm(report, slurm):
         return report
-    request_ok = _check_request(report, spec, slurm)
+    request_ok = _check_request(report, plan, slurm)
     log_root = Path(spec.train.log_root).absolute()
     try:
         check_log_root("--log-root", str(log_root))
@@ -547,7 +579,7 @@ def diagnose(
         report.add("log root here", "fail", exc.problem, "give --log-root a folder you can write")
         return report
     config = slurm.config()
-    _check_arrays(report, spec, config)
+    _check_arrays(report, len(plan.elements), config)
     limit_checks(report.add, spec, config, grace_s=partition_grace_s(slurm, spec.partition))
     if not request_ok:
         return report

@@ -299,7 +299,7 @@ def train_rank(
         os.environ["CUDA_VISIBLE_DEVICES"] = mig
     init_warp()
     device = rank_device(spec.device_choice, ctx)
-    kernels = choose_kernel_cache(spec.kernel_cache, spec.log_root, device)
+    kernels = choose_kernel_cache(spec.kernel_cache, device)
     use_kernel_cache(kernels)
     torch.set_num_threads(torch_threads(spec.torch_threads, ctx, os.environ))
     if device.startswith("cuda"):

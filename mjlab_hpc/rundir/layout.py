@@ -34,7 +34,6 @@ __all__ = [
     "FAULT_SUFFIX",
     "GROUP_WRITABLE_ENV",
     "HANG_GLOB",
-    "KERNEL_CACHE_DIR",
     "NAN_DUMPS_DIR",
     "PROGRESS",
     "RUN_RECORD",
@@ -51,12 +50,12 @@ __all__ = [
     "SweepRecord",
     "checkpoint_iteration",
     "create_run_dir",
-    "create_sweep_dir",
     "is_run_dir",
     "keep_runs_private",
     "latest_run",
     "latest_run_record",
     "list_checkpoints",
+    "new_folder",
     "rank_state_dir",
     "rank_state_file",
     "read_element",
@@ -95,8 +94,6 @@ ONCE_DIR = ".once"
 HEARTBEAT_DIR = "heartbeat"
 CHECKSUM_SUFFIX = ".sha256"
 RANK_STATES_DIR = "rank_states"
-# Folders of a log root: Warp's compiled kernels, `<user>/<key>/` (rank/kernel_cache.py).
-KERNEL_CACHE_DIR = ".kernel-cache"
 #: `<run>/code`: the submitted code's copy (`src/`), its record and the uncommitted diff.
 CODE_DIR = "code"
 CODE_COPY = "src"
@@ -365,29 +362,34 @@ def create_run_dir(
     )
 
 
-def create_sweep_dir(log_root: str | Path, experiment: str, run_name: str = "") -> Path:
-    """Make a new sweep's folder, `<experiment>/.sweeps/<timestamp>[_<run-name>]`."""
-    parent = Path(log_root) / experiment / SWEEPS_DIR
-    return _new_folder(parent, run_dir_name(dt.datetime.now(), run_name))
-
-
-def realise_target(resolved: ResolvedSpec) -> ResolvedSpec:
+def realise_target(resolved: ResolvedSpec, planned: Path | None = None) -> ResolvedSpec:
     """Return `resolved` with the directory of its run made: where every new run's is made.
 
-    A new run's target without a path gets a new directory (`create_run_dir`); a new run in
-    a --run-dir gets that folder made. An existing run's target is returned as it is. A spec
-    resolved without validation (a library caller's) trains in its --run-dir, if any.
+    A new run's target without a path gets a new directory (`create_run_dir`; `planned`:
+    that name, or the next free one, `new_folder`); a new run in a --run-dir gets that
+    folder made. An existing run's target is returned as it is. A spec resolved without
+    validation (a library caller's) trains in its --run-dir, if any.
     """
     target = resolved.target
     if target.path is None and resolved.train.run_dir:
         target = dataclasses.replace(target, path=resolved.train.run_dir)
     if target.path is None:
         train = resolved.train
-        path = create_run_dir(train.log_root, resolved.experiment_name, train.run_name)
+        path = (
+            new_folder(planned)
+            if planned is not None
+            else create_run_dir(train.log_root, resolved.experiment_name, train.run_name)
+        )
         return resolved.aimed(dataclasses.replace(target, path=str(path)))
     if target.kind == "new":
         Path(target.path).mkdir(parents=True, exist_ok=True)
     return resolved.aimed(target)
+
+
+def new_folder(path: Path) -> Path:
+    """Make the folder `path` (or `path-2`, ... when taken) atomically: a planned run's or
+    sweep's directory."""
+    return _new_folder(path.parent, path.name)
 
 
 def _new_folder(parent: Path, base: str) -> Path:
@@ -419,13 +421,30 @@ def run_dir_for_key(log_root: str | Path, experiment: str, run_name: str, key: s
     keys = Path(log_root) / experiment / KEYS_DIR
     shared_mkdir(keys)
     record = keys / key
-    if record.exists():
+    if os.path.lexists(record):  # a link too: refused as a record of another user's
         return _own_run(record)
+    if not os.access(keys, os.W_OK | os.X_OK):  # refused before a run directory is made
+        me = user_name(os.geteuid())
+        raise ValueError(f"{keys} takes no record of {me}: {_unwritable(keys)}")
     run = create_run_dir(log_root, experiment, run_name)
-    if not create_exclusive(record, f"{run.name}\n".encode()):
+    try:
+        won = create_exclusive(record, f"{run.name}\n".encode())
+    except OSError as exc:
+        run.rmdir()  # nothing is left of a refused key
+        raise ValueError(f"{record} cannot be written: {exc.strerror or exc}") from None
+    if not won:
         run.rmdir()  # another caller won the race; its directory is the run's
         return _own_run(record)
     return run
+
+
+def _unwritable(folder: Path) -> str:
+    """Why this user cannot write into `folder`, and what to do."""
+    st = folder.stat()
+    return (
+        f"it belongs to {user_name(st.st_uid)}, {stat.filemode(st.st_mode)}; ask them to let the "
+        "group write it (chmod g+w,+t), or name your run with --run-dir"
+    )
 
 
 def _own_run(record: Path) -> Path:

@@ -167,11 +167,7 @@ def write_snapshot(plan: Snapshot, dest: Path) -> dict[str, Any]:
     `code/changes.diff` holds the uncommitted changes.
     """
     code = dest / CODE_DIR
-    src = code / CODE_COPY
-    n = 1
-    while src.exists():  # a resumed run: the earlier copy stays for the earlier job's requeues
-        n += 1
-        src = code / f"{CODE_COPY}-{n}"
+    src = _free_copy(dest)
     for rel in plan.files:
         source, target = plan.root / rel, src / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -196,6 +192,18 @@ def write_snapshot(plan: Snapshot, dest: Path) -> dict[str, Any]:
     }
     write_code_record(dest, record)
     return record
+
+
+def _free_copy(dest: Path) -> Path:
+    """Where the next copy of the code goes in a run (or sweep) directory: `code/src`, or
+    `code/src-2`, ... in a resumed run, whose earlier copy stays for the earlier job's
+    requeues."""
+    code = dest / CODE_DIR
+    src, n = code / CODE_COPY, 1
+    while src.exists():
+        n += 1
+        src = code / f"{CODE_COPY}-{n}"
+    return src
 
 
 def write_code_record(dest: Path, record: dict[str, Any]) -> None:
@@ -282,7 +290,7 @@ def planned_record(plan: Snapshot | str, dest: Path) -> dict[str, Any] | None:
     """
     if isinstance(plan, str):
         return None
-    return {"copy": str(dest / CODE_DIR / CODE_COPY), "import_roots": list(plan.roots)}
+    return {"copy": str(_free_copy(dest)), "import_roots": list(plan.roots)}
 
 
 def with_snapshot(env: dict[str, str], record: dict[str, Any] | None) -> dict[str, str]:

@@ -1,10 +1,12 @@
 """Every check before anything is created, submitted or started: the one place input is refused.
 
-`validate_train` (mjlab-train) and `validate_submit` (mjlab-submit, mjlab-hpc render and
-doctor) return the resolved spec every later stage uses. A bad value raises SpecError naming
-the flag and the fix (exit code 2 in the CLIs). The checks live in `rules` (each flag),
-`places` (where a value is written), `sbatch_args`, `sweep`, `continuation` and `world` (what
-exists: the log root, a run to continue, this machine, the Slurm cluster).
+`validate_train` (mjlab-train) returns the resolved spec every later stage uses, and
+`validate_submit` (mjlab-submit, mjlab-hpc render and doctor) a `Checked` submission: that
+spec, the executor, a sweep's elements and the allocation, each decided once here. A bad
+value raises SpecError naming the flag and the fix (exit code 2 in the CLIs). The checks
+live in `rules` (each flag), `places` (where a value is written), `sbatch_args`, `sweep`,
+`continuation` and `world` (what exists: the log root, a run to continue, this machine, the
+Slurm cluster).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.rank.context import current_allocation
+from mjlab_hpc.rank.context import Allocation, current_allocation
 from mjlab_hpc.rank.watchdog import FAULT_ENV, parse_faults
 from mjlab_hpc.spec import ResolvedSpec, SubmitSpec, TrainSpec
 from mjlab_hpc.tasks.builtin import BUILTIN_TASKS
@@ -25,10 +29,11 @@ from mjlab_hpc.validate import world
 from mjlab_hpc.validate.continuation import continue_target
 from mjlab_hpc.validate.places import check_job_paths
 from mjlab_hpc.validate.rules import check_submit, resolve
-from mjlab_hpc.validate.sweep import sweep_elements
+from mjlab_hpc.validate.sweep import SweepElement, sweep_elements
 
 __all__ = [
-    "executor_for",
+    "Checked",
+    "Executor",
     "resolve",
     "slurm_only",
     "validate_submit",
@@ -116,15 +121,32 @@ def _settle_gl(spec: TrainSpec) -> None:
         raise SpecError("--video", f"{problem}; install them, or drop --video")
 
 
-def executor_for(spec: SubmitSpec) -> str:
-    """Return the executor a submission uses.
+Executor = Literal["slurm", "local", "allocation"]
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A submission that passed every check, with what validation decided of it, once."""
+
+    resolved: ResolvedSpec
+    """The task resolved, with its run target (a sweep: the base spec, no target)."""
+    executor: Executor
+    """Where the ranks run: a new Slurm job, this machine, or the allocation of this shell."""
+    elements: tuple[SweepElement, ...]
+    """A sweep's elements, each resolved (none without --sweep)."""
+    allocation: Allocation | None
+    """The Slurm allocation the ranks run in (executor `allocation` only)."""
+
+
+def _executor(spec: SubmitSpec, alloc: Allocation | None) -> Executor:
+    """The executor a submission uses.
 
     `auto` becomes allocation inside a Slurm allocation (salloc), else slurm where sbatch can
     be found, else local.
     """
     if spec.executor != "auto":
         return spec.executor
-    if current_allocation(os.environ) is not None:
+    if alloc is not None:
         return "allocation"
     if shutil.which("sbatch"):
         return "slurm"
@@ -155,7 +177,7 @@ def slurm_only(spec: SubmitSpec) -> str | None:
     return None
 
 
-def _check_executor(spec: SubmitSpec, executor: str) -> None:
+def _check_executor(spec: SubmitSpec, executor: Executor, alloc: Allocation | None) -> None:
     """Refuse what the chosen executor cannot run."""
     for flag, given in (("--spare-nodes", spec.spare_nodes), ("--min-nodes", spec.min_nodes)):
         if executor != "slurm" and given:
@@ -191,7 +213,6 @@ def _check_executor(spec: SubmitSpec, executor: str) -> None:
             )
         world.check_local_gpus("--gpus-per-node", spec.gpus_per_node)
     if executor == "allocation":
-        alloc = current_allocation(os.environ)
         if alloc is None:
             raise SpecError(
                 "--executor",
@@ -201,25 +222,31 @@ def _check_executor(spec: SubmitSpec, executor: str) -> None:
         world.check_allocation(spec, alloc)
 
 
-def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> ResolvedSpec:
-    """Check a submission (and every element of its sweep) and resolve its task.
+def validate_submit(
+    spec: SubmitSpec,
+    warn: Callable[[str], None] = _warn,
+    env: Mapping[str, str] = os.environ,
+) -> Checked:
+    """Check a submission (and every element of its sweep) and decide what it runs.
 
     SpecError names the flag of anything that cannot be submitted. What cannot be checked
-    here (a partition sinfo does not describe) is said through `warn`.
+    here (a partition sinfo does not describe) is said through `warn`. `env` is read once,
+    here: the allocation this shell is in decides the executor `auto`.
     """
     check_submit(spec)
     _check_faults(warn, spec.train.preflight)
-    if executor_for(spec) == "local":
+    alloc = current_allocation(env)
+    executor = _executor(spec, alloc)
+    if executor == "local":
         _settle_gl(spec.train)
     resolved = resolve(spec.train)
     if not spec.sweep:
         flag = "--nodes" if spec.nodes > 1 else "--tasks-per-node"
         resolved = continue_target(resolved, world=(spec.world_size, flag), say=_note)
-    elements = sweep_elements(spec.train, spec.sweep) if spec.sweep else []
+    elements = tuple(sweep_elements(spec.train, spec.sweep))
     if spec.container is not None and not Path(spec.container).is_file():
         raise SpecError("--container", f"image {spec.container!r} does not exist")
-    executor = executor_for(spec)
-    _check_executor(spec, executor)
+    _check_executor(spec, executor, alloc)
     check_job_paths(resolved)  # every executor writes through Slurm's or submitit's patterns
     world.check_places(
         resolved.train, existing_only=spec.dry_run, experiment=resolved.experiment_name
@@ -229,4 +256,4 @@ def validate_submit(spec: SubmitSpec, warn: Callable[[str], None] = _warn) -> Re
         world.check_partition(spec, warn, resolved=resolved)
         world.check_after_exists(spec)
         world.check_array_size(len(elements))
-    return resolved
+    return Checked(resolved, executor, elements, alloc if executor == "allocation" else None)

@@ -47,7 +47,7 @@ from mjlab_hpc.tasks.mjlab import configured_cfgs
 from mjlab_hpc.tasks.registry import experiment_of
 from mjlab_hpc.validate.world import check_run_dir
 
-__all__ = ["continue_target", "continued", "override_values"]
+__all__ = ["continuation", "continue_target", "continued", "override_values"]
 
 S = TypeVar("S", TrainSpec, SubmitSpec)
 
@@ -150,6 +150,12 @@ def continued(spec: S, named: frozenset[str], rank: bool = False) -> S:
     unchanged when it continues no run. `named`: the fields the command set. `rank`: a rank
     of torchrun or srun, whose number of ranks its launcher says.
     """
+    return continuation(spec, named, rank)[0]
+
+
+def continuation(spec: S, named: frozenset[str], rank: bool = False) -> tuple[S, dict[str, str]]:
+    """`continued`, and where each field it set came from: the run's directory for what the
+    run kept, the run found for `run_dir` (--resume), by field name."""
     train = spec.train if isinstance(spec, SubmitSpec) else spec
     found = train.resume and not train.run_dir  # else --run-dir names it
     if found:
@@ -158,8 +164,9 @@ def continued(spec: S, named: frozenset[str], rank: bool = False) -> S:
     run = Path(train.run_dir) if train.run_dir and Path(train.run_dir).is_dir() else None
     record = read_record(run) if run is not None else None
     before = record.spec if record is not None else None
+    where = {"run_dir": f"the run --resume found under {train.log_root}"} if found else {}
     if run is None or record is None or before is None:
-        return spec
+        return spec, where
     _check_place(run, train, before, named, record.effective, found)
     world = _WORLD[type(spec)]
     keep_world = not rank and not named & set(world)
@@ -175,25 +182,29 @@ def continued(spec: S, named: frozenset[str], rank: bool = False) -> S:
         changes[name] = getattr(before, name)
     if "log_root" not in named and not found and run.parent.parent != run.parent:
         changes["log_root"] = str(run.parent.parent)  # where the run is, wherever it ran from
-    changes["overrides"] = _merged_overrides(before.overrides, train.overrides)
+    if before.overrides:
+        changes["overrides"] = _merged_overrides(before.overrides, train.overrides)
     size, device = record.world_size, record.device or ""
     cpu_ranks = isinstance(size, int) and size > 1 and device.startswith("cpu")
     if isinstance(spec, TrainSpec) and keep_world and cpu_ranks:
         changes["num_procs"] = size  # a job's CPU ranks (--tasks-per-node) are its ranks here
     new_train = dataclasses.replace(train, **changes)
-    if isinstance(spec, TrainSpec):
-        return new_train  # type: ignore[return-value]
     layout: dict[str, Any] = {}
     nodes = record.num_nodes
-    if keep_world and isinstance(size, int) and isinstance(nodes, int) and 0 < nodes <= size:
-        per_node = size // nodes
+    world_kept = keep_world and isinstance(size, int) and isinstance(nodes, int)
+    if isinstance(spec, SubmitSpec) and world_kept and 0 < nodes <= size:  # type: ignore[operator]
+        per_node = size // nodes  # type: ignore[operator]
         gpus = per_node if device.startswith("cuda") else 0
         layout = {
             "nodes": nodes,
             "gpus_per_node": gpus,
             "tasks_per_node": None if gpus else per_node,
         }
-    return dataclasses.replace(spec, train=new_train, **layout)  # type: ignore[return-value]
+    kept = f"the run {run}"
+    where |= {name: kept for name in [*changes, *layout]}
+    if isinstance(spec, TrainSpec):
+        return new_train, where  # type: ignore[return-value]
+    return dataclasses.replace(spec, train=new_train, **layout), where  # type: ignore[return-value]
 
 
 def continue_target(

@@ -15,6 +15,7 @@ from pathlib import Path
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.procs import memory_room, user_name
 from mjlab_hpc.rank.context import Allocation, cuda_device_count
+from mjlab_hpc.rank.kernel_cache import AUTO, NODE, folder_problem
 from mjlab_hpc.rundir.durable import ownership
 from mjlab_hpc.rundir.layout import is_run_dir
 from mjlab_hpc.slurm.client import SlurmClient
@@ -362,8 +363,14 @@ def check_places(
         folder = str(Path(train.log_root) / experiment) if experiment else train.log_root
         check_log_root("--log-root", train.log_root, existing_only=existing_only)
         check_log_root("--log-root", folder, existing_only=existing_only)
-    if train.kernel_cache not in ("auto", "node"):
+    if train.kernel_cache not in (AUTO, NODE):
         check_log_root("--kernel-cache", train.kernel_cache, existing_only=existing_only)
+        problem = folder_problem(train.kernel_cache)
+        if problem is not None:
+            raise SpecError(
+                "--kernel-cache",
+                f"{problem}: the ranks would run code from it; give another folder",
+            )
 
 
 def check_after_exists(spec: SubmitSpec) -> None:

@@ -211,12 +211,20 @@ def _scripts(dry_run_output: str) -> list[str]:
     return [p.split("\n# ---- ")[0] for p in parts[1:]]
 
 
+def _options(script: str) -> list[str]:
+    """A script's #SBATCH lines but where its batch log goes (mjlab-submit's: the run's
+    submitit folder; a template's: where sbatch runs)."""
+    lines = [line for line in script.splitlines() if line.startswith("#SBATCH ")]
+    return sorted(x for x in lines if not x[8:].startswith(("--output", "--error", "--wckey")))
+
+
 def test_what_is_submitted_is_what_the_dry_run_shows(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
     """A job of a --chain of 2 and a sweep's job arrays of a --chain of 2 (everything held
     behind a held job: nothing trains): every script submitted is the one the dry run printed
-    (its run or sweep directory, and the id of the job before, as Slurm gave them)."""
+    (its run or sweep directory, and the id of the job before, as Slurm gave them). The
+    template rendered for the same job has its #SBATCH lines and trains in its run directory."""
     held = slurm_cluster.run(
         ["sbatch", "--parsable", "--hold", "--output", "/dev/null", "--time", "1", "--wrap", "true"]
     ).stdout.strip()
@@ -224,6 +232,7 @@ def test_what_is_submitted_is_what_the_dry_run_shows(
     submit += ["--torch-threads", "1", "--max-iterations", "4", "--time", "5"]
     submit += ["--chain", "2", "--after", held, "--nodes", "2"]
     queued = [held]
+    shown = ""
     try:
         one, many = tmp_path / "one", tmp_path / "sweep"
         single = [*submit, "--log-root", str(one), "--run-dir", str(one / "cartpole" / "run")]
@@ -238,6 +247,7 @@ def test_what_is_submitted_is_what_the_dry_run_shows(
             )
             printed = _scripts(dry.stdout)
             assert dry.returncode == 0 and len(printed) == 2, dry.stdout + dry.stderr
+            shown = shown or printed[0]  # the single job's
             code, out = _run(slurm_cluster, *args)
             assert code == 0, out
             (folder,) = {p for p in root.rglob("submitit") if p.is_dir() and not p.is_symlink()}
@@ -249,5 +259,17 @@ def test_what_is_submitted_is_what_the_dry_run_shows(
             for text, job in zip(printed, jobs, strict=True):
                 text = text.replace(planned, str(folder.parent)).replace("JOB1", ids[0])
                 assert text == job.read_text(), job
+        # The template for the single job's flags (one job: no chain): the same #SBATCH lines
+        # but the chain's, and Slurm takes it as it is.
+        chained = single.index("--chain")
+        alone = single[1:chained] + single[chained + 4 :]  # without --chain 2 --after HELD
+        code, template = _run(slurm_cluster, str(BIN / "mjlab-hpc"), "render", "train", *alone)
+        assert code == 0 and f"RUN_DIR={one / 'cartpole' / 'run'}\n" in template, template
+        options = [x for x in _options(shown) if "dependency" not in x]
+        assert _options(template) == options, (template, shown)
+        script = tmp_path / "job.sbatch"
+        script.write_text(template)
+        test_only = slurm_cluster.run(["sbatch", "--test-only", str(script)], check=False)
+        assert test_only.returncode == 0, test_only.stderr
     finally:
         slurm_cluster.run(["scancel", *queued], check=False)

@@ -17,6 +17,7 @@ from helpers import BIN, cli_env
 
 from mjlab_hpc import __version__
 from mjlab_hpc.errors import SpecError
+from mjlab_hpc.launch.plan import job_plan
 from mjlab_hpc.launch.slurm import allocation_srun, render_sbatch
 from mjlab_hpc.launch.submit import submit_chain
 from mjlab_hpc.ops.doctor import _gpus_check, _said, shape_checks
@@ -29,8 +30,7 @@ from mjlab_hpc.rank.context import (
     detect_mode,
     interactive_step,
 )
-from mjlab_hpc.spec import SubmitSpec, TrainSpec
-from mjlab_hpc.tasks.registry import resolve_task
+from mjlab_hpc.spec import SubmitSpec, TrainSpec, train_cli_args
 from mjlab_hpc.validate.world import check_allocation
 
 
@@ -68,12 +68,13 @@ def test_the_srun_inside_an_allocation(tmp_path: Path) -> None:
     spec = SubmitSpec(
         train=TrainSpec(task="cartpole", num_envs=16), nodes=2, gpus_per_node=0, tasks_per_node=2
     )
-    argv = allocation_srun(spec, resolve_task(spec.train), tmp_path)
+    train = train_cli_args(spec.train)
+    argv = allocation_srun(spec, train, tmp_path)
     assert argv[0] == "srun" and argv[2:5] == ["--nodes=2", "--ntasks=4", "--ntasks-per-node=2"]
     # Named after the run (a dry run shows the step that runs), another run another name.
     assert argv[1].startswith("--job-name=mjlab-ranks-")
-    assert argv == allocation_srun(spec, resolve_task(spec.train), tmp_path)
-    assert allocation_srun(spec, resolve_task(spec.train), tmp_path / "b")[1] != argv[1]
+    assert argv == allocation_srun(spec, train, tmp_path)
+    assert allocation_srun(spec, train, tmp_path / "b")[1] != argv[1]
     python = argv[argv.index(sys.executable) :][:4]
     assert python == [sys.executable, "-u", "-m", "mjlab_hpc.cli.train"]
     assert argv[-2:] == ["--run-dir", str(tmp_path)]
@@ -98,17 +99,25 @@ class _Job:
         self.log.append(f"cancel {self.job_id}")
 
 
-def test_a_chain_is_submitted_whole_or_not_at_all() -> None:
+def test_a_chain_is_submitted_whole_or_not_at_all(tmp_path: Path) -> None:
+    """Each planned script is submitted with the id Slurm gave the job before in place of
+    the dry run's `JOB<k>`, in its #SBATCH line and submitit's parameters alike."""
     log: list[str] = []
 
-    def submit(link: int, after: tuple[str, ...]) -> list[Any]:
-        log.append(f"submit {link} after {','.join(after) or '-'}")
+    def submit(params: dict[str, Any], script: str) -> list[Any]:
+        after = params["additional_parameters"]["dependency"].removeprefix("afterany:")
+        assert f"#SBATCH --dependency=afterany:{after}\n" in script
+        link = int(script.split("_MJLAB_HPC_CHAIN=")[1][0])
+        log.append(f"submit {link} after {after}")
         if link == 3:
             raise RuntimeError("sbatch: error: QOSMaxSubmitJobPerUserLimit")
         return [_Job(f"{100 + link}_0", log), _Job(f"{100 + link}_1", log)]
 
+    train = TrainSpec(log_root=str(tmp_path))
+    plan = job_plan(SubmitSpec(train=train, gpus_per_node=0, chain=3, after=("9",)))
+    assert [j.after for j in plan.jobs] == [("9",), ("JOB1",), ("JOB2",)]
     with pytest.raises(RuntimeError):
-        submit_chain(SubmitSpec(train=TrainSpec(), chain=3, after=("9",)), submit)
+        submit_chain(plan, submit)
     assert log == [
         "submit 1 after 9",
         "submit 2 after 101",

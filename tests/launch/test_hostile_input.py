@@ -25,10 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.launch.slurm import render, render_sbatch
-from mjlab_hpc.launch.submit import planned_run_dir
+from mjlab_hpc.launch.plan import job_plan, render
 from mjlab_hpc.spec import SubmitSpec, TrainSpec
-from mjlab_hpc.validate import validate_submit
 
 MARKER = "PWNED"
 PAYLOADS = [
@@ -183,17 +181,16 @@ def test_arbitrary_text_is_refused_or_stays_in_its_place(flag: str, tmp_path: Pa
         work.mkdir()
         spec = spec_with(flag, text, log_root)
         try:
-            resolved = validate_submit(spec, warn=lambda message: None)
-            template = render("train", spec)
+            plan = job_plan(spec, warn=lambda message: None)
+            template = render("train", plan)
         except SpecError as exc:
             # A refusal names a flag; the text itself may be what broke another check
             # (a run name that is fine alone can make the job name or path too long).
             assert exc.flag.startswith("-") or exc.flag == "TASK", exc
             return
-        run_dir = planned_run_dir(spec, resolved)
         root = Path(spec.train.log_root).resolve()
-        assert run_dir.resolve().is_relative_to(root), (run_dir, root)
-        submitit = render_sbatch(spec, run_dir)
+        assert plan.run_dir.resolve().is_relative_to(root), (plan.run_dir, root)
+        submitit = plan.jobs[0].script
         for script in (template, submitit):
             sbatch_block_intact(script)
             if flag == "--setup":  # one shell line by design: it stays one line

@@ -7,6 +7,8 @@ with exit 2 before anything is made or submitted.
 
 from __future__ import annotations
 
+import os
+import pwd
 import shutil
 import subprocess
 from pathlib import Path
@@ -88,13 +90,13 @@ def test_profile_over_project_over_user_and_typed_flags_over_all(tmp_path: Path)
     ):
         assert f"#SBATCH {line}\n" in out, line
     assert "module load cuda\nsource env.sh\n" in out
-    # Where each value that is not built-in came from; a typed one is not listed.
-    said = out.split("# ---- site defaults")[1].split("# ----")[0]
+    # Where each value that is not built-in came from.
+    said = out.split("# ---- where each value came from")[1].split("# ----")[0]
     assert f'# partition = "user-part"  ({user} [defaults])' in said
     assert f'# account = "proj-acct"  ({project} [defaults])' in said
     assert f'# qos = "user-qos"  ({user} [profile.big])' in said
     assert f"# gpus-per-node = 2  ({project} [profile.big])" in said
-    assert "nodes" not in said and "user-acct" not in said
+    assert "# nodes = 5  (typed)\n" in said and "user-acct" not in said
     assert not (tmp_path / "logs").exists()
 
 
@@ -168,8 +170,8 @@ def test_write_profile_adds_a_table_and_replaces_one_only_when_forced(tmp_path: 
     assert path.read_text() == added
     write_profile(path, "gpu", {"nodes": 3, "qos": "high"}, force=True)
     replaced = path.read_text()
-    assert replaced == added.replace(
-        '[profile."gpu"]\nnodes = 2\n', '[profile.gpu]\nnodes = 3\nqos = "high"\n'
+    assert replaced == added.replace(  # in its place, spelled as the user spelled it
+        '[profile."gpu"]\nnodes = 2\n', '[profile."gpu"]\nnodes = 3\nqos = "high"\n'
     )
     for bad, match in (
         ({"nodes": "x"}, "nodes: is"),
@@ -229,8 +231,85 @@ def test_a_project_file_of_another_user_is_left_out(team: Team) -> None:
         submit = [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run"]
         proc = team.run(alice, ["bash", "-c", f'cd {work} && exec "$@"', "bash", *submit])
         assert proc.returncode == 0, proc.stderr
-        assert f"warning: ignored {planted}: it is not yours (it belongs to {bob}" in proc.stderr
+        assert f"warning: ignored {planted}: it belongs to {bob};" in proc.stderr
         assert "PWNED" not in proc.stdout and "site defaults" not in proc.stdout
     finally:
         planted.unlink()
         shutil.rmtree(work)
+
+
+def test_a_config_others_can_write_is_left_out(team: Team) -> None:
+    """Issue 54: setup lines run in every job, so a config file is read only where nobody but
+    its user (and root) can change it: alice's own file that her group can write, her
+    XDG_CONFIG_HOME in the team's shared folder, and a link bob planted upward of her work
+    folder are each left out with a warning (the submission goes on without them)."""
+    alice, bob = Team.USERS
+    home = team.base / "home" / alice
+    config = home / ".config" / "mjlab-hpc" / "config.toml"
+    shared_xdg = team.shared / f"xdg-{alice}"
+    work = team.shared / f"work-{alice}"
+    planted = team.shared / "mjlab-hpc.toml"
+    for folder in (config.parent, shared_xdg / "mjlab-hpc", work):
+        folder.mkdir(parents=True, exist_ok=True)
+    for path in (shared_xdg / "mjlab-hpc" / "config.toml", config):
+        path.write_text('[defaults]\nsetup = ["touch PWNED"]\n')
+    for path in (home / ".config", config.parent, config, shared_xdg, work):
+        shutil.chown(path, user=alice, group=Team.GROUP)
+    for path in (shared_xdg / "mjlab-hpc", shared_xdg / "mjlab-hpc" / "config.toml"):
+        shutil.chown(path, user=alice, group=Team.GROUP)
+    submit = [BIN / "mjlab-submit", "cartpole", "--executor", "slurm", "--dry-run"]
+
+    def dry_run(extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        proc = team.run(
+            alice, ["bash", "-c", f'cd {work} && exec "$@"', "bash", *submit], extra=extra
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    try:
+        assert "touch PWNED" in dry_run().stdout  # her own file, hers alone: read
+        config.chmod(0o664)
+        said = dry_run()
+        why = f"warning: ignored {config}: group {Team.GROUP} can write it (-rw-rw-r--)"
+        assert said.stderr.startswith(why) and "PWNED" not in said.stdout, said.stderr
+        config.chmod(0o644)
+        said = dry_run({"XDG_CONFIG_HOME": str(shared_xdg)})
+        assert f"group {Team.GROUP} can write {team.shared} (drwxrwsr-x)" in said.stderr
+        assert "PWNED" not in said.stdout
+        planted.symlink_to(config)  # bob's link to her own (valid) file
+        os.chown(planted, pwd.getpwnam(bob).pw_uid, -1, follow_symlinks=False)
+        said = dry_run()
+        assert f"warning: ignored {planted}: it belongs to {bob};" in said.stderr, said.stderr
+        assert f'setup = ["touch PWNED"]  ({config} [defaults])' in said.stdout  # hers
+    finally:
+        planted.unlink(missing_ok=True)
+        shutil.rmtree(shared_xdg, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(home / ".config", ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    ("kind", "said"),
+    [
+        ("fifo", "it is not a regular file; its setup lines would run in your jobs"),
+        ("deep", "nested too deeply to be a table of flags: fix it"),
+        ("huge", "cannot be read (config.toml holds 2,097,155 bytes, more than such a file"),
+    ],
+)
+def test_a_config_file_that_is_no_table_of_flags_is_one_line(
+    tmp_path: Path, kind: str, said: str
+) -> None:
+    """A FIFO where the config file goes is left out (never waited on); a TOML nested 50,000
+    deep, or a file of 2 MiB, is one line and exit 2, not a traceback."""
+    config = _files(tmp_path, user=None, project=None)
+    config.parent.mkdir(parents=True)
+    if kind == "fifo":
+        os.mkfifo(config)
+    elif kind == "deep":
+        config.write_text("[defaults]\nsetup = " + "[" * 50_000 + "]" * 50_000 + "\n")
+    else:
+        config.write_text("# " + "x" * (2 << 20) + "\n")
+    proc = _submit(tmp_path, "--dry-run")
+    assert said in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.returncode == (0 if kind == "fifo" else 2), proc.stderr

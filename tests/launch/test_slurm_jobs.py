@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import BIN, cli_env, only_run, progress_records, wait_for
 from slurm_cluster import SlurmCluster
 
@@ -91,28 +92,53 @@ def test_gpu_allocation_falls_back_to_cpu(slurm_cluster: SlurmCluster, tmp_path:
     assert slurm_cluster.wait_job(job_id_of(out), timeout=60) == "COMPLETED"
 
 
+def _sbatch_options(script: str) -> list[str]:
+    """A script's #SBATCH lines but where its batch log goes (mjlab-submit's: the run's
+    submitit folder; a template's: where sbatch runs)."""
+    lines = [line for line in script.splitlines() if line.startswith("#SBATCH ")]
+    return sorted(x for x in lines if not x[8:].startswith(("--output", "--error", "--wckey")))
+
+
 def test_rendered_template_with_sbatch(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    cmd = [BIN / "mjlab-hpc", "render", "train", "cartpole", "--nodes", "2"]
-    cmd += ["--tasks-per-node", "1", "--gpus-per-node", "0", "--num-envs", "32"]
-    cmd += ["--max-iterations", "2", "--torch-threads", "1", "--log-root", str(tmp_path)]
-    cmd += ["--run-name", "from template", "--time", "10"]
-    render = subprocess.run(
-        cmd,
-        env=env_for(slurm_cluster),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert render.returncode == 0, render.stderr
-    script = tmp_path / "job.sbatch"
-    script.write_text(render.stdout)
-    job = slurm_cluster.sbatch([str(script)], env=env_for(slurm_cluster), cwd=tmp_path)
-    assert slurm_cluster.wait_job(job, timeout=180) == "COMPLETED"
+    """A rendered template trains a new run; rendered with --resume (--num-envs not typed:
+    the run's 32 kept), it continues that run in its own directory, as mjlab-submit's dry run
+    of the same flags plans, with the same #SBATCH lines."""
+    args = ["cartpole", "--nodes", "2", "--tasks-per-node", "1", "--gpus-per-node", "0"]
+    args += ["--torch-threads", "1", "--log-root", str(tmp_path), "--time", "10"]
+
+    def rendered(*flags: str) -> str:
+        """Render, dry-run and sbatch these flags to their end; the dry run."""
+        out: list[str] = []
+        for command in (["mjlab-hpc", "render", "train"], ["mjlab-submit", "--dry-run"]):
+            proc = subprocess.run(
+                [BIN / command[0], *command[1:], *args, *flags],
+                env=env_for(slurm_cluster),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert proc.returncode == 0, proc.stderr
+            out.append(proc.stdout)
+        template, dry_run = out
+        assert _sbatch_options(template) == _sbatch_options(dry_run.split("(dry run: not")[1])
+        script = tmp_path / "job.sbatch"
+        script.write_text(template)
+        job = slurm_cluster.sbatch([str(script)], env=env_for(slurm_cluster), cwd=tmp_path)
+        assert slurm_cluster.wait_job(job, timeout=180) == "COMPLETED"
+        return dry_run
+
+    rendered("--num-envs", "32", "--max-iterations", "2", "--run-name", "from template")
     run = only_run(tmp_path)
     assert run.path.name.endswith("_from template")
     summary = json.loads(run.summary.read_text())
     assert summary["world_size"] == 2 and summary["ranks_in_sync"]
     assert summary["launch_mode"] == "slurm" and summary["iterations"] == 2
+    dry_run = rendered("--resume", "--max-iterations", "3")
+    planned = yaml.safe_load(dry_run.split("# ---- where")[0])["train"]["run_dir"]
+    assert planned == str(run.path) and only_run(tmp_path).path == run.path
+    summary = json.loads(run.summary.read_text())
+    assert (summary["iterations"], summary["resumed_from"]) == (3, 2), summary
+    assert json.loads(run.record.read_text())["spec"]["num_envs"] == 32
 
 
 def test_bad_spec_submits_nothing(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:

@@ -10,20 +10,22 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, recording_tools
+from helpers import BIN, Team, cli_env, recording_tools
 
 from mjlab_hpc.errors import SpecError
-from mjlab_hpc.launch.slurm import allocation_srun, render, render_sbatch
-from mjlab_hpc.launch.submit import submit_run
-from mjlab_hpc.rundir.layout import RunDir, realise_target, run_dir_for_key
+from mjlab_hpc.launch.plan import job_plan, render
+from mjlab_hpc.launch.slurm import allocation_srun, render_sbatch
+from mjlab_hpc.launch.submit import submit
+from mjlab_hpc.rundir.layout import RunDir, run_dir_for_key
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import SubmitSpec, TrainSpec, train_cli_args
-from mjlab_hpc.validate import resolve, validate_submit
+from mjlab_hpc.validate import validate_submit, world
 
 GOLDEN = Path(__file__).parent / "golden"
 HOSTILE = "my run; $(touch pwned) `touch pwned2` \"q\" 'x'"
@@ -186,14 +188,15 @@ def check_golden(name: str, text: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_SPECS))
 def test_golden_rendered_template(name: str) -> None:
-    check_golden(f"train_{name}.sbatch", render("train", golden_spec(**GOLDEN_SPECS[name])))
+    text = render("train", job_plan(golden_spec(**GOLDEN_SPECS[name])))
+    check_golden(f"train_{name}.sbatch", text)
 
 
 def test_golden_apptainer(tmp_path: Path) -> None:
     image = tmp_path / "mjlab.sif"
     image.write_bytes(b"sif")
     spec = golden_spec(nodes=2, gpus_per_node=4, container=str(image))
-    text = render("train_apptainer", spec).replace(str(image), "/images/mjlab.sif")
+    text = render("train_apptainer", job_plan(spec)).replace(str(image), "/images/mjlab.sif")
     check_golden("train_apptainer_gpu_2x4.sbatch", text)
 
 
@@ -212,7 +215,7 @@ def test_golden_pyxis() -> None:
     heal = shlex.split(heal_line.removeprefix("options=$(").removesuffix(" \\"))
     assert heal[:4] == ["srun", "--nodes=1", "--ntasks=1", f"--container-image={image}"]
     # Inside a salloc allocation too: srun starts the ranks in the image.
-    argv = allocation_srun(spec, resolve(spec.train), Path("/shared/logs/cartpole/run"))
+    argv = allocation_srun(spec, train_cli_args(spec.train), Path("/shared/logs/cartpole/run"))
     assert f"--container-image={image}" in argv and argv[argv.index("python3") + 1] == "-u"
     with pytest.raises(SpecError, match="--container-image: one image"):
         validate_submit(spec.replace(container="/images/mjlab.sif", dry_run=True))
@@ -234,7 +237,7 @@ def test_rendered_template_quotes_user_strings(tmp_path: Path) -> None:
         job_name=HOSTILE,
     )
     script = tmp_path / "job.sbatch"
-    script.write_text(render("train", spec))
+    script.write_text(render("train", job_plan(spec)))
     record = tmp_path / "argv.txt"
     recording_tools(tmp_path / "bin", record)
     env = cli_env(path=f"{tmp_path / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin")
@@ -315,6 +318,31 @@ def test_run_dir_for_key_is_stable_and_distinct(tmp_path: Path) -> None:
         run_dir_for_key(tmp_path, "exp", "r", "../x")
 
 
+def test_a_key_a_teammates_records_refuse_makes_nothing(team: Team) -> None:
+    """Issue 54: where bob's folder of key records (`.keys`) takes none of alice's, alice's
+    `mjlab-hpc run-dir --key` is refused before anything is made (no empty run directory),
+    naming that folder and whose it is; so is a key bob recorded."""
+    alice, bob = Team.USERS
+    logs = team.shared / "key-logs"
+    try:
+        made = team.run(bob, [BIN / "mjlab-hpc", "run-dir", "--log-root", logs, "--key", "k1"])
+        assert made.returncode == 0, made.stderr
+        keys = logs / "cartpole" / ".keys"
+        os.chmod(keys, 0o755)  # bob's, as an older version or his umask left it
+        before = sorted(p.name for p in keys.parent.iterdir())
+        for key, said in (
+            ("k2", f"error: --key: {keys} takes no record of {alice}: it belongs to {bob}"),
+            ("k1", f"error: --key: {keys / 'k1'} is damaged (it was written by {bob}"),
+        ):
+            args = [BIN / "mjlab-hpc", "run-dir", "--log-root", logs, "--key", key]
+            refused = team.run(alice, args)
+            assert refused.returncode == 2 and refused.stderr.startswith(said), refused.stderr
+            assert ".tmp" not in refused.stderr
+            assert sorted(p.name for p in keys.parent.iterdir()) == before
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+
+
 @pytest.mark.training
 def test_local_executor_job(tmp_path: Path) -> None:
     """`mjlab-submit --executor local`: the same job on this machine, two CPU ranks."""
@@ -347,21 +375,20 @@ def test_local_executor_job(tmp_path: Path) -> None:
 def test_local_executor_hands_its_ranks_the_gpus_asked_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`mjlab-submit --executor local --gpus-per-node 2` past its validation, on a CPU
-    machine: the GPUs are counted within this shell's CUDA_VISIBLE_DEVICES and handed to the
-    ranks (submitit's controller, then each rank) as CUDA_VISIBLE_DEVICES. Only the GPUs are
-    staged here (two names, no device behind them): the ranks find no CUDA, say so, and
-    train on the CPU. tests/gpu trains on a real GPU through the whole command."""
+    """`mjlab-submit --executor local --gpus-per-node 2` past its check of this machine's
+    GPUs, on a CPU machine: the plan counts the GPUs within this shell's
+    CUDA_VISIBLE_DEVICES, and they are handed to the ranks (submitit's controller, then each
+    rank) as CUDA_VISIBLE_DEVICES. Only the GPUs are staged here (two names, no device
+    behind them): the ranks find no CUDA, say so, and train on the CPU. tests/gpu trains on
+    a real GPU through the whole command."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    monkeypatch.setattr(world, "check_local_gpus", lambda flag, count: None)
     train = TrainSpec(
         task="cartpole", num_envs=16, max_iterations=1, torch_threads=1, log_root=str(tmp_path)
     )
-    spec = SubmitSpec(train=train, executor="local", gpus_per_node=2)
-    resolved = realise_target(resolve(train))
-    run_dir = Path(str(resolved.target.path))
-    [job] = submit_run(spec, resolved, "local")
-    job.results()  # both ranks to their end
-    run = RunDir(run_dir)
+    submitted = submit(SubmitSpec(train=train, executor="local", gpus_per_node=2, snapshot=False))
+    submitted.job.results()  # both ranks to their end
+    run = RunDir(submitted.run_dir)
     for rank in (0, 1):
         log = run.rank_log(rank).read_text()
         head = log.split("\n")[0]

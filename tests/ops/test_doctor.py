@@ -236,6 +236,14 @@ def test_write_profile_from_the_clusters_accounts_qos_and_partition(
         assert nowhere.returncode == 2, nowhere.stderr
         assert f"--partition: no partition 'nope' here; there are: debug, {part}" in nowhere.stderr
         assert config.read_text() == text
+        # An account or QOS sacctmgr does not give alice is refused like an unknown partition.
+        for flag, name, said in (
+            ("--account", "nope", f"--account: sacctmgr gives {alice} no account 'nope'"),
+            ("--qos", "nope", f"--qos: sacctmgr gives {alice} no QOS 'nope' under account {acct}"),
+        ):
+            unknown = team.run(alice, [*doctor, "--force", flag, name], extra=slurm_env)
+            assert unknown.returncode == 2 and said in unknown.stderr, unknown.stderr
+            assert config.read_text() == text
         forced = team.run(alice, [*doctor, "--force", "--account", other], extra=slurm_env)
         assert forced.returncode == 0, forced.stderr
         assert f'account = "{other}"' in config.read_text()
