@@ -406,10 +406,9 @@ def interruption_line(e: Interruption) -> str:
     if e.not_excluded:
         line += f"; {e.not_excluded}"
     if e.recovered_at is not None:
-        line += (
-            f"; resumed from {e.resumed_from} ({e.recomputed} iteration(s) "
-            f"recomputed), first iteration {e.recovery_s} s after"
-        )
+        line += f"; resumed from {e.resumed_from} ({e.recomputed} iteration(s) recomputed)"
+        if e.recovery_s is not None:  # (None: the hosts' clocks disagreed)
+            line += f", first iteration {e.recovery_s} s after"
     return line
 
 

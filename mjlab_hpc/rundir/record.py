@@ -260,8 +260,9 @@ class Interruption(_Entry):
     """[before, now] when the restart ran on fewer nodes (--min-nodes)."""
     recovered_at: str | None = None
     """When the first iteration after it completed."""
-    recovery_s: Seconds | None = None
-    """Seconds from it to that iteration."""
+    recovery_s: float | None = None
+    """Seconds from it to that iteration (by two hosts' clocks: main wrote them below 0 when
+    they disagree; this code writes None then)."""
     resumed_from: Count | None = None
     """The iteration the run resumed from."""
     recomputed: Count | None = None
@@ -680,10 +681,12 @@ def on_recovered(record: RunRecord, resumed_from: int) -> RunRecord:
         return record
     entry = pending[-1]
     began = float(entry.at_s or entry.signal_at or 0)
+    took = round(time.time() - began, 2) if began else None
     done = dataclasses.replace(
         entry,
         recovered_at=now_iso(),
-        recovery_s=round(time.time() - began, 2) if began else entry.recovery_s,
+        # (this rank's clock behind the one that recorded the fault: not known)
+        recovery_s=took if took is not None and took >= 0 else entry.recovery_s,
         resumed_from=resumed_from,
         recomputed=max(0, int(entry.iteration or 0) - resumed_from),
     )

@@ -192,3 +192,22 @@ def test_a_newer_run_record_is_refused_in_one_line_and_never_rewritten(tmp_path:
     assert proc.returncode == 2 and "Traceback" not in said, said[-2000:]
     assert "--resume:" in said and "written by a newer mjlab-hpc, its schema 99" in said
     assert (run / "run.json").read_text() == text and not list(run.glob("run.json.damaged-*"))
+
+
+def test_times_two_hosts_disagree_on_stay_a_record(tmp_path: Path) -> None:
+    """A recovery timed by a rank whose clock is behind the healer's was written below 0 by
+    main (seen with the ranks an hour behind): such a record still reads, and this code
+    writes None (not known) rather than a time below 0 that would make its record damaged."""
+    import dataclasses
+
+    from mjlab_hpc.rundir.record import Interruption, RunRecord, on_recovered
+
+    value = json.loads((HEALED / "run.json").read_text())
+    value["faults"][0]["recovery_s"] = -3575.68
+    (tmp_path / "run.json").write_text(json.dumps(value))
+    assert read_record(tmp_path, strict=True).faults[0].recovery_s == -3575.68
+    ahead = Interruption(reason="crash", kind="requeue", iteration=3, at_s=time.time() + 3600)
+    record = on_recovered(dataclasses.replace(RunRecord(), faults=(ahead,)), resumed_from=2)
+    (tmp_path / "run.json").write_text(json.dumps(record.to_json()))
+    (fault,) = read_record(tmp_path, strict=True).faults
+    assert fault.recovered_at and fault.recovery_s is None and fault.recomputed == 1
