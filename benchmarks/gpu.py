@@ -34,9 +34,9 @@ from benchmarks.config import BenchConfig
 from benchmarks.envstate import measure_in_process
 from benchmarks.rollout import run_rollout
 from benchmarks.session import Bench
-from benchmarks.stats import Figure, reward_text, throughput
+from benchmarks.stats import Figure, read_jsonl, reward_text, throughput
 from benchmarks.watch import bench_env, cli, find_run_dir, kill_job, measured_records
-from mjlab_hpc.rundir.layout import PROGRESS, read_jsonl
+from mjlab_hpc.rundir.layout import PROGRESS
 from mjlab_hpc.tasks.video import gl_unloadable
 
 __all__ = ["GPU_FIGURES", "cuda_probe", "gpu_figures", "run_gpu"]

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.stats import read_jsonl
 from benchmarks.watch import bench_env, cli
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.record import read_record
@@ -73,7 +74,7 @@ def run_job(
     runs = list((logs / "cartpole").glob(f"*_{name}"))
     if proc.returncode != 0 or len(runs) != 1:
         raise RuntimeError(f"{name}: mjlab-submit exited {proc.returncode}: {proc.stderr[-800:]}")
-    first = RunDir(runs[0]).read_progress()[:1]
+    first = read_jsonl(RunDir(runs[0]).progress)[:1]
     job = (read_record(runs[0]).job_ids or ("",))[0]
     started = SlurmClient(env=env).run(["sacct", "-n", "-P", "-X", "-j", job, "-o", "Start"])
     if not first or started is None or not started.stdout.strip():

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.stats import read_jsonl
 from benchmarks.watch import bench_env, cli, find_run_dir, kill_job
 from mjlab_hpc.rundir.ends import start_hosts
 from mjlab_hpc.rundir.layout import RunDir
@@ -148,7 +149,7 @@ def run_case(case: Case, root: Path, env: dict[str, str]) -> dict[str, Any]:
         job = str(_wait(lambda: (read_record(path).job_ids or (None,))[0], 120, "the job to start"))
         if case.lose_node:
             _wait(
-                lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= LOSE_AT,
+                lambda: (read_jsonl(run.progress) or [{}])[-1].get("iteration", 0) >= LOSE_AT,
                 240,
                 f"iteration {LOSE_AT}",
             )

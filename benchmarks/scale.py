@@ -36,8 +36,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.stats import read_jsonl
 from benchmarks.watch import bench_env, cli, find_run_dir, kill_job, rank_pids
-from mjlab_hpc.rundir.layout import PROGRESS, SUBMITIT_DIR, read_jsonl
+from mjlab_hpc.rundir.layout import PROGRESS, SUBMITIT_DIR
 
 __all__ = ["layout", "main", "measure_size", "peak_rss_mib", "print_table", "rank_log_figures"]
 

@@ -5,11 +5,13 @@ Throughput is read from progress records or from rsl-rl's console log.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
@@ -17,6 +19,7 @@ __all__ = [
     "collective_share",
     "median_iteration_s",
     "parse_rsl_rl_log",
+    "read_jsonl",
     "reward_text",
     "share_of",
     "spread",
@@ -143,3 +146,21 @@ def median_iteration_s(records: Sequence[dict[str, Any]]) -> float:
 def share_of(records: Sequence[dict[str, Any]], key: str) -> float:
     secs = sum(r["collect_s"] + r["learn_s"] for r in records)
     return sum(r[key] for r in records) / secs if secs > 0 else math.nan
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of a run's file as plain dicts (a torn or missing line is
+    skipped): what the benchmarks measure, as the ranks wrote it."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            records.append(value)
+    return records

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.config import BenchConfig
-from benchmarks.stats import Figure, spread
+from benchmarks.stats import Figure, read_jsonl, spread
 from benchmarks.watch import bench_env, cli, find_run_dir, kill_job
-from mjlab_hpc.rundir.layout import PROGRESS, read_jsonl
+from mjlab_hpc.rundir.layout import PROGRESS
 
 __all__ = [
     "CONFIGS",

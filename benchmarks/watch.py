@@ -23,9 +23,9 @@ from typing import Any
 import psutil
 
 from benchmarks.compile import default_kernel_cache
-from benchmarks.stats import median_iteration_s, parse_rsl_rl_log
+from benchmarks.stats import median_iteration_s, parse_rsl_rl_log, read_jsonl
 from mjlab_hpc import procs
-from mjlab_hpc.rundir.layout import PROGRESS, RESTARTS, SUBMITIT_DIR, read_jsonl
+from mjlab_hpc.rundir.layout import PROGRESS, RESTARTS, SUBMITIT_DIR
 from mjlab_hpc.rundir.record import RunRecord, read_record
 
 __all__ = [

@@ -15,6 +15,7 @@ import re
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -276,16 +277,31 @@ def _cgroup_dir(pid: int | str = "self") -> Path | None:
     return None
 
 
+def _small_file(path: Path) -> str:
+    """The text of a small regular file (a cgroup's counter), never a wait or a flood.
+
+    The path may come from a record another user can write (a rank's start record names its
+    OOM counter): a FIFO, a device or a huge file is refused (OSError), not read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is no regular file")
+        return os.read(fd, 1 << 16).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
 def _fields(path: Path) -> dict[str, int]:
     try:
-        return {k: int(v) for k, v in re.findall(r"^(\w+) (\d+)$", path.read_text(), re.M)}
+        return {k: int(v) for k, v in re.findall(r"^(\w+) (\d+)$", _small_file(path), re.M)}
     except (OSError, ValueError):
         return {}
 
 
 def _number(path: Path) -> int | None:
     with contextlib.suppress(OSError, ValueError):
-        return int(path.read_text().strip())
+        return int(_small_file(path).strip())
     return None
 
 

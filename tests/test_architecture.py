@@ -20,6 +20,7 @@ LAYERS = {
     "errors": 0,
     "procs": 1,
     "console": 1,
+    "convert": 1,
     "spec": 2,
     "slurm": 3,
     "tasks": 3,

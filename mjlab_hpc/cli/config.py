@@ -28,16 +28,16 @@ import pwd
 import re
 import stat
 import sys
-import types
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any
 
 import tomlkit
 import tyro
 
+from mjlab_hpc.convert import Mismatch, describe, load
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.launch.plan import Origin
 from mjlab_hpc.procs import user_name
@@ -138,42 +138,19 @@ def allowed_keys() -> dict[str, Any]:
 
 
 def _convert(kind: Any, value: object) -> object:
-    """Return `value` as a field of type `kind` holds it, or `_NO` when it does not fit."""
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin is typing.Annotated:
-        return _convert(args[0], value)
-    if origin in (Union, types.UnionType):
-        for arm in args:
-            if (got := _convert(arm, value)) is not _NO:
-                return got
+    """Return `value` as a field of type `kind` holds it, or `_NO` when it does not fit.
+
+    The one converter's TOML mode (`mjlab_hpc.convert`): `"none"` for None, finite numbers.
+    """
+    try:
+        return load(kind, value, mode="toml")
+    except Mismatch:
         return _NO
-    if origin is Literal:
-        return value if any(type(a) is type(value) and a == value for a in args) else _NO
-    if origin is tuple:
-        if not isinstance(value, list):
-            return _NO
-        items = [_convert(args[0], v) for v in value]
-        return _NO if _NO in items else tuple(items)
-    if kind is type(None):  # TOML has no null: `none`, as the command line spells it
-        return None if isinstance(value, str) and value.lower() == "none" else _NO
-    if kind is float and type(value) in (int, float):
-        return float(value)  # type: ignore[arg-type]
-    return value if type(value) is kind and kind in (bool, int, str) else _NO
 
 
 def _describe(kind: Any) -> str:
     """Say in words what a field of type `kind` takes."""
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin is typing.Annotated:
-        return _describe(args[0])
-    if origin in (Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args)
-    if origin is Literal:
-        return "one of " + ", ".join(json.dumps(a) for a in args)
-    if origin is tuple:
-        return f"a list of {_describe(args[0]).removeprefix('a ')}s"
-    words = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
-    return words.get(kind, '"none"')
+    return describe(kind, "toml")
 
 
 def _toml(value: object) -> str:

@@ -335,7 +335,8 @@ def logs(cmd: Logs) -> int:
     if cmd.lines < 0:
         raise SpecError("--lines", f"must be >= 0 (0: whole files), got {cmd.lines}")
     run = single_run(cmd.target, cmd.log_root)
-    ranks = rank_files(run)
+    unread: list[str] = []  # damaged records: named, left out
+    ranks = rank_files(run, unread)
     out = Console(highlight=False, soft_wrap=True)
     failed = False
     if cmd.rank is not None:
@@ -360,6 +361,8 @@ def logs(cmd: Logs) -> int:
             out.print(f"[yellow]{inert(row.waiting, markup=True)}[/]")
         for text in row.stragglers:
             out.print(f"[yellow]straggler: {inert(text, markup=True)}[/]")
+        for why in dict.fromkeys([*row.unread, *unread]):
+            out.print(f"[yellow]{inert(why, markup=True)}: not read[/]")
         if cause is not None:
             out.print(f"[bold red]cause: {inert(cause, markup=True)}[/]")
         if row.cause_rank is not None:

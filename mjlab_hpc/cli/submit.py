@@ -157,7 +157,7 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
 
     def failures() -> list[str]:  # of the latest start's ranks (fewer after --min-nodes)
         size = latest_world_size(rank_ends(Path(s.run_dir))) or s.ranks
-        return rank_failures(s.job, min(size, s.ranks))
+        return rank_failures(s.job, min(size, s.ranks), Path(s.run_dir))
 
     ended, fg = follow_to_end(
         s.run_dir,

@@ -33,7 +33,7 @@ from mjlab_hpc.rank.context import (
     current_allocation,
     detect_mode,
 )
-from mjlab_hpc.rundir.ends import failure_kind
+from mjlab_hpc.rank.failures import failure_kind
 from mjlab_hpc.rundir.layout import realise_target
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.tasks.video import rendering_problem

@@ -12,7 +12,7 @@ from __future__ import annotations
 from mjlab_hpc.errors import EXIT_REQUEUE, EXIT_RESTART
 from mjlab_hpc.rank.context import SCRIPT_MARK_ENV, START_ENV
 from mjlab_hpc.rank.signals import FORWARDED
-from mjlab_hpc.rundir.layout import RANK_RECORDS_DIR
+from mjlab_hpc.rundir.layout import FAULT_SUFFIX, RANK_RECORDS_DIR
 from mjlab_hpc.slurm.client import RETRY_ENV, RETRY_S, UNREACHABLE
 
 __all__ = ["STUCK_S", "heal_loop", "heal_options"]
@@ -20,15 +20,13 @@ __all__ = ["STUCK_S", "heal_loop", "heal_options"]
 # Seconds srun may wait for the other ranks after one failed (--kill-on-bad-exit ends them
 # within seconds).
 STUCK_S = 5
-# How a rank's end record says it failed (rank/train.py, rundir/ends.py): records written by
-# our code only, never a rank's log, where a rank may print anything.
-_FAILED = "failed|hung|out-of-memory|preflight"
 
 # A lost node never answers srun (it waits until SlurmdTimeout, 300 s by default, marks the
 # node dead; its own abort, two SIGINTs, waits MessageTimeout per signal): once a rank of this
-# step recorded that it failed or hung (an end record newer than the step) and srun still
-# waits after {stuck} s, the watcher kills srun (and its child). The step's tasks on the
-# other nodes were already ended by --kill-on-bad-exit; the step itself stays until its nodes
+# step recorded that it failed or hung (its fault marker, `rank<k>.<n>.fault`, newer than the
+# step: found by its name, no record is read) and srun still waits after {stuck} s, the
+# watcher kills srun (and its child). The step's tasks on the other nodes were already ended
+# by --kill-on-bad-exit; the step itself stays until its nodes
 # answer (a lost one: SlurmdTimeout), so the next one shares the nodes it held (--overlap: else
 # "Requested nodes are busy" until then). Safe under `set -euo pipefail`.
 _LOOP = """\
@@ -45,8 +43,8 @@ watch_step() {{
   since=$(date +%s)
   while sleep 1; do
     if [ -z "$ended" ]; then
-      hit=$(find {logs}/{records} -maxdepth 1 -name 'rank*.end.json' -newermt "@$since" \\
-        -exec grep -qsE '"how": "({failed})"' {{}} ';' -print -quit 2>/dev/null || :)
+      hit=$(find {logs}/{records} -maxdepth 1 -name 'rank*{fault}' -newermt "@$since" \\
+        -print -quit 2>/dev/null || :)
       if [ -n "$hit" ]; then ended=$SECONDS; fi
     fi
     if [ -n "$ended" ] && [ $((SECONDS - ended)) -ge {stuck} ]; then
@@ -183,7 +181,7 @@ def heal_loop(
         logs=logs,
         max_restarts=max_restarts,
         heal_options=heal_options,
-        failed=_FAILED,
+        fault=FAULT_SUFFIX,
         records=RANK_RECORDS_DIR,
         stuck=STUCK_S,
         restart=EXIT_RESTART,

@@ -9,7 +9,6 @@ checkpoint; the second stops it at once.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -25,7 +24,7 @@ from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT
 from mjlab_hpc.rundir.durable import LOG_LIMIT, open_regular
 from mjlab_hpc.rundir.ends import memory_advice, run_outcome
 from mjlab_hpc.rundir.layout import RunDir
-from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
+from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay, parse_progress, progress_tail
 from mjlab_hpc.rundir.record import Interruption, RunState, Start, read_record
 
 # After a stop we asked for, how long the ranks may take to record their end once the job
@@ -124,8 +123,8 @@ def follow_progress(
 ) -> None:
     """Show the run's progress from its progress.jsonl until `done()` and the file is read."""
     progress = RunDir(run_dir).progress
-    tail = RunDir(run_dir).progress_tail(1)
-    start = int(tail[-1]["iteration"]) if tail else 0
+    tail = progress_tail(RunDir(run_dir), 1)
+    start = tail[-1].iteration if tail else 0
     pos = progress.stat().st_size if progress.exists() else 0
     display = ProgressDisplay(total, start, enabled=True, stream=out or sys.stdout)
     starts_seen = len(read_record(run_dir).starts)
@@ -139,10 +138,8 @@ def follow_progress(
             starts_seen = max(starts_seen, len(starts))
             lines, pos = _read_lines(progress, pos)
             for line in lines:
-                try:
-                    display.update(IterationStats.from_record(json.loads(line)))
-                except (ValueError, TypeError):
-                    continue
+                if (record := parse_progress(line)) is not None:
+                    display.update(IterationStats.from_line(record))
             if finished:
                 return
             time.sleep(poll_s)

@@ -1,13 +1,17 @@
 """Deciding a heal: what ended a start, whether the ranks start again, and on which nodes.
 
 The Slurm batch script's heal step (`launch/heal_slurm`) and the local controller
-(`launch/executors`) act on the decision, after it is written into run.json (`faults`).
+(`launch/executors`) act on the decision, after it is written into run.json (`faults`). A
+decision reads run.json once (`decide`) and passes it on; only the writer's update reads it
+again, under the writer's lease (`record_healing`). What ended the start is what its ranks
+said in their end records (`rundir.ends`), never an error's text.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 import os
 import re
 import time
@@ -15,14 +19,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.rundir.ends import RankEnd, memory_advice, rank_ends, start_faults
-from mjlab_hpc.rundir.layout import RunDir, progress_summary
+from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.liveness import Hang, clear_hang, read_hang
+from mjlab_hpc.rundir.progress import progress_summary
 from mjlab_hpc.rundir.record import (
     IN_ALLOCATION,
     RESTARTED,
     Failure,
     Interruption,
+    NewerRecord,
+    RunRecord,
     now_iso,
     on_fault,
     read_record,
@@ -44,7 +52,7 @@ __all__ = [
     "usable_without",
 ]
 
-_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
+log = logging.getLogger("mjlab_hpc")
 # Node states in which a node takes no job.
 _UNUSABLE = ("DOWN", "DRAIN", "FAIL", "MAINT", "NOT_RESPONDING", "POWER", "REBOOT", "INVAL")
 
@@ -68,10 +76,27 @@ class Fault:
     at_s: float | None = None
     """When it happened: the failing rank's end (its log's last write if it ended without a
     word), a hang's last progress."""
+    failure_kind: str | None = None
+    """What the first failing rank said ended it (`rundir.ends.FailureKind`; None: it
+    ended without a word, or a hang)."""
+    error_type: str | None = None
+    """That rank's exception's type name."""
 
-    def signature(self) -> str:
-        """Return the fault with its numbers (pids, addresses) blanked: equal for a repeat."""
-        return f"{self.reason}|{_NUMBERS.sub('#', self.error)}"
+    def repeats(self, last: Interruption) -> bool:
+        """Whether this fault is `last` again: the same kind, exception type, ranks and
+        iteration (what an older record does not hold is not compared)."""
+        same = (
+            last.reason == self.reason
+            and tuple(last.ranks) == self.ranks
+            and (last.iteration if last.iteration is not None else -1) == self.iteration
+        )
+        if last.failure_kind is not None or last.error_type is not None:
+            same = same and (last.failure_kind, last.error_type) == (
+                self.failure_kind,
+                self.error_type,
+            )
+        # A node that failed the preflight check: another node failing it is no repeat.
+        return same and (self.reason != "preflight" or tuple(last.hosts) == self.hosts)
 
 
 @dataclass
@@ -88,6 +113,8 @@ class Healing:
     """The nodes a requeue excludes."""
     entry: Interruption = field(default_factory=Interruption)
     """The run.json `faults` entry."""
+    record: RunRecord | None = None
+    """run.json as the decision read it (None: read where needed)."""
 
     def describe(self) -> str:
         """Return one line for people: the fault and what is done about it."""
@@ -101,6 +128,7 @@ def find_fault(
     since: float | None = None,
     slurm_oom: bool = False,
     start: str | None = None,
+    record: RunRecord | None = None,
 ) -> Fault | None:
     """Find the crash, hang or out-of-memory that ended the latest start (None: none did).
 
@@ -115,14 +143,19 @@ def find_fault(
     as a consequence, and each rank that ended without a word, whose node is suspected (the
     others record their end: srun's --kill-on-bad-exit sends them SIGTERM first). When no
     rank of a start on several nodes recorded its end, the whole start was killed from
-    outside: no node is suspected.
+    outside: no node is suspected. `record`: run.json, if read already. A damaged record of
+    the run is named in the job's output and left out.
     """
     run = RunDir(run_dir)
-    iteration = progress_summary(run).iteration or 0
+    progress = progress_summary(run)
+    iteration = progress.iteration or 0
     hang = read_hang(run)
     if hang is not None:
         return _hang(hang, iteration)
-    ends = rank_ends(run_dir)
+    unread = [progress.unread] if progress.unread else []
+    ends = rank_ends(run_dir, unread)
+    for why in unread:
+        log.warning("%s: left out", why)
     if start is not None:
         ends = [e for e in ends if e.start_id == start]
     elif since is not None:
@@ -144,7 +177,7 @@ def find_fault(
     killed = cause.how == "no-exit"
     if killed and slurm_oom and not cause.oom:
         cause = dataclasses.replace(cause, oom=True)
-    failure = read_record(run_dir).failure or Failure()
+    failure = (record if record is not None else read_record(run_dir)).failure or Failure()
     error = cause.describe()
     if failure.kind in ("environment", "out-of-memory", "diverged") and failure.error:
         error = failure.error.splitlines()[0]
@@ -152,6 +185,7 @@ def find_fault(
     oom = cause.oom or failure.kind == "out-of-memory"  # the settings, not the node
     if killed and not oom:
         return _killed(ends, iteration, error, at_s)  # (no other rank failed on its own)
+    said = {"failure_kind": cause.kind, "error_type": cause.error_type}
     if cause.preflight:  # its node is left out, as a lost node
         bad = [e for e in ends if e.preflight]
         hosts = tuple(dict.fromkeys(e.host or "?" for e in bad))
@@ -163,18 +197,24 @@ def find_fault(
             iteration=iteration,
             suspect_nodes=tuple(h for h in hosts if h != "?"),
             at_s=at_s,
+            **said,
         )
     # Ranks killed at about the same time by a signal of their own: their nodes are suspect
     # (not for a step that ran out of memory: the settings, not the node).
     dead = [e for e in others if e.how == "no-exit" and not e.oom and not slurm_oom]
     return Fault(
-        reason="out-of-memory" if oom else "diverged" if failure.kind == "diverged" else "crash",
+        reason="out-of-memory"
+        if oom
+        else "diverged"
+        if "diverged" in (cause.kind, failure.kind)
+        else "crash",
         error="; ".join([error, *(e.describe() for e in others)]),
         ranks=(cause.rank, *(e.rank for e in others)),
         hosts=tuple(dict.fromkeys([host, *(e.host or "?" for e in others)])),
         iteration=iteration,
         suspect_nodes=tuple(dict.fromkeys(e.host for e in dead if e.host)),
         at_s=at_s,
+        **said,
     )
 
 
@@ -254,21 +294,27 @@ def decide(
 ) -> Healing:
     """Decide whether the ranks start again after the latest start of the run ended.
 
-    Nothing is healed after a start that completed, stopped, was refused or cancelled. Nor
-    after running out of memory (the same settings run out again), the same failure at the
-    same iteration as the start before (a crash loop), or `max_restarts` restarts after this
-    kind of fault. `since`, `slurm_oom` and `start` find the fault (see `find_fault`);
-    `job_id` goes into the record. `lost` asks for the start's nodes that Slurm set DOWN or
+    Nothing is healed after a start that completed, stopped, was refused or cancelled, nor in
+    a run whose run.json a newer mjlab-hpc wrote. Nor after running out of memory (the same
+    settings run out again), the same failure as the start before (a crash loop: its kind,
+    exception type, ranks and iteration), or `max_restarts` restarts after this kind of fault.
+    `since`, `slurm_oom` and `start` find the fault (see `find_fault`); `job_id` goes into
+    the record. `lost` asks for the start's nodes that Slurm set DOWN or
     FAIL while it ran, when the ranks point at no node: a crash or hang is then their loss
     (`node-lost`), and they are excluded.
     """
-    fault = find_fault(run_dir, since=since, slurm_oom=slurm_oom, start=start)
+    try:  # the one read of this decision, passed on
+        record = read_record(run_dir, strict=True)
+    except NewerRecord as exc:  # not ours to write: the run ends as it is
+        return Healing(None, why=f"not healed: {exc}")
+    except DamagedRecord:
+        record = RunRecord()  # (the writer's update sets it aside)
+    fault = find_fault(run_dir, since=since, slurm_oom=slurm_oom, start=start, record=record)
     if fault is not None and lost and fault.reason in ("crash", "hang") and not fault.suspect_nodes:
         nodes = lost()
         fault = _node_lost(fault, nodes) if nodes else fault
     if fault is None:
-        return Healing(None, why="nothing to heal")
-    record = read_record(run_dir)
+        return Healing(None, why="nothing to heal", record=record)
     earlier = [f for f in record.faults if f.reason == fault.reason]
     restarts = sum(1 for f in earlier if f.kind in RESTARTED)
     entry = Interruption(
@@ -283,9 +329,10 @@ def decide(
         at=now_iso(fault.at_s),
         at_s=fault.at_s or time.time(),
         healed_at=now_iso(),
-        signature=fault.signature(),
+        failure_kind=fault.failure_kind,
+        error_type=fault.error_type,
     )
-    heal = Healing(fault)
+    heal = Healing(fault, record=record)
     last = record.faults[-1] if record.faults else None
     if cancel_marker(run_dir, record) is not None:
         heal.why = "the run was cancelled (mjlab-hpc cancel)"
@@ -293,12 +340,7 @@ def decide(
         heal.why = f"not restarted (the same settings run out again): {memory_advice(record)}"
     elif fault.reason == "diverged":  # from its last checkpoint it diverges again
         heal.why = f"not restarted: {fault.error}"
-    elif (
-        last
-        and last.signature == entry.signature
-        and (last.iteration if last.iteration is not None else -1) == fault.iteration
-        and (fault.reason != "preflight" or tuple(last.hosts) == fault.hosts)  # another node
-    ):
+    elif last and fault.repeats(last):
         heal.why = (
             f"the same failure at iteration {fault.iteration} as the previous start: not "
             "retried (a crash loop: a bug, a NaN or a bad node; fix it and resume)"
@@ -452,7 +494,7 @@ def next_step(
     """
     assert heal.fault is not None
     alloc = client.hostnames(os.environ.get("SLURM_JOB_NODELIST", "")) or []
-    record = read_record(run_dir)
+    record = heal.record if heal.record is not None else read_record(run_dir)
     job, count = heal.entry.job_id, heal.entry.restart_count
     healed_here = [
         f
@@ -505,7 +547,8 @@ def _fewer_nodes(
     The remaining ranks keep their numbers and environments; they read `world_size` to
     accept the change.
     """
-    old_size = read_record(run_dir).world_size or 0
+    record = heal.record if heal.record is not None else read_record(run_dir)
+    old_size = record.world_size or 0
     new_size = nodes * tasks_per_node
     if old_size <= new_size:  # fewer already (an earlier restart in this allocation)
         return

@@ -47,8 +47,9 @@ def job_run_dir(path: Path, env: Mapping[str, str]) -> Path:
     link = path / SWEEP_ELEMENTS / index
     if link.is_dir():
         return link.resolve()
-    elements = read_sweep(path).get("elements")
-    return Path(elements[int(index)]["run_dir"]) if elements else path
+    sweep = read_sweep(path)
+    found = [e.run_dir for e in sweep.elements if str(e.index) == index] if sweep else []
+    return found[0] if found and found[0] is not None else path
 
 
 def apply_slurm(client: SlurmClient, job_id: str, heal: Healing) -> bool:

@@ -32,6 +32,7 @@ from mjlab_hpc.launch.follow import Closing, follow_to_end
 from mjlab_hpc.procs import processes, send_signal, wait_gone
 from mjlab_hpc.rank import RankJob
 from mjlab_hpc.rank.context import DETACHED_ENV, SUPERVISOR_ENV
+from mjlab_hpc.rundir.ends import rank_ends
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR
 from mjlab_hpc.rundir.running import run_processes
 from mjlab_hpc.rundir.snapshot import import_path, snapshot_for
@@ -295,8 +296,14 @@ class LocalControls:
             send_signal(p.pid, signal.SIGKILL)
 
 
-def rank_failures(job: submitit.Job, ranks: int) -> list[str]:
-    """A line for each rank that failed or died without a result (its result read as data)."""
+def rank_failures(job: submitit.Job, ranks: int, run_dir: Path | None = None) -> list[str]:
+    """A line for each rank that failed or died without a result (its result read as data).
+
+    What ended a failed rank is its own end record's line, when it wrote one in `run_dir`
+    (the rank decided it from the exception's type); else the last line of the traceback
+    submitit kept, as it is (for people: nothing is decided from it).
+    """
+    ends = {e.rank: e for e in rank_ends(run_dir)} if run_dir is not None else {}
     failures: list[str] = []
     for k in range(ranks):
         task = job.task(k)
@@ -307,16 +314,11 @@ def rank_failures(job: submitit.Job, ranks: int) -> list[str]:
                 f"its output: {task.paths.stderr}"
             )
         elif outcome[0] == "error":
-            # The exception's own line, from the traceback submitit wrote for the rank.
-            named = re.findall(
-                r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*$",
-                str(outcome[1]),
-                re.MULTILINE,
-            )
-            failures.append(
-                f"rank {k} failed: {named[-1] if named else 'see its output'}; "
-                f"its output: {task.paths.stderr}"
-            )
+            end = ends.get(k)
+            lines = [line for line in str(outcome[1]).splitlines() if line.strip()]
+            said = end.detail if end is not None and end.how == "failed" else None
+            said = said or (lines[-1].strip() if lines else "see its output")
+            failures.append(f"rank {k} failed: {said}; its output: {task.paths.stderr}")
     return failures
 
 
@@ -346,7 +348,7 @@ def run_local(
         kill=controls.kill,
         done=done,
         resume=resume,
-        failures=lambda: rank_failures(local.job, ranks),
+        failures=lambda: rank_failures(local.job, ranks, local.run_dir),
         out=out,
         num_envs=spec.num_envs,
     )

@@ -22,13 +22,15 @@ from mjlab_hpc.launch.local import submit_local
 from mjlab_hpc.launch.plan import SubmitPlan, plan_submission, realised
 from mjlab_hpc.launch.slurm import slurm_executor
 from mjlab_hpc.rank import RankJob
-from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import (
-    ELEMENT_RECORD,
     SUBMITIT_DIR,
     SWEEP_ELEMENTS,
-    SWEEP_RECORD,
+    ElementRecord,
+    SweepMember,
+    SweepRecord,
     realise_target,
+    write_element,
+    write_sweep,
 )
 from mjlab_hpc.rundir.record import now_iso
 from mjlab_hpc.rundir.snapshot import record_code, write_code_record
@@ -268,30 +270,30 @@ def submit_sweep(spec: SubmitSpec | SubmitPlan) -> SubmittedSweep:
     job_ids = [str(job.job_id) for job in jobs]
     array_id = job_ids[0].split("_")[0] if kind == "slurm" else None
     chain_arrays = [str(later[0].job_id).split("_")[0] for later in links[1:]]
-    records = []
+    members = []
     for i, (element, run_dir, job_id) in enumerate(zip(elements, run_dirs, job_ids, strict=True)):
-        record = {
-            "sweep_dir": str(sweep_dir),
-            "index": element.index,
-            "job_id": job_id,
-            "executor": kind,
-            "overrides": element.as_dict(),
-        }
-        if chain_arrays:  # this element's job in every later array of the chain
-            record["chain"] = [str(later[i].job_id) for later in links[1:]]
-        write_json_atomic(run_dir / ELEMENT_RECORD, record)
-        records.append({**record, "run_dir": str(run_dir)})
-    write_json_atomic(
-        sweep_dir / SWEEP_RECORD,
-        {
-            "executor": kind,
-            "array_job_id": array_id,
-            "created_at": now_iso(),
-            "axes": {k: list(v) for k, v in _axes_of(elements).items()},
-            "array_parallelism": spec.array_parallelism,
-            "chain_array_job_ids": chain_arrays,
-            "elements": records,
-        },
+        record = ElementRecord(
+            sweep_dir=sweep_dir,
+            index=element.index,
+            job_id=job_id,
+            executor=kind,
+            overrides=element.as_dict(),
+            # This element's job in every later array of the chain.
+            chain=tuple(str(later[i].job_id) for later in links[1:]),
+        )
+        write_element(run_dir, record)
+        members.append(SweepMember(**vars(record), run_dir=run_dir))
+    write_sweep(
+        sweep_dir,
+        SweepRecord(
+            executor=kind,
+            array_job_id=array_id,
+            created_at=now_iso(),
+            axes={k: tuple(v) for k, v in _axes_of(elements).items()},
+            array_parallelism=spec.array_parallelism,
+            chain_array_job_ids=tuple(chain_arrays),
+            elements=tuple(members),
+        ),
     )
     runs = tuple(
         Submitted(

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from mjlab_hpc.ops.runs import JobKind, Target, run_jobs
 from mjlab_hpc.procs import descendants, owner, send_signal, user_name, wait_gone
-from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import CANCEL_RECORD
 from mjlab_hpc.rundir.record import now_iso, read_record
 from mjlab_hpc.rundir.running import run_processes
+from mjlab_hpc.rundir.state import CancelRecord, write_cancel_record
 from mjlab_hpc.slurm.client import SlurmClient
 
 __all__ = ["CancelOutcome", "cancel", "cancel_local", "cancel_slurm", "write_cancel_marker"]
@@ -60,14 +60,14 @@ def write_cancel_marker(run_dir: Path, job_ids: Sequence[str]) -> None:
     cancelled. Starts are counted, not timed: this machine's clock need not agree with the
     nodes'.
     """
-    write_json_atomic(
-        run_dir / CANCEL_RECORD,
-        {
-            "at": now_iso(),
-            "by": f"{getpass.getuser()}@{socket.gethostname()}",
-            "job_ids": list(job_ids),
-            "starts": len(read_record(run_dir).starts),
-        },
+    write_cancel_record(
+        run_dir,
+        CancelRecord(
+            at=now_iso(),
+            by=f"{getpass.getuser()}@{socket.gethostname()}",
+            job_ids=tuple(job_ids),
+            starts=len(read_record(run_dir).starts),
+        ),
     )
 
 

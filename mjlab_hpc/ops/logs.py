@@ -4,7 +4,8 @@ Every rank writes `logs/rank<k>.log` (the node of each of its starts is in its s
 records: `rundir.ends`), and submitit captures each task's stdout and stderr in
 `submitit/<job>_<k>_log.out/.err`, where an uncaught exception's traceback lands. The first
 traceback in time is usually the cause; the others (peers that lost their connection to the
-failed rank) are consequences.
+failed rank) are consequences, as their ranks' end records say (`rundir.ends`): at the same
+moment a consequence's traceback comes after the cause's.
 
 A file is read only as a regular file in its run (or its sweep's submitit folder), at most
 its last `LOG_LIMIT`: a FIFO, a device or a link out is named and skipped.
@@ -23,7 +24,7 @@ from typing import Literal, TextIO
 from mjlab_hpc.console import inert
 from mjlab_hpc.ops.runs import run_jobs
 from mjlab_hpc.rundir.durable import LOG_LIMIT, open_regular, read_tail
-from mjlab_hpc.rundir.ends import rank_starts
+from mjlab_hpc.rundir.ends import rank_starts, read_end
 from mjlab_hpc.rundir.layout import LOGS_DIR, RunDir
 
 __all__ = [
@@ -47,11 +48,6 @@ _RECORD = re.compile(
     r"Warp |\[train\] )"
 )
 _RANK_LOG = re.compile(r"^rank(\d+)\.log$")
-# Errors of a rank whose peer died or hung: at the same millisecond, the peer's error is first.
-_PEER_LOST = re.compile(
-    r"closed by peer|reset by peer|remote worker|timed out|timeout|broken pipe|DistBackendError",
-    re.IGNORECASE,
-)
 _TASK_FILE = re.compile(r"^(?P<job>\d+(?:_\d+)?)_(?P<rank>\d+)_log\.(?P<ext>out|err)$")
 
 
@@ -66,6 +62,8 @@ class RankFiles:
     errs: tuple[Path, ...]
     starts: tuple[tuple[dt.datetime, str], ...] = ()
     """When each start of the rank began and its node, oldest first (its start records)."""
+    peer_lost: tuple[bool, ...] = ()
+    """For each start: whether it ended because another rank went away (its end record)."""
 
     def stream(self, which: Stream) -> Path | None:
         """The file of one stream (the current job's task output for out/err)."""
@@ -98,8 +96,11 @@ class Traceback:
         return f"rank {self.rank} on {self.host or 'unknown host'}{when}"
 
 
-def rank_files(run_dir: Path) -> list[RankFiles]:
-    """Every rank's files, by rank (ranks known from rank logs or task output)."""
+def rank_files(run_dir: Path, unread: list[str] | None = None) -> list[RankFiles]:
+    """Every rank's files, by rank (ranks known from rank logs or task output).
+
+    A damaged start or end record is named in `unread` and left out.
+    """
     jobs = run_jobs(run_dir)
     order = {job: i for i, job in enumerate(jobs.job_ids)}
     logs: dict[int, Path] = {}
@@ -122,15 +123,16 @@ def rank_files(run_dir: Path) -> list[RankFiles]:
     out = []
     for rank in sorted(set(logs) | set(task)):
         files = task.get(rank, {"out": [], "err": []})
+        starts = rank_starts(run_dir, rank, unread)
+        ends = [read_end(run_dir, s, unread) for s in starts]
         out.append(
             RankFiles(
                 rank=rank,
                 log=logs.get(rank),
                 outs=tuple(p for _, p in sorted(files["out"])),
                 errs=tuple(p for _, p in sorted(files["err"])),
-                starts=tuple(
-                    (dt.datetime.fromtimestamp(s.at), s.node) for s in rank_starts(run_dir, rank)
-                ),
+                starts=tuple((dt.datetime.fromtimestamp(s.at), s.node) for s in starts),
+                peer_lost=tuple(e is not None and e.failure == "peer-lost" for e in ends),
             )
         )
     return out
@@ -200,16 +202,28 @@ def tracebacks_in(path: Path) -> list[tuple[dt.datetime | None, str]]:
     return found
 
 
+def _start_at(files: RankFiles, at: dt.datetime | None) -> int | None:
+    """Which start of the rank ran at time `at`: its latest before it (else its first)."""
+    if not files.starts:
+        return None
+    before = [i for i, (t, _) in enumerate(files.starts) if at is None or t <= at]
+    return before[-1] if before else 0
+
+
 def rank_host(files: RankFiles, at: dt.datetime | None = None) -> str | None:
     """Return the node the rank ran on at time `at` (a requeued rank may move).
 
     It is the node of its latest start before `at` (its start records). None before the rank
     has started.
     """
-    if not files.starts:
-        return None
-    before = [node for t, node in files.starts if at is None or t <= at]
-    return before[-1] if before else files.starts[0][1]
+    start = _start_at(files, at)
+    return files.starts[start][1] if start is not None else None
+
+
+def _consequence(files: RankFiles, at: dt.datetime | None) -> bool:
+    """Whether the rank's start at time `at` ended because another rank went away."""
+    start = _start_at(files, at)
+    return start is not None and start < len(files.peer_lost) and files.peer_lost[start]
 
 
 def find_tracebacks(ranks: Sequence[RankFiles]) -> list[Traceback]:
@@ -218,7 +232,7 @@ def find_tracebacks(ranks: Sequence[RankFiles]) -> list[Traceback]:
     A traceback that the rank log and its task stderr both hold is kept once: the log's copy,
     which has the earlier time.
     """
-    found: list[Traceback] = []
+    found: list[tuple[Traceback, bool]] = []
     seen: set[tuple[int, str]] = set()
     for files in ranks:
         for path in [p for p in (files.log, *files.errs) if p is not None]:
@@ -234,11 +248,9 @@ def find_tracebacks(ranks: Sequence[RankFiles]) -> list[Traceback]:
                 if (files.rank, tb.last_line) in seen:
                     continue
                 seen.add((files.rank, tb.last_line))
-                found.append(tb)
-    return sorted(
-        found,
-        key=lambda t: (t.at or dt.datetime.max, bool(_PEER_LOST.search(t.last_line)), t.rank),
-    )
+                found.append((tb, _consequence(files, when)))
+    found.sort(key=lambda pair: (pair[0].at or dt.datetime.max, pair[1], pair[0].rank))
+    return [tb for tb, _ in found]
 
 
 def _mtime(path: Path) -> dt.datetime | None:

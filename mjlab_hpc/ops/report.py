@@ -34,7 +34,13 @@ from rich.text import Text
 from mjlab_hpc.console import inert
 from mjlab_hpc.ops.runs import JobKind, created_at, run_jobs
 from mjlab_hpc.rundir.ends import RankStart, rank_starts, read_end
-from mjlab_hpc.rundir.layout import RunDir, read_jsonl
+from mjlab_hpc.rundir.layout import RunDir, list_checkpoints
+from mjlab_hpc.rundir.progress import (
+    CheckpointTime,
+    ProgressLine,
+    read_checkpoint_times,
+    read_progress,
+)
 from mjlab_hpc.rundir.record import RunRecord, read_record
 from mjlab_hpc.slurm.client import SlurmClient, Usage
 
@@ -218,12 +224,15 @@ class _Start:
     """Ranks that recorded it."""
 
 
-def _starts(run_dir: Path) -> list[_Start]:
-    """The starts of the run, oldest first: the n-th start record of every rank is start n."""
+def _starts(run_dir: Path, unread: list[str]) -> list[_Start]:
+    """The starts of the run, oldest first: the n-th start record of every rank is start n.
+
+    A damaged record is named in `unread` and left out.
+    """
     by_number: dict[int, list[tuple[RankStart, float | None]]] = {}
     for rank in RunDir(run_dir).rank_numbers():
-        for start in rank_starts(run_dir, rank):
-            end = read_end(run_dir, start)
+        for start in rank_starts(run_dir, rank, unread):
+            end = read_end(run_dir, start, unread)
             by_number.setdefault(start.number, []).append((start, end.at if end else None))
     out = []
     for _, group in sorted(by_number.items()):
@@ -240,8 +249,8 @@ def _starts(run_dir: Path) -> list[_Start]:
 
 
 def _cores_per_rank(record: RunRecord) -> int:
-    threads = record.spec.get("torch_threads")
-    return int(threads) if isinstance(threads, int) and threads > 0 else 1
+    threads = record.spec.torch_threads if record.spec is not None else 0
+    return threads if threads > 0 else 1
 
 
 def _local_allocations(
@@ -359,36 +368,32 @@ def _leading_number(text: str) -> float:
         return 0.0
 
 
-def _work_s(record: dict[str, Any]) -> float:
+def _work_s(line: ProgressLine) -> float:
     """An iteration's own seconds (collect and learn) from its progress record."""
-    total = 0.0
-    for key in ("collect_s", "learn_s"):
-        value = record.get(key)
-        if isinstance(value, int | float):
-            total += float(value)
-    return total
+    return line.collect_s + line.learn_s
 
 
-def _number(value: object) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+def _time(line: ProgressLine) -> float:
+    """When an iteration's record was written (the lines read here all say)."""
+    return line.time or 0.0
 
 
 def _phases(
     starts: list[_Start],
     allocations: list[Allocation],
-    progress: list[dict[str, Any]],
-    saves: list[tuple[float, float, int]],
+    progress: list[ProgressLine],
+    saves: list[CheckpointTime],
     record: RunRecord,
 ) -> tuple[list[Phase], int]:
     """The spans of each phase (overlapping; `_PRECEDENCE` settles overlaps), and the
     iterations recomputed."""
-    spans: list[Phase] = [Phase("checkpointing", at, at + s) for at, s, _ in saves]
+    spans: list[Phase] = [Phase("checkpointing", c.at, c.at + c.s) for c in saves]
     median_s = statistics.median([_work_s(r) for r in progress]) if progress else 0.0
     faults = sorted(record.faults, key=lambda f: f.when_s)
     recomputed_total = 0
     for n, start in enumerate(starts):
         nxt = starts[n + 1].begin if n + 1 < len(starts) else float("inf")
-        mine = [r for r in progress if start.begin <= (_number(r.get("time")) or 0) < nxt]
+        mine = [r for r in progress if start.begin <= _time(r) < nxt]
         fault = next((f for f in faults if start.begin <= f.when_s < nxt), None)
         home = [a for a in allocations if a.begin <= start.begin + 1e-6]
         window = home[-1] if home else (allocations[0] if allocations else None)
@@ -401,12 +406,12 @@ def _phases(
             if fault.recomputed is not None:
                 recomputed = fault.recomputed
             elif fault.iteration is not None and n + 1 < len(starts) and mine:
-                recomputed = max(0, fault.iteration - int(_number(mine[-1].get("iteration")) or 0))
+                recomputed = max(0, fault.iteration - mine[-1].iteration)
         recomputed_total += recomputed
         if mine:
-            first_work = (_number(mine[0].get("time")) or start.begin) - _work_s(mine[0])
-            done = _number(mine[-1].get("time")) or first_work
-            last_save = max((at + s for at, s, _ in saves if start.begin <= at < nxt), default=done)
+            first_work = (mine[0].time or start.begin) - _work_s(mine[0])
+            done = mine[-1].time or first_work
+            last_save = max((c.at + c.s for c in saves if start.begin <= c.at < nxt), default=done)
             spans.append(Phase("training", first_work, max(done, last_save)))
             redo_from = max(done, last_save)
         else:  # nothing of this start counts: its iterations were all done again
@@ -425,6 +430,25 @@ def _phases(
                 lost_to = start.end or fault.when_s
             spans.append(Phase("lost_to_faults", fault.when_s, max(fault.when_s, lost_to)))
     return spans, recomputed_total
+
+
+def _older_records(
+    run: RunDir, record: RunRecord, starts: list[_Start], saves: list[CheckpointTime]
+) -> list[str]:
+    """What the records of a run written by an older mjlab-hpc lack, one note each."""
+    notes = []
+    if record.starts and not starts and not run.rank_records.exists():
+        notes.append(
+            f"the run has no rank start and end records ({run.rank_records.relative_to(run.path)}/"
+            f": an older mjlab-hpc wrote it): its {len(record.starts)} start(s) are from "
+            "run.json, and start-up, training and faults are not told apart (all in `other`)"
+        )
+    if list_checkpoints(run.path) and not saves and not run.checkpoint_times.exists():
+        notes.append(
+            f"the run has no checkpoint times ({run.checkpoint_times.relative_to(run.path)}: "
+            "an older mjlab-hpc wrote it): checkpoint writes are not told apart"
+        )
+    return notes
 
 
 def _cover(spans: list[Phase], allocation: Allocation) -> tuple[dict[str, float], list[Phase]]:
@@ -455,19 +479,18 @@ def collect_report(run_dir: Path, slurm: SlurmClient | None = None) -> CostRepor
     jobs = run_jobs(run_dir)
     record = read_record(run_dir)
     run = RunDir(run_dir)
-    progress = [r for r in run.read_progress() if _number(r.get("time")) is not None]
-    saves = [
-        (float(r["at"]), float(r["s"]), int(r.get("iteration") or 0))
-        for r in read_jsonl(run.checkpoint_times)
-        if _number(r.get("at")) is not None and _number(r.get("s")) is not None
-    ]
-    starts = _starts(run_dir)
-    notes: list[str] = []
+    lines, times = read_progress(run), read_checkpoint_times(run)
+    progress = [r for r in lines.values if r.time is not None]
+    saves = list(times.values)
+    unread = [*lines.unread, *times.unread]
+    starts = _starts(run_dir, unread)
+    notes = [f"{why}: left out" for why in dict.fromkeys(unread)]
+    notes += _older_records(run, record, starts, saves)
     marks = [
         *(s.end for s in starts if s.end is not None),
-        *(_number(r.get("time")) or 0 for r in progress),
+        *(_time(r) for r in progress),
         *(e.when_s for e in record.interruptions),
-        *(at + s for at, s, _ in saves),
+        *(c.at + c.s for c in saves),
     ]
     last = max(marks, default=created_at(run_dir))
     running = bool(starts) and starts[-1].end is None and record.state in (None, "running")
@@ -525,10 +548,10 @@ def collect_report(run_dir: Path, slurm: SlurmClient | None = None) -> CostRepor
         if jobs.kind != "slurm"
         else None
     )
-    env_steps = sum(int(_number(r.get("env_steps")) or 0) for r in progress)
+    env_steps = sum(r.env_steps for r in progress)
     per, hours = ("GPU-hour", gpu_hours) if gpu_hours > 0 else ("core-hour", core_hours)
     total_node_s = sum(node_s.values())
-    iterations = int(_number(progress[-1].get("iteration")) or 0) if progress else 0
+    iterations = progress[-1].iteration if progress else 0
     return CostReport(
         run_dir=run_dir,
         kind=jobs.kind,
@@ -541,7 +564,7 @@ def collect_report(run_dir: Path, slurm: SlurmClient | None = None) -> CostRepor
         phase_hours={k: v / 3600 for k, v in node_s.items()},
         phase_share={k: (v / total_node_s if total_node_s else 0.0) for k, v in node_s.items()},
         queue_wait_s=queue_wait,
-        starts=len(starts),
+        starts=len(starts) or len(record.starts),
         faults=len(record.faults),
         stops=len(record.restarts),
         checkpoints=len(saves),
@@ -553,9 +576,7 @@ def collect_report(run_dir: Path, slurm: SlurmClient | None = None) -> CostRepor
         efficiency=efficiency,
         notes=tuple(notes),
         timeline=tuple(sorted(timeline, key=lambda p: p.begin)),
-        iteration_times=tuple(
-            (int(_number(r.get("iteration")) or 0), float(r["time"])) for r in progress
-        ),
+        iteration_times=tuple((r.iteration, _time(r)) for r in progress),
         start_times=tuple(s.begin for s in starts),
         fault_times=tuple(f.when_s for f in record.faults),
         stop_times=tuple(e.when_s for e in record.restarts if e.when_s),

@@ -108,6 +108,8 @@ class RunJobs:
     """slurm, local (submitit's local executor), or None (a plain process, torchrun)."""
     job_ids: tuple[str, ...]
     element: ElementRecord | None = None
+    unread: tuple[str, ...] = ()
+    """Records of the run that were not read, and why (a damaged sweep element record)."""
 
     @property
     def current(self) -> str | None:
@@ -140,7 +142,8 @@ def _folder_jobs(folder: Path | None) -> tuple[list[str], bool]:
 
 def run_jobs(run_dir: Path) -> RunJobs:
     """The jobs of a run directory (see the module docstring for where they come from)."""
-    element = read_element(run_dir)
+    unread: list[str] = []
+    element = read_element(run_dir, unread)
     if element is not None:
         kind: JobKind = "slurm" if element.executor == "slurm" else "local"
         job_ids = (element.job_id, *element.chain)
@@ -159,14 +162,16 @@ def run_jobs(run_dir: Path) -> RunJobs:
         for start in record.starts:
             if start.job_id and start.job_id not in ids:
                 ids.append(start.job_id)
-    return RunJobs(run_dir=run_dir, kind=found, job_ids=tuple(ids) if found else ())
+    return RunJobs(
+        run_dir=run_dir, kind=found, job_ids=tuple(ids) if found else (), unread=tuple(unread)
+    )
 
 
 def sweep_runs(sweep_dir: Path) -> list[Path]:
     """The run directories of a sweep's elements, in index order."""
     record = read_sweep(sweep_dir)
-    elements = sorted(record.get("elements", []), key=lambda e: int(e.get("index", 0)))
-    return [Path(e["run_dir"]) for e in elements if "run_dir" in e]
+    elements = sorted(record.elements, key=lambda e: e.index) if record else []
+    return [e.run_dir for e in elements if e.run_dir is not None]
 
 
 def _sweeps_under(log_root: Path) -> Iterable[Path]:
@@ -203,7 +208,7 @@ def resolve_target(target: str, log_root: Path, slurm: SlurmClient | None = None
         path = path.resolve()
         if (path / SWEEP_RECORD).is_file():
             record = read_sweep(path)
-            return Target(tuple(sweep_runs(path)), record.get("array_job_id"))
+            return Target(tuple(sweep_runs(path)), record.array_job_id if record else None)
         if is_run_dir(path):
             return Target((path,))
         runs = list_runs(path)
@@ -214,7 +219,7 @@ def resolve_target(target: str, log_root: Path, slurm: SlurmClient | None = None
         raise SpecError("RUN|JOB", f"{target!r} is neither a directory nor a job id")
     for record_path in _sweeps_under(log_root):
         record = read_sweep(record_path.parent)
-        if str(record.get("array_job_id")) == target:
+        if record is not None and record.array_job_id == target:
             return Target(tuple(sweep_runs(record_path.parent)), target)
     matches = []
     for run in list_runs(log_root):
@@ -252,13 +257,13 @@ def run_dirs_of_job(job_id: str, slurm: SlurmClient) -> Target | None:
                 runs.append(owner)
             continue
         record = read_sweep(owner)  # a sweep's shared folder: <sweep>/submitit/...
-        if str(record.get("array_job_id")) == job_id:
+        if record is not None and record.array_job_id == job_id:
             return Target(tuple(sweep_runs(owner)), job_id)
         name = _JOB_FILE.match(stdout.name)
         runs += [
-            Path(e["run_dir"])
-            for e in record.get("elements", [])
-            if name and e.get("job_id") == name.group("job") and "run_dir" in e
+            e.run_dir
+            for e in (record.elements if record else ())
+            if name and e.job_id == name.group("job") and e.run_dir is not None
         ]
     unique = tuple(dict.fromkeys(runs))
     return Target(unique) if unique else None

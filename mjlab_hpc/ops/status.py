@@ -26,7 +26,8 @@ from mjlab_hpc.console import inert
 from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.ops.runs import JobKind, RunJobs, run_jobs
 from mjlab_hpc.rundir.ends import rank_ends, recorded_cause, start_faults
-from mjlab_hpc.rundir.layout import ElementRecord, RunDir, progress_summary, read_sweep
+from mjlab_hpc.rundir.layout import ElementRecord, RunDir, read_sweep
+from mjlab_hpc.rundir.progress import progress_summary
 from mjlab_hpc.rundir.record import Interruption, RunRecord, RunState, now_iso, read_record
 from mjlab_hpc.rundir.running import run_processes
 from mjlab_hpc.rundir.state import JobState, record_state
@@ -107,7 +108,8 @@ class RunStatus:
     """What Slurm says where the run's own record says otherwise and wins (sacct's last word
     on a job while slurmctld is down: `sacct says RUNNING`)."""
     unread: tuple[str, ...] = ()
-    """Files of the run that were not read, and why (a FIFO, a device, a link out of it)."""
+    """Files (or lines) of the run that were not read, and why: a FIFO, a device, a link out
+    of it, a damaged or forged record (each is left out; the rest is shown)."""
     disk_bytes: int | None = None
     """The bytes its directory holds, counted as `du -sb` does (None: not readable)."""
 
@@ -131,6 +133,7 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         if state.source in ("record", "none"):
             state = JobState(state="DAMAGED", source="record", active=False)
     progress = progress_summary(RunDir(run_dir), RATE_WINDOW)
+    unread = [*jobs.unread, *([progress.unread] if progress.unread else [])]
     world = record.world_size
     nodes = state.nodes or record.num_nodes
     gpus = state.gpus_per_node
@@ -141,7 +144,7 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
     stragglers = [str(s.text) for s in record.stragglers]
     if not state.active:  # a slow node is worth knowing after the run too
         stragglers = [f"when it last trained, {t}" for t in stragglers]
-    cause = _cause(run_dir, record, state) if state.state in FAILED_STATES else None
+    cause = _cause(run_dir, record, state, unread) if state.state in FAILED_STATES else None
     return RunStatus(
         run_dir=run_dir,
         kind=jobs.kind,
@@ -165,7 +168,7 @@ def _status_of(jobs: RunJobs, state: JobState) -> RunStatus:
         reason=state.reason,
         stragglers=tuple(stragglers),
         disagrees=state.disagrees,
-        unread=(progress.unread,) if progress.unread else (),
+        unread=tuple(dict.fromkeys(unread)),
         disk_bytes=disk_bytes(run_dir),
     )
 
@@ -211,10 +214,12 @@ def _bytes_text(n: int | None) -> str:
 FAILED_STATES = frozenset({"FAILED", "LOST", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"})
 
 
-def _cause(run_dir: Path, record: RunRecord, state: JobState) -> tuple[str, int | None] | None:
+def _cause(
+    run_dir: Path, record: RunRecord, state: JobState, unread: list[str]
+) -> tuple[str, int | None] | None:
     """Who failed first and why, then every other rank's own fault of the start; and the
-    first rank (None: no rank in particular)."""
-    ends = rank_ends(run_dir)
+    first rank (None: no rank in particular). A damaged rank record is named in `unread`."""
+    ends = rank_ends(run_dir, unread)
     cause = recorded_cause(record, ends)
     if cause is not None:
         also = [e for e in start_faults(ends) if e.rank != cause.rank]
@@ -445,10 +450,9 @@ def interruption_line(e: Interruption) -> str:
     if e.not_excluded:
         line += f"; {e.not_excluded}"
     if e.recovered_at is not None:
-        line += (
-            f"; resumed from {e.resumed_from} ({e.recomputed} iteration(s) "
-            f"recomputed), first iteration {e.recovery_s} s after"
-        )
+        line += f"; resumed from {e.resumed_from} ({e.recomputed} iteration(s) recomputed)"
+        if e.recovery_s is not None:  # (None: the hosts' clocks disagreed)
+            line += f", first iteration {e.recovery_s} s after"
     return line
 
 
@@ -515,8 +519,8 @@ def _groups(rows: Sequence[RunStatus]) -> list[tuple[Path | None, list[RunStatus
 
 def _sweep_header(sweep_dir: Path, members: list[RunStatus]) -> list[str | Text]:
     record = read_sweep(sweep_dir)
-    array = record.get("array_job_id")
-    axes = record.get("axes", {})
+    array = record.array_job_id if record else None
+    axes = record.axes if record else {}
     label = " x ".join(f"{k.removeprefix('agent.')}={','.join(v)}" for k, v in axes.items())
     counts: dict[str, int] = {}
     for m in members:

@@ -10,32 +10,30 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import secrets
 import statistics
 import string
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Annotated, Any, TextIO
 
 import torch
 from rsl_rl.runners import OnPolicyRunner
 from rsl_rl.utils import check_nan
 
+from mjlab_hpc.convert import Range
 from mjlab_hpc.errors import Diverged
 from mjlab_hpc.rank.context import DistContext
 from mjlab_hpc.rank.normalization import NormalizerSync, agree_normalizers, sync_normalizers
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
-from mjlab_hpc.rundir.durable import (
-    create_exclusive,
-    read_regular,
-    temp_path,
-    write_atomic,
-    write_new,
-)
+from mjlab_hpc.rundir.durable import create_exclusive, temp_path, write_atomic, write_new
 from mjlab_hpc.rundir.layout import WANDB_RECORD
 from mjlab_hpc.rundir.progress import IterationStats
+from mjlab_hpc.rundir.typed import Unread, plain, read_json
 
 __all__ = [
     "CollectiveClock",
@@ -46,6 +44,8 @@ __all__ = [
     "runner_class",
     "state_digest",
 ]
+
+log = logging.getLogger("mjlab_hpc")
 
 
 IterationHook = Callable[[Any, IterationStats], None]
@@ -383,6 +383,16 @@ class ContextRunnerMixin:
         return state_digest(self.alg.actor, self.alg.critic)
 
 
+@dataclass(frozen=True)
+class _WandbRecord:
+    """`wandb_run.json`: the run's W&B run and the last step handed to it."""
+
+    id: str
+    """The W&B run id."""
+    last_step: Annotated[int, Range(-1)] = -1
+    """The last step handed to W&B (-1: none)."""
+
+
 class WandbBook:
     """Keeps one W&B run per run directory, and the last step handed to it.
 
@@ -405,8 +415,13 @@ class WandbBook:
         path = run_dir / WANDB_RECORD
         new_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         create_exclusive(path, json.dumps({"id": new_id, "last_step": -1}).encode())
-        data = json.loads(read_regular(path))
-        return cls(path, str(data["id"]), int(data.get("last_step", -1)))
+        try:
+            data = read_json(_WandbRecord, path, run_dir)
+        except Unread as exc:  # a new W&B run rather than a traceback
+            log.warning("%s: a new W&B run begins", exc)
+            data = _WandbRecord(new_id)
+            write_atomic(path, json.dumps(plain(data)).encode())
+        return cls(path, data.id, data.last_step)
 
     def handing(self, step: int) -> bool:
         """Whether `step` goes to W&B; a new step is recorded before it is handed over.

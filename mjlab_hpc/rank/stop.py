@@ -57,7 +57,7 @@ from mjlab_hpc.rundir.checkpoint import (
     write_rank_state,
 )
 from mjlab_hpc.rundir.layout import RunDir
-from mjlab_hpc.rundir.progress import IterationStats
+from mjlab_hpc.rundir.progress import CheckpointTime, IterationStats, checkpoint_line
 from mjlab_hpc.rundir.record import (
     StopEntry,
     on_recovered,
@@ -502,11 +502,14 @@ class IterationBoundary:
         """When the checkpoint of `iteration` was written and how long it took (a line of
         logs/checkpoints.jsonl, for `mjlab-hpc report`), by the writer."""
         assert self.writer is not None
-        line = {"iteration": iteration, "at": round(t0, 3), "s": round(time.time() - t0, 3)}
-        if stop is not None:
-            line["stop"] = stop.reason
+        line = CheckpointTime(
+            iteration=iteration,
+            at=round(t0, 3),
+            s=round(time.time() - t0, 3),
+            stop=stop.reason if stop is not None else None,
+        )
         try:
-            self.writer.append_line(self.run.checkpoint_times, json.dumps(line))
+            self.writer.append_line(self.run.checkpoint_times, checkpoint_line(line))
         except Exception as exc:  # a record, not the training
             log.warning("could not record the checkpoint's time: %s", exc)
 

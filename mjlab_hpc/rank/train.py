@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import logging
 import os
 import random
@@ -43,6 +42,7 @@ from mjlab_hpc.rank.context import (
     seed_for_rank,
     torch_threads,
 )
+from mjlab_hpc.rank.failures import failure_kind
 from mjlab_hpc.rank.kernel_cache import choose_kernel_cache, use_kernel_cache
 from mjlab_hpc.rank.preflight import PreflightFailed, preflight, preflight_drills
 from mjlab_hpc.rank.resume import ResumePlan, ResumeRefused, load_plan, plan_resume
@@ -61,11 +61,18 @@ from mjlab_hpc.rank.watchdog import FaultInjection, Watchdog, parse_faults
 from mjlab_hpc.rank.workload import Workload, build_workload
 from mjlab_hpc.rundir.checkpoint import CheckpointPolicy, Checkpoints
 from mjlab_hpc.rundir.durable import open_append
-from mjlab_hpc.rundir.ends import Exit, RankExit, RankStart, failure_kind, record_end, record_start
-from mjlab_hpc.rundir.layout import RunDir, progress_summary, realise_target, record_latest_run
-from mjlab_hpc.rundir.progress import IterationStats, ProgressDisplay
+from mjlab_hpc.rundir.ends import Exit, FailureKind, RankExit, RankStart, record_end, record_start
+from mjlab_hpc.rundir.layout import RunDir, realise_target, record_latest_run
+from mjlab_hpc.rundir.progress import (
+    IterationStats,
+    ProgressDisplay,
+    progress_line,
+    progress_summary,
+    progress_tail,
+)
 from mjlab_hpc.rundir.record import (
     Failure,
+    RunSummary,
     Skipped,
     Start,
     now_iso,
@@ -254,7 +261,7 @@ def _begin(
             environments=environments,
             skipped_checkpoints=tuple(Skipped(d.name, d.why) for d in plan.damaged),
         ),
-        spec=resolved.train.to_dict(),
+        spec=resolved.train,
         effective=resolved.effective(),
         launch_mode=ctx.mode,
         world_size=ctx.world_size,
@@ -430,23 +437,24 @@ class _Ending:
         how: Exit,
         detail: str,
         exc: BaseException | None = None,
-        peer_lost: bool | None = None,
+        kind: FailureKind | None = None,
     ) -> None:
         """Write this start's end record (never raising: what ended it matters more).
 
-        `peer_lost` (None: read from `exc`): the start ended because of another rank.
+        `kind`: what ended a failed start, decided here from the exception's type (None:
+        from `exc`'s, for a failure).
         """
         if self.record is None:
             return
+        if kind is None and exc is not None and how in ("failed", "out-of-memory"):
+            kind = failure_kind(exc, self.run.path)
         end = RankExit(
             how=how,
             detail=detail,
             at=time.time(),
             error_type=type(exc).__name__ if exc is not None else None,
             message=str(exc)[:2000] if exc is not None else None,
-            peer_lost=peer_lost
-            if peer_lost is not None
-            else exc is not None and failure_kind(exc) == "peer-lost",
+            kind=kind,
         )
         try:
             record_end(self.run, self.record, end)
@@ -474,7 +482,9 @@ class _Ending:
             # that node out. The others' ends are consequences.
             here = exc.here
             detail = "; ".join(f"{f.check} check: {f.figures}" for f in here) or str(exc)
-            self.ended("preflight" if here else "failed", detail, exc, peer_lost=not here)
+            self.ended(
+                "preflight" if here else "failed", detail, exc, "preflight" if here else "peer-lost"
+            )
             if self.writer is not None:  # the run's record names the first rank at fault
                 first = exc.report.failed[0]
                 failure = Failure(
@@ -501,7 +511,7 @@ class _Ending:
 
     def _failure(self, exc: BaseException) -> None:
         problem = environment_problem(exc, self.run.path)
-        kind = "environment" if problem is not None else failure_kind(exc)
+        kind = failure_kind(exc, self.run.path)
         error = problem or f"{type(exc).__name__}: {exc}".strip()
         if kind == "out-of-memory":
             first = error.splitlines()[0]
@@ -518,7 +528,7 @@ class _Ending:
             # below then have room too.
             _record_end(self.writer, "failed", failure=failure, resolved=self.resolved)
         how: Exit = "out-of-memory" if kind == "out-of-memory" else "failed"
-        self.ended(how, (error.splitlines() or [kind])[0], exc)
+        self.ended(how, (error.splitlines() or [kind])[0], exc, kind)
         if problem is not None:  # the disk, not the code: one line, no traceback
             log.error("exit: failed (environment)\n%s", problem)
         else:
@@ -716,13 +726,13 @@ def _record_end(
 
     def write() -> None:
         before = read_record(writer.run.path, set_aside=True)
-        tail = writer.run.progress_tail(1)
+        tail = progress_tail(writer.run, 1)
         after = on_end(
             before,
-            int(tail[-1]["iteration"]) if tail else 0,
+            tail[-1].iteration if tail else 0,
             state,
             failure=failure,
-            spec=resolved.train.to_dict() if resolved is not None else None,
+            spec=resolved.train if resolved is not None else None,
             effective=resolved.effective() if resolved is not None else None,
         )
         writer.write_record(after)
@@ -744,22 +754,20 @@ def _write_summary(
     run = writer.run
     record = read_record(run.path, set_aside=True)
     restarts, reasons = record.restarts_told()
-    writer.write_json(
-        run.summary,
-        {
-            "iterations": runner.current_learning_iteration,
-            "resumed_from": start,
-            "world_size": ctx.world_size,
-            "device": device,
-            "launch_mode": ctx.mode,
-            "job_id": ctx.job_id,
-            "restart_count": restarts,
-            "restart_reasons": list(reasons),
-            "param_digest_per_rank": digests,
-            "ranks_in_sync": len(set(digests)) == 1,
-            "first_obs_digest_per_rank": obs_digests,
-        },
+    summary = RunSummary(
+        iterations=runner.current_learning_iteration,
+        resumed_from=start,
+        world_size=ctx.world_size,
+        device=device,
+        launch_mode=ctx.mode,
+        job_id=ctx.job_id,
+        restart_count=restarts,
+        restart_reasons=reasons,
+        param_digest_per_rank=tuple(digests),
+        ranks_in_sync=len(set(digests)) == 1,
+        first_obs_digest_per_rank=tuple(obs_digests),
     )
+    writer.write_json(run.summary, summary.to_json())
     if len(set(digests)) != 1:
         log.error("ranks diverged: parameter digests %s", digests)
     ended = on_end(record, runner.current_learning_iteration)
@@ -768,7 +776,7 @@ def _write_summary(
 
 def _progress_writer(writer: RunWriter) -> IterationHook:
     def hook(runner: Any, s: IterationStats) -> None:
-        writer.append_line(writer.run.progress, json.dumps(s.as_record()))
+        writer.append_line(writer.run.progress, progress_line(s.as_line()))
 
     return hook
 

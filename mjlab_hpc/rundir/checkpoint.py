@@ -672,7 +672,8 @@ def cannot_continue(
     starting anything; the ranks ask again before loading.
     """
     run_dir = checkpoints.run_dir
-    theirs = read_record(run_dir).spec.get("task") if run_dir.is_dir() else None
+    spec = read_record(run_dir).spec if run_dir.is_dir() else None
+    theirs = spec.task if spec is not None else None
     if theirs and theirs != task:
         return SpecError(
             flag,

@@ -2,14 +2,17 @@
 
 Every rank writes a start record as it starts and an end record as its start ends
 (`logs/ranks/`, written by `mjlab_hpc.rank.train`): decisions read these, never the rank logs,
-which are for people (a rank may print anything). The other sources are what the run record
+which are for people (a rank may print anything). The rank decides what ended it where it
+caught the exception, from its type (`rank/failures.py`), and writes that kind into its end
+record; nothing downstream reads an error's text. The other sources are what the run record
 says and, for a rank that ended without an end record, what the kernel says: its memory
 cgroup's count of OOM kills, in its start record, read again under the same kernel.
 
 A start without an end record ended abruptly (SIGKILL, out of memory, a segfault, a lost
-node). Errors that say a peer went away (connection closed or reset, a collective timed out)
-are consequences: the cause is the first rank that failed otherwise, or else the rank that
-ended without a word.
+node). A peer that went away (its connection closed, a collective timed out) is a
+consequence: the cause is the first rank that failed otherwise, or else the rank that ended
+without a word. A record that does not fit its type (a forged or torn one) is named and left
+out, never a traceback.
 """
 
 from __future__ import annotations
@@ -18,26 +21,27 @@ import dataclasses
 import datetime as dt
 import json
 import os
-import re
 import stat
-import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from mjlab_hpc.errors import Diverged
+from mjlab_hpc.convert import Count, EpochS, Positive
 from mjlab_hpc.procs import OomCount
-from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_json_atomic
-from mjlab_hpc.rundir.layout import RunDir, progress_summary
+from mjlab_hpc.rundir.durable import create_exclusive, write_json_atomic
+from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.progress import progress_summary
 from mjlab_hpc.rundir.record import Interruption, RunRecord, RunState, read_record
+from mjlab_hpc.rundir.typed import Unread, plain, read_json
 
 __all__ = [
+    "FAULT_ENDS",
     "Exit",
+    "FailureKind",
     "RankEnd",
     "RankExit",
     "RankStart",
     "RunOutcome",
-    "failure_kind",
     "first_failure",
     "latest_world_size",
     "memory_advice",
@@ -51,35 +55,6 @@ __all__ = [
     "start_faults",
     "start_hosts",
 ]
-
-# Errors of a rank whose peer died or hung: consequences, not causes.
-_PEER_LOST_ERROR = re.compile(
-    r"closed by peer|reset by peer|peer lost|remote worker|broken pipe|connection refused|"
-    r"timed out|timeout|DistBackendError|NCCL communicator",
-    re.IGNORECASE,
-)
-
-
-# An allocation that failed: Python's, torch's (CPU, CUDA), Warp's, the kernel's ENOMEM.
-_MEMORY_ERROR = re.compile(
-    r"out of memory|failed to allocate|can't allocate memory|cannot allocate memory|"
-    r"OutOfMemoryError",
-    re.IGNORECASE,
-)
-
-
-def failure_kind(exc: BaseException) -> str:
-    """Classify a rank's error: `diverged`, `out-of-memory`, `peer-lost` or `exception`.
-
-    `diverged`: the training's numbers are no longer finite; `out-of-memory` is an allocation
-    that failed; `peer-lost` an error that says another rank died or hung (a consequence).
-    """
-    text = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, Diverged):
-        return "diverged"
-    if isinstance(exc, MemoryError) or _MEMORY_ERROR.search(text):
-        return "out-of-memory"
-    return "peer-lost" if _PEER_LOST_ERROR.search(text) else "exception"
 
 
 def memory_advice(record: RunRecord, num_envs: int | None = None) -> str:
@@ -112,6 +87,15 @@ How = (
 Exit = Literal[
     "completed", "stopped", "failed", "refused", "interrupted", "hung", "out-of-memory", "preflight"
 ]
+#: The ends that are a fault of the start (the batch script's watcher ends srun after one).
+FAULT_ENDS: tuple[Exit, ...] = ("failed", "hung", "out-of-memory", "preflight")
+#: What ended a failed start, as the rank decided from the exception's type: its own error
+#: (exception), another rank that went away (peer-lost: a consequence), an allocation that
+#: failed, numbers no longer finite, the filesystem (environment: a full disk, a quota,
+#: permissions), its node's preflight check.
+FailureKind = Literal[
+    "exception", "peer-lost", "out-of-memory", "diverged", "environment", "preflight"
+]
 
 
 @dataclass(frozen=True)
@@ -120,13 +104,13 @@ class RankStart:
 
     run: str
     """The run directory's name."""
-    rank: int
-    world_size: int
+    rank: Count
+    world_size: Positive
     node: str
     """The Slurm node (SLURMD_NODENAME), else the host name."""
-    pid: int
+    pid: Positive
     device: str
-    at: float
+    at: EpochS
     """When it started (epoch s)."""
     start_id: str | None = None
     """The batch script's name for the srun step of this start (None: not in a batch
@@ -135,7 +119,7 @@ class RankStart:
     """The OOM kills counted so far in its memory cgroup: a reader under the same kernel
     tells an OOM kill from another SIGKILL."""
     number: int = 0
-    """Which start of this rank it is, from 1 (0: not yet recorded)."""
+    """Which start of this rank it is, from 1 (0: not yet recorded; not in the file)."""
 
 
 @dataclass(frozen=True)
@@ -145,14 +129,26 @@ class RankExit:
     how: Exit
     detail: str
     """One line for people: what ended it (for a failure, the exception's line)."""
-    at: float
+    at: EpochS
     """When it ended (epoch s)."""
     error_type: str | None = None
     """The exception's type name, for a failure."""
     message: str | None = None
     """The exception's message, for a failure (at most 2000 characters)."""
     peer_lost: bool = False
-    """A failure that says another rank went away (a consequence)."""
+    """A failure that says another rank went away (a consequence): `kind` is peer-lost."""
+    kind: FailureKind | None = None
+    """What ended a failed start, decided by the rank from the exception's type (None: not a
+    failure, or a record written before ranks said)."""
+
+    @property
+    def failure(self) -> FailureKind | None:
+        """What ended a failed start (records without `kind`: from how they ended)."""
+        if self.kind is not None or self.how not in FAULT_ENDS or self.how == "hung":
+            return self.kind
+        if self.how in ("out-of-memory", "preflight"):
+            return self.how
+        return "peer-lost" if self.peer_lost else "exception"
 
 
 def _records_dir(run: RunDir) -> Path:
@@ -170,8 +166,7 @@ def record_start(run: RunDir, start: RankStart) -> RankStart:
     """Write `start` as the next start record of its rank; return it with its number."""
     _records_dir(run)
     number = max(run.rank_numbers().get(start.rank, [0])) + 1
-    data = {k: v for k, v in dataclasses.asdict(start).items() if k != "number"}
-    data["oom"] = dataclasses.asdict(start.oom) if start.oom is not None else None
+    data = {k: v for k, v in plain(start).items() if k != "number"}
     payload = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
     while not create_exclusive(run.rank_start(start.rank, number), payload):
         number += 1  # (a rank of the same number that starts at once: never ours to share)
@@ -179,71 +174,55 @@ def record_start(run: RunDir, start: RankStart) -> RankStart:
 
 
 def record_end(run: RunDir, start: RankStart, end: RankExit) -> None:
-    """Write how the start `start` (as `record_start` returned it) ended."""
+    """Write how the start `start` (as `record_start` returned it) ended.
+
+    A fault of the start (`FAULT_ENDS`) also leaves the empty marker `rank<k>.<n>.fault`: the
+    batch script's watcher finds it by its name, and reads no record.
+    """
     _records_dir(run)
-    write_json_atomic(run.rank_end(start.rank, start.number), dataclasses.asdict(end))
+    data = plain(end)
+    data["peer_lost"] = end.failure == "peer-lost"  # (what readers before `kind` read)
+    write_json_atomic(run.rank_end(start.rank, start.number), data)
+    if end.how in FAULT_ENDS:
+        create_exclusive(run.rank_fault(start.rank, start.number), b"")
 
 
-def _read(path: Path) -> dict[str, Any] | None:
+def _start_of(path: Path, run: RunDir, number: int, unread: list[str] | None) -> RankStart | None:
     try:
-        value = json.loads(read_regular(path, 1 << 20))
-    except (OSError, ValueError):
+        start = read_json(RankStart, path, run.path, 1 << 20)
+    except FileNotFoundError:
         return None
-    return value if isinstance(value, dict) else None
-
-
-def _start_of(data: dict[str, Any], number: int) -> RankStart | None:
-    try:
-        oom = data.get("oom")
-        return RankStart(
-            run=str(data["run"]),
-            rank=int(data["rank"]),
-            world_size=int(data["world_size"]),
-            node=str(data["node"]),
-            pid=int(data["pid"]),
-            device=str(data["device"]),
-            at=float(data["at"]),
-            start_id=str(data["start_id"]) if data.get("start_id") else None,
-            oom=OomCount(str(oom["kernel"]), str(oom["counter"]), int(oom["kills"]))
-            if isinstance(oom, dict)
-            else None,
-            number=number,
-        )
-    except (KeyError, TypeError, ValueError):
+    except Unread as exc:
+        if unread is not None:
+            unread.append(str(exc))
         return None
+    return dataclasses.replace(start, number=number)
 
 
-def _exit_of(data: dict[str, Any] | None) -> RankExit | None:
-    if data is None or data.get("how") not in typing.get_args(Exit):
-        return None
-    try:
-        return RankExit(
-            how=data["how"],
-            detail=str(data.get("detail") or data["how"]),
-            at=float(data["at"]),
-            error_type=str(data["error_type"]) if data.get("error_type") else None,
-            message=str(data["message"]) if data.get("message") is not None else None,
-            peer_lost=data.get("peer_lost") is True,
-        )
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def rank_starts(run_dir: Path, rank: int) -> list[RankStart]:
-    """Every start record of `rank`, oldest first (a damaged one is left out)."""
+def rank_starts(run_dir: Path, rank: int, unread: list[str] | None = None) -> list[RankStart]:
+    """Every start record of `rank`, oldest first (one that is damaged is named in `unread`
+    and left out)."""
     run = RunDir(run_dir)
     found = []
     for number in run.rank_numbers().get(rank, []):
-        data = _read(run.rank_start(rank, number))
-        start = _start_of(data, number) if data is not None else None
+        start = _start_of(run.rank_start(rank, number), run, number, unread)
         if start is not None and start.rank == rank:
             found.append(start)
     return found
 
 
-def read_end(run_dir: Path, start: RankStart) -> RankExit | None:
-    """How the start `start` ended (None: it ended without a word, or it still runs)."""
-    return _exit_of(_read(RunDir(run_dir).rank_end(start.rank, start.number)))
+def read_end(run_dir: Path, start: RankStart, unread: list[str] | None = None) -> RankExit | None:
+    """How the start `start` ended (None: it ended without a word, or it still runs; or its
+    record is damaged, named in `unread`)."""
+    run = RunDir(run_dir)
+    try:
+        return read_json(RankExit, run.rank_end(start.rank, start.number), run.path, 1 << 20)
+    except FileNotFoundError:
+        return None
+    except Unread as exc:
+        if unread is not None:
+            unread.append(str(exc))
+        return None
 
 
 @dataclass(frozen=True)
@@ -270,6 +249,10 @@ class RankEnd:
     script's loop)."""
     preflight: bool = False
     """Its node failed the preflight check (`detail` says which check, with the figures)."""
+    kind: FailureKind | None = None
+    """What ended a failed start, as the rank decided (None: not a failure, or no word)."""
+    error_type: str | None = None
+    """The exception's type name, for a failure."""
 
     def describe(self) -> str:
         """One line for people."""
@@ -294,11 +277,14 @@ class RankEnd:
 
 
 def _when(epoch: float | None) -> dt.datetime | None:
-    return dt.datetime.fromtimestamp(epoch) if epoch is not None else None
+    try:  # (a log's mtime may be anything its owner set)
+        return dt.datetime.fromtimestamp(epoch) if epoch is not None else None
+    except (OverflowError, ValueError, OSError):
+        return None
 
 
-def _rank_end(run: RunDir, start: RankStart) -> RankEnd:
-    end = read_end(run.path, start)
+def _rank_end(run: RunDir, start: RankStart, unread: list[str] | None) -> RankEnd:
+    end = read_end(run.path, start, unread)
     common = {
         "rank": start.rank,
         "host": start.node,
@@ -315,30 +301,34 @@ def _rank_end(run: RunDir, start: RankStart) -> RankEnd:
         return RankEnd(
             how="no-exit", at=_when(last), detail="no exit record", oom=bool(rose), **common
         )
-    oom = end.how == "out-of-memory"
+    kind = end.failure
     return RankEnd(
-        how="failed" if oom or end.how == "preflight" else end.how,
+        how="failed" if kind in ("out-of-memory", "preflight") else end.how,
         at=_when(end.at),
         detail=end.detail,
-        peer_lost=end.peer_lost,
-        oom=oom,
-        preflight=end.how == "preflight",
+        peer_lost=kind == "peer-lost",
+        oom=kind == "out-of-memory",
+        preflight=kind == "preflight",
+        kind=kind,
+        error_type=end.error_type,
         **common,
     )
 
 
-def rank_ends(run_dir: Path) -> list[RankEnd]:
+def rank_ends(run_dir: Path, unread: list[str] | None = None) -> list[RankEnd]:
     """Return how each rank's latest start ended, by rank, from their records.
 
     Ranks that never started are left out, and so are ranks past the world size of the
     newest start: those of a start before the run went on with fewer ranks (--min-nodes).
+    A damaged record is named in `unread` and left out (an end record: the start reads as
+    ended without a word).
     """
     run = RunDir(run_dir)
     found = []
     for rank in run.rank_numbers():
-        starts = rank_starts(run_dir, rank)
+        starts = rank_starts(run_dir, rank, unread)
         if starts:
-            found.append(_rank_end(run, starts[-1]))
+            found.append(_rank_end(run, starts[-1], unread))
     size = latest_world_size(found)
     return [e for e in found if size is None or e.rank < size]
 

@@ -11,18 +11,18 @@ import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
-import json
-import math
 import os
 import re
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from mjlab_hpc.convert import Count
 from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.procs import user_name
-from mjlab_hpc.rundir.durable import create_exclusive, read_regular, read_tail, write_atomic
+from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_atomic, write_json_atomic
+from mjlab_hpc.rundir.typed import Unread, plain, read_json
 from mjlab_hpc.spec import ResolvedSpec
 
 __all__ = [
@@ -31,7 +31,9 @@ __all__ = [
     "CODE_DIFF",
     "CODE_DIR",
     "ELEMENT_RECORD",
+    "FAULT_SUFFIX",
     "GROUP_WRITABLE_ENV",
+    "HANG_RECORD",
     "NAN_DUMPS_DIR",
     "NODE_BEAT_GLOB",
     "PROGRESS",
@@ -44,8 +46,9 @@ __all__ = [
     "TIMESTAMP_FORMAT",
     "WANDB_RECORD",
     "ElementRecord",
-    "ProgressSummary",
     "RunDir",
+    "SweepMember",
+    "SweepRecord",
     "checkpoint_iteration",
     "create_run_dir",
     "is_run_dir",
@@ -54,17 +57,17 @@ __all__ = [
     "latest_run_record",
     "list_checkpoints",
     "new_folder",
-    "progress_summary",
     "rank_state_dir",
     "rank_state_file",
     "read_element",
-    "read_jsonl",
     "read_sweep",
     "realise_target",
     "record_latest_run",
     "run_dir_for_key",
     "run_dir_name",
     "shared_mkdir",
+    "write_element",
+    "write_sweep",
 ]
 
 TIMESTAMP_FORMAT = "%Y-%m-%d_%H-%M-%S"
@@ -107,6 +110,8 @@ VIDEOS_DIR = "videos/train"
 RANK_RECORDS_DIR = "ranks"
 NODE_BEAT_GLOB = "node-*.json"
 HANG_RECORD = "hang.json"
+#: The end of a rank's fault marker's name (`rank<k>.<n>.fault`).
+FAULT_SUFFIX = ".fault"
 # Files of an experiment folder.
 KEYS_DIR = ".keys"
 #: `<experiment>/.latest_run.<uid>`: each user's own latest run (a team shares the folder).
@@ -146,23 +151,6 @@ def rank_state_dir(checkpoint: Path) -> Path:
 def rank_state_file(checkpoint: Path, rank: int, world_size: int) -> Path:
     """Rank `rank`'s state of a checkpoint written by `world_size` ranks."""
     return rank_state_dir(checkpoint) / f"rank{rank}-of-{world_size}.pt"
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of a file (a torn line is skipped)."""
-    try:
-        text = read_regular(path, 1 << 30).decode(errors="replace")
-    except (OSError, ValueError):
-        return []
-    records = []
-    for line in text.splitlines():
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(value, dict):
-            records.append(value)
-    return records
 
 
 def _file_name(host: str) -> str:
@@ -258,6 +246,10 @@ class RunDir:
         """How the `number`th start of rank `rank` ended (none: it ended without a word)."""
         return self.rank_records / f"rank{rank}.{number}.end.json"
 
+    def rank_fault(self, rank: int, number: int) -> Path:
+        """An empty marker: that start ended in a fault (the batch script's watcher's sign)."""
+        return self.rank_records / f"rank{rank}.{number}{FAULT_SUFFIX}"
+
     def rank_numbers(self) -> dict[int, list[int]]:
         """The start numbers of each rank's start records, in order, by rank."""
         found: dict[int, list[int]] = {}
@@ -287,14 +279,6 @@ class RunDir:
         """Checkpoints, oldest first (by iteration count)."""
         return list_checkpoints(self.path)
 
-    def read_progress(self) -> list[dict[str, Any]]:
-        """The progress records written so far (a torn last line is ignored)."""
-        return read_jsonl(self.progress)
-
-    def progress_tail(self, lines: int = 10) -> list[dict[str, Any]]:
-        """The last `lines` records of progress.jsonl, read from the end of the file."""
-        return _progress_tail(self, lines)[0]
-
     def task_folder(self) -> Path | None:
         """The submitit folder of the run's task output, if it is one of ours.
 
@@ -310,69 +294,6 @@ class RunDir:
             return self.submitit
         sweeps = Path(os.path.realpath(self.path.parent / SWEEPS_DIR))
         return real if real.name == SUBMITIT_DIR and real.parent.parent == sweeps else None
-
-
-# Bytes of progress.jsonl's end read per record asked for (a record is about 300).
-_RECORD_BYTES = 512
-
-
-def _progress_tail(run: RunDir, lines: int) -> tuple[list[dict[str, Any]], str | None]:
-    """The last `lines` records of progress.jsonl, and why it was not read (None: it was)."""
-    try:
-        chunk = read_tail(run.progress, _RECORD_BYTES * (lines + 1), run.path)
-    except FileNotFoundError:
-        return [], None
-    except (OSError, ValueError) as exc:
-        return [], str(exc)
-    records = []
-    for line in chunk.decode(errors="replace").splitlines()[-(lines + 1) :]:
-        try:
-            records.append(dict(json.loads(line)))
-        except (ValueError, TypeError):
-            continue  # a torn last line
-    return records[-lines:], None
-
-
-@dataclass(frozen=True)
-class ProgressSummary:
-    """Where a run is, from the end of its progress.jsonl."""
-
-    iteration: int | None
-    """The last iteration written."""
-    total: int | None
-    """The iterations the run trains in all."""
-    env_steps_per_s: float | None
-    """Mean over the last few iterations (one is noisy)."""
-    mean_reward: float | None
-    """The last mean episode reward."""
-    recent_rewards: tuple[float, ...] = ()
-    """The mean episode rewards of the last few iterations (whether the reward stayed where
-    it ended)."""
-    unread: str | None = None
-    """Why progress.jsonl was not read (a FIFO, a device, a link out of the run)."""
-
-
-def _number(value: object) -> float | None:
-    """A number of a record (None: none, or text where a number belongs: not ours)."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    return float(value) if ok and math.isfinite(value) else None  # type: ignore[arg-type]
-
-
-def progress_summary(run: RunDir, window: int = 10) -> ProgressSummary:
-    """Summarize where a run is from the last `window` iterations of its progress.jsonl."""
-    tail, unread = _progress_tail(run, window)
-    last = tail[-1] if tail else {}
-    rates = [v for r in tail if (v := _number(r.get("env_steps_per_s")))]
-    rewards = [v for r in tail if (v := _number(r.get("mean_reward"))) is not None]
-    iteration, total = _number(last.get("iteration")), _number(last.get("total"))
-    return ProgressSummary(
-        iteration=None if iteration is None else int(iteration),
-        total=None if total is None else int(total),
-        env_steps_per_s=round(sum(rates) / len(rates), 1) if rates else None,
-        mean_reward=rewards[-1] if rewards else None,
-        recent_rewards=tuple(rewards),
-        unread=unread,
-    )
 
 
 def is_run_dir(path: Path) -> bool:
@@ -570,8 +491,9 @@ def record_latest_run(run: Path) -> None:
 
 
 def latest_run(log_root: str | Path, experiment: str) -> Path | None:
-    """This user's latest run of the experiment: the one their record names, else their
-    newest run directory. Another user's run is never the answer (a team's log root)."""
+    """This user's latest run of the experiment: the one their record names, else the run
+    directory of theirs written last. Another user's run is never the answer (a team's log
+    root)."""
     parent = Path(log_root) / experiment
     marker = latest_run_record(parent)
     me = os.geteuid()
@@ -584,20 +506,37 @@ def latest_run(log_root: str | Path, experiment: str) -> Path | None:
     runs = []
     for p in parent.glob("*"):
         with contextlib.suppress(OSError):
-            if not p.name.startswith(".") and p.is_dir() and p.stat().st_uid == me:
-                runs.append(p)
-    return max(runs).resolve() if runs else None
+            st = p.stat()
+            if not p.name.startswith(".") and stat.S_ISDIR(st.st_mode) and st.st_uid == me:
+                runs.append((_last_written(p, st.st_mtime), p.name, p))
+    return max(runs)[2].resolve() if runs else None
+
+
+def _last_written(run: Path, folder_mtime: float) -> float:
+    """When a run was last written: its run.json (a start, a stop, an end), else its folder.
+
+    Not its name: `--run-name zz`, a `-2` suffix or a --run-dir of any name would sort first.
+    """
+    try:
+        return os.lstat(run / RUN_RECORD).st_mtime
+    except OSError:
+        return folder_mtime
 
 
 @dataclass(frozen=True)
 class ElementRecord:
-    """What `sweep_element.json` in a run directory says about the run's place in a sweep."""
+    """`sweep_element.json` in a run directory: the run's place in a sweep."""
 
     sweep_dir: Path
-    index: int
+    """The sweep's folder (`<experiment>/.sweeps/<sweep>`)."""
+    index: Count
+    """The element's index in the job array."""
     job_id: str
+    """Its job (`<array>_<index>` on Slurm, the local controller's pid)."""
     executor: str
-    overrides: dict[str, str]
+    """slurm or local."""
+    overrides: Mapping[str, str]
+    """The element's values by key, as typed."""
     chain: tuple[str, ...] = ()
     """This element's job in each later job array of a --chain, in order."""
 
@@ -607,26 +546,72 @@ class ElementRecord:
         return " ".join(f"{k.removeprefix('agent.')}={v}" for k, v in self.overrides.items())
 
 
-def read_element(run_dir: Path) -> ElementRecord | None:
-    """The run's sweep element record, None if the run is not part of a sweep."""
-    path = run_dir / ELEMENT_RECORD
+@dataclass(frozen=True)
+class SweepMember(ElementRecord):
+    """An element as the sweep's record lists it: with its run directory."""
+
+    run_dir: Path | None = None
+    """The element's run directory."""
+
+
+@dataclass(frozen=True)
+class SweepRecord:
+    """`sweep.json` in a sweep's folder: its elements and jobs."""
+
+    executor: str
+    """slurm or local."""
+    array_job_id: str | None = None
+    """The job array (None: local jobs)."""
+    created_at: str | None = None
+    """When it was submitted, ISO 8601."""
+    axes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """Each swept key's values, as typed."""
+    array_parallelism: Count | None = None
+    """--array-parallelism."""
+    chain_array_job_ids: tuple[str, ...] = ()
+    """The later job arrays of a --chain."""
+    elements: tuple[SweepMember, ...] = ()
+    """Every element, by index."""
+
+
+def write_element(run_dir: Path, element: ElementRecord) -> None:
+    """Write the run's sweep element record (a chain's jobs only when it has any)."""
+    data = plain(element)
+    if not element.chain:
+        del data["chain"]
+    write_json_atomic(run_dir / ELEMENT_RECORD, data)
+
+
+def read_element(run_dir: Path, unread: list[str] | None = None) -> ElementRecord | None:
+    """The run's sweep element record, None if the run is not part of a sweep (or the record
+    is damaged: named in `unread`)."""
     try:
-        data = json.loads(read_regular(path))
-        return ElementRecord(
-            sweep_dir=Path(data["sweep_dir"]),
-            index=int(data["index"]),
-            job_id=str(data["job_id"]),
-            executor=str(data["executor"]),
-            overrides={str(k): str(v) for k, v in data["overrides"].items()},
-            chain=tuple(str(j) for j in data.get("chain", ())),
-        )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return read_json(ElementRecord, run_dir / ELEMENT_RECORD, run_dir)
+    except FileNotFoundError:
+        return None
+    except Unread as exc:
+        if unread is not None:
+            unread.append(str(exc))
         return None
 
 
-def read_sweep(sweep_dir: Path) -> dict[str, Any]:
-    """The sweep record (`sweep.json`) of a sweep directory, {} if there is none."""
+def write_sweep(sweep_dir: Path, record: SweepRecord) -> None:
+    """Write a sweep's record (`sweep.json`)."""
+    data = plain(record)
+    for element, member in zip(data["elements"], record.elements, strict=True):
+        if not member.chain:
+            del element["chain"]
+    write_json_atomic(sweep_dir / SWEEP_RECORD, data)
+
+
+def read_sweep(sweep_dir: Path, unread: list[str] | None = None) -> SweepRecord | None:
+    """The sweep record (`sweep.json`) of a sweep directory, None if there is none (or it is
+    damaged: named in `unread`)."""
     try:
-        return dict(json.loads(read_regular(sweep_dir / SWEEP_RECORD)))
-    except (OSError, ValueError, TypeError):
-        return {}
+        return read_json(SweepRecord, sweep_dir / SWEEP_RECORD, sweep_dir)
+    except FileNotFoundError:
+        return None
+    except Unread as exc:
+        if unread is not None:
+            unread.append(str(exc))
+        return None

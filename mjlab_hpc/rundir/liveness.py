@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mjlab_hpc.convert import Count, EpochS, Seconds
 from mjlab_hpc.procs import ProcessId
 from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_atomic
-from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.layout import HANG_RECORD, RunDir
+from mjlab_hpc.rundir.typed import Unread, parse_line, plain, read_json
 
 __all__ = [
     "Hang",
@@ -34,20 +37,10 @@ __all__ = [
     "write_node_beat",
 ]
 
+log = logging.getLogger("mjlab_hpc")
+
 # A node's beat holds a few hundred bytes per local rank.
 _BEAT_LIMIT = 1 << 20
-
-
-def _ints(value: object) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(type(v) is int for v in value):
-        raise TypeError("not a list of integers")
-    return tuple(value)
-
-
-def _strs(value: object) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        raise TypeError("not a list")
-    return tuple(str(v) for v in value)
 
 
 @dataclass(frozen=True)
@@ -151,59 +144,35 @@ def read_node_beat(run: RunDir, host: str) -> NodeBeat | None:
 class Hang:
     """What the watchdog of the rank that announced a hang found: `logs/heartbeat/hang.json`."""
 
-    rank: int
-    iteration: int
-    waited_s: float
-    limit_s: float
-    stalled: tuple[int, ...]
+    rank: Count
+    iteration: Count
+    waited_s: Seconds
+    limit_s: Seconds
+    stalled: tuple[Count, ...]
     """Ranks that stopped heartbeating or lag behind (empty: every rank is stuck alike)."""
     hosts: tuple[str, ...]
     """Their hosts."""
     detail: str
-    frozen: tuple[int, ...] = ()
+    frozen: tuple[Count, ...] = ()
     """Of the stalled ranks, those whose heartbeat stopped (a frozen process, a lost node)."""
     frozen_hosts: tuple[str, ...] = ()
     during: str = ""
     """The phase this rank was in, for people (empty: an iteration)."""
-    at: float = 0.0
+    at: EpochS = 0.0
     """When it was found (epoch s, this rank's clock)."""
 
     def to_bytes(self) -> bytes:
         """The record as written."""
-        data = {
-            "rank": self.rank,
-            "iteration": self.iteration,
-            "waited_s": round(self.waited_s, 1),
-            "limit_s": round(self.limit_s, 1),
-            "stalled_ranks": list(self.stalled),
-            "stalled_hosts": list(self.hosts),
-            "frozen_ranks": list(self.frozen),
-            "frozen_hosts": list(self.frozen_hosts),
-            "detail": self.detail,
-            "during": self.during,
-            "at": self.at,
-        }
+        data = plain(self)
+        data.update(waited_s=round(self.waited_s, 1), limit_s=round(self.limit_s, 1))
         return json.dumps(data).encode()
 
     @classmethod
     def parse(cls, raw: bytes) -> Hang | None:
         """Read back `to_bytes` (None: not such a record)."""
         try:
-            d = json.loads(raw)
-            return cls(
-                rank=int(d["rank"]),
-                iteration=int(d["iteration"]),
-                waited_s=float(d["waited_s"]),
-                limit_s=float(d["limit_s"]),
-                stalled=_ints(d["stalled_ranks"]),
-                hosts=_strs(d["stalled_hosts"]),
-                detail=str(d["detail"]),
-                frozen=_ints(d["frozen_ranks"]),
-                frozen_hosts=_strs(d["frozen_hosts"]),
-                during=str(d.get("during", "")),
-                at=float(d["at"]),
-            )
-        except (ValueError, TypeError, KeyError):
+            return parse_line(cls, raw, HANG_RECORD)
+        except Unread:
             return None
 
 
@@ -224,10 +193,14 @@ def write_hang(run: RunDir, hang: Hang) -> None:
 
 
 def read_hang(run: RunDir) -> Hang | None:
-    """The hang recorded in the latest start (None: none)."""
+    """The hang recorded in the latest start (None: none; one that is not ours is named in the
+    log and left out)."""
     try:
-        return Hang.parse(read_regular(run.hang_record, within=run.path))
-    except (OSError, ValueError):
+        return read_json(Hang, run.hang_record, within=run.path)
+    except FileNotFoundError:
+        return None
+    except Unread as exc:
+        log.warning("%s: left out", exc)
         return None
 
 

@@ -6,8 +6,10 @@ keeps it (`RunWriter.write_json(run.record, record.to_json())`); every reader ge
 fields. Updates are immutable: each `on_*` returns a new record.
 
 On disk it is the JSON object of `to_json` (the same keys as before the record had a type,
-plus `"schema"`). Records without `"schema"` (written before it) read as they are; a null
-reads as the field's default, and keys this code does not know are not kept.
+plus `"schema"`), read by the one converter (`mjlab_hpc.convert`). Records without `"schema"`
+(written before it) read as they are; a null reads as the field's default, and keys this code
+does not know are not kept. A record of a newer schema than ours is refused (`NewerRecord`),
+never read as ours nor rewritten.
 """
 
 from __future__ import annotations
@@ -15,24 +17,32 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import enum
-import functools
 import importlib.metadata
 import json
 import logging
 import os
 import time
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from mjlab_hpc.convert import (
+    Count,
+    EpochS,
+    Mismatch,
+    NonNegative,
+    Positive,
+    Seconds,
+    load,
+    parse_json,
+)
 from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.procs import run_command
 from mjlab_hpc.rundir.durable import read_regular
-from mjlab_hpc.rundir.layout import RUN_RECORD
-from mjlab_hpc.spec import NOT_RUN_SETTINGS
+from mjlab_hpc.rundir.layout import RUN_RECORD, RunDir
+from mjlab_hpc.rundir.typed import plain, read_json
+from mjlab_hpc.spec import NOT_RUN_SETTINGS, TrainSpec
 
 __all__ = [
     "IN_ALLOCATION",
@@ -41,14 +51,15 @@ __all__ = [
     "Effective",
     "Failure",
     "Interruption",
+    "NewerRecord",
     "RunRecord",
     "RunState",
+    "RunSummary",
     "Skipped",
     "Start",
     "StopEntry",
     "Straggler",
     "changed_settings",
-    "fits_type",
     "git_commit",
     "now_iso",
     "on_end",
@@ -61,6 +72,7 @@ __all__ = [
     "on_stop_answered",
     "on_stragglers",
     "read_record",
+    "read_summary",
     "versions",
 ]
 
@@ -141,6 +153,8 @@ def _empty(value: object) -> bool:
 def _dump(value: Any) -> Any:
     if isinstance(value, _Entry):
         return value.to_json()
+    if isinstance(value, TrainSpec):
+        return value.to_dict()
     if isinstance(value, tuple):
         return [_dump(v) for v in value]
     if isinstance(value, Mapping):
@@ -168,11 +182,11 @@ class Start(_Entry):
 
     job_id: str | None = None
     """The Slurm job, torchrun's run id, or None (a plain process)."""
-    restart_count: int = 0
+    restart_count: Count = 0
     """SLURM_RESTART_COUNT (0: the job's first run)."""
     at: str = ""
     """When it started, ISO 8601."""
-    resumed_from_iteration: int = 0
+    resumed_from_iteration: Count = 0
     """The checkpoint's iteration (0: from scratch)."""
     checkpoint: str | None = None
     """The checkpoint it resumed from (a file name)."""
@@ -194,7 +208,7 @@ class Interruption(_Entry):
     """time-limit, preemption, node-lost, requeue, interrupt, crash, hang, out-of-memory, ..."""
     error: str | None = None
     """A fault's error, for people."""
-    ranks: tuple[int, ...] = ()
+    ranks: tuple[Count, ...] = ()
     """A fault's ranks."""
     hosts: tuple[str, ...] = ()
     """Their hosts."""
@@ -202,17 +216,17 @@ class Interruption(_Entry):
     """requeue, stop (for good), failed, in-allocation (None: older records, a requeue)."""
     signal: str | None = None
     """A stop's signal (None: asked for by a file or the time limit)."""
-    iteration: int | None = None
+    iteration: Count | None = None
     """The iteration of the stop's checkpoint, or the last before the fault."""
     job_id: str | None = None
     """The job whose start it ended."""
-    restart_count: int | None = None
+    restart_count: Count | None = None
     """That start's SLURM_RESTART_COUNT."""
-    signal_at: float | None = None
+    signal_at: EpochS | None = None
     """When the stop was asked for (epoch s)."""
-    checkpoint_at: float | None = None
+    checkpoint_at: EpochS | None = None
     """When the stop's checkpoint was written (epoch s)."""
-    checkpoint_s: float | None = None
+    checkpoint_s: Seconds | None = None
     """How long that took."""
     why: str | None = None
     """What asked for the stop, in words."""
@@ -222,12 +236,18 @@ class Interruption(_Entry):
     """The nodes lost (node-lost)."""
     at: str | None = None
     """When the fault happened, ISO 8601."""
-    at_s: float | None = None
+    at_s: EpochS | None = None
     """The same in epoch s."""
     healed_at: str | None = None
     """When the healer decided."""
     signature: str | None = None
-    """The fault with its numbers blanked: equal for a repeat."""
+    """Records before `failure`: the fault's error with its numbers blanked (equal for a
+    repeat)."""
+    failure_kind: str | None = None
+    """What the rank that caused the fault said ended it (exception, peer-lost, environment,
+    ...; `rundir.ends.FailureKind`), decided by the rank from the exception's type."""
+    error_type: str | None = None
+    """That rank's exception's type name (None: it ended without a word, or a hang)."""
     action: str | None = None
     """What was done about it, for people."""
     excluded_nodes: tuple[str, ...] = ()
@@ -236,15 +256,16 @@ class Interruption(_Entry):
     """Of those, stragglers' nodes (slow, not broken)."""
     not_excluded: str | None = None
     """Why a suspect node was not left out."""
-    world_size: tuple[int, int] | None = None
+    world_size: tuple[Positive, Positive] | None = None
     """[before, now] when the restart ran on fewer nodes (--min-nodes)."""
     recovered_at: str | None = None
     """When the first iteration after it completed."""
     recovery_s: float | None = None
-    """Seconds from it to that iteration."""
-    resumed_from: int | None = None
+    """Seconds from it to that iteration (by two hosts' clocks: main wrote them below 0 when
+    they disagree; this code writes None then)."""
+    resumed_from: Count | None = None
     """The iteration the run resumed from."""
-    recomputed: int | None = None
+    recomputed: Count | None = None
     """Iterations computed again."""
 
     @property
@@ -275,7 +296,7 @@ class Failure(_Entry):
     """exception, peer-lost, out-of-memory, environment, crash, hang, ..."""
     error: str | None = None
     """Its error."""
-    rank: int | None = None
+    rank: Count | None = None
     """The rank."""
     host: str | None = None
     """Its host."""
@@ -287,17 +308,17 @@ class Failure(_Entry):
 class Straggler(_Entry):
     """A rank consistently slower than the others (written by rank 0 while it trains)."""
 
-    rank: int | None = None
+    rank: Count | None = None
     """The rank."""
     host: str | None = None
     """Its host."""
-    busy_s: float | None = None
+    busy_s: Seconds | None = None
     """Its seconds of work per iteration."""
-    others_s: float | None = None
+    others_s: Seconds | None = None
     """The others' (median)."""
-    ratio: float | None = None
+    ratio: NonNegative | None = None
     """busy_s / others_s."""
-    since: int | None = None
+    since: Count | None = None
     """The iteration since which it is slow."""
     text: str | None = None
     """For people."""
@@ -311,9 +332,9 @@ class Effective(_Entry):
     """The task."""
     source: str | None = None
     """Where it comes from (mjlab, builtin, ...)."""
-    num_envs: int | None = None
+    num_envs: Positive | None = None
     """Environments per rank."""
-    max_iterations: int | None = None
+    max_iterations: Count | None = None
     """The run's total iterations."""
     experiment_name: str | None = None
     """The experiment (the folder under the log root)."""
@@ -339,13 +360,13 @@ class RunRecord(_Entry):
     """When it last stopped (or was requeued after a fault)."""
     ended_at: str | None = None
     """When it (or its latest start) ended."""
-    spec: Mapping[str, Any] = field(default_factory=dict)
-    """The run's settings (`TrainSpec.to_dict()`) as of its latest start."""
+    spec: TrainSpec | None = None
+    """The run's settings as of its latest start (a field older records lack: its default)."""
     effective: Effective = field(default_factory=Effective)
     """What the task resolved to."""
-    world_size: int | None = None
+    world_size: Positive | None = None
     """Ranks of the latest start."""
-    num_nodes: int | None = None
+    num_nodes: Positive | None = None
     """Its nodes."""
     device: str | None = None
     """Rank 0's device (cuda:0, cpu)."""
@@ -371,7 +392,7 @@ class RunRecord(_Entry):
     """Why the run failed (until it starts again)."""
     stragglers: tuple[Straggler, ...] = ()
     """Slow ranks now (measured afresh in every start)."""
-    iterations: int | None = None
+    iterations: Count | None = None
     """Iterations done when it (or its latest start) ended."""
     damaged_records: tuple[str, ...] = ()
     """Damaged run.json files set aside (`run.json.damaged-<time>`) when this one began."""
@@ -419,98 +440,19 @@ class RunRecord(_Entry):
         return self.starts[-1] if self.starts else Start()
 
 
-# Reading: JSON values checked against the dataclasses' type hints.
+# Reading: JSON values checked against the dataclasses' type hints (`mjlab_hpc.convert`).
 
 
-class _Mismatch(ValueError):
-    def __init__(self, where: str, value: object, want: str) -> None:
-        super().__init__(f"its {where!r} is {json.dumps(value)[:40]}, not {want}")
+class NewerRecord(DamagedRecord):
+    """A run.json written by a newer mjlab-hpc (a higher schema): not ours to read or write."""
 
 
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def fits_type(value: object, hint: object) -> bool:
-    """Whether a JSON value (lists as tuples too) is one a field of type `hint` holds."""
-    try:
-        _load(hint, list(value) if isinstance(value, tuple) else value, "value")
-    except _Mismatch:
-        return False
-    return True
-
-
-def _load(hint: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return value
-    if origin is typing.Annotated:
-        return _load(typing.get_args(hint)[0], value, where)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        problems = []
-        for option in (o for o in options if o is not type(None)):
-            try:
-                return _load(option, value, where)
-            except _Mismatch as exc:
-                problems.append(exc)
-        raise problems[0]
-    if origin is typing.Literal:
-        if value in typing.get_args(hint):
-            return value
-        raise _Mismatch(where, value, " or ".join(map(repr, typing.get_args(hint))))
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise _Mismatch(where, value, "a JSON object")
-        hints = _hints(hint)  # type: ignore[arg-type]
-        return hint(  # type: ignore[operator]
-            **{
-                f.name: _load(hints[f.name], value[f.name], f"{where}.{f.name}")
-                for f in dataclasses.fields(hint)
-                if value.get(f.name) is not None  # null: the field's default
-            }
-        )
-    if origin is tuple or hint is tuple:
-        if not isinstance(value, list):
-            raise _Mismatch(where, value, "a list")
-        args = typing.get_args(hint)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_load(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
-        if not args:
-            return tuple(value)
-        if len(args) != len(value):
-            raise _Mismatch(where, value, f"a list of {len(args)}")
-        pairs = enumerate(zip(args, value, strict=True))
-        return tuple(_load(a, v, f"{where}[{i}]") for i, (a, v) in pairs)
-    if origin in (Mapping, dict) or hint is dict:
-        if not isinstance(value, dict):
-            raise _Mismatch(where, value, "a JSON object")
-        args = typing.get_args(hint)
-        if args:
-            return {k: _load(args[1], v, f"{where}.{k}") for k, v in value.items()}
-        return dict(value)
-    if origin is list or hint is list:
-        if not isinstance(value, list):
-            raise _Mismatch(where, value, "a list")
-        return value
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            raise _Mismatch(where, value, f"one of {', '.join(m.value for m in hint)}") from None
-    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    if hint is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if hint in (str, bool) and isinstance(value, hint):
-        return value
-    if hint is type(None) and value is None:
-        return None
-    name = getattr(hint, "__name__", str(hint))
-    raise _Mismatch(where, value, f"{'an' if name == 'int' else 'a'} {name}")
+def _newer(path: Path, schema: object) -> NewerRecord:
+    return NewerRecord(
+        path,
+        f"written by a newer mjlab-hpc, its schema {schema}; this one reads up to {SCHEMA}",
+        "use that version of mjlab-hpc for this run (nothing of it was changed)",
+    )
 
 
 def read_record(run_dir: Path, strict: bool = False, set_aside: bool = False) -> RunRecord:
@@ -519,7 +461,8 @@ def read_record(run_dir: Path, strict: bool = False, set_aside: bool = False) ->
     Every field is checked against its type. A damaged record reads as empty (no command
     ends in a traceback), or with `strict` raises DamagedRecord naming the field. With
     `set_aside` (a writer about to write anew) it is kept as `run.json.damaged-<time>`,
-    named in `damaged_records`.
+    named in `damaged_records`. A record of a newer schema raises NewerRecord with `strict`
+    or `set_aside` (it is never set aside or rewritten), and reads as empty otherwise.
     """
     path = run_dir / RUN_RECORD
     try:
@@ -530,16 +473,20 @@ def read_record(run_dir: Path, strict: bool = False, set_aside: bool = False) ->
         problem = str(exc).removeprefix(f"{RUN_RECORD} ")
     else:
         try:
-            value = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+            value = parse_json(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
             problem = "it is not JSON"
         else:
             if not isinstance(value, dict):
                 problem = f"it holds {json.dumps(value)[:40]}, not a JSON object"
+            elif type(value.get("schema")) is int and value["schema"] > SCHEMA:
+                if strict or set_aside:
+                    raise _newer(path, value["schema"])
+                return RunRecord()
             else:
                 try:
-                    return _load(RunRecord, value, "record")
-                except _Mismatch as exc:
+                    return load(RunRecord, value, "record")  # type: ignore[no-any-return]
+                except Mismatch as exc:
                     problem = str(exc).replace("'record.", "'", 1)
     if strict:
         raise DamagedRecord(
@@ -554,6 +501,41 @@ def read_record(run_dir: Path, strict: bool = False, set_aside: bool = False) ->
     os.replace(path, kept)
     log.warning("%s was damaged (%s): kept as %s, a new record begins", path, problem, kept.name)
     return RunRecord(damaged_records=(kept.name,))
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """`summary.json`: how a completed run ended, written once by its writer."""
+
+    iterations: Count
+    """Iterations done."""
+    resumed_from: Count = 0
+    """The iteration its last start resumed from."""
+    world_size: Positive | None = None
+    device: str | None = None
+    launch_mode: str | None = None
+    job_id: str | None = None
+    restart_count: Count = 0
+    """How often the run started again (`RunRecord.restarts_told`)."""
+    restart_reasons: tuple[str, ...] = ()
+    """After what, oldest first."""
+    param_digest_per_rank: tuple[str, ...] = ()
+    """Every rank's digest of its parameters at the end (equal: the ranks were in sync)."""
+    ranks_in_sync: bool | None = None
+    first_obs_digest_per_rank: tuple[str, ...] = ()
+    """Every rank's digest of its first observations (different seeds: different)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object for summary.json."""
+        return plain(self)  # type: ignore[no-any-return]
+
+
+def read_summary(run_dir: Path) -> RunSummary | None:
+    """The run's summary.json (None: none yet); Unread naming it when it is damaged."""
+    try:
+        return read_json(RunSummary, RunDir(run_dir).summary, run_dir)
+    except FileNotFoundError:
+        return None
 
 
 # Writing: each event of the run, as a new record.
@@ -588,18 +570,21 @@ def git_commit(path: Path) -> str | None:
     return proc.stdout.strip() or None
 
 
-def changed_settings(before: Mapping[str, Any], now: Mapping[str, Any]) -> dict[str, list[Any]]:
-    """Return the run's settings (TrainSpec fields, as dicts) that differ: {field: [before, now]}.
+def changed_settings(before: TrainSpec | None, now: TrainSpec) -> dict[str, list[Any]]:
+    """Return the run's settings that differ: {field: [before, now]}, as plain values.
 
     --num-procs is not one: the number of ranks is (`world_size`), whatever flag gave it.
     """
+    if before is None:
+        return {}
+    theirs, ours = before.to_dict(), now.to_dict()
     return {
-        key: [before[key], value]
-        for key, value in now.items()
-        if key in before
+        key: [theirs[key], value]
+        for key, value in ours.items()
+        if key in theirs
         and key not in NOT_RUN_SETTINGS
         and key != "num_procs"
-        and before[key] != value
+        and theirs[key] != value
     }
 
 
@@ -607,7 +592,7 @@ def on_start(
     record: RunRecord,
     start: Start,
     *,
-    spec: Mapping[str, Any],
+    spec: TrainSpec,
     effective: Mapping[str, Any],
     launch_mode: str,
     world_size: int,
@@ -630,8 +615,8 @@ def on_start(
         record,
         state=RunState.RUNNING,
         started_at=record.started_at or now_iso(),
-        spec=dict(spec),
-        effective=_load(Effective, dict(effective), "effective"),
+        spec=spec,
+        effective=load(Effective, dict(effective), "effective"),
         world_size=world_size,
         num_nodes=num_nodes,
         device=device,
@@ -696,10 +681,12 @@ def on_recovered(record: RunRecord, resumed_from: int) -> RunRecord:
         return record
     entry = pending[-1]
     began = float(entry.at_s or entry.signal_at or 0)
+    took = round(time.time() - began, 2) if began else None
     done = dataclasses.replace(
         entry,
         recovered_at=now_iso(),
-        recovery_s=round(time.time() - began, 2) if began else entry.recovery_s,
+        # (this rank's clock behind the one that recorded the fault: not known)
+        recovery_s=took if took is not None and took >= 0 else entry.recovery_s,
         resumed_from=resumed_from,
         recomputed=max(0, int(entry.iteration or 0) - resumed_from),
     )
@@ -721,7 +708,7 @@ def on_end(
     state: str = RunState.COMPLETED,
     *,
     failure: Failure | None = None,
-    spec: Mapping[str, Any] | None = None,
+    spec: TrainSpec | None = None,
     effective: Mapping[str, Any] | None = None,
 ) -> RunRecord:
     """The record at the end of the run (completed), or of this start (failed, interrupted).
@@ -735,11 +722,11 @@ def on_end(
         ended_at=now_iso(),
         iterations=iterations,
         failure=failure or record.failure,
-        spec=record.spec or dict(spec or {}),
+        spec=record.spec or spec,
         effective=(
             record.effective
             if record.effective != Effective() or effective is None
-            else _load(Effective, dict(effective), "effective")
+            else load(Effective, dict(effective), "effective")
         ),
     )
 
@@ -813,4 +800,4 @@ def on_preempted(record: RunRecord, job_id: str, restart_count: int) -> RunRecor
 
 def on_stragglers(record: RunRecord, now: list[dict[str, Any]]) -> RunRecord:
     """The record with the stragglers measured now (`Straggler` fields, as dicts)."""
-    return dataclasses.replace(record, stragglers=_load(tuple[Straggler, ...], now, "stragglers"))
+    return dataclasses.replace(record, stragglers=load(tuple[Straggler, ...], now, "stragglers"))

@@ -7,40 +7,69 @@ tell the run's state without Slurm (`record_state`). How each rank's latest star
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from mjlab_hpc.rundir.durable import read_regular
+from mjlab_hpc.convert import Count
+from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import CANCEL_RECORD, WRITER_LOCK
 from mjlab_hpc.rundir.lock import LeaseLock, LockError
 from mjlab_hpc.rundir.record import RunRecord, RunState, read_record
+from mjlab_hpc.rundir.typed import Unread, plain, read_json
 
 __all__ = [
+    "CancelRecord",
     "JobState",
     "cancel_marker",
     "record_state",
+    "write_cancel_record",
     "writer_alive",
 ]
 
 
-def cancel_marker(run_dir: Path, record: RunRecord | None = None) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class CancelRecord:
+    """`cancelled.json`: the user cancelled the run's jobs (`mjlab-hpc cancel`)."""
+
+    at: str = ""
+    """When, ISO 8601."""
+    by: str = ""
+    """Who: `user@host`."""
+    job_ids: tuple[str, ...] = ()
+    """The jobs cancelled."""
+    starts: Count | None = None
+    """How many starts the run had then: a later one (a resume) is not cancelled (None:
+    older records, compared by time)."""
+
+
+def write_cancel_record(run_dir: Path, record: CancelRecord) -> None:
+    """Write the cancel record (OSError when the run is not writable by this user)."""
+    write_json_atomic(run_dir / CANCEL_RECORD, plain(record))
+
+
+def cancel_marker(
+    run_dir: Path, record: RunRecord | None = None, unread: list[str] | None = None
+) -> CancelRecord | None:
     """Return the record `mjlab-hpc cancel` left (`cancelled.json`), if it still holds.
 
     It holds when it came after the run's latest start: a resume ends an earlier cancel.
-    `record` is run.json, if already read.
+    `record` is run.json, if already read. A damaged one is named in `unread`: no cancel.
     """
     try:
-        marker = dict(json.loads(read_regular(run_dir / CANCEL_RECORD)))
-    except (OSError, ValueError, TypeError):
+        marker = read_json(CancelRecord, run_dir / CANCEL_RECORD, run_dir)
+    except FileNotFoundError:
+        return None
+    except Unread as exc:
+        if unread is not None:
+            unread.append(str(exc))
         return None
     starts = (read_record(run_dir) if record is None else record).starts
-    if isinstance(marker.get("starts"), int):  # a start after the cancel (a resume) wins
-        return marker if max(1, len(starts)) <= marker["starts"] else None
+    if marker.starts is not None:  # a start after the cancel (a resume) wins
+        return marker if max(1, len(starts)) <= marker.starts else None
     # Older records: ISO 8601 with the same offset sorts as text.
     last = starts[-1].at if starts else ""
-    return marker if str(marker.get("at", "")) >= last else None
+    return marker if marker.at >= last else None
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,18 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.procs import alive, machine_id
 from mjlab_hpc.rundir.checkpoint import save_checkpoint
-from mjlab_hpc.rundir.durable import LinkRefused, append, open_regular, read_regular, reserve
+from mjlab_hpc.rundir.durable import LinkRefused, append, open_regular, reserve
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.lock import LeaseLock, LockError, OwnerInfo, write_fenced
+from mjlab_hpc.rundir.progress import parse_progress
 from mjlab_hpc.rundir.record import RunRecord
+from mjlab_hpc.rundir.typed import LINE_LIMIT, Unread, read_json
 
 __all__ = ["RESERVE_BYTES", "RunWriter", "busy_problem", "once"]
 
@@ -31,8 +34,6 @@ log = logging.getLogger("mjlab_hpc")
 _TEMP = re.compile(r"(\d+)\.(?:[0-9a-f]{8}){1,2}\.tmp$")
 #: Disk space the writer keeps for a run's last records (run.json and friends).
 RESERVE_BYTES = 1 << 20
-# Longer than any line of progress.jsonl: a longer one is no record of ours.
-_LINE_LIMIT = 1 << 16
 
 
 def busy_problem(run: RunDir) -> str | None:
@@ -198,13 +199,9 @@ def _progress_lines(run: RunDir) -> Iterator[tuple[bytes, int | None]]:
     A line longer than any record comes in pieces, none of them a record.
     """
     with open_regular(run.progress, None, run.path) as f:
-        while line := f.readline(_LINE_LIMIT):
-            try:
-                value = json.loads(line)
-            except ValueError:
-                value = None
-            at = value.get("iteration") if isinstance(value, dict) else None
-            yield line, at if isinstance(at, int) and not isinstance(at, bool) else None
+        while line := f.readline(LINE_LIMIT):
+            record = parse_progress(line) if len(line) < LINE_LIMIT else None
+            yield line, record.iteration if record is not None else None
 
 
 def once(
@@ -244,8 +241,21 @@ def once(
     return _once_result(marker, name)
 
 
+@dataclass(frozen=True)
+class _Once:
+    """`.once/<name>.json`: what the writer's side effect gave."""
+
+    result: Any = None
+    """Its result (JSON-able)."""
+    error: str | None = None
+    """Or its error."""
+
+
 def _once_result(marker: Path, name: str) -> Any:
-    data = json.loads(read_regular(marker))
-    if "error" in data:
-        raise RuntimeError(f"the writer's {name!r} failed: {data['error']}")
-    return data["result"]
+    try:
+        done = read_json(_Once, marker, marker.parent.parent)
+    except Unread as exc:
+        raise RuntimeError(f"the writer's {name!r}: {exc}") from None
+    if done.error is not None:
+        raise RuntimeError(f"the writer's {name!r} failed: {done.error}")
+    return done.result

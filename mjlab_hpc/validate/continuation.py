@@ -11,8 +11,7 @@ change of the run's settings, or refuses one that its saved environments do not 
 from __future__ import annotations
 
 import dataclasses
-import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,8 +27,8 @@ from mjlab_hpc.rundir.layout import (
 )
 from mjlab_hpc.rundir.record import (
     Effective,
+    NewerRecord,
     changed_settings,
-    fits_type,
     read_record,
     versions,
 )
@@ -113,7 +112,7 @@ def _found_run(train: TrainSpec, experiment: str) -> Path:
 def _check_place(
     run: Path,
     train: TrainSpec,
-    before: Mapping[str, Any],
+    before: TrainSpec,
     named: frozenset[str],
     effective: Effective,
     found: bool,
@@ -122,10 +121,10 @@ def _check_place(
 
     `found`: --resume found the run (under --log-root, in its experiment).
     """
-    experiment = effective.experiment_name or before.get("experiment_name")
+    experiment = effective.experiment_name or before.experiment_name
     for field, what, were, ours in (
         ("experiment_name", "experiment", experiment, train.experiment_name),
-        ("run_name", "run name", before.get("run_name"), train.run_name),
+        ("run_name", "run name", before.run_name, train.run_name),
     ):
         if field in named and were is not None and ours != were:
             flag = f"--{field.replace('_', '-')}"
@@ -164,29 +163,27 @@ def continuation(spec: S, named: frozenset[str], rank: bool = False) -> tuple[S,
         spec = spec.replace(train=train) if isinstance(spec, SubmitSpec) else train  # type: ignore[assignment]
     run = Path(train.run_dir) if train.run_dir and Path(train.run_dir).is_dir() else None
     record = read_record(run) if run is not None else None
-    before = record.spec if record is not None else {}
+    before = record.spec if record is not None else None
     where = {"run_dir": f"the run --resume found under {train.log_root}"} if found else {}
-    if run is None or record is None or not before:
+    if run is None or record is None or before is None:
         return spec, where
     _check_place(run, train, before, named, record.effective, found)
-    hints = typing.get_type_hints(TrainSpec, include_extras=True)
     world = _WORLD[type(spec)]
     keep_world = not rank and not named & set(world)
     # What --resume found the run by stays what the command says.
     found_by = {"log_root", "experiment_name"} if found else {"log_root"}
     changes: dict[str, Any] = {}
-    for name, value in before.items():
-        if name not in hints or name in named or name in {*_THIS_START, *found_by, "overrides"}:
+    for f in dataclasses.fields(TrainSpec):  # typed as the record was read
+        name = f.name
+        if name in named or name in {*_THIS_START, *found_by, "overrides"}:
             continue
         if name in _WORLD[TrainSpec] and not (keep_world and isinstance(spec, TrainSpec)):
             continue
-        value = tuple(value) if name == "gpu_ids" and isinstance(value, list) else value
-        if fits_type(value, hints[name]):
-            changes[name] = value
+        changes[name] = getattr(before, name)
     if "log_root" not in named and not found and run.parent.parent != run.parent:
         changes["log_root"] = str(run.parent.parent)  # where the run is, wherever it ran from
-    if before.get("overrides"):
-        changes["overrides"] = _merged_overrides(before["overrides"], train.overrides)
+    if before.overrides:
+        changes["overrides"] = _merged_overrides(before.overrides, train.overrides)
     size, device = record.world_size, record.device or ""
     cpu_ranks = isinstance(size, int) and size > 1 and device.startswith("cpu")
     if isinstance(spec, TrainSpec) and keep_world and cpu_ranks:
@@ -255,10 +252,12 @@ def continue_target(
     )
     if refusal is not None:
         raise refusal
-    if launcher:
-        try:
-            read_record(run_dir, strict=True)
-        except DamagedRecord as exc:
+    try:
+        read_record(run_dir, strict=True)
+    except NewerRecord as exc:  # never read as ours, nor rewritten
+        raise SpecError(flag, str(exc)) from None
+    except DamagedRecord as exc:
+        if launcher:
             say(
                 f"{exc.path} is damaged ({exc.problem}): this start keeps it as "
                 f"{RUN_RECORD}.damaged-<time> and begins a new record"
@@ -291,7 +290,7 @@ def _check_continuation(
     """
     record = read_record(run_dir)
     before = record.spec
-    if not before:
+    if before is None:
         return
     train = resolved.train
     kept = []  # (flag, the run's, this start's)
@@ -299,8 +298,8 @@ def _check_continuation(
     if num_envs not in (None, resolved.num_envs):
         kept.append(("--num-envs", num_envs, resolved.num_envs))
     for key in KEPT_ON_CONTINUATION:
-        if key != "num_envs" and before.get(key, getattr(train, key)) != getattr(train, key):
-            kept.append((f"--{key.replace('_', '-')}", before[key], getattr(train, key)))
+        if key != "num_envs" and getattr(before, key) != getattr(train, key):
+            kept.append((f"--{key.replace('_', '-')}", getattr(before, key), getattr(train, key)))
     size, size_flag = world
     # A size the healer changed to or from (--min-nodes) goes on with what the ranks saved.
     resized = size is not None and record.resized_by_healer(size)
@@ -315,7 +314,7 @@ def _check_continuation(
     if motion != resolved.motion_file:
         kept.append(("--registry-name", f"motion {motion}", f"motion {resolved.motion_file}"))
     if resolved.source == "mjlab":
-        change = _env_config_change(resolved.task, before.get("overrides", ()), train.overrides)
+        change = _env_config_change(resolved.task, before.overrides, train.overrides)
         if change is not None:
             kept.append(change)
     if kept and not train.fresh_envs:
@@ -328,7 +327,7 @@ def _check_continuation(
             "optimizer and iteration kept; not exact). Nothing was changed or started",
         )
     changes = {flag: f"{flag} {a} -> {b}" for flag, a, b in kept}
-    for key, (a, b) in changed_settings(before, train.to_dict()).items():
+    for key, (a, b) in changed_settings(before, train).items():
         if key == "overrides":  # each --env.* / --agent.* setting that changed
             old, new = override_values(a), override_values(b)
             for flag in dict.fromkeys([*old, *new]):

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any
 
+from mjlab_hpc.convert import Mismatch, load
 from mjlab_hpc.errors import SpecError
 from mjlab_hpc.spec import ResolvedSpec, TrainSpec
 from mjlab_hpc.validate.places import no_control
@@ -56,10 +56,6 @@ _FIXED = frozenset(
     }
 )
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
-_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
-_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -151,45 +147,16 @@ def parse_axes(flags: Sequence[str]) -> tuple[SweepAxis, ...]:
 
 
 def _convert(key: str, text: str, hint: Any) -> Any:
-    """Convert `text` to a value of the field type `hint` (SpecError naming --sweep if not)."""
-    origin = get_origin(hint)
-    if origin is typing.Annotated:
-        return _convert(key, text, get_args(hint)[0])
-    if hint is bool:
-        if text.lower() in _TRUE:
-            return True
-        if text.lower() in _FALSE:
-            return False
-        raise SpecError(FLAG, f"{key}={text}: not true or false")
-    # Plain ASCII numbers only: Python's int() also reads other scripts' digits and `1_0`,
-    # which would make elements that look different and are the same.
-    if hint is int:
-        if not _INT.fullmatch(text):
-            raise SpecError(FLAG, f"{key}={text}: not an integer")
-        return int(text)
-    if hint is float:
-        if not _FLOAT.fullmatch(text):
-            raise SpecError(FLAG, f"{key}={text}: not a number")
-        return float(text)
-    if hint is str:
-        return text
-    if origin is Literal:
-        if text in get_args(hint):
-            return text
-        choices = ", ".join(str(a) for a in get_args(hint))
-        raise SpecError(FLAG, f"{key}={text}: use one of {choices}")
-    if origin in (Union, types.UnionType):
-        options = [a for a in get_args(hint) if a is not type(None)]
-        if type(None) in get_args(hint) and text.lower() == "none":
-            return None
-        errors = []
-        for option in options:
-            try:
-                return _convert(key, text, option)
-            except SpecError as exc:
-                errors.append(exc.problem)
-        raise SpecError(FLAG, errors[0] if errors else f"{key}={text}: not a valid value")
-    raise SpecError(FLAG, f"{key} cannot be swept (its type is {hint})")
+    """Convert `text` to a value of the field type `hint` (SpecError naming --sweep if not).
+
+    The one converter's text mode (`mjlab_hpc.convert`): words as the command line spells
+    them (`true`, `none`), plain ASCII numbers.
+    """
+    try:
+        return load(hint, text, key, mode="text")
+    except Mismatch as exc:
+        verb = "use" if exc.want.startswith("one of") else "not"
+        raise SpecError(FLAG, f"{key}={text}: {verb} {exc.want}") from None
 
 
 def expand(

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import BIN, cli_env, only_run, warp_devices
+from helpers import BIN, cli_env, only_run, progress_records, warp_devices
 
 import mjlab_hpc
 from mjlab_hpc.launch.local import free_port
@@ -152,7 +152,7 @@ def check_gpu_run(run: RunDir, iterations: int, world: int = 1) -> dict[str, Any
     assert json.loads(run.record.read_text())["device"] == "cuda:0"
     for k in range(world):
         assert " on cuda:0, " in rank_head(run, k), rank_head(run, k)
-    progress = run.read_progress()
+    progress = progress_records(run)
     assert [r["iteration"] for r in progress] == list(range(1, iterations + 1))
     assert all(r["env_steps"] > 0 and r["env_steps_per_s"] > 0 for r in progress)
     return done
@@ -198,7 +198,7 @@ def test_builtin_task_trains_on_gpu(task: str, tmp_path: Path) -> None:
     done = check_gpu_run(run, 3)
     assert len(done["param_digest_per_rank"]) == 1
     if task == "cartpole":  # poles fall within the first iteration: episodes have ended
-        assert all(r["mean_reward"] is not None for r in run.read_progress())
+        assert all(r["mean_reward"] is not None for r in progress_records(run))
     # The final checkpoint holds what an exact resume on the GPU needs: the CUDA generator.
     state = load_rank_state(run.checkpoint(3), 0, 1, {})  # weights only, as a resume loads it
     assert state["cuda_rng"].numel() > 0 and state["env"]["qpos"].shape[0] == 1024
@@ -636,7 +636,7 @@ def test_two_ranks_on_one_gpu_with_gloo(tmp_path: Path) -> None:
     assert done["launch_mode"] == "torchrun" and done["ranks_in_sync"] is True
     assert len(set(done["param_digest_per_rank"])) == 1  # gradients averaged on CUDA tensors
     assert len(set(done["first_obs_digest_per_rank"])) == 2  # each rank its own worlds
-    assert all(r["collectives"] > 0 for r in run.read_progress())
+    assert all(r["collectives"] > 0 for r in progress_records(run))
     saved = sorted(p.name for p in (run.path / "rank_states" / "model_3").glob("*.pt"))
     assert saved == ["rank0-of-2.pt", "rank1-of-2.pt"]  # each rank wrote its own
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import BIN, cli_env, only_run, wait_for
+from helpers import BIN, cli_env, only_run, progress_records, wait_for
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.rundir.layout import RunDir
@@ -66,7 +66,7 @@ def _chain_continues(
     def second_started() -> dict | None:
         record = json.loads(run.record.read_text()) if run.record.exists() else {}
         starts = record.get("starts", [])
-        return record if len(starts) >= 2 and run.read_progress() else None
+        return record if len(starts) >= 2 and progress_records(run) else None
 
     record = wait_for(second_started, 150, "the chain's second job to start the run again")
     starts = record["starts"]
@@ -166,7 +166,7 @@ def _progressing(root: Path, iterations: int) -> RunDir | None:
     if not runs:
         return None
     run = RunDir(runs[0])
-    return run if len(run.read_progress()) >= iterations else None
+    return run if len(progress_records(run)) >= iterations else None
 
 
 def test_a_chained_sweep_queues_one_array_per_link_and_cancel_stops_them_all(

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, reference_digests, runs_under, wait_for
+from helpers import BIN, cli_env, progress_records, reference_digests, runs_under, wait_for
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.errors import EXIT_OK
@@ -106,7 +106,7 @@ def test_a_requeue_then_slurmctld_away_keeps_the_stop_checkpoint(
     proc = follow(slurm_cluster, tmp_path)
     run = the_run(tmp_path)
     job = job_of(run)
-    wait_for(lambda: len(run.read_progress()) >= 2, 240, "iteration 2")
+    wait_for(lambda: len(progress_records(run)) >= 2, 240, "iteration 2")
     slurm_cluster.run(["scontrol", "requeue", job])
     controller_away(slurm_cluster, AWAY_AT_STOP_S)
     ended(proc)

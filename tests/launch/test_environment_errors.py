@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, only_run
+from helpers import BIN, cli_env, only_run, progress_records
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from mjlab_hpc.rank.context import cuda_device_count
@@ -198,4 +198,4 @@ def test_a_full_disk_during_training_ends_in_one_line_and_resumes(
     record = read_record(run.path)
     assert record.state == "completed" and record.failure is None
     assert record.last_start.resumed_from_iteration == done
-    assert [r["iteration"] for r in run.read_progress()] == list(range(1, 41))
+    assert [r["iteration"] for r in progress_records(run)] == list(range(1, 41))

@@ -23,7 +23,16 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, clock_ahead, only_run, reference_digests, runs_under, wait_for
+from helpers import (
+    BIN,
+    cli_env,
+    clock_ahead,
+    only_run,
+    progress_records,
+    reference_digests,
+    runs_under,
+    wait_for,
+)
 from slurm_cluster import SLURMD_TIMEOUT_S, SlurmCluster
 
 from mjlab_hpc.errors import EXIT_FAILED, EXIT_HUNG, EXIT_OK, EXIT_REQUEUE, job_exit_code
@@ -321,7 +330,7 @@ def test_slurm_hang_then_node_down_on_two_nodes(
     wait_for(
         lambda: (
             len(read_record(run.path).starts) >= 2
-            and (run.read_progress() or [{}])[-1].get("iteration", 0) >= 14
+            and (progress_records(run) or [{}])[-1].get("iteration", 0) >= 14
         ),
         240,
         "the healed start to pass iteration 14",
@@ -397,7 +406,7 @@ def lose_rank1_node_after_6(cluster: SlurmCluster, run: RunDir, after: int = 6) 
     """Once rank 1 has stopped itself after iteration 6 (or `after`), lose its node for real
     (slurmd and rank killed at once, as in a power cut): that node."""
     wait_for(
-        lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= after,
+        lambda: (progress_records(run) or [{}])[-1].get("iteration", 0) >= after,
         240,
         f"iteration {after} (rank 1 stops itself there)",
     )
@@ -532,7 +541,7 @@ def test_slurm_node_set_down_with_a_spare(
     assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
     run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
     wait_for(
-        lambda: (run.read_progress() or [{}])[-1].get("iteration", 0) >= 6,
+        lambda: (progress_records(run) or [{}])[-1].get("iteration", 0) >= 6,
         240,
         "iteration 6 (rank 1 stops itself there)",
     )
@@ -662,7 +671,7 @@ def test_slurm_node_lost_for_good_past_slurmd_timeout(
     proc = submit(cluster, args, tmp_path, "stop@6:rank1:once", follow=False)
     assert proc.returncode == EXIT_OK, proc.stderr[-2000:]
     run = wait_for(lambda: runs_under(tmp_path) and RunDir(runs_under(tmp_path)[0]), 60, "run")
-    iteration = lambda: (run.read_progress() or [{}])[-1].get("iteration", 0)  # noqa: E731
+    iteration = lambda: (progress_records(run) or [{}])[-1].get("iteration", 0)  # noqa: E731
     env = cli_env(base=cluster.environ())
     lost = lose_rank1_node_after_6(cluster, run)
     try:

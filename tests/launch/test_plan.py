@@ -13,8 +13,10 @@ of a continuation came from, and a profile's values on a continuation.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import time
 from pathlib import Path
 
 import pytest
@@ -122,6 +124,8 @@ def test_the_dry_run_what_is_submitted_and_the_template_agree(
     logs = place / "logs"
     run = _run(logs, "2026-01-01_00-00-00")
     damaged = _run(logs, "2025-01-01_00-00-00", damaged=True)
+    hour_ago = time.time() - 3600  # --resume continues the run written last: `run`
+    os.utime(damaged / "run.json", (hour_ago, hour_ago))
     extra = [a.format(root=place, damaged=damaged) for a in CASES[case]]
     args = ["cartpole", "--time", "10", "--log-root", str(logs), *extra]
     code, dry, err = _out(capsys, submit_main, [*args, "--executor", "slurm", "--dry-run"])

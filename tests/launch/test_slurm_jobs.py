@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import BIN, cli_env, only_run, wait_for
+from helpers import BIN, cli_env, only_run, progress_records, wait_for
 from slurm_cluster import SlurmCluster
 
 from benchmarks.scale import rank_log_figures
@@ -61,7 +61,7 @@ def test_submit_2x2_cpu(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     assert code == 0, out
     job = job_id_of(out)
     run = only_run(tmp_path)
-    first_iteration_s = run.read_progress()[0]["time"] - t0
+    first_iteration_s = progress_records(run)[0]["time"] - t0
     print(f"[2x2 job] mjlab-submit to first finished iteration: {first_iteration_s:.1f} s")
     heads = first_lines(run, 4)
     # Ranks 0-3 spread over both nodes, the master on node1.
@@ -202,7 +202,7 @@ def test_preempt_requeue_resume_exact(slurm_cluster: SlurmCluster, tmp_path: Pat
     assert restarts[0]["checkpoint_at"] - t_signal < 30
     assert summary["restart_count"] == 1 and summary["resumed_from"] == restarts[0]["iteration"]
     assert summary["iterations"] == 12
-    iterations = [r["iteration"] for r in run.read_progress()]
+    iterations = [r["iteration"] for r in progress_records(run)]
     # Every iteration once up to the stop, then the remaining ones: exactly K in all.
     stop = restarts[0]["iteration"]
     assert iterations[:stop] == list(range(1, stop + 1)) and iterations[-1] == 12
@@ -246,7 +246,7 @@ def test_ranks_without_slurm_commands(slurm_cluster: SlurmCluster, tmp_path: Pat
     said = (run.path / "submitit" / f"{job}_0_log.err").read_text()
     assert "no scontrol here: the batch script requeues the job" in said, said[-2000:]
     assert "master node1:" in run.rank_log(0).read_text()  # the first host of the node list
-    assert sorted({r["iteration"] for r in run.read_progress()}) == list(range(1, 9))
+    assert sorted({r["iteration"] for r in progress_records(run)}) == list(range(1, 9))
 
 
 LOCK_WORKER = """

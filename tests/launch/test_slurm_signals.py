@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, reference_digests, runs_under, wait_for
+from helpers import BIN, cli_env, progress_records, reference_digests, runs_under, wait_for
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.errors import EXIT_OK
@@ -57,7 +57,7 @@ def job_of(run: RunDir) -> str:
 
 
 def iteration(run: RunDir) -> int:
-    return int((run.read_progress() or [{}])[-1].get("iteration", 0))
+    return int((progress_records(run) or [{}])[-1].get("iteration", 0))
 
 
 def suspended(cluster: SlurmCluster, job: str, seconds: float) -> None:
@@ -100,7 +100,7 @@ def test_a_suspended_job_resumes_as_if_nothing_happened(
     record = read_record(run.path)
     assert record.faults == () and record.restarts == (), record
     assert len(record.starts) == 1 and record.state == "completed", record.starts
-    assert [p["iteration"] for p in run.read_progress()] == list(range(1, 13))
+    assert [p["iteration"] for p in progress_records(run)] == list(range(1, 13))
     summary = json.loads(run.summary.read_text())
     assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, REFERENCE, ranks=2)
     assert "exit: completed" in run.rank_log(1).read_text()

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, wait_for
+from helpers import BIN, cli_env, progress_records, wait_for
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.ops.runs import list_runs
@@ -123,7 +123,7 @@ def test_with_slurmctld_gone_the_records_come_first_and_cancel_marks_nothing(
     )
     runs = {p.name.rsplit("_", 1)[1]: p for p in list_runs(tmp_path / "logs")}
     try:
-        wait_for(lambda: RunDir(runs["running"]).read_progress(), 150, "the first iteration")
+        wait_for(lambda: progress_records(RunDir(runs["running"])), 150, "the first iteration")
         with slurm_cluster.controller_down():
             wait_for(
                 lambda: read_record(runs["running"]).state == "completed",
@@ -165,7 +165,7 @@ def test_a_stop_signal_to_follow_ends_once_the_ranks_are_done(
     )
     try:
         run = wait_for(lambda: list_runs(tmp_path / "logs"), 60, "the run")[0]
-        wait_for(lambda: RunDir(run).read_progress(), 150, "the first iteration")
+        wait_for(lambda: progress_records(RunDir(run)), 150, "the first iteration")
         time.sleep(20)  # submitit's cached state is now refreshed every ~15 s
         follow.send_signal(signal.SIGTERM)
         wait_for(lambda: read_record(run).state == "stopped", 60, "the checkpoint")

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, fault_env, runs_under, wait_for, wait_for_iteration
+from helpers import (
+    BIN,
+    cli_env,
+    fault_env,
+    progress_records,
+    runs_under,
+    wait_for,
+    wait_for_iteration,
+)
 
 from mjlab_hpc.launch.local import local_processes
 from mjlab_hpc.ops.cancel import cancel_local
@@ -51,7 +59,7 @@ def status_json(*args: str, env: dict[str, str] | None = None) -> list[dict]:
 
 
 def iterations_done(run: Path) -> int:
-    return len(RunDir(run).read_progress())
+    return len(progress_records(RunDir(run)))
 
 
 def wait_ended(run: Path, env: dict[str, str] | None = None, timeout: float = 180) -> dict:
@@ -352,8 +360,9 @@ def test_tracebacks_are_split_at_log_records(tmp_path: Path) -> None:
 
 
 def test_first_traceback_is_the_cause_and_names_the_host_of_the_time(tmp_path: Path) -> None:
-    """Same millisecond: the rank that lost its peer comes after the peer. A requeued rank's
-    traceback names the host it ran on then."""
+    """Same millisecond: the rank that lost its peer (its end record says so) comes after the
+    peer, whatever its error's words. A requeued rank's traceback names the host it ran on
+    then."""
     stamp = "2026-01-02 03:04:09,500"
     rank0 = tmp_path / "rank0.log"
     rank0.write_text(
@@ -375,7 +384,9 @@ def test_first_traceback_is_the_cause_and_names_the_host_of_the_time(tmp_path: P
     # Each rank's starts, as its start records say (rank 1 moved to node7 when requeued).
     found = find_tracebacks(
         [
-            RankFiles(0, rank0, (), (), starts=((at("2026-01-02 03:04:05"), "node1"),)),
+            RankFiles(
+                0, rank0, (), (), starts=((at("2026-01-02 03:04:05"), "node1"),), peer_lost=(True,)
+            ),
             RankFiles(
                 1,
                 rank1,

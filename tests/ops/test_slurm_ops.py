@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, fault_env, wait_for
+from helpers import BIN, cli_env, fault_env, progress_records, wait_for
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.launch.local import local_processes
@@ -146,10 +146,10 @@ def test_status_then_cancel_on_slurm(
     CANCELLED, from sacct, and from the run record once Slurm has forgotten the job."""
     job, log_root = cluster_jobs.long
     run = only_run(log_root)
-    wait_for(lambda: len(RunDir(run).read_progress()) >= 3, 180, "iteration 3")
-    before = len(RunDir(run).read_progress())
+    wait_for(lambda: len(progress_records(RunDir(run))) >= 3, 180, "iteration 3")
+    before = len(progress_records(RunDir(run)))
     row = status_json(slurm_cluster, job, "--log-root", str(log_root))[0]
-    after = len(RunDir(run).read_progress())
+    after = len(progress_records(RunDir(run)))
     assert row["run_dir"] == str(run) and row["job_ids"] == [job] and row["kind"] == "slurm"
     assert row["state"] == "RUNNING" and row["state_source"] == "squeue" and row["active"]
     assert row["nodes"] == 2 and row["ranks"] == 2
@@ -187,7 +187,7 @@ def test_status_then_cancel_on_slurm(
     forgotten = stand_ins(tmp_path / "forgotten", sacct=NO_ACCOUNTING, squeue=FORGOTTEN)
     row = status_json(slurm_cluster, str(run), path_first=forgotten)[0]
     assert row["state"] == "CANCELLED" and row["state_source"] == "record"
-    assert row["iteration"] == len(RunDir(run).read_progress())
+    assert row["iteration"] == len(progress_records(RunDir(run)))
 
 
 def test_logs_name_the_failing_rank_and_host(

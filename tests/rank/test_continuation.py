@@ -65,7 +65,7 @@ def test_kept_settings_are_refused_and_others_applied(tmp_path: Path) -> None:
     assert "with new environments (--fresh-envs)" in note
     assert "--num-procs 1 rank(s) -> 2 rank(s)" in note and "--max-iterations 2 -> 4" in note
     record = read_record(run)
-    assert record.spec["num_procs"] == 2 and record.world_size == 2
+    assert record.spec.num_procs == 2 and record.world_size == 2
     last = record.last_start
     assert last.environments == "fresh" and last.resumed_from_iteration == 2
     assert last.changed == {"max_iterations": [2, 4], "world_size": [1, 2]}
@@ -86,7 +86,7 @@ def test_kept_settings_are_refused_and_others_applied(tmp_path: Path) -> None:
     last = record.last_start
     assert last.environments == "restored" and record.world_size == 2
     assert last.changed == {"max_iterations": [4, 5], "save_interval": [1, 2]}
-    assert record.spec["num_envs"] == 16 and record.spec["torch_threads"] == 1
+    assert record.spec.num_envs == 16 and record.spec.torch_threads == 1
     back = train("--num-procs", "1", "--max-iterations", "6", *where)  # named: compared
     assert back.returncode == EXIT_BAD_INPUT and "trained with 2 rank(s)" in back.stderr
 

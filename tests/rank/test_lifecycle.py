@@ -25,6 +25,7 @@ from helpers import (
     cli_env,
     episode_metrics,
     only_run,
+    progress_records,
     reference_digests,
     reference_metrics,
     wait_for,
@@ -109,7 +110,7 @@ def test_ctrl_c_stops_two_ranks_with_a_checkpoint_and_resume_continues_exactly(
     assert "done: 8 iterations" in again.stdout
     summary = json.loads(run.summary.read_text())
     assert summary["resumed_from"] == stop.iteration and summary["ranks_in_sync"]
-    assert [r["iteration"] for r in run.read_progress()] == list(range(1, iters + 1))
+    assert [r["iteration"] for r in progress_records(run)] == list(range(1, iters + 1))
     uninterrupted = [*COMMON, "--max-iterations", str(iters)]
     assert summary["param_digest_per_rank"] == reference_digests(shared_tmp, uninterrupted, 2)
     # Rank 0's episode statistics came back with its state: the same metrics are logged.
@@ -149,7 +150,7 @@ def test_a_stopped_or_lost_launcher_leaves_no_rank_behind(tmp_path: Path, how: s
     assert record.state == "stopped" and stop.kind == "stop"
     assert stop.reason == REASONS[how]
     assert stop.iteration is not None and run.checkpoint(stop.iteration).exists()
-    done = len(run.read_progress())
+    done = len(progress_records(run))
     assert done == stop.iteration  # stopped for good: no requeue trained on
     if how == "kill-launcher":
         assert proc.returncode == -signal.SIGKILL
@@ -266,7 +267,7 @@ def test_resume_skips_damaged_checkpoints_and_refuses_what_it_cannot_continue(
     assert [s.name for s in record.skipped_checkpoints] == ["model_6.pt"]
     assert record.last_start.resumed_from_iteration == 4
     assert (run.path / "model_6.pt.damaged").exists()
-    assert [r["iteration"] for r in run.read_progress()] == list(range(1, 9))
+    assert [r["iteration"] for r in progress_records(run)] == list(range(1, 9))
 
     # A copy of the log root resumes in the copy (records name runs, not absolute paths).
     copy = tmp_path / "copy"
@@ -303,7 +304,7 @@ def test_resume_skips_damaged_checkpoints_and_refuses_what_it_cannot_continue(
     fresh = train("--max-iterations", "2", "--resume", "--restart-from-scratch")
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert read_record(run.path).last_start.resumed_from_iteration == 0
-    assert [r["iteration"] for r in run.read_progress()] == [1, 2]
+    assert [r["iteration"] for r in progress_records(run)] == [1, 2]
     other_shape = train("--max-iterations", "4", "--resume", "--agent.actor.hidden-dims", "[64,64]")
     assert other_shape.returncode == EXIT_BAD_INPUT, other_shape.stderr[-2000:]
     assert "network of another shape" in other_shape.stderr
@@ -335,7 +336,7 @@ def test_submit_local_resume_continues_on_two_ranks(tmp_path: Path) -> None:
     summary = json.loads(run.summary.read_text())
     assert summary["resumed_from"] == 2 and summary["world_size"] == 2
     assert summary["ranks_in_sync"]
-    assert [r["iteration"] for r in run.read_progress()] == [1, 2, 3, 4]
+    assert [r["iteration"] for r in progress_records(run)] == [1, 2, 3, 4]
     all_gone(run)
 
 

@@ -21,6 +21,7 @@ from helpers import (
     cli_env,
     episode_metrics,
     only_run,
+    progress_records,
     rank_pids,
     reference_digests,
     reference_metrics,
@@ -84,7 +85,7 @@ def test_three_preemptions_local_executor_exact(tmp_path: Path, shared_tmp: Path
     assert [r["reason"] for r in restarts] == ["time-limit"] * 3
     summary = json.loads(run.summary.read_text())
     assert summary["iterations"] == iters and summary["ranks_in_sync"]
-    assert sorted({r["iteration"] for r in run.read_progress()}) == list(range(1, iters + 1))
+    assert sorted({r["iteration"] for r in progress_records(run)}) == list(range(1, iters + 1))
     reference = reference_digests(shared_tmp, [*COMMON, "--max-iterations", str(iters)], 2)
     assert summary["param_digest_per_rank"] == reference
     assert rank_pids(run) == []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BIN, cli_env, only_run
+from helpers import BIN, cli_env, only_run, progress_records
 
 from mjlab_hpc.launch.local import free_port
 from mjlab_hpc.rundir.checkpoint import load_verified
@@ -35,7 +35,7 @@ def check_synced_run(run: RunDir, world: int, iters: int) -> dict:
     assert summary["ranks_in_sync"] is True
     # Different seeds per rank: the ranks saw different observations.
     assert len(set(summary["first_obs_digest_per_rank"])) == world
-    assert [r["iteration"] for r in run.read_progress()] == list(range(1, iters + 1))
+    assert [r["iteration"] for r in progress_records(run)] == list(range(1, iters + 1))
     assert sorted(p.name for p in run.logs.glob("rank*.log")) == [
         f"rank{k}.log" for k in range(world)
     ]
@@ -62,7 +62,7 @@ def test_single_process_learns(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = only_run(tmp_path)
-    progress = run.read_progress()
+    progress = progress_records(run)
     last = progress[-1]
     assert last["iteration"] == 60
     assert min(r["mean_reward"] for r in progress[-5:]) >= 450, progress[-5:]
@@ -215,7 +215,7 @@ def test_agent_overrides_reach_training(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = only_run(tmp_path)
-    assert run.read_progress()[0]["env_steps"] == 8 * 32
+    assert progress_records(run)[0]["env_steps"] == 8 * 32
     agent = run.params / "agent.yaml"
     assert "learning_rate: 0.0003" in agent.read_text()
     assert "overrides:" in (run.params / "train.yaml").read_text()

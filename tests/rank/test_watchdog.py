@@ -325,8 +325,9 @@ def test_this_srun_steps_ranks_are_found_by_its_name_not_by_clocks(tmp_path: Pat
     times."""
     run = RunDir(tmp_path)
     for rank in (0, 1):
-        start = _started(run, rank, at=3e9, start_id="42.0.1")  # clocks far ahead
-        _ended(run, start, "stopped", 3e9 + 9, "stopped at iteration 3")
+        ahead = 12 * 3600.0  # the nodes' clocks far ahead (a time past tomorrow is no record)
+        start = _started(run, rank, at=ahead, start_id="42.0.1")
+        _ended(run, start, "stopped", ahead + 9, "stopped at iteration 3")
     assert [e.start_id for e in rank_ends(run.path)] == ["42.0.1", "42.0.1"]
     assert find_fault(run.path, start="42.0.1") is None
     fault = find_fault(run.path, start="42.0.2")  # the next step: its ranks never logged

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, cli_env, clock_ahead, wait_for
+from helpers import BIN, cli_env, clock_ahead, progress_records, wait_for
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_OK
 from mjlab_hpc.rundir.checkpoint import Checkpoints
@@ -154,7 +154,7 @@ def test_a_second_training_into_a_running_run_is_refused_at_once(
         text=True,
     )
     try:
-        wait_for(lambda: len(RunDir(healthy).read_progress()) > 3, 150, "the first training")
+        wait_for(lambda: len(progress_records(RunDir(healthy))) > 3, 150, "the first training")
         for ahead in ([], clock_ahead("+1h")):
             began = time.monotonic()
             resume = ["--max-iterations", "5000", "--run-dir", str(healthy), "--resume"]

@@ -88,7 +88,7 @@ def test_a_diverged_training_is_not_restarted(tmp_path: Path) -> None:
     """Every rank's numbers went non-finite at one update: a restart would diverge again."""
     from mjlab_hpc.errors import Diverged
     from mjlab_hpc.launch.heal import decide
-    from mjlab_hpc.rundir.ends import failure_kind
+    from mjlab_hpc.rank.failures import failure_kind
     from mjlab_hpc.rundir.record import Failure, RunRecord, RunState
 
     error = Diverged(7, "the value loss is nan", 1.0)
@@ -103,3 +103,68 @@ def test_a_diverged_training_is_not_restarted(tmp_path: Path) -> None:
     heal = decide(tmp_path, max_restarts=5, start="7.0.1")
     assert heal.fault is not None and heal.fault.reason == "diverged"
     assert not heal.requeue and "iteration 7" in heal.why and "learning rate" in heal.why
+
+
+def test_a_repeat_is_the_same_kind_type_ranks_and_iteration_never_the_same_words(
+    tmp_path: Path,
+) -> None:
+    """The crash-loop check compares what the ranks said ended them (kind, exception type),
+    the ranks and the iteration; another message (a pid, an address) is the same failure,
+    another type or another rank is not."""
+    from mjlab_hpc.launch.heal import decide, record_healing
+    from mjlab_hpc.rundir.progress import ProgressLine, progress_line
+
+    def start_failing(step: str, rank: int, error_type: str, message: str) -> None:
+        for r in (0, 1):
+            made = RankStart(tmp_path.name, r, 2, f"n{r}", 1, "cpu", time.time(), step)
+            started = record_start(run, made)
+            own = r == rank
+            record_end(
+                run,
+                started,
+                RankExit(
+                    how="failed",
+                    detail=f"{error_type}: {message}" if own else "RuntimeError: peer gone",
+                    at=time.time(),
+                    error_type=error_type if own else "RuntimeError",
+                    kind="exception" if own else "peer-lost",
+                ),
+            )
+
+    run = RunDir(tmp_path)
+    run.progress.write_text(progress_line(ProgressLine(iteration=3)) + "\n")
+    start_failing("7.0.1", 1, "ValueError", "bad value from pid 4711 at 0x7f00")
+    first = decide(tmp_path, max_restarts=5, start="7.0.1")
+    assert first.requeue and first.fault is not None and first.fault.ranks == (1,)
+    assert (first.entry.failure_kind, first.entry.error_type) == ("exception", "ValueError")
+    record_healing(tmp_path, first)
+    start_failing("7.0.2", 1, "ValueError", "bad value from pid 5120 at 0x7f88")
+    again = decide(tmp_path, max_restarts=5, start="7.0.2")
+    assert not again.requeue and "the same failure at iteration 3" in again.why
+    start_failing("7.0.3", 1, "KeyError", "bad value from pid 5120 at 0x7f88")
+    assert decide(tmp_path, max_restarts=5, start="7.0.3").requeue  # another type
+    start_failing("7.0.4", 0, "ValueError", "bad value from pid 5120 at 0x7f88")
+    assert decide(tmp_path, max_restarts=5, start="7.0.4").requeue  # another rank
+
+
+def test_a_heal_reads_run_json_to_decide_and_again_only_to_write_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mjlab_hpc.rundir.record as record_module
+    from mjlab_hpc.launch.heal import decide, record_healing
+
+    run = RunDir(tmp_path)
+    for rank in (0, 1):
+        record_end(run, _start(run, rank), RankExit(how="failed", detail="x", at=time.time()))
+    reads: list[Path] = []
+    read = record_module.read_regular
+
+    def counted(path: Path, *args: object, **kw: object) -> bytes:
+        reads.append(path)
+        return read(path, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(record_module, "read_regular", counted)
+    heal = decide(tmp_path, max_restarts=3, start="7.0.1")
+    assert heal.requeue and len(reads) == 1  # was 5: each step read it again
+    record_healing(tmp_path, heal)  # the writer's update, under its lease
+    assert [p.name for p in reads] == ["run.json", "run.json"]

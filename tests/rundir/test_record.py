@@ -38,6 +38,7 @@ from mjlab_hpc.rundir.record import (
     read_record,
 )
 from mjlab_hpc.rundir.state import record_state
+from mjlab_hpc.spec import TrainSpec
 
 COMPLETED = Path(__file__).parent / "data" / "run-138aa9f-completed.json"
 
@@ -159,7 +160,9 @@ def write(run: Path, value: object) -> Path:
 def test_a_record_main_wrote_reads_and_writes_back_the_same_keys(tmp_path: Path, make: Any) -> None:
     before = make()
     record = read_record(write(tmp_path, before), strict=True)
-    assert record.to_json() == {**before, "schema": SCHEMA}
+    # The settings are a TrainSpec: those the record predates are written at their defaults.
+    spec = {**TrainSpec().to_dict(), **before["spec"]}
+    assert record.to_json() == {**before, "spec": spec, "schema": SCHEMA}
     assert record.schema is None  # written before the schema
 
 
@@ -205,10 +208,10 @@ def test_older_records_read(tmp_path: Path) -> None:
     [
         (lambda r: r.update(state="sleeping"), "its 'state' is \"sleeping\", not one of running"),
         (lambda r: r.update(starts=3), "its 'starts' is 3, not a list"),
-        (lambda r: r["starts"][0].update(job_id=5), "its 'starts[0].job_id' is 5, not a str"),
+        (lambda r: r["starts"][0].update(job_id=5), "its 'starts[0].job_id' is 5, not a string"),
         (lambda r: r.update(faults=[FAULT, 1]), "its 'faults[1]' is 1, not a JSON object"),
         (lambda r: r["effective"].update(num_envs="4"), "its 'effective.num_envs' is \"4\""),
-        (lambda r: r.update(world_size=True), "its 'world_size' is true, not an int"),
+        (lambda r: r.update(world_size=True), "its 'world_size' is true, not an integer"),
     ],
 )
 def test_a_field_of_the_wrong_type_is_named(tmp_path: Path, change: Any, said: str) -> None:
@@ -228,7 +231,7 @@ def test_a_field_of_the_wrong_type_is_named(tmp_path: Path, change: Any, said: s
 
 def test_each_event_is_a_new_record_and_the_old_one_stays(tmp_path: Path) -> None:
     empty = RunRecord()
-    settings = {"spec": {"task": "cartpole", "max_iterations": 2}, "effective": {"num_envs": 4}}
+    settings = {"spec": TrainSpec(max_iterations=2), "effective": {"num_envs": 4}}
     where = {"launch_mode": "slurm", "num_nodes": 2, "device": "cpu", "code": {}}
     first = on_start(
         empty, Start(job_id="12"), **settings, **where, world_size=4, code_dir=tmp_path
@@ -254,7 +257,7 @@ def test_each_event_is_a_new_record_and_the_old_one_stays(tmp_path: Path) -> Non
     assert lost.restarts[0].reason == "time-limit"  # not a preemption: left as it is
     lost = on_node_failed(first, "12", 1, iteration=5, nodes=["node1"], ended="2026-01-01T00:00")
     assert lost.faults[0].reason == "node-lost" and lost.faults[0].nodes == ("node1",)
-    later = {**settings, "spec": {"task": "cartpole", "max_iterations": 9}}
+    later = {**settings, "spec": TrainSpec(max_iterations=9)}
     again = on_start(
         lost, Start(job_id="12", restart_count=1), **later, **where, world_size=2, code_dir=tmp_path
     )

@@ -30,7 +30,7 @@ else:
 
 import mjlab
 import tyro
-from helpers import BIN, cli_env, only_run, rank_pids, wait_for_iteration
+from helpers import BIN, cli_env, only_run, progress_records, rank_pids, wait_for_iteration
 
 from mjlab_hpc.cli.common import parse_with_overrides
 from mjlab_hpc.cli.train import main as train_main
@@ -268,7 +268,7 @@ def test_start_from_a_wandb_checkpoint_with_the_nan_guard(wandb_run, tmp_path: P
     assert effective["start_checkpoint"] == str((cache / "model_8.pt").resolve())
     summary = json.loads(run.summary.read_text())
     assert (summary["resumed_from"], summary["iterations"]) == (0, 2)
-    assert [r["iteration"] for r in run.read_progress()] == [1, 2]
+    assert [r["iteration"] for r in progress_records(run)] == [1, 2]
     env_yaml = (run.params / "env.yaml").read_text()
     guard = env_yaml[env_yaml.index("nan_guard:") :].splitlines()[1:4]
     assert guard[0].strip() == "enabled: true"
