@@ -10,6 +10,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -446,6 +447,27 @@ def cgroup_v1(
             time.sleep(0.1)
 
 
+def linked_copy(src: Path, dst: Path, owner: str | None = None, group: str | None = None) -> None:
+    """Copy the Warp modules of `src` (one Warp version's cache folder) into `dst` as hard
+    links (no bytes copied; a file is replaced, never written, by Warp and by the tests), its
+    folders `owner`'s."""
+
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:  # another filesystem
+            shutil.copy2(a, b)
+
+    dst.mkdir(parents=True, exist_ok=True)
+    if src.is_dir():
+        for module in src.glob("wp_*"):
+            if module.is_dir() and not re.search(r"_p\d+_t\d+$", module.name):  # half-built
+                shutil.copytree(module, dst / module.name, copy_function=link, dirs_exist_ok=True)
+    if owner is not None:
+        for folder in [dst, *(p for p in dst.rglob("*") if p.is_dir())]:
+            shutil.chown(folder, user=owner, group=group)
+
+
 class Team:
     """Two unprivileged users of one group, as on a shared login node (mjlab-alice and
     mjlab-bob in mjlab-team), and `shared`: a group-shared (setgid) folder for their runs."""
@@ -458,8 +480,8 @@ class Team:
         self.shared = base / "shared"
 
     def env(self, user: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The environment of a command `user` runs: their own home, one Warp kernel cache
-        for the team (compiled once), our venv's scripts on PATH."""
+        """The environment of a command `user` runs: their own home and Warp kernel cache,
+        our venv's scripts on PATH."""
         home = self.base / "home" / user
         env = cli_env(
             {
@@ -467,7 +489,7 @@ class Team:
                 "USER": user,
                 "LOGNAME": user,
                 "TMPDIR": str(home),
-                "WARP_CACHE_PATH": str(self.base / "warp-cache"),
+                "WARP_CACHE_PATH": str(self.base / "warp-cache" / user),
             }
         )
         env.pop("XDG_CACHE_HOME", None)

@@ -6,7 +6,8 @@ keeps it in the user's home (`$XDG_CACHE_HOME` or `~/.cache`, then `mjlab-hpc/ke
 every log root and working folder shares it, and every node does where homes are shared; a site
 whose homes are not shared names a shared folder (`kernel-cache = "/shared/..."` in its config
 file's [defaults]). Where WARP_CACHE_PATH is set `auto` leaves it to Warp, and `node` is Warp's
-own default: there Warp decides, and the rank says when others may write that folder.
+own default; where that folder is another user's, or others may write it, the rank warns and
+uses the user's own folder in their home instead.
 
 Under the folder (the home's, or a --kernel-cache folder that others may own: a team's, a
 site's) the cache is `<user>/<key>/`. `<user>` is this user's alone (mode 0700), `<key>` names
@@ -216,17 +217,9 @@ def _warp_own(how: str, warning: bool = False) -> KernelCache:
     return KernelCache(None, f"{folder} ({how})", warning=warning)
 
 
-def choose_kernel_cache(choice: str, device: str) -> KernelCache:
-    """Decide where Warp keeps this rank's kernels, and open (or make) the folder.
-
-    `choice` is --kernel-cache: `auto` (a folder of the user's in their home; WARP_CACHE_PATH
-    where it is set), `node` (Warp's own default) or a folder (maybe shared: the cache is
-    `<folder>/<user>/<key>`). Call after `wp.init()`.
-    """
-    if choice == NODE:
-        return _warp_own("Warp's own default: --kernel-cache node")
-    if choice == AUTO and os.environ.get("WARP_CACHE_PATH"):
-        return _warp_own("WARP_CACHE_PATH")
+def _held(choice: str, device: str) -> KernelCache:
+    """`<root>/<user>/<key>` opened and checked (`root`: the home's for `auto`, else `choice`),
+    or Warp's own folder with a warning why not."""
     flag = f"--kernel-cache {choice}" if choice == AUTO else "--kernel-cache"
     try:
         root = home_cache() if choice == AUTO else Path(choice).absolute()
@@ -240,6 +233,27 @@ def choose_kernel_cache(choice: str, device: str) -> KernelCache:
         said = getattr(exc, "strerror", None) or exc
         return _warp_own(f"Warp's own default, not the {flag} folder: {said}", warning=True)
     return KernelCache(path, f"{path} ({flag})", fd=fd)
+
+
+def choose_kernel_cache(choice: str, device: str) -> KernelCache:
+    """Decide where Warp keeps this rank's kernels, and open (or make) the folder.
+
+    `choice` is --kernel-cache: `auto` (a folder of the user's in their home; WARP_CACHE_PATH
+    where it is set), `node` (Warp's own default) or a folder (maybe shared: the cache is
+    `<folder>/<user>/<key>`). Call after `wp.init()`.
+    """
+    if choice == NODE or (choice == AUTO and os.environ.get("WARP_CACHE_PATH")):
+        how = "Warp's own default: --kernel-cache node" if choice == NODE else "WARP_CACHE_PATH"
+        warp = _warp_own(how)
+        if not warp.warning:
+            return warp
+        # Warp's folder is another user's, or others may write it: what it holds is native
+        # code this rank would run (and Warp could not write there). The user's own instead.
+        own = _held(AUTO, device)
+        if own.fd is None:
+            return warp
+        return KernelCache(own.path, f"{own.why}, not {warp.why}", fd=own.fd, warning=True)
+    return _held(choice, device)
 
 
 def use_kernel_cache(cache: KernelCache) -> None:

@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import BIN, Team, cli_env, wait_for
+from helpers import BIN, Team, cli_env, linked_copy, wait_for
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT
 from mjlab_hpc.rank.kernel_cache import (
@@ -66,25 +66,6 @@ def _warp_version() -> str:
     return str(wp.config.version)
 
 
-def _linked_copy(src: Path, dst: Path, owner: str | None = None) -> None:
-    """Copy the modules of `src` into `dst` as hard links (no bytes copied; a file is replaced,
-    never written, by Warp and by these tests), its folders `owner`'s."""
-
-    def link(a: str, b: str) -> None:
-        try:
-            os.link(a, b)
-        except OSError:  # another filesystem
-            shutil.copy2(a, b)
-
-    dst.mkdir(parents=True, exist_ok=True)
-    for module in src.glob("wp_*"):
-        if module.is_dir() and not _BUILDING.search(module.name):
-            shutil.copytree(module, dst / module.name, copy_function=link, dirs_exist_ok=True)
-    if owner is not None:
-        for folder in [dst, *(p for p in dst.rglob("*") if p.is_dir())]:
-            shutil.chown(folder, user=owner, group=Team.GROUP)
-
-
 def _train(argv: list[object], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [BIN / "mjlab-train", *TRAIN, *map(str, argv)],
@@ -120,6 +101,16 @@ def test_choices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WARP_CACHE_PATH", str(tmp_path / "site"))
     assert choose_kernel_cache("auto", "cpu").path is None  # Warp's own variable: Warp's folder
     assert choose_kernel_cache(str(tmp_path / "team-cache"), "cpu").path == team.path
+    import warp as wp
+
+    site = tmp_path / "site" / "1.0"
+    site.mkdir(parents=True, mode=0o777)
+    site.chmod(0o777)  # others may write what Warp would load: the user's own folder instead
+    monkeypatch.setattr(wp.config, "kernel_cache_dir", str(site))
+    for choice in ("auto", "node"):
+        instead = choose_kernel_cache(choice, "cpu")
+        assert instead.path == chosen.path and instead.warning, instead
+        assert f"not {site}" in instead.why and "others may write" in instead.why
 
 
 def test_a_folder_others_may_reach_or_that_is_a_link_is_not_used(tmp_path: Path) -> None:
@@ -231,7 +222,7 @@ def test_a_cut_short_module_is_compiled_again_not_a_crash_at_every_start(
     """mujoco_warp's smooth module cut short in Warp's own cache: the run compiles it again
     (it failed to load at every start), and the next start loads it without a word."""
     cache = tmp_path / "warp"
-    _linked_copy(warm, cache / warm.name)
+    linked_copy(warm, cache / warm.name)
     binaries = list(cache.glob("*/wp_mujoco_warp._src.smooth_*/*.o"))
     assert binaries
     whole = {}
@@ -259,7 +250,7 @@ def test_a_new_log_root_or_working_folder_loads_the_kernels_compiled_before(
     env.pop("WARP_CACHE_PATH")
     env.pop("XDG_CACHE_HOME", None)
     mine = home / ".cache/mjlab-hpc/kernels" / USER / KEY
-    _linked_copy(warm, mine)  # warm: kernels compiled before (by the suite)
+    linked_copy(warm, mine)  # warm: kernels compiled before (by the suite)
     mine.parent.chmod(0o700)
     for module in mine.glob("wp_*qfrc_smooth*"):  # one module the first run must compile
         shutil.rmtree(module)
@@ -430,6 +421,26 @@ def _hooked_run(team: Team, argv: list[object], extra: dict[str, str], at: dict[
 
 
 @pytest.mark.training
+@pytest.mark.training
+def test_a_teammates_warp_cache_path_is_not_loaded_from(team: Team, warm: Path) -> None:
+    """The team's WARP_CACHE_PATH, whose folders bob made (he trained first): alice's run
+    trains, with a warning, in her own folder in her home; it neither reads nor writes his."""
+    alice, bob = Team.USERS
+    teams = team.base / "team-warp"
+    linked_copy(warm, teams / warm.name, owner=bob, group=Team.GROUP)
+    before = _modules(teams / warm.name)
+    mine = team.base / "home" / alice / ".cache/mjlab-hpc/kernels" / alice / KEY
+    _as(team, alice, f"mkdir -p {mine} && chmod 700 {mine.parent}")
+    linked_copy(warm, mine, owner=alice, group=Team.GROUP)
+    train = [BIN / "mjlab-train", *TRAIN, "--log-root", "wcp-logs"]
+    proc = team.run(alice, train, extra={"WARP_CACHE_PATH": str(teams)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = " ".join(proc.stderr.split())
+    assert f"warning: kernel cache: {mine} (--kernel-cache auto), not {teams / warm.name}" in said
+    assert f"belongs to {bob}" in said
+    assert _modules(teams / warm.name) == before
+
+
 def test_a_teammates_planted_kernels_never_run_as_you(team: Team, warm: Path) -> None:
     """Bob owns the team's shared kernel folder (he trained there first) and plants modules
     whose code creates a file as whoever runs it. Alice trains with --kernel-cache on it: bob's
@@ -444,7 +455,7 @@ def test_a_teammates_planted_kernels_never_run_as_you(team: Team, warm: Path) ->
     _as(team, bob, f"mkdir -p {shared} {planted / KEY} && chmod 2775 {shared} {shared.parent}")
     # Alice's own Warp cache, warm (the suite's modules).
     own = home / "warp"
-    _linked_copy(warm, own / warm.name, owner=alice)
+    linked_copy(warm, own / warm.name, owner=alice, group=Team.GROUP)
     hook = home / "hook"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(HOOK)
@@ -456,7 +467,7 @@ def test_a_teammates_planted_kernels_never_run_as_you(team: Team, warm: Path) ->
     assert f"{shared / alice} is a link" in said
 
     # Bob's copy of the modules alice's run loaded, a payload in some; the key folder he made.
-    _linked_copy(own / _warp_version(), planted / KEY, owner=bob)
+    linked_copy(own / _warp_version(), planted / KEY, owner=bob, group=Team.GROUP)
     plant = team.run(bob, [sys.executable, "-c", PLANT, planted / KEY, marker], timeout=600)
     payloads = {name for name in plant.stdout.split() if name.startswith("wp_")}
     assert plant.returncode == 0 and payloads, plant.stdout + plant.stderr
@@ -469,7 +480,7 @@ def test_a_teammates_planted_kernels_never_run_as_you(team: Team, warm: Path) ->
     # Her own folder there, warm: bob swaps it for a link once her rank checked it.
     real = shared / alice / KEY
     _as(team, alice, f"mkdir -m 700 {shared / alice} && mkdir {real}")
-    _linked_copy(own / _warp_version(), real, owner=alice)
+    linked_copy(own / _warp_version(), real, owner=alice, group=Team.GROUP)
     swap = f"mv {shared / alice} {shared / 'taken'} && ln -s {planted} {shared / alice}"
     said = _hooked_run(team, train, extra, {"use": swap})
     assert not marker.exists(), "bob's payload ran as alice"
