@@ -1,4 +1,4 @@
-"""Hostile use, round 5 (issue 47): teammates who share a log root (group-owned, setgid).
+"""Teammates who share a log root (group-owned, setgid): each run stays its user's.
 
 Real unprivileged users (mjlab-alice, mjlab-bob). No write of ours follows a link a teammate
 planted in a run; the team's folders keep each run its user's (sticky, private runs, a latest

@@ -1,4 +1,4 @@
-"""Hostile use, round 5 (issue 47): a shared log root is hostile ground.
+"""What a shared log root holds is read as inert data: a regular file of bounded size.
 
 What another user left in a run directory is read only as a regular file of bounded size in
 that run, and never waited on: a FIFO, a device or a link out of the run is named and

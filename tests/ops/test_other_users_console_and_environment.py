@@ -1,4 +1,4 @@
-"""Hostile use, round 4 (issue 41): other users, the console, the environment, leftovers.
+"""Other users, the console, the environment and leftovers: each said plainly, none obeyed.
 
 Other users share a team's log root (real unprivileged users, a setgid folder). Training does
 not depend on its console (a real `| head -1`, closed descriptors, a pipe nobody reads). An

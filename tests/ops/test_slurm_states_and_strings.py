@@ -1,4 +1,5 @@
-"""Hostile use, round 3 (issue 35), on the real two-node Slurm test cluster and the real CLIs.
+"""Slurm's states told truly and user strings kept in their place, on the real two-node Slurm
+test cluster and the real CLIs.
 
 The cases: user strings in Slurm's filename patterns, a job that fails at launch, pending
 reasons, a healer that must not strand a job that requires its node, truthful states, cancel
