@@ -134,6 +134,8 @@ class Watchdog:
         self._seq = self._node_seq = self._view_seq = 0
         self._watching = False
         self._writer = False
+        self._node_whole = True
+        """The node's beat holds every local rank's (else the writer beats again sooner)."""
         self._armed_at: float | None = None
         self._paused = 0
         self._paused_at = 0.0
@@ -216,6 +218,7 @@ class Watchdog:
                 self.link.idle()
             return
         self._node_seq += 1
+        self._node_whole = len(beats) == len(self.local)
         node = NodeBeat(
             self.host, self.rank, self._node_seq, tuple(beats[r] for r in sorted(beats))
         )
@@ -296,7 +299,8 @@ class Watchdog:
 
     def _loop(self) -> None:
         tick = min(self.beat_s, 0.5)
-        next_beat = next_look = time.monotonic() + self.beat_s
+        next_look = time.monotonic() + self.beat_s
+        next_beat = time.monotonic() + (self.beat_s if self._node_whole else tick)
         before = time.monotonic()
         pause = 0.0
         while not self._stop.wait(tick):
@@ -309,7 +313,9 @@ class Watchdog:
             before = now
             if now >= next_beat:
                 self._beat()
-                next_beat = now + self.beat_s
+                # Until every local rank has beaten once, a beat each tick: the node's file
+                # names every rank's process (cancel finds them by it) from the start.
+                next_beat = now + (self.beat_s if self._node_whole else tick)
             elif self._writer and self.link is not None and self.link.announced():
                 self.board.announce()
             if self.timeout_s is None:
