@@ -228,10 +228,15 @@ def test_phases_of_a_requeued_gpu_job_from_sacct(tmp_path: Path) -> None:
     tres = "billing=8,cpu=8,gres/gpu=8,node=2"
     usage = "cpu=00:10:00,gres/gpumem=30G,gres/gpuutil=87,mem=2G"
     rows = [
-        f"7|NODE_FAIL|{iso(0)}|{iso(60)}|{iso(660)}|600|2|8|{tres}|01:00:00||",
-        f"7.0|CANCELLED|{iso(60)}|{iso(61)}|{iso(660)}|599|2|8|{tres}|59:00.500|2048K|{usage}",
-        f"7|COMPLETED|{iso(660)}|{iso(760)}|{iso(1360)}|600|2|8|{tres}|02:00:00||",
-        f"7.0|COMPLETED|{iso(760)}|{iso(761)}|{iso(1360)}|599|2|8|{tres}|01:59:00|4096K|{usage}",
+        "JobID|State|Submit|Eligible|Start|End|ElapsedRaw|Suspended|NNodes|AllocCPUS|AllocTRES|"
+        "TotalCPU|MaxRSS|TRESUsageInMax",
+        f"7|NODE_FAIL|{iso(0)}|{iso(0)}|{iso(60)}|{iso(660)}|600|00:00:00|2|8|{tres}|01:00:00||",
+        f"7.0|CANCELLED|{iso(60)}|{iso(60)}|{iso(61)}|{iso(660)}|599|00:00:00|2|8|{tres}|"
+        f"59:00.500|2048K|{usage}",
+        f"7|COMPLETED|{iso(660)}|{iso(660)}|{iso(760)}|{iso(1360)}|600|00:00:00|2|8|{tres}|"
+        "02:00:00||",
+        f"7.0|COMPLETED|{iso(760)}|{iso(760)}|{iso(761)}|{iso(1360)}|599|00:00:00|2|8|{tres}|"
+        f"01:59:00|4096K|{usage}",
     ]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
