@@ -25,7 +25,7 @@ def make_run(path: Path, iterations: int, save_every: int = 10, heal_every: int 
     from mjlab_hpc.rundir.record import Interruption, RunRecord, Start
 
     ranks = path / "logs" / "ranks"
-    ranks.mkdir(parents=True)
+    ranks.mkdir(parents=True, exist_ok=True)
     starts = list(range(0, iterations, heal_every))
     faults = []
     progress, saves = [], []

@@ -14,20 +14,23 @@ import json
 import math
 import os
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import pytest
 import yaml
 from helpers import BIN, Team, runs_under, wait_for
 from slurm_cluster import SlurmCluster
 
-from mjlab_hpc.ops.report import collect_report
+from mjlab_hpc.ops.report import CostReport, collect_report
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.record import Interruption, RunRecord, Start, read_record
 from mjlab_hpc.slurm.client import SlurmClient
 
 SMALL = ["--num-envs", "16", "--torch-threads", "1"]
-PHASES = ("start_up", "training", "checkpointing", "recomputed", "lost_to_faults", "other")
+PHASES = ("start_up", "training", "checkpointing", "recomputed", "lost_to_faults", "spare", "other")
 NO_ACCOUNTING = '#!/bin/sh\necho "sacct: error: Slurm accounting storage is disabled" >&2\nexit 1\n'
 
 
@@ -46,8 +49,8 @@ def _adds_up(report: dict) -> None:
     assert set(report["phase_hours"]) == set(PHASES)
     assert math.isclose(sum(report["phase_hours"].values()), report["node_hours"], rel_tol=1e-6)
     assert math.isclose(sum(report["phase_share"].values()), 1.0, rel_tol=1e-6)
-    spans = sum(a["nodes"] * (a["end"] - a["begin"]) for a in report["allocations"]) / 3600
-    assert math.isclose(spans, report["node_hours"], rel_tol=1e-6)
+    held = [a["nodes"] * (a["end"] - a["begin"] - a["suspended_s"]) for a in report["allocations"]]
+    assert math.isclose(sum(held) / 3600, report["node_hours"], rel_tol=1e-6)
 
 
 @pytest.mark.training
@@ -253,6 +256,7 @@ def test_phases_of_a_requeued_gpu_job_from_sacct(tmp_path: Path) -> None:
         "checkpointing": 30,
         "recomputed": 60,
         "lost_to_faults": 20,  # to the end of the allocation: the wait for the requeue is queue
+        "spare": 0,
         "other": 70,
     }
     assert report["source"] == "sacct" and len(report["allocations"]) == 2
@@ -266,3 +270,60 @@ def test_phases_of_a_requeued_gpu_job_from_sacct(tmp_path: Path) -> None:
     assert eff["cpu_efficiency"] == pytest.approx(eff["total_cpu_s"] / (1200 * 8), abs=1e-4)
     assert eff["max_rss_bytes"] == 4096 * 1024 and eff["missing"] == []
     assert (eff["gpu_util"], eff["gpu_mem"]) == ("87", "30G")
+
+
+def _lines_run(module_file: str, work: Callable[[], object]) -> int:
+    """Lines of `module_file` executed while `work` runs: its own work, whatever the clock."""
+    count = 0
+
+    def local(frame: FrameType, event: str, arg: object) -> object:
+        nonlocal count
+        count += event == "line"
+        return local
+
+    def tracer(frame: FrameType, event: str, arg: object) -> object:
+        return local if frame.f_code.co_filename == module_file else None
+
+    sys.settrace(tracer)
+    try:
+        work()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_report_out_of_a_long_run_is_linear_work(tmp_path: Path) -> None:
+    """report --out of a run healed every 100 iterations, with a checkpoint after each: four
+    times the iterations is at most about four times report.py's own lines run, and the
+    figure's drawn objects grow only by the marks of each heal (one collection per phase, one
+    line of iterations), where it was a bar per piece and a pass over every span per piece
+    (10,000 iterations: 28.7 s and 337 MiB, see docs/performance.md)."""
+    import matplotlib.figure
+
+    import mjlab_hpc.ops.report as report
+    from benchmarks.cost_report import make_run
+
+    figure = matplotlib.figure.Figure
+
+    def cost(n: int) -> tuple[int, int]:
+        run = make_run(tmp_path / str(n) / "2026-01-01_00-00-00", n, save_every=1, heal_every=100)
+        got: list[CostReport] = []
+        lines = _lines_run(report.__file__, lambda: got.append(collect_report(run)))
+        drawn: list[int] = []
+        real = figure.savefig
+
+        def counted(fig: matplotlib.figure.Figure, *args: object, **kwargs: object) -> None:
+            drawn.append(sum(len(ax.get_children()) for ax in fig.axes))
+            real(fig, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(figure, "savefig", counted)
+            report.draw_timeline(got[0], tmp_path / f"{n}.png")
+        assert len(got[0].timeline) > 2 * n  # a piece per checkpoint and per iteration span
+        return lines, drawn[0]
+
+    (small, drawn_small), (large, drawn_large) = cost(500), cost(2000)
+    assert large <= 4.5 * small, (small, large)
+    # A start and a fault each draw a line on both axes and a word: 6 per heal, nothing more.
+    heals = (2000 - 500) // 100
+    assert drawn_large <= drawn_small + 6 * heals, (drawn_small, drawn_large)
