@@ -682,9 +682,11 @@ def collect_report(run_dir: Path, slurm: SlurmClient | None = None) -> CostRepor
     ]
     ended = not starts or starts[-1].end is not None
     last, running = _last_and_running(run_dir, jobs.kind, record, marks, ended)
-    notes += [running] if running else []
     allocations, usage, more = _allocations(run_dir, jobs, record, starts, last, slurm)
-    notes += more
+    if usage:  # sacct knows whether a job still holds its nodes
+        live = any(not u.step and u.start is not None and u.end is None for u in usage)
+        running = "the run is still running: figures up to now" if live else None
+    notes += [*([running] if running else []), *more]
     spans, recomputed = _phases(starts, allocations, progress, saves, record)
     done_at = sorted(_time(r) for r in progress)
     median_s = statistics.median([_work_s(r) for r in progress]) if progress else 0.0

@@ -9,6 +9,7 @@ test cluster does not gather said missing), and a report still comes when sacct 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -327,3 +328,151 @@ def test_report_out_of_a_long_run_is_linear_work(tmp_path: Path) -> None:
     # A start and a fault each draw a line on both axes and a word: 6 per heal, nothing more.
     heals = (2000 - 500) // 100
     assert drawn_large <= drawn_small + 6 * heals, (drawn_small, drawn_large)
+
+
+USAGE_HEADER = (
+    "JobID|State|Submit|Eligible|Start|End|ElapsedRaw|Suspended|NNodes|AllocCPUS|AllocTRES|"
+    "TotalCPU|MaxRSS|TRESUsageInMax"
+)
+
+
+def _slurm_run(
+    tmp_path: Path,
+    name: str,
+    rows: list[str],
+    starts: list[tuple[float, list[str]]],
+    done: list[float],
+) -> tuple[Path, SlurmClient, float]:
+    """A Slurm run whose ranks started at the given seconds on the given nodes, did iterations
+    at the `done` seconds (8 s of work each), with sacct (a stand-in) printing `rows` (`{t60}`:
+    60 s after the start); returns it, its client and sacct's own node-seconds."""
+    t = dt.datetime(2026, 11, 1, 10, 0, 0)
+    iso = {f"t{s}": (t + dt.timedelta(seconds=s)).isoformat() for s in range(0, 3000, 5)}
+    rows = [r.format(**iso) for r in rows]
+    run = tmp_path / name
+    (run / "logs" / "ranks").mkdir(parents=True)
+    at = t.timestamp()
+    for number, (began, nodes) in enumerate(starts, start=1):
+        for rank, node in enumerate(nodes):
+            start = {"run": name, "rank": rank, "world_size": len(nodes), "node": node}
+            start.update(pid=1, device="cpu", at=at + began)
+            (run / "logs" / "ranks" / f"rank{rank}.{number}.start.json").write_text(
+                json.dumps(start)
+            )
+    record = RunRecord(
+        launch_mode="slurm",
+        starts=tuple(Start(job_id=name) for _ in starts or [0]),
+        job_ids=(name,),
+        world_size=len(starts[0][1]) if starts else 1,
+        num_nodes=len(set(starts[0][1])) if starts else 1,
+        device="cpu",
+    )
+    (run / "run.json").write_text(json.dumps(record.to_json()))
+    lines = [
+        {"iteration": i, "env_steps": 10, "collect_s": 6, "learn_s": 2, "time": at + s}
+        for i, s in enumerate(done, start=1)
+    ]
+    (run / "progress.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    bin_dir = tmp_path / f"bin-{name}"
+    bin_dir.mkdir()
+    script = "#!/bin/sh\ncat <<'ROWS'\n" + "\n".join([USAGE_HEADER, *rows]) + "\nROWS\n"
+    (bin_dir / "sacct").write_text(script)
+    (bin_dir / "sacct").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    truth = sum(
+        int(r.split("|")[6]) * int(r.split("|")[8]) for r in rows if "." not in r.split("|")[0]
+    )
+    return run, SlurmClient(env=env), truth
+
+
+def test_report_against_sacct_for_every_kind_of_job(tmp_path: Path) -> None:
+    """Node-seconds equal sacct's own (ElapsedRaw x NNodes over the job's rows) for a job
+    shrunk after a node was lost (its RESIZING row), a suspended job (Suspended seconds in no
+    phase) and a chain link that waited on the previous one (no queue wait: Eligible);
+    a spare node idle while the ranks ran is `spare`, not training; a pending job is said."""
+    rows = [  # 3 nodes (one a spare) until node3 went down at 300 s, then 2 to the end
+        "7|RESIZING|{t0}|{t0}|{t60}|{t300}|240|00:00:00|3|3|cpu=3,node=3|||",
+        "7|COMPLETED|{t300}|{t300}|{t300}|{t600}|300|00:00:00|2|2|cpu=2,node=2|||",
+    ]
+    done = [130 + 10 * i for i in range(5)] + [330 + 10 * i for i in range(7)]
+    starts = [(70.0, ["node1", "node2"]), (310.0, ["node1", "node3"])]
+    run, slurm, truth = _slurm_run(tmp_path, "7", rows, starts, done)
+    record = read_record(run)
+    fault = Interruption(
+        reason="node-lost",
+        kind="in-allocation",
+        job_id="7",
+        iteration=6,
+        recomputed=1,
+        resumed_from=5,
+        at_s=dt.datetime(2026, 11, 1, 10, 4, 50).timestamp(),
+    )
+    (run / "run.json").write_text(
+        json.dumps(dataclasses.replace(record, faults=(fault,)).to_json())
+    )
+    # Start 2 cut progress back to iteration 5: iteration 6 was lost with node2 at 290 s.
+    report = collect_report(run, slurm).as_dict()
+    _adds_up(report)
+    node_s = {k: round(v * 3600, 6) for k, v in report["phase_hours"].items()}
+    assert report["node_hours"] * 3600 == pytest.approx(truth) == 240 * 3 + 300 * 2
+    assert report["recomputed_iterations"] == 1 and report["notes"] == [], report["notes"]
+    assert node_s == {
+        "start_up": 2 * (122 - 60) + 2 * (322 - 300),
+        "training": 2 * (170 - 122) + 2 * (390 - 322),
+        "checkpointing": 0,
+        "recomputed": 2 * (290 - 170),  # from the last iteration kept to the fault
+        "lost_to_faults": 3 * (300 - 290),
+        "spare": 1 * (290 - 60),  # node3, idle while the ranks worked on two nodes
+        "other": 2 * (600 - 390),
+    }
+
+    rows = ["8|COMPLETED|{t0}|{t0}|{t0}|{t440}|290|00:02:30|1|1|cpu=1,node=1|||"]
+    done = [130 + 10 * i for i in range(5)] + [330 + 10 * i for i in range(5)]
+    run, slurm, truth = _slurm_run(tmp_path, "8", rows, [(100.0, ["node1"])], done)
+    report = collect_report(run, slurm).as_dict()
+    _adds_up(report)
+    assert report["node_hours"] * 3600 == pytest.approx(truth) == 290
+    assert report["suspended_s"] == 150 and report["queue_wait_s"] == 0
+    node_s = {k: round(v * 3600, 6) for k, v in report["phase_hours"].items()}
+    # Suspended in the longest pause of the records (170-330 s): 150 s in no phase.
+    assert (node_s["start_up"], node_s["training"], node_s["other"]) == (122, 248 - 150, 70)
+    assert ("suspended", 180.0, 330.0) in _timeline(run, slurm), node_s
+
+    rows = ["9|COMPLETED|{t0}|{t500}|{t510}|{t600}|90|00:00:00|1|1|cpu=1,node=1|||"]
+    run, slurm, truth = _slurm_run(tmp_path, "9", rows, [], [])
+    report = collect_report(run, slurm).as_dict()
+    assert report["queue_wait_s"] == 10 and report["node_hours"] * 3600 == truth == 90
+
+    rows = ["10|PENDING|{t0}|{t0}|Unknown|Unknown|0|00:00:00|1|0||||"]
+    run, slurm, truth = _slurm_run(tmp_path, "10", rows, [], [])
+    report = collect_report(run, slurm).as_dict()
+    assert report["node_hours"] == 0 == truth and report["allocations"] == []
+    assert any(n.startswith("job 10 is pending: it has waited for ") for n in report["notes"])
+
+
+def _timeline(run: Path, slurm: SlurmClient) -> list[tuple[str, float, float]]:
+    t0 = dt.datetime(2026, 11, 1, 10, 0, 0).timestamp()
+    return [(p.name, p.begin - t0, p.end - t0) for p in collect_report(run, slurm).timeline]
+
+
+def test_a_killed_local_run_costs_nothing_after_its_last_record(tmp_path: Path) -> None:
+    """A local run whose processes were killed (no end record, run.json still `running`,
+    none of its recorded processes alive): its allocation ends at its last record, said in
+    a note, instead of growing with the clock as a run that still runs."""
+    from benchmarks.cost_report import T0, make_run
+
+    run = make_run(tmp_path / "2026-01-01_00-00-00", 20, heal_every=1000)
+    for end in (run / "logs" / "ranks").glob("*.end.json"):
+        end.unlink()
+    data = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**data, "state": "running"}))
+    heartbeat = RunDir(run).heartbeats
+    heartbeat.mkdir(parents=True)
+    gone = {"pid": 2**22 - 1, "started": T0, "machine": "gone"}  # a rank that no longer runs
+    (heartbeat / "rank0.json").write_text(json.dumps(gone))
+    report = collect_report(run).as_dict()
+    (allocation,) = report["allocations"]
+    last = max(p["time"] for p in map(json.loads, (run / "progress.jsonl").open()))
+    assert allocation["end"] == pytest.approx(last + 0.1)  # its last checkpoint's end
+    assert any("processes are gone and left no end record" in n for n in report["notes"])
+    assert not any("still running" in n for n in report["notes"])
