@@ -379,8 +379,7 @@ def _pending(usage: Sequence[Usage], now: float) -> list[str]:
             since = row.eligible or row.submit
             waited = f" for {_duration(now - since)}" if since is not None else ""
             notes.append(
-                f"job {row.job_id} is pending: it has waited{waited} in the queue and holds no "
-                "nodes yet (its cost starts when it starts)"
+                f"job {row.job_id} is pending: it has waited{waited} and holds no nodes yet"
             )
     return notes
 
@@ -657,7 +656,13 @@ def _allocations(
             for f in record.faults
         )
     }
-    if usage is not None:  # sacct answered with nothing: the job is not in accounting
+    if usage is not None:  # sacct answered with nothing: the job is not in accounting (yet)
+        queue = (slurm or SlurmClient()).squeue(jobs.job_ids) or ()
+        notes += [
+            f"job {r.job_id} is pending ({r.reason or 'queued'}): it holds no nodes yet"
+            for r in queue
+            if r.state == "PENDING"
+        ]
         notes.append("sacct has no record of the jobs: allocations from the run's records")
     return _record_allocations(record, starts, last, in_allocation), usage, notes
 

@@ -26,6 +26,7 @@ from helpers import BIN, Team, runs_under, wait_for
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.ops.report import CostReport, collect_report
+from mjlab_hpc.ops.runs import run_jobs
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.record import Interruption, RunRecord, Start, read_record
 from mjlab_hpc.slurm.client import SlurmClient
@@ -117,12 +118,29 @@ def test_report_of_a_slurm_job_with_sacct(slurm_cluster: SlurmCluster, team: Tea
     alice = Team.USERS[0]
     cluster = slurm_cluster.env
     logs = "report-slurm"
+    # A plain job of hers first (no run directory, held until released), which her run's job
+    # waits for, as a chain's link waits for the previous one.
+    wrap = ["sbatch", "--parsable", "--hold", "-N1", "-o", "/dev/null", "--wrap", "sleep 3"]
+    plain = team.run(alice, wrap, extra=cluster).stdout.strip()
     submit = [BIN / "mjlab-submit", "cartpole", *SMALL, "--gpus-per-node", "0", "--time", "10"]
-    submit += ["--max-iterations", "3", "--save-interval", "2", "--log-root", logs, "--follow"]
-    done = team.run(alice, submit, extra=cluster, timeout=300)
+    submit += ["--max-iterations", "3", "--save-interval", "2", "--log-root", logs]
+    done = team.run(alice, [*submit, "--after", plain], extra=cluster, timeout=300)
     assert done.returncode == 0, _text(done)[-3000:]
     run = runs_under(team.shared / logs)[0]
-    job = read_record(run).job_ids[0]
+    (job,) = run_jobs(run).job_ids  # the submitted job: it has not started yet
+    waiting = _report(team, run, extra=cluster)
+    assert waiting["node_hours"] == 0 and waiting["allocations"] == [], waiting
+    assert any(n.startswith(f"job {job} is pending") for n in waiting["notes"]), waiting
+    said = team.run(alice, [BIN / "mjlab-hpc", "report", plain, "--log-root", logs], extra=cluster)
+    assert said.returncode == 2 and f"job {plain} is not an mjlab-hpc run" in said.stderr, said
+    assert len(said.stderr.strip().splitlines()) == 1, said.stderr
+    assert team.run(alice, ["scontrol", "release", plain], extra=cluster).returncode == 0
+    assert slurm_cluster.wait_job(job, timeout=300) == "COMPLETED"
+    # Node-seconds are sacct's own; every start and iteration lies in the allocation.
+    truth = slurm_cluster.report_is_sacct(run, job)
+    (held,) = truth["allocations"]
+    assert held["eligible"] - held["submitted"] >= 2, held  # it waited for the plain job
+    assert truth["queue_wait_s"] == held["begin"] - held["eligible"] < 5, truth
     # sacct's record of the steps lands a moment after the job ends.
     report = wait_for(
         lambda: (
