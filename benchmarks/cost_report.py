@@ -1,7 +1,7 @@
 """`mjlab-hpc report --out` of a long run: seconds and peak memory against the run's length.
 
-Builds a synthetic local run directory (N iterations of 2 ranks, a checkpoint every 10, a heal
-every 1000 iterations) and times `collect_report` and `draw_timeline` on it:
+Builds a synthetic local run directory (N iterations of 2 ranks, a checkpoint after each, a heal
+every 100 iterations) and times `collect_report` and `draw_timeline` on it:
 
     python -m benchmarks.cost_report --iterations 2000 10000
 """
@@ -74,7 +74,7 @@ def measure(iterations: int) -> tuple[float, float]:
     from mjlab_hpc.ops.report import collect_report, draw_timeline
 
     with tempfile.TemporaryDirectory() as tmp:
-        run = make_run(Path(tmp) / "2026-01-01_00-00-00", iterations)
+        run = make_run(Path(tmp) / "2026-01-01_00-00-00", iterations, 1, 100)
         t0 = time.perf_counter()
         draw_timeline(collect_report(run), Path(tmp) / "cost.png")
         seconds = time.perf_counter() - t0
