@@ -16,7 +16,6 @@ from mjlab_hpc.procs import alive
 from mjlab_hpc.slurm import client
 from mjlab_hpc.slurm.client import SlurmClient
 
-
 # The header lines Slurm prints above its rows (22.05 and 24.11 alike).
 SQ = 'echo "JOBID|ARRAY_JOB_ID|ARRAY_TASK_ID|JOBID|STATE|NODES|NODELIST|TRES_PER_NODE|REASON"\n'
 SA = 'echo "JobID|JobIDRaw|State|NNodes|AllocTRES|NodeList|Reason"\n'
@@ -38,7 +37,8 @@ def test_query_prefers_squeue_while_running_and_sacct_for_the_end(tmp_path: Path
         tmp_path,
         squeue=SQ + 'echo "7|7|N/A|7|RUNNING|2|node[1-2]|gres/gpu:4|None"\n'
         'echo "8|8|N/A|8|COMPLETING|1|node1||None"\n',
-        sacct=SA + 'echo "7|7|PENDING|2|||None"\necho "8|8|CANCELLED by 0|1|gres/gpu=4|node1|None"\n'
+        sacct=SA + 'echo "7|7|PENDING|2|||None"\n'
+        'echo "8|8|CANCELLED by 0|1|gres/gpu=4|node1|None"\n'
         'echo "9|9|COMPLETED|1||node2|None"\n',
     )
     rows, accounting = SlurmClient(env=env).query(["7", "8", "9", "10"])
