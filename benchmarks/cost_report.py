@@ -8,6 +8,7 @@ every 100 iterations) and times `collect_report` and `draw_timeline` on it:
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import resource
 import sys
@@ -17,7 +18,8 @@ from pathlib import Path
 
 __all__ = ["make_run", "measure"]
 
-T0 = 1_790_000_000.0
+# The run's first second: what its name (2026-01-01_00-00-00) says.
+T0 = dt.datetime(2026, 1, 1).timestamp()
 
 
 def make_run(path: Path, iterations: int, save_every: int = 10, heal_every: int = 1000) -> Path:
@@ -29,7 +31,7 @@ def make_run(path: Path, iterations: int, save_every: int = 10, heal_every: int 
     starts = list(range(0, iterations, heal_every))
     faults = []
     progress, saves = [], []
-    at = T0
+    at = T0 + 5.0  # the launcher's start-up
     for n, first in enumerate(starts, start=1):
         at += 5.0  # start-up
         for rank in (0, 1):
@@ -44,7 +46,8 @@ def make_run(path: Path, iterations: int, save_every: int = 10, heal_every: int 
             if i % save_every == 0:
                 saves.append({"iteration": i, "at": at, "s": 0.1})
                 at += 0.1
-        end = {"how": "completed" if last == iterations else "failed", "at": at + 1}
+        how = "completed" if last == iterations else "failed"
+        end = {"how": how, "detail": how, "at": at + 1}
         for rank in (0, 1):
             (ranks / f"rank{rank}.{n}.end.json").write_text(json.dumps(end))
         if last < iterations:

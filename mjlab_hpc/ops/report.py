@@ -813,7 +813,12 @@ def report_table(report: CostReport) -> Group:
         f"{'sacct' if report.source == 'sacct' else 'the run records'}: "
         f"{len(report.allocations)}, {_hours(report.core_hours)} core-hours",
         "queue wait: "
-        + ("none (a local run)" if report.kind != "slurm" else _duration(report.queue_wait_s)),
+        + ("none (a local run)" if report.kind != "slurm" else _duration(report.queue_wait_s))
+        + (
+            f"; suspended {_duration(report.suspended_s)} (not charged)"
+            if report.suspended_s
+            else ""
+        ),
         f"{report.starts} start(s), {report.faults} fault(s), {report.stops} stop(s), "
         f"{report.checkpoints} checkpoint(s); {report.iterations} iterations count, "
         f"{report.recomputed_iterations} recomputed after faults",
