@@ -316,7 +316,7 @@ def test_report_out_of_a_long_run_is_linear_work(tmp_path: Path) -> None:
     times the iterations is at most about four times report.py's own lines run, and the
     figure's drawn objects grow only by the marks of each heal (one collection per phase, one
     line of iterations), where it was a bar per piece and a pass over every span per piece
-    (10,000 iterations: 28.7 s and 337 MiB, see docs/performance.md)."""
+    (docs/performance.md)."""
     import matplotlib.figure
 
     import mjlab_hpc.ops.report as report
