@@ -385,7 +385,7 @@ def _sinfo_row(r: Mapping[str, str]) -> _SinfoRow:
         name=name.rstrip("*"),
         default=name.endswith("*"),
         nodes=cell.count(r["NODES"], "NODES") or 0,
-        cpus=cell.count(r["CPUS"], "CPUS"),
+        cpus=cell.count(r["CPUS"].rstrip("+"), "CPUS"),  # `8+`: nodes of 8 and more
         gpus=[int(g) for g in re.findall(r"gpu(?::[\w.-]+)?:(\d{1,6})", gres)],
         gres=gres,
         max_minutes=_minutes(limit),
@@ -397,7 +397,7 @@ def _sinfo_row(r: Mapping[str, str]) -> _SinfoRow:
 def _node_row(r: Mapping[str, str]) -> tuple[str, str, str]:
     reason = cell.text(r["REASON"], "REASON")
     state = cell.text(r["STATE"], "STATE")
-    if state and not re.fullmatch(r"[a-z_]+[*~#!%$@^-]*(?:\+[a-z_]+[*~#!%$@^-]*)*", state):
+    if state and not re.fullmatch(r"[a-z_+*~#!%$@^-]+", state):  # `down*`, `idle+drain`
         raise cell.BadValue(f"STATE {state[:40]!r} is not a node state")
     return cell.text(r["NODELIST"], "NODELIST"), state, "" if reason == "none" else reason
 
@@ -462,8 +462,11 @@ class SlurmClient:
             return subprocess.CompletedProcess(list(args), 1, "", self.unreachable[0].stderr)
         retry = controller and args[0] != "sbatch"
         deadline, pause = time.monotonic() + self.retry_s, _PAUSE_S[0]
+        env = self.env
+        if args[0] in ("sacct", "sacctmgr", "squeue", "sinfo"):  # times as rows.epoch reads them
+            env = {**(os.environ if env is None else env), "SLURM_TIME_FORMAT": "standard"}
         while True:
-            proc = run_command(args, timeout_s=self.timeout_s, env=self.env)
+            proc = run_command(args, timeout_s=self.timeout_s, env=env)
             if proc is None:
                 log.debug("%s: not found or no answer within %gs", args[0], self.timeout_s)
                 return None

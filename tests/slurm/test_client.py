@@ -203,6 +203,13 @@ def test_rows_are_read_by_their_header_and_a_bad_row_is_named_not_a_crash(tmp_pa
     slurm = SlurmClient(env=stand_ins(tmp_path, sacct=body))
     assert [u.job_id for u in slurm.usage(["7"]) or []] == ["7"]
     assert len(slurm.bad_rows) == 3 and all("left out" in b for b in slurm.bad_rows)
+    # A user's SLURM_TIME_FORMAT (`relative`: "Tomorr 12:00") does not reach our sacct.
+    relative = bad_usage[0].replace("2026-11-29T10:01:01", "Tomorr 12:00")
+    body = f'echo "{usage}"\nif [ "$SLURM_TIME_FORMAT" = standard ]; then '
+    body += f"echo '{bad_usage[0]}'; else echo '{relative}'; fi\n"
+    env = {**stand_ins(tmp_path, sacct=body), "SLURM_TIME_FORMAT": "relative"}
+    (row,) = SlurmClient(env=env).usage(["7"]) or [None]
+    assert row is not None and row.end is not None and row.end - (row.start or 0) == 60, row
     # A header without a column asked for: every row left out, named once.
     slurm = SlurmClient(env=stand_ins(tmp_path, sacct='echo "JobID|State"\necho "7|RUNNING"\n'))
     assert slurm.sacct(["7"]) == [] and "no column JobIDRaw" in slurm.bad_rows[0]
