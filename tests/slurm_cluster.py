@@ -10,9 +10,11 @@ CI=true, so a CI machine that should run them cannot silently skip them.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -165,6 +167,44 @@ class SlurmCluster:
             f"job {job_id} not finished after {timeout:.0f}s (sacct: {state})\n"
             f"{info.stdout}{info.stderr}"
         )
+
+    def node_seconds(self, job_id: str) -> tuple[int, int]:
+        """sacct's own accounting of a job: ElapsedRaw x NNodes summed over every run of it
+        (requeues: --duplicates) and its RESIZING rows, and its Suspended seconds summed."""
+        fields = "ElapsedRaw,NNodes,Suspended"
+        cmd = ["sacct", "-n", "-P", "-X", "--duplicates", "-j", job_id, "-o", fields]
+        rows = [r.split("|") for r in self.run(cmd).stdout.split()]
+        suspended = [[int(x) for x in r[2].split(":")] for r in rows]
+        return (
+            sum(int(r[0]) * int(r[1]) for r in rows),
+            sum(h * 3600 + m * 60 + s for h, m, s in suspended),
+        )
+
+    def report_is_sacct(self, run: Path, job_id: str, timeout: float = 30) -> dict[str, Any]:
+        """`mjlab-hpc report --json RUN` once it agrees with sacct's node-seconds (sacct's
+        record lands a moment after a job ends); its allocations also hold every start of
+        the ranks and every iteration of the run's own records."""
+        cmd = [str(Path(sys.executable).parent / "mjlab-hpc"), "report", "--json", str(run)]
+        report: dict[str, Any] = {}
+        truth = (-1, -1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            report = json.loads(self.run(cmd, timeout=120).stdout)
+            truth = self.node_seconds(job_id)
+            if abs(report["node_hours"] * 3600 - truth[0]) < 1e-3 * max(1, truth[0]):
+                break
+            time.sleep(1)
+        assert report["node_hours"] * 3600 == pytest.approx(truth[0], abs=1e-3), (report, truth)
+        assert report["suspended_s"] == truth[1], (report, truth)
+        shares = sum(report["phase_hours"].values())
+        assert shares == pytest.approx(report["node_hours"], rel=1e-6), report
+        begin = min(a["begin"] for a in report["allocations"])
+        end = max(a["end"] for a in report["allocations"])
+        for path in (run / "logs" / "ranks").glob("*.start.json"):
+            assert begin - 1 <= json.loads(path.read_text())["at"] <= end + 1, (path, begin)
+        for line in (run / "progress.jsonl").read_text().splitlines():
+            assert begin <= json.loads(line)["time"] <= end + 1, (line, begin, end)
+        return report
 
 
 def running_cluster(state_dir: Path) -> SlurmCluster | None:

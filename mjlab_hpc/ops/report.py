@@ -9,20 +9,25 @@ Every second of an allocation is put in one phase, so the phases add up to the a
 `checkpointing` (logs/checkpoints.jsonl), `recomputed` (iterations done again after a fault:
 from the checkpoint the next start resumed from to the fault), `lost_to_faults` (from a fault
 to the next start, or to the end of the allocation), `training` (the iterations that count),
-`start_up` (from the allocation's or the heal's start to the first iteration) and `other`
-(the rest: the end of the job, a stop's wait for the requeue). Queue wait is not allocated
-time: sacct's Submit to Start, summed over the job's runs.
+`start_up` (from the allocation's or the heal's start to the first iteration), `spare` (the
+nodes of an allocation the ranks did not run on, while they ran on the others) and `other`
+(the rest: the end of the job, a stop's wait for the requeue). A suspended job holds its
+nodes but is not charged for them (sacct's ElapsedRaw leaves its Suspended seconds out):
+suspended time is in no phase, put on the timeline where the records pause longest. Queue
+wait is not allocated time either: sacct's Eligible to Start, summed over the job's runs (a
+chain link's wait for the previous link is not queue wait).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import datetime as dt
 import itertools
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +37,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mjlab_hpc.console import inert
-from mjlab_hpc.ops.runs import JobKind, created_at, run_jobs
+from mjlab_hpc.ops.runs import JobKind, RunJobs, created_at, run_jobs
 from mjlab_hpc.rundir.ends import RankStart, rank_starts, read_end
 from mjlab_hpc.rundir.layout import RunDir, list_checkpoints
 from mjlab_hpc.rundir.progress import (
@@ -42,6 +47,7 @@ from mjlab_hpc.rundir.progress import (
     read_progress,
 )
 from mjlab_hpc.rundir.record import RunRecord, read_record
+from mjlab_hpc.rundir.running import run_processes
 from mjlab_hpc.slurm.client import SlurmClient, Usage
 
 __all__ = [
@@ -62,19 +68,32 @@ PHASES = (
     "checkpointing",
     "recomputed",
     "lost_to_faults",
+    "spare",
     "other",
 )
 # Where phases overlap, the first of these wins (a checkpoint inside a training span is
 # checkpointing; iterations done again are recomputed, not training).
-_PRECEDENCE = ("checkpointing", "lost_to_faults", "recomputed", "training", "start_up")
+# Suspended time is no phase at all.
+_PRECEDENCE = (
+    "suspended",
+    "checkpointing",
+    "lost_to_faults",
+    "recomputed",
+    "training",
+    "start_up",
+)
+# Phases of the ranks' work: an allocation's nodes the ranks did not run on are `spare` then.
+_WORK = frozenset({"start_up", "training", "checkpointing", "recomputed"})
 _COLORS = {
     "start_up": "tab:orange",
     "training": "tab:green",
     "checkpointing": "tab:blue",
     "recomputed": "tab:purple",
     "lost_to_faults": "tab:red",
+    "spare": "khaki",
     "other": "lightgray",
     "queue": "whitesmoke",
+    "suspended": "black",
 }
 
 
@@ -100,6 +119,22 @@ class Allocation:
     """GPUs held over all its nodes (0: none)."""
     submitted: float | None = None
     """When it was queued (sacct's Submit; None: not known)."""
+    eligible: float | None = None
+    """When it could start (sacct's Eligible: after Submit for a chain link that waited for
+    the previous link, or a --begin time; None: not known)."""
+    suspended_s: float = 0.0
+    """Seconds it was suspended (sacct's Suspended): held, not charged."""
+
+    @property
+    def held_s(self) -> float:
+        """Seconds charged: from begin to end, suspended time left out (sacct's ElapsedRaw)."""
+        return max(0.0, self.end - self.begin - self.suspended_s)
+
+    @property
+    def queued(self) -> float | None:
+        """When its queue wait began: Eligible, else Submit (None: not known)."""
+        known = [t for t in (self.submitted, self.eligible) if t is not None]
+        return max(known) if known else None
 
 
 @dataclass(frozen=True)
@@ -107,7 +142,7 @@ class Phase:
     """One span of time on the timeline, in one phase (or `queue`)."""
 
     name: str
-    """One of PHASES, or `queue`."""
+    """One of PHASES, `queue` or `suspended`."""
     begin: float
     """Epoch s."""
     end: float
@@ -157,7 +192,10 @@ class CostReport:
     phase_share: Mapping[str, float]
     """The same as shares of the allocated time (0-1)."""
     queue_wait_s: float | None
-    """Seconds the jobs waited in the queue (None: not known without accounting)."""
+    """Seconds the jobs waited in the queue once they could start (sacct's Eligible to Start;
+    None: not known without accounting)."""
+    suspended_s: float
+    """Seconds the jobs were suspended (sacct's Suspended): not in node_hours."""
     starts: int
     """Starts of the ranks: the first, and one per requeue or heal."""
     faults: int
@@ -307,7 +345,11 @@ def _job_at(record: RunRecord, at: float) -> str:
 
 
 def _sacct_allocations(usage: Sequence[Usage], now: float) -> list[Allocation]:
-    """The runs of the jobs that held nodes, oldest first (a run never started is left out)."""
+    """The runs of the jobs that held nodes, oldest first (a run never started is left out).
+
+    A RESIZING row is an allocation too: the job's nodes before Slurm shrank it (a node lost
+    under --no-kill), up to the next row of the same job.
+    """
     out = []
     for row in usage:
         if row.step or row.start is None:
@@ -322,9 +364,24 @@ def _sacct_allocations(usage: Sequence[Usage], now: float) -> list[Allocation]:
                 cores=row.cpus or 0,
                 gpus=row.gpus or 0,
                 submitted=row.submit,
+                eligible=row.eligible,
+                suspended_s=min(row.suspended_s, max(0.0, end - row.start)),
             )
         )
     return sorted(out, key=lambda a: a.begin)
+
+
+def _pending(usage: Sequence[Usage], now: float) -> list[str]:
+    """One note per job of the run that waits in the queue, with how long it has waited."""
+    notes = []
+    for row in usage:
+        if not row.step and row.start is None and row.state == "PENDING":
+            since = row.eligible or row.submit
+            waited = f" for {_duration(now - since)}" if since is not None else ""
+            notes.append(
+                f"job {row.job_id} is pending: it has waited{waited} and holds no nodes yet"
+            )
+    return notes
 
 
 def _efficiency(usage: Sequence[Usage]) -> Efficiency:
@@ -390,16 +447,21 @@ def _phases(
     spans: list[Phase] = [Phase("checkpointing", c.at, c.at + c.s) for c in saves]
     median_s = statistics.median([_work_s(r) for r in progress]) if progress else 0.0
     faults = sorted(record.faults, key=lambda f: f.when_s)
+    # Sorted once and cut by bisection: linear in the run's length, whatever its starts.
+    progress = sorted(progress, key=_time)
+    done_at = [_time(r) for r in progress]
+    saves = sorted(saves, key=lambda c: c.at)
+    saved_at = [c.at for c in saves]
+    begins = [s.begin for s in starts]
+    held_from = [a.begin for a in allocations]
     recomputed_total = 0
     for n, start in enumerate(starts):
         nxt = starts[n + 1].begin if n + 1 < len(starts) else float("inf")
-        mine = [r for r in progress if start.begin <= _time(r) < nxt]
+        mine = progress[bisect.bisect_left(done_at, start.begin) : bisect.bisect_left(done_at, nxt)]
         fault = next((f for f in faults if start.begin <= f.when_s < nxt), None)
-        home = [a for a in allocations if a.begin <= start.begin + 1e-6]
-        window = home[-1] if home else (allocations[0] if allocations else None)
-        first_in_window = window is not None and not any(
-            window.begin <= s.begin < start.begin for s in starts[:n]
-        )
+        home = bisect.bisect_right(held_from, start.begin + 1e-6)
+        window = allocations[home - 1] if home else (allocations[0] if allocations else None)
+        first_in_window = window is not None and bisect.bisect_left(begins, window.begin, 0, n) == n
         began = window.begin if window is not None and first_in_window else start.begin
         recomputed = 0
         if fault is not None:
@@ -411,7 +473,10 @@ def _phases(
         if mine:
             first_work = (mine[0].time or start.begin) - _work_s(mine[0])
             done = mine[-1].time or first_work
-            last_save = max((c.at + c.s for c in saves if start.begin <= c.at < nxt), default=done)
+            own = saves[
+                bisect.bisect_left(saved_at, start.begin) : bisect.bisect_left(saved_at, nxt)
+            ]
+            last_save = max((c.at + c.s for c in own), default=done)
             spans.append(Phase("training", first_work, max(done, last_save)))
             redo_from = max(done, last_save)
         else:  # nothing of this start counts: its iterations were all done again
@@ -451,31 +516,159 @@ def _older_records(
     return notes
 
 
-def _cover(spans: list[Phase], allocation: Allocation) -> tuple[dict[str, float], list[Phase]]:
-    """Seconds of each phase inside one allocation, every second in exactly one phase."""
-    cuts = {allocation.begin, allocation.end}
-    for s in spans:
-        for t in (s.begin, s.end):
-            if allocation.begin < t < allocation.end:
-                cuts.add(t)
-    edges = sorted(cuts)
-    seconds = dict.fromkeys(PHASES, 0.0)
+def _suspensions(
+    allocation: Allocation, progress_at: Sequence[float], work_s: float
+) -> list[Phase]:
+    """Where the allocation's suspended seconds go on the timeline: the longest pauses in its
+    records (between iterations, or before the first or after the last), longest first.
+
+    sacct says how long a job was suspended, not when; the ranks' records stop meanwhile.
+    """
+    left = allocation.suspended_s
+    if left <= 0:
+        return []
+    lo = bisect.bisect_right(progress_at, allocation.begin)
+    hi = bisect.bisect_left(progress_at, allocation.end)
+    marks = [allocation.begin, *progress_at[lo:hi], allocation.end]
+    pauses = sorted(((b - a - work_s, a, b) for a, b in itertools.pairwise(marks)), reverse=True)
+    out = []
+    for _, a, b in pauses:
+        if left <= 0:
+            break
+        took = min(left, b - a)
+        out.append(Phase("suspended", b - took, b))
+        left -= took
+    return out
+
+
+def _cover(
+    spans: Sequence[Phase], allocation: Allocation, working: Callable[[float], int]
+) -> tuple[dict[str, float], list[Phase]]:
+    """Node-seconds of each phase inside one allocation, every second in exactly one phase
+    (suspended seconds in none), and the pieces of its timeline.
+
+    A sweep over the spans' ends (linear after one sort, however many spans): `working(t)` is
+    the nodes the ranks ran on at t; the allocation's other nodes are `spare` while they work.
+    """
+    events = []
+    for span in spans:
+        begin, end = max(span.begin, allocation.begin), min(span.end, allocation.end)
+        if begin < end:
+            events += [(begin, 1, span.name), (end, -1, span.name)]
+    events.sort(key=lambda e: e[0])
+    active = dict.fromkeys(_PRECEDENCE, 0)
+    node_s = dict.fromkeys(PHASES, 0.0)
     pieces: list[Phase] = []
-    for a, b in itertools.pairwise(edges):
-        mid = (a + b) / 2
-        here = {s.name for s in spans if s.begin <= mid < s.end}
-        name = next((p for p in _PRECEDENCE if p in here), "other")
-        seconds[name] += b - a
+
+    def piece(a: float, b: float) -> None:
+        name = next((p for p in _PRECEDENCE if active[p] > 0), "other")
+        if name in _WORK:
+            ranks = min(allocation.nodes, working((a + b) / 2))
+            node_s[name] += (b - a) * ranks
+            node_s["spare"] += (b - a) * (allocation.nodes - ranks)
+        elif name != "suspended":
+            node_s[name] += (b - a) * allocation.nodes
         if pieces and pieces[-1].name == name and pieces[-1].end == a:
             pieces[-1] = Phase(name, pieces[-1].begin, b)
         else:
             pieces.append(Phase(name, a, b))
-    return seconds, pieces
+
+    at = allocation.begin
+    for t, step, name in events:
+        if t > at:
+            piece(at, t)
+            at = t
+        active[name] += step
+    if allocation.end > at:
+        piece(at, allocation.end)
+    return node_s, pieces
+
+
+def _working(starts: Sequence[_Start], record: RunRecord) -> Callable[[float], int]:
+    """The nodes the ranks ran on at a time: the latest start's by then (the first start's
+    before it). A start whose ranks did not all record it counts the run's node count; with
+    no start recorded, every node of the allocation works."""
+    begins = [s.begin for s in starts]
+    everyone = 1 << 30
+
+    def at(t: float) -> int:
+        if not starts:
+            return everyone
+        start = starts[max(0, bisect.bisect_right(begins, t) - 1)]
+        if record.world_size and start.ranks >= record.world_size:
+            return start.nodes
+        return record.num_nodes or everyone
+
+    return at
+
+
+def _last_and_running(
+    run_dir: Path, kind: JobKind | None, record: RunRecord, marks: list[float], ended: bool
+) -> tuple[float, str | None]:
+    """When the run's records end, or now with a note for a run that still runs.
+
+    A Slurm run runs while its record says so and a start has no end (sacct's rows say it
+    better where accounting answers); a local run or a plain process only while a process it
+    recorded lives: one killed with no end record costs nothing from its last record on.
+    """
+    last = max(marks, default=created_at(run_dir))
+    if ended or record.state not in (None, "running"):
+        return last, None
+    if kind == "slurm" or run_processes(run_dir):
+        return time.time(), "the run is still running: figures up to now"
+    return last, (
+        "the run's processes are gone and left no end record (killed, or its machine lost): "
+        "figures up to its last record"
+    )
+
+
+def _allocations(
+    run_dir: Path,
+    jobs: RunJobs,
+    record: RunRecord,
+    starts: list[_Start],
+    last: float,
+    slurm: SlurmClient | None,
+) -> tuple[list[Allocation], Sequence[Usage] | None, list[str]]:
+    """The run's allocations: sacct's rows of its Slurm jobs, else from its records; what
+    sacct answered, and notes."""
+    if jobs.kind != "slurm":
+        label = jobs.current or "local"
+        return _local_allocations(run_dir, record, starts, last, label), None, []
+    notes: list[str] = []
+    usage = None
+    if jobs.job_ids:
+        client = slurm or SlurmClient()
+        usage = client.usage(jobs.job_ids)
+        notes += client.bad_rows
+        if usage is None:
+            notes.append(
+                "sacct did not answer (accounting disabled or unreachable): allocations from "
+                "the run's records, queue wait unknown"
+            )
+    if usage:
+        return _sacct_allocations(usage, time.time()), usage, notes + _pending(usage, time.time())
+    in_allocation = {
+        i + 1
+        for i, s in enumerate(starts[:-1])
+        if any(
+            f.kind == "in-allocation" and s.begin <= f.when_s < starts[i + 1].begin
+            for f in record.faults
+        )
+    }
+    if usage is not None:  # sacct answered with nothing: the job is not in accounting (yet)
+        queue = (slurm or SlurmClient()).squeue(jobs.job_ids) or ()
+        notes += [
+            f"job {r.job_id} is pending ({r.reason or 'queued'}): it holds no nodes yet"
+            for r in queue
+            if r.state == "PENDING"
+        ]
+        notes.append("sacct has no record of the jobs: allocations from the run's records")
+    return _record_allocations(record, starts, last, in_allocation), usage, notes
 
 
 def collect_report(run_dir: Path, slurm: SlurmClient | None = None) -> CostReport:
     """Work out what the run cost, from sacct (Slurm jobs) and the run's own records."""
-    now = time.time()
     jobs = run_jobs(run_dir)
     record = read_record(run_dir)
     run = RunDir(run_dir)
@@ -492,88 +685,47 @@ def collect_report(run_dir: Path, slurm: SlurmClient | None = None) -> CostRepor
         *(e.when_s for e in record.interruptions),
         *(c.at + c.s for c in saves),
     ]
-    last = max(marks, default=created_at(run_dir))
-    running = bool(starts) and starts[-1].end is None and record.state in (None, "running")
-    if running:
-        last = now
-        notes.append("the run is still running: figures up to now")
-    usage: list[Usage] | None = None
-    efficiency = None
-    source = "records"
-    if jobs.kind == "slurm" and jobs.job_ids:
-        usage = (slurm or SlurmClient()).usage(jobs.job_ids)
-        if usage is None:
-            notes.append(
-                "sacct did not answer (accounting disabled or unreachable): allocations from "
-                "the run's records, queue wait unknown"
-            )
-    allocations: list[Allocation]
-    if usage:
-        allocations = _sacct_allocations(usage, now)
-        efficiency = _efficiency(usage)
-        source = "sacct"
-    elif jobs.kind == "slurm":
-        in_allocation = {
-            i + 1
-            for i, s in enumerate(starts[:-1])
-            if any(
-                f.kind == "in-allocation" and s.begin <= f.when_s < starts[i + 1].begin
-                for f in record.faults
-            )
-        }
-        allocations = _record_allocations(record, starts, last, in_allocation)
-        if usage is not None:  # sacct answered with nothing: the job is not in accounting
-            notes.append("sacct has no record of the jobs: allocations from the run's records")
-    else:
-        label = jobs.current or "local"
-        allocations = _local_allocations(run_dir, record, starts, last, label)
+    ended = not starts or starts[-1].end is not None
+    last, running = _last_and_running(run_dir, jobs.kind, record, marks, ended)
+    allocations, usage, more = _allocations(run_dir, jobs, record, starts, last, slurm)
+    if usage:  # sacct knows whether a job still holds its nodes
+        live = any(not u.step and u.start is not None and u.end is None for u in usage)
+        running = "the run is still running: figures up to now" if live else None
+    notes += [*([running] if running else []), *more]
     spans, recomputed = _phases(starts, allocations, progress, saves, record)
+    done_at = sorted(_time(r) for r in progress)
+    median_s = statistics.median([_work_s(r) for r in progress]) if progress else 0.0
     node_s = dict.fromkeys(PHASES, 0.0)
     timeline: list[Phase] = []
+    working = _working(starts, record)
     for a in allocations:
-        seconds, pieces = _cover(spans, a)
+        seconds, pieces = _cover([*spans, *_suspensions(a, done_at, median_s)], a, working)
         for name, s in seconds.items():
-            node_s[name] += s * a.nodes
+            node_s[name] += s
         timeline += pieces
-        if a.submitted is not None and a.submitted < a.begin:
-            timeline.append(Phase("queue", a.submitted, a.begin))
-    node_hours = sum(a.nodes * (a.end - a.begin) for a in allocations) / 3600
-    gpu_hours = sum(a.gpus * (a.end - a.begin) for a in allocations) / 3600
-    core_hours = sum(a.cores * (a.end - a.begin) for a in allocations) / 3600
-    waits = [a.begin - a.submitted for a in allocations if a.submitted is not None]
-    queue_wait = (
-        sum(max(0.0, w) for w in waits)
-        if source == "sacct"
-        else 0.0
-        if jobs.kind != "slurm"
-        else None
-    )
-    env_steps = sum(r.env_steps for r in progress)
-    per, hours = ("GPU-hour", gpu_hours) if gpu_hours > 0 else ("core-hour", core_hours)
-    total_node_s = sum(node_s.values())
-    iterations = progress[-1].iteration if progress else 0
+        if a.queued is not None and a.queued < a.begin:
+            timeline.append(Phase("queue", a.queued, a.begin))
+    queue_wait = None
+    if usage:
+        queue_wait = sum(max(0.0, a.begin - a.queued) for a in allocations if a.queued)
+    elif jobs.kind != "slurm":
+        queue_wait = 0.0
     return CostReport(
         run_dir=run_dir,
         kind=jobs.kind,
         job_ids=jobs.job_ids,
-        source=source,
+        source="sacct" if usage else "records",
         allocations=tuple(allocations),
-        node_hours=node_hours,
-        gpu_hours=gpu_hours if gpu_hours > 0 else None,
-        core_hours=core_hours,
-        phase_hours={k: v / 3600 for k, v in node_s.items()},
-        phase_share={k: (v / total_node_s if total_node_s else 0.0) for k, v in node_s.items()},
+        **_hours_of(allocations, node_s, progress),
         queue_wait_s=queue_wait,
+        suspended_s=sum(a.suspended_s for a in allocations),
         starts=len(starts) or len(record.starts),
         faults=len(record.faults),
         stops=len(record.restarts),
         checkpoints=len(saves),
-        iterations=iterations,
+        iterations=progress[-1].iteration if progress else 0,
         recomputed_iterations=recomputed,
-        env_steps=env_steps,
-        env_steps_per_hour=env_steps / hours if hours > 0 else None,
-        per=per,
-        efficiency=efficiency,
+        efficiency=_efficiency(usage) if usage else None,
         notes=tuple(notes),
         timeline=tuple(sorted(timeline, key=lambda p: p.begin)),
         iteration_times=tuple((r.iteration, _time(r)) for r in progress),
@@ -581,6 +733,28 @@ def collect_report(run_dir: Path, slurm: SlurmClient | None = None) -> CostRepor
         fault_times=tuple(f.when_s for f in record.faults),
         stop_times=tuple(e.when_s for e in record.restarts if e.when_s),
     )
+
+
+def _hours_of(
+    allocations: Sequence[Allocation], node_s: Mapping[str, float], progress: list[ProgressLine]
+) -> dict[str, Any]:
+    """CostReport's hours, shares and env-steps per hour (suspended time is not charged)."""
+    node_hours = sum(a.nodes * a.held_s for a in allocations) / 3600
+    gpu_hours = sum(a.gpus * a.held_s for a in allocations) / 3600
+    core_hours = sum(a.cores * a.held_s for a in allocations) / 3600
+    env_steps = sum(r.env_steps for r in progress)
+    per, hours = ("GPU-hour", gpu_hours) if gpu_hours > 0 else ("core-hour", core_hours)
+    total = sum(node_s.values())
+    return {
+        "node_hours": node_hours,
+        "gpu_hours": gpu_hours if gpu_hours > 0 else None,
+        "core_hours": core_hours,
+        "phase_hours": {k: v / 3600 for k, v in node_s.items()},
+        "phase_share": {k: (v / total if total else 0.0) for k, v in node_s.items()},
+        "env_steps": env_steps,
+        "env_steps_per_hour": env_steps / hours if hours > 0 else None,
+        "per": per,
+    }
 
 
 def _duration(seconds: float | None) -> str:
@@ -639,7 +813,12 @@ def report_table(report: CostReport) -> Group:
         f"{'sacct' if report.source == 'sacct' else 'the run records'}: "
         f"{len(report.allocations)}, {_hours(report.core_hours)} core-hours",
         "queue wait: "
-        + ("none (a local run)" if report.kind != "slurm" else _duration(report.queue_wait_s)),
+        + ("none (a local run)" if report.kind != "slurm" else _duration(report.queue_wait_s))
+        + (
+            f"; suspended {_duration(report.suspended_s)} (not charged)"
+            if report.suspended_s
+            else ""
+        ),
         f"{report.starts} start(s), {report.faults} fault(s), {report.stops} stop(s), "
         f"{report.checkpoints} checkpoint(s); {report.iterations} iterations count, "
         f"{report.recomputed_iterations} recomputed after faults",
@@ -691,19 +870,16 @@ def draw_timeline(report: CostReport, out: Path) -> None:
     fig, (top, bottom) = plt.subplots(
         2, 1, figsize=(12, 6), sharex=True, gridspec_kw={"height_ratios": [1, 3]}
     )
-    for p in report.timeline:
-        top.barh(
-            0,
-            (p.end - p.begin) / scale,
-            left=(p.begin - t0) / scale,
-            color=_COLORS[p.name],
-            edgecolor="none",
-        )
+    by_phase: dict[str, list[tuple[float, float]]] = {}
+    for p in report.timeline:  # one collection per phase: a bar each would be quadratic
+        by_phase.setdefault(p.name, []).append(((p.begin - t0) / scale, (p.end - p.begin) / scale))
+    for name, bars in by_phase.items():
+        top.broken_barh(bars, (-0.4, 0.8), facecolors=_COLORS[name], edgecolor="none")
     for a in report.allocations:  # each job (each run of a requeued one) named where it began
         top.text((a.begin - t0) / scale, 0.3, f" job {inert(a.label)}", fontsize=8, va="center")
     top.set_yticks([])
     top.set_ylabel("phase")
-    shown = [n for n in (*PHASES, "queue") if any(p.name == n for p in report.timeline)]
+    shown = [n for n in (*PHASES, "queue", "suspended") if n in by_phase]
     top.legend(
         handles=[Patch(color=_COLORS[n], label=n.replace("_", " ")) for n in shown],
         loc="upper center",
@@ -711,20 +887,18 @@ def draw_timeline(report: CostReport, out: Path) -> None:
         ncol=len(shown) or 1,
         fontsize="small",
     )
-    bounds = [*report.start_times[1:], float("inf")]
-    done = list(report.iteration_times)
-    for i, until in enumerate(bounds):  # one line per start: none drawn across a restart
-        mine = [(it, t) for it, t in done if t < until]
-        done = [(it, t) for it, t in done if t >= until]
-        if mine:
-            x = [(t - t0) / scale for _, t in mine]
-            bottom.plot(
-                x,
-                [it for it, _ in mine],
-                ".-",
-                color="tab:green",
-                label=None if i else "iterations that count",
-            )
+    # One line, broken (NaN) where a start begins: none drawn across a restart.
+    breaks, n, xs, ys = list(report.start_times[1:]), 0, [], []
+    for it, t in sorted(report.iteration_times, key=lambda p: p[1]):
+        if n < len(breaks) and t >= breaks[n]:
+            while n < len(breaks) and t >= breaks[n]:
+                n += 1
+            xs.append(float("nan"))
+            ys.append(float("nan"))
+        xs.append((t - t0) / scale)
+        ys.append(it)
+    if xs:
+        bottom.plot(xs, ys, ".-", color="tab:green", label="iterations that count")
     for i, at in enumerate(report.start_times):
         for ax in (top, bottom):
             ax.axvline((at - t0) / scale, color="tab:gray", ls="--", lw=1)

@@ -233,10 +233,19 @@ def resolve_target(target: str, log_root: Path, slurm: SlurmClient | None = None
     found = run_dirs_of_job(target, slurm)
     if found:
         return found
-    if slurm.job_stdout_paths(target) is not None:
-        why = "Slurm does not know it"
-    else:
-        why = "Slurm could not be asked: scontrol did not answer"
+    paths = slurm.job_stdout_paths(target)
+    if paths or (paths is not None and slurm.sacct([target])):
+        # A job of Slurm's that is no run of ours: a plain `sbatch --wrap`, say.
+        raise SpecError(
+            "RUN|JOB",
+            f"job {target} is not an mjlab-hpc run (no run directory of it under --log-root "
+            f"{log_root}, nor where its output goes); `sacct -j {target}` shows what it used",
+        )
+    why = (
+        "Slurm does not know it"
+        if paths is not None
+        else "Slurm could not be asked: scontrol did not answer"
+    )
     raise SpecError(
         "RUN|JOB",
         f"no run directory for job {target} under --log-root {log_root} (and {why}); pass the "

@@ -418,11 +418,20 @@ class IterationBoundary:
             before_first_iteration=first,
             delay_s=float(delay) if delay.isdigit() else None,
         )
+        if stop.kind == StopKind.REQUEUE and self.ctx.is_main and self._cancelled():
+            # `mjlab-hpc cancel` (a chain's links included): whatever Slurm said in time.
+            stop = Stop(StopKind.FOR_GOOD, "cancelled", stop.signum, why="mjlab-hpc cancel")
         if self.ctx.mode == "slurm" and self.ctx.is_distributed:
             shared = [stop]
             dist.broadcast_object_list(shared, src=0)
             stop = shared[0]
         return stop
+
+    def _cancelled(self) -> bool:
+        """Whether `mjlab-hpc cancel` left its record for this start of the run."""
+        with contextlib.suppress(OSError):
+            return cancel_marker(self.run.path) is not None
+        return False
 
     def _checkpoint(self, iteration: int, stop: Stop | None) -> StopEntry | None:
         """Save the checkpoint of `iteration` on every rank; the writer records `stop`.

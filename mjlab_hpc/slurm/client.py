@@ -14,12 +14,14 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from mjlab_hpc.procs import run_command
+from mjlab_hpc.slurm import rows as cell
+from mjlab_hpc.slurm.rows import read_rows
 from mjlab_hpc.slurm.units import slurm_seconds
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("mjlab_hpc")
+T = TypeVar("T")
 
 # Seconds any one Slurm command may take before it counts as not answering.
 DEFAULT_TIMEOUT_S = 30.0
@@ -197,10 +200,6 @@ def _pick(rows: Sequence[SlurmRow]) -> SlurmRow | None:
     return next((r for r in rows if not r.final), rows[0] if rows else None)
 
 
-def _int(text: str) -> int | None:
-    return int(text) if text.strip().isdigit() else None
-
-
 @dataclass(frozen=True)
 class Partition:
     """What a partition can give one job, as sinfo reports it."""
@@ -255,9 +254,15 @@ class Usage:
     state: str
     submit: float | None
     """When the run was queued (a requeued run: when it was queued again)."""
+    eligible: float | None
+    """When it could start: after Submit for a job that waited on a dependency or a
+    --begin time (a chain's link waits for the previous one)."""
     start: float | None
     end: float | None
     elapsed_s: int
+    """ElapsedRaw: seconds it held its nodes, suspended time left out."""
+    suspended_s: float
+    """Seconds it was suspended (sacct's Suspended): held, not running, not charged."""
     nodes: int | None
     cpus: int | None
     """AllocCPUS: the cores the run held."""
@@ -276,29 +281,137 @@ class Usage:
         return "." in self.job_id
 
 
-def _epoch(text: str) -> float | None:
-    """sacct's local time (2026-11-28T17:50:01) in epoch seconds; None for Unknown, None."""
-    try:
-        return dt.datetime.fromisoformat(text.strip()).timestamp()
-    except ValueError:
-        return None
+# The columns each command is asked for, by their header names.
+_SQUEUE = ("JOBID", "ARRAY_JOB_ID", "ARRAY_TASK_ID", "JOBID", "STATE", "NODES", "NODELIST")
+_SQUEUE += ("TRES_PER_NODE", "REASON")
+_USAGE = ("JobID", "State", "Submit", "Eligible", "Start", "End", "ElapsedRaw", "Suspended")
+_USAGE += ("NNodes", "AllocCPUS", "AllocTRES", "TotalCPU", "MaxRSS", "TRESUsageInMax")
+_SINFO = ("PARTITION", "NODES", "CPUS", "GRES", "TIMELIMIT", "MEMORY", "JOB_SIZE")
+_ASSOCIATION = ("Def Acct", "Account", "Partition", "QOS", "Def QOS")
 
 
-def _cpu_seconds(text: str) -> float | None:
-    """TotalCPU (`[D-][HH:]MM:SS[.mmm]`) in seconds; None when empty."""
-    whole, _, fraction = text.strip().partition(".")
-    seconds = slurm_seconds(whole)
-    if seconds is None:
-        return None
-    return seconds + (float(f"0.{fraction}") if fraction.isdigit() else 0.0)
+def _squeue_row(r: Mapping[str, str]) -> SlurmRow:
+    # Read in order: the first JOBID is %i (`4711_2`), the second %A (the raw id).
+    job, raw = cell.job_id(r["JOBID"], "JOBID"), cell.job_id(r["JOBID#2"], "JOBID")
+    task = cell.text(r["ARRAY_TASK_ID"], "ARRAY_TASK_ID")
+    array = cell.text(r["ARRAY_JOB_ID"], "ARRAY_JOB_ID")
+    gpus = _GPUS.search(cell.text(r["TRES_PER_NODE"], "TRES_PER_NODE"))
+    return SlurmRow(
+        job_id=f"{cell.job_id(array, 'ARRAY_JOB_ID')}_{task}" if task.isdigit() else job,
+        raw_id=raw,
+        state=cell.state(r["STATE"], "STATE"),
+        nodes=cell.count(r["NODES"], "NODES"),
+        gpus_per_node=cell.count(gpus.group(1), "TRES_PER_NODE") if gpus else None,
+        node_list=cell.text(r["NODELIST"], "NODELIST") or None,
+        source="squeue",
+        reason=cell.text(r["REASON"], "REASON") or None,
+    )
 
 
-def _rss_bytes(text: str) -> int | None:
-    """MaxRSS (`123456K`, `12M`, `0`) in bytes; None when empty."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)", text.strip())
-    if m is None:
-        return None
-    return int(float(m.group(1)) * 1024 ** ("KMGT".index(m.group(2)) + 1 if m.group(2) else 0))
+def _sacct_row(r: Mapping[str, str]) -> SlurmRow:
+    nodes = cell.count(r["NNodes"], "NNodes")
+    gpus = re.search(r"gres/gpu=(\d+)", cell.text(r["AllocTRES"], "AllocTRES"))
+    total = cell.count(gpus.group(1), "AllocTRES") if gpus else None
+    return SlurmRow(
+        job_id=cell.job_id(r["JobID"], "JobID"),
+        raw_id=cell.job_id(r["JobIDRaw"], "JobIDRaw"),
+        state=cell.state(r["State"], "State"),  # "CANCELLED by 0" -> CANCELLED
+        nodes=nodes,
+        gpus_per_node=total // nodes if total is not None and nodes else None,
+        node_list=cell.text(r["NodeList"], "NodeList").replace("None assigned", "") or None,
+        source="sacct",
+        reason=cell.text(r["Reason"], "Reason") or None,
+    )
+
+
+def _state_only(r: Mapping[str, str]) -> str:
+    return cell.state(r["State"], "State")
+
+
+def _attempt_row(r: Mapping[str, str]) -> tuple[str, str, str]:
+    cell.epoch(r["End"], "End")  # checked; kept as sacct said it (`Unknown` while it runs)
+    return cell.state(r["State"], "State"), cell.text(r["NodeList"], "NodeList"), r["End"].strip()
+
+
+def _usage_row(r: Mapping[str, str]) -> Usage:
+    tres = cell.text(r["AllocTRES"], "AllocTRES")
+    gpus = re.search(r"gres/gpu=(\d+)", tres)
+    used = cell.text(r["TRESUsageInMax"], "TRESUsageInMax")
+    return Usage(
+        job_id=cell.job_id(r["JobID"], "JobID"),
+        state=cell.state(r["State"], "State"),
+        submit=cell.epoch(r["Submit"], "Submit"),
+        eligible=cell.epoch(r["Eligible"], "Eligible"),
+        start=cell.epoch(r["Start"], "Start"),
+        end=cell.epoch(r["End"], "End"),
+        elapsed_s=cell.count(r["ElapsedRaw"], "ElapsedRaw", _MAX_S) or 0,
+        suspended_s=cell.cpu_seconds(r["Suspended"], "Suspended") or 0.0,
+        nodes=cell.count(r["NNodes"], "NNodes"),
+        cpus=cell.count(r["AllocCPUS"], "AllocCPUS"),
+        gpus=cell.count(gpus.group(1), "AllocTRES") if gpus else None,
+        total_cpu_s=cell.cpu_seconds(r["TotalCPU"], "TotalCPU"),
+        max_rss=cell.rss_bytes(r["MaxRSS"], "MaxRSS"),
+        tres_usage=dict(item.split("=", 1) for item in used.split(",") if "=" in item),
+    )
+
+
+# The longest a job may run (seconds): a century.
+_MAX_S = 100 * 365 * 86400
+
+
+@dataclass(frozen=True)
+class _SinfoRow:
+    """One row of sinfo: a partition's nodes of one kind."""
+
+    name: str
+    default: bool
+    nodes: int
+    cpus: int | None
+    gpus: list[int]
+    gres: str
+    max_minutes: int | None
+    mem_mb: int | None
+    max_nodes: int | None
+
+
+def _sinfo_row(r: Mapping[str, str]) -> _SinfoRow:
+    name = cell.text(r["PARTITION"], "PARTITION")
+    gres = cell.text(r["GRES"], "GRES")
+    limit = cell.text(r["TIMELIMIT"], "TIMELIMIT")
+    if limit and limit != "infinite" and slurm_seconds(limit) is None:
+        raise cell.BadValue(f"TIMELIMIT {limit[:40]!r} is not a time limit")
+    size = cell.text(r["JOB_SIZE"], "JOB_SIZE").rpartition("-")[2]  # `1-infinite`, `1-4`
+    return _SinfoRow(
+        name=name.rstrip("*"),
+        default=name.endswith("*"),
+        nodes=cell.count(r["NODES"], "NODES") or 0,
+        cpus=cell.count(r["CPUS"].rstrip("+"), "CPUS"),  # `8+`: nodes of 8 and more
+        gpus=[int(g) for g in re.findall(r"gpu(?::[\w.-]+)?:(\d{1,6})", gres)],
+        gres=gres,
+        max_minutes=_minutes(limit),
+        mem_mb=cell.count(cell.text(r["MEMORY"], "MEMORY").rstrip("+"), "MEMORY"),
+        max_nodes=None if size == "infinite" else cell.count(size, "JOB_SIZE"),
+    )
+
+
+def _node_row(r: Mapping[str, str]) -> tuple[str, str, str]:
+    reason = cell.text(r["REASON"], "REASON")
+    state = cell.text(r["STATE"], "STATE")
+    if state and not re.fullmatch(r"[a-z_+*~#!%$@^-]+", state):  # `down*`, `idle+drain`
+        raise cell.BadValue(f"STATE {state[:40]!r} is not a node state")
+    return cell.text(r["NODELIST"], "NODELIST"), state, "" if reason == "none" else reason
+
+
+def _association_row(r: Mapping[str, str]) -> Association:
+    account = cell.text(r["Account"], "Account")
+    qos = tuple(q for q in cell.text(r["QOS"], "QOS").split(",") if q)
+    return Association(
+        account=account,
+        partition=cell.text(r["Partition"], "Partition"),
+        qos=qos,
+        default_qos=cell.text(r["Def QOS"], "Def QOS"),
+        default_account=account == cell.text(r["Def Acct"], "Def Acct"),
+    )
 
 
 # Commands that ask slurmctld (sacct and sacctmgr ask slurmdbd).
@@ -323,6 +436,24 @@ class SlurmClient:
     """Seconds to keep trying a command that found slurmctld unreachable, with backoff
     (`retry_s()` for the callers that need it; 0: one try). sbatch is never tried again: a
     lost answer may have submitted the job."""
+    bad_rows: list[str] = field(default_factory=list, compare=False, repr=False)
+    """The rows of Slurm's answers that were left out, and why (a value that does not fit
+    its column): a report names them."""
+
+    def _rows(
+        self,
+        command: str,
+        output: str,
+        columns: Sequence[str],
+        make: Callable[[Mapping[str, str]], T],
+    ) -> list[T]:
+        """`read_rows` of a command's output; a row left out is logged and kept in bad_rows."""
+        bad: list[str] = []
+        rows = read_rows(command, output, columns, make, bad)
+        for why in bad:
+            log.warning("%s", why)
+        self.bad_rows.extend(bad)
+        return rows
 
     def run(self, args: Sequence[str]) -> subprocess.CompletedProcess[str] | None:
         """Run a Slurm command; None when it is not installed or does not answer in time."""
@@ -331,8 +462,11 @@ class SlurmClient:
             return subprocess.CompletedProcess(list(args), 1, "", self.unreachable[0].stderr)
         retry = controller and args[0] != "sbatch"
         deadline, pause = time.monotonic() + self.retry_s, _PAUSE_S[0]
+        env = self.env
+        if args[0] in ("sacct", "sacctmgr", "squeue", "sinfo"):  # times as rows.epoch reads them
+            env = {**(os.environ if env is None else env), "SLURM_TIME_FORMAT": "standard"}
         while True:
-            proc = run_command(args, timeout_s=self.timeout_s, env=self.env)
+            proc = run_command(args, timeout_s=self.timeout_s, env=env)
             if proc is None:
                 log.debug("%s: not found or no answer within %gs", args[0], self.timeout_s)
                 return None
@@ -373,30 +507,12 @@ class SlurmClient:
         fmt = "%i|%F|%K|%A|%T|%D|%N|%b|%r"
         rows: list[SlurmRow] = []
         for chunk in _chunks(ids):
-            proc = self.run(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(chunk), "-o", fmt])
+            proc = self.run(["squeue", "-r", "-t", "all", "-j", ",".join(chunk), "-o", fmt])
             if proc is not None and proc.returncode != 0 and "Invalid job id" in proc.stderr:
                 continue  # every id of the chunk unknown: slurmctld forgot them
             if proc is None or proc.returncode != 0:
                 return None  # slurmctld down or too slow ("Unable to contact slurm controller")
-            for line in proc.stdout.splitlines():
-                parts = line.strip().split("|")
-                if len(parts) != 9:
-                    continue
-                job, array, task, raw, state, nodes, node_list, tres, reason = parts
-                job_id = f"{array}_{task}" if task.isdigit() else job
-                gpus = _GPUS.search(tres)
-                rows.append(
-                    SlurmRow(
-                        job_id=job_id,
-                        raw_id=raw,
-                        state=state,
-                        nodes=_int(nodes),
-                        gpus_per_node=int(gpus.group(1)) if gpus else None,
-                        node_list=node_list or None,
-                        source="squeue",
-                        reason=None if reason in ("", "None") else reason,
-                    )
-                )
+            rows += self._rows("squeue", proc.stdout, _SQUEUE, _squeue_row)
         return rows
 
     def sacct(self, ids: Sequence[str]) -> list[SlurmRow] | None:
@@ -408,32 +524,13 @@ class SlurmClient:
         fields = "JobID,JobIDRaw,State,NNodes,AllocTRES,NodeList,Reason"
         rows: list[SlurmRow] = []
         for chunk in _chunks(ids):
-            proc = self.run(["sacct", "-n", "-P", "-X", "-j", ",".join(chunk), "-o", fields])
+            proc = self.run(["sacct", "-P", "-X", "-j", ",".join(chunk), "-o", fields])
             if proc is None or proc.returncode != 0:
                 return None
-            for line in proc.stdout.splitlines():
-                parts = line.strip().split("|")
-                if len(parts) != 7 or not parts[2]:
-                    continue
-                job, raw, state, nodes, tres, node_list, reason = parts
-                if state == _RESIZED:
-                    continue
-                n = _int(nodes)
-                gpus = re.search(r"gres/gpu=(\d+)", tres)
-                per_node = int(gpus.group(1)) // n if gpus and n else None
-                rows += [
-                    SlurmRow(
-                        job_id=element,
-                        raw_id=raw,
-                        state=state.split()[0],  # "CANCELLED by 0" -> CANCELLED
-                        nodes=n,
-                        gpus_per_node=per_node,
-                        node_list=None if node_list in ("", "None assigned") else node_list,
-                        source="sacct",
-                        reason=None if reason in ("", "None") else reason,
-                    )
-                    for element in _array_elements(job)
-                ]
+            for found in self._rows("sacct", proc.stdout, fields.split(","), _sacct_row):
+                if found.state != _RESIZED:
+                    elements = _array_elements(found.job_id)
+                    rows += [dataclasses.replace(found, job_id=e) for e in elements]
         return rows
 
     def attempts(self, job_id: str) -> list[tuple[str, str, str]] | None:
@@ -442,13 +539,16 @@ class SlurmClient:
         None when sacct fails. An attempt that ended because a node failed says NODE_FAIL.
         """
         fields = "State,NodeList,End"
-        proc = self.run(["sacct", "-n", "-P", "-X", "--duplicates", "-j", job_id, "-o", fields])
+        proc = self.run(["sacct", "-P", "-X", "--duplicates", "-j", job_id, "-o", fields])
         if proc is None or proc.returncode != 0:
             return None
-        rows = [line.split("|") for line in proc.stdout.splitlines()]
-        return [
-            (r[0].split()[0], r[1], r[2]) for r in rows if len(r) == 3 and r[0] and r[0] != _RESIZED
-        ]
+        rows = self._rows(
+            "sacct",
+            proc.stdout,
+            fields.split(","),
+            _attempt_row,
+        )
+        return [r for r in rows if r[0] != _RESIZED]
 
     def usage(self, job_ids: Sequence[str]) -> list[Usage] | None:
         """Return what accounting says each run of the jobs (and its steps) used.
@@ -456,38 +556,11 @@ class SlurmClient:
         Every run of a requeued job is a row (`--duplicates`). None when sacct fails
         (accounting disabled, sacct missing or hanging).
         """
-        fields = (
-            "JobID,State,Submit,Start,End,ElapsedRaw,NNodes,AllocCPUS,AllocTRES,TotalCPU,"
-            "MaxRSS,TRESUsageInMax"
-        )
-        args = ["sacct", "-n", "-P", "--duplicates", "-j", ",".join(job_ids), "-o", fields]
+        args = ["sacct", "-P", "--duplicates", "-j", ",".join(job_ids), "-o", ",".join(_USAGE)]
         proc = self.run(args)
         if proc is None or proc.returncode != 0:
             return None
-        rows = []
-        for line in proc.stdout.splitlines():
-            parts = line.strip().split("|")
-            if len(parts) != 12 or not parts[1] or parts[1] == _RESIZED:
-                continue
-            job, state, submit, start, end, elapsed, nodes, cpus, tres, cpu, rss, usage = parts
-            gpus = re.search(r"gres/gpu=(\d+)", tres)
-            rows.append(
-                Usage(
-                    job_id=job,
-                    state=state.split()[0],
-                    submit=_epoch(submit),
-                    start=_epoch(start),
-                    end=_epoch(end),
-                    elapsed_s=_int(elapsed) or 0,
-                    nodes=_int(nodes),
-                    cpus=_int(cpus),
-                    gpus=int(gpus.group(1)) if gpus else None,
-                    total_cpu_s=_cpu_seconds(cpu),
-                    max_rss=_rss_bytes(rss),
-                    tres_usage=dict(item.split("=", 1) for item in usage.split(",") if "=" in item),
-                )
-            )
-        return rows
+        return self._rows("sacct", proc.stdout, _USAGE, _usage_row)
 
     def out_of_memory(self, job_id: str) -> bool:
         """Tell whether a step of the job's latest run ended OUT_OF_MEMORY.
@@ -495,8 +568,11 @@ class SlurmClient:
         Slurm's cgroup plugin says so when its OOM killer ended a task. False when sacct does
         not say so or cannot answer.
         """
-        proc = self.run(["sacct", "-n", "-P", "-j", job_id, "-o", "State"])
-        return proc is not None and "OUT_OF_MEMORY" in proc.stdout
+        proc = self.run(["sacct", "-P", "-j", job_id, "-o", "State"])
+        if proc is None or proc.returncode != 0:
+            return False
+        states = self._rows("sacct", proc.stdout, ["State"], _state_only)
+        return "OUT_OF_MEMORY" in states
 
     def answer(self, ids: Sequence[str]) -> SlurmAnswer:
         """Return the freshest row for every id that Slurm knows.
@@ -616,14 +692,16 @@ class SlurmClient:
 
     def step_of(self, job_id: str, step_name: str) -> str | None:
         """The id (`4711.3`) of the running step of a job that has this name."""
-        proc = self.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j"])
+        proc = self.run(["squeue", "-s", "-j", job_id, "-o", "%i|%j"])
         if proc is None or proc.returncode != 0:
             return None
-        for line in proc.stdout.splitlines():
-            step, _, name = line.strip().partition("|")
-            if name == step_name:
-                return step
-        return None
+        steps = self._rows(
+            "squeue",
+            proc.stdout,
+            ["STEPID", "NAME"],
+            lambda r: (cell.job_id(r["STEPID"], "STEPID"), cell.text(r["NAME"], "NAME")),
+        )
+        return next((step for step, name in steps if name == step_name), None)
 
     def forbid_requeue(self, job_ids: str | Sequence[str]) -> bool:
         """Mark jobs as not requeueable, before cancelling them.
@@ -645,33 +723,29 @@ class SlurmClient:
         None when sinfo does not answer.
         """
         # -a: hidden partitions too (a user may have access to one).
-        proc = self.run(["sinfo", "-a", "-h", "-o", "%P|%D|%c|%G|%l|%m|%s"])
+        proc = self.run(["sinfo", "-a", "-o", "%P|%D|%c|%G|%l|%m|%s"])
         if proc is None or proc.returncode != 0:
             return None
-        rows: dict[str, list[list[str]]] = {}
+        groups: dict[str, list[_SinfoRow]] = {}
         default = None
-        for line in proc.stdout.splitlines():
-            parts = line.split("|")
-            if len(parts) != 7:
-                continue
-            name = parts[0].rstrip("*")
-            if parts[0].endswith("*"):
-                default = name
-            rows.setdefault(name, []).append(parts)
+        for row in self._rows("sinfo", proc.stdout, _SINFO, _sinfo_row):
+            if row.default:
+                default = row.name
+            groups.setdefault(row.name, []).append(row)
         out = {}
-        for name, group in rows.items():
-            gpus = [int(g) for r in group for g in re.findall(r"gpu(?::[\w.-]+)?:(\d+)", r[3])]
-            cpus = [int(r[2]) for r in group if r[2].strip().isdigit()]
-            mems = [int(r[5].rstrip("+")) for r in group if r[5].rstrip("+").isdigit()]
+        for name, group in groups.items():
+            gpus = [g for r in group for g in r.gpus]
+            cpus = [r.cpus for r in group if r.cpus is not None]
+            mems = [r.mem_mb for r in group if r.mem_mb is not None]
             out[name] = Partition(
                 name=name,
-                nodes=sum(_int(r[1]) or 0 for r in group),
+                nodes=sum(r.nodes for r in group),
                 cpus_per_node=max(cpus) if cpus else None,
                 gpus_per_node=max(gpus) if gpus else 0,
-                max_minutes=_minutes(group[0][4]),
+                max_minutes=group[0].max_minutes,
                 mem_mb_per_node=max(mems) if mems else None,
-                max_nodes=_int(group[0][6].rpartition("-")[2]),  # `1-infinite`, `1-4`
-                gres=",".join(sorted({r[3] for r in group if r[3] not in ("", "(null)")})),
+                max_nodes=group[0].max_nodes,
+                gres=",".join(sorted({r.gres for r in group if r.gres})),
             )
         if default is not None:
             out[""] = out[default]
@@ -704,13 +778,16 @@ class SlurmClient:
         start = dt.datetime.fromtimestamp(since - 1).strftime("%Y-%m-%dT%H:%M:%S")
         fields = "format=NodeName,State"
         query = ["show", "event", f"nodes={','.join(nodes)}", f"start={start}", fields]
-        proc = self.run(["sacctmgr", "-n", "-P", *query])
+        proc = self.run(["sacctmgr", "-P", *query])
         if proc is None or proc.returncode != 0:
             return None
-        found = (line.split("|") for line in proc.stdout.splitlines())
-        return sorted(
-            {r[0] for r in found if len(r) == 2 and r[0] in nodes and _down(r[1].upper())}
+        found = self._rows(
+            "sacctmgr",
+            proc.stdout,
+            ["NodeName", "State"],
+            lambda r: (cell.text(r["NodeName"], "NodeName"), cell.text(r["State"], "State")),
         )
+        return sorted({node for node, state in found if node in nodes and _down(state.upper())})
 
     def node_states(self, nodes: Sequence[str]) -> dict[str, tuple[str, str]] | None:
         """Return each node's state and Slurm's reason for it, from one sinfo call.
@@ -718,16 +795,11 @@ class SlurmClient:
         `nodes` are names or hostlist expressions. A state and reason read like
         `("down*", "Not responding")` or `("idle", "")`. None when Slurm does not answer.
         """
-        proc = self.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N|%T|%E"])
+        proc = self.run(["sinfo", "-N", "-n", ",".join(nodes), "-o", "%N|%T|%E"])
         if proc is None or proc.returncode != 0:
             return None
-        out = {}
-        for line in proc.stdout.splitlines():
-            name, _, rest = line.partition("|")
-            state, _, reason = rest.partition("|")
-            if name and state:
-                out[name] = (state, "" if reason == "none" else reason)
-        return out
+        found = self._rows("sinfo", proc.stdout, ["NODELIST", "STATE", "REASON"], _node_row)
+        return {name: (state, reason) for name, state, reason in found if name and state}
 
     def hostnames(self, expr: str) -> list[str] | None:
         """Expand a hostlist expression with `scontrol show hostnames`.
@@ -759,16 +831,14 @@ class SlurmClient:
     def associations(self, user: str) -> list[Association] | None:
         """The user's accounts and QOS in slurmdbd (None: sacctmgr does not answer)."""
         fields = "format=DefaultAccount,Account,Partition,QOS,DefaultQOS"
-        proc = self.run(["sacctmgr", "-n", "-P", "show", "user", user, "withassoc", fields])
+        proc = self.run(["sacctmgr", "-P", "show", "user", user, "withassoc", fields])
         if proc is None or proc.returncode != 0:
             return None
-        out = []
-        for line in proc.stdout.splitlines():
-            if len(parts := line.strip().split("|")) == 5 and parts[1]:
-                default, account, partition, qos, default_qos = parts
-                listed = tuple(q for q in qos.split(",") if q)
-                out.append(Association(account, partition, listed, default_qos, account == default))
-        return out
+        return [
+            a
+            for a in self._rows("sacctmgr", proc.stdout, _ASSOCIATION, _association_row)
+            if a.account
+        ]
 
     def sbatch(self, args: Sequence[str]) -> tuple[str | None, str]:
         """`sbatch --parsable ARGS`: the job id (None when refused) and what sbatch said."""
@@ -794,7 +864,8 @@ class SlurmClient:
 
     def pending_reason(self, job_id: str) -> str | None:
         """Why a pending job waits (squeue's reason), None when it is not pending."""
-        proc = self.run(["squeue", "-h", "-j", job_id, "-t", "PD", "-o", "%r"])
+        proc = self.run(["squeue", "-j", job_id, "-t", "PD", "-o", "%r"])
         if proc is None or proc.returncode != 0:
             return None
-        return proc.stdout.strip() or None
+        reasons = self._rows("squeue", proc.stdout, ["REASON"], lambda r: r["REASON"].strip())
+        return next((r for r in reasons if r), None)

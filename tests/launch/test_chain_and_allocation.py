@@ -26,6 +26,7 @@ from helpers import BIN, cli_env, only_run, progress_records, wait_for
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.record import read_record
 
 pytestmark = pytest.mark.slurm
 
@@ -98,6 +99,9 @@ def _chain_continues(
         time.sleep(0.5)
     states = {j: slurm_cluster.sacct_state(j) for j in (second, third)}
     assert states == {second: "CANCELLED", third: "CANCELLED"}, states
+    # The running link's stop is its own time limit or the cancel, never a preemption.
+    stops = [s.reason for s in read_record(run.path).restarts[1:]]
+    assert set(stops) <= {"time-limit", "cancelled"}, stops
 
 
 SALLOC = ["salloc", "-N2", "--ntasks-per-node=1", "-t", "5"]

@@ -568,6 +568,12 @@ def test_slurm_node_set_down_with_a_spare(
     assert summary["restart_count"] == row["restarts"] == 1, (summary, row)
     assert summary["restart_reasons"] == row["restart_reasons"] == ["node-lost"], row
     ended_in_the_allocation(cluster, fault, summary, "node set DOWN")
+    # report charges what sacct charges (its RESIZING row: 3 nodes until the node went);
+    # the iteration done again costs its seconds, the idle spare is `spare`, not training.
+    report = cluster.report_is_sacct(run.path, read_record(run.path).job_ids[0])
+    node_s = {k: v * 3600 for k, v in report["phase_hours"].items()}
+    assert report["recomputed_iterations"] == 1 and node_s["recomputed"] > 0, node_s
+    assert node_s["spare"] > 0 and len(report["allocations"]) == 2, report
 
 
 @pytest.mark.slurm

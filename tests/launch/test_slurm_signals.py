@@ -107,6 +107,11 @@ def test_a_suspended_job_resumes_as_if_nothing_happened(
     assert slurm_cluster.wait_job(job, timeout=60) == "COMPLETED"
     shown = slurm_cluster.run(["scontrol", "show", "job", job]).stdout
     assert "Restarts=0" in shown, shown
+    # report charges what sacct charges: the suspensions held the nodes but cost nothing,
+    # and are in no phase (not `other`, not `recomputed`).
+    report = slurm_cluster.report_is_sacct(run.path, job)
+    assert report["suspended_s"] >= 2 * SUSPEND_S - 2 and report["faults"] == 0, report
+    assert report["phase_hours"]["recomputed"] == 0, report
 
 
 def status_row(cluster: SlurmCluster, run: RunDir) -> dict:

@@ -9,25 +9,30 @@ test cluster does not gather said missing), and a report still comes when sacct 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import math
 import os
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import pytest
 import yaml
 from helpers import BIN, Team, runs_under, wait_for
 from slurm_cluster import SlurmCluster
 
-from mjlab_hpc.ops.report import collect_report
+from mjlab_hpc.ops.report import CostReport, collect_report
+from mjlab_hpc.ops.runs import run_jobs
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.record import Interruption, RunRecord, Start, read_record
 from mjlab_hpc.slurm.client import SlurmClient
 
 SMALL = ["--num-envs", "16", "--torch-threads", "1"]
-PHASES = ("start_up", "training", "checkpointing", "recomputed", "lost_to_faults", "other")
+PHASES = ("start_up", "training", "checkpointing", "recomputed", "lost_to_faults", "spare", "other")
 NO_ACCOUNTING = '#!/bin/sh\necho "sacct: error: Slurm accounting storage is disabled" >&2\nexit 1\n'
 
 
@@ -46,8 +51,8 @@ def _adds_up(report: dict) -> None:
     assert set(report["phase_hours"]) == set(PHASES)
     assert math.isclose(sum(report["phase_hours"].values()), report["node_hours"], rel_tol=1e-6)
     assert math.isclose(sum(report["phase_share"].values()), 1.0, rel_tol=1e-6)
-    spans = sum(a["nodes"] * (a["end"] - a["begin"]) for a in report["allocations"]) / 3600
-    assert math.isclose(spans, report["node_hours"], rel_tol=1e-6)
+    held = [a["nodes"] * (a["end"] - a["begin"] - a["suspended_s"]) for a in report["allocations"]]
+    assert math.isclose(sum(held) / 3600, report["node_hours"], rel_tol=1e-6)
 
 
 @pytest.mark.training
@@ -113,12 +118,29 @@ def test_report_of_a_slurm_job_with_sacct(slurm_cluster: SlurmCluster, team: Tea
     alice = Team.USERS[0]
     cluster = slurm_cluster.env
     logs = "report-slurm"
+    # A plain job of hers first (no run directory, held until released), which her run's job
+    # waits for, as a chain's link waits for the previous one.
+    wrap = ["sbatch", "--parsable", "--hold", "-N1", "-o", "/dev/null", "--wrap", "sleep 3"]
+    plain = team.run(alice, wrap, extra=cluster).stdout.strip()
     submit = [BIN / "mjlab-submit", "cartpole", *SMALL, "--gpus-per-node", "0", "--time", "10"]
-    submit += ["--max-iterations", "3", "--save-interval", "2", "--log-root", logs, "--follow"]
-    done = team.run(alice, submit, extra=cluster, timeout=300)
+    submit += ["--max-iterations", "3", "--save-interval", "2", "--log-root", logs]
+    done = team.run(alice, [*submit, "--after", plain], extra=cluster, timeout=300)
     assert done.returncode == 0, _text(done)[-3000:]
     run = runs_under(team.shared / logs)[0]
-    job = read_record(run).job_ids[0]
+    (job,) = run_jobs(run).job_ids  # the submitted job: it has not started yet
+    waiting = _report(team, run, extra=cluster)
+    assert waiting["node_hours"] == 0 and waiting["allocations"] == [], waiting
+    assert any(n.startswith(f"job {job} is pending") for n in waiting["notes"]), waiting
+    said = team.run(alice, [BIN / "mjlab-hpc", "report", plain, "--log-root", logs], extra=cluster)
+    assert said.returncode == 2 and f"job {plain} is not an mjlab-hpc run" in said.stderr, said
+    assert len(said.stderr.strip().splitlines()) == 1, said.stderr
+    assert team.run(alice, ["scontrol", "release", plain], extra=cluster).returncode == 0
+    assert slurm_cluster.wait_job(job, timeout=300) == "COMPLETED"
+    # Node-seconds are sacct's own; every start and iteration lies in the allocation.
+    truth = slurm_cluster.report_is_sacct(run, job)
+    (held,) = truth["allocations"]
+    assert held["eligible"] - held["submitted"] >= 2, held  # it waited for the plain job
+    assert truth["queue_wait_s"] == held["begin"] - held["eligible"] < 5, truth
     # sacct's record of the steps lands a moment after the job ends.
     report = wait_for(
         lambda: (
@@ -228,10 +250,15 @@ def test_phases_of_a_requeued_gpu_job_from_sacct(tmp_path: Path) -> None:
     tres = "billing=8,cpu=8,gres/gpu=8,node=2"
     usage = "cpu=00:10:00,gres/gpumem=30G,gres/gpuutil=87,mem=2G"
     rows = [
-        f"7|NODE_FAIL|{iso(0)}|{iso(60)}|{iso(660)}|600|2|8|{tres}|01:00:00||",
-        f"7.0|CANCELLED|{iso(60)}|{iso(61)}|{iso(660)}|599|2|8|{tres}|59:00.500|2048K|{usage}",
-        f"7|COMPLETED|{iso(660)}|{iso(760)}|{iso(1360)}|600|2|8|{tres}|02:00:00||",
-        f"7.0|COMPLETED|{iso(760)}|{iso(761)}|{iso(1360)}|599|2|8|{tres}|01:59:00|4096K|{usage}",
+        "JobID|State|Submit|Eligible|Start|End|ElapsedRaw|Suspended|NNodes|AllocCPUS|AllocTRES|"
+        "TotalCPU|MaxRSS|TRESUsageInMax",
+        f"7|NODE_FAIL|{iso(0)}|{iso(0)}|{iso(60)}|{iso(660)}|600|00:00:00|2|8|{tres}|01:00:00||",
+        f"7.0|CANCELLED|{iso(60)}|{iso(60)}|{iso(61)}|{iso(660)}|599|00:00:00|2|8|{tres}|"
+        f"59:00.500|2048K|{usage}",
+        f"7|COMPLETED|{iso(660)}|{iso(660)}|{iso(760)}|{iso(1360)}|600|00:00:00|2|8|{tres}|"
+        "02:00:00||",
+        f"7.0|COMPLETED|{iso(760)}|{iso(760)}|{iso(761)}|{iso(1360)}|599|00:00:00|2|8|{tres}|"
+        f"01:59:00|4096K|{usage}",
     ]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -248,6 +275,7 @@ def test_phases_of_a_requeued_gpu_job_from_sacct(tmp_path: Path) -> None:
         "checkpointing": 30,
         "recomputed": 60,
         "lost_to_faults": 20,  # to the end of the allocation: the wait for the requeue is queue
+        "spare": 0,
         "other": 70,
     }
     assert report["source"] == "sacct" and len(report["allocations"]) == 2
@@ -261,3 +289,208 @@ def test_phases_of_a_requeued_gpu_job_from_sacct(tmp_path: Path) -> None:
     assert eff["cpu_efficiency"] == pytest.approx(eff["total_cpu_s"] / (1200 * 8), abs=1e-4)
     assert eff["max_rss_bytes"] == 4096 * 1024 and eff["missing"] == []
     assert (eff["gpu_util"], eff["gpu_mem"]) == ("87", "30G")
+
+
+def _lines_run(module_file: str, work: Callable[[], object]) -> int:
+    """Lines of `module_file` executed while `work` runs: its own work, whatever the clock."""
+    count = 0
+
+    def local(frame: FrameType, event: str, arg: object) -> object:
+        nonlocal count
+        count += event == "line"
+        return local
+
+    def tracer(frame: FrameType, event: str, arg: object) -> object:
+        return local if frame.f_code.co_filename == module_file else None
+
+    sys.settrace(tracer)
+    try:
+        work()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_report_out_of_a_long_run_is_linear_work(tmp_path: Path) -> None:
+    """report --out of a run healed every 100 iterations, with a checkpoint after each: four
+    times the iterations is at most about four times report.py's own lines run, and the
+    figure's drawn objects grow only by the marks of each heal (one collection per phase, one
+    line of iterations), where it was a bar per piece and a pass over every span per piece
+    (docs/performance.md)."""
+    import matplotlib.figure
+
+    import mjlab_hpc.ops.report as report
+    from benchmarks.cost_report import make_run
+
+    figure = matplotlib.figure.Figure
+
+    def cost(n: int) -> tuple[int, int]:
+        run = make_run(tmp_path / str(n) / "2026-01-01_00-00-00", n, save_every=1, heal_every=100)
+        got: list[CostReport] = []
+        lines = _lines_run(report.__file__, lambda: got.append(collect_report(run)))
+        drawn: list[int] = []
+        real = figure.savefig
+
+        def counted(fig: matplotlib.figure.Figure, *args: object, **kwargs: object) -> None:
+            drawn.append(sum(len(ax.get_children()) for ax in fig.axes))
+            real(fig, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(figure, "savefig", counted)
+            report.draw_timeline(got[0], tmp_path / f"{n}.png")
+        assert len(got[0].timeline) > 2 * n  # a piece per checkpoint and per iteration span
+        return lines, drawn[0]
+
+    (small, drawn_small), (large, drawn_large) = cost(500), cost(2000)
+    assert large <= 4.5 * small, (small, large)
+    # A start and a fault each draw a line on both axes and a word: 6 per heal, nothing more.
+    heals = (2000 - 500) // 100
+    assert drawn_large <= drawn_small + 6 * heals, (drawn_small, drawn_large)
+
+
+USAGE_HEADER = (
+    "JobID|State|Submit|Eligible|Start|End|ElapsedRaw|Suspended|NNodes|AllocCPUS|AllocTRES|"
+    "TotalCPU|MaxRSS|TRESUsageInMax"
+)
+
+
+def _slurm_run(
+    tmp_path: Path,
+    name: str,
+    rows: list[str],
+    starts: list[tuple[float, list[str]]],
+    done: list[float],
+) -> tuple[Path, SlurmClient, float]:
+    """A Slurm run whose ranks started at the given seconds on the given nodes, did iterations
+    at the `done` seconds (8 s of work each), with sacct (a stand-in) printing `rows` (`{t60}`:
+    60 s after the start); returns it, its client and sacct's own node-seconds."""
+    t = dt.datetime(2026, 11, 1, 10, 0, 0)
+    iso = {f"t{s}": (t + dt.timedelta(seconds=s)).isoformat() for s in range(0, 3000, 5)}
+    rows = [r.format(**iso) for r in rows]
+    run = tmp_path / name
+    (run / "logs" / "ranks").mkdir(parents=True)
+    at = t.timestamp()
+    for number, (began, nodes) in enumerate(starts, start=1):
+        for rank, node in enumerate(nodes):
+            start = {"run": name, "rank": rank, "world_size": len(nodes), "node": node}
+            start.update(pid=1, device="cpu", at=at + began)
+            (run / "logs" / "ranks" / f"rank{rank}.{number}.start.json").write_text(
+                json.dumps(start)
+            )
+    record = RunRecord(
+        launch_mode="slurm",
+        starts=tuple(Start(job_id=name) for _ in starts or [0]),
+        job_ids=(name,),
+        world_size=len(starts[0][1]) if starts else 1,
+        num_nodes=len(set(starts[0][1])) if starts else 1,
+        device="cpu",
+    )
+    (run / "run.json").write_text(json.dumps(record.to_json()))
+    lines = [
+        {"iteration": i, "env_steps": 10, "collect_s": 6, "learn_s": 2, "time": at + s}
+        for i, s in enumerate(done, start=1)
+    ]
+    (run / "progress.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    bin_dir = tmp_path / f"bin-{name}"
+    bin_dir.mkdir()
+    script = "#!/bin/sh\ncat <<'ROWS'\n" + "\n".join([USAGE_HEADER, *rows]) + "\nROWS\n"
+    (bin_dir / "sacct").write_text(script)
+    (bin_dir / "sacct").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    truth = sum(
+        int(r.split("|")[6]) * int(r.split("|")[8]) for r in rows if "." not in r.split("|")[0]
+    )
+    return run, SlurmClient(env=env), truth
+
+
+def test_report_against_sacct_for_every_kind_of_job(tmp_path: Path) -> None:
+    """Node-seconds equal sacct's own (ElapsedRaw x NNodes over the job's rows) for a job
+    shrunk after a node was lost (its RESIZING row), a suspended job (Suspended seconds in no
+    phase) and a chain link that waited on the previous one (no queue wait: Eligible);
+    a spare node idle while the ranks ran is `spare`, not training; a pending job is said."""
+    rows = [  # 3 nodes (one a spare) until node3 went down at 300 s, then 2 to the end
+        "7|RESIZING|{t0}|{t0}|{t60}|{t300}|240|00:00:00|3|3|cpu=3,node=3|||",
+        "7|COMPLETED|{t300}|{t300}|{t300}|{t600}|300|00:00:00|2|2|cpu=2,node=2|||",
+    ]
+    done = [130 + 10 * i for i in range(5)] + [330 + 10 * i for i in range(7)]
+    starts = [(70.0, ["node1", "node2"]), (310.0, ["node1", "node3"])]
+    run, slurm, truth = _slurm_run(tmp_path, "7", rows, starts, done)
+    record = read_record(run)
+    fault = Interruption(
+        reason="node-lost",
+        kind="in-allocation",
+        job_id="7",
+        iteration=6,
+        recomputed=1,
+        resumed_from=5,
+        at_s=dt.datetime(2026, 11, 1, 10, 4, 50).timestamp(),
+    )
+    (run / "run.json").write_text(
+        json.dumps(dataclasses.replace(record, faults=(fault,)).to_json())
+    )
+    # Start 2 cut progress back to iteration 5: iteration 6 was lost with node2 at 290 s.
+    report = collect_report(run, slurm).as_dict()
+    _adds_up(report)
+    node_s = {k: round(v * 3600, 6) for k, v in report["phase_hours"].items()}
+    assert report["node_hours"] * 3600 == pytest.approx(truth) == 240 * 3 + 300 * 2
+    assert report["recomputed_iterations"] == 1 and report["notes"] == [], report["notes"]
+    assert node_s == {
+        "start_up": 2 * (122 - 60) + 2 * (322 - 300),
+        "training": 2 * (170 - 122) + 2 * (390 - 322),
+        "checkpointing": 0,
+        "recomputed": 2 * (290 - 170),  # from the last iteration kept to the fault
+        "lost_to_faults": 3 * (300 - 290),
+        "spare": 1 * (290 - 60),  # node3, idle while the ranks worked on two nodes
+        "other": 2 * (600 - 390),
+    }
+
+    rows = ["8|COMPLETED|{t0}|{t0}|{t0}|{t440}|290|00:02:30|1|1|cpu=1,node=1|||"]
+    done = [130 + 10 * i for i in range(5)] + [330 + 10 * i for i in range(5)]
+    run, slurm, truth = _slurm_run(tmp_path, "8", rows, [(100.0, ["node1"])], done)
+    report = collect_report(run, slurm).as_dict()
+    _adds_up(report)
+    assert report["node_hours"] * 3600 == pytest.approx(truth) == 290
+    assert report["suspended_s"] == 150 and report["queue_wait_s"] == 0
+    node_s = {k: round(v * 3600, 6) for k, v in report["phase_hours"].items()}
+    # Suspended in the longest pause of the records (170-330 s): 150 s in no phase.
+    assert (node_s["start_up"], node_s["training"], node_s["other"]) == (122, 248 - 150, 70)
+    assert ("suspended", 180.0, 330.0) in _timeline(run, slurm), node_s
+
+    rows = ["9|COMPLETED|{t0}|{t500}|{t510}|{t600}|90|00:00:00|1|1|cpu=1,node=1|||"]
+    run, slurm, truth = _slurm_run(tmp_path, "9", rows, [], [])
+    report = collect_report(run, slurm).as_dict()
+    assert report["queue_wait_s"] == 10 and report["node_hours"] * 3600 == truth == 90
+
+    rows = ["10|PENDING|{t0}|{t0}|Unknown|Unknown|0|00:00:00|1|0||||"]
+    run, slurm, truth = _slurm_run(tmp_path, "10", rows, [], [])
+    report = collect_report(run, slurm).as_dict()
+    assert report["node_hours"] == 0 == truth and report["allocations"] == []
+    assert any(n.startswith("job 10 is pending: it has waited for ") for n in report["notes"])
+
+
+def _timeline(run: Path, slurm: SlurmClient) -> list[tuple[str, float, float]]:
+    t0 = dt.datetime(2026, 11, 1, 10, 0, 0).timestamp()
+    return [(p.name, p.begin - t0, p.end - t0) for p in collect_report(run, slurm).timeline]
+
+
+def test_a_killed_local_run_costs_nothing_after_its_last_record(tmp_path: Path) -> None:
+    """A local run whose processes were killed (no end record, run.json still `running`,
+    none of its recorded processes alive): its allocation ends at its last record, said in
+    a note, instead of growing with the clock as a run that still runs."""
+    from benchmarks.cost_report import T0, make_run
+
+    run = make_run(tmp_path / "2026-01-01_00-00-00", 20, heal_every=1000)
+    for end in (run / "logs" / "ranks").glob("*.end.json"):
+        end.unlink()
+    data = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**data, "state": "running"}))
+    heartbeat = RunDir(run).heartbeats
+    heartbeat.mkdir(parents=True)
+    gone = {"pid": 2**22 - 1, "started": T0, "machine": "gone"}  # a rank that no longer runs
+    (heartbeat / "rank0.json").write_text(json.dumps(gone))
+    report = collect_report(run).as_dict()
+    (allocation,) = report["allocations"]
+    last = max(p["time"] for p in map(json.loads, (run / "progress.jsonl").open()))
+    assert allocation["end"] == pytest.approx(last + 0.1)  # its last checkpoint's end
+    assert any("processes are gone and left no end record" in n for n in report["notes"])
+    assert not any("still running" in n for n in report["notes"])
