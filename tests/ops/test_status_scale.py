@@ -71,7 +71,8 @@ def sweep_runs(root: Path, array: str, size: int) -> None:
         elements.append({**element, "run_dir": str(run)})
     axes = {"seed": [str(i) for i in range(size)]}
     write_json(
-        sweep_dir / "sweep.json", {"array_job_id": array, "axes": axes, "elements": elements}
+        sweep_dir / "sweep.json",
+        {"executor": "slurm", "array_job_id": array, "axes": axes, "elements": elements},
     )
 
 
