@@ -291,11 +291,22 @@ def _cores_per_rank(record: RunRecord) -> int:
     return threads if threads > 0 else 1
 
 
+# The longest a local launch takes from making the run to its first rank's start (imports).
+_LAUNCH_S = 600.0
+
+
 def _local_allocations(
     run_dir: Path, record: RunRecord, starts: list[_Start], last: float, label: str
 ) -> list[Allocation]:
-    """The machine a local run held: from its directory's making to its last end."""
-    begin = min(created_at(run_dir), starts[0].begin) if starts else created_at(run_dir)
+    """The machine a local run held: from its directory's making to its last end.
+
+    The making is told by the directory's name, which anyone may choose (`--run-dir`): it
+    counts only as far as a launch takes before the first rank starts."""
+    made = created_at(run_dir)
+    begin = made
+    if starts:
+        first = starts[0].begin
+        begin = made if first - _LAUNCH_S <= made <= first else first
     ranks = max((s.ranks for s in starts), default=record.world_size or 1)
     gpus = ranks if (record.device or "").startswith("cuda") else 0
     return [

@@ -27,7 +27,9 @@ from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.ops.report import CostReport, collect_report
 from mjlab_hpc.ops.runs import run_jobs
+from mjlab_hpc.procs import ProcessId
 from mjlab_hpc.rundir.layout import RunDir
+from mjlab_hpc.rundir.liveness import NodeBeat, RankBeat, write_node_beat
 from mjlab_hpc.rundir.record import Interruption, RunRecord, Start, read_record
 from mjlab_hpc.slurm.client import SlurmClient
 
@@ -484,13 +486,19 @@ def test_a_killed_local_run_costs_nothing_after_its_last_record(tmp_path: Path) 
         end.unlink()
     data = json.loads((run / "run.json").read_text())
     (run / "run.json").write_text(json.dumps({**data, "state": "running"}))
-    heartbeat = RunDir(run).heartbeats
-    heartbeat.mkdir(parents=True)
-    gone = {"pid": 2**22 - 1, "started": T0, "machine": "gone"}  # a rank that no longer runs
-    (heartbeat / "rank0.json").write_text(json.dumps(gone))
+    RunDir(run).heartbeats.mkdir(parents=True)
+    gone = ProcessId(2**22 - 1, T0, "gone")  # a rank that no longer runs
+    write_node_beat(RunDir(run), NodeBeat("vm", 0, 1, (RankBeat(0, "vm", gone, 3, 1),)))
+    assert len(RunDir(run).node_beats()) == 1
     report = collect_report(run).as_dict()
     (allocation,) = report["allocations"]
     last = max(p["time"] for p in map(json.loads, (run / "progress.jsonl").open()))
     assert allocation["end"] == pytest.approx(last + 0.1)  # its last checkpoint's end
     assert any("processes are gone and left no end record" in n for n in report["notes"])
     assert not any("still running" in n for n in report["notes"])
+
+    # Named as made years before its first start (anyone may name a --run-dir): the machine
+    # is held from that start, not from the name.
+    named = run.rename(tmp_path / "2020-01-01_00-00-00")
+    (moved,) = collect_report(named).as_dict()["allocations"]
+    assert moved["begin"] >= T0 and moved["end"] == allocation["end"]
