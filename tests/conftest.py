@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import BIN, Team, linked_copy
+from helpers import BIN, Team
 
 # Session fixture `slurm_cluster`: the real two-node Slurm test cluster (tests/cluster/).
 from slurm_cluster import slurm_cluster, slurm_cluster3  # noqa: F401
@@ -129,18 +129,14 @@ def team() -> Iterator[Team]:
     team.shared.mkdir()
     shutil.chown(team.shared, group=Team.GROUP)
     os.chmod(team.shared, 0o2775)
-    suite = Path(os.environ["WARP_CACHE_PATH"])
     for user in Team.USERS:
         home = base / "home" / user
         home.mkdir(parents=True)
         shutil.chown(home, user=user, group=Team.GROUP)
-        # Each user's own Warp cache (a shared one is refused: others' native code), warm
-        # with what the suite compiled so far.
-        own = base / "warp-cache" / user
-        for version in suite.glob("*") if suite.is_dir() else ():
-            linked_copy(version, own / version.name, owner=user, group=Team.GROUP)
-        own.mkdir(parents=True, exist_ok=True)
-        shutil.chown(own, user=user, group=Team.GROUP)
+        # Each user's own Warp cache (a shared one is refused: others' native code), warmed
+        # before each command with what the suite compiled (Team.run).
+        (base / "warp-cache" / user).mkdir(parents=True)
+        shutil.chown(base / "warp-cache" / user, user=user, group=Team.GROUP)
     try:
         yield team
     finally:

@@ -459,13 +459,23 @@ def linked_copy(src: Path, dst: Path, owner: str | None = None, group: str | Non
             shutil.copy2(a, b)
 
     dst.mkdir(parents=True, exist_ok=True)
-    if src.is_dir():
-        for module in src.glob("wp_*"):
-            if module.is_dir() and not re.search(r"_p\d+_t\d+$", module.name):  # half-built
-                shutil.copytree(module, dst / module.name, copy_function=link, dirs_exist_ok=True)
     if owner is not None:
-        for folder in [dst, *(p for p in dst.rglob("*") if p.is_dir())]:
-            shutil.chown(folder, user=owner, group=group)
+        shutil.chown(dst, user=owner, group=group)
+    for module in src.glob("wp_*") if src.is_dir() else ():
+        if not module.is_dir() or re.search(r"_p\d+_t\d+$", module.name):  # half-built
+            continue
+        if (dst / module.name).exists():  # one there already: Warp's own, or copied before
+            continue
+        # Put in place whole, as Warp does (a run of the owner's may be loading from `dst`).
+        building = dst / f"{module.name}_p{os.getpid()}_t0"
+        shutil.copytree(module, building, copy_function=link)
+        if owner is not None:
+            for folder in [building, *(p for p in building.rglob("*") if p.is_dir())]:
+                shutil.chown(folder, user=owner, group=group)
+        try:
+            building.rename(dst / module.name)
+        except OSError:  # one came in the meantime
+            shutil.rmtree(building, ignore_errors=True)
 
 
 class Team:
@@ -480,8 +490,8 @@ class Team:
         self.shared = base / "shared"
 
     def env(self, user: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The environment of a command `user` runs: their own home and Warp kernel cache,
-        our venv's scripts on PATH."""
+        """The environment of a command `user` runs: their own home and Warp kernel cache
+        (warm with the suite's, in `run`), our venv's scripts on PATH."""
         home = self.base / "home" / user
         env = cli_env(
             {
@@ -506,6 +516,9 @@ class Team:
     ) -> subprocess.CompletedProcess[str]:
         """Run `argv` as `user` (setpriv: their uid, the team's group), in `shared`. Its
         output goes through files: a job it leaves running keeps no pipe of ours open."""
+        suite = Path(os.environ["WARP_CACHE_PATH"])
+        for version in suite.glob("*") if suite.is_dir() else ():  # what the suite compiled
+            linked_copy(version, self.base / "warp-cache" / user / version.name, user, self.GROUP)
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
             proc = subprocess.run(
                 self.argv(user, argv, umask),
