@@ -36,6 +36,7 @@ __all__ = [
     "LaunchMode",
     "backend_for",
     "chain_link",
+    "collective_timeout",
     "cuda_device_count",
     "current_allocation",
     "derive_master_port",
@@ -558,3 +559,23 @@ def process_group(ctx: DistContext, device: str, timeout_s: float) -> Iterator[N
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def collective_timeout(timeout_s: float | None) -> None:
+    """Set how long a collective of the job's process group may wait (None: for good).
+
+    None while the hang watchdog watches the iterations: it bounds a stuck collective then,
+    on time the process ran. Gloo's and NCCL's clocks run on while the process is stopped
+    (`scontrol suspend`, STOP), so a collective begun before a suspend longer than the timeout
+    failed after the resume. No process group: nothing to set.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    seconds = _FOREVER_S if timeout_s is None else timeout_s
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
+# "For good" for gloo and NCCL (their timeouts are milliseconds in 64-bit integers).
+_FOREVER_S = 365 * 24 * 3600.0

@@ -35,6 +35,7 @@ from mjlab_hpc.rank.context import (
     DETACHED_ENV,
     START_ENV,
     DistContext,
+    collective_timeout,
     own_mig,
     process_group,
     rank_device,
@@ -638,6 +639,7 @@ def _loop(
         timeout_s=spec.hang_timeout_s,
         rank_log=rank_log,
         on_fire=ending.hung,
+        on_watch=lambda on: collective_timeout(None if on else spec.dist_timeout_s),
     )
     hooks.append(
         IterationBoundary(
