@@ -94,7 +94,7 @@ SLURM_2411_DIR ?= $${TMPDIR:-/tmp}/mjlab-hpc-cluster-24.11
 # limits (requeue), salloc allocations, the dry run against what is submitted, a sweep,
 # status/cancel of 250 runs, doctor (and --write-profile from slurmdbd's accounts), fake GPUs
 # under ConstrainDevices, a requeue from inside a job, the rendezvous host, a job suspended
-# (the cgroup freezer there), the signals and admin actions (scontrol's fields), slurmctld
+# (the cgroup freezer there), a requeue of one array element, the signals and admin actions (scontrol's fields), slurmctld
 # away during a heal and after a requeue, a node an admin sets DOWN (accounting's events), one
 # exit code per kind of failure, and report's sacct figures. The rest (hostile input, the
 # other 3-node tests, ...) run on 22.05 only.
@@ -110,6 +110,7 @@ SLURM_2411_ARGS ?= -m slurm -p no:xdist --durations=15 \
 	$(C)inside_salloc_the_ranks_run_in_the_allocation_and_ctrl_c_saves_them \
 	$(C)what_is_submitted_is_what_the_dry_run_shows \
 	$(S)a_suspended_job_resumes_as_if_nothing_happened \
+	$(S)a_requeue_of_one_array_element_is_that_elements_alone \
 	$(S)signals_and_admin_actions_mean_what_the_docs_say \
 	tests/launch/test_controller_outage.py \
 	$(H)node_set_down_with_a_spare $(H)failures_of_one_kind_end_with_one_exit_code \

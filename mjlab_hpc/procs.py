@@ -28,6 +28,7 @@ __all__ = [
     "OomCount",
     "ProcessEntry",
     "ProcessId",
+    "ProcessTree",
     "alive",
     "descendants",
     "environ_value",
@@ -114,6 +115,25 @@ def descendants(pid: int) -> list[int]:
         return [c.pid for c in psutil.Process(pid).children(recursive=True)]
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return []
+
+
+class ProcessTree:
+    """A process this one started, and every process it started in turn, as seen so far.
+
+    psutil finds a process's children only while it lives: once it is gone (killed), those
+    it started belong to init. What `live()` saw before stays known, by pid and start time.
+    """
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self._seen: set[ProcessId] = set()
+
+    def live(self) -> list[int]:
+        """The root and its descendants that still run, those seen earlier included."""
+        for pid in (self.root, *descendants(self.root)):
+            if (seen := ProcessId.of(pid)) is not None:
+                self._seen.add(seen)
+        return sorted({p.pid for p in self._seen if p.running()})
 
 
 def alive(pid: int) -> bool:

@@ -103,13 +103,13 @@ class TrainSpec:
     torch_threads: int = 0
     """Torch threads per rank (0: SLURM_CPUS_PER_TASK, else the machine's cores / local ranks)."""
     dist_timeout_s: float = 300.0
-    """Timeout of collective operations: a dead rank ends the job after at most this long."""
+    """Timeout of the rendezvous and of collectives in a start's first iteration; later the
+    hang watchdog bounds a collective, on time the ranks ran (a suspend is no timeout)."""
     hang_timeout_s: float | None = 120.0
     """A rank whose iteration does not advance for this long (or 5x its slowest iteration,
     whichever is longer) is hung: every live rank logs its stacks and the job ends, to be
-    requeued. The first iteration of each start and checkpoint writes do not count. Useful
-    only below --dist-timeout-s (a collective times out first otherwise). `none`: no
-    watchdog."""
+    requeued. The first iteration of each start and checkpoint writes do not count. `none`:
+    no watchdog (collectives then time out after --dist-timeout-s)."""
     preflight: bool = False
     """Check every start before its first iteration: each rank's device and, on several
     nodes, its speed and the nodes' links. A node that fails or lags far behind is left out

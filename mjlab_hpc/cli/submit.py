@@ -48,7 +48,6 @@ from mjlab_hpc.procs import wait_gone
 from mjlab_hpc.rank.context import interactive_step
 from mjlab_hpc.rundir.ends import latest_world_size, rank_ends
 from mjlab_hpc.rundir.layout import SWEEP_RECORD
-from mjlab_hpc.rundir.running import run_processes
 from mjlab_hpc.slurm.client import FINAL_STATES, SlurmClient, retry_s
 from mjlab_hpc.slurm.units import slurm_time_minutes
 from mjlab_hpc.spec import SubmitSpec
@@ -153,7 +152,7 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
             states = [client.job_state(j.job_id) for j in jobs]
             return all(state is None or state in FINAL_STATES for state in states)
         # A local controller may be gone (killed) while its ranks still save their checkpoint.
-        return not run_processes(Path(s.run_dir))
+        return not controls.live()
 
     def failures() -> list[str]:  # of the latest start's ranks (fewer after --min-nodes)
         size = latest_world_size(rank_ends(Path(s.run_dir))) or s.ranks
@@ -171,7 +170,7 @@ def follow_job(s: Submitted, argv: Sequence[str]) -> int:
         num_envs=s.resolved.num_envs,
     )
     if fg.killed and s.executor == "local":
-        wait_gone([p.pid for p in run_processes(Path(s.run_dir))], timeout_s=10)
+        wait_gone(controls.live(), timeout_s=10)
     elif fg.killed:  # a Slurm job goes on being cancelled (with its checkpoint)
         ended = Closing(
             EXIT_INTERRUPTED,

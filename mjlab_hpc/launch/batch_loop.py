@@ -52,10 +52,14 @@ watch_step() {{
     fi
   done
 }}
+# This job as Slurm's commands name it: an array element is <array>_<index> (one element's
+# SLURM_JOB_ID is the array's id, which names every element).
+job=${{SLURM_ARRAY_JOB_ID:+${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID:-}}}}
+job=${{job:-$SLURM_JOB_ID}}
 # A signal to this shell (scancel --batch, or --full) means what it means to the ranks: it
 # goes on to the job's steps (docs/preemption.md, "Signals"); the shell waits on.
 forward() {{
-  for sig in {signals}; do trap "scancel --signal=$sig $SLURM_JOB_ID 2>/dev/null || :" $sig; done
+  for sig in {signals}; do trap "scancel --signal=$sig $job 2>/dev/null || :" $sig; done
 }}
 # slurmctld away (a restart, a failover): srun and the requeue below try again for up to
 # ${retry_env} s (whole seconds; {retry_s} by default), with backoff. srun's own words go to
@@ -69,7 +73,7 @@ said=$(mktemp)
 trap 'rm -f "$said"' EXIT
 requeue() {{
   local out since=$SECONDS
-  while ! out=$(scontrol requeue "$SLURM_JOB_ID" 2>&1); do
+  while ! out=$(scontrol requeue "$job" 2>&1); do
     echo "$out" >&2
     grep -qE "$unreachable" <<<"$out" || return 1
     if [ $((SECONDS - since)) -ge "${{retry:-0}}" ]; then
@@ -84,14 +88,14 @@ requeue() {{
 # own retry ("step creation still disabled", a minute or more on 24.11).
 back() {{
   local steps waited=0
-  until steps=$(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null); do
+  until steps=$(squeue -h -s -j "$job" -o %i 2>/dev/null); do
     [ $((SECONDS - away)) -lt "${{retry:-0}}" ] || return 0
     sleep $pause
     pause=$((pause < 5 ? pause * 2 : 10))
   done
-  while grep -qE "^$SLURM_JOB_ID[.][0-9]+$" <<<"$steps" && [ $((waited += 1)) -le 10 ]; do
+  while grep -qE "^$job[.][0-9]+$" <<<"$steps" && [ $((waited += 1)) -le 10 ]; do
     sleep 1
-    steps=$(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null) || :
+    steps=$(squeue -h -s -j "$job" -o %i 2>/dev/null) || :
   done
 }}
 # Our commands below keep the _MJLAB_HPC_* variables this script sets, and drop a person's.

@@ -37,7 +37,7 @@ from mjlab_hpc.rundir.record import (
 )
 from mjlab_hpc.rundir.state import cancel_marker
 from mjlab_hpc.rundir.writer import RunWriter
-from mjlab_hpc.slurm.client import SlurmClient
+from mjlab_hpc.slurm.client import SlurmClient, own_job
 
 __all__ = [
     "Fault",
@@ -590,7 +590,7 @@ def place_restart(
             )
         return step
     if heal.exclude:
-        ok, why = usable_without(client, job_id, heal.exclude)
+        ok, why = usable_without(client, own_job(os.environ) or job_id, heal.exclude)
         not_excluded = f"{', '.join(heal.exclude)} not excluded: {why}"
         not_excluded = heal.entry.not_excluded if ok else not_excluded
         excluded = tuple(heal.exclude) if ok else ()

@@ -31,7 +31,7 @@ from mjlab_hpc.launch.heal import Healing, Step, decide, place_restart, record_h
 from mjlab_hpc.rank.context import START_ENV
 from mjlab_hpc.rundir.ends import rank_ends
 from mjlab_hpc.rundir.layout import SUBMITIT_DIR, SWEEP_ELEMENTS, read_sweep
-from mjlab_hpc.slurm.client import SlurmClient, retry_s
+from mjlab_hpc.slurm.client import SlurmClient, own_job, retry_s
 
 __all__ = ["apply_slurm", "heal_job", "heal_slurm", "job_run_dir"]
 
@@ -89,8 +89,7 @@ def _drop_results(submitit_dir: Path, job_id: str | None) -> None:
     `mjlab-submit --follow` would take one that the next start has not rewritten yet for its
     own (seen on 24.11).
     """
-    task = os.environ.get("SLURM_ARRAY_TASK_ID")
-    key = f"{os.environ.get('SLURM_ARRAY_JOB_ID')}_{task}" if task else job_id
+    key = own_job(os.environ) or job_id
     for stale in submitit_dir.glob(f"{key}_*_result.pkl"):
         stale.unlink(missing_ok=True)
 
@@ -145,16 +144,17 @@ def heal_slurm(
         return exit_code
     # EXIT_RESTART from srun came from a rank, not from us: passed on, the script would loop.
     fail_code = job_exit_code(exit_code)
-    job_id = os.environ.get("SLURM_JOB_ID")
+    job_id = os.environ.get("SLURM_JOB_ID")  # what the ranks record
+    job = own_job(os.environ)  # what Slurm's commands name: this array element, not the array
     start = os.environ.get(START_ENV) or None
     heal = decide(
         run_dir,
         max_restarts,
         job_id=job_id,
         since=None if start else since,
-        slurm_oom=bool(job_id and client.out_of_memory(job_id)),
+        slurm_oom=bool(job and client.out_of_memory(job)),
         start=start,
-        lost=lambda: _lost_nodes(client, run_dir, job_id, start, since),
+        lost=lambda: _lost_nodes(client, run_dir, job, start, since),
     )
     if heal.fault is None:
         return fail_code
@@ -179,10 +179,10 @@ def heal_slurm(
     if step is not None:
         print(_srun_options(step, tasks_per_node), flush=True)
         return EXIT_RESTART
-    if heal.requeue and job_id:
+    if heal.requeue and job:
         if shutil.which("scontrol", path=(client.env or os.environ).get("PATH")) is None:
             return EXIT_REQUEUE  # inside an image without Slurm's client: the batch shell requeues
-        if apply_slurm(client, job_id, heal):
+        if apply_slurm(client, job, heal):
             return EXIT_OK
     if heal.requeue:  # run.json must not say requeued
         heal.requeue = False

@@ -29,7 +29,7 @@ from mjlab_hpc.launch.executors import (
     task_outcome,
 )
 from mjlab_hpc.launch.follow import Closing, follow_to_end
-from mjlab_hpc.procs import processes, send_signal, wait_gone
+from mjlab_hpc.procs import ProcessTree, owner, processes, send_signal, wait_gone
 from mjlab_hpc.rank import RankJob
 from mjlab_hpc.rank.context import DETACHED_ENV, SUPERVISOR_ENV
 from mjlab_hpc.rundir.ends import rank_ends
@@ -240,10 +240,11 @@ class LocalProcess:
 
 
 def local_processes(run_dir: Path) -> list[LocalProcess]:
-    """The live processes of this machine whose command lines name the run's submitit folder.
+    """This user's live processes of this machine whose command lines name the run's submitit
+    folder.
 
-    For seeing that none is left (the tests); what is signalled is what the run recorded
-    (`rundir.running.run_processes`).
+    For seeing that none is left (the tests); what the launcher waits on and signals are the
+    processes it started and those the run recorded (`LocalControls.live`).
     """
     folders = {str(run_dir.absolute() / SUBMITIT_DIR), str((run_dir / SUBMITIT_DIR).resolve())}
     quoted = [re.compile(re.escape(shlex.quote(f)) + r"(?=$|\s)") for f in folders]
@@ -254,6 +255,8 @@ def local_processes(run_dir: Path) -> list[LocalProcess]:
 
     found = []
     for entry in processes(works_for_run):
+        if owner(entry.pid) != os.getuid():  # another user's, whatever it names
+            continue
         role: Literal["controller", "rank", "launcher"] = "launcher"
         if SUBMITIT_CONTROLLER_MODULE in entry.argv or CONTROLLER_MODULE in entry.argv:
             role = "controller"
@@ -263,13 +266,24 @@ def local_processes(run_dir: Path) -> list[LocalProcess]:
     return found
 
 
-@dataclass(frozen=True)
 class LocalControls:
-    """How a launcher in the foreground stops the local job it follows."""
+    """How a launcher in the foreground stops the local job it follows.
 
-    controller: int
-    """The local executor's controller (its pid is the job id)."""
-    run_dir: Path
+    `controller`: the local executor's controller (its pid is the job id), a child of this
+    process; `run_dir`: the run.
+    """
+
+    def __init__(self, controller: int, run_dir: Path) -> None:
+        self.controller = controller
+        self.run_dir = run_dir
+        self._tree = ProcessTree(controller)
+
+    def live(self) -> list[int]:
+        """The job's live processes: those the controller started (seen from this process,
+        whose child it is: no heartbeat needed, e.g. while kernels compile) and those the run
+        recorded; never another user's that merely names the run."""
+        recorded = [p.pid for p in run_processes(self.run_dir)]
+        return sorted({*self._tree.live(), *recorded} - {self.controller})
 
     def stop(self) -> None:
         """Stop the job at the next iteration boundary, with a checkpoint.
@@ -284,16 +298,16 @@ class LocalControls:
         The controller goes first (nothing restarts the ranks then); ranks that were
         interrupted twice get `grace_s` to record it in run.json, then SIGKILL.
         """
+        ranks = self.live()  # while the controller lives: its children are found by it
         send_signal(self.controller, signal.SIGKILL)
-        # The run's own processes, as it recorded them: never by their command lines (a
-        # teammate's process may name the run's folder).
-        ranks = [p.pid for p in run_processes(self.run_dir)]
+        # Never by their command lines: a teammate's process may name the run's folder.
+        ranks = sorted({*ranks, *self.live()})
         for pid in ranks:
             send_signal(pid, signal.SIGINT)
         for pid in wait_gone(ranks, grace_s):
             send_signal(pid, signal.SIGKILL)
-        for p in run_processes(self.run_dir):  # anything started meanwhile
-            send_signal(p.pid, signal.SIGKILL)
+        for pid in self.live():  # anything started meanwhile
+            send_signal(pid, signal.SIGKILL)
 
 
 def rank_failures(job: submitit.Job, ranks: int, run_dir: Path | None = None) -> list[str]:
@@ -339,7 +353,7 @@ def run_local(
 
     def done() -> bool:
         # The controller may be gone (killed) while its ranks still save their checkpoint.
-        return local.job.done() and not local_processes(local.run_dir)
+        return not controls.live() and local.job.done()
 
     ended, fg = follow_to_end(
         local.run_dir,
@@ -353,7 +367,7 @@ def run_local(
         num_envs=spec.num_envs,
     )
     if fg.killed:
-        left = wait_gone([p.pid for p in local_processes(local.run_dir)], 10)
+        left = wait_gone(controls.live(), 10)
         note = "" if not left else f" (still alive: {left})"
         return Closing(
             EXIT_INTERRUPTED,

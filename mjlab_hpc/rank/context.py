@@ -10,6 +10,7 @@ it (device, seed, process group, the trainer) reads the context, never the raw v
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -19,6 +20,8 @@ from datetime import timedelta
 from typing import Literal
 
 from mjlab_hpc.errors import LaunchError
+
+log = logging.getLogger("mjlab_hpc")
 
 __all__ = [
     "ALLOCATION_ENV",
@@ -36,6 +39,7 @@ __all__ = [
     "LaunchMode",
     "backend_for",
     "chain_link",
+    "collective_timeout",
     "cuda_device_count",
     "current_allocation",
     "derive_master_port",
@@ -558,3 +562,31 @@ def process_group(ctx: DistContext, device: str, timeout_s: float) -> Iterator[N
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def collective_timeout(timeout_s: float | None) -> None:
+    """Set how long a collective of the job's process group may wait (None: for good).
+
+    None while the hang watchdog watches the iterations: it bounds a stuck collective then,
+    on time the process ran. Gloo's and NCCL's clocks run on while the process is stopped
+    (`scontrol suspend`, STOP), so a collective begun before a suspend longer than the timeout
+    failed after the resume. No process group: nothing to set.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    # torch has no public call that changes a formed group's timeout; its own (since 2.2) is
+    # private: where it is missing or refuses, the group keeps --dist-timeout-s.
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        return
+    seconds = _FOREVER_S if timeout_s is None else timeout_s
+    try:
+        setter(timedelta(seconds=seconds))
+    except (RuntimeError, ValueError) as exc:
+        log.warning("the collectives' timeout stays as it was: %s", exc)
+
+
+# "For good" for gloo and NCCL (their timeouts are milliseconds in 64-bit integers).
+_FOREVER_S = 365 * 24 * 3600.0

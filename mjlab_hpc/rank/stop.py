@@ -68,7 +68,7 @@ from mjlab_hpc.rundir.record import (
 )
 from mjlab_hpc.rundir.state import cancel_marker
 from mjlab_hpc.rundir.writer import RunWriter
-from mjlab_hpc.slurm.client import SlurmClient
+from mjlab_hpc.slurm.client import SlurmClient, own_job
 
 __all__ = [
     "LOST_BEFORE_S",
@@ -260,7 +260,7 @@ def after_stop(stopped: Stopped, max_restarts: int) -> int:
             )
             return EXIT_REQUEUE
         client = SlurmClient(timeout_s=STOP_SLURM_S)
-        if ctx.is_main and not client.requeue(ctx.job_id):
+        if ctx.is_main and not client.requeue(own_job(os.environ) or ctx.job_id):
             if client.unreachable:  # the batch script tries again, for longer than KillWait
                 print(
                     f"{stopped}; slurmctld unreachable: the batch script requeues the job",
@@ -401,7 +401,7 @@ class IterationBoundary:
         lost: list[str] = []
         if self.ctx.mode == "slurm" and self.ctx.job_id and self.ctx.is_main:
             client = SlurmClient(timeout_s=STOP_SLURM_S)
-            job = client.job_fields(self.ctx.job_id)
+            job = client.job_fields(own_job(os.environ) or self.ctx.job_id)
             nodelist = os.environ.get("SLURM_JOB_NODELIST")
             if stop.reason == "preemption" and nodelist:
                 # A node set DOWN may be back already: accounting keeps the event.

@@ -36,6 +36,7 @@ from mjlab_hpc.rank.context import (
     DETACHED_ENV,
     START_ENV,
     DistContext,
+    collective_timeout,
     own_mig,
     process_group,
     rank_device,
@@ -652,6 +653,7 @@ def _loop(
         on_fire=ending.hung,
         hosts=hosts,
         store=StoreAddress.of(ctx) if ctx.is_distributed else None,
+        on_watch=lambda on: collective_timeout(None if on else spec.dist_timeout_s),
     )
     hooks.append(
         IterationBoundary(

@@ -75,6 +75,10 @@ _TAKEOVER_BEATS = 1.5
 _WRITE = "in the checkpoint write"
 
 
+# A watchdog pass this much later than due: the process did not run (stopped, frozen).
+_SUSPENDED_S = 2.0
+
+
 def parse_faults(env: Mapping[str, str] | None = None) -> tuple[FaultInjection, ...]:
     """Return the faults that MJLAB_HPC_FAULT asks for, comma-separated (none: empty).
 
@@ -107,6 +111,7 @@ class Watchdog:
         on_fire: Callable[[str], None] | None = None,
         hosts: Sequence[str] | None = None,
         store: StoreAddress | None = None,
+        on_watch: Callable[[bool], None] | None = None,
     ) -> None:
         self.run = run
         self.rank = rank
@@ -129,6 +134,9 @@ class Watchdog:
         self.on_fire = on_fire
         """Called with how the start ended before the exit: the rank's end record, and the
         writer gives up its lease (the healer needs it)."""
+        self.on_watch = on_watch
+        """Called with True when the watchdog (with a timeout) starts watching the iterations,
+        False when it stops: from then on it, not the collectives' own clock, bounds a stall."""
         self.iteration = 0
         self._process = ProcessId.of()
         self._seq = self._node_seq = self._view_seq = 0
@@ -185,6 +193,8 @@ class Watchdog:
             self._armed_at = now
             self._slowest = now - self._last
             self._first = True
+            if self.on_watch is not None and self.timeout_s is not None:
+                self.on_watch(True)
         if self._first and self._armed_at != now:
             self._slowest = now - self._last  # the first timed iteration replaces it
             self._first = False
@@ -201,6 +211,8 @@ class Watchdog:
 
     def disarm(self) -> None:
         """Training is over (the last records are written): no longer watched."""
+        if self._armed_at is not None and self.on_watch is not None and self.timeout_s is not None:
+            self.on_watch(False)
         self._armed_at = None
 
     def _beat(self) -> None:
@@ -305,9 +317,11 @@ class Watchdog:
         pause = 0.0
         while not self._stop.wait(tick):
             now = time.monotonic()
-            if now - before > 10 * tick + 5:
+            if now - before > tick + _SUSPENDED_S:
                 # This process was suspended (scontrol suspend, gang scheduling, Ctrl-Z): the
-                # time it did not run is no hang, nor what it saw of the others before.
+                # time it did not run is no hang, nor what it saw of the others before. (A
+                # thread starved that long by load is forgiven alike: a later hang, not a
+                # false one.)
                 self._last += now - before - tick
                 self._forget()
             before = now

@@ -38,6 +38,7 @@ __all__ = [
     "SlurmRow",
     "Usage",
     "controller_unreachable",
+    "own_job",
     "retry_s",
 ]
 
@@ -73,6 +74,18 @@ _PAUSE_S = (1.0, 10.0)
 def controller_unreachable(said: str) -> bool:
     """Whether a Slurm command's output says slurmctld could not be reached."""
     return any(words in said for words in UNREACHABLE)
+
+
+def own_job(env: Mapping[str, str]) -> str | None:
+    """Return this job as a command sent to Slurm from inside it must name it (None: none).
+
+    An array element is `<array>_<index>`: one element's SLURM_JOB_ID is the array's own id,
+    which scancel, scontrol and squeue take for every element of the array.
+    """
+    array, index = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array and index:
+        return f"{array}_{index}"
+    return env.get("SLURM_JOB_ID") or None
 
 
 def retry_s(env: Mapping[str, str] | None = None) -> float:

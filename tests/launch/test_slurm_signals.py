@@ -10,6 +10,7 @@ cut below the signal delay. Each is recorded with its true cause and never exclu
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -27,8 +28,10 @@ pytestmark = pytest.mark.slurm
 CARTPOLE = ["cartpole", "--num-envs", "64", "--seed", "11", "--torch-threads", "1"]
 COMMON = [*CARTPOLE, "--save-interval", "5", "--max-iterations", "12"]
 REFERENCE = [*CARTPOLE, "--save-interval", "100", "--max-iterations", "12"]
-# Longer than the writer's lease (30 s) and the hang timeout below.
+# Longer than the writer's lease (30 s), the hang and the collective timeouts below.
 SUSPEND_S = 32
+# A sweep element's iterations: long enough to be running still when the other is requeued.
+ITERS = 60
 
 
 def follow(
@@ -74,11 +77,12 @@ def suspended(cluster: SlurmCluster, job: str, seconds: float) -> None:
 def test_a_suspended_job_resumes_as_if_nothing_happened(
     slurm_cluster: SlurmCluster, tmp_path: Path, shared_tmp: Path
 ) -> None:
-    """A 2-node job suspended for longer than the writer's lease and --hang-timeout-s, once
-    while its ranks start and once after iteration 4: no fault, no restart, no iteration
-    computed again, the parameters of a run that never stopped; --follow stays with it
-    through both and ends with its done line."""
+    """A 2-node job suspended for longer than the writer's lease, --hang-timeout-s and
+    --dist-timeout-s, once while its ranks start and once after iteration 4: no collective
+    times out, no fault, no restart, no iteration computed again, the parameters of a run
+    that never stopped; --follow stays with it through both and ends with its done line."""
     args = [*COMMON, "--nodes", "2", "--tasks-per-node", "1", "--hang-timeout-s", "20"]
+    args += ["--dist-timeout-s", "20"]
     proc = follow(slurm_cluster, args, tmp_path)
     try:
         run = the_run(tmp_path)
@@ -207,3 +211,42 @@ def test_a_term_to_the_batch_shell_stops_the_run_for_good(
     assert "requeue" not in logs.lower() and "preemption" not in logs.lower(), logs[-2000:]
     assert slurm_cluster.wait_job(job, timeout=60) == "FAILED"
     assert status_row(slurm_cluster, run)["state"] == "STOPPED"
+
+
+def test_a_requeue_of_one_array_element_is_that_elements_alone(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """`scontrol requeue <array>_1` of a two-element sweep: element 1 (whose own SLURM_JOB_ID
+    is the array's id, which names every element) is requeued and continues from its
+    checkpoint; element 0, another run, trains on to its end: one start, no stop, no fault."""
+    args = ["cartpole", "--num-envs", "64", "--torch-threads", "1", "--sweep", "seed=0,1"]
+    args += ["--save-interval", "5", "--max-iterations", str(ITERS), "--nodes", "1"]
+    args += ["--gpus-per-node", "0", "--time", "10", "--log-root", str(tmp_path)]
+    sent = subprocess.run(
+        [BIN / "mjlab-submit", *args],
+        env=cli_env(base=slurm_cluster.environ()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    found = re.search(r"job array\s+(\d+) \(slurm\)", sent.stdout)
+    assert sent.returncode == 0 and found, sent.stdout + sent.stderr
+    array = found.group(1)
+
+    def elements() -> dict[int, RunDir]:
+        marks = [r / "sweep_element.json" for r in runs_under(tmp_path)]
+        found = {json.loads(m.read_text())["index"]: RunDir(m.parent) for m in marks if m.exists()}
+        return found if len(found) == 2 else {}
+
+    by_seed = wait_for(elements, 120, "the two elements' runs")
+    wait_for(lambda: all(iteration(r) >= 3 for r in by_seed.values()), 180, "iteration 3")
+    assert iteration(by_seed[0]) < ITERS - 20, "element 0 ended before the requeue"
+    slurm_cluster.run(["scontrol", "requeue", f"{array}_1"])
+    for index in (0, 1):
+        assert slurm_cluster.wait_job(f"{array}_{index}", timeout=300) == "COMPLETED"
+    kept, requeued = read_record(by_seed[0].path), read_record(by_seed[1].path)
+    assert kept.restarts == () and kept.faults == () and len(kept.starts) == 1, kept
+    assert [p["iteration"] for p in progress_records(by_seed[0])] == list(range(1, ITERS + 1))
+    (restart,) = requeued.restarts
+    assert (restart.reason, restart.kind) == ("requeue", "requeue") and not requeued.faults
+    assert len(requeued.starts) == 2 and requeued.state == "completed", requeued

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from helpers import (
     BIN,
+    Team,
     cli_env,
     episode_metrics,
     only_run,
@@ -175,6 +176,55 @@ def test_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
     assert "stopped at once" in err and "Traceback" not in err
     all_gone(run)
+
+
+def test_second_ctrl_c_while_kernels_compile_stops_the_ranks(tmp_path: Path) -> None:
+    """`mjlab-train --num-procs 2` with a cold kernel cache: two SIGINTs to the launcher alone
+    (a second Ctrl-C where the ranks do not share its terminal, or `kill -INT`) while the
+    ranks compile (no heartbeat yet: the launcher finds them as its own children, not by
+    their records) end every rank within seconds, exit 130, nothing said still alive, no
+    checkpoint written after."""
+    root, cache = tmp_path / "logs", tmp_path / "kernels"
+    cache.mkdir(mode=0o700)
+    args = [*COMMON, *TWO, "--max-iterations", "1000", "--log-root", str(root)]
+    proc = start(tmp_path, [*args, "--kernel-cache", str(cache)])
+    run = RunDir(wait_for(lambda: list(root.glob("cartpole/2*")), 120, "the run", 0.05)[0])
+
+    def compiling() -> bool:
+        logs = [run.rank_log(r) for r in range(2)]
+        return all(p.exists() and "kernel cache:" in p.read_text() for p in logs)
+
+    wait_for(compiling, 120, "both ranks compiling", poll=0.05)
+    assert not list(run.heartbeats.glob("rank*.json")), "compiled already: no cold start"
+    for _ in range(2):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
+    assert "stopped at once" in err and "still alive" not in err, err[-2000:]
+    all_gone(run, timeout=5)
+    assert not list(run.path.glob("model_*.pt"))
+
+
+def test_another_users_process_naming_the_run_is_not_waited_on(tmp_path: Path, team: Team) -> None:
+    """A teammate's process whose arguments name the run's submitit folder (a `tail`, an
+    editor) is none of the run's: `mjlab-train --num-procs 2` ends when its ranks do, and
+    leaves the teammate's process alone."""
+    root = tmp_path / "logs"
+    args = [*COMMON, *TWO, "--max-iterations", "4", "--log-root", str(root)]
+    proc = start(tmp_path, args)
+    run = RunDir(wait_for(lambda: list(root.glob("cartpole/2*")), 120, "the run", 0.05)[0])
+    naming = ["bash", "-c", "sleep 300; true", "bash", run.submitit.resolve()]
+    bob = team.argv(Team.USERS[1], naming)
+    other = subprocess.Popen(bob, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "done: 4 iterations" in out, err[-2000:]
+        assert other.poll() is None  # not ours: neither waited on nor signalled
+    finally:
+        for p in (proc, other):
+            p.kill()
+            p.wait()
 
 
 def test_ctrl_c_in_one_process(tmp_path: Path) -> None:

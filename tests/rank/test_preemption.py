@@ -367,3 +367,36 @@ def test_a_requeue_that_cannot_reach_slurmctld_is_left_to_the_batch_script(
     stopped = Stopped(iteration=4, stop=_TIME_LIMIT, ctx=DistContext.from_env(_SLURM))
     assert after_stop(stopped, 3) == EXIT_REQUEUE
     assert calls.read_text().splitlines() == ["show job 9"]  # the requeue: answered at once
+
+
+@pytest.mark.training
+def test_every_rank_stopped_past_the_collective_timeout_is_frozen_then_on(tmp_path: Path) -> None:
+    """STOP then CONT to every rank (what `scontrol suspend` and Ctrl-Z do), three times, each
+    longer than --dist-timeout-s and --hang-timeout-s, in the middle of the iterations: no
+    collective times out (one waited already when the suspend came), no hang, no fault, no
+    restart; the run ends with every iteration once."""
+    iters, root = 60, tmp_path / "job"
+    cmd = [BIN / "mjlab-submit", *COMMON, "--max-iterations", str(iters), "--executor", "local"]
+    cmd += ["--gpus-per-node", "0", "--tasks-per-node", "2", "--log-root", str(root)]
+    cmd += ["--dist-timeout-s", "3", "--hang-timeout-s", "3", "--follow"]
+    proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        for at in (3, 20, 40):
+            run = wait_for_iteration(root, at)
+            pids = rank_pids(run)
+            assert len(pids) == 2, pids
+            for pid in pids:  # one after the other, as on two nodes: the last waits in a
+                os.kill(pid, signal.SIGSTOP)  # collective for the first when it stops
+                time.sleep(1)
+            time.sleep(5)
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = out.decode(errors="replace")
+    assert proc.returncode == EXIT_OK, text[-3000:]
+    record = read_record(run.path)
+    assert record.faults == () and record.restarts == () and len(record.starts) == 1, record
+    assert [p["iteration"] for p in progress_records(run)] == list(range(1, iters + 1))
