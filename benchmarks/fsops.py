@@ -383,9 +383,10 @@ def job_processes(run_dir: Path, world: int) -> dict[int, str]:
 
 def _progress(run_dir: Path) -> int:
     from mjlab_hpc.rundir.layout import RunDir
+    from mjlab_hpc.rundir.progress import progress_tail
 
-    tail = RunDir(run_dir).progress_tail(1)
-    return int(tail[-1]["iteration"]) if tail else 0
+    tail = progress_tail(RunDir(run_dir), 1)
+    return tail[-1].iteration if tail else 0
 
 
 def _wait_for(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[Any] | None) -> Any:

@@ -64,14 +64,17 @@ class Range:
     """No later than now (and a day's clock skew): a time that has happened."""
 
 
+# Every number read has an upper bound too: a finite 1e300 or a 400-digit integer in a file
+# others can write would overflow a sum, a float or a timedelta of any command reading it.
+_MOST = float(2**53)  # the largest whole number a float holds exactly
 #: A count, an index or an iteration: a whole number from 0.
-Count = typing.Annotated[int, Range(0)]
+Count = typing.Annotated[int, Range(0, _MOST)]
 #: A number from 1 (ranks in a world, a pid).
-Positive = typing.Annotated[int, Range(1)]
-#: A duration in seconds, from 0.
-Seconds = typing.Annotated[float, Range(0)]
+Positive = typing.Annotated[int, Range(1, _MOST)]
+#: A duration in seconds, from 0 (at most about 30 years).
+Seconds = typing.Annotated[float, Range(0, 1e9)]
 #: An amount that is never below 0 (a rate, a length).
-NonNegative = typing.Annotated[float, Range(0)]
+NonNegative = typing.Annotated[float, Range(0, 1e15)]
 #: A moment in epoch seconds that has happened.
 EpochS = typing.Annotated[float, Range(0, until_now=True)]
 
@@ -139,6 +142,8 @@ def describe(hint: Any, mode: Mode = "json") -> str:
             return "a time (epoch s) no later than now"
         if bounds.high is None:
             return f"{base} >= {bounds.low:g}"
+        if bounds.high == _MOST:
+            return f"{base} >= {bounds.low:g} (below 2^53)"
         return f"{base} from {bounds.low:g} to {bounds.high:g}"
     if origin in (typing.Union, types.UnionType):
         return " or ".join(describe(a, mode) for a in args)

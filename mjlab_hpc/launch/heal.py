@@ -150,6 +150,11 @@ def find_fault(
     progress = progress_summary(run)
     iteration = progress.iteration or 0
     hang = read_hang(run)
+    # A hang record of an earlier start (one no heal read) is not this start's ending.
+    if hang is not None and start is not None and hang.start and hang.start != start:
+        hang = None
+    if hang is not None and since is not None and hang.at < since - 2:
+        hang = None
     if hang is not None:
         return _hang(hang, iteration)
     unread = [progress.unread] if progress.unread else []
@@ -238,7 +243,7 @@ def _hang(hang: Hang, iteration: int) -> Fault:
         hosts=hang.hosts,
         iteration=iteration,
         suspect_nodes=hang.frozen_hosts,
-        at_s=hang.at - hang.waited_s,
+        at_s=max(0.0, hang.at - hang.waited_s),
     )
 
 

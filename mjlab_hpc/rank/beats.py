@@ -10,11 +10,11 @@ Three channels, the cheapest first (docs/architecture.md says why):
   has already. The node's writer publishes its node's beat there every beat, reads the other
   nodes' while a rank of its node watches, and sees a hang announced there once.
 - the run directory: the node's writer rewrites `logs/heartbeat/node-<host>.json` every beat
-  (`rundir.liveness`; cancel, status and the healer read it); the other nodes read it only
-  while the store does not answer. The store lives in rank 0's process: frozen or lost with
-  it, it never answers, and a call to it waits for ever (a TCPStore's timeout does not bound
-  a call to a stopped server), so the link calls it from a thread of its own and is judged by
-  how long its call has been waiting.
+  (`rundir.liveness`; cancel, status, report and the local launcher read it); the other
+  nodes read it only while the store does not answer. The store lives in rank 0's process:
+  frozen or lost with it, it never answers, and a call to it waits for ever (a TCPStore's
+  timeout does not bound a call to a stopped server), so the link calls it from a thread of
+  its own and is judged by how long its call has been waiting.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class View:
             data = json.loads(raw)
             beats = tuple(b for b in map(RankBeat.parse, data["beats"]) if b is not None)
             return cls(made=int(data["made"]), via=str(data["via"]), beats=beats)
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, OverflowError):  # int(inf): OverflowError
             return None
 
 

@@ -35,6 +35,7 @@ from typing import TextIO
 from mjlab_hpc.errors import EXIT_HUNG
 from mjlab_hpc.procs import ProcessId
 from mjlab_hpc.rank.beats import NodeBoard, StoreAddress, StoreLink, View
+from mjlab_hpc.rank.context import START_ENV
 from mjlab_hpc.rundir.durable import write_atomic
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.liveness import (
@@ -313,9 +314,13 @@ class Watchdog:
         tick = min(self.beat_s, 0.5)
         next_look = time.monotonic() + self.beat_s
         next_beat = time.monotonic() + (self.beat_s if self._node_whole else tick)
-        before = time.monotonic()
         pause = 0.0
-        while not self._stop.wait(tick):
+        while True:
+            # Only the wait is timed: a slow write or read of the shared filesystem in a pass
+            # is time the process ran, and stalls count through it.
+            before = time.monotonic()
+            if self._stop.wait(tick):
+                return
             now = time.monotonic()
             if now - before > tick + _SUSPENDED_S:
                 # This process was suspended (scontrol suspend, gang scheduling, Ctrl-Z): the
@@ -324,43 +329,56 @@ class Watchdog:
                 # false one.)
                 self._last += now - before - tick
                 self._forget()
-            before = now
-            if now >= next_beat:
-                self._beat()
-                # Until every local rank has beaten once, a beat each tick: the node's file
-                # names every rank's process (cancel finds them by it) from the start.
-                next_beat = now + (self.beat_s if self._node_whole else tick)
-            elif self._writer and self.link is not None and self.link.announced():
-                self.board.announce()
-            if self.timeout_s is None:
+            try:
+                state = self._pass(now, tick, next_beat, next_look, pause)
+            except Exception:  # a dead watchdog would leave a stall unbounded (no timeout)
+                log.exception("hang watchdog: this pass failed; the next one goes on")
                 continue
-            limit = hang_limit_s(self.timeout_s, self._slowest)
-            if self._paused:
-                if pause != self._paused_at:  # a new write: the others watched afresh
-                    pause = self._paused_at
-                    self._forget()
-                # Watched from a quarter of the limit into the write (most writes end
-                # sooner: no reads), or from its start where the limit is a few beats.
-                quiet = max(_STALE_BEATS * self.beat_s, limit / 2)
-                look_from = min(limit / 4, max(0.0, limit - quiet - 2 * self.beat_s))
-                self._watching = now - self._paused_at >= look_from
-                if self._watching and now >= next_look:
-                    next_look = now + self.beat_s
-                    if self._frozen_peer(quiet):
-                        self._fire(self._diagnose(now - self._last, limit, during=_WRITE))
-                        return
-                continue
-            if self._armed_at is None:
-                self._watching = False
-                continue
-            self._watching = now - self._last > limit / 2
-            if self._watching and now >= next_look:
-                self._look()  # stalled: whose beat goes on changing?
-                next_look = now + self.beat_s
-            peer = self.board.announced()  # another rank's watchdog fired: stacks here too
-            if now - self._last > limit or peer:
-                self._fire(self._diagnose(now - self._last, limit, peer))
+            if state is None:
                 return
+            next_beat, next_look, pause = state
+
+    def _pass(
+        self, now: float, tick: float, next_beat: float, next_look: float, pause: float
+    ) -> tuple[float, float, float] | None:
+        """One pass of the loop: beat when due, then watch for a hang (None: it fired)."""
+        if now >= next_beat:
+            self._beat()
+            # Until every local rank has beaten once, a beat each tick: the node's file
+            # names every rank's process (cancel finds them by it) from the start.
+            next_beat = now + (self.beat_s if self._node_whole else tick)
+        elif self._writer and self.link is not None and self.link.announced():
+            self.board.announce()
+        if self.timeout_s is None:
+            return next_beat, next_look, pause
+        limit = hang_limit_s(self.timeout_s, self._slowest)
+        if self._paused:
+            if pause != self._paused_at:  # a new write: the others watched afresh
+                pause = self._paused_at
+                self._forget()
+            # Watched from a quarter of the limit into the write (most writes end
+            # sooner: no reads), or from its start where the limit is a few beats.
+            quiet = max(_STALE_BEATS * self.beat_s, limit / 2)
+            look_from = min(limit / 4, max(0.0, limit - quiet - 2 * self.beat_s))
+            self._watching = now - self._paused_at >= look_from
+            if self._watching and now >= next_look:
+                next_look = now + self.beat_s
+                if self._frozen_peer(quiet):
+                    self._fire(self._diagnose(now - self._last, limit, during=_WRITE))
+                    return None
+            return next_beat, next_look, pause
+        if self._armed_at is None:
+            self._watching = False
+            return next_beat, next_look, pause
+        self._watching = now - self._last > limit / 2
+        if self._watching and now >= next_look:
+            self._look()  # stalled: whose beat goes on changing?
+            next_look = now + self.beat_s
+        peer = self.board.announced()  # another rank's watchdog fired: stacks here too
+        if now - self._last > limit or peer:
+            self._fire(self._diagnose(now - self._last, limit, peer))
+            return None
+        return next_beat, next_look, pause
 
     def _forget(self) -> None:
         """What this rank saw of the others is no longer news (suspended, a new write)."""
@@ -452,6 +470,7 @@ class Watchdog:
             frozen_hosts=tuple(dict.fromkeys(self.hosts[r] for r in frozen)),
             during=during,
             at=time.time(),
+            start=os.environ.get(START_ENV, ""),
         )
 
     def _fire(self, hang: Hang) -> None:

@@ -160,6 +160,8 @@ class Hang:
     """The phase this rank was in, for people (empty: an iteration)."""
     at: EpochS = 0.0
     """When it was found (epoch s, this rank's clock)."""
+    start: str = ""
+    """The start it ended: the batch script's name for its srun step (empty: none)."""
 
     def to_bytes(self) -> bytes:
         """The record as written."""

@@ -36,7 +36,14 @@ from mjlab_hpc.rundir.ends import (
     start_hosts,
 )
 from mjlab_hpc.rundir.layout import RunDir
-from mjlab_hpc.rundir.liveness import NodeBeat, RankBeat, read_hang, read_node_beat
+from mjlab_hpc.rundir.liveness import (
+    Hang,
+    NodeBeat,
+    RankBeat,
+    read_hang,
+    read_node_beat,
+    write_hang,
+)
 
 
 def test_hang_limit_never_below_five_slowest_iterations() -> None:
@@ -208,6 +215,25 @@ def test_a_start_that_never_logged_is_a_crash_of_this_start(tmp_path: Path) -> N
     assert find_fault(run.path) is None  # as the earlier start ended
     fault = find_fault(run.path, since=time.time())
     assert fault is not None and fault.reason == "crash" and "no rank started" in fault.error
+
+
+def test_a_hang_record_of_an_earlier_start_is_not_this_starts_ending(tmp_path: Path) -> None:
+    """A hang.json no heal read (a stop came first) names its start: the next start's crash is
+    a crash, not the old hang; one whose figures are out of range is left out, never a heal
+    that fails for good."""
+    run = RunDir(tmp_path)
+    _crash(run)
+    run.heartbeats.mkdir(parents=True, exist_ok=True)
+    old = Hang(0, 2, 30.0, 20.0, (1,), ("h1",), "stalled", at=time.time() - 600, start="7_1")
+    write_hang(run, old)
+    hang = find_fault(run.path, start="7_1")
+    assert hang is not None and hang.reason == "hang" and hang.suspect_nodes == ()
+    assert find_fault(run.path, since=time.time()).reason == "crash"  # type: ignore[union-attr]
+    crash = find_fault(run.path, start="7_2")
+    assert crash is not None and crash.reason == "crash"
+    forged = json.loads(old.to_bytes())
+    run.hang_record.write_text(json.dumps({**forged, "waited_s": 1e12, "start": ""}))
+    assert find_fault(run.path).reason == "crash"  # type: ignore[union-attr]
 
 
 def test_a_cancel_before_a_resume_does_not_stop_healing(tmp_path: Path) -> None:

@@ -22,7 +22,18 @@ from typing import Annotated, Any, Literal
 import pytest
 from helpers import BIN, cli_env
 
-from mjlab_hpc.convert import Count, EpochS, Mismatch, Range, describe, fits, load, parse_json
+from mjlab_hpc.convert import (
+    Count,
+    EpochS,
+    Mismatch,
+    NonNegative,
+    Range,
+    Seconds,
+    describe,
+    fits,
+    load,
+    parse_json,
+)
 from mjlab_hpc.ops.report import collect_report
 from mjlab_hpc.rundir.ends import FAULT_ENDS, RankExit, rank_ends, rank_starts, read_end, record_end
 from mjlab_hpc.rundir.layout import RunDir, latest_run, read_element, read_sweep
@@ -140,6 +151,11 @@ def test_json_values_are_checked_for_type_finiteness_and_range() -> None:
     assert load(float, 10**400 // 10**399) == 10.0
     with pytest.raises(Mismatch):
         load(float, 10**400)  # an int of 400 digits is no finite float
+    # Finite but past any run: would overflow a float, a sum or a timedelta downstream.
+    for hint, value in ((Count, 10**400), (Count, 2**60), (Seconds, 1e300), (NonNegative, 1e300)):
+        with pytest.raises(Mismatch):
+            load(hint, value)
+    assert load(Count, 2**40) == 2**40 and load(Seconds, 86_400.0 * 365) == 86_400.0 * 365
 
 
 def test_one_converter_reads_toml_and_command_line_text() -> None:
