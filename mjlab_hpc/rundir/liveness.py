@@ -14,14 +14,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from mjlab_hpc.convert import Count, EpochS, Seconds
 from mjlab_hpc.procs import ProcessId
-from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_atomic
+from mjlab_hpc.rundir.durable import create_exclusive, open_dir, read_regular, write_atomic
 from mjlab_hpc.rundir.layout import HANG_RECORD, RunDir
 from mjlab_hpc.rundir.typed import Unread, parse_line, plain, read_json
 
@@ -207,6 +207,11 @@ def read_hang(run: RunDir) -> Hang | None:
 
 
 def clear_hang(run: RunDir) -> None:
-    """Remove the hang record (read by the healer, or an earlier start's)."""
+    """Remove the hang record (read by the healer, or an earlier start's), in the run's own
+    heartbeat folder: never through another user's link (`durable.open_dir`)."""
     with contextlib.suppress(OSError):
-        Path(run.hang_record).unlink(missing_ok=True)
+        folder = open_dir(run.hang_record.parent)
+        try:
+            os.unlink(run.hang_record.name, dir_fd=folder)
+        finally:
+            os.close(folder)
