@@ -259,7 +259,12 @@ class Watchdog:
                 self._locals[r] = (raw, now)
             with contextlib.suppress(ValueError):
                 beat = RankBeat.parse(json.loads(raw)) if raw else None
-                if beat is not None and beat.rank == r:
+                # A beat left by an earlier start's rank (ended by os._exit) is not this one's
+                # (told where the rank's process is seen: not from another pid namespace).
+                process, here = beat.process if beat is not None else None, self._process
+                seen = process is not None and here is not None and process.machine == here.machine
+                gone = seen and not process.running()  # type: ignore[union-attr]
+                if beat is not None and beat.rank == r and not gone:
                     beats[r] = beat
         return beats
 
