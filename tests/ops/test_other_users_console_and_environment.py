@@ -23,11 +23,12 @@ from helpers import BIN, Team, cli_env, only_run, wait_for_iteration
 from slurm_cluster import SlurmCluster
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_STOPPED
-from mjlab_hpc.launch.local import free_port, local_processes
+from mjlab_hpc.launch.local import free_port
 from mjlab_hpc.ops.cancel import _marked
 from mjlab_hpc.ops.status import RunStatus, _row
 from mjlab_hpc.rundir.layout import CANCEL_RECORD, latest_run_record
 from mjlab_hpc.rundir.record import read_record
+from mjlab_hpc.rundir.running import run_processes
 
 SMALL = ["--num-envs", "16", "--torch-threads", "1"]
 
@@ -55,7 +56,7 @@ def test_other_users_on_a_team_log_root(team: Team) -> None:
         said = _text(cancel)
         assert cancel.returncode == EXIT_FAILED, said
         assert f"run by {alice}" in said and "nothing was done" in said, said
-        assert not (run / CANCEL_RECORD).exists() and local_processes(run)
+        assert not (run / CANCEL_RECORD).exists() and run_processes(run)  # alice's, on
         status = team.run(bob, [BIN / "mjlab-hpc", "status", "--json", "--log-root", "logs"])
         assert [r["state"] for r in json.loads(status.stdout)] == ["RUNNING"], _text(status)
 

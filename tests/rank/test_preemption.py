@@ -378,7 +378,9 @@ def test_every_rank_stopped_past_the_collective_timeout_is_frozen_then_on(tmp_pa
     iters, root = 60, tmp_path / "job"
     cmd = [BIN / "mjlab-submit", *COMMON, "--max-iterations", str(iters), "--executor", "local"]
     cmd += ["--gpus-per-node", "0", "--tasks-per-node", "2", "--log-root", str(root)]
-    cmd += ["--dist-timeout-s", "3", "--hang-timeout-s", "3", "--follow"]
+    # The collective timeout bounds a start's first iteration alone: long enough for one
+    # under load, shorter than each suspend.
+    cmd += ["--dist-timeout-s", "10", "--hang-timeout-s", "3", "--follow"]
     proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         for at in (3, 20, 40):
@@ -388,7 +390,7 @@ def test_every_rank_stopped_past_the_collective_timeout_is_frozen_then_on(tmp_pa
             for pid in pids:  # one after the other, as on two nodes: the last waits in a
                 os.kill(pid, signal.SIGSTOP)  # collective for the first when it stops
                 time.sleep(1)
-            time.sleep(5)
+            time.sleep(11)
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
         out, _ = proc.communicate(timeout=300)
