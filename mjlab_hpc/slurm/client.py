@@ -789,7 +789,7 @@ class SlurmClient:
         (no accounting).
         """
         start = dt.datetime.fromtimestamp(since - 1).strftime("%Y-%m-%dT%H:%M:%S")
-        fields = "format=NodeName,State"
+        fields = "format=NodeName,State,TimeStart"
         query = ["show", "event", f"nodes={','.join(nodes)}", f"start={start}", fields]
         proc = self.run(["sacctmgr", "-P", *query])
         if proc is None or proc.returncode != 0:
@@ -797,10 +797,22 @@ class SlurmClient:
         found = self._rows(
             "sacctmgr",
             proc.stdout,
-            ["NodeName", "State"],
-            lambda r: (cell.text(r["NodeName"], "NodeName"), cell.text(r["State"], "State")),
+            ["NodeName", "State", "TimeStart"],
+            lambda r: (
+                cell.text(r["NodeName"], "NodeName"),
+                cell.text(r["State"], "State"),
+                cell.epoch(r["TimeStart"], "TimeStart"),
+            ),
         )
-        return sorted({node for node, state in found if node in nodes and _down(state.upper())})
+        # sacctmgr lists every event overlapping the window: one that began before it (a node
+        # back from an earlier loss as this start began) is not a loss of this start.
+        return sorted(
+            {
+                node
+                for node, state, began in found
+                if node in nodes and _down(state.upper()) and (began is None or began >= since - 1)
+            }
+        )
 
     def node_states(self, nodes: Sequence[str]) -> dict[str, tuple[str, str]] | None:
         """Return each node's state and Slurm's reason for it, from one sinfo call.
