@@ -32,7 +32,7 @@ from mjlab_hpc.rundir.durable import create_exclusive, write_json_atomic
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import progress_summary
 from mjlab_hpc.rundir.record import Interruption, RunRecord, RunState, read_record
-from mjlab_hpc.rundir.typed import Unread, plain, read_json
+from mjlab_hpc.rundir.typed import Unread, plain, read_json, read_optional
 
 __all__ = [
     "FAULT_ENDS",
@@ -215,14 +215,8 @@ def read_end(run_dir: Path, start: RankStart, unread: list[str] | None = None) -
     """How the start `start` ended (None: it ended without a word, or it still runs; or its
     record is damaged, named in `unread`)."""
     run = RunDir(run_dir)
-    try:
-        return read_json(RankExit, run.rank_end(start.rank, start.number), run.path, 1 << 20)
-    except FileNotFoundError:
-        return None
-    except Unread as exc:
-        if unread is not None:
-            unread.append(str(exc))
-        return None
+    end = run.rank_end(start.rank, start.number)
+    return read_optional(RankExit, end, run.path, unread, 1 << 20)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from mjlab_hpc.convert import Count
 from mjlab_hpc.errors import DamagedRecord
 from mjlab_hpc.procs import user_name
 from mjlab_hpc.rundir.durable import create_exclusive, read_regular, write_atomic, write_json_atomic
-from mjlab_hpc.rundir.typed import Unread, plain, read_json
+from mjlab_hpc.rundir.typed import plain, read_optional
 from mjlab_hpc.spec import ResolvedSpec
 
 __all__ = [
@@ -585,14 +585,7 @@ def write_element(run_dir: Path, element: ElementRecord) -> None:
 def read_element(run_dir: Path, unread: list[str] | None = None) -> ElementRecord | None:
     """The run's sweep element record, None if the run is not part of a sweep (or the record
     is damaged: named in `unread`)."""
-    try:
-        return read_json(ElementRecord, run_dir / ELEMENT_RECORD, run_dir)
-    except FileNotFoundError:
-        return None
-    except Unread as exc:
-        if unread is not None:
-            unread.append(str(exc))
-        return None
+    return read_optional(ElementRecord, run_dir / ELEMENT_RECORD, run_dir, unread)
 
 
 def write_sweep(sweep_dir: Path, record: SweepRecord) -> None:
@@ -607,11 +600,4 @@ def write_sweep(sweep_dir: Path, record: SweepRecord) -> None:
 def read_sweep(sweep_dir: Path, unread: list[str] | None = None) -> SweepRecord | None:
     """The sweep record (`sweep.json`) of a sweep directory, None if there is none (or it is
     damaged: named in `unread`)."""
-    try:
-        return read_json(SweepRecord, sweep_dir / SWEEP_RECORD, sweep_dir)
-    except FileNotFoundError:
-        return None
-    except Unread as exc:
-        if unread is not None:
-            unread.append(str(exc))
-        return None
+    return read_optional(SweepRecord, sweep_dir / SWEEP_RECORD, sweep_dir, unread)

@@ -30,6 +30,7 @@ __all__ = [
     "plain",
     "read_json",
     "read_lines",
+    "read_optional",
 ]
 
 T = TypeVar("T")
@@ -74,6 +75,25 @@ def read_json(cls: type[T], path: Path, within: Path | None = None, limit: int =
         why = str(exc).removeprefix(f"{path.name} ")
         raise Unread(f"{name} {why}" if why != str(exc) else f"{name}: {why}") from None
     return parse_line(cls, data, name)
+
+
+def read_optional(
+    cls: type[T],
+    path: Path,
+    within: Path | None = None,
+    unread: list[str] | None = None,
+    limit: int = RECORD_LIMIT,
+) -> T | None:
+    """`read_json`, None where there is no file, or where it is damaged: then named in
+    `unread`."""
+    try:
+        return read_json(cls, path, within, limit)
+    except FileNotFoundError:
+        return None
+    except Unread as exc:
+        if unread is not None:
+            unread.append(str(exc))
+        return None
 
 
 def parse_line(cls: type[T], data: bytes, name: str) -> T:
