@@ -53,7 +53,11 @@ Outcome = dict[str, Any] | str | None
 _COMMANDS = ("sbatch", "srun", "squeue", "sacct", "scontrol", "sinfo", "scancel")
 _TOKEN = "token"  # this host writes it into the probe folder; every task reads it
 _NOTES_WAIT_S = 30.0  # how long a task waits for the other tasks' notes
-_SIGNAL_DELAY_S = 55  # the requeue probe's --signal delay, before its 1-minute limit
+# The requeue probe's --signal delay before its 1-minute limit. slurmctld checks limits every
+# 30 s and signals at the first check within delay + 30 s of the limit: 20 s signals 10-40 s
+# after the start, once the task runs (a signal before the step starts is lost; 55 s signalled
+# at the first check, 0-30 s in) and 20 s before the limit, time to requeue.
+_SIGNAL_DELAY_S = 20
 _FIXES = {
     "slurm": "run on the cluster's login node, or load its Slurm module (module load slurm); on "
     "a machine without Slurm use mjlab-submit --executor local",
@@ -606,8 +610,8 @@ def diagnose(
     requeue_ex = _executor(
         single, folder, signal_delay_s=_SIGNAL_DELAY_S, job_name="mjlab-doctor-requeue", time=1
     )
-    # Python starts with the signal blocked (_RequeueProbe unblocks it): Slurm may send it a
-    # second after the job starts, before submitit has set its handler.
+    # Python starts with the signal blocked (_RequeueProbe unblocks it): on a loaded node the
+    # signal may still come before submitit has set its handler.
     block = f"signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIG{spec.preempt_signal}])"
     requeue_ex.python += f" -c 'import os, signal, sys; {block}; os.execv(sys.executable, "
     requeue_ex.python += "[sys.executable, *sys.argv[1:]])'"
