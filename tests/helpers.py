@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -139,39 +140,60 @@ def time_limit_stop(run: RunDir, timeout_s: float = 120) -> None:
         time.sleep(0.1)
 
 
+def patch_on_import(module: str, patch: str, when: str = "True") -> str:
+    """The text of a sitecustomize.py (Python loads it from PYTHONPATH, in every process) that
+    calls `_patch(module)` once `module` is loaded, where the expression `when` holds.
+
+    `patch` defines `_patch` (and what `when` reads). It reaches the real commands, as a fault
+    or a race would, with nothing of theirs mocked.
+    """
+    return textwrap.dedent(patch) + textwrap.dedent(
+        f"""
+        import importlib.abc as _abc, importlib.util as _util, sys as _sys
+
+        class _OnImport(_abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name != {module!r}:
+                    return None
+                _sys.meta_path.remove(self)
+                spec = _util.find_spec(name)
+                load = spec.loader.exec_module
+
+                def exec_module(loaded):
+                    load(loaded)
+                    _patch(loaded)
+
+                spec.loader.exec_module = exec_module
+                return spec
+
+        if {when}:
+            _sys.meta_path.insert(0, _OnImport())
+        """
+    )
+
+
 # Fault injection for the tests: on the rank named by MJLAB_FAULT_RANK (SLURM_PROCID or the
 # local executor's global id), training raises inside the loop at MJLAB_FAULT_ITERATION,
-# exactly where a bug in a hook would. Loaded by Python itself (sitecustomize on PYTHONPATH).
-FAULT_INJECTION = """
-import importlib.abc, importlib.util, os, sys
+# exactly where a bug in a hook would.
+FAULT_INJECTION = patch_on_import(
+    "mjlab_hpc.rundir.progress",
+    """
+    import os
 
-_rank = os.environ.get("SLURM_PROCID") or os.environ.get("SUBMITIT_LOCAL_GLOBALID")
+    _rank = os.environ.get("SLURM_PROCID") or os.environ.get("SUBMITIT_LOCAL_GLOBALID")
 
-class _Inject(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "mjlab_hpc.rundir.progress":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        load = spec.loader.exec_module
+    def _patch(module):
+        update, at = module.ProgressDisplay.update, int(os.environ["MJLAB_FAULT_ITERATION"])
 
-        def exec_module(module):
-            load(module)
-            update, at = module.ProgressDisplay.update, int(os.environ["MJLAB_FAULT_ITERATION"])
+        def failing(self, s):
+            if s.iteration >= at:
+                raise RuntimeError(f"injected fault on rank {_rank} at iteration {s.iteration}")
+            update(self, s)
 
-            def failing(self, s):
-                if s.iteration >= at:
-                    raise RuntimeError(f"injected fault on rank {_rank} at iteration {s.iteration}")
-                update(self, s)
-
-            module.ProgressDisplay.update = failing
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-if _rank is not None and _rank == os.environ.get("MJLAB_FAULT_RANK"):
-    sys.meta_path.insert(0, _Inject())
-"""
+        module.ProgressDisplay.update = failing
+    """,
+    when='_rank is not None and _rank == os.environ.get("MJLAB_FAULT_RANK")',
+)
 
 
 def fault_env(tmp: Path, rank: int, iteration: int) -> dict[str, str]:

@@ -43,6 +43,9 @@ __all__ = ["NodeBoard", "StoreAddress", "StoreLink", "View", "board_root"]
 _LIMIT = 1 << 24
 _HANG = "hang"
 _VIEW = "view.json"
+# A board that no rank wrote for this long is a killed start's (a live rank beats every few
+# seconds, a suspended one resumes within days): the next start on the host sweeps it.
+_STALE_S = 7 * 86400
 
 
 def board_root() -> Path | None:
@@ -91,7 +94,7 @@ class NodeBoard:
 
     def __init__(self, run: RunDir, host: str) -> None:
         key = hashlib.sha256(f"{os.path.realpath(run.path)}\0{host}".encode()).hexdigest()[:24]
-        root = board_root()
+        self._root = root = board_root()
         # Without node-local memory of this user's own, the board lies in the run directory:
         # correct, at the cost of one file per rank on the shared filesystem.
         self.path = (root / key) if root is not None else run.heartbeats / f".board-{key}"
@@ -103,6 +106,8 @@ class NodeBoard:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             for name in (_VIEW, _HANG):
                 (self.path / name).unlink(missing_ok=True)
+        if self._root is not None:
+            _sweep(self._root, keep=self.path)
 
     def _beat(self, rank: int) -> Path:
         return self.path / f"rank{rank}.json"
@@ -145,6 +150,23 @@ class NodeBoard:
                 for name in (_VIEW, _HANG):
                     (self.path / name).unlink(missing_ok=True)
                 self.path.rmdir()
+
+
+def _sweep(root: Path, keep: Path) -> None:
+    """Remove the boards under `root` (this user's own) that no rank wrote for `_STALE_S`:
+    a start killed outright (SIGKILL, a hang's os._exit) never leaves its board."""
+    now = time.time()
+    with contextlib.suppress(OSError), os.scandir(root) as boards:
+        for board in boards:
+            if board.path == str(keep) or not board.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                files = [Path(f.path) for f in os.scandir(board.path)]
+                newest = max([board.stat().st_mtime, *(f.lstat().st_mtime for f in files)])
+                if now - newest > _STALE_S:
+                    for f in files:
+                        f.unlink()
+                    os.rmdir(board.path)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from mjlab_hpc.convert import Count, EpochS, Seconds
 from mjlab_hpc.procs import ProcessId
 from mjlab_hpc.rundir.durable import create_exclusive, open_dir, read_regular, write_atomic
 from mjlab_hpc.rundir.layout import HANG_RECORD, RunDir
-from mjlab_hpc.rundir.typed import Unread, parse_line, plain, read_json
+from mjlab_hpc.rundir.typed import Unread, parse_line, plain, read_optional
 
 __all__ = [
     "Hang",
@@ -197,13 +197,11 @@ def write_hang(run: RunDir, hang: Hang) -> None:
 def read_hang(run: RunDir) -> Hang | None:
     """The hang recorded in the latest start (None: none; one that is not ours is named in the
     log and left out)."""
-    try:
-        return read_json(Hang, run.hang_record, within=run.path)
-    except FileNotFoundError:
-        return None
-    except Unread as exc:
-        log.warning("%s: left out", exc)
-        return None
+    unread: list[str] = []
+    hang = read_optional(Hang, run.hang_record, run.path, unread)
+    for problem in unread:
+        log.warning("%s: left out", problem)
+    return hang
 
 
 def clear_hang(run: RunDir) -> None:

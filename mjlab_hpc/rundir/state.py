@@ -16,7 +16,7 @@ from mjlab_hpc.rundir.durable import write_json_atomic
 from mjlab_hpc.rundir.layout import CANCEL_RECORD, WRITER_LOCK
 from mjlab_hpc.rundir.lock import LeaseLock, LockError
 from mjlab_hpc.rundir.record import RunRecord, RunState, read_record
-from mjlab_hpc.rundir.typed import Unread, plain, read_json
+from mjlab_hpc.rundir.typed import plain, read_optional
 
 __all__ = [
     "CancelRecord",
@@ -56,13 +56,7 @@ def cancel_marker(
     It holds when it came after the run's latest start: a resume ends an earlier cancel.
     `record` is run.json, if already read. A damaged one is named in `unread`: no cancel.
     """
-    try:
-        marker = read_json(CancelRecord, run_dir / CANCEL_RECORD, run_dir)
-    except FileNotFoundError:
-        return None
-    except Unread as exc:
-        if unread is not None:
-            unread.append(str(exc))
+    if (marker := read_optional(CancelRecord, run_dir / CANCEL_RECORD, run_dir, unread)) is None:
         return None
     starts = (read_record(run_dir) if record is None else record).starts
     if marker.starts is not None:  # a start after the cancel (a resume) wins

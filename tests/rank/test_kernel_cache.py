@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import BIN, Team, cli_env, linked_copy, wait_for
+from helpers import BIN, Team, cli_env, linked_copy, patch_on_import, wait_for
 
 from mjlab_hpc.errors import EXIT_BAD_INPUT
 from mjlab_hpc.rank.kernel_cache import (
@@ -314,9 +314,10 @@ def test_a_bad_kernel_cache_is_refused_before_anything_starts(tmp_path: Path, va
 # Between the check of the cache and its use, the rank waits for the test (`check` before
 # choose_kernel_cache, `use` after it), so a teammate acts exactly there. Loaded by Python
 # itself (sitecustomize on PYTHONPATH), into the real mjlab-train.
-HOOK = textwrap.dedent(
+HOOK = patch_on_import(
+    "mjlab_hpc.rank.kernel_cache",
     """
-    import importlib.abc, importlib.util, os, sys, time
+    import os, time
     from pathlib import Path
 
     _dir = Path(os.environ["KCACHE_HOOK"])
@@ -326,31 +327,17 @@ HOOK = textwrap.dedent(
         while not (_dir / f"{name}.go").exists():
             time.sleep(0.05)
 
-    class _Hook(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != "mjlab_hpc.rank.kernel_cache":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            load = spec.loader.exec_module
+    def _patch(module):
+        choose = module.choose_kernel_cache
 
-            def exec_module(module):
-                load(module)
-                choose = module.choose_kernel_cache
+        def hooked(*args, **kwargs):
+            _wait("check")
+            chosen = choose(*args, **kwargs)
+            _wait("use")
+            return chosen
 
-                def hooked(*args, **kwargs):
-                    _wait("check")
-                    chosen = choose(*args, **kwargs)
-                    _wait("use")
-                    return chosen
-
-                module.choose_kernel_cache = hooked
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, _Hook())
-    """
+        module.choose_kernel_cache = hooked
+    """,
 )
 
 # Bob's payload: the C++ source Warp keeps beside each module, with a call at the top of every

@@ -364,7 +364,8 @@ def test_a_rank_frozen_in_a_checkpoint_write_is_named_within_the_limit(tmp_path:
     """Rank 0 waits in a checkpoint write (paused: its own wait is no hang). Rank 1's
     heartbeat goes on changing through a long write: no hang. Then rank 1's heartbeat stops
     (frozen in the write): rank 0's watchdog names rank 1 and its node within the limit, with
-    the phase, and exits 4 (in a child process: the watchdog ends its process)."""
+    the phase, and exits 4 (in a child process: the watchdog ends its process). A 2-s limit:
+    a loaded machine may hold this test's beats back a second."""
     import multiprocessing
 
     run = RunDir(tmp_path)
@@ -375,7 +376,7 @@ def test_a_rank_frozen_in_a_checkpoint_write_is_named_within_the_limit(tmp_path:
             run,
             rank=0,
             world_size=2,
-            timeout_s=1.0,
+            timeout_s=2.0,
             rank_log=io.StringIO(),
             host="node1",
             hosts=("node1", "node2"),
@@ -390,7 +391,7 @@ def test_a_rank_frozen_in_a_checkpoint_write_is_named_within_the_limit(tmp_path:
     child.start()
     n = 0
     try:
-        while time.monotonic() - t0 < 2.5:  # past twice the limit, beating: a long write, no hang
+        while time.monotonic() - t0 < 5.0:  # past twice the limit, beating: a long write, no hang
             n += 1
             _beat_of(run, "node2", rank=1, iteration=10, seq=n)
             time.sleep(0.1)
@@ -404,14 +405,14 @@ def test_a_rank_frozen_in_a_checkpoint_write_is_named_within_the_limit(tmp_path:
     named_s = time.monotonic() - frozen_at
     hang = read_hang(run)
     assert hang is not None and hang.frozen == (1,) and hang.frozen_hosts == ("node2",), hang
-    assert hang.during == "in the checkpoint write" and named_s < 1.0 + 1.0, named_s
+    assert hang.during == "in the checkpoint write" and named_s < 2.0 + 1.0, named_s
     fault = find_fault(run.path)
     assert fault is not None and (fault.reason, fault.ranks, fault.suspect_nodes) == (
         "hang",
         (1,),
         ("node2",),
     )
-    assert "after iteration 10, in the checkpoint write (limit 1.0 s): rank(s) 1" in fault.error
+    assert "after iteration 10, in the checkpoint write (limit 2.0 s): rank(s) 1" in fault.error
 
 
 def test_every_fault_of_a_start_is_named(tmp_path: Path) -> None:
@@ -572,3 +573,24 @@ def test_a_frozen_rank_of_another_node_is_named_through_the_store_or_its_files(
     if pause:
         assert hang.during == "in the checkpoint write" and hang.waited_s < 2 + 2, hang
     assert named_s < 60
+
+
+def test_a_killed_starts_board_is_swept_after_a_week_and_a_live_one_kept(tmp_path: Path) -> None:
+    """A rank killed outright never leaves its node board (in /dev/shm): the next start on the
+    host removes the boards no rank wrote for a week, and keeps the others."""
+    boards = {}
+    for name in ("killed", "live", "ends"):
+        board = boards[name] = NodeBoard(RunDir(tmp_path / name), "nodeA")
+        board.open()
+        board.write_beat(RankBeat(0, "nodeA", None, 3, 1))
+    week_ago = time.time() - 8 * 86400
+    for f in [boards["killed"].path, *boards["killed"].path.iterdir()]:
+        os.utime(f, (week_ago, week_ago))
+    boards["ends"].leave(0)  # the last rank of a node that ends takes its board with it
+    assert not boards["ends"].path.exists()
+    (following := NodeBoard(RunDir(tmp_path / "next"), "nodeA")).open()
+    assert not boards["killed"].path.exists()
+    assert boards["live"].read_beat(0) is not None
+    for board in (boards["live"], following):
+        board.leave(0)
+        assert not board.path.exists()
