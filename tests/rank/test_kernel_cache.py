@@ -408,7 +408,6 @@ def _hooked_run(team: Team, argv: list[object], extra: dict[str, str], at: dict[
 
 
 @pytest.mark.training
-@pytest.mark.training
 def test_a_teammates_warp_cache_path_is_not_loaded_from(team: Team, warm: Path) -> None:
     """The team's WARP_CACHE_PATH, whose folders bob made (he trained first): alice's run
     trains, with a warning, in her own folder in her home; it neither reads nor writes his."""
@@ -428,6 +427,7 @@ def test_a_teammates_warp_cache_path_is_not_loaded_from(team: Team, warm: Path) 
     assert _modules(teams / warm.name) == before
 
 
+@pytest.mark.training
 def test_a_teammates_planted_kernels_never_run_as_you(team: Team, warm: Path) -> None:
     """Bob owns the team's shared kernel folder (he trained there first) and plants modules
     whose code creates a file as whoever runs it. Alice trains with --kernel-cache on it: bob's
