@@ -32,7 +32,7 @@ from mjlab_hpc.rundir.durable import create_exclusive, write_json_atomic
 from mjlab_hpc.rundir.layout import RunDir
 from mjlab_hpc.rundir.progress import progress_summary
 from mjlab_hpc.rundir.record import Interruption, RunRecord, RunState, read_record
-from mjlab_hpc.rundir.typed import Unread, plain, read_json, read_optional
+from mjlab_hpc.rundir.typed import plain, read_optional
 
 __all__ = [
     "FAULT_ENDS",
@@ -188,15 +188,8 @@ def record_end(run: RunDir, start: RankStart, end: RankExit) -> None:
 
 
 def _start_of(path: Path, run: RunDir, number: int, unread: list[str] | None) -> RankStart | None:
-    try:
-        start = read_json(RankStart, path, run.path, 1 << 20)
-    except FileNotFoundError:
-        return None
-    except Unread as exc:
-        if unread is not None:
-            unread.append(str(exc))
-        return None
-    return dataclasses.replace(start, number=number)
+    start = read_optional(RankStart, path, run.path, unread, 1 << 20)
+    return None if start is None else dataclasses.replace(start, number=number)
 
 
 def rank_starts(run_dir: Path, rank: int, unread: list[str] | None = None) -> list[RankStart]:
